@@ -1,0 +1,105 @@
+"""Loading one variant's native binding (cffi, API mode) into this process.
+
+Both variants ship libraries with the same sonames, so a process holds exactly one of them. The A/B
+harness runs each variant in its own worker process (pyllama_pp.worker).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import (BuildError, DecodeError, DeviceSpecError, ModelError, OutOfMemoryError, PyllamaError,
+                     UnsupportedError, VariantError)
+
+VARIANTS = ("baseline", "patched")
+PACKAGE_DIR = Path(__file__).resolve().parent
+VARIANTS_DIR = PACKAGE_DIR / "_variants"
+BACKENDS_DIR = PACKAGE_DIR / "_backends"
+
+_loaded: "Native | None" = None
+
+
+@dataclass
+class Native:
+    """The loaded variant: its name, cffi `ffi` and `lib`."""
+
+    variant: str
+    ffi: Any
+    lib: Any
+
+    def check(self, rc: int) -> int:
+        """Raise the exception matching a negative shim return code (with the shim's message)."""
+        if rc >= 0:
+            return rc
+        msg = self.ffi.string(self.lib.pp_last_error()).decode(errors="replace")
+        raise error_for(self.lib, rc, msg)
+
+    def last_error(self) -> str:
+        return self.ffi.string(self.lib.pp_last_error()).decode(errors="replace")
+
+    def str(self, cdata) -> str:
+        return self.ffi.string(cdata).decode(errors="replace")
+
+
+def error_for(lib, rc: int, msg: str) -> PyllamaError:
+    return {
+        lib.PP_ERR_ARG: DeviceSpecError if "device" in msg else DecodeError if "token" in msg else PyllamaError,
+        lib.PP_ERR_MODEL: ModelError,
+        lib.PP_ERR_MEMORY: OutOfMemoryError,
+        lib.PP_ERR_DEVICE: DeviceSpecError,
+        lib.PP_ERR_DECODE: DecodeError,
+        lib.PP_ERR_UNSUPPORTED: UnsupportedError,
+    }.get(rc, PyllamaError)(msg or f"error {rc}")
+
+
+def build_info() -> dict:
+    path = VARIANTS_DIR / "build_info.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def available_variants() -> list[str]:
+    return [v for v in VARIANTS if any((VARIANTS_DIR / v).glob("_native*.so"))]
+
+
+def log_level_from_env() -> int:
+    try:
+        return int(os.environ.get("PYLLAMA_PP_LOG", "1"))
+    except ValueError:
+        return 1
+
+
+def load(variant: str = "patched") -> Native:
+    """Load `variant` ("patched" or "baseline") into this process; loading it again returns the same object."""
+    global _loaded
+    if variant not in VARIANTS:
+        raise VariantError(f"unknown variant {variant!r}: choose one of {', '.join(VARIANTS)}")
+    if _loaded is not None:
+        if _loaded.variant != variant:
+            raise VariantError(
+                f"this process already loaded the {_loaded.variant!r} variant; both variants share library "
+                f"names, so one process holds one. Run {variant!r} in another process "
+                "(pyllama_pp.worker / `pyllama-pp run --variant`).")
+        return _loaded
+    if variant not in available_variants():
+        raise BuildError(f"the {variant!r} variant is not built in {VARIANTS_DIR}: install the package with "
+                         "`pip install .` from the source tree (it builds both variants).")
+    try:
+        mod = importlib.import_module(f"pyllama_pp._variants.{variant}._native")
+    except ImportError as e:
+        raise BuildError(f"could not load the {variant!r} variant's native module: {e}") from e
+    native = Native(variant, mod.ffi, mod.lib)
+    rc = native.lib.pp_init(str(BACKENDS_DIR).encode(), log_level_from_env())
+    native.check(rc)
+    _loaded = native
+    return native
+
+
+def loaded() -> "Native | None":
+    return _loaded

@@ -1,0 +1,176 @@
+"""Device specs: which devices a run uses, understood the same way by the API, the CLI and bench/.
+
+Accepted forms:
+  cpu                              CPU only (no accelerator)
+  cuda                             every CUDA device
+  cuda:0,1                         CUDA devices 0 and 1
+  vdev:2x768MiB@4GBps              2 virtual devices (VDEV), 768 MiB each, each on its own 4 GB/s link
+  vdev:2x768MiB@4GBps,shared       ... both on ONE 4 GB/s link (PCIe topology)
+  vdev:2x768MiB@4GBps,speed=1:2    ... the second device computes 2x slower (mixed GPUs)
+  vdev:2x0@0                       2 unthrottled VDEVs without a memory limit
+  a JSON file or dict: {"kind": "vdev", "devices": [{"memory": "768MiB", "link_gbps": 4, "link_group": 0,
+                         "speed": 1.0, "threads": 1}, ...]}
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from .errors import DeviceSpecError
+
+FORMS = __doc__.split("Accepted forms:", 1)[1].rstrip()
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(text: Union[str, int, float]) -> int:
+    """'768MiB' -> bytes; plain numbers are bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise DeviceSpecError(f"bad memory size {text!r}: use e.g. 768MiB, 2GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_rate(text: Union[str, int, float]) -> float:
+    """'4GBps' / '250MBps' / 4 -> GB/s (1e9 bytes/s)."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(gbps|gb/s|mbps|mb/s|)\s*", str(text).lower())
+    if not m:
+        raise DeviceSpecError(f"bad bandwidth {text!r}: use e.g. 4GBps, 250MBps or a number of GB/s")
+    v = float(m.group(1))
+    return v / 1000.0 if m.group(2) in ("mbps", "mb/s") else v
+
+
+@dataclass
+class VDevConfig:
+    """One virtual accelerator: memory budget, host link, link group, speed (1 = CPU speed, 2 = half as fast)."""
+
+    memory: int = 0               # bytes; 0 = unlimited
+    link_gbps: float = 0.0        # 0 = unthrottled
+    link_group: int = -1          # devices with the same group >= 0 share one link
+    speed: float = 1.0            # compute slow-down factor (>= 1)
+    threads: int = 1
+    d2d_gbps: float = 0.0
+
+
+@dataclass
+class DeviceSpec:
+    """A parsed device spec. `kind` is cpu, cuda or vdev."""
+
+    kind: str
+    cuda_ids: list[int] = field(default_factory=list)   # empty = all (kind cuda)
+    vdevs: list[VDevConfig] = field(default_factory=list)
+    text: str = ""
+
+    @property
+    def n_devices(self) -> int:
+        return len(self.vdevs) if self.kind == "vdev" else len(self.cuda_ids)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "cuda_ids": self.cuda_ids, "devices": [asdict(v) for v in self.vdevs],
+                "text": self.text}
+
+    def __str__(self) -> str:
+        return self.text or self.kind
+
+
+def _bad(spec: Any, why: str) -> DeviceSpecError:
+    return DeviceSpecError(f"bad device spec {spec!r}: {why}.\nAccepted forms:{FORMS}")
+
+
+def _from_dict(d: dict, text: str) -> DeviceSpec:
+    kind = d.get("kind", "vdev")
+    if kind == "cpu":
+        return DeviceSpec("cpu", text=text)
+    if kind == "cuda":
+        return DeviceSpec("cuda", cuda_ids=[int(i) for i in d.get("ids", [])], text=text)
+    if kind != "vdev":
+        raise _bad(text, f"unknown kind {kind!r}")
+    devs = d.get("devices")
+    if not isinstance(devs, list) or not devs:
+        raise _bad(text, "'devices' must be a non-empty list")
+    out = []
+    for i, dd in enumerate(devs):
+        if not isinstance(dd, dict):
+            raise _bad(text, f"device {i} is not an object")
+        unknown = set(dd) - {"memory", "link_gbps", "link", "link_group", "speed", "threads", "d2d_gbps"}
+        if unknown:
+            raise _bad(text, f"device {i} has unknown keys {sorted(unknown)}")
+        v = VDevConfig(memory=parse_size(dd.get("memory", 0)),
+                       link_gbps=parse_rate(dd.get("link_gbps", dd.get("link", 0))),
+                       link_group=int(dd.get("link_group", -1)), speed=float(dd.get("speed", 1.0)),
+                       threads=int(dd.get("threads", 1)), d2d_gbps=parse_rate(dd.get("d2d_gbps", 0)))
+        if v.speed < 1.0:
+            raise _bad(text, f"device {i}: speed is a slow-down factor and must be >= 1")
+        out.append(v)
+    if len(out) > 16:
+        raise _bad(text, "at most 16 devices")
+    return DeviceSpec("vdev", vdevs=out, text=text)
+
+
+def parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
+    """Parse a device spec (string, JSON file path, dict or DeviceSpec)."""
+    if isinstance(spec, DeviceSpec):
+        return spec
+    if spec is None or spec == "":
+        return DeviceSpec("cpu", text="cpu")
+    if isinstance(spec, dict):
+        return _from_dict(spec, json.dumps(spec))
+    text = str(spec).strip()
+    if text.startswith("{"):
+        try:
+            return _from_dict(json.loads(text), text)
+        except json.JSONDecodeError as e:
+            raise _bad(text, f"invalid JSON ({e})") from None
+    if text.endswith(".json"):
+        try:
+            return _from_dict(json.loads(Path(text).read_text()), text)
+        except OSError as e:
+            raise _bad(text, f"cannot read the file ({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise _bad(text, f"invalid JSON ({e})") from None
+    low = text.lower()
+    if low == "cpu":
+        return DeviceSpec("cpu", text=text)
+    if low == "cuda":
+        return DeviceSpec("cuda", text=text)
+    m = re.fullmatch(r"cuda:(\d+(?:,\d+)*)", low)
+    if m:
+        ids = [int(x) for x in m.group(1).split(",")]
+        if len(set(ids)) != len(ids):
+            raise _bad(text, "a CUDA device is listed twice")
+        return DeviceSpec("cuda", cuda_ids=ids, text=text)
+    m = re.fullmatch(r"vdev:(\d+)x([0-9.]+[a-z]*)(?:@([0-9.]+[a-z/]*))?((?:,[a-z_]+(?:=[0-9.:]+)?)*)", low)
+    if not m:
+        raise _bad(text, "not one of the accepted forms")
+    n = int(m.group(1))
+    if not 1 <= n <= 16:
+        raise _bad(text, "the device count must be 1..16")
+    mem = parse_size(m.group(2))
+    rate = parse_rate(m.group(3) or 0)
+    shared, speeds, threads = False, [1.0] * n, 1
+    for opt in filter(None, (m.group(4) or "").split(",")):
+        key, _, val = opt.partition("=")
+        if key == "shared" and not val:
+            shared = True
+        elif key == "speed" and val:
+            try:
+                speeds = [float(x) for x in val.split(":")]
+            except ValueError:
+                raise _bad(text, "speed takes numbers separated by ':'") from None
+            if len(speeds) != n or min(speeds) < 1.0:
+                raise _bad(text, f"speed needs {n} factors >= 1 separated by ':'")
+        elif key == "threads" and val.isdigit():
+            threads = int(val)
+        else:
+            raise _bad(text, f"unknown option {opt!r} (options: shared, speed=A:B, threads=N)")
+    devs = [VDevConfig(memory=mem, link_gbps=rate, link_group=0 if shared else -1, speed=speeds[i], threads=threads)
+            for i in range(n)]
+    return DeviceSpec("vdev", vdevs=devs, text=text)

@@ -1,0 +1,646 @@
+// pyllama_pp shim: see shim.h. Thin on purpose: placement policy, device specs and statistics live in
+// Python; this file only translates, catches and reports.
+#include "shim.h"
+
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "llama.h"
+#include "llama-context.h"   // llama_context::get_sched (exported C++ member; no policy taken from it)
+#include "llama-ext.h"       // llama_get_memory_breakdown
+
+#include <dlfcn.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifndef PP_VARIANT
+#define PP_VARIANT "unknown"
+#endif
+
+#define PP_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+thread_local std::string g_last_error;
+std::atomic<int> g_log_level{1};
+std::mutex g_log_mutex;
+std::deque<std::string> g_log_tail;   // recent warnings/errors from llama.cpp, attached to failures
+std::string g_partial;
+
+struct pp_abort_error : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+int fail(int code, const std::string & msg) {
+    std::string tail;
+    {
+        std::lock_guard<std::mutex> lock(g_log_mutex);
+        for (const auto & l : g_log_tail) {
+            tail += "\n  llama.cpp: " + l;
+        }
+        g_log_tail.clear();
+    }
+    g_last_error = msg + tail;
+    return code;
+}
+
+void log_cb(enum ggml_log_level level, const char * text, void * /*user*/) {
+    if (!text) {
+        return;
+    }
+    std::lock_guard<std::mutex> lock(g_log_mutex);
+    // CONT continues the previous line at the previous level
+    static enum ggml_log_level last = GGML_LOG_LEVEL_INFO;
+    if (level != GGML_LOG_LEVEL_CONT) {
+        last = level;
+    }
+    const int lvl = last == GGML_LOG_LEVEL_ERROR ? 1 : last == GGML_LOG_LEVEL_WARN ? 2 : last == GGML_LOG_LEVEL_DEBUG ? 4 : 3;
+    if (lvl <= g_log_level.load()) {
+        fputs(text, stderr);
+    }
+    if (lvl <= 2) {
+        g_partial += text;
+        size_t nl;
+        while ((nl = g_partial.find('\n')) != std::string::npos) {
+            if (nl > 0) {
+                g_log_tail.push_back(g_partial.substr(0, nl));
+            }
+            g_partial.erase(0, nl + 1);
+            while (g_log_tail.size() > 6) {
+                g_log_tail.pop_front();
+            }
+        }
+    }
+}
+
+// ggml_abort would kill the user's Python process: turn it into an exception that the entry points catch.
+void abort_cb(const char * msg) {
+    throw pp_abort_error(std::string("ggml abort: ") + (msg ? msg : "?"));
+}
+
+template <typename F>
+int guarded(F && f) {
+    try {
+        return f();
+    } catch (const pp_abort_error & e) {
+        return fail(PP_ERR_INTERNAL, e.what());
+    } catch (const std::bad_alloc &) {
+        return fail(PP_ERR_MEMORY, "out of host memory");
+    } catch (const std::exception & e) {
+        return fail(PP_ERR_INTERNAL, std::string("exception: ") + e.what());
+    } catch (...) {
+        return fail(PP_ERR_INTERNAL, "unknown exception");
+    }
+}
+
+void copy_str(char * dst, size_t n, const char * src) {
+    snprintf(dst, n, "%s", src ? src : "");
+}
+
+// --- the patched build's extension, looked up in the loaded ggml-base/llama at run time ---
+struct ext_api {
+    int (*version)(void) = nullptr;
+    int (*set_param)(const char *, int64_t) = nullptr;
+    int (*get_param)(const char *, int64_t *) = nullptr;
+    size_t (*stats_json)(ggml_backend_sched_t, char *, size_t) = nullptr;
+    void (*reset_stats)(ggml_backend_sched_t) = nullptr;
+};
+
+const ext_api & ext() {
+    static ext_api api = [] {
+        ext_api a;
+        void * h = dlopen("libggml-base.so", RTLD_NOW | RTLD_NOLOAD);
+        if (h) {
+            a.version     = (int (*)(void)) dlsym(h, "ggml_backend_sched_pp_ext_version");
+            a.set_param   = (int (*)(const char *, int64_t)) dlsym(h, "ggml_backend_sched_pp_set_param");
+            a.get_param   = (int (*)(const char *, int64_t *)) dlsym(h, "ggml_backend_sched_pp_get_param");
+            a.stats_json  = (size_t (*)(ggml_backend_sched_t, char *, size_t)) dlsym(h, "ggml_backend_sched_pp_stats_json");
+            a.reset_stats = (void (*)(ggml_backend_sched_t)) dlsym(h, "ggml_backend_sched_pp_reset_stats");
+        }
+        return a;
+    }();
+    return api;
+}
+
+}  // namespace
+
+struct pp_model {
+    llama_model * model = nullptr;
+    std::vector<std::string> patterns;
+    std::vector<llama_model_tensor_buft_override> overrides;
+    std::vector<ggml_backend_dev_t> devices;
+};
+
+struct pp_context {
+    pp_model * model = nullptr;
+    llama_context * ctx = nullptr;
+    uint32_t n_batch = 0;
+    int32_t n_vocab = 0;
+    std::atomic<int> coverage_on{0};
+    std::mutex cov_mutex;
+    std::vector<pp_coverage_row> coverage;
+    std::vector<int32_t> ids_buf;
+};
+
+// ---- basics ----------------------------------------------------------------------------------------------
+
+PP_EXPORT const char * pp_last_error(void) { return g_last_error.c_str(); }
+PP_EXPORT const char * pp_variant(void) { return PP_VARIANT; }
+PP_EXPORT const char * pp_system_info(void) { return llama_print_system_info(); }
+PP_EXPORT void pp_set_log_level(int level) { g_log_level = level; }
+
+PP_EXPORT int pp_init(const char * backend_dir, int log_level) {
+    static std::once_flag once;
+    g_log_level = log_level;
+    return guarded([&] {
+        std::call_once(once, [&] {
+            llama_log_set(log_cb, nullptr);
+            ggml_log_set(log_cb, nullptr);
+            ggml_set_abort_callback(abort_cb);
+            if (backend_dir && *backend_dir) {
+                ggml_backend_load_all_from_path(backend_dir);
+            } else {
+                ggml_backend_load_all();
+            }
+            llama_backend_init();
+        });
+        if (!ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)) {
+            return fail(PP_ERR_DEVICE, std::string("no CPU backend found in ") + (backend_dir ? backend_dir : "(default path)") +
+                                           ": the package is incomplete; reinstall with `pip install .`");
+        }
+        return PP_OK;
+    });
+}
+
+// ---- devices ---------------------------------------------------------------------------------------------
+
+PP_EXPORT int pp_device_count(void) { return (int) ggml_backend_dev_count(); }
+
+PP_EXPORT int pp_device_get(int i, pp_device_info * out) {
+    if (i < 0 || i >= (int) ggml_backend_dev_count() || !out) {
+        return fail(PP_ERR_ARG, "device index out of range: " + std::to_string(i));
+    }
+    return guarded([&] {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        ggml_backend_dev_props props;
+        ggml_backend_dev_get_props(dev, &props);
+        memset(out, 0, sizeof(*out));
+        copy_str(out->name, sizeof(out->name), props.name);
+        copy_str(out->description, sizeof(out->description), props.description);
+        copy_str(out->backend, sizeof(out->backend), ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)));
+        out->type         = props.type;
+        out->memory_free  = props.memory_free;
+        out->memory_total = props.memory_total;
+        out->caps_async   = props.caps.async;
+        out->caps_host_buffer = props.caps.host_buffer;
+        out->caps_buffer_from_host_ptr = props.caps.buffer_from_host_ptr;
+        out->caps_events  = props.caps.events;
+        return PP_OK;
+    });
+}
+
+// ---- model -----------------------------------------------------------------------------------------------
+
+static std::vector<std::string> split(const std::string & s, char sep) {
+    std::vector<std::string> out;
+    size_t start = 0;
+    while (start <= s.size()) {
+        size_t end = s.find(sep, start);
+        if (end == std::string::npos) {
+            end = s.size();
+        }
+        if (end > start) {
+            out.push_back(s.substr(start, end - start));
+        }
+        start = end + 1;
+    }
+    return out;
+}
+
+static ggml_backend_buffer_type_t find_buft(const std::string & name) {
+    if (name == "CPU") {
+        ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+        return cpu ? ggml_backend_dev_buffer_type(cpu) : nullptr;
+    }
+    if (ggml_backend_dev_t dev = ggml_backend_dev_by_name(name.c_str())) {
+        return ggml_backend_dev_buffer_type(dev);
+    }
+    for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(ggml_backend_dev_get(i));
+        if (buft && name == ggml_backend_buft_name(buft)) {
+            return buft;
+        }
+    }
+    return nullptr;
+}
+
+PP_EXPORT pp_model * pp_model_load(const pp_model_params * p) {
+    pp_model * result = nullptr;
+    int rc = guarded([&] {
+        if (!p || !p->path) {
+            return fail(PP_ERR_ARG, "no model path given");
+        }
+        struct stat st;
+        if (stat(p->path, &st) != 0 || !S_ISREG(st.st_mode)) {
+            return fail(PP_ERR_MODEL, std::string("model file not found: ") + p->path);
+        }
+        auto m = std::make_unique<pp_model>();
+        llama_model_params mp = llama_model_default_params();
+        mp.n_gpu_layers = p->n_gpu_layers;
+        mp.split_mode   = (enum llama_split_mode) p->split_mode;
+        mp.main_gpu     = p->main_gpu;
+        mp.load_mode    = (enum llama_load_mode) p->load_mode;
+        mp.no_host      = p->no_host != 0;
+        mp.use_extra_bufts = p->use_extra_bufts != 0;
+        mp.tensor_split = p->tensor_split;
+        if (p->devices && strcmp(p->devices, "none") == 0) {
+            m->devices.push_back(nullptr);   // no accelerator at all: CPU only
+            mp.devices = m->devices.data();
+        } else if (p->devices && *p->devices) {
+            for (const auto & name : split(p->devices, ',')) {
+                ggml_backend_dev_t dev = ggml_backend_dev_by_name(name.c_str());
+                if (!dev) {
+                    return fail(PP_ERR_DEVICE, "unknown device '" + name + "'");
+                }
+                m->devices.push_back(dev);
+            }
+            m->devices.push_back(nullptr);
+            mp.devices = m->devices.data();
+        }
+        if (p->overrides && *p->overrides) {
+            auto items = split(p->overrides, '\n');
+            m->patterns.reserve(items.size());
+            for (const auto & item : items) {
+                size_t eq = item.rfind('=');
+                if (eq == std::string::npos || eq == 0) {
+                    return fail(PP_ERR_ARG, "bad tensor override '" + item + "': expected PATTERN=BUFFER_TYPE");
+                }
+                ggml_backend_buffer_type_t buft = find_buft(item.substr(eq + 1));
+                if (!buft) {
+                    return fail(PP_ERR_ARG, "unknown buffer type '" + item.substr(eq + 1) + "' in override '" + item + "'");
+                }
+                m->patterns.push_back(item.substr(0, eq));
+                m->overrides.push_back({ nullptr, buft });
+            }
+            for (size_t i = 0; i < m->patterns.size(); i++) {
+                m->overrides[i].pattern = m->patterns[i].c_str();
+            }
+            m->overrides.push_back({ nullptr, nullptr });
+            mp.tensor_buft_overrides = m->overrides.data();
+        }
+        m->model = llama_model_load_from_file(p->path, mp);
+        if (!m->model) {
+            return fail(PP_ERR_MODEL, std::string("llama.cpp could not load ") + p->path +
+                                          " (not a valid GGUF for this build, or too little memory for the placement)");
+        }
+        result = m.release();
+        return PP_OK;
+    });
+    (void) rc;
+    return result;
+}
+
+PP_EXPORT void pp_model_free(pp_model * m) {
+    if (m) {
+        llama_model_free(m->model);
+        delete m;
+    }
+}
+
+PP_EXPORT int pp_model_get_info(const pp_model * m, pp_model_info * out) {
+    if (!m || !out) {
+        return fail(PP_ERR_ARG, "null model");
+    }
+    return guarded([&] {
+        memset(out, 0, sizeof(*out));
+        llama_model_desc(m->model, out->desc, sizeof(out->desc));
+        llama_model_meta_val_str(m->model, "general.architecture", out->arch, sizeof(out->arch));
+        out->size_bytes  = llama_model_size(m->model);
+        out->n_params    = llama_model_n_params(m->model);
+        out->n_layer     = llama_model_n_layer(m->model);
+        out->n_embd      = llama_model_n_embd(m->model);
+        out->n_vocab     = llama_vocab_n_tokens(llama_model_get_vocab(m->model));
+        out->n_head      = llama_model_n_head(m->model);
+        out->n_head_kv   = llama_model_n_head_kv(m->model);
+        out->n_ctx_train = llama_model_n_ctx_train(m->model);
+        char buf[64];
+        std::string arch = out->arch;
+        if (llama_model_meta_val_str(m->model, (arch + ".expert_count").c_str(), buf, sizeof(buf)) > 0) {
+            out->n_expert = atoi(buf);
+        }
+        if (llama_model_meta_val_str(m->model, (arch + ".expert_used_count").c_str(), buf, sizeof(buf)) > 0) {
+            out->n_expert_used = atoi(buf);
+        }
+        return PP_OK;
+    });
+}
+
+PP_EXPORT int pp_model_meta(const pp_model * m, const char * key, char * buf, size_t n) {
+    if (!m || !key || !buf) {
+        return fail(PP_ERR_ARG, "null argument");
+    }
+    int r = llama_model_meta_val_str(m->model, key, buf, n);
+    return r < 0 ? fail(PP_ERR_ARG, std::string("no metadata key ") + key) : r;
+}
+
+// ---- context ---------------------------------------------------------------------------------------------
+
+// Records the experts each MoE layer used in a ubatch ("ffn_moe_topk-<il>": ids [n_expert_used, n_tokens]).
+static bool coverage_cb(struct ggml_tensor * t, bool ask, void * user) {
+    auto * c = (pp_context *) user;
+    if (!c->coverage_on.load() || strncmp(t->name, "ffn_moe_topk-", 13) != 0 || t->type != GGML_TYPE_I32) {
+        return ask ? false : true;
+    }
+    if (ask) {
+        return true;
+    }
+    // the top-k ids are usually a strided view of the argsort result: read its bytes, index by strides
+    const int64_t k = t->ne[0], n_tok = t->ne[1];
+    std::vector<uint8_t> raw(ggml_nbytes(t));
+    ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
+    std::vector<uint8_t> used(4096, 0);
+    int n_used = 0;
+    for (int64_t i1 = 0; i1 < n_tok; i1++) {
+        for (int64_t i0 = 0; i0 < k; i0++) {
+            int32_t id;
+            memcpy(&id, raw.data() + i1 * t->nb[1] + i0 * t->nb[0], sizeof(id));
+            if (id >= 0 && id < (int32_t) used.size() && !used[id]) {
+                used[id] = 1;
+                n_used++;
+            }
+        }
+    }
+    std::lock_guard<std::mutex> lock(c->cov_mutex);
+    if (c->coverage.size() < (1u << 20)) {
+        c->coverage.push_back({ atoi(t->name + 13), (int32_t) n_tok, n_used });
+    }
+    return true;
+}
+
+PP_EXPORT pp_context * pp_context_new(pp_model * m, const pp_context_params * p) {
+    pp_context * result = nullptr;
+    guarded([&] {
+        if (!m || !p) {
+            return fail(PP_ERR_ARG, "null model or params");
+        }
+        auto c = std::make_unique<pp_context>();
+        c->model = m;
+        llama_context_params cp = llama_context_default_params();
+        cp.n_ctx     = p->n_ctx;
+        cp.n_batch   = p->n_batch;
+        cp.n_ubatch  = p->n_ubatch;
+        cp.n_seq_max = p->n_seq_max > 0 ? p->n_seq_max : 1;
+        if (p->n_threads > 0) {
+            cp.n_threads = cp.n_threads_batch = p->n_threads;
+        }
+        cp.flash_attn_type = (enum llama_flash_attn_type) p->flash_attn;
+        cp.op_offload  = p->op_offload != 0;
+        cp.offload_kqv = p->offload_kqv != 0;
+        cp.no_perf     = false;
+        if (p->coverage) {
+            c->coverage_on = 1;
+            cp.cb_eval = coverage_cb;
+            cp.cb_eval_user_data = c.get();
+        }
+        c->ctx = llama_init_from_model(m->model, cp);
+        if (!c->ctx) {
+            return fail(PP_ERR_MEMORY, "llama.cpp could not create the context (most often: too little device memory "
+                                       "for the KV cache and compute buffers; lower n_ctx/n_ubatch or move layers)");
+        }
+        c->n_batch = llama_n_batch(c->ctx);
+        c->n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(m->model));
+        result = c.release();
+        return PP_OK;
+    });
+    return result;
+}
+
+PP_EXPORT void pp_context_free(pp_context * c) {
+    if (c) {
+        llama_free(c->ctx);
+        delete c;
+    }
+}
+
+PP_EXPORT int pp_memory_clear(pp_context * c) {
+    if (!c) {
+        return fail(PP_ERR_ARG, "null context");
+    }
+    return guarded([&] {
+        llama_memory_clear(llama_get_memory(c->ctx), true);
+        return PP_OK;
+    });
+}
+
+PP_EXPORT int pp_synchronize(pp_context * c) {
+    if (!c) {
+        return fail(PP_ERR_ARG, "null context");
+    }
+    return guarded([&] {
+        llama_synchronize(c->ctx);
+        return PP_OK;
+    });
+}
+
+PP_EXPORT int pp_decode(pp_context * c, const int32_t * tokens, int32_t n_tokens, int32_t pos0, int32_t seq,
+                        const int32_t * out_idx, int32_t n_out, float * logits_out) {
+    if (!c || !tokens || n_tokens <= 0 || (n_out > 0 && (!out_idx || !logits_out))) {
+        return fail(PP_ERR_ARG, "bad decode arguments");
+    }
+    return guarded([&] {
+        const int32_t n_vocab = c->n_vocab;
+        for (int32_t i = 0; i < n_tokens; i++) {
+            if (tokens[i] < 0 || tokens[i] >= n_vocab) {
+                return fail(PP_ERR_ARG, "token " + std::to_string(tokens[i]) + " at index " + std::to_string(i) +
+                                            " is out of range [0, " + std::to_string(n_vocab) + ")");
+            }
+        }
+        for (int32_t j = 0; j < n_out; j++) {
+            if (out_idx[j] < 0 || out_idx[j] >= n_tokens || (j > 0 && out_idx[j] <= out_idx[j - 1])) {
+                return fail(PP_ERR_ARG, "output indices must be ascending and within the tokens");
+            }
+        }
+        llama_batch batch = llama_batch_init((int32_t) c->n_batch, 0, 1);
+        int32_t next_out = 0;
+        int rc = PP_OK;
+        for (int32_t start = 0; start < n_tokens && rc == PP_OK; start += (int32_t) c->n_batch) {
+            const int32_t n = std::min<int32_t>((int32_t) c->n_batch, n_tokens - start);
+            batch.n_tokens = n;
+            int32_t first_out = next_out;
+            for (int32_t i = 0; i < n; i++) {
+                batch.token[i]     = tokens[start + i];
+                batch.pos[i]       = pos0 + start + i;
+                batch.n_seq_id[i]  = 1;
+                batch.seq_id[i][0] = seq;
+                bool want = next_out < n_out && out_idx[next_out] == start + i;
+                batch.logits[i] = want;
+                if (want) {
+                    next_out++;
+                }
+            }
+            int r = llama_decode(c->ctx, batch);
+            if (r != 0) {
+                rc = fail(PP_ERR_DECODE, "llama_decode failed with code " + std::to_string(r) +
+                                             (r == 1 ? " (no KV cache slot: n_ctx too small for the tokens)" : ""));
+                break;
+            }
+            for (int32_t j = first_out; j < next_out; j++) {
+                const float * l = llama_get_logits_ith(c->ctx, out_idx[j] - start);
+                if (!l) {
+                    rc = fail(PP_ERR_DECODE, "no logits for output " + std::to_string(j));
+                    break;
+                }
+                memcpy(logits_out + (size_t) j * n_vocab, l, sizeof(float) * n_vocab);
+            }
+        }
+        llama_batch_free(batch);
+        return rc;
+    });
+}
+
+PP_EXPORT int pp_get_perf(pp_context * c, pp_perf * out) {
+    if (!c || !out) {
+        return fail(PP_ERR_ARG, "null argument");
+    }
+    llama_perf_context_data d = llama_perf_context(c->ctx);
+    out->t_load_ms   = d.t_load_ms;
+    out->t_p_eval_ms = d.t_p_eval_ms;
+    out->t_eval_ms   = d.t_eval_ms;
+    out->n_p_eval    = d.n_p_eval;
+    out->n_eval      = d.n_eval;
+    out->n_reused    = d.n_reused;
+    return PP_OK;
+}
+
+PP_EXPORT int pp_reset_perf(pp_context * c) {
+    if (!c) {
+        return fail(PP_ERR_ARG, "null context");
+    }
+    llama_perf_context_reset(c->ctx);
+    return PP_OK;
+}
+
+// ---- scheduler facts -------------------------------------------------------------------------------------
+
+PP_EXPORT int pp_get_sched_info(pp_context * c, pp_sched_info * out) {
+    if (!c || !out) {
+        return fail(PP_ERR_ARG, "null argument");
+    }
+    return guarded([&] {
+        memset(out, 0, sizeof(*out));
+        ggml_backend_sched_t sched = c->ctx->get_sched();
+        if (!sched) {
+            return fail(PP_ERR_INTERNAL, "context has no scheduler");
+        }
+        out->n_backends = ggml_backend_sched_get_n_backends(sched);
+        out->n_copies   = ggml_backend_sched_get_n_copies(sched);
+        out->n_splits   = ggml_backend_sched_get_n_splits(sched);
+        out->pipeline_parallel = out->n_copies > 1;
+        const int nb = std::min<int>(out->n_backends, PP_MAX_DEVICES + 2);
+        for (int i = 0; i < nb; i++) {
+            ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
+            ggml_backend_buffer_type_t buft = ggml_backend_sched_get_buffer_type(sched, b);
+            copy_str(out->backends[i].name, PP_NAME_LEN, ggml_backend_name(b));
+            copy_str(out->backends[i].buft, PP_NAME_LEN, buft ? ggml_backend_buft_name(buft) : "");
+            out->backends[i].compute_buffer_bytes = ggml_backend_sched_get_buffer_size(sched, b);
+        }
+        return PP_OK;
+    });
+}
+
+PP_EXPORT int pp_get_memory_breakdown(pp_context * c, pp_memory_row * rows, int32_t max_rows) {
+    if (!c || (!rows && max_rows > 0)) {
+        return fail(PP_ERR_ARG, "null argument");
+    }
+    return guarded([&] {
+        auto mb = llama_get_memory_breakdown(c->ctx);
+        int n = 0;
+        for (const auto & [buft, data] : mb) {
+            if (n >= max_rows) {
+                break;
+            }
+            pp_memory_row & r = rows[n++];
+            memset(&r, 0, sizeof(r));
+            copy_str(r.buft, PP_NAME_LEN, ggml_backend_buft_name(buft));
+            ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+            copy_str(r.device, PP_NAME_LEN, dev ? ggml_backend_dev_name(dev) : "host");
+            r.model_bytes   = data.model;
+            r.context_bytes = data.context;
+            r.compute_bytes = data.compute;
+        }
+        return n;
+    });
+}
+
+// ---- coverage --------------------------------------------------------------------------------------------
+
+PP_EXPORT int pp_coverage_count(pp_context * c) {
+    if (!c) {
+        return fail(PP_ERR_ARG, "null context");
+    }
+    std::lock_guard<std::mutex> lock(c->cov_mutex);
+    return (int) c->coverage.size();
+}
+
+PP_EXPORT int pp_coverage_get(pp_context * c, pp_coverage_row * rows, int32_t max_rows) {
+    if (!c || (!rows && max_rows > 0)) {
+        return fail(PP_ERR_ARG, "null argument");
+    }
+    std::lock_guard<std::mutex> lock(c->cov_mutex);
+    int n = std::min<int>(max_rows, (int) c->coverage.size());
+    memcpy(rows, c->coverage.data(), sizeof(pp_coverage_row) * n);
+    return n;
+}
+
+PP_EXPORT void pp_coverage_reset(pp_context * c) {
+    if (c) {
+        std::lock_guard<std::mutex> lock(c->cov_mutex);
+        c->coverage.clear();
+    }
+}
+
+PP_EXPORT void pp_coverage_enable(pp_context * c, int32_t on) {
+    if (c) {
+        c->coverage_on = on;
+    }
+}
+
+// ---- extension -------------------------------------------------------------------------------------------
+
+PP_EXPORT int pp_ext_version(void) { return ext().version ? ext().version() : 0; }
+
+PP_EXPORT int pp_ext_get_stats_json(pp_context * c, char * buf, size_t n) {
+    if (!ext().stats_json) {
+        return fail(PP_ERR_UNSUPPORTED, std::string("the ") + PP_VARIANT + " build has no scheduler extension");
+    }
+    if (!c || !buf) {
+        return fail(PP_ERR_ARG, "null argument");
+    }
+    return guarded([&] {
+        size_t need = ext().stats_json(c->ctx->get_sched(), buf, n);
+        return need >= n ? fail(PP_ERR_ARG, "stats buffer too small: need " + std::to_string(need + 1)) : (int) need;
+    });
+}
+
+PP_EXPORT int pp_ext_set_param(const char * name, int64_t value) {
+    if (!ext().set_param) {
+        return fail(PP_ERR_UNSUPPORTED, std::string("the ") + PP_VARIANT + " build has no scheduler extension");
+    }
+    return ext().set_param(name, value) == 0 ? PP_OK : fail(PP_ERR_ARG, std::string("unknown parameter ") + (name ? name : "(null)"));
+}
+
+PP_EXPORT int pp_ext_get_param(const char * name, int64_t * value) {
+    if (!ext().get_param) {
+        return fail(PP_ERR_UNSUPPORTED, std::string("the ") + PP_VARIANT + " build has no scheduler extension");
+    }
+    return ext().get_param(name, value) == 0 ? PP_OK : fail(PP_ERR_ARG, std::string("unknown parameter ") + (name ? name : "(null)"));
+}

@@ -1,0 +1,156 @@
+// pyllama_pp shim: a thin, flat C API over llama.h / ggml-backend.h for cffi.
+//
+// Conventions: functions return 0 (PP_OK) or a negative PP_ERR_* code; the message of the last failure
+// on this thread is pp_last_error(). Handles are opaque. No C++ exception crosses this boundary.
+// The same source compiles against both variants; patched-only features are found at run time
+// (pp_ext_available), never by #ifdef.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "vdev.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PP_OK              0
+#define PP_ERR_ARG        -1   // a bad argument (range, NULL, unknown name)
+#define PP_ERR_MODEL      -2   // the model could not be loaded
+#define PP_ERR_MEMORY     -3   // an allocation failed (device or host)
+#define PP_ERR_DEVICE     -4   // device setup failed
+#define PP_ERR_DECODE     -5   // llama_decode failed
+#define PP_ERR_INTERNAL   -6   // an exception or an abort inside llama.cpp/ggml
+#define PP_ERR_UNSUPPORTED -7  // not available in this variant
+
+#define PP_MAX_DEVICES 16
+#define PP_NAME_LEN    64
+
+typedef struct pp_model   pp_model;
+typedef struct pp_context pp_context;
+
+const char * pp_last_error(void);
+const char * pp_variant(void);                 // "baseline" or "patched"
+const char * pp_system_info(void);
+// load backend modules from dir (CPU, RPC, CUDA) once; log_level: 0 quiet, 1 errors, 2 warnings, 3 info, 4 debug
+int  pp_init(const char * backend_dir, int log_level);
+void pp_set_log_level(int log_level);
+
+// ---- devices -----------------------------------------------------------------------------------------
+typedef struct {
+    char     name[PP_NAME_LEN];
+    char     description[128];
+    char     backend[PP_NAME_LEN];             // registry name: CPU, CUDA, VDEV, RPC
+    int32_t  type;                             // enum ggml_backend_dev_type
+    uint64_t memory_free;
+    uint64_t memory_total;
+    int32_t  caps_async, caps_host_buffer, caps_buffer_from_host_ptr, caps_events;
+} pp_device_info;
+
+int pp_device_count(void);
+int pp_device_get(int i, pp_device_info * out);
+
+// ---- model -------------------------------------------------------------------------------------------
+typedef struct {
+    const char * path;
+    int32_t      n_gpu_layers;                 // -1: all
+    int32_t      split_mode;                   // enum llama_split_mode: 0 none, 1 layer, 2 row
+    int32_t      main_gpu;
+    float        tensor_split[PP_MAX_DEVICES]; // proportions per device (0 = even)
+    const char * devices;                      // comma-separated device names in order; "none": CPU only; NULL/"": all
+    const char * overrides;                    // "regex=BUFT" lines separated by newlines; BUFT: CPU or a device name
+    int32_t      load_mode;                    // enum llama_load_mode (0 none = pinned host weights, 1 mmap)
+    int32_t      no_host;                      // bypass the host (pinned) buffer type
+    int32_t      use_extra_bufts;              // CPU repack buffers
+} pp_model_params;
+
+typedef struct {
+    char     desc[128];
+    char     arch[PP_NAME_LEN];
+    uint64_t size_bytes;
+    uint64_t n_params;
+    int32_t  n_layer, n_embd, n_vocab, n_head, n_head_kv, n_expert, n_expert_used, n_ctx_train;
+} pp_model_info;
+
+pp_model * pp_model_load(const pp_model_params * params);   // NULL on failure: see pp_last_error
+void       pp_model_free(pp_model * model);
+int        pp_model_get_info(const pp_model * model, pp_model_info * out);
+// metadata value by key (e.g. "pyllama_pp.synth.routing"); returns length or a negative code
+int        pp_model_meta(const pp_model * model, const char * key, char * buf, size_t buf_size);
+
+// ---- context -----------------------------------------------------------------------------------------
+typedef struct {
+    uint32_t n_ctx, n_batch, n_ubatch, n_seq_max;
+    int32_t  n_threads;                        // <= 0: default
+    int32_t  flash_attn;                       // -1 auto, 0 off, 1 on
+    int32_t  op_offload;                       // offload host-weight ops to devices
+    int32_t  offload_kqv;
+    int32_t  coverage;                         // record experts used per MoE layer per ubatch (one host sync each)
+} pp_context_params;
+
+pp_context * pp_context_new(pp_model * model, const pp_context_params * params);
+void         pp_context_free(pp_context * ctx);
+int          pp_memory_clear(pp_context * ctx);
+int          pp_synchronize(pp_context * ctx);
+
+// Decode n_tokens tokens of sequence seq at positions pos0..pos0+n_tokens-1, in batches of n_batch.
+// Logits are requested for positions listed in out_idx (indices into tokens, ascending) and copied to
+// logits_out (n_out x n_vocab floats). n_out may be 0.
+int pp_decode(pp_context * ctx, const int32_t * tokens, int32_t n_tokens, int32_t pos0, int32_t seq,
+              const int32_t * out_idx, int32_t n_out, float * logits_out);
+
+typedef struct {
+    double   t_load_ms, t_p_eval_ms, t_eval_ms;
+    int32_t  n_p_eval, n_eval, n_reused;
+} pp_perf;
+int pp_get_perf(pp_context * ctx, pp_perf * out);
+int pp_reset_perf(pp_context * ctx);
+
+// ---- scheduler facts ---------------------------------------------------------------------------------
+typedef struct {
+    char     name[PP_NAME_LEN];
+    char     buft[PP_NAME_LEN];
+    uint64_t compute_buffer_bytes;
+} pp_sched_backend;
+
+typedef struct {
+    int32_t  n_backends;
+    int32_t  n_copies;
+    int32_t  n_splits;
+    int32_t  pipeline_parallel;                // n_copies > 1
+    int32_t  n_graph_nodes;                    // nodes of the last graph (0 if unknown)
+    pp_sched_backend backends[PP_MAX_DEVICES + 2];
+} pp_sched_info;
+int pp_get_sched_info(pp_context * ctx, pp_sched_info * out);
+
+typedef struct {
+    char     buft[PP_NAME_LEN];
+    char     device[PP_NAME_LEN];
+    uint64_t model_bytes, context_bytes, compute_bytes;
+} pp_memory_row;
+// fills up to max_rows rows; returns the number of rows or a negative code
+int pp_get_memory_breakdown(pp_context * ctx, pp_memory_row * rows, int32_t max_rows);
+
+// ---- expert coverage (when pp_context_params.coverage) -------------------------------------------------
+typedef struct {
+    int32_t layer;
+    int32_t n_tokens;
+    int32_t n_used;                            // distinct experts selected by those tokens
+} pp_coverage_row;
+int  pp_coverage_count(pp_context * ctx);
+int  pp_coverage_get(pp_context * ctx, pp_coverage_row * rows, int32_t max_rows);
+void pp_coverage_reset(pp_context * ctx);
+void pp_coverage_enable(pp_context * ctx, int32_t on);
+
+// ---- patched-build extension (discovered at run time) ------------------------------------------------
+// Returns the extension's version (> 0) or 0 when this build has none (the baseline).
+int pp_ext_version(void);
+// Generic access to the extension's counters and switches by name; PP_ERR_UNSUPPORTED without it.
+int pp_ext_get_stats_json(pp_context * ctx, char * buf, size_t buf_size);
+int pp_ext_set_param(const char * name, int64_t value);
+int pp_ext_get_param(const char * name, int64_t * value);
+
+#ifdef __cplusplus
+}
+#endif

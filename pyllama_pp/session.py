@@ -1,0 +1,435 @@
+"""The Python API: a model placed on devices (`Placement`), a `Session` that schedules and evaluates it.
+
+Data flows one way: model -> placement (or a fit plan) -> session -> schedule / eval results -> rows.
+A session loads one variant into this process (see binding.load); use pyllama_pp.worker to run the
+other variant in its own process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Sequence, Union
+
+import numpy as np
+
+from . import binding, devices as devspec
+from .errors import DecodeError, DeviceSpecError, ModelError, OutOfMemoryError, UnsupportedError
+
+# upstream's patterns for expert tensors (common/fit.cpp LAYER_FRACTION_MOE)
+EXPERT_TENSORS = r"ffn_(up|down|gate|gate_up)_(ch)?exps"
+LOAD_MODES = {"none": 0, "mmap": 1}
+SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}
+
+
+def host_expert_overrides(host_experts: Union[str, int, Sequence[int], None], n_layer: Optional[int] = None) -> list[str]:
+    """Tensor overrides that keep experts in host RAM: "all", "none", N (the first N layers, like
+    --n-cpu-moe) or an explicit list of layers."""
+    if host_experts in (None, "none", 0):
+        return []
+    if host_experts == "all":
+        return [rf"blk\.\d+\.{EXPERT_TENSORS}=CPU"]
+    if isinstance(host_experts, str):
+        if host_experts.isdigit():
+            host_experts = int(host_experts)
+        else:
+            raise ValueError(f"host_experts must be 'all', 'none', a count or a list of layers, not {host_experts!r}")
+    layers = list(range(host_experts)) if isinstance(host_experts, int) else sorted(set(int(i) for i in host_experts))
+    if n_layer is not None and layers and (layers[0] < 0 or layers[-1] >= n_layer):
+        raise ValueError(f"host-expert layers {layers} outside the model's 0..{n_layer - 1}")
+    return [rf"blk\.({'|'.join(map(str, layers))})\.{EXPERT_TENSORS}=CPU"] if layers else []
+
+
+@dataclass
+class Placement:
+    """Where the weights go (llama_model_params). Defaults: every layer on the devices, layer split, experts on
+    the devices, load mode none (no mmap: host weights in pinned memory where the device offers it)."""
+
+    n_gpu_layers: int = -1
+    split_mode: str = "layer"
+    tensor_split: Optional[list[float]] = None
+    host_experts: Union[str, int, list[int], None] = "none"
+    overrides: list[str] = field(default_factory=list)   # extra "PATTERN=BUFT" entries
+    load_mode: str = "none"
+    no_host: bool = False
+    main_gpu: int = 0
+
+    def all_overrides(self, n_layer: Optional[int] = None) -> list[str]:
+        return host_expert_overrides(self.host_experts, n_layer) + list(self.overrides)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ContextParams:
+    """llama_context_params that matter here."""
+
+    n_ctx: int = 4096
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_threads: int = 0
+    flash_attn: int = 1
+    op_offload: bool = True
+    offload_kqv: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ModelInfo:
+    path: str
+    desc: str
+    arch: str
+    size_bytes: int
+    n_params: int
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    n_head: int
+    n_head_kv: int
+    n_expert: int
+    n_expert_used: int
+    n_ctx_train: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class BackendInfo:
+    name: str
+    buft: str
+    compute_buffer_bytes: int
+
+
+@dataclass
+class Schedule:
+    """The scheduler's view of the reserved graph."""
+
+    variant: str
+    pipeline_parallel: bool
+    n_copies: int
+    n_splits: int
+    backends: list[BackendInfo]
+    memory: list[dict]
+    ext: Optional[dict] = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_frame(self):
+        import pandas as pd
+        return pd.DataFrame([asdict(b) for b in self.backends])
+
+
+@dataclass
+class EvalResult:
+    """Logits (n_out x n_vocab float32), wall time, and the counters that moved during the eval."""
+
+    logits: np.ndarray
+    seconds: float
+    n_tokens: int
+    counters: dict
+    ext: Optional[dict] = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.n_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    def to_dict(self) -> dict:
+        return {"seconds": self.seconds, "n_tokens": self.n_tokens, "tokens_per_second": self.tokens_per_second,
+                "counters": self.counters, "ext": self.ext, "logits_shape": list(self.logits.shape)}
+
+
+COUNTER_FIELDS = ("h2d_bytes", "d2h_bytes", "d2d_bytes", "h2d_copies", "d2h_copies", "d2d_copies", "graph_computes",
+                  "host_syncs", "event_records", "event_waits", "alloc_bytes", "peak_alloc_bytes", "failed_allocs",
+                  "link_busy_s", "compute_s")
+
+
+def _check_gguf(path: Path) -> None:
+    if not path.is_file():
+        raise ModelError(f"model file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelError(f"cannot read {path}: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise ModelError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
+                         "write one with `pyllama-pp synth` or convert your model with llama.cpp's tools")
+
+
+class Session:
+    """A model loaded with a placement on a device spec, plus one llama context.
+
+    >>> s = Session("tiny.gguf", devices="vdev:2x0@0", placement=Placement(host_experts="all"))
+    >>> s.schedule().pipeline_parallel
+    """
+
+    def __init__(self, model: Union[str, os.PathLike], devices: Union[str, dict, devspec.DeviceSpec, None] = "cpu",
+                 placement: Optional[Placement] = None, ctx: Optional[ContextParams] = None,
+                 variant: str = "patched", ext_params: Optional[dict] = None):
+        self.path = Path(model)
+        _check_gguf(self.path)
+        self.spec = devspec.parse(devices)
+        self.placement = placement or Placement()
+        self.ctx_params = ctx or ContextParams()
+        self.native = binding.load(variant)
+        self.variant = variant
+        self._model = None
+        self._ctx = None
+        self._apply_ext_params(ext_params or {})
+        dev_names = self._setup_devices()
+        self._load_model(dev_names)
+        self._ctx = self._new_context(coverage=False)
+
+    # -- setup -------------------------------------------------------------------------------------------
+    def _apply_ext_params(self, params: dict) -> None:
+        if not params:
+            return
+        if self.native.lib.pp_ext_version() <= 0:
+            raise UnsupportedError(f"the {self.variant} build has no scheduler switches ({sorted(params)})")
+        for k, v in params.items():
+            self.native.check(self.native.lib.pp_ext_set_param(k.upper().encode(), int(v)))
+
+    def _setup_devices(self) -> str:
+        lib, ffi = self.native.lib, self.native.ffi
+        if self.spec.kind == "cpu":
+            return "none"
+        if self.spec.kind == "vdev":
+            n = len(self.spec.vdevs)
+            have = lib.pp_vdev_count()
+            if have and have != n:
+                raise DeviceSpecError(f"this process already has {have} virtual devices; {n} were asked for. "
+                                      "Use one device count per process (workers do this for you).")
+            cfg = ffi.new("struct pp_vdev_config[]", n)
+            for i, v in enumerate(self.spec.vdevs):
+                cfg[i].memory_bytes = v.memory
+                cfg[i].link_gbps = v.link_gbps
+                cfg[i].link_group = v.link_group
+                cfg[i].compute_factor = v.speed
+                cfg[i].n_threads = v.threads
+                cfg[i].d2d_gbps = v.d2d_gbps
+            err = ffi.new("char[512]")
+            if lib.pp_vdev_register(cfg, n, err, 512) != 0:
+                raise DeviceSpecError(f"cannot set up the virtual devices: {ffi.string(err).decode()}")
+            return ",".join(f"VDEV{i}" for i in range(n))
+        # cuda
+        cuda = [d for d in list_devices() if d["backend"] == "CUDA"]
+        if not cuda:
+            raise DeviceSpecError("no CUDA device found: this build has no CUDA backend or the machine has no GPU. "
+                                  "Rebuild with CMAKE_ARGS='-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90' or use "
+                                  "--devices cpu / vdev:2x768MiB@4GBps")
+        ids = self.spec.cuda_ids or list(range(len(cuda)))
+        bad = [i for i in ids if i >= len(cuda)]
+        if bad:
+            raise DeviceSpecError(f"CUDA device(s) {bad} do not exist; this machine has {len(cuda)}")
+        return ",".join(cuda[i]["name"] for i in ids)
+
+    def _load_model(self, dev_names: str) -> None:
+        lib, ffi = self.native.lib, self.native.ffi
+        pl = self.placement
+        if pl.load_mode not in LOAD_MODES:
+            raise ValueError(f"load_mode must be one of {sorted(LOAD_MODES)}")
+        if pl.split_mode not in SPLIT_MODES:
+            raise ValueError(f"split_mode must be one of {sorted(SPLIT_MODES)}")
+        keep = []
+
+        def cstr(s: str):
+            b = ffi.new("char[]", s.encode())
+            keep.append(b)
+            return b
+
+        p = ffi.new("pp_model_params *")
+        p.path = cstr(str(self.path))
+        p.n_gpu_layers = 0 if self.spec.kind == "cpu" else pl.n_gpu_layers
+        p.split_mode = SPLIT_MODES[pl.split_mode]
+        p.main_gpu = pl.main_gpu
+        for i, v in enumerate((pl.tensor_split or [])[:16]):
+            p.tensor_split[i] = float(v)
+        p.devices = cstr(dev_names)
+        ov = pl.all_overrides()
+        p.overrides = cstr("\n".join(ov)) if ov else ffi.NULL
+        p.load_mode = LOAD_MODES[pl.load_mode]
+        p.no_host = int(pl.no_host)
+        p.use_extra_bufts = 0
+        m = lib.pp_model_load(p)
+        if m == ffi.NULL:
+            msg = self.native.last_error()
+            if "memory" in msg or "alloc" in msg:
+                raise OutOfMemoryError(msg)
+            raise ModelError(msg)
+        self._model = m
+        info = ffi.new("pp_model_info *")
+        self.native.check(lib.pp_model_get_info(m, info))
+        s = self.native.str
+        self.info = ModelInfo(str(self.path), s(info.desc), s(info.arch), info.size_bytes, info.n_params, info.n_layer,
+                              info.n_embd, info.n_vocab, info.n_head, info.n_head_kv, info.n_expert, info.n_expert_used,
+                              info.n_ctx_train)
+
+    def _new_context(self, coverage: bool):
+        lib, ffi = self.native.lib, self.native.ffi
+        c = self.ctx_params
+        if c.n_ubatch > c.n_batch:
+            raise ValueError(f"n_ubatch ({c.n_ubatch}) cannot exceed n_batch ({c.n_batch})")
+        p = ffi.new("pp_context_params *")
+        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = c.n_ctx, c.n_batch, c.n_ubatch, 1
+        p.n_threads = c.n_threads
+        p.flash_attn = c.flash_attn
+        p.op_offload = int(c.op_offload)
+        p.offload_kqv = int(c.offload_kqv)
+        p.coverage = int(coverage)
+        ctx = lib.pp_context_new(self._model, p)
+        if ctx == ffi.NULL:
+            raise OutOfMemoryError(self.native.last_error())
+        return ctx
+
+    # -- facts ---------------------------------------------------------------------------------------------
+    def schedule(self) -> Schedule:
+        """Pipeline parallel on/off, copies, splits and per-backend buffers of the reserved (or last) graph."""
+        lib, ffi, s = self.native.lib, self.native.ffi, self.native.str
+        si = ffi.new("pp_sched_info *")
+        self.native.check(lib.pp_get_sched_info(self._ctx, si))
+        backends = [BackendInfo(s(si.backends[i].name), s(si.backends[i].buft), si.backends[i].compute_buffer_bytes)
+                    for i in range(min(si.n_backends, 18))]
+        rows = ffi.new("pp_memory_row[64]")
+        n = self.native.check(lib.pp_get_memory_breakdown(self._ctx, rows, 64))
+        memory = [{"buft": s(rows[i].buft), "device": s(rows[i].device), "model_bytes": rows[i].model_bytes,
+                   "context_bytes": rows[i].context_bytes, "compute_bytes": rows[i].compute_bytes} for i in range(n)]
+        return Schedule(self.variant, bool(si.pipeline_parallel), si.n_copies, si.n_splits, backends, memory,
+                        self.ext_stats())
+
+    def ext_stats(self) -> Optional[dict]:
+        """The patched scheduler's counters (None in the baseline)."""
+        lib, ffi = self.native.lib, self.native.ffi
+        if lib.pp_ext_version() <= 0:
+            return None
+        buf = ffi.new("char[65536]")
+        self.native.check(lib.pp_ext_get_stats_json(self._ctx, buf, 65536))
+        return json.loads(ffi.string(buf).decode())
+
+    def device_counters(self) -> list[dict]:
+        """Per-VDEV counters (bytes moved per direction, syncs, ...); empty for other devices."""
+        lib, ffi = self.native.lib, self.native.ffi
+        out = []
+        for i in range(lib.pp_vdev_count() if self.spec.kind == "vdev" else 0):
+            c = ffi.new("struct pp_vdev_counters *")
+            self.native.check(lib.pp_vdev_get_counters(i, c))
+            out.append({"device": f"VDEV{i}", **{k: getattr(c, k) for k in COUNTER_FIELDS}})
+        return out
+
+    def reset_counters(self) -> None:
+        self.native.lib.pp_vdev_reset_counters()
+
+    # -- eval ----------------------------------------------------------------------------------------------
+    def _decode(self, ctx, tokens: np.ndarray, pos0: int, out_idx: np.ndarray) -> np.ndarray:
+        lib, ffi = self.native.lib, self.native.ffi
+        n_vocab = self.info.n_vocab
+        logits = np.empty((len(out_idx), n_vocab), dtype=np.float32)
+        rc = lib.pp_decode(ctx, ffi.cast("int32_t *", tokens.ctypes.data), len(tokens), pos0, 0,
+                           ffi.cast("int32_t *", out_idx.ctypes.data), len(out_idx),
+                           ffi.cast("float *", logits.ctypes.data))
+        self.native.check(rc)
+        return logits
+
+    def _tokens(self, tokens: Iterable[int]) -> np.ndarray:
+        t = np.ascontiguousarray(np.asarray(list(tokens) if not isinstance(tokens, np.ndarray) else tokens,
+                                            dtype=np.int64))
+        if t.ndim != 1 or t.size == 0:
+            raise DecodeError("tokens must be a non-empty 1-D sequence of token ids")
+        bad = np.flatnonzero((t < 0) | (t >= self.info.n_vocab))
+        if bad.size:
+            raise DecodeError(f"token {int(t[bad[0]])} at index {int(bad[0])} is out of range: this model has "
+                              f"{self.info.n_vocab} tokens (0..{self.info.n_vocab - 1})")
+        return t.astype(np.int32)
+
+    def eval(self, tokens: Iterable[int], logits: Union[str, Sequence[int]] = "last", pos0: int = 0,
+             clear: bool = True) -> EvalResult:
+        """Decode tokens (in n_batch chunks) and return the requested logits: "last", "all", "none" or indices."""
+        t = self._tokens(tokens)
+        if logits == "last":
+            out_idx = np.array([len(t) - 1], dtype=np.int32)
+        elif logits == "all":
+            out_idx = np.arange(len(t), dtype=np.int32)
+        elif logits == "none":
+            out_idx = np.zeros(0, dtype=np.int32)
+        else:
+            out_idx = np.asarray(sorted(set(int(i) for i in logits)), dtype=np.int32)
+        if pos0 + len(t) > self.ctx_params.n_ctx:
+            raise DecodeError(f"{pos0 + len(t)} positions do not fit in n_ctx={self.ctx_params.n_ctx}")
+        lib = self.native.lib
+        if clear:
+            self.native.check(lib.pp_memory_clear(self._ctx))
+        self.native.check(lib.pp_synchronize(self._ctx))
+        before = self.device_counters()
+        t0 = time.perf_counter()
+        out = self._decode(self._ctx, t, pos0, out_idx)
+        self.native.check(lib.pp_synchronize(self._ctx))
+        dt = time.perf_counter() - t0
+        after = self.device_counters()
+        delta = [{k: (a[k] - b[k] if isinstance(a[k], (int, float)) and k not in ("alloc_bytes", "peak_alloc_bytes")
+                      else a[k]) for k in a} for a, b in zip(after, before)]
+        return EvalResult(out, dt, len(t), {"devices": delta}, self.ext_stats())
+
+    def coverage(self, tokens: Iterable[int]) -> dict:
+        """Experts used per MoE layer per ubatch for these tokens, measured in a separate context (the
+        measurement syncs the host once per layer, so it is never part of a timed run)."""
+        t = self._tokens(tokens)
+        lib, ffi = self.native.lib, self.native.ffi
+        ctx = self._new_context(coverage=True)
+        try:
+            self._decode(ctx, t, 0, np.zeros(0, dtype=np.int32))
+            n = lib.pp_coverage_count(ctx)
+            rows = ffi.new("pp_coverage_row[]", max(n, 1))
+            n = self.native.check(lib.pp_coverage_get(ctx, rows, n))
+            recs = [(rows[i].layer, rows[i].n_tokens, rows[i].n_used) for i in range(n)]
+        finally:
+            lib.pp_context_free(ctx)
+        n_expert = max(self.info.n_expert, 1)
+        per_layer: dict[int, list[int]] = {}
+        for layer, _, used in recs:
+            per_layer.setdefault(layer, []).append(used)
+        mean_used = float(np.mean([u for _, _, u in recs])) if recs else 0.0
+        return {"n_expert": self.info.n_expert, "n_expert_used": self.info.n_expert_used,
+                "experts_used_per_layer_ubatch": mean_used, "coverage": mean_used / n_expert,
+                "n_records": len(recs), "per_layer_mean": {k: float(np.mean(v)) for k, v in sorted(per_layer.items())}}
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        lib = self.native.lib
+        if self._ctx is not None:
+            lib.pp_context_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            lib.pp_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def list_devices(variant: Optional[str] = None) -> list[dict]:
+    """Devices the loaded (or given) variant sees: name, backend, type, memory, caps."""
+    native = binding.loaded() or binding.load(variant or "patched")
+    lib, ffi, s = native.lib, native.ffi, native.str
+    out = []
+    for i in range(lib.pp_device_count()):
+        d = ffi.new("pp_device_info *")
+        native.check(lib.pp_device_get(i, d))
+        out.append({"name": s(d.name), "description": s(d.description), "backend": s(d.backend), "type": d.type,
+                    "memory_free": d.memory_free, "memory_total": d.memory_total, "async": bool(d.caps_async),
+                    "events": bool(d.caps_events), "host_buffer": bool(d.caps_host_buffer)})
+    return out

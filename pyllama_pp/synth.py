@@ -1,0 +1,766 @@
+"""Synthetic random-weight qwen3moe GGUF files (stdlib + numpy only).
+
+``write_gguf(path, cfg)`` streams a valid GGUF v3 file that the pinned llama.cpp loads as
+architecture ``qwen3moe`` with the ``"test"`` tokenizer.  The weights are random but deterministic
+for a given :class:`SynthConfig` (same config and seed -> byte-identical file, within one numpy
+version).  Weights are written as Q8_0 (random int8 quants with fp16 block scales, written
+directly: no float quantization) or F16; norm weights and the router (``ffn_gate_inp``) are F32.
+
+Routing control
+---------------
+Random models route most tokens to a few experts (attention averages tokens into a shared
+direction, so the router input stops depending on the token), which hides the expert traffic
+this project is about (see MEASURED.md).  ``SynthConfig.routing`` picks one of three regimes:
+
+``"uniform"``  (default) token embeddings at scale 1.0, attention-output (``attn_output``) and
+    expert-down (``ffn_down_exps``) weights at scale 0.0005.  Each layer then adds only a tiny
+    update to the residual stream, which stays (almost) the token embedding: the router input is
+    token-specific and, with router rows of equal norm, every expert is equally likely.  A ubatch
+    of T random tokens uses about ``E * (1 - (1 - k/E)**T)`` experts per layer (E experts, k used):
+    all 128 at T = 512 for the 30B shape; about 40 of 64 (a third unused) at T = 32 for ``tiny``.
+``"skewed"``   as ``uniform``, and the router row of the expert of rank r (a random order per
+    layer, drawn from the seed) is scaled by ``(r + 1) ** -skew`` (a Zipf-like norm profile).
+    A larger row norm spreads that expert's logits, so it lands in the top-k more often.
+    ``skew = 0`` is ``uniform``.  Measured by simulating the router on isotropic inputs
+    (experts used per layer per ubatch, mean):
+
+    =====  ======================  ==================
+    skew   128 exp / 8 used, T=512  64 exp / 2 used, T=32
+    =====  ======================  ==================
+    0      128                      39
+    0.25   128                      33
+    0.5    127                      22
+    1.0    79                       15
+    1.5    58                       12
+    2.0    47                       10
+    =====  ======================  ==================
+
+    Real models sit around skew 0.75-1 at ubatch 512 (72-95 of 128 experts in one report).
+``"natural"``  plain random initialisation: embeddings at 0.02, every matrix at
+    ``1/sqrt(fan_in)``.  Attention and expert outputs dominate the residual, so routing
+    concentrates on a minority of experts (the first random model of MEASURED.md).
+
+Every scale can be overridden with the ``*_scale`` fields of :class:`SynthConfig` (``None`` = the
+default of the routing mode, see :meth:`SynthConfig.resolved_scales`).  "Scale" is the standard
+deviation of the weights; Q8_0 quants are uniform int8, so the block scale is ``scale / 73.9``
+(times a per-block factor in [0.75, 1.25)).  The output norm is ones and the output matrix is at
+``1/sqrt(n_embd)``, so logits have a standard deviation of about 1 and stay finite.
+
+Speed
+-----
+Tensors of at most ``TILE_MIN_ELEMENTS`` elements, the token embeddings and all F32 tensors are
+drawn fresh from the random generator (Q8_0: random int8 quants; F16: random 16-bit indices into a per-chunk table of
+65536 normal samples).  Larger tensors (the expert tensors and the output matrix
+of big models) are tiled from a pool of about 16 MiB of random blocks made once per (type, scale)
+and reused with a random start offset per tensor (the pool length is a prime number of units, so
+repeats do not line up with rows or experts).  Writing is then bounded by the disk, not by the
+random generator.
+
+File layout: GGUF v3, default alignment 32, tensor data in the order token_embd, output_norm,
+output, then blk.0 ... blk.{n-1}; each tensor's data is padded to 32 bytes.  Our own metadata
+lives under ``pyllama_pp.synth.*`` (format version, preset, all config fields, resolved scales).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import struct
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Dict, List, Optional, Tuple
+
+import numpy as np
+
+__all__ = [
+    "SynthConfig",
+    "PRESETS",
+    "preset",
+    "write_gguf",
+    "expert_bytes_per_layer",
+    "estimate_file_bytes",
+    "read_gguf_header",
+    "TILE_MIN_ELEMENTS",
+    "SYNTH_FORMAT_VERSION",
+]
+
+#: bumped whenever the bytes written for a given config change
+SYNTH_FORMAT_VERSION = 1
+
+#: tensors with more elements than this (except token_embd and F32 tensors) are tiled from a pool
+TILE_MIN_ELEMENTS = 1 << 24
+
+ARCH = "qwen3moe"
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSION = 3
+ALIGNMENT = 32
+
+# gguf value types (ggml/include/gguf.h)
+GGUF_UINT8, GGUF_INT8, GGUF_UINT16, GGUF_INT16, GGUF_UINT32, GGUF_INT32 = 0, 1, 2, 3, 4, 5
+GGUF_FLOAT32, GGUF_BOOL, GGUF_STRING, GGUF_ARRAY = 6, 7, 8, 9
+GGUF_UINT64, GGUF_INT64, GGUF_FLOAT64 = 10, 11, 12
+
+_SCALAR_FMT = {
+    GGUF_UINT8: "<B", GGUF_INT8: "<b", GGUF_UINT16: "<H", GGUF_INT16: "<h",
+    GGUF_UINT32: "<I", GGUF_INT32: "<i", GGUF_FLOAT32: "<f", GGUF_BOOL: "<?",
+    GGUF_UINT64: "<Q", GGUF_INT64: "<q", GGUF_FLOAT64: "<d",
+}
+_SCALAR_NP = {
+    GGUF_UINT8: "<u1", GGUF_INT8: "<i1", GGUF_UINT16: "<u2", GGUF_INT16: "<i2",
+    GGUF_UINT32: "<u4", GGUF_INT32: "<i4", GGUF_FLOAT32: "<f4", GGUF_BOOL: "<u1",
+    GGUF_UINT64: "<u8", GGUF_INT64: "<i8", GGUF_FLOAT64: "<f8",
+}
+
+# ggml tensor types: id -> (name, block size, bytes per block)
+GGML_F32, GGML_F16, GGML_Q8_0 = 0, 1, 8
+_GGML_TYPES: Dict[int, Tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
+    28: ("F64", 1, 8), 30: ("BF16", 1, 2),
+}
+
+# llama_ftype values (include/llama.h)
+_FILE_TYPE = {"q8_0": 7, "f16": 1}
+_WEIGHT_TYPE = {"q8_0": GGML_Q8_0, "f16": GGML_F16}
+
+ROUTING_MODES = ("uniform", "skewed", "natural")
+
+# std of a uniform int8 in [-128, 127]
+_INT8_STD = math.sqrt((256.0 ** 2 - 1.0) / 12.0)
+
+_SCALE_FIELDS = ("embd_scale", "attn_scale", "attn_out_scale", "ffn_scale", "down_scale",
+                 "router_scale", "output_scale")
+
+
+@dataclass
+class SynthConfig:
+    """Shape, weight type, routing regime and seed of a synthetic qwen3moe model.
+
+    Scales (``*_scale``) are weight standard deviations; ``None`` takes the routing mode's default
+    (see :meth:`resolved_scales`):
+
+    - ``embd_scale``: token embeddings (uniform/skewed 1.0, natural 0.02)
+    - ``attn_scale``: attn_q / attn_k / attn_v (1/sqrt(n_embd); q and k are RMS-normed anyway)
+    - ``attn_out_scale``: attn_output (uniform/skewed 0.0005, natural 1/sqrt(n_head*head_dim))
+    - ``ffn_scale``: ffn_gate_exps / ffn_up_exps (1/sqrt(n_embd))
+    - ``down_scale``: ffn_down_exps (uniform/skewed 0.0005, natural 1/sqrt(n_ff_exp))
+    - ``router_scale``: ffn_gate_inp (1/sqrt(n_embd): router logits of std ~1); in uniform/skewed
+      mode every router row is normalised to exactly ``router_scale * sqrt(n_embd)`` (times the
+      skew profile) so that no expert is favoured by chance
+    - ``output_scale``: output matrix (1/sqrt(n_embd): logits of std ~1)
+
+    ``skew`` (only for ``routing="skewed"``): exponent of the Zipf-like profile of router row
+    norms, ``(rank + 1) ** -skew``; 0 = none, ~1 = like real models, 2 = strongly concentrated.
+    """
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_vocab: int
+    n_ctx_train: int = 4096
+    type: str = "q8_0"
+    routing: str = "uniform"
+    skew: float = 0.0
+    seed: int = 0
+    preset: str = "custom"
+    rms_eps: float = 1e-6
+    rope_freq_base: float = 1e6
+    embd_scale: Optional[float] = None
+    attn_scale: Optional[float] = None
+    attn_out_scale: Optional[float] = None
+    ffn_scale: Optional[float] = None
+    down_scale: Optional[float] = None
+    router_scale: Optional[float] = None
+    output_scale: Optional[float] = None
+
+    def resolved_scales(self) -> Dict[str, float]:
+        """The scale of every weight group, defaults filled in for the routing mode."""
+        natural = self.routing == "natural"
+        q_dim = self.n_head * self.head_dim
+        defaults = {
+            "embd_scale": 0.02 if natural else 1.0,
+            "attn_scale": 1.0 / math.sqrt(self.n_embd),
+            "attn_out_scale": 1.0 / math.sqrt(q_dim) if natural else 0.0005,
+            "ffn_scale": 1.0 / math.sqrt(self.n_embd),
+            "down_scale": 1.0 / math.sqrt(self.n_ff_exp) if natural else 0.0005,
+            "router_scale": 1.0 / math.sqrt(self.n_embd),
+            "output_scale": 1.0 / math.sqrt(self.n_embd),
+        }
+        out = {}
+        for name in _SCALE_FIELDS:
+            v = getattr(self, name)
+            out[name] = float(defaults[name] if v is None else v)
+        return out
+
+    def validate(self) -> "SynthConfig":
+        """Raise ValueError on a config llama.cpp could not load (or we cannot write)."""
+        ints = ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_expert",
+                "n_expert_used", "n_ff_exp", "n_vocab", "n_ctx_train")
+        for name in ints:
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"SynthConfig.{name} must be a positive integer, got {v!r}")
+        if self.type not in _WEIGHT_TYPE:
+            raise ValueError(f"SynthConfig.type must be one of {sorted(_WEIGHT_TYPE)}, got {self.type!r}")
+        if self.routing not in ROUTING_MODES:
+            raise ValueError(f"SynthConfig.routing must be one of {list(ROUTING_MODES)}, got {self.routing!r}")
+        if not (self.skew >= 0.0 and math.isfinite(self.skew)):
+            raise ValueError(f"SynthConfig.skew must be finite and >= 0, got {self.skew!r}")
+        if not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise ValueError(f"SynthConfig.seed must be a non-negative integer, got {self.seed!r}")
+        if self.n_layer > 512:
+            raise ValueError("n_layer must be <= 512 (LLAMA_MAX_LAYERS)")
+        if self.n_expert > 1024:
+            raise ValueError("n_expert must be <= 1024 (LLAMA_MAX_EXPERTS)")
+        if self.n_expert_used > self.n_expert:
+            raise ValueError(f"n_expert_used ({self.n_expert_used}) > n_expert ({self.n_expert})")
+        if self.n_head % self.n_head_kv:
+            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_head_kv ({self.n_head_kv})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even (RoPE)")
+        if self.type == "q8_0":
+            for what, n in (("n_embd", self.n_embd), ("n_ff_exp", self.n_ff_exp),
+                            ("n_head*head_dim", self.n_head * self.head_dim)):
+                if n % 32:
+                    raise ValueError(f"Q8_0 needs row lengths that are multiples of 32: {what} = {n}")
+        for name in _SCALE_FIELDS:
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"SynthConfig.{name} must be finite and >= 0, got {v!r}")
+        return self
+
+
+PRESETS: Dict[str, SynthConfig] = {
+    # ~11.7 MB as Q8_0; 64 experts, 2 used: a 32-token ubatch leaves about a third unused
+    "tiny": SynthConfig(n_layer=6, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+                        n_expert=64, n_expert_used=2, n_ff_exp=64, n_vocab=4096, preset="tiny"),
+    # ~258 MB as Q8_0 (20 MB of experts a layer; expert/attention bytes ratio close to 30B-A3B's)
+    "small": SynthConfig(n_layer=12, n_embd=512, n_head=8, n_head_kv=2, head_dim=64,
+                         n_expert=128, n_expert_used=8, n_ff_exp=96, n_vocab=8192, preset="small"),
+    # shaped like Qwen3-30B-A3B: ~31.9 GB (29.7 GiB) as Q8_0, 0.64 GB of experts a layer
+    "qwen3-30b-a3b": SynthConfig(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
+                                 n_expert=128, n_expert_used=8, n_ff_exp=768, n_vocab=32768,
+                                 preset="qwen3-30b-a3b"),
+}
+
+
+def preset(name: str, **overrides: Any) -> SynthConfig:
+    """A copy of preset ``name`` with ``overrides`` (any SynthConfig field) applied.
+
+    Overrides that are ``None`` are ignored (handy for optional CLI flags), except for the
+    ``*_scale`` fields, where ``None`` means "the routing mode's default".  Unknown preset or field
+    names raise ValueError; the result is validated.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown synth preset {name!r}; presets: {', '.join(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(SynthConfig)}
+    bad = sorted(set(overrides) - fields)
+    if bad:
+        raise ValueError(f"unknown SynthConfig field(s) {bad}; fields: {', '.join(sorted(fields))}")
+    overrides = {k: v for k, v in overrides.items() if v is not None or k in _SCALE_FIELDS}
+    return dataclasses.replace(PRESETS[name], **overrides).validate()
+
+
+# ----------------------------------------------------------------------------------------------
+# tensor plan
+
+
+def _nbytes(ne: Tuple[int, ...], gtype: int) -> int:
+    _, blck, tsize = _GGML_TYPES[gtype]
+    n = 1
+    for d in ne:
+        n *= d
+    return n // blck * tsize
+
+
+def _pad(n: int, align: int = ALIGNMENT) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass
+class _Tensor:
+    name: str
+    ne: Tuple[int, ...]  # ggml order: ne[0] is the row length
+    gtype: int
+    kind: str  # "ones" | "router" | "matrix"
+    scale: float = 0.0
+    fresh: bool = True
+    layer: int = -1
+    nbytes: int = 0
+    offset: int = 0  # relative to the data section
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.ne:
+            n *= d
+        return n
+
+
+def _plan(cfg: SynthConfig) -> List[_Tensor]:
+    s = cfg.resolved_scales()
+    wt = _WEIGHT_TYPE[cfg.type]
+    E, D, F, V = cfg.n_embd, cfg.n_expert, cfg.n_ff_exp, cfg.n_vocab
+    q_dim = cfg.n_head * cfg.head_dim
+    kv_dim = cfg.n_head_kv * cfg.head_dim
+
+    def mat(name, ne, scale, layer=-1, always_fresh=False):
+        t = _Tensor(name, tuple(ne), wt, "matrix", scale, layer=layer)
+        t.fresh = always_fresh or t.n_elements <= TILE_MIN_ELEMENTS
+        return t
+
+    ts = [
+        mat("token_embd.weight", (E, V), s["embd_scale"], always_fresh=True),
+        _Tensor("output_norm.weight", (E,), GGML_F32, "ones"),
+        mat("output.weight", (E, V), s["output_scale"]),
+    ]
+    for i in range(cfg.n_layer):
+        p = f"blk.{i}."
+        ts += [
+            _Tensor(p + "attn_norm.weight", (E,), GGML_F32, "ones", layer=i),
+            mat(p + "attn_q.weight", (E, q_dim), s["attn_scale"], i),
+            mat(p + "attn_k.weight", (E, kv_dim), s["attn_scale"], i),
+            mat(p + "attn_v.weight", (E, kv_dim), s["attn_scale"], i),
+            mat(p + "attn_output.weight", (q_dim, E), s["attn_out_scale"], i),
+            _Tensor(p + "attn_q_norm.weight", (cfg.head_dim,), GGML_F32, "ones", layer=i),
+            _Tensor(p + "attn_k_norm.weight", (cfg.head_dim,), GGML_F32, "ones", layer=i),
+            _Tensor(p + "ffn_norm.weight", (E,), GGML_F32, "ones", layer=i),
+            _Tensor(p + "ffn_gate_inp.weight", (E, D), GGML_F32, "router", s["router_scale"], layer=i),
+            mat(p + "ffn_gate_exps.weight", (E, F, D), s["ffn_scale"], i),
+            mat(p + "ffn_up_exps.weight", (E, F, D), s["ffn_scale"], i),
+            mat(p + "ffn_down_exps.weight", (F, E, D), s["down_scale"], i),
+        ]
+    off = 0
+    for t in ts:
+        t.nbytes = _nbytes(t.ne, t.gtype)
+        t.offset = off
+        off += _pad(t.nbytes)
+    return ts
+
+
+def expert_bytes_per_layer(cfg: SynthConfig) -> int:
+    """Bytes of ffn_gate_exps + ffn_up_exps + ffn_down_exps of one layer (unpadded)."""
+    wt = _WEIGHT_TYPE[cfg.type]
+    return 3 * _nbytes((cfg.n_embd, cfg.n_ff_exp, cfg.n_expert), wt)
+
+
+# ----------------------------------------------------------------------------------------------
+# metadata
+
+
+def _kv_list(cfg: SynthConfig) -> List[Tuple[str, int, Any]]:
+    """(key, gguf type, value); arrays are (key, GGUF_ARRAY, (element type, values))."""
+    a = ARCH
+    U, F, S, B = GGUF_UINT32, GGUF_FLOAT32, GGUF_STRING, GGUF_BOOL
+    kv: List[Tuple[str, int, Any]] = [
+        ("general.architecture", S, a),
+        ("general.name", S, f"pyllama_pp synth {a} {cfg.preset}"),
+        ("general.file_type", U, _FILE_TYPE[cfg.type]),
+    ]
+    if cfg.type == "q8_0":
+        kv.append(("general.quantization_version", U, 2))
+    kv += [
+        (f"{a}.block_count", U, cfg.n_layer),
+        (f"{a}.context_length", U, cfg.n_ctx_train),
+        (f"{a}.embedding_length", U, cfg.n_embd),
+        # dense FFN width is unused by qwen3moe; Qwen3-30B-A3B stores 6144 = 768 * 8
+        (f"{a}.feed_forward_length", U, cfg.n_ff_exp * cfg.n_expert_used),
+        (f"{a}.attention.head_count", U, cfg.n_head),
+        (f"{a}.attention.head_count_kv", U, cfg.n_head_kv),
+        (f"{a}.attention.key_length", U, cfg.head_dim),
+        (f"{a}.attention.value_length", U, cfg.head_dim),
+        (f"{a}.attention.layer_norm_rms_epsilon", F, cfg.rms_eps),
+        (f"{a}.rope.freq_base", F, cfg.rope_freq_base),
+        (f"{a}.expert_count", U, cfg.n_expert),
+        (f"{a}.expert_used_count", U, cfg.n_expert_used),
+        (f"{a}.expert_feed_forward_length", U, cfg.n_ff_exp),
+        # TEST vocab: tokenizer.ggml.tokens is mandatory (n_vocab = its length, entries unique and
+        # non-empty); we name each token by its hex id, which is what the TEST vocab prints for it.
+        # token_type NORMAL (1) for all: no control tokens, so no special-token parsing; no
+        # BOS/EOS (TEST defaults to none) and add_bos/add_eos false.
+        ("tokenizer.ggml.model", S, "test"),
+        ("tokenizer.ggml.tokens", GGUF_ARRAY, (S, [format(i, "x") for i in range(cfg.n_vocab)])),
+        ("tokenizer.ggml.token_type", GGUF_ARRAY, (GGUF_INT32, np.ones(cfg.n_vocab, "<i4"))),
+        ("tokenizer.ggml.add_bos_token", B, False),
+        ("tokenizer.ggml.add_eos_token", B, False),
+        # ours: how this file was made
+        ("pyllama_pp.synth.version", U, SYNTH_FORMAT_VERSION),
+        ("pyllama_pp.synth.preset", S, cfg.preset),
+        ("pyllama_pp.synth.type", S, cfg.type),
+        ("pyllama_pp.synth.routing", S, cfg.routing),
+        ("pyllama_pp.synth.skew", F, float(cfg.skew)),
+        ("pyllama_pp.synth.seed", GGUF_UINT64, int(cfg.seed)),
+        ("pyllama_pp.synth.tile_min_elements", GGUF_UINT64, TILE_MIN_ELEMENTS),
+    ]
+    for name in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_expert",
+                 "n_expert_used", "n_ff_exp", "n_vocab", "n_ctx_train"):
+        kv.append((f"pyllama_pp.synth.{name}", U, int(getattr(cfg, name))))
+    for name, v in cfg.resolved_scales().items():
+        kv.append((f"pyllama_pp.synth.{name}", F, v))
+    return kv
+
+
+def _pack_str(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def _pack_value(gtype: int, value: Any) -> bytes:
+    if gtype == GGUF_STRING:
+        return _pack_str(value)
+    if gtype == GGUF_ARRAY:
+        etype, vals = value
+        head = struct.pack("<IQ", etype, len(vals))
+        if etype == GGUF_STRING:
+            return head + b"".join(_pack_str(v) for v in vals)
+        return head + np.asarray(vals, dtype=_SCALAR_NP[etype]).tobytes()
+    return struct.pack(_SCALAR_FMT[gtype], value)
+
+
+def _header_bytes(cfg: SynthConfig, tensors: List[_Tensor]) -> bytes:
+    kvs = _kv_list(cfg)
+    parts = [GGUF_MAGIC, struct.pack("<Iqq", GGUF_VERSION, len(tensors), len(kvs))]
+    for key, gtype, value in kvs:
+        parts.append(_pack_str(key))
+        parts.append(struct.pack("<I", gtype))
+        parts.append(_pack_value(gtype, value))
+    for t in tensors:
+        parts.append(_pack_str(t.name))
+        parts.append(struct.pack("<I", len(t.ne)))
+        parts.append(struct.pack(f"<{len(t.ne)}q", *t.ne))
+        parts.append(struct.pack("<IQ", t.gtype, t.offset))
+    head = b"".join(parts)
+    return head + b"\0" * (_pad(len(head)) - len(head))
+
+
+def estimate_file_bytes(cfg: SynthConfig) -> int:
+    """Exact size of the file ``write_gguf`` would write for ``cfg``."""
+    cfg.validate()
+    ts = _plan(cfg)
+    return len(_header_bytes(cfg, ts)) + ts[-1].offset + _pad(ts[-1].nbytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# random data
+
+
+def _rng(seed: int, *key: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(int(seed), spawn_key=key)))
+
+
+def _name_key(name: str) -> int:
+    return zlib.crc32(name.encode("utf-8"))
+
+
+def _prev_prime(n: int) -> int:
+    n |= 1
+    while True:
+        if n < 4 or all(n % p for p in range(3, int(math.isqrt(n)) + 1, 2)):
+            return n
+        n -= 2
+
+
+_POOL_BYTES = 16 << 20
+_CHUNK_ELEMS = 1 << 22  # elements per fresh chunk (bounds memory)
+
+
+def _q8_blocks(g: np.random.Generator, nb: int, scale: float) -> np.ndarray:
+    """nb random Q8_0 blocks (fp16 d + 32 int8 quants) whose values have std ~ scale."""
+    out = np.empty((nb, 34), dtype=np.uint8)
+    raw = g.bit_generator.random_raw((nb * 32 + 7) // 8).view(np.uint8)[: nb * 32]
+    out[:, 2:] = raw.reshape(nb, 32)
+    d = (scale / _INT8_STD) * (0.75 + 0.5 * g.random(nb, dtype=np.float32))
+    out[:, :2] = d.astype("<f2").view(np.uint8).reshape(nb, 2)
+    return out
+
+
+def _f16_values(g: np.random.Generator, n: int, scale: float) -> np.ndarray:
+    """n F16 values, normally distributed with std ``scale``.
+
+    Drawn as random 16-bit indices into a table of 65536 normal samples (made per call): about
+    10x faster than drawing n normals, and just as random for our purposes.
+    """
+    table = (g.standard_normal(1 << 16, dtype=np.float32) * np.float32(scale)).astype("<f2")
+    idx = g.bit_generator.random_raw((n + 3) // 4).view("<u2")[:n]
+    return table[idx]
+
+
+class _Pools:
+    """One pool of random units (Q8_0 blocks or F16 values) per (type, scale), made on demand."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.pools: Dict[Tuple[int, float], Tuple[memoryview, int, int]] = {}
+
+    def get(self, gtype: int, scale: float) -> Tuple[memoryview, int, int]:
+        key = (gtype, float(scale))
+        if key not in self.pools:
+            g = _rng(self.seed, 0x9001, gtype, int(np.float64(scale).view(np.uint64)))
+            if gtype == GGML_Q8_0:
+                unit = 34
+                n = _prev_prime(_POOL_BYTES // unit)
+                data = _q8_blocks(g, n, scale)
+            else:
+                unit = 2
+                n = _prev_prime(_POOL_BYTES // unit)
+                data = _f16_values(g, n, scale)
+            self.pools[key] = (memoryview(data.tobytes()), unit, n)
+        return self.pools[key]
+
+
+def _write_matrix(f: BinaryIO, t: _Tensor, cfg: SynthConfig, pools: _Pools) -> None:
+    g = _rng(cfg.seed, 0x7E50, _name_key(t.name))
+    q8 = t.gtype == GGML_Q8_0
+    unit_elems = 32 if q8 else 1
+    n_units = t.n_elements // unit_elems
+    if t.fresh:
+        step = max(1, _CHUNK_ELEMS // unit_elems)
+        for start in range(0, n_units, step):
+            n = min(step, n_units - start)
+            arr = _q8_blocks(g, n, t.scale) if q8 else _f16_values(g, n, t.scale)
+            f.write(arr.data)
+        return
+    pool, unit, pn = pools.get(t.gtype, t.scale)
+    pos = int(g.integers(0, pn))
+    left = n_units
+    while left:
+        n = min(left, pn - pos)
+        f.write(pool[pos * unit:(pos + n) * unit])
+        left -= n
+        pos = 0
+
+
+def _router_weights(t: _Tensor, cfg: SynthConfig) -> np.ndarray:
+    E, D = t.ne  # ggml (n_embd, n_expert): row e (length n_embd) is expert e's router row
+    g = _rng(cfg.seed, 0x2007, _name_key(t.name))
+    w = g.standard_normal((D, E), dtype=np.float32)
+    if cfg.routing == "natural":
+        w *= np.float32(t.scale)
+        return w
+    w /= np.linalg.norm(w, axis=1, keepdims=True)
+    mult = np.full(D, t.scale * math.sqrt(E), dtype=np.float64)
+    if cfg.routing == "skewed" and cfg.skew > 0:
+        rank = g.permutation(D)  # expert e has rank rank[e]
+        mult *= (rank + 1.0) ** (-float(cfg.skew))
+    w *= mult.astype(np.float32)[:, None]
+    return w
+
+
+def _write_tensor(f: BinaryIO, t: _Tensor, cfg: SynthConfig, pools: _Pools) -> None:
+    if t.kind == "ones":
+        f.write(np.ones(t.n_elements, dtype="<f4").tobytes())
+    elif t.kind == "router":
+        f.write(_router_weights(t, cfg).astype("<f4").tobytes())
+    else:
+        _write_matrix(f, t, cfg, pools)
+    pad = _pad(t.nbytes) - t.nbytes
+    if pad:
+        f.write(b"\0" * pad)
+
+
+# ----------------------------------------------------------------------------------------------
+# public writer
+
+
+def write_gguf(path, cfg: SynthConfig, progress: bool = False) -> Dict[str, Any]:
+    """Write ``cfg`` as a GGUF file at ``path`` (streamed; atomically renamed into place).
+
+    Returns a summary: ``path``, ``bytes`` (file size), ``n_params``, ``n_tensors``,
+    ``expert_bytes_per_layer``, ``expert_bytes`` (all layers), ``seconds``, ``mb_per_s``, and the
+    config's ``preset``, ``type``, ``routing``, ``skew``, ``seed``.
+    """
+    cfg.validate()
+    path = os.fspath(path)
+    t0 = time.perf_counter()
+    tensors = _plan(cfg)
+    header = _header_bytes(cfg, tensors)
+    total = len(header) + tensors[-1].offset + _pad(tensors[-1].nbytes)
+    pools = _Pools(cfg.seed)
+    tmp = path + ".partial"
+    last_layer = -2
+    try:
+        with open(tmp, "wb", buffering=1 << 22) as f:
+            f.write(header)
+            for t in tensors:
+                if progress and t.layer != last_layer and t.layer >= 0:
+                    last_layer = t.layer
+                    done = f.tell()
+                    dt = time.perf_counter() - t0
+                    print(f"synth: layer {t.layer + 1}/{cfg.n_layer}  {done / 1e6:,.0f}/{total / 1e6:,.0f} MB"
+                          f"  {done / 1e6 / max(dt, 1e-9):,.0f} MB/s", file=sys.stderr, flush=True)
+                _write_tensor(f, t, cfg, pools)
+            written = f.tell()
+        if written != total:
+            raise RuntimeError(f"internal error: wrote {written} bytes, planned {total}")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    dt = time.perf_counter() - t0
+    if progress:
+        print(f"synth: wrote {path}: {total / 1e6:,.1f} MB in {dt:.1f} s ({total / 1e6 / max(dt, 1e-9):,.0f} MB/s)",
+              file=sys.stderr, flush=True)
+    epl = expert_bytes_per_layer(cfg)
+    return {
+        "path": path,
+        "bytes": total,
+        "n_params": sum(t.n_elements for t in tensors),
+        "n_tensors": len(tensors),
+        "expert_bytes_per_layer": epl,
+        "expert_bytes": epl * cfg.n_layer,
+        "seconds": dt,
+        "mb_per_s": total / 1e6 / max(dt, 1e-9),
+        "preset": cfg.preset,
+        "type": cfg.type,
+        "routing": cfg.routing,
+        "skew": cfg.skew,
+        "seed": cfg.seed,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# reader
+
+
+class _Reader:
+    def __init__(self, f: BinaryIO, path: str, size: int):
+        self.f, self.path, self.size = f, path, size
+
+    def fail(self, msg: str) -> ValueError:
+        return ValueError(f"{self.path}: not a valid GGUF file: {msg}")
+
+    def read(self, n: int) -> bytes:
+        pos = self.f.tell()
+        if n < 0 or pos + n > self.size:
+            raise self.fail(f"truncated (needs {n} bytes at offset {pos}, file has {self.size})")
+        b = self.f.read(n)
+        if len(b) != n:
+            raise self.fail(f"truncated (short read at offset {pos})")
+        return b
+
+    def unpack(self, fmt: str):
+        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        return self.read(n).decode("utf-8", errors="replace")
+
+    def value(self, gtype: int):
+        if gtype == GGUF_STRING:
+            return self.string()
+        if gtype == GGUF_ARRAY:
+            etype = self.unpack("<I")
+            n = self.unpack("<Q")
+            if etype == GGUF_STRING:
+                if n * 8 > self.size:
+                    raise self.fail(f"string array of {n} entries cannot fit")
+                return [self.string() for _ in range(n)]
+            if etype not in _SCALAR_NP:
+                raise self.fail(f"invalid array element type {etype}")
+            dt = np.dtype(_SCALAR_NP[etype])
+            arr = np.frombuffer(self.read(n * dt.itemsize), dtype=dt)
+            return (arr != 0).tolist() if etype == GGUF_BOOL else arr.tolist()
+        if gtype not in _SCALAR_FMT:
+            raise self.fail(f"invalid value type {gtype}")
+        return self.unpack(_SCALAR_FMT[gtype])
+
+
+def read_gguf_header(path) -> Dict[str, Any]:
+    """Parse a GGUF file's header (metadata and tensor infos) without reading tensor data.
+
+    Returns ``{"path", "version", "alignment", "n_kv", "n_tensors", "kv": {key: value},
+    "kv_types": {key: gguf type id}, "tensors": [{"name", "shape" (ggml order, ne[0] first),
+    "type" (ggml type id), "type_name", "offset" (relative to the data section), "file_offset",
+    "nbytes"}], "data_offset", "file_size"}``.  Arrays come back as lists.
+
+    Raises ValueError (message names the file) for a non-GGUF, malformed or truncated file.
+    """
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+        f = open(path, "rb", buffering=1 << 20)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read GGUF file: {e}") from e
+    with f:
+        r = _Reader(f, path, size)
+        if size < 4 or f.read(4) != GGUF_MAGIC:
+            raise r.fail("bad magic (expected 'GGUF')")
+        version = r.unpack("<I")
+        if version not in (2, 3):
+            raise r.fail(f"unsupported version {version}")
+        n_tensors = r.unpack("<q")
+        n_kv = r.unpack("<q")
+        if n_tensors < 0 or n_kv < 0 or n_tensors > size or n_kv > size:
+            raise r.fail(f"implausible counts (n_tensors={n_tensors}, n_kv={n_kv})")
+        kv: Dict[str, Any] = {}
+        kv_types: Dict[str, int] = {}
+        for _ in range(n_kv):
+            key = r.string()
+            if not key:
+                raise r.fail("empty key")
+            if key in kv:
+                raise r.fail(f"duplicate key {key!r}")
+            gtype = r.unpack("<I")
+            kv[key] = r.value(gtype)
+            kv_types[key] = gtype
+        alignment = kv.get("general.alignment", ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise r.fail(f"bad general.alignment {alignment!r}")
+        tensors = []
+        for _ in range(n_tensors):
+            name = r.string()
+            n_dims = r.unpack("<I")
+            if n_dims < 1 or n_dims > 4:
+                raise r.fail(f"tensor {name!r} has {n_dims} dimensions")
+            shape = list(struct.unpack(f"<{n_dims}q", r.read(8 * n_dims)))
+            if any(d < 0 for d in shape):
+                raise r.fail(f"tensor {name!r} has a negative dimension {shape}")
+            gtype = r.unpack("<I")
+            offset = r.unpack("<Q")
+            info = _GGML_TYPES.get(gtype)
+            nbytes = None
+            if info is not None:
+                if shape[0] % info[1]:
+                    raise r.fail(f"tensor {name!r}: row length {shape[0]} not a multiple of {info[1]} ({info[0]})")
+                nbytes = _nbytes(tuple(shape), gtype)
+            tensors.append({"name": name, "shape": shape, "type": gtype,
+                            "type_name": info[0] if info else f"type{gtype}",
+                            "offset": offset, "nbytes": nbytes})
+        data_offset = _pad(f.tell(), alignment) if n_tensors else f.tell()
+    expected: Optional[int] = 0  # None once a tensor of unknown type size was seen
+    for t in tensors:
+        t["file_offset"] = data_offset + t["offset"]
+        if t["offset"] % alignment:
+            raise ValueError(f"{path}: not a valid GGUF file: tensor {t['name']!r} offset "
+                             f"{t['offset']} is not aligned to {alignment}")
+        if expected is not None and t["offset"] != expected:
+            raise ValueError(f"{path}: not a valid GGUF file: tensor {t['name']!r} has offset "
+                             f"{t['offset']}, expected {expected}")
+        if t["nbytes"] is None:
+            expected = None
+            continue
+        end = t["file_offset"] + t["nbytes"]
+        if end > size:
+            raise ValueError(f"{path}: truncated GGUF file: tensor {t['name']!r} ends at byte "
+                             f"{end}, file has {size}")
+        if expected is not None:
+            expected += _pad(t["nbytes"], alignment)
+    return {
+        "path": path, "version": version, "alignment": alignment, "n_kv": n_kv,
+        "n_tensors": n_tensors, "kv": kv, "kv_types": kv_types, "tensors": tensors,
+        "data_offset": data_offset, "file_size": size,
+    }

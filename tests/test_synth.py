@@ -1,0 +1,303 @@
+"""Tests for pyllama_pp.synth (synthetic qwen3moe GGUF writer). CPU only, a few seconds."""
+
+import hashlib
+import os
+import sys
+
+import numpy as np
+import pytest
+
+try:
+    from pyllama_pp import synth
+except ImportError:  # running from a checkout without installing
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from pyllama_pp import synth
+
+LAYER_TENSORS = {
+    # name: (shape as a function of cfg, F32 always?)
+    "attn_norm": (lambda c: [c.n_embd], True),
+    "attn_q": (lambda c: [c.n_embd, c.n_head * c.head_dim], False),
+    "attn_k": (lambda c: [c.n_embd, c.n_head_kv * c.head_dim], False),
+    "attn_v": (lambda c: [c.n_embd, c.n_head_kv * c.head_dim], False),
+    "attn_output": (lambda c: [c.n_head * c.head_dim, c.n_embd], False),
+    "attn_q_norm": (lambda c: [c.head_dim], True),
+    "attn_k_norm": (lambda c: [c.head_dim], True),
+    "ffn_norm": (lambda c: [c.n_embd], True),
+    "ffn_gate_inp": (lambda c: [c.n_embd, c.n_expert], True),
+    "ffn_gate_exps": (lambda c: [c.n_embd, c.n_ff_exp, c.n_expert], False),
+    "ffn_up_exps": (lambda c: [c.n_embd, c.n_ff_exp, c.n_expert], False),
+    "ffn_down_exps": (lambda c: [c.n_ff_exp, c.n_embd, c.n_expert], False),
+}
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tensor_bytes(path, info):
+    with open(path, "rb") as f:
+        f.seek(info["file_offset"])
+        return f.read(info["nbytes"])
+
+
+def dequant(path, info):
+    raw = np.frombuffer(tensor_bytes(path, info), dtype=np.uint8)
+    if info["type_name"] == "F32":
+        a = raw.view("<f4").astype(np.float64)
+    elif info["type_name"] == "F16":
+        a = raw.view("<f2").astype(np.float64)
+    else:
+        assert info["type_name"] == "Q8_0"
+        b = raw.reshape(-1, 34)
+        d = b[:, :2].copy().view("<f2").astype(np.float64)
+        a = (b[:, 2:].view(np.int8).astype(np.float64) * d).ravel()
+    return a.reshape(info["shape"][::-1])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cfg = synth.preset("tiny")
+    path = tmp_path_factory.mktemp("synth") / "tiny.gguf"
+    summary = synth.write_gguf(path, cfg)
+    return cfg, path, summary, synth.read_gguf_header(path)
+
+
+def test_presets_build_configs():
+    assert set(synth.PRESETS) >= {"tiny", "small", "qwen3-30b-a3b"}
+    for name in synth.PRESETS:
+        cfg = synth.preset(name)
+        assert cfg.preset == name
+        assert cfg.validate() is cfg
+    tiny = synth.preset("tiny")
+    assert tiny.n_layer >= 6 and tiny.n_expert == 64 and tiny.n_expert_used == 2
+    assert 8e6 <= synth.estimate_file_bytes(tiny) <= 14e6
+    assert 100e6 <= synth.estimate_file_bytes(synth.preset("small")) <= 300e6
+    big = synth.preset("qwen3-30b-a3b")
+    assert (big.n_layer, big.n_embd, big.n_head, big.n_head_kv, big.head_dim) == (48, 2048, 32, 4, 128)
+    assert (big.n_expert, big.n_expert_used, big.n_ff_exp, big.n_vocab) == (128, 8, 768, 32768)
+    assert abs(synth.expert_bytes_per_layer(big) / 1e9 - 0.64) < 0.01
+    assert 29.0 <= synth.estimate_file_bytes(big) / 2**30 <= 30.5
+    # overrides; presets themselves are not modified
+    cfg = synth.preset("tiny", seed=7, type="f16", n_layer=3, routing="skewed", skew=1.0)
+    assert (cfg.seed, cfg.type, cfg.n_layer, cfg.routing, cfg.skew) == (7, "f16", 3, "skewed", 1.0)
+    assert synth.PRESETS["tiny"].seed == 0 and synth.PRESETS["tiny"].n_layer == tiny.n_layer
+
+
+def test_unknown_preset_and_bad_config():
+    with pytest.raises(ValueError) as e:
+        synth.preset("huge")
+    for name in ("tiny", "small", "qwen3-30b-a3b"):
+        assert name in str(e.value)
+    with pytest.raises(ValueError):
+        synth.preset("tiny", no_such_field=1)
+    with pytest.raises(ValueError):
+        synth.preset("tiny", n_embd=100)  # Q8_0 rows must be multiples of 32
+    synth.preset("tiny", n_embd=100, type="f16")  # fine for F16
+    with pytest.raises(ValueError):
+        synth.preset("tiny", n_expert_used=65)
+    with pytest.raises(ValueError):
+        synth.preset("tiny", routing="random")
+    with pytest.raises(ValueError):
+        synth.preset("tiny", n_head_kv=3)
+
+
+def test_tiny_file(tiny):
+    cfg, path, summary, h = tiny
+    size = os.path.getsize(path)
+    assert size == summary["bytes"] == synth.estimate_file_bytes(cfg) == h["file_size"]
+    assert 8e6 <= size <= 14e6
+    assert summary["n_tensors"] == 3 + 12 * cfg.n_layer == h["n_tensors"] == len(h["tensors"])
+    assert summary["expert_bytes_per_layer"] == synth.expert_bytes_per_layer(cfg)
+    assert summary["seconds"] > 0
+
+    kv = h["kv"]
+    assert h["version"] == 3 and h["alignment"] == 32 and h["data_offset"] % 32 == 0
+    assert kv["general.architecture"] == "qwen3moe"
+    assert kv["general.file_type"] == 7
+    a = "qwen3moe."
+    expect = {
+        "block_count": cfg.n_layer, "context_length": cfg.n_ctx_train, "embedding_length": cfg.n_embd,
+        "attention.head_count": cfg.n_head, "attention.head_count_kv": cfg.n_head_kv,
+        "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
+        "expert_count": cfg.n_expert, "expert_used_count": cfg.n_expert_used,
+        "expert_feed_forward_length": cfg.n_ff_exp,
+    }
+    for k, v in expect.items():
+        assert kv[a + k] == v, k
+        assert h["kv_types"][a + k] == 4, k  # uint32, as llama.cpp's loader requires
+    for k in ("attention.layer_norm_rms_epsilon", "rope.freq_base"):
+        assert h["kv_types"][a + k] == 6  # float32
+    assert a + "feed_forward_length" in kv
+    assert kv["tokenizer.ggml.model"] == "test"
+    toks = kv["tokenizer.ggml.tokens"]
+    assert len(toks) == cfg.n_vocab and len(set(toks)) == cfg.n_vocab and all(toks)
+    assert kv["pyllama_pp.synth.preset"] == "tiny"
+    assert kv["pyllama_pp.synth.routing"] == "uniform"
+    assert kv["pyllama_pp.synth.seed"] == 0
+    assert kv["pyllama_pp.synth.n_expert"] == cfg.n_expert
+
+    t = {x["name"]: x for x in h["tensors"]}
+    for name, shape, f32 in [("token_embd.weight", [cfg.n_embd, cfg.n_vocab], False),
+                             ("output.weight", [cfg.n_embd, cfg.n_vocab], False),
+                             ("output_norm.weight", [cfg.n_embd], True)]:
+        assert t[name]["shape"] == shape
+        assert t[name]["type_name"] == ("F32" if f32 else "Q8_0")
+    for i in range(cfg.n_layer):
+        for short, (shape_of, f32) in LAYER_TENSORS.items():
+            info = t[f"blk.{i}.{short}.weight"]
+            assert info["shape"] == shape_of(cfg), info["name"]
+            assert info["type_name"] == ("F32" if f32 else "Q8_0"), info["name"]
+    assert len(t) == len(h["tensors"])
+    for info in h["tensors"]:
+        assert info["offset"] % 32 == 0 and info["file_offset"] % 32 == 0
+    exps = sum(t[f"blk.0.ffn_{w}_exps.weight"]["nbytes"] for w in ("gate", "up", "down"))
+    assert exps == synth.expert_bytes_per_layer(cfg)
+    last = h["tensors"][-1]
+    assert size == last["file_offset"] + -(-last["nbytes"] // 32) * 32
+
+
+def test_tiny_weights_scales_and_routing(tiny):
+    cfg, path, _, h = tiny
+    t = {x["name"]: x for x in h["tensors"]}
+    emb = dequant(path, t["token_embd.weight"])
+    assert abs(emb.std() - 1.0) < 0.1  # uniform routing: embeddings at scale 1.0
+    assert abs(dequant(path, t["blk.0.attn_output.weight"]).std() - 5e-4) < 1e-4
+    assert abs(dequant(path, t["blk.0.ffn_down_exps.weight"]).std() - 5e-4) < 1e-4
+    assert np.all(dequant(path, t["output_norm.weight"]) == 1.0)
+    router = dequant(path, t["blk.0.ffn_gate_inp.weight"])  # [n_expert, n_embd]
+    norms = np.linalg.norm(router, axis=1)
+    assert np.allclose(norms, norms[0], rtol=1e-5)
+
+    # layer-0 routing of 32 random tokens (the residual is ~ the embedding): about 40 of 64 used
+    def used(router, toks):
+        x = emb[toks]
+        x = x / np.sqrt((x * x).mean(1, keepdims=True))
+        sel = np.argsort(-(x @ router.T), axis=1)[:, : cfg.n_expert_used]
+        return len(np.unique(sel))
+
+    toks = np.random.default_rng(3).integers(0, cfg.n_vocab, 32)
+    n_uniform = [used(dequant(path, t[f"blk.{i}.ffn_gate_inp.weight"]), toks) for i in range(cfg.n_layer)]
+    assert 30 <= np.mean(n_uniform) <= 48, n_uniform
+    logits = emb[toks] @ dequant(path, t["output.weight"]).T
+    assert np.isfinite(logits).all()
+
+
+def test_skewed_router_profile(tmp_path):
+    cfg = synth.preset("tiny", routing="skewed", skew=1.5, n_layer=2, n_vocab=256)
+    path = tmp_path / "skewed.gguf"
+    synth.write_gguf(path, cfg)
+    h = synth.read_gguf_header(path)
+    assert h["kv"]["pyllama_pp.synth.routing"] == "skewed"
+    assert abs(h["kv"]["pyllama_pp.synth.skew"] - 1.5) < 1e-6
+    t = {x["name"]: x for x in h["tensors"]}
+    r0 = dequant(path, t["blk.0.ffn_gate_inp.weight"])
+    r1 = dequant(path, t["blk.1.ffn_gate_inp.weight"])
+    norms = np.sort(np.linalg.norm(r0, axis=1))[::-1]
+    want = (np.arange(cfg.n_expert) + 1.0) ** -1.5
+    assert np.allclose(norms / norms[0], want, rtol=1e-4)
+    # favoured experts differ between layers
+    assert not np.array_equal(np.argsort(np.linalg.norm(r0, axis=1)), np.argsort(np.linalg.norm(r1, axis=1)))
+    # fewer experts win than with uniform routing
+    emb = dequant(path, t["token_embd.weight"])
+    x = emb[np.random.default_rng(3).integers(0, cfg.n_vocab, 32)]
+    sel = np.argsort(-(x @ r0.T), axis=1)[:, :2]
+    assert len(np.unique(sel)) < 30
+
+
+def test_natural_scales(tmp_path):
+    cfg = synth.preset("tiny", routing="natural", n_layer=1, n_vocab=256)
+    s = cfg.resolved_scales()
+    assert s["embd_scale"] == 0.02
+    assert abs(s["attn_out_scale"] - 1 / np.sqrt(cfg.n_head * cfg.head_dim)) < 1e-12
+    assert synth.preset("tiny", routing="natural", embd_scale=0.5).resolved_scales()["embd_scale"] == 0.5
+
+
+def test_determinism(tmp_path, tiny):
+    cfg, path, _, _ = tiny
+    again = tmp_path / "again.gguf"
+    synth.write_gguf(again, synth.preset("tiny"))
+    assert sha256(again) == sha256(path)
+    other = tmp_path / "other.gguf"
+    synth.write_gguf(other, synth.preset("tiny", seed=1))
+    assert os.path.getsize(other) == os.path.getsize(path)
+    assert sha256(other) != sha256(path)
+    h0, h1 = synth.read_gguf_header(path), synth.read_gguf_header(other)
+    name = "blk.0.ffn_up_exps.weight"
+    i0 = next(x for x in h0["tensors"] if x["name"] == name)
+    i1 = next(x for x in h1["tensors"] if x["name"] == name)
+    assert tensor_bytes(path, i0) != tensor_bytes(other, i1)
+
+
+def test_tiled_path_deterministic(tmp_path, monkeypatch):
+    # the path big models take: large tensors tiled from a pool with a per-tensor start offset
+    monkeypatch.setattr(synth, "TILE_MIN_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(synth, "_POOL_BYTES", 1 << 18)
+    for typ in ("q8_0", "f16"):
+        cfg = synth.preset("tiny", n_layer=2, type=typ)
+        a, b = tmp_path / f"a_{typ}.gguf", tmp_path / f"b_{typ}.gguf"
+        synth.write_gguf(a, cfg)
+        synth.write_gguf(b, cfg)
+        assert sha256(a) == sha256(b)
+        h = synth.read_gguf_header(a)
+        assert h["file_size"] == synth.estimate_file_bytes(cfg)
+        t = {x["name"]: x for x in h["tensors"]}
+        gate = dequant(a, t["blk.0.ffn_gate_exps.weight"])
+        up = dequant(a, t["blk.0.ffn_up_exps.weight"])
+        assert not np.array_equal(gate, up)
+        assert abs(gate.std() - cfg.resolved_scales()["ffn_scale"]) < 0.15 * cfg.resolved_scales()["ffn_scale"]
+
+
+def test_f16(tmp_path):
+    cfg = synth.preset("tiny", type="f16", n_layer=2)
+    path = tmp_path / "f16.gguf"
+    summary = synth.write_gguf(path, cfg)
+    h = synth.read_gguf_header(path)
+    assert summary["bytes"] == os.path.getsize(path) == synth.estimate_file_bytes(cfg)
+    assert h["kv"]["general.file_type"] == 1
+    t = {x["name"]: x for x in h["tensors"]}
+    assert t["token_embd.weight"]["type_name"] == "F16"
+    assert t["output_norm.weight"]["type_name"] == "F32"
+    for short, (shape_of, f32) in LAYER_TENSORS.items():
+        info = t[f"blk.1.{short}.weight"]
+        assert info["shape"] == shape_of(cfg)
+        assert info["type_name"] == ("F32" if f32 else "F16"), short
+    assert summary["expert_bytes_per_layer"] == 3 * cfg.n_embd * cfg.n_ff_exp * cfg.n_expert * 2
+    emb = dequant(path, t["token_embd.weight"])
+    assert np.isfinite(emb).all() and abs(emb.std() - 1.0) < 0.1
+
+
+def test_progress_goes_to_stderr(tmp_path, capsys):
+    synth.write_gguf(tmp_path / "p.gguf", synth.preset("tiny", n_layer=2, n_vocab=256), progress=True)
+    out = capsys.readouterr()
+    assert out.out == "" and "layer 2/2" in out.err
+
+
+def test_read_rejects_garbage_and_truncated(tmp_path, tiny):
+    _, path, _, h = tiny
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(ValueError, match="garbage.gguf"):
+        synth.read_gguf_header(garbage)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty.gguf"):
+        synth.read_gguf_header(empty)
+    with pytest.raises(ValueError, match="missing.gguf"):
+        synth.read_gguf_header(tmp_path / "missing.gguf")
+
+    data = path.read_bytes()
+    # cut inside the metadata, inside the tensor infos, and inside the tensor data
+    for cut in (40, h["data_offset"] - 100, len(data) - 1000):
+        trunc = tmp_path / f"trunc_{cut}.gguf"
+        trunc.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=f"trunc_{cut}.gguf"):
+            synth.read_gguf_header(trunc)
+    # a GGUF magic followed by nonsense counts
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (2**62).to_bytes(8, "little") * 2)
+    with pytest.raises(ValueError, match="bad.gguf"):
+        synth.read_gguf_header(bad)
