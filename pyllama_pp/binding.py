@@ -6,6 +6,7 @@ harness runs each variant in its own worker process (pyllama_pp.worker).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -17,8 +18,21 @@ from .errors import (BuildError, DecodeError, DeviceSpecError, ModelError, OutOf
 
 VARIANTS = ("baseline", "patched")
 PACKAGE_DIR = Path(__file__).resolve().parent
-VARIANTS_DIR = PACKAGE_DIR / "_variants"
-BACKENDS_DIR = PACKAGE_DIR / "_backends"
+
+
+def _installed_dir(name: str) -> Path:
+    """Where the build put pyllama_pp/<name> (the package folder, or site-packages for editable installs)."""
+    try:
+        spec = importlib.util.find_spec(f"pyllama_pp.{name}")
+    except ImportError:
+        spec = None
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        return Path(loc)
+    return PACKAGE_DIR / name
+
+
+VARIANTS_DIR = _installed_dir("_variants")
+BACKENDS_DIR = _installed_dir("_backends")
 
 _loaded: "Native | None" = None
 

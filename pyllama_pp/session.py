@@ -389,6 +389,14 @@ class Session:
             recs = [(rows[i].layer, rows[i].n_tokens, rows[i].n_used) for i in range(n)]
         finally:
             lib.pp_context_free(ctx)
+        # keep layers that saw the whole ubatch: the last layer of a graph runs only on the output rows
+        full, ubatch = [], 0
+        for layer, n_tok, used in recs:
+            if layer == 0 or n_tok > ubatch:
+                ubatch = n_tok
+            if n_tok == ubatch and n_tok > 0:
+                full.append((layer, n_tok, used))
+        recs = full
         n_expert = max(self.info.n_expert, 1)
         per_layer: dict[int, list[int]] = {}
         for layer, _, used in recs:

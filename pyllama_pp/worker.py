@@ -1,0 +1,177 @@
+"""Worker processes: one variant per process (both variants share library names).
+
+`run_job(job, variant)` starts `python -m pyllama_pp.worker`, sends the job as JSON on stdin and reads one
+JSON document back. A worker that crashes, is killed or times out raises WorkerError (with its exit status
+and the end of its stderr); the caller decides whether that becomes an error row.
+
+Job kinds: "info", "schedule", "logits" (writes an .npy), "bench" (llama-bench-like pp/tg tests).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from typing import Optional
+
+import numpy as np
+
+from .errors import PyllamaError, WorkerError
+
+
+def run_job(job: dict, variant: str, timeout: Optional[float] = None, env: Optional[dict] = None) -> dict:
+    """Run `job` in a fresh worker process for `variant`; returns the worker's result dict."""
+    full_env = dict(os.environ)
+    full_env.update({k: str(v) for k, v in (env or {}).items()})
+    full_env.setdefault("PYLLAMA_PP_LOG", "1")
+    payload = json.dumps({"variant": variant, **job})
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pyllama_pp.worker"], input=payload, capture_output=True,
+                              text=True, timeout=timeout, env=full_env)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-2000:] if isinstance(e.stderr, bytes) else (e.stderr or "")[-2000:]
+        raise WorkerError(f"{variant} worker timed out after {timeout:.0f} s; stderr tail:\n{tail}") from None
+    out = proc.stdout.strip().splitlines()
+    result = None
+    if out:
+        try:
+            result = json.loads(out[-1])
+        except json.JSONDecodeError:
+            result = None
+    if proc.returncode != 0 or result is None:
+        how = (f"killed by signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+               else f"exit code {proc.returncode}")
+        msg = result.get("error") if isinstance(result, dict) else None
+        raise WorkerError(f"{variant} worker failed ({how}): {msg or 'no result'}\nstderr tail:\n"
+                          f"{proc.stderr[-2000:]}")
+    if "error" in result:
+        raise WorkerError(f"{variant} worker: {result['error']}")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------
+# inside the worker
+
+def _session(job: dict):
+    from .session import ContextParams, Placement, Session
+    return Session(job["model"], devices=job.get("devices", "cpu"), placement=Placement(**job.get("placement", {})),
+                   ctx=ContextParams(**job.get("ctx", {})), variant=job["variant"],
+                   ext_params=job.get("ext_params") or None)
+
+
+def _tokens(n: int, n_vocab: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, n_vocab, n, dtype=np.int64)
+
+
+def _do_info(job: dict) -> dict:
+    from . import binding
+    from .session import list_devices
+    native = binding.load(job["variant"])
+    return {"variant": native.variant, "ext_version": native.lib.pp_ext_version(),
+            "system_info": native.str(native.lib.pp_system_info()), "devices": list_devices()}
+
+
+def _do_schedule(job: dict) -> dict:
+    with _session(job) as s:
+        return {"model": s.info.to_dict(), "schedule": s.schedule().to_dict()}
+
+
+def _do_logits(job: dict) -> dict:
+    with _session(job) as s:
+        toks = job.get("tokens") or _tokens(job.get("n_tokens", 64), s.info.n_vocab, job.get("seed", 0)).tolist()
+        r = s.eval(toks, logits=job.get("logits", "all"))
+        np.save(job["out"], r.logits)
+        return {"shape": list(r.logits.shape), "seconds": r.seconds, "schedule": s.schedule().to_dict(),
+                "counters": r.counters, "ext": r.ext}
+
+
+def _sum_devices(per_eval: list[list[dict]]) -> list[dict]:
+    """Add up per-device counter deltas over several evals."""
+    out: list[dict] = []
+    for devs in per_eval:
+        for i, d in enumerate(devs):
+            if i >= len(out):
+                out.append({k: (0 if isinstance(v, (int, float)) else v) for k, v in d.items()})
+            for k, v in d.items():
+                if isinstance(v, (int, float)) and k not in ("alloc_bytes", "peak_alloc_bytes"):
+                    out[i][k] += v
+                elif k == "peak_alloc_bytes":
+                    out[i][k] = max(out[i][k], v)
+    return out
+
+
+def _ext_delta(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
+    if not a or not b:
+        return None
+    d = {k: b[k] - a[k] for k in b if isinstance(b[k], int) and k not in ("n_copies", "n_splits", "transient_inputs")}
+    d["backends"] = [{"name": y["name"], **{k: y[k] - x[k] for k in y if k != "name"}}
+                     for x, y in zip(a["backends"], b["backends"])]
+    d["params"] = b.get("params")
+    return d
+
+
+def _do_bench(job: dict) -> dict:
+    """Run llama-bench-like tests: ("pp", n) decodes n prompt tokens in n_batch chunks; ("tg", n) decodes n
+    tokens one by one. Each test: one warm-up, then `reps` timed runs."""
+    reps = int(job.get("reps", 3))
+    seed = int(job.get("seed", 0))
+    with _session(job) as s:
+        sched = s.schedule().to_dict()
+        results = []
+        for kind, n in job.get("tests", [["pp", 512]]):
+            toks = _tokens(n, s.info.n_vocab, seed)
+            cov = None
+            if kind == "pp" and job.get("coverage", True) and s.info.n_expert > 0:
+                cov = s.coverage(toks)
+            times, devs, ext0, ext1 = [], [], None, None
+            for r in range(reps + 1):
+                s.reset_counters()
+                e0 = s.ext_stats()
+                if kind == "pp":
+                    res = s.eval(toks, logits="last")
+                    dt, dev = res.seconds, res.counters["devices"]
+                else:
+                    s.eval(toks[:1], logits="last")  # position 0 (not timed, as llama-bench's tg starts empty)
+                    t0 = time.perf_counter()
+                    per = []
+                    for i in range(1, n + 1):
+                        res = s.eval(toks[i % len(toks): i % len(toks) + 1], logits="last", pos0=i, clear=False)
+                        per.append(res.counters["devices"])
+                    dt = time.perf_counter() - t0
+                    dev = _sum_devices(per)
+                if r == 0:
+                    continue  # warm-up
+                times.append(dt)
+                devs.append(dev)
+                if ext0 is None:
+                    ext0 = e0
+                ext1 = s.ext_stats()
+            results.append({"kind": kind, "n": n, "seconds": times, "devices": _sum_devices(devs),
+                            "ext": _ext_delta(ext0, ext1), "coverage": cov, "reps": reps})
+        return {"model": s.info.to_dict(), "schedule": sched, "tests": results}
+
+
+def _main() -> int:
+    job = json.loads(sys.stdin.read())
+    handlers = {"info": _do_info, "schedule": _do_schedule, "logits": _do_logits, "bench": _do_bench}
+    kind = job.get("kind", "bench")
+    try:
+        if kind not in handlers:
+            raise PyllamaError(f"unknown job kind {kind!r}")
+        result = handlers[kind](job)
+    except PyllamaError as e:
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        return 3
+    except Exception as e:  # a bug: report it with its traceback rather than dying silently
+        print(json.dumps({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}))
+        return 4
+    sys.stdout.flush()
+    print(json.dumps(result, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
