@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,11 @@ def _installed_dir(name: str) -> Path:
         spec = None
     for loc in (spec.submodule_search_locations or []) if spec else []:
         return Path(loc)
+    # imported from a source checkout (e.g. `python -m pytest` in the repo): use the installed build
+    for entry in sys.path:
+        cand = Path(entry or ".") / "pyllama_pp" / name
+        if cand.is_dir() and cand.resolve() != (PACKAGE_DIR / name).resolve():
+            return cand
     return PACKAGE_DIR / name
 
 

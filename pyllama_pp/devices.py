@@ -30,6 +30,8 @@ _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb":
 def parse_size(text: Union[str, int, float]) -> int:
     """'768MiB' -> bytes; plain numbers are bytes."""
     if isinstance(text, (int, float)):
+        if text < 0:
+            raise DeviceSpecError(f"bad memory size {text!r}: it cannot be negative")
         return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
@@ -40,6 +42,8 @@ def parse_size(text: Union[str, int, float]) -> int:
 def parse_rate(text: Union[str, int, float]) -> float:
     """'4GBps' / '250MBps' / 4 -> GB/s (1e9 bytes/s)."""
     if isinstance(text, (int, float)):
+        if text < 0:
+            raise DeviceSpecError(f"bad bandwidth {text!r}: it cannot be negative (0 means unthrottled)")
         return float(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(gbps|gb/s|mbps|mb/s|)\s*", str(text).lower())
     if not m:
@@ -117,6 +121,17 @@ def _from_dict(d: dict, text: str) -> DeviceSpec:
 
 def parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
     """Parse a device spec (string, JSON file path, dict or DeviceSpec)."""
+    try:
+        return _parse(spec)
+    except DeviceSpecError as e:
+        if "Accepted forms:" in str(e):
+            raise
+        raise _bad(spec, str(e)) from None
+    except (TypeError, ValueError) as e:
+        raise _bad(spec, str(e)) from None
+
+
+def _parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
     if isinstance(spec, DeviceSpec):
         return spec
     if spec is None or spec == "":

@@ -260,9 +260,12 @@ class Session:
         m = lib.pp_model_load(p)
         if m == ffi.NULL:
             msg = self.native.last_error()
-            if "memory" in msg or "alloc" in msg:
-                raise OutOfMemoryError(msg)
-            raise ModelError(msg)
+            low = msg.lower()
+            if "failed to allocate" in low or "out of memory" in low or "unable to allocate" in low:
+                raise OutOfMemoryError(msg + "\nFix: put fewer layers on the devices (--ngl), keep experts in host "
+                                             "RAM (--host-experts all), or give the devices more memory")
+            raise ModelError(msg + "\n(not a valid GGUF for this build? check the file, or write one with "
+                                   "`pyllama-pp synth`)")
         self._model = m
         info = ffi.new("pp_model_info *")
         self.native.check(lib.pp_model_get_info(m, info))

@@ -299,8 +299,7 @@ PP_EXPORT pp_model * pp_model_load(const pp_model_params * p) {
         }
         m->model = llama_model_load_from_file(p->path, mp);
         if (!m->model) {
-            return fail(PP_ERR_MODEL, std::string("llama.cpp could not load ") + p->path +
-                                          " (not a valid GGUF for this build, or too little memory for the placement)");
+            return fail(PP_ERR_MODEL, std::string("llama.cpp could not load ") + p->path);
         }
         result = m.release();
         return PP_OK;

@@ -1,0 +1,322 @@
+"""A/B benchmark library: llama-bench-like rows for the baseline and the patched build.
+
+Configurations are crossed like llama-bench's comma-separated values; every configuration runs in a
+fresh worker process per variant (same model, placement, batch sizes and load mode for both), rows are
+appended to JSONL/CSV as they come (a crash or Ctrl-C loses nothing already measured), and a worker
+that dies becomes an error row.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Sequence, Union
+
+from . import devices as devspec
+from .binding import build_info
+from .errors import WorkerError
+from .worker import run_job
+
+VARIANTS = ("baseline", "patched")
+ROW_FIELDS = [
+    "variant", "model", "model_size", "model_n_params", "n_expert", "n_expert_used", "devices", "n_gpu_layers",
+    "split_mode", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen",
+    "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "speedup", "pipeline_parallel", "n_copies", "n_splits",
+    "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac",
+    "host_syncs", "id_readbacks", "upload_all", "re_reservations", "compute_buffer_bytes", "label", "env",
+    "ext_params", "error", "build", "machine", "date",
+]
+
+
+@dataclass
+class BenchConfig:
+    """One point of the test matrix (both variants run it)."""
+
+    model: str
+    devices: str = "cpu"
+    n_batch: int = 512
+    n_ubatch: int = 32
+    n_ctx: int = 0                      # 0: enough for the longest test
+    host_experts: Union[str, int] = "all"
+    load_mode: str = "none"
+    n_gpu_layers: int = -1
+    flash_attn: int = 1
+    tests: list = field(default_factory=lambda: [["pp", 512]])
+    reps: int = 3
+    ext_params: dict = field(default_factory=dict)   # patched-only switches (GGML_SCHED_PP_*)
+    env: dict = field(default_factory=dict)          # environment for both workers (e.g. GGML_OP_OFFLOAD_MIN_BATCH)
+    label: str = ""
+
+    def job(self) -> dict:
+        longest = max(n for _, n in self.tests) + 8
+        n_ctx = self.n_ctx or max(256, int(math.ceil(longest / 256.0)) * 256)
+        return {"kind": "bench", "model": self.model, "devices": self.devices, "tests": self.tests, "reps": self.reps,
+                "placement": {"host_experts": self.host_experts, "load_mode": self.load_mode,
+                              "n_gpu_layers": self.n_gpu_layers},
+                "ctx": {"n_ctx": n_ctx, "n_batch": self.n_batch, "n_ubatch": min(self.n_ubatch, self.n_batch),
+                        "flash_attn": self.flash_attn}}
+
+
+def expand(model: str, devices: Sequence[str] = ("cpu",), n_batch: Sequence[int] = (512,),
+           n_ubatch: Sequence[int] = (32,), host_experts: Sequence = ("all",), **common) -> list[BenchConfig]:
+    """Cross the given lists like llama-bench; `common` goes to every BenchConfig."""
+    out = []
+    for dev, nb, nub, he in itertools.product(devices, n_batch, n_ubatch, host_experts):
+        if nub > nb:
+            continue
+        out.append(BenchConfig(model=model, devices=dev, n_batch=nb, n_ubatch=nub, host_experts=he, **common))
+    return out
+
+
+def _env_knobs(extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k.startswith(("GGML_SCHED_PP_", "GGML_OP_OFFLOAD", "GGML_CUDA_"))}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _link_bound(cfg: BenchConfig, h2d: list[int], n_tokens: int) -> tuple[list[float], float]:
+    """Per-device link bandwidth (GB/s) and the tokens/s bound the bytes moved imply (links in parallel,
+    a shared link carries the bytes of all its devices)."""
+    spec = devspec.parse(cfg.devices)
+    if spec.kind != "vdev" or not h2d:
+        return [], float("nan")
+    gbps = [v.link_gbps for v in spec.vdevs]
+    if min(gbps) <= 0:
+        return gbps, float("nan")
+    per_link: dict = {}
+    for i, v in enumerate(spec.vdevs):
+        key = ("g", v.link_group) if v.link_group >= 0 else ("d", i)
+        t = h2d[i] / (v.link_gbps * 1e9) if i < len(h2d) else 0.0
+        per_link[key] = per_link.get(key, 0.0) + t
+    worst = max(per_link.values())
+    return gbps, (n_tokens / worst if worst > 0 else float("nan"))
+
+
+def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> list[dict]:
+    rows = []
+    model = res["model"]
+    sched = res["schedule"]
+    for t in res["tests"]:
+        n_tok = t["n"]
+        secs = t["seconds"]
+        ts = [n_tok / s for s in secs if s > 0]
+        devs = t["devices"]
+        reps = max(len(secs), 1)
+        h2d = [int(d["h2d_bytes"] / reps) for d in devs]
+        ext = t.get("ext") or {}
+        gbps, bound = _link_bound(cfg, h2d, n_tok)
+        avg = statistics.fmean(ts) if ts else float("nan")
+        cov = t.get("coverage") or {}
+        rows.append({
+            "variant": variant, "model": Path(model["path"]).name, "model_size": model["size_bytes"],
+            "model_n_params": model["n_params"], "n_expert": model["n_expert"], "n_expert_used": model["n_expert_used"],
+            "devices": cfg.devices, "n_gpu_layers": cfg.n_gpu_layers, "split_mode": "layer",
+            "tensor_buft_overrides": f"host_experts={cfg.host_experts}", "load_mode": cfg.load_mode,
+            "n_ctx": cfg.job()["ctx"]["n_ctx"], "n_batch": cfg.n_batch, "n_ubatch": min(cfg.n_ubatch, cfg.n_batch),
+            "test": f"{t['kind']}{n_tok}", "n_prompt": n_tok if t["kind"] == "pp" else 0,
+            "n_gen": n_tok if t["kind"] == "tg" else 0, "avg_ts": avg,
+            "stddev_ts": statistics.stdev(ts) if len(ts) > 1 else 0.0, "samples_ts": ts,
+            "avg_ns": int(statistics.fmean(secs) * 1e9) if secs else 0, "speedup": float("nan"),
+            "pipeline_parallel": sched["pipeline_parallel"], "n_copies": sched["n_copies"],
+            "n_splits": sched["n_splits"], "experts_used": cov.get("experts_used_per_layer_ubatch"),
+            "coverage": cov.get("coverage"), "h2d_bytes": sum(h2d), "h2d_bytes_per_device": h2d, "link_gbps": gbps,
+            "bound_ts": bound, "bound_frac": avg / bound if bound and bound == bound else float("nan"),
+            "host_syncs": int(sum(d["host_syncs"] for d in devs) / reps) if devs else None,
+            "id_readbacks": int(ext["id_readbacks"] / reps) if "id_readbacks" in ext else None,
+            "upload_all": int(ext["upload_all"] / reps) if "upload_all" in ext else None,
+            "re_reservations": None,
+            "compute_buffer_bytes": [b["compute_buffer_bytes"] for b in sched["backends"]],
+            "label": cfg.label, "ext_params": cfg.ext_params if variant == "patched" else {}, **meta})
+    return rows
+
+
+def error_rows(cfg: BenchConfig, variant: str, err: str, meta: dict) -> list[dict]:
+    return [{"variant": variant, "model": Path(cfg.model).name, "devices": cfg.devices, "n_batch": cfg.n_batch,
+             "n_ubatch": cfg.n_ubatch, "tensor_buft_overrides": f"host_experts={cfg.host_experts}",
+             "load_mode": cfg.load_mode, "test": f"{k}{n}", "avg_ts": float("nan"), "label": cfg.label,
+             "error": err[:2000], **meta} for k, n in cfg.tests]
+
+
+class RowWriter:
+    """Appends rows to results.jsonl and results.csv as they come."""
+
+    def __init__(self, out_dir: Optional[Path]):
+        self.out_dir = Path(out_dir) if out_dir else None
+        if self.out_dir:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.jsonl = self.out_dir / "results.jsonl"
+            self.csv = self.out_dir / "results.csv"
+            self._csv_started = self.csv.exists() and self.csv.stat().st_size > 0
+
+    def write(self, rows: list[dict]) -> None:
+        if not self.out_dir:
+            return
+        with open(self.jsonl, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r, default=float) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        with open(self.csv, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=ROW_FIELDS, extrasaction="ignore")
+            if not self._csv_started:
+                w.writeheader()
+                self._csv_started = True
+            for r in rows:
+                w.writerow({k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in r.items()})
+
+
+def _meta(cfg: BenchConfig) -> dict:
+    info = build_info()
+    return {"env": _env_knobs(cfg.env), "build": {"cuda": info.get("cuda"), "compiler": info.get("compiler")},
+            "machine": f"{platform.node()} ({os.cpu_count()} cores)", "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_dir: Optional[Union[str, Path]] = None,
+       progress: bool = True, timeout: Optional[float] = None):
+    """Run every config on every variant (each in its own worker); return a pandas DataFrame of rows with
+    `speedup` = patched avg_ts / baseline avg_ts for the same config and test."""
+    import pandas as pd
+
+    configs = list(configs)
+    writer = RowWriter(Path(out_dir) if out_dir else None)
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=len(configs) * len(variants), desc="A/B", unit="run", dynamic_ncols=True)
+        except ImportError:
+            bar = None
+    all_rows: list[dict] = []
+    try:
+        for ci, cfg in enumerate(configs):
+            meta = _meta(cfg)
+            per_variant: dict[str, list[dict]] = {}
+            for v in variants:
+                if bar:
+                    bar.set_postfix_str(f"{v} {cfg.devices} ub={cfg.n_ubatch}")
+                job = cfg.job()
+                if v == "patched" and cfg.ext_params:
+                    job["ext_params"] = cfg.ext_params
+                try:
+                    res = run_job(job, v, timeout=timeout, env=cfg.env)
+                    rows = rows_from_result(cfg, v, res, meta)
+                except WorkerError as e:
+                    rows = error_rows(cfg, v, str(e), meta)
+                for r in rows:
+                    r["config"] = ci
+                per_variant[v] = rows
+                if bar:
+                    bar.update(1)
+            base = {r["test"]: r for r in per_variant.get("baseline", [])}
+            for v, rows in per_variant.items():
+                for r in rows:
+                    b = base.get(r["test"])
+                    if b and b.get("avg_ts") and b["avg_ts"] == b["avg_ts"] and r.get("avg_ts") == r.get("avg_ts"):
+                        r["speedup"] = r["avg_ts"] / b["avg_ts"]
+                writer.write(rows)
+                all_rows.extend(rows)
+    finally:
+        if bar:
+            bar.close()
+    df = pd.DataFrame(all_rows)
+    for col in ROW_FIELDS:
+        if col not in df.columns:
+            df[col] = None
+    return df
+
+
+def _fmt_bytes(b) -> str:
+    try:
+        b = float(b)
+    except (TypeError, ValueError):
+        return ""
+    if b != b:
+        return ""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(b) < 1024 or unit == "GiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1024
+
+
+def markdown(df) -> str:
+    """A compare-llama-bench-like table: one line per config and test, baseline vs patched."""
+    if df.empty:
+        return "(no rows)\n"
+    lines = ["| devices | host experts | n_batch | n_ubatch | test | coverage | baseline t/s | patched t/s | speedup "
+             "| PP b/p | bytes/dev baseline | bytes/dev patched | bound t/s (patched) |",
+             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: |"]
+    for (cfg, test), g in df.groupby(["config", "test"], sort=True):
+        b = g[g.variant == "baseline"].iloc[0] if (g.variant == "baseline").any() else None
+        p = g[g.variant == "patched"].iloc[0] if (g.variant == "patched").any() else None
+        ref = p if p is not None else b
+
+        def ts(r):
+            if r is None:
+                return ""
+            if isinstance(r.get("error"), str) and r.get("error"):
+                return "error"
+            return f"{r['avg_ts']:.1f} ± {r['stddev_ts']:.1f}"
+
+        def per_dev(r):
+            if r is None or not isinstance(r.get("h2d_bytes_per_device"), list):
+                return ""
+            return " / ".join(_fmt_bytes(x) for x in r["h2d_bytes_per_device"])
+
+        def pp(r):
+            return "" if r is None or r.get("pipeline_parallel") != r.get("pipeline_parallel") else \
+                ("on" if r.get("pipeline_parallel") else "off")
+
+        cov = ref.get("coverage")
+        cov_s = f"{100 * cov:.0f}%" if isinstance(cov, float) and cov == cov else ""
+        sp = p.get("speedup") if p is not None else None
+        bound = p.get("bound_ts") if p is not None else None
+        lines.append(
+            f"| {ref['devices']} | {str(ref['tensor_buft_overrides']).replace('host_experts=', '')} | {ref['n_batch']} "
+            f"| {ref['n_ubatch']} | {test} | {cov_s} | {ts(b)} | {ts(p)} "
+            f"| {'' if sp is None or sp != sp else f'{sp:.2f}'} | {pp(b)}/{pp(p)} | {per_dev(b)} | {per_dev(p)} "
+            f"| {'' if bound is None or bound != bound else f'{bound:.0f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(df, path: Union[str, Path], title: str = "pyllama_pp A/B") -> Optional[Path]:
+    """Bar chart of avg_ts per config/test for both variants (error bars = stddev), with speedups on top."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = df[df["avg_ts"].notna()] if "avg_ts" in df else df
+    if ok.empty:
+        return None
+    groups = list(ok.groupby(["config", "test"], sort=True))
+    labels = [f"{g.iloc[0]['devices']}\nub={g.iloc[0]['n_ubatch']} {test}" for (c, test), g in groups]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4.5))
+    width = 0.38
+    for k, v in enumerate(("baseline", "patched")):
+        vals = [g[g.variant == v]["avg_ts"].mean() if (g.variant == v).any() else 0 for _, g in groups]
+        errs = [g[g.variant == v]["stddev_ts"].mean() if (g.variant == v).any() else 0 for _, g in groups]
+        xs = [i + (k - 0.5) * width for i in range(len(groups))]
+        ax.bar(xs, vals, width, yerr=errs, label=v, color=("#8c8c8c", "#1f77b4")[k], capsize=3)
+    for i, (_, g) in enumerate(groups):
+        sp = g[g.variant == "patched"]["speedup"].mean() if (g.variant == "patched").any() else float("nan")
+        top = g["avg_ts"].max()
+        if sp == sp:
+            ax.text(i + 0.5 * width, top * 1.02, f"{sp:.2f}x", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("tokens / s (avg_ts)")
+    ax.set_title(title)
+    ax.legend()
+    ax.margins(y=0.15)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,127 @@
+"""Shared fixtures: the tiny synthetic model (made once per session) and a runner for worker jobs.
+
+Both variants ship libraries with the same sonames, so every test that runs a model does it in a worker
+process (pyllama_pp.worker.run_job); the test process itself never loads a variant.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pytest
+
+from pyllama_pp import synth
+from pyllama_pp.worker import run_job
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB_TIMEOUT = 120.0          # seconds; a tiny-model job takes well under one
+NMSE_MAX = 1e-6              # DESIGN.md: patched vs baseline, CPU vs VDEV
+
+
+def nmse(a: np.ndarray, b: np.ndarray) -> float:
+    """Normalised mean squared error of a against the reference b: sum((a-b)^2) / sum(b^2)."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, f"shapes differ: {a.shape} vs {b.shape}"
+    den = float(np.sum(b * b))
+    num = float(np.sum((a - b) ** 2))
+    return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+
+
+def assert_logits_match(a: np.ndarray, b: np.ndarray, what: str, limit: float = NMSE_MAX) -> None:
+    """NMSE <= limit, with the max abs difference in the message (DESIGN.md: report it)."""
+    assert a.shape == b.shape, f"{what}: logits shapes differ: {a.shape} vs {b.shape}"
+    assert np.all(np.isfinite(a)) and np.all(np.isfinite(b)), f"{what}: non-finite logits"
+    err = nmse(a, b)
+    maxabs = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+    assert err <= limit, f"{what}: NMSE {err:.3e} > {limit:.0e} (max abs diff {maxabs:.3e})"
+
+
+class JobRunner:
+    """Runs worker jobs on the tiny model; identical jobs (variant, job, env) are run once per session."""
+
+    def __init__(self, model: str, outdir: Path):
+        self.model = model
+        self.outdir = outdir
+        self._cache: dict[str, dict] = {}
+        self._n = 0
+
+    def _key(self, variant: str, job: dict, env: Optional[dict]) -> str:
+        return json.dumps([variant, job, {k: str(v) for k, v in (env or {}).items()}], sort_keys=True)
+
+    def run(self, variant: str, job: dict, env: Optional[dict] = None, cache: bool = True) -> dict:
+        """run_job with the tiny model filled in (unless the job names another); raises WorkerError."""
+        job = {"model": self.model, **job}
+        key = self._key(variant, job, env)
+        if cache and key in self._cache:
+            return self._cache[key]
+        if job.get("kind") == "logits" and "out" not in job:
+            self._n += 1
+            job = {**job, "out": str(self.outdir / f"logits-{self._n}.npy")}
+        res = run_job(job, variant, timeout=JOB_TIMEOUT, env=env)
+        if job.get("kind") == "logits":
+            res = {**res, "logits": np.load(job["out"])}
+        if cache:
+            self._cache[key] = res
+        return res
+
+    def logits(self, variant: str, devices: str = "cpu", placement: Optional[dict] = None,
+               ctx: Optional[dict] = None, n_tokens: int = 64, logits: str = "all", seed: int = 0,
+               env: Optional[dict] = None, **extra) -> dict:
+        """A "logits" job; the result dict has the array under "logits"."""
+        job = {"kind": "logits", "devices": devices, "placement": placement or {}, "ctx": ctx or {},
+               "n_tokens": n_tokens, "logits": logits, "seed": seed, **extra}
+        return self.run(variant, job, env=env)
+
+    def schedule(self, variant: str, devices: str = "cpu", placement: Optional[dict] = None,
+                 ctx: Optional[dict] = None, env: Optional[dict] = None, **extra) -> dict:
+        job = {"kind": "schedule", "devices": devices, "placement": placement or {}, "ctx": ctx or {}, **extra}
+        return self.run(variant, job, env=env)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _clean_sched_env():
+    """Scheduler switches set in the caller's environment would leak into every worker: drop them."""
+    mp = pytest.MonkeyPatch()
+    for k in list(os.environ):
+        if k.startswith("GGML_SCHED_PP_"):
+            mp.delenv(k)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg() -> synth.SynthConfig:
+    return synth.preset("tiny", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, tiny_cfg) -> str:
+    """Path of the tiny synthetic MoE (6 layers, 64 experts / 2 used, ~12 MB), written once per session."""
+    path = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    synth.write_gguf(str(path), tiny_cfg)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def runner(tiny_model, tmp_path_factory) -> JobRunner:
+    return JobRunner(tiny_model, tmp_path_factory.mktemp("logits"))
+
+
+@pytest.fixture(scope="session")
+def tiny_info(runner) -> dict:
+    """ModelInfo of the tiny model as the baseline build loads it (n_vocab, n_layer, ...)."""
+    return runner.schedule("baseline")["model"]
+
+
+@pytest.fixture(scope="session", name="nmse")
+def nmse_fixture():
+    return nmse
+
+
+@pytest.fixture(scope="session", name="assert_logits_match")
+def assert_logits_match_fixture():
+    return assert_logits_match

@@ -1,0 +1,272 @@
+"""The patched build on 2 VDEVs with every expert in host RAM: pipelining, per-device expert traffic,
+numerics against the baseline (also with each switch off), device memory and the upload-all path."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pyllama_pp import synth
+
+CTX = {"n_ctx": 256, "n_batch": 128, "n_ubatch": 32}   # 64 tokens = 2 ubatches
+N_TOKENS = 64
+HOST_ALL = {"host_experts": "all"}
+DEVS = "vdev:2x0@0"
+SWITCHES = ("TRANSIENT", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL")
+FORCE_UPLOAD_ALL = {"GGML_SCHED_PP_UPLOAD_ALL_MIN": 1, "GGML_SCHED_PP_UPLOAD_ALL_MIN_INFLIGHT": 1,
+                    "GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 0}
+
+
+def _off(name: str) -> dict:
+    return {f"GGML_SCHED_PP_{name}": 0}
+
+
+def _ext_backend(ext: dict, name: str) -> dict:
+    for b in ext["backends"]:
+        if b["name"] == name:
+            return b
+    raise AssertionError(f"no backend {name} in ext counters: {[b['name'] for b in ext['backends']]}")
+
+
+def layers_per_device(model_path: str, schedule: dict, host_layers=None) -> dict[str, int]:
+    """How many layers each VDEV owns, from the model bytes the schedule reports on it.
+
+    Layers are assigned to devices in order; a layer's bytes on its device are its weights minus the expert
+    tensors kept in host RAM (`host_layers`, default: all). The last device also holds the output layer
+    (output + output_norm); the token embeddings stay on the host."""
+    hdr = synth.read_gguf_header(model_path)
+    layer_bytes: dict[int, int] = {}
+    out_bytes = 0
+    for t in hdr["tensors"]:
+        m = re.match(r"blk\.(\d+)\.", t["name"])
+        if m:
+            i = int(m.group(1))
+            on_host = "_exps" in t["name"] and (host_layers is None or i in host_layers)
+            layer_bytes[i] = layer_bytes.get(i, 0) + (0 if on_host else t["nbytes"])
+        elif t["name"].startswith("output"):
+            out_bytes += t["nbytes"]
+    rows = [m for m in schedule["memory"] if m["device"].startswith("VDEV")]
+    counts, il = {}, 0
+    for k, m in enumerate(rows):
+        want = m["model_bytes"] - (out_bytes if k == len(rows) - 1 else 0)
+        got, n = 0, 0
+        while got < want and il < len(layer_bytes):
+            got += layer_bytes[il]
+            il, n = il + 1, n + 1
+        assert got == want, f"{m['device']}: {m['model_bytes']} model bytes are not a run of whole layers"
+        counts[m["device"]] = n
+    assert il == len(layer_bytes), f"layer counts {counts} do not add up to {len(layer_bytes)}"
+    return counts
+
+
+@pytest.fixture(scope="module")
+def patched_all(runner):
+    return runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def baseline_all(runner):
+    return runner.logits("baseline", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS)
+
+
+def test_pipeline_stays_on_with_host_experts(patched_all):
+    s = patched_all["schedule"]
+    assert s["pipeline_parallel"] is True and s["n_copies"] == 4, (s["pipeline_parallel"], s["n_copies"])
+    ext = patched_all["ext"]
+    assert ext is not None and ext["n_copies"] == 4
+    assert ext["transient_inputs"] > 0, "host experts must be staged as transient copies"
+    assert ext["params"]["TRANSIENT"] == 1 and ext["params"]["GATE"] == 1
+    assert ext["offload_owner"] > 0, "offloaded expert ops should run on the layer's owner"
+
+
+@pytest.mark.parametrize("tensor_split", [None, [3, 4]], ids=["default-split", "split-3-4"])
+def test_both_devices_get_their_own_layers_experts(runner, tiny_model, tensor_split):
+    """Each device receives the expert bytes of the MoE layers it owns (logits "all": every layer, the last
+    one included, processes every token)."""
+    r = runner.logits("patched", devices=DEVS, placement={**HOST_ALL, "tensor_split": tensor_split}, ctx=CTX,
+                      n_tokens=N_TOKENS)
+    assert r["schedule"]["pipeline_parallel"] is True
+    owned = layers_per_device(tiny_model, r["schedule"])
+    assert all(n > 0 for n in owned.values()), owned
+    n_layer = sum(owned.values())
+    devs = {d["device"]: d for d in r["counters"]["devices"]}
+    ext = r["ext"]
+    total_h2d = sum(d["h2d_bytes"] for d in devs.values())
+    total_w = sum(_ext_backend(ext, name)["weight_bytes"] for name in owned)
+    assert _ext_backend(ext, "CPU")["weight_bytes"] == 0
+    for name, n in owned.items():
+        share = n / n_layer
+        h2d = devs[name]["h2d_bytes"]
+        w = _ext_backend(ext, name)["weight_bytes"]
+        assert h2d == pytest.approx(share * total_h2d, rel=0.10), \
+            f"{name} owns {n}/{n_layer} layers but got {h2d / total_h2d:.1%} of the h2d bytes ({owned})"
+        assert w == pytest.approx(share * total_w, rel=0.10), \
+            f"{name} owns {n}/{n_layer} layers but got {w / total_w:.1%} of the expert bytes ({owned})"
+        assert w <= h2d, "expert bytes are part of what crossed the link"
+
+
+def test_patched_moves_no_more_expert_bytes_than_baseline(patched_all, baseline_all):
+    p = sum(d["h2d_bytes"] for d in patched_all["counters"]["devices"])
+    b = sum(d["h2d_bytes"] for d in baseline_all["counters"]["devices"])
+    assert p <= 1.05 * b, (p, b)
+
+
+def _decode_ctx():
+    return {"n_ctx": 64, "n_batch": 1, "n_ubatch": 1}
+
+
+CASES = [("ubatch16", {"n_ctx": 256, "n_batch": 128, "n_ubatch": 16}, 96),
+         ("ubatch32", {"n_ctx": 256, "n_batch": 128, "n_ubatch": 32}, 96),
+         ("ubatch64", {"n_ctx": 256, "n_batch": 128, "n_ubatch": 64}, 128),
+         ("decode", _decode_ctx(), 4)]
+
+
+@pytest.mark.parametrize("switch", [None, *SWITCHES])
+@pytest.mark.parametrize("case,ctx,n_tokens", CASES, ids=[c[0] for c in CASES])
+def test_logits_match_baseline(runner, case, ctx, n_tokens, switch, assert_logits_match):
+    env = _off(switch) if switch else None
+    ref = runner.logits("baseline", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=n_tokens)
+    r = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=n_tokens, env=env)
+    if switch:
+        assert r["ext"]["params"][switch] == 0, f"GGML_SCHED_PP_{switch}=0 was not applied"
+    assert_logits_match(r["logits"], ref["logits"],
+                        f"patched ({switch or 'all switches on'}=0) vs baseline, {case}" if switch
+                        else f"patched vs baseline, {case}")
+
+
+def test_ubatch32_really_streams_experts_in_both_builds(runner):
+    """The numerics comparison above is only meaningful if host experts were offloaded in both builds."""
+    ctx = CASES[1][1]
+    for v in ("baseline", "patched"):
+        r = runner.logits(v, devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=96)
+        assert sum(d["h2d_bytes"] for d in r["counters"]["devices"]) > 1_000_000, v
+
+
+@pytest.mark.parametrize("how", ["env", "ext_params"])
+def test_transient_off_behaves_like_baseline(runner, baseline_all, how):
+    if how == "env":
+        r = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
+                          env=_off("TRANSIENT"))
+    else:
+        r = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
+                          ext_params={"TRANSIENT": 0})
+    s = r["schedule"]
+    assert s["pipeline_parallel"] is False and s["n_copies"] == 1, "TRANSIENT=0 must also turn the gate off"
+    assert s["n_copies"] == baseline_all["schedule"]["n_copies"]
+    assert r["ext"]["params"]["TRANSIENT"] == 0
+    assert r["ext"]["transient_inputs"] == 0
+
+
+def test_gate_off_turns_pipelining_off(runner):
+    r = runner.schedule("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, env=_off("GATE"))
+    assert r["schedule"]["pipeline_parallel"] is False and r["schedule"]["n_copies"] == 1
+
+
+def test_owner_offload_off_sends_experts_to_the_first_device(runner):
+    r = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
+                      env=_off("OWNER_OFFLOAD"))
+    v0, v1 = r["counters"]["devices"]
+    assert r["ext"]["offload_owner"] == 0
+    assert v1["h2d_bytes"] < 0.05 * v0["h2d_bytes"], (v0["h2d_bytes"], v1["h2d_bytes"])
+
+
+def test_early_inputs_off(runner, patched_all):
+    r = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
+                      env=_off("EARLY_INPUTS"))
+    assert r["ext"]["input_early_uploads"] == 0
+    assert patched_all["ext"]["input_early_uploads"] > 0
+
+
+def test_device_compute_buffers_stay_small(runner, tiny_cfg, patched_all, baseline_all):
+    """Pipelining must not keep n_copies persistent device copies of the host experts: the patched compute
+    buffer of each device is at most the baseline's plus two expert tensors."""
+    one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
+    base = {b["name"]: b["compute_buffer_bytes"] for b in baseline_all["schedule"]["backends"]}
+    for b in patched_all["schedule"]["backends"]:
+        if not b["name"].startswith("VDEV"):
+            continue
+        limit = base[b["name"]] + 2 * one_expert_tensor
+        assert b["compute_buffer_bytes"] <= limit, \
+            f"{b['name']}: {b['compute_buffer_bytes']} B > baseline {base[b['name']]} + 2 x {one_expert_tensor}"
+
+
+def test_device_compute_buffers_stay_small_at_larger_ubatch(runner, tiny_cfg):
+    ctx = {"n_ctx": 512, "n_batch": 256, "n_ubatch": 128}
+    one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
+    b = {x["name"]: x["compute_buffer_bytes"]
+         for x in runner.schedule("baseline", devices=DEVS, placement=HOST_ALL, ctx=ctx)["schedule"]["backends"]}
+    p = runner.schedule("patched", devices=DEVS, placement=HOST_ALL, ctx=ctx)["schedule"]
+    assert p["pipeline_parallel"] is True
+    for x in p["backends"]:
+        if x["name"].startswith("VDEV"):
+            assert x["compute_buffer_bytes"] <= b[x["name"]] + 2 * one_expert_tensor, (x, b[x["name"]])
+
+
+# --- upload-all vs selective expert copies ------------------------------------------------------------------
+
+BENCH_CTX = {"n_ctx": 256, "n_batch": 128, "n_ubatch": 32}   # 64 expert selections a ubatch: ~40 of 64 used
+
+
+def _bench(runner, env):
+    r = runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
+                               "tests": [["pp", 128]], "reps": 1}, env=env)
+    assert r["schedule"]["pipeline_parallel"] is True
+    (t,) = r["tests"]
+    assert t["kind"] == "pp" and t["n"] == 128 and len(t["seconds"]) == 1
+    return t
+
+
+def test_upload_all_skips_the_readbacks(runner, tiny_cfg):
+    forced = _bench(runner, FORCE_UPLOAD_ALL)
+    sel = _bench(runner, _off("UPLOAD_ALL"))
+    fe, se = forced["ext"], sel["ext"]
+    assert fe["params"]["UPLOAD_ALL_MIN"] == 1 and se["params"]["UPLOAD_ALL"] == 0
+    # forced upload-all: whole tensors, no host-blocking routing-id readback
+    assert fe["upload_all"] > 0 and fe["id_readbacks"] == 0 and fe["selective"] == 0, fe
+    # switched off: selective copies after reading the ids back
+    assert se["upload_all"] == 0 and se["id_readbacks"] > 0 and se["selective"] > 0, se
+    assert 0 < se["experts_used"] < se["experts_total"], "the test needs ubatches that leave experts unused"
+    assert sel["coverage"]["coverage"] < 0.9, sel["coverage"]
+    # the same ops were offloaded either way; selective moves fewer bytes, per device and in total
+    total_f = total_s = 0
+    for name in ("VDEV0", "VDEV1"):
+        f, s = _ext_backend(fe, name), _ext_backend(se, name)
+        assert f["weight_uploads"] == s["weight_uploads"] > 0, (f, s)
+        assert 0 < s["weight_bytes"] < f["weight_bytes"], (name, s["weight_bytes"], f["weight_bytes"])
+        total_f += f["weight_bytes"]
+        total_s += s["weight_bytes"]
+    # a whole upload moves one expert tensor per upload
+    one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
+    n_up = sum(_ext_backend(fe, n)["weight_uploads"] for n in ("VDEV0", "VDEV1"))
+    assert total_f == n_up * one_expert_tensor, (total_f, n_up, one_expert_tensor)
+    # selective bytes follow the coverage the readbacks saw (within 15%: copies are ranges of experts)
+    cov = se["experts_used"] / se["experts_total"]
+    assert total_s == pytest.approx(cov * total_f, rel=0.15), (total_s, cov, total_f)
+    # and the device counters agree with the scheduler's
+    assert sum(d["h2d_bytes"] for d in forced["devices"]) >= total_f
+    assert sum(d["h2d_bytes"] for d in sel["devices"]) >= total_s
+
+
+def test_default_thresholds_choose_selective_for_the_tiny_model(runner):
+    """With the default thresholds (4 x n_expert selections, 85 % coverage) a 32-token ubatch of the tiny
+    model (64 selections, ~40 of 64 experts) must not upload everything."""
+    t = _bench(runner, None)
+    assert t["ext"]["upload_all"] == 0 and t["ext"]["id_readbacks"] > 0, t["ext"]
+
+
+def test_partial_host_experts_stream_to_the_layer_owner(runner, tiny_model, assert_logits_match):
+    """Experts of the last two layers (VDEV1's) in host RAM: the patched build streams them to VDEV1, upstream
+    to VDEV0 (its first-device rule); the logits agree."""
+    placement = {"host_experts": [4, 5]}
+    p = runner.logits("patched", devices=DEVS, placement=placement, ctx=CTX, n_tokens=N_TOKENS)
+    b = runner.logits("baseline", devices=DEVS, placement=placement, ctx=CTX, n_tokens=N_TOKENS)
+    owned = layers_per_device(tiny_model, p["schedule"], host_layers={4, 5})
+    assert owned == {"VDEV0": 4, "VDEV1": 2}, f"this test assumes layers 4 and 5 are VDEV1's: {owned}"
+    assert p["schedule"]["pipeline_parallel"] is True
+    assert _ext_backend(p["ext"], "VDEV0")["weight_bytes"] == 0
+    assert _ext_backend(p["ext"], "VDEV1")["weight_bytes"] > 0
+    pv0, pv1 = p["counters"]["devices"]
+    bv0, bv1 = b["counters"]["devices"]
+    assert pv1["h2d_bytes"] > 10 * pv0["h2d_bytes"], (pv0["h2d_bytes"], pv1["h2d_bytes"])
+    assert bv0["h2d_bytes"] > 10 * bv1["h2d_bytes"], (bv0["h2d_bytes"], bv1["h2d_bytes"])
+    assert_logits_match(p["logits"], b["logits"], "patched vs baseline, host experts of layers 4-5")

@@ -1,0 +1,160 @@
+"""Both variants in worker processes: info, CPU numerics, and errors that must come back as exceptions."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyllama_pp
+from pyllama_pp import VariantError, WorkerError
+from pyllama_pp.worker import run_job
+
+JOB_TIMEOUT = 120.0
+
+VARIANTS = ("baseline", "patched")
+
+
+def _worker_error(runner, variant: str, job: dict) -> str:
+    with pytest.raises(WorkerError) as ei:
+        runner.run(variant, job, cache=False)
+    msg = str(ei.value)
+    assert "killed by signal" not in msg and "timed out" not in msg, f"the worker crashed:\n{msg}"
+    return msg
+
+
+def test_available_variants():
+    assert set(pyllama_pp.available_variants()) == set(VARIANTS)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_info(variant):
+    info = run_job({"kind": "info"}, variant, timeout=JOB_TIMEOUT)
+    assert info["variant"] == variant
+    if variant == "patched":
+        assert info["ext_version"] >= 1
+    else:
+        assert info["ext_version"] == 0
+    assert any(d["backend"] == "CPU" for d in info["devices"]), info["devices"]
+
+
+def test_unknown_variant_in_process():
+    # load() checks the name before it loads anything, so this is safe in the test process
+    with pytest.raises(VariantError) as ei:
+        pyllama_pp.load("nope")
+    assert "'nope'" in str(ei.value) and "baseline" in str(ei.value) and "patched" in str(ei.value)
+
+
+def test_unknown_variant_in_worker(runner):
+    msg = _worker_error(runner, "nope", {"kind": "info"})
+    assert "VariantError" in msg and "nope" in msg
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tiny_model_info_and_finite_logits(runner, variant, tiny_cfg):
+    r = runner.logits(variant, devices="cpu", n_tokens=16, ctx={"n_ctx": 64, "n_batch": 16, "n_ubatch": 16})
+    lg = r["logits"]
+    model = r["schedule"]  # schedule facts come back too
+    assert model["variant"] == variant
+    assert lg.shape == (16, tiny_cfg.n_vocab), lg.shape
+    assert lg.dtype == np.float32
+    assert np.all(np.isfinite(lg)), "non-finite logits"
+    assert float(lg.std()) > 0.1, "logits are (nearly) constant: the model did not run"
+    assert not np.allclose(lg[0], lg[-1]), "different tokens give the same logits"
+
+
+def test_model_info(tiny_info, tiny_cfg):
+    assert tiny_info["arch"] == "qwen3moe"
+    assert tiny_info["n_layer"] == tiny_cfg.n_layer
+    assert tiny_info["n_vocab"] == tiny_cfg.n_vocab
+    assert tiny_info["n_expert"] == tiny_cfg.n_expert
+    assert tiny_info["n_expert_used"] == tiny_cfg.n_expert_used
+
+
+@pytest.mark.parametrize("n_ubatch", [16, 64])
+def test_cpu_logits_identical_between_variants(runner, n_ubatch, assert_logits_match):
+    ctx = {"n_ctx": 256, "n_batch": 128, "n_ubatch": n_ubatch}
+    a = runner.logits("baseline", devices="cpu", ctx=ctx, n_tokens=96)["logits"]
+    b = runner.logits("patched", devices="cpu", ctx=ctx, n_tokens=96)["logits"]
+    assert_logits_match(b, a, f"CPU patched vs baseline, n_ubatch {n_ubatch}")
+
+
+def test_same_job_is_deterministic(runner):
+    ctx = {"n_ctx": 128, "n_batch": 32, "n_ubatch": 32}
+    a = runner.logits("baseline", ctx=ctx, n_tokens=32, seed=3)["logits"]
+    b = runner.run("baseline", {"kind": "logits", "devices": "cpu", "ctx": ctx, "n_tokens": 32, "seed": 3,
+                                "logits": "all"}, cache=False)["logits"]
+    c = runner.logits("baseline", ctx=ctx, n_tokens=32, seed=4)["logits"]
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c), "another token seed gives the same logits"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_missing_model_is_a_model_error(runner, variant, tmp_path):
+    missing = tmp_path / "missing.gguf"
+    msg = _worker_error(runner, variant, {"kind": "schedule", "model": str(missing)})
+    assert "ModelError" in msg and str(missing) in msg and "not found" in msg, msg
+    assert "exit code 3" in msg, f"an expected error should be a clean exit (3), not a bug report:\n{msg}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_non_gguf_file_is_a_model_error(runner, variant, tmp_path):
+    p = tmp_path / "notes.gguf"
+    p.write_text("this is not a model\n")
+    msg = _worker_error(runner, variant, {"kind": "schedule", "model": str(p)})
+    assert "ModelError" in msg and "GGUF" in msg, msg
+    assert "exit code 3" in msg, msg
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_truncated_gguf_is_a_model_error(runner, tiny_model, variant, tmp_path):
+    """A file with the GGUF magic whose tensor data is cut off is a broken model, not a memory problem."""
+    p = tmp_path / "truncated.gguf"
+    with open(tiny_model, "rb") as f:
+        p.write_bytes(f.read(3_000_000))
+    msg = _worker_error(runner, variant, {"kind": "schedule", "model": str(p), "devices": "cpu"})
+    assert "exit code 3" in msg, msg
+    assert "ModelError" in msg, f"a truncated GGUF was reported as something else:\n{msg.splitlines()[0]}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_out_of_range_token_is_a_decode_error(runner, variant, tiny_info):
+    n_vocab = tiny_info["n_vocab"]
+    for bad in (n_vocab + 5, n_vocab, -1):
+        msg = _worker_error(runner, variant, {"kind": "logits", "devices": "cpu", "tokens": [1, 2, bad],
+                                              "ctx": {"n_ctx": 64, "n_batch": 16, "n_ubatch": 16},
+                                              "out": "/nonexistent/never-written.npy"})
+        assert "DecodeError" in msg and str(bad) in msg and "index 2" in msg, msg
+        assert "exit code 3" in msg, msg
+    # and the largest valid token decodes
+    r = runner.logits(variant, tokens=[0, n_vocab - 1], ctx={"n_ctx": 64, "n_batch": 16, "n_ubatch": 16})
+    assert r["logits"].shape == (2, n_vocab) and np.all(np.isfinite(r["logits"]))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_too_many_tokens_for_the_context(runner, variant):
+    msg = _worker_error(runner, variant, {"kind": "logits", "devices": "cpu", "n_tokens": 40,
+                                          "ctx": {"n_ctx": 32, "n_batch": 32, "n_ubatch": 32},
+                                          "out": "/nonexistent/never-written.npy"})
+    assert "DecodeError" in msg and "n_ctx" in msg, msg
+
+
+def test_ext_params_need_the_patched_build(runner):
+    msg = _worker_error(runner, "baseline", {"kind": "schedule", "devices": "cpu",
+                                             "ext_params": {"UPLOAD_ALL": 0}})
+    assert "UnsupportedError" in msg and "UPLOAD_ALL" in msg, msg
+
+
+def test_unknown_switch_is_refused(runner):
+    msg = _worker_error(runner, "patched", {"kind": "schedule", "devices": "cpu", "ext_params": {"BOGUS": 1}})
+    assert "BOGUS" in msg, msg
+
+
+def test_unknown_job_kind(runner):
+    msg = _worker_error(runner, "baseline", {"kind": "frobnicate"})
+    assert "frobnicate" in msg and "exit code 3" in msg, msg
+
+
+def test_worker_survives_errors(runner, tmp_path):
+    """After failed jobs, the next job in a fresh worker runs normally."""
+    _worker_error(runner, "patched", {"kind": "schedule", "model": str(tmp_path / "missing.gguf")})
+    r = runner.run("patched", {"kind": "schedule", "devices": "cpu"}, cache=False)
+    assert r["schedule"]["variant"] == "patched"
