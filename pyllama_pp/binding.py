@@ -111,7 +111,11 @@ def load(variant: str = "patched") -> Native:
         raise BuildError(f"the {variant!r} variant is not built in {VARIANTS_DIR}: install the package with "
                          "`pip install .` from the source tree (it builds both variants).")
     try:
-        mod = importlib.import_module(f"pyllama_pp._variants.{variant}._native")
+        # by file: the package may be imported from a source checkout while the build lives in site-packages
+        so = sorted((VARIANTS_DIR / variant).glob("_native*.so"))[0]
+        spec = importlib.util.spec_from_file_location(f"pyllama_pp._variants.{variant}._native", so)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
     except ImportError as e:
         raise BuildError(f"could not load the {variant!r} variant's native module: {e}") from e
     native = Native(variant, mod.ffi, mod.lib)
