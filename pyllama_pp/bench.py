@@ -204,6 +204,8 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
                 job = cfg.job()
                 if v == "patched" and cfg.ext_params:
                     job["ext_params"] = cfg.ext_params
+                # coverage is a property of model, tokens and ubatch, not of the variant: measure it once
+                job["coverage"] = not per_variant
                 try:
                     res = run_job(job, v, timeout=timeout, env=cfg.env)
                     rows = rows_from_result(cfg, v, res, meta)
@@ -214,6 +216,12 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
                 per_variant[v] = rows
                 if bar:
                     bar.update(1)
+            first = {r["test"]: r for r in next(iter(per_variant.values()), [])}
+            for rows in per_variant.values():
+                for r in rows:
+                    f = first.get(r["test"])
+                    if f is not None and r.get("coverage") is None:
+                        r["experts_used"], r["coverage"] = f.get("experts_used"), f.get("coverage")
             base = {r["test"]: r for r in per_variant.get("baseline", [])}
             for v, rows in per_variant.items():
                 for r in rows:

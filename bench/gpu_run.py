@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Issue 6 on the GPU machine: correctness and the A/B sweeps on CUDA, within a time budget.
+
+Run by bench/gpu_run.sh after the CUDA build. Steps run in priority order and each is skipped when the
+budget left cannot hold it; every finished step's table is written under --out at once, so a cut-off
+run still returns what it measured.
+
+  1. devices and build facts
+  2. correctness on the tiny preset: patched vs baseline logits, same placement (2 GPUs, experts in host
+     RAM), and each vs all weights on the GPUs (NMSE, max abs diff)
+  3. the qwen3-30b-a3b preset (near-uniform routing) written to local disk
+  4. A/B sweeps on it (both variants, pinned host weights, every expert in host RAM, layer split):
+     pp4096/b4096/ub512 + tg32, pp16384/b16384/ub1024, then more if time is left
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pyllama_pp import bench, synth
+from pyllama_pp.errors import PyllamaError
+from pyllama_pp.worker import run_job
+
+T0 = time.time()
+
+
+def left(budget: float) -> float:
+    return budget - (time.time() - T0)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def nmse(a: np.ndarray, b: np.ndarray) -> float:
+    return float(((a.astype(np.float64) - b) ** 2).sum() / max((b.astype(np.float64) ** 2).sum(), 1e-30))
+
+
+def correctness(model: str, devices: str, out: Path, ubatches=(64, 512), n_tokens: int = 512) -> list[dict]:
+    rows = []
+    for ub in ubatches:
+        got = {}
+        for name, variant, he in (("baseline", "baseline", "all"), ("patched", "patched", "all"),
+                                  ("all_on_gpu", "baseline", "none")):
+            path = out / f"logits_{name}_ub{ub}.npy"
+            res = run_job({"kind": "logits", "model": model, "devices": devices, "placement": {"host_experts": he},
+                           "ctx": {"n_ctx": n_tokens + 64, "n_batch": n_tokens, "n_ubatch": ub},
+                           "n_tokens": n_tokens, "seed": 7, "logits": "all", "out": str(path)}, variant, timeout=300)
+            got[name] = (np.load(path), res["schedule"])
+            path.unlink()
+        b, p, g = got["baseline"][0], got["patched"][0], got["all_on_gpu"][0]
+        rows.append({"model": Path(model).name, "devices": devices, "n_ubatch": ub, "n_tokens": n_tokens,
+                     "nmse_patched_vs_baseline": nmse(p, b), "maxabs_patched_vs_baseline": float(np.abs(p - b).max()),
+                     "nmse_baseline_vs_all_on_gpu": nmse(b, g), "nmse_patched_vs_all_on_gpu": nmse(p, g),
+                     "pp_baseline": got["baseline"][1]["pipeline_parallel"],
+                     "pp_patched": got["patched"][1]["pipeline_parallel"]})
+        log(f"correctness ub={ub}: {rows[-1]}")
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    ap.add_argument("--budget", type=float, default=480, help="seconds for this script")
+    ap.add_argument("--devices", default="cuda")
+    ap.add_argument("--model-dir", type=Path, default=Path("/tmp/pp_models"))
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--skip", default="", help="comma-separated steps to skip: correctness,synth,sweep")
+    ap.add_argument("--sweep", default="main", help="main | extra")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.model_dir.mkdir(parents=True, exist_ok=True)
+    summary = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "devices": args.devices, "steps": {}}
+
+    def save():
+        (args.out / "gpu_summary.json").write_text(json.dumps(summary, indent=1, default=float))
+
+    info = {v: run_job({"kind": "info"}, v, timeout=120) for v in ("baseline", "patched")}
+    summary["devices_seen"] = [d["name"] + ": " + d["description"] for d in info["patched"]["devices"]]
+    log(f"devices: {summary['devices_seen']}")
+    save()
+
+    if "correctness" not in skip:
+        tiny = args.model_dir / "tiny.gguf"
+        synth.write_gguf(tiny, synth.preset("tiny", seed=1, n_layer=7))
+        try:
+            summary["steps"]["correctness_tiny"] = correctness(str(tiny), args.devices, args.out)
+        except PyllamaError as e:
+            summary["steps"]["correctness_tiny"] = {"error": str(e)}
+        save()
+
+    big = args.model_dir / "qwen3-30b-a3b-uniform.gguf"
+    if "synth" not in skip and not big.exists() and left(args.budget) > 200:
+        t = time.time()
+        s = synth.write_gguf(big, synth.preset("qwen3-30b-a3b", seed=1, routing="uniform"))
+        summary["steps"]["synth"] = {k: s[k] for k in ("bytes", "expert_bytes_per_layer", "seconds")}
+        log(f"wrote {big}: {s['bytes'] / 1e9:.1f} GB in {time.time() - t:.0f} s")
+        save()
+
+    if "sweep" not in skip and big.exists():
+        if args.sweep == "main":
+            plan = [  # (n_batch, n_ubatch, tests, estimated seconds for both variants)
+                (4096, 512, [["pp", 4096], ["tg", 32]], 110),
+                (16384, 1024, [["pp", 16384]], 150),
+                (16384, 4096, [["pp", 16384]], 110),
+            ]
+        else:
+            plan = [(4096, 2048, [["pp", 4096]], 90), (16384, 16384, [["pp", 16384]], 120),
+                    (4096, 512, [["pp", 4096]], 110)]
+        for nb, ub, tests, est in plan:
+            if left(args.budget) < est:
+                log(f"skip b{nb}/ub{ub}: {left(args.budget):.0f} s left, needs ~{est}")
+                continue
+            cfg = bench.BenchConfig(model=str(big), devices=args.devices, n_batch=nb, n_ubatch=ub, tests=tests,
+                                    reps=args.reps, host_experts="all", label=f"gpu b{nb} ub{ub}")
+            t = time.time()
+            df = bench.ab([cfg], out_dir=args.out / "ab", progress=False, timeout=max(60, left(args.budget) - 10))
+            log(f"b{nb}/ub{ub}: {time.time() - t:.0f} s\n{bench.markdown(df)}")
+            summary["steps"].setdefault("sweeps", []).append(json.loads(df.to_json(orient="records")))
+            save()
+    md = args.out / "ab" / "results.jsonl"
+    if md.exists():
+        import pandas as pd
+        df = pd.read_json(md, lines=True)
+        (args.out / "gpu_results.md").write_text(bench.markdown(df))
+        print(bench.markdown(df))
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
