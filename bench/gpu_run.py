@@ -110,15 +110,22 @@ def main() -> int:
                 (16384, 1024, [["pp", 16384]], 150),
                 (16384, 4096, [["pp", 16384]], 110),
             ]
+        elif args.sweep == "diag":  # where does the time go: CUDA graphs, graph rebuilds, upload-all
+            plan = [(4096, 512, [["pp", 4096]], 80, {"GGML_CUDA_DISABLE_GRAPHS": "1"}, {}),
+                    (4096, 512, [["pp", 4096]], 80, {}, {"REBUILD": 0}),
+                    (4096, 512, [["pp", 4096]], 80, {"GGML_CUDA_DISABLE_GRAPHS": "1"}, {"UPLOAD_ALL": 0})]
         else:
             plan = [(4096, 2048, [["pp", 4096]], 90), (16384, 16384, [["pp", 16384]], 120),
                     (4096, 512, [["pp", 4096]], 110)]
-        for nb, ub, tests, est in plan:
+        for item in plan:
+            nb, ub, tests, est = item[:4]
+            env, ext = (item[4], item[5]) if len(item) > 4 else ({}, {})
             if left(args.budget) < est:
                 log(f"skip b{nb}/ub{ub}: {left(args.budget):.0f} s left, needs ~{est}")
                 continue
             cfg = bench.BenchConfig(model=str(big), devices=args.devices, n_batch=nb, n_ubatch=ub, tests=tests,
-                                    reps=args.reps, host_experts="all", label=f"gpu b{nb} ub{ub}")
+                                    reps=args.reps, host_experts="all", env=env, ext_params=ext,
+                                    label=f"gpu b{nb} ub{ub} {env} {ext}".strip())
             t = time.time()
             df = bench.ab([cfg], out_dir=args.out / "ab", progress=False, timeout=max(60, left(args.budget) - 10))
             log(f"b{nb}/ub{ub}: {time.time() - t:.0f} s\n{bench.markdown(df)}")

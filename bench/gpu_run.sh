@@ -10,11 +10,45 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site
 export PYLLAMA_PP_UPSTREAM_ARCHIVE=$PWD/.upstream/upstream.tar.xz PYLLAMA_PP_CACHE=/tmp/pp_cache
 python3 -c "import sysconfig, os; p = sysconfig.get_paths()['include']; print('Python.h:', os.path.exists(p + '/Python.h'), p)"
-if [ ! -f /tmp/pp_built ]; then
+if true; then  # incremental when build/ is still there (a warm machine)
     CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90" python3 -m pip install --no-build-isolation --no-index \
         --no-deps -v . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-    touch /tmp/pp_built
 fi
 echo "build: $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=index,name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$OUT/gpus.csv"
+if [ "${1:-}" = "debug2" ]; then
+    set +e
+    V=$(python3 -c "import pyllama_pp.binding as b; print(b.VARIANTS_DIR)"); B=$(python3 -c "import pyllama_pp.binding as b; print(b.BACKENDS_DIR)")
+    { echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; cat /etc/ld.so.conf.d/* 2>/dev/null; ls /opt/gcc/lib64 2>/dev/null | head -20
+      for f in $V/baseline/libllama.so $V/baseline/libggml.so $V/baseline/libpyllama_pp_shim.so $B/libggml-cuda.so $B/libggml-cpu.so; do
+        echo "== $f"; ldd $f | grep -E "stdc|gcc_s|cuda|not found"; readelf -d $f | grep -E "RUNPATH|RPATH"; nm -D --defined-only $f | grep -c " _ZNSo"; done
+      strings /lib/x86_64-linux-gnu/libstdc++.so.6 | grep -E "^GLIBCXX_3\.4\.3" | tail -2; } > "$OUT/env.txt" 2>&1
+    cat "$OUT/env.txt" | head -60
+    cd /tmp && python3 -c "from pyllama_pp import synth; synth.write_gguf('/tmp/tiny.gguf', synth.preset('tiny', seed=1, n_layer=7))"
+    echo '{"variant": "baseline", "kind": "logits", "model": "/tmp/tiny.gguf", "devices": "cuda", "placement": {"host_experts": "all"}, "ctx": {"n_ctx": 256, "n_batch": 64, "n_ubatch": 64}, "n_tokens": 64, "out": "/tmp/l.npy"}' > /tmp/job.json
+    for pre in "" "/opt/gcc/lib64/libstdc++.so.6"; do
+        LD_PRELOAD=$pre timeout 120 python3 -m pyllama_pp.worker < /tmp/job.json > /tmp/r.txt 2>&1; echo "preload=[$pre] rc=$?"; tail -c 300 /tmp/r.txt; echo
+    done
+    mv $B/libggml-cuda.so /tmp/; sed -i 's/"cuda"/"cpu"/' /tmp/job.json
+    timeout 120 python3 -m pyllama_pp.worker < /tmp/job.json > /tmp/r.txt 2>&1; echo "no cuda module, cpu: rc=$?"; tail -c 300 /tmp/r.txt
+    mv /tmp/libggml-cuda.so $B/
+    exit 0
+fi
+if [ "${1:-}" = "debug" ]; then
+    set +e
+    # native backtraces of a worker on the tiny preset (cuda-gdb also debugs host code)
+    cd /tmp && python3 -c "from pyllama_pp import synth; synth.write_gguf('/tmp/tiny.gguf', synth.preset('tiny', seed=1, n_layer=7))"
+    for he in none; do
+        for dev in cpu cuda:0 cuda; do
+            echo "{\"variant\": \"baseline\", \"kind\": \"logits\", \"model\": \"/tmp/tiny.gguf\", \"devices\": \"$dev\", \"placement\": {\"host_experts\": \"$he\"}, \"ctx\": {\"n_ctx\": 256, \"n_batch\": 64, \"n_ubatch\": 64}, \"n_tokens\": 64, \"out\": \"/tmp/l.npy\"}" > /tmp/job.json
+            log="$OUT/debug_${he}_${dev/:/_}.log"
+            PYLLAMA_PP_LOG=3 timeout 120 python3 -X faulthandler -m pyllama_pp.worker < /tmp/job.json > "$log" 2>&1; echo "rc=$? he=$he dev=$dev" | tee -a "$log"
+            if ! grep -q '"shape"' "$log"; then
+                timeout 120 cuda-gdb -q -batch -ex run -ex bt -ex "info sharedlibrary" --args python3 -m pyllama_pp.worker < /tmp/job.json >> "$log" 2>&1 || true
+            fi
+            tail -5 "$log"
+        done
+    done
+    exit 0
+fi
 cd /tmp && python3 "$OLDPWD/bench/gpu_run.py" --out "$OUT" "$@"

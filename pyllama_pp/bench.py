@@ -27,7 +27,7 @@ from .worker import run_job
 VARIANTS = ("baseline", "patched")
 ROW_FIELDS = [
     "variant", "model", "model_size", "model_n_params", "n_expert", "n_expert_used", "devices", "n_gpu_layers",
-    "split_mode", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen",
+    "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen",
     "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "speedup", "pipeline_parallel", "n_copies", "n_splits",
     "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac",
     "host_syncs", "id_readbacks", "upload_all", "re_reservations", "compute_buffer_bytes", "label", "env",
@@ -45,6 +45,7 @@ class BenchConfig:
     n_ubatch: int = 32
     n_ctx: int = 0                      # 0: enough for the longest test
     host_experts: Union[str, int] = "all"
+    tensor_split: Optional[list] = None          # layer proportions per device (llama's -ts)
     load_mode: str = "none"
     n_gpu_layers: int = -1
     flash_attn: int = 1
@@ -59,7 +60,7 @@ class BenchConfig:
         n_ctx = self.n_ctx or max(256, int(math.ceil(longest / 256.0)) * 256)
         return {"kind": "bench", "model": self.model, "devices": self.devices, "tests": self.tests, "reps": self.reps,
                 "placement": {"host_experts": self.host_experts, "load_mode": self.load_mode,
-                              "n_gpu_layers": self.n_gpu_layers},
+                              "n_gpu_layers": self.n_gpu_layers, "tensor_split": self.tensor_split},
                 "ctx": {"n_ctx": n_ctx, "n_batch": self.n_batch, "n_ubatch": min(self.n_ubatch, self.n_batch),
                         "flash_attn": self.flash_attn}}
 
@@ -111,6 +112,9 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
         reps = max(len(secs), 1)
         h2d = [int(d["h2d_bytes"] / reps) for d in devs]
         ext = t.get("ext") or {}
+        if not h2d and ext.get("backends"):
+            # no device counters (CUDA): the patched scheduler's own count of host-weight bytes per device
+            h2d = [int(b["weight_bytes"] / reps) for b in ext["backends"] if b["name"] != "CPU"]
         gbps, bound = _link_bound(cfg, h2d, n_tok)
         avg = statistics.fmean(ts) if ts else float("nan")
         cov = t.get("coverage") or {}
@@ -118,6 +122,7 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             "variant": variant, "model": Path(model["path"]).name, "model_size": model["size_bytes"],
             "model_n_params": model["n_params"], "n_expert": model["n_expert"], "n_expert_used": model["n_expert_used"],
             "devices": cfg.devices, "n_gpu_layers": cfg.n_gpu_layers, "split_mode": "layer",
+            "tensor_split": cfg.tensor_split,
             "tensor_buft_overrides": f"host_experts={cfg.host_experts}", "load_mode": cfg.load_mode,
             "n_ctx": cfg.job()["ctx"]["n_ctx"], "n_batch": cfg.n_batch, "n_ubatch": min(cfg.n_ubatch, cfg.n_batch),
             "test": f"{t['kind']}{n_tok}", "n_prompt": n_tok if t["kind"] == "pp" else 0,

@@ -102,6 +102,7 @@ def _config_kwargs(args) -> dict:
             raise PyllamaError(f"--switch takes NAME=VALUE (e.g. UPLOAD_ALL=0), not {kv!r}")
         ext[k.upper()] = int(v)
     return {"tests": tests or [["pp", 512]], "reps": args.reps, "load_mode": args.load_mode,
+            "tensor_split": args.tensor_split,
             "n_gpu_layers": args.ngl, "n_ctx": args.ctx, "ext_params": ext, "env": env}
 
 
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-ub", "--ubatch", type=_ints, default=[32], help="n_ubatch (comma-separated)")
         p.add_argument("-c", "--ctx", type=int, default=0, help="n_ctx (0: fits the tests)")
         p.add_argument("-ngl", "--ngl", type=int, default=-1)
+        p.add_argument("-ts", "--tensor-split", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                       help="layer proportions per device, e.g. 3,5 (llama's -ts)")
         p.add_argument("-p", "--pp", type=_ints, default=[512], help="prompt lengths (pp tests)")
         p.add_argument("-n", "--tg", type=_ints, default=[16], help="generation lengths (tg tests); 0 for none")
         p.add_argument("-r", "--reps", type=int, default=3)

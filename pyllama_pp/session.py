@@ -281,7 +281,8 @@ class Session:
             raise ValueError(f"n_ubatch ({c.n_ubatch}) cannot exceed n_batch ({c.n_batch})")
         p = ffi.new("pp_context_params *")
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = c.n_ctx, c.n_batch, c.n_ubatch, 1
-        p.n_threads = c.n_threads
+        # llama's default (4) oversubscribes small machines and starves big ones; llama-bench uses the cores
+        p.n_threads = c.n_threads if c.n_threads > 0 else max(1, os.cpu_count() or 1)
         p.flash_attn = c.flash_attn
         p.op_offload = int(c.op_offload)
         p.offload_kqv = int(c.offload_kqv)
