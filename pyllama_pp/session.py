@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -107,8 +108,23 @@ class BackendInfo:
 
 
 @dataclass
+class SplitInput:
+    name: str
+    kind: str          # "host weight", "user input" or "activation"
+    bytes: int         # as the scheduler prints it (K/M rounded)
+
+
+@dataclass
+class Split:
+    index: int
+    backend: str
+    n_nodes: int
+    inputs: list[SplitInput]
+
+
+@dataclass
 class Schedule:
-    """The scheduler's view of the reserved graph."""
+    """The scheduler's view of the reserved graph (and, with detail=True, of one ubatch's splits)."""
 
     variant: str
     pipeline_parallel: bool
@@ -117,13 +133,52 @@ class Schedule:
     backends: list[BackendInfo]
     memory: list[dict]
     ext: Optional[dict] = None
+    splits: list[Split] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def to_frame(self):
+        """One row per split when the detail is there, else one row per backend."""
         import pandas as pd
+        if self.splits:
+            return pd.DataFrame([{"split": sp.index, "backend": sp.backend, "n_nodes": sp.n_nodes,
+                                  "n_inputs": len(sp.inputs),
+                                  "host_weight_bytes": sum(i.bytes for i in sp.inputs if i.kind == "host weight"),
+                                  "user_input_bytes": sum(i.bytes for i in sp.inputs if i.kind == "user input"),
+                                  "activation_bytes": sum(i.bytes for i in sp.inputs if i.kind == "activation"),
+                                  "inputs": ", ".join(i.name for i in sp.inputs)} for sp in self.splits])
         return pd.DataFrame([asdict(b) for b in self.backends])
+
+
+_SIZE = {"K": 1024, "M": 1024**2, "G": 1024**3}
+_USER_INPUTS = re.compile(r"^(inp_|attn_inp_|out_ids|inp_embd|leaf_|pos|kq_mask|self_)")
+
+
+def parse_split_listing(text: str) -> list[Split]:
+    """Parse GGML_SCHED_DEBUG=2's listing; returns the splits of the LAST graph in `text`."""
+    graphs: list[list[Split]] = []
+    cur: Optional[Split] = None
+    for line in text.splitlines():
+        m = re.match(r"## SPLIT #(\d+): (\S+) # (\d+) inputs(?::\s*(.*))?$", line.strip())
+        if m:
+            idx = int(m.group(1))
+            if idx == 0:
+                graphs.append([])
+            if not graphs:
+                graphs.append([])
+            inputs = []
+            for name, size in re.findall(r"\[(.+?) \(\s*([0-9.]+[KMG]?)\)\]", m.group(4) or ""):
+                num, unit = re.match(r"([0-9.]+)([KMG]?)", size).groups()
+                nbytes = int(float(num) * _SIZE.get(unit, 1))
+                kind = ("host weight" if name.endswith(".weight") else
+                        "user input" if _USER_INPUTS.match(name) else "activation")
+                inputs.append(SplitInput(name, kind, nbytes))
+            cur = Split(idx, m.group(2), 0, inputs)
+            graphs[-1].append(cur)
+        elif line.startswith("node #") and cur is not None:
+            cur.n_nodes += 1
+    return graphs[-1] if graphs else []
 
 
 @dataclass
@@ -293,19 +348,52 @@ class Session:
         return ctx
 
     # -- facts ---------------------------------------------------------------------------------------------
-    def schedule(self) -> Schedule:
+    def schedule(self, _ctx=None) -> Schedule:
         """Pipeline parallel on/off, copies, splits and per-backend buffers of the reserved (or last) graph."""
         lib, ffi, s = self.native.lib, self.native.ffi, self.native.str
+        ctx = _ctx if _ctx is not None else self._ctx
         si = ffi.new("pp_sched_info *")
-        self.native.check(lib.pp_get_sched_info(self._ctx, si))
+        self.native.check(lib.pp_get_sched_info(ctx, si))
         backends = [BackendInfo(s(si.backends[i].name), s(si.backends[i].buft), si.backends[i].compute_buffer_bytes)
                     for i in range(min(si.n_backends, 18))]
         rows = ffi.new("pp_memory_row[64]")
-        n = self.native.check(lib.pp_get_memory_breakdown(self._ctx, rows, 64))
+        n = self.native.check(lib.pp_get_memory_breakdown(ctx, rows, 64))
         memory = [{"buft": s(rows[i].buft), "device": s(rows[i].device), "model_bytes": rows[i].model_bytes,
                    "context_bytes": rows[i].context_bytes, "compute_bytes": rows[i].compute_bytes} for i in range(n)]
         return Schedule(self.variant, bool(si.pipeline_parallel), si.n_copies, si.n_splits, backends, memory,
                         self.ext_stats())
+
+    def schedule_detail(self, n_tokens: Optional[int] = None) -> Schedule:
+        """schedule() plus the splits of one real ubatch (device, node count, inputs by kind and size), read from
+        the scheduler's own debug listing in a separate context (so timed contexts never print it)."""
+        lib, ffi = self.native.lib, self.native.ffi
+        old = os.environ.get("GGML_SCHED_DEBUG")
+        os.environ["GGML_SCHED_DEBUG"] = "2"      # read when the scheduler is created
+        try:
+            ctx = self._new_context(coverage=False)
+        finally:
+            if old is None:
+                os.environ.pop("GGML_SCHED_DEBUG", None)
+            else:
+                os.environ["GGML_SCHED_DEBUG"] = old
+        try:
+            n = n_tokens or min(self.ctx_params.n_ubatch, self.ctx_params.n_ctx)
+            toks = self._tokens(np.arange(n) % self.info.n_vocab)
+            lib.pp_log_capture(1)
+            try:
+                self._decode(ctx, toks, 0, np.zeros(0, dtype=np.int32))
+                self.native.check(lib.pp_synchronize(ctx))
+            finally:
+                lib.pp_log_capture(0)
+            size = lib.pp_log_captured(ffi.NULL, 0)
+            buf = ffi.new("char[]", size + 1)
+            lib.pp_log_captured(buf, size + 1)
+            text = ffi.string(buf).decode(errors="replace")
+            sched = self.schedule(_ctx=ctx)   # n_splits etc. of this ubatch's graph
+        finally:
+            lib.pp_context_free(ctx)
+        sched.splits = parse_split_listing(text)
+        return sched
 
     def ext_stats(self) -> Optional[dict]:
         """The patched scheduler's counters (None in the baseline)."""
@@ -352,8 +440,10 @@ class Session:
         return t.astype(np.int32)
 
     def eval(self, tokens: Iterable[int], logits: Union[str, Sequence[int]] = "last", pos0: int = 0,
-             clear: bool = True) -> EvalResult:
-        """Decode tokens (in n_batch chunks) and return the requested logits: "last", "all", "none" or indices."""
+             clear: bool = True, stats: bool = True) -> EvalResult:
+        """Decode tokens (in n_batch chunks) and return the requested logits: "last", "all", "none" or indices.
+        stats=False skips the patched scheduler's counters (a JSON round trip): use it in per-token loops, so that
+        both variants pay the same harness overhead."""
         t = self._tokens(tokens)
         if logits == "last":
             out_idx = np.array([len(t) - 1], dtype=np.int32)
@@ -377,7 +467,7 @@ class Session:
         after = self.device_counters()
         delta = [{k: (a[k] - b[k] if isinstance(a[k], (int, float)) and k not in ("alloc_bytes", "peak_alloc_bytes")
                       else a[k]) for k in a} for a, b in zip(after, before)]
-        return EvalResult(out, dt, len(t), {"devices": delta}, self.ext_stats())
+        return EvalResult(out, dt, len(t), {"devices": delta}, self.ext_stats() if stats else None)
 
     def coverage(self, tokens: Iterable[int]) -> dict:
         """Experts used per MoE layer per ubatch for these tokens, measured in a separate context (the

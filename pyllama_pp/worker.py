@@ -76,7 +76,8 @@ def _do_info(job: dict) -> dict:
 
 def _do_schedule(job: dict) -> dict:
     with _session(job) as s:
-        return {"model": s.info.to_dict(), "schedule": s.schedule().to_dict()}
+        sched = s.schedule_detail() if job.get("detail") else s.schedule()
+        return {"model": s.info.to_dict(), "schedule": sched.to_dict()}
 
 
 def _do_logits(job: dict) -> dict:
@@ -138,7 +139,8 @@ def _do_bench(job: dict) -> dict:
                     t0 = time.perf_counter()
                     per = []
                     for i in range(1, n + 1):
-                        res = s.eval(toks[i % len(toks): i % len(toks) + 1], logits="last", pos0=i, clear=False)
+                        res = s.eval(toks[i % len(toks): i % len(toks) + 1], logits="last", pos0=i, clear=False,
+                                     stats=False)
                         per.append(res.counters["devices"])
                     dt = time.perf_counter() - t0
                     dev = _sum_devices(per)

@@ -35,6 +35,9 @@ std::atomic<int> g_log_level{1};
 std::mutex g_log_mutex;
 std::deque<std::string> g_log_tail;   // recent warnings/errors from llama.cpp, attached to failures
 std::string g_partial;
+bool g_capture_on = false;
+std::string g_capture;                // captured log text (pp_log_capture), capped at kCaptureMax
+constexpr size_t kCaptureMax = 16u << 20;
 
 struct pp_abort_error : std::runtime_error {
     using std::runtime_error::runtime_error;
@@ -58,6 +61,9 @@ void log_cb(enum ggml_log_level level, const char * text, void * /*user*/) {
         return;
     }
     std::lock_guard<std::mutex> lock(g_log_mutex);
+    if (g_capture_on && g_capture.size() < kCaptureMax) {
+        g_capture += text;
+    }
     // CONT continues the previous line at the previous level
     static enum ggml_log_level last = GGML_LOG_LEVEL_INFO;
     if (level != GGML_LOG_LEVEL_CONT) {
@@ -157,6 +163,22 @@ PP_EXPORT const char * pp_last_error(void) { return g_last_error.c_str(); }
 PP_EXPORT const char * pp_variant(void) { return PP_VARIANT; }
 PP_EXPORT const char * pp_system_info(void) { return llama_print_system_info(); }
 PP_EXPORT void pp_set_log_level(int level) { g_log_level = level; }
+
+PP_EXPORT void pp_log_capture(int32_t on) {
+    std::lock_guard<std::mutex> lock(g_log_mutex);
+    g_capture_on = on != 0;
+    if (on) {
+        g_capture.clear();
+    }
+}
+
+PP_EXPORT int pp_log_captured(char * buf, size_t n) {
+    std::lock_guard<std::mutex> lock(g_log_mutex);
+    if (buf && n > 0) {
+        snprintf(buf, n, "%s", g_capture.c_str());
+    }
+    return (int) g_capture.size();
+}
 
 PP_EXPORT int pp_init(const char * backend_dir, int log_level) {
     static std::once_flag once;

@@ -37,6 +37,11 @@ const char * pp_system_info(void);
 int  pp_init(const char * backend_dir, int log_level);
 void pp_set_log_level(int log_level);
 
+// Capture llama.cpp/ggml log text of every level (e.g. GGML_SCHED_DEBUG's split listing). on != 0 starts a
+// fresh capture, 0 stops it; pp_log_captured copies the text and returns its full length.
+void pp_log_capture(int32_t on);
+int  pp_log_captured(char * buf, size_t buf_size);
+
 // ---- devices -----------------------------------------------------------------------------------------
 typedef struct {
     char     name[PP_NAME_LEN];

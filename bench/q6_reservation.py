@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Q6: graph reservation under a mixed workload (the baseline for a future reservation patch).
+
+One session per variant (its own worker process, bench/_q6_worker.py) runs a mixed workload in one context, as
+a server would: prompts of alternating lengths pp64, pp512, pp128, pp2048 (each from an empty cache), then tg16
+continuing after the last prompt; the workload repeats for --rounds rounds (round 1 includes the first use of
+every graph shape). Every expert in host RAM, n_batch 2048, n_ubatch 128.
+
+Reported per step: throughput, host syncs, bytes moved, and as a proxy for re-reservations (compute buffers
+re-allocated) the VDEV allocation counters: a step "re-allocates" when a device's allocated bytes after the
+step differ from before it or its peak during the step exceeds the starting level; plus the scheduler's compute
+buffer sizes before/after. Both variants run as they are (no reservation patch exists yet).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import _common as C
+from pyllama_pp import bench
+from pyllama_pp.binding import build_info
+
+WORKLOAD = [["pp", 64], ["pp", 512], ["pp", 128], ["pp", 2048], ["tg", 16]]
+
+
+def run_variant(job: dict, variant: str, timeout: float) -> dict:
+    env = dict(os.environ)
+    env.setdefault("PYLLAMA_PP_LOG", "1")
+    payload = json.dumps({**job, "variant": variant})
+    p = subprocess.run([sys.executable, str(Path(__file__).with_name("_q6_worker.py"))], input=payload,
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    lines = p.stdout.strip().splitlines()
+    try:
+        res = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        res = None
+    if p.returncode != 0 or not isinstance(res, dict) or "error" in res:
+        msg = res.get("error") if isinstance(res, dict) else "no result"
+        return {"error": f"{variant} worker failed (rc {p.returncode}): {msg}\n{p.stderr[-1500:]}"}
+    return res
+
+
+def changed(st: dict) -> bool:
+    b, a, pk = st["alloc_before"], st["alloc_after"], st["peak_alloc"]
+    return any(x != y for x, y in zip(b, a)) or any(p > x for x, p in zip(b, pk))
+
+
+def main() -> int:
+    ap = C.parser("q6_reservation", __doc__, reps=3)
+    ap.add_argument("--rounds", type=int, default=None, help="workload repetitions (default: --reps)")
+    ap.add_argument("--n-batch", type=int, default=2048)
+    ap.add_argument("--n-ubatch", type=int, default=128)
+    args = ap.parse_args()
+    ctx = C.setup(args)
+    rounds = args.rounds or args.reps
+    workload = [["pp", 64], ["pp", 512], ["pp", 128], ["tg", 16]] if args.quick else WORKLOAD
+    max_pp = max(n for k, n in workload if k == "pp")
+    n_tg = sum(n for k, n in workload if k == "tg")
+    n_ctx = -(-(max_pp + n_tg + 8) // 256) * 256
+    devs = C.device_list(args, [C.DEFAULT_DEVICES])
+    writer = bench.RowWriter(ctx["out"])
+    info = build_info()
+    results = {}
+    all_rows = []
+    for dev in devs:
+        job = {"model": ctx["model"], "devices": dev, "tensor_split": ctx["ts"], "host_experts": "all",
+               "n_ctx": n_ctx, "n_batch": args.n_batch, "n_ubatch": min(args.n_ubatch, args.n_batch),
+               "workload": workload, "rounds": rounds, "seed": 0}
+        for v in bench.VARIANTS:
+            print(f"{C.short_devices(dev)} {v}: {rounds} round(s) of {workload}", flush=True)
+            res = run_variant(job, v, args.timeout)
+            results[(dev, v)] = res
+            meta = {"machine": f"{ctx['machine']['host']} ({ctx['machine']['nproc']} cores)",
+                    "date": ctx["machine"]["date_utc"], "build": {"cuda": info.get("cuda")}, "env": {}}
+            if "error" in res:
+                rows = [{"variant": v, "devices": dev, "test": "workload", "avg_ts": float("nan"),
+                         "error": res["error"][:2000], "label": "q6", **meta}]
+            else:
+                rows = []
+                for st in res["steps"]:
+                    ext = st.get("ext") or {}
+                    rows.append({
+                        "variant": v, "model": Path(ctx["model"]).name, "devices": dev, "split_mode": "layer",
+                        "tensor_split": ctx["ts"], "tensor_buft_overrides": "host_experts=all", "load_mode": "none",
+                        "n_ctx": n_ctx, "n_batch": job["n_batch"], "n_ubatch": job["n_ubatch"],
+                        "test": f"r{st['round'] + 1} {st['kind']}{st['n']}",
+                        "n_prompt": st["n"] if st["kind"] == "pp" else 0, "n_gen": st["n"] if st["kind"] == "tg" else 0,
+                        "avg_ts": st["ts"], "stddev_ts": 0.0, "samples_ts": [st["ts"]],
+                        "avg_ns": int(st["seconds"] * 1e9), "pipeline_parallel": res["schedule"]["pipeline_parallel"],
+                        "n_copies": res["schedule"]["n_copies"], "n_splits": res["schedule"]["n_splits"],
+                        "h2d_bytes": sum(st["h2d_bytes_per_device"]), "h2d_bytes_per_device": st["h2d_bytes_per_device"],
+                        "host_syncs": st["host_syncs"], "id_readbacks": ext.get("id_readbacks"),
+                        "upload_all": ext.get("upload_all"), "re_reservations": int(changed(st)),
+                        "compute_buffer_bytes": st["compute_buffer_after"], "label": "q6 mixed workload",
+                        "alloc_before": st["alloc_before"], "alloc_after": st["alloc_after"],
+                        "peak_alloc": st["peak_alloc"], "compute_buffer_before": st["compute_buffer_before"],
+                        "graphs": ext.get("graphs"), "round": st["round"] + 1, "step": f"{st['kind']}{st['n']}", **meta})
+            writer.write(rows)
+            all_rows.extend(rows)
+
+    body = []
+    plot_groups, plot_series, plot_notes = [], {"baseline": [], "patched": []}, []
+    for dev in devs:
+        res_b, res_p = results.get((dev, "baseline")), results.get((dev, "patched"))
+        ok = {v: r for v, r in (("baseline", res_b), ("patched", res_p)) if r and "error" not in r}
+        names = next(iter(ok.values()))["backend_names"] if ok else []
+        steps = [f"{k}{n}" for k, n in workload]
+        rows = []
+        for step in steps:
+            cells = {}
+            for v, r in ok.items():
+                sts = [s for s in r["steps"] if f"{s['kind']}{s['n']}" == step]
+                first = sts[0]["ts"] if sts else float("nan")
+                later = [s["ts"] for s in sts[1:]] or [first]
+                cells[v] = {"first": first, "later": statistics.fmean(later),
+                            "sd": statistics.stdev(later) if len(later) > 1 else 0.0,
+                            "syncs": statistics.fmean(s["host_syncs"] for s in sts),
+                            "re": sum(changed(s) for s in sts), "n": len(sts),
+                            "cb": any(s["compute_buffer_after"] != s["compute_buffer_before"] for s in sts),
+                            "rb": statistics.fmean((s.get("ext") or {}).get("id_readbacks", 0) for s in sts)}
+            b, p = cells.get("baseline"), cells.get("patched")
+            f = lambda c, k, fmt="{:.1f}": C.num(c[k], fmt) if c else ""
+            sp = p["later"] / b["later"] if b and p and b["later"] > 0 else None
+            rows.append([step, f(b, "first"), f(p, "first"),
+                         (f"{b['later']:.1f} ± {b['sd']:.1f}" if b else ""), (f"{p['later']:.1f} ± {p['sd']:.1f}" if p else ""),
+                         C.num(sp, "{:.2f}"), f"{f(b, 'syncs', '{:.0f}')} / {f(p, 'syncs', '{:.0f}')}",
+                         f"{b['re'] if b else ''}/{b['n'] if b else ''} / {p['re'] if p else ''}/{p['n'] if p else ''}",
+                         f"{'yes' if b and b['cb'] else 'no'} / {'yes' if p and p['cb'] else 'no'}",
+                         f(p, "rb", "{:.0f}")])
+            plot_groups.append(f"{step}")
+            plot_series["baseline"].append(b["later"] if b else float("nan"))
+            plot_series["patched"].append(p["later"] if p else float("nan"))
+            plot_notes.append(f"{sp:.2f}x" if sp else "")
+        # whole workload per round
+        tot = []
+        for v, r in ok.items():
+            for rnd in range(rounds):
+                sts = [s for s in r["steps"] if s["round"] == rnd]
+                tot.append((v, rnd + 1, sum(s["n"] for s in sts), sum(s["seconds"] for s in sts),
+                            sum(s["host_syncs"] for s in sts), sum(changed(s) for s in sts)))
+        tot_rows = [[v, rnd, ntok, f"{sec:.3f}", f"{ntok / sec:.1f}", hs, re] for v, rnd, ntok, sec, hs, re in tot]
+        mem_rows = []
+        for v, r in ok.items():
+            last = r["steps"][-1]
+            mem_rows.append([v, " / ".join(f"{n}: {C.fmt_bytes(x)}" for n, x in zip(names, r["compute_buffer_at_creation"])),
+                             " / ".join(f"{n}: {C.fmt_bytes(x)}" for n, x in zip(names, last["compute_buffer_after"])),
+                             " / ".join(C.fmt_bytes(x) for x in r["steps"][0]["alloc_before"]),
+                             " / ".join(C.fmt_bytes(x) for x in last["alloc_after"]),
+                             " / ".join(C.fmt_bytes(max(s["peak_alloc"][i] for s in r["steps"]))
+                                        for i in range(len(last["peak_alloc"]))),
+                             r["schedule"]["n_copies"], "on" if r["schedule"]["pipeline_parallel"] else "off"])
+        body.append(f"## per step ({C.short_devices(dev)}; n_batch {args.n_batch}, n_ubatch {args.n_ubatch}, "
+                    f"{rounds} round(s))\n\n" + C.md_table(
+                        ["step", "baseline t/s round 1", "patched t/s round 1", "baseline t/s later rounds",
+                         "patched t/s later rounds", "speedup (later)", "host syncs/step b / p",
+                         "steps with alloc change b / p", "compute buffer changed b / p", "id readbacks/step p"],
+                        rows, "lrrrrrllll"))
+        body.append("## whole workload per round\n\n" + C.md_table(
+            ["variant", "round", "tokens", "seconds", "t/s", "host syncs", "steps with alloc change"], tot_rows,
+            "lrrrrrr"))
+        body.append("## device memory (VDEV counters) and compute buffers\n\n" + C.md_table(
+            ["variant", "compute buffers at creation", "compute buffers at the end", "VDEV alloc at start",
+             "VDEV alloc at the end", "VDEV peak alloc", "n_copies", "PP"], mem_rows, "llllllrl"))
+        for v in ("baseline", "patched"):
+            r = results.get((dev, v))
+            if r and "error" in r:
+                body.append(f"\nERROR {v}: {r['error'].splitlines()[0][:300]}\n")
+    C.bar_plot(plot_groups, plot_series, ctx["out"] / "q6_reservation.png",
+               "Q6: mixed workload in one context, t/s per step (rounds after the first)", notes=plot_notes)
+    import pandas as pd
+    C.finish(ctx, "Q6: graph reservation under a mixed workload (baseline for a reservation patch)",
+             "One context per variant runs the workload " + ", ".join(f"{k}{n}" for k, n in workload)
+             + f" {rounds} time(s); each pp starts from an empty cache, tg continues after the last prompt. "
+             "`steps with alloc change` = steps during which a VDEV's allocated bytes changed or peaked above the "
+             "starting level (proxy for a compute-buffer re-allocation), as count/steps.", "\n".join(body),
+             pd.DataFrame(all_rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
