@@ -12,7 +12,12 @@ from typing import Optional
 from . import __version__
 from .errors import PyllamaError
 
-DEFAULT_DEVICES = "vdev:2x256MiB@0.25GBps"   # main job: 2 virtual devices, links throttled so transfers dominate
+# The main job (`pyllama-pp ab` with no model): the tiny preset with 7 layers on 2 virtual devices whose links are
+# throttled so that transfers dominate; ts 3,5 gives each device 3 MoE layers (the last layer of a ubatch
+# without outputs does no expert work); n_ubatch 128 uses ~98% of the experts; n_batch = 16 x n_ubatch.
+DEFAULT_DEVICES = "vdev:2x256MiB@0.1GBps"
+MAIN_JOB = {"batch": [2048], "ubatch": [128], "pp": [2048], "tensor_split": [3.0, 5.0]}
+PLAIN = {"batch": [512], "ubatch": [32], "pp": [512], "tensor_split": None}
 
 
 def _cache_dir() -> Path:
@@ -112,11 +117,11 @@ def _host_experts(values: list[str]):
 
 def _default_model() -> str:
     from . import synth
-    path = _cache_dir() / "models" / "tiny-uniform-s1.gguf"
+    path = _cache_dir() / "models" / "tiny-L7-uniform-s1.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         print(f"pyllama_pp: writing the default synthetic model {path}", file=sys.stderr)
-        synth.write_gguf(path, synth.preset("tiny", seed=1))
+        synth.write_gguf(path, synth.preset("tiny", seed=1, n_layer=7))
     return str(path)
 
 
@@ -127,8 +132,15 @@ def _print_rows(df) -> str:
     return df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}")
 
 
+def _fill_defaults(args, defaults: dict) -> None:
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
 def cmd_run(args) -> int:
     from . import bench
+    _fill_defaults(args, PLAIN)
     kw = _config_kwargs(args)
     cfgs = bench.expand(args.model, devices=args.devices, n_batch=args.batch, n_ubatch=args.ubatch,
                         host_experts=_host_experts(args.host_experts), **kw)
@@ -143,6 +155,7 @@ def cmd_ab(args) -> int:
     model = args.model or _default_model()
     if default and args.devices == ["cpu"]:
         args.devices = [DEFAULT_DEVICES]
+    _fill_defaults(args, MAIN_JOB if default else PLAIN)
     kw = _config_kwargs(args)
     cfgs = bench.expand(model, devices=args.devices, n_batch=args.batch, n_ubatch=args.ubatch,
                         host_experts=_host_experts(args.host_experts), **kw)
@@ -190,13 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="device spec(s), ';'-separated (cpu, cuda, cuda:0,1, vdev:2x768MiB@4GBps[,shared], JSON)")
         p.add_argument("--host-experts", type=lambda s: s.split(","), default=["all"],
                        help="all, none or N (the first N layers' experts in host RAM); comma-separated to sweep")
-        p.add_argument("-b", "--batch", type=_ints, default=[512], help="n_batch (comma-separated)")
-        p.add_argument("-ub", "--ubatch", type=_ints, default=[32], help="n_ubatch (comma-separated)")
+        p.add_argument("-b", "--batch", type=_ints, default=None, help="n_batch (comma-separated; default 512)")
+        p.add_argument("-ub", "--ubatch", type=_ints, default=None, help="n_ubatch (comma-separated; default 32)")
         p.add_argument("-c", "--ctx", type=int, default=0, help="n_ctx (0: fits the tests)")
         p.add_argument("-ngl", "--ngl", type=int, default=-1)
         p.add_argument("-ts", "--tensor-split", type=lambda s: [float(x) for x in s.split(",")], default=None,
                        help="layer proportions per device, e.g. 3,5 (llama's -ts)")
-        p.add_argument("-p", "--pp", type=_ints, default=[512], help="prompt lengths (pp tests)")
+        p.add_argument("-p", "--pp", type=_ints, default=None, help="prompt lengths (pp tests; default 512)")
         p.add_argument("-n", "--tg", type=_ints, default=[16], help="generation lengths (tg tests); 0 for none")
         p.add_argument("-r", "--reps", type=int, default=3)
         p.add_argument("--load-mode", default="none", choices=["none", "mmap"],
