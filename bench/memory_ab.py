@@ -1,6 +1,5 @@
 #!/usr/bin/env python3
 """Device memory of baseline, patched and the naive change (gate only) - docs/RESULTS.md, issue 4."""
-import json
 from pyllama_pp.worker import run_job
 from pyllama_pp import synth
 cfg = synth.preset("tiny", seed=1, n_layer=7)

@@ -13,7 +13,6 @@ row of the same model and batch sizes.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pandas as pd
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Q6: graph reservation under a mixed workload (the baseline for a future reservation patch).
 
-One session per variant (its own worker process, bench/_q6_worker.py) runs a mixed workload in one context, as
+One session per variant (its own worker process, job kind "workload" of pyllama_pp.worker) runs a mixed workload in one context, as
 a server would: prompts of alternating lengths pp64, pp512, pp128, pp2048 (each from an empty cache), then tg16
 continuing after the last prompt; the workload repeats for --rounds rounds (round 1 includes the first use of
 every graph shape). Every expert in host RAM, n_batch 2048, n_ubatch 128.
@@ -13,35 +13,24 @@ buffer sizes before/after. Both variants run as they are (no reservation patch e
 """
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import _common as C
 from pyllama_pp import bench
 from pyllama_pp.binding import build_info
+from pyllama_pp.errors import WorkerError
+from pyllama_pp.worker import run_job
 
 WORKLOAD = [["pp", 64], ["pp", 512], ["pp", 128], ["pp", 2048], ["tg", 16]]
 
 
 def run_variant(job: dict, variant: str, timeout: float) -> dict:
-    env = dict(os.environ)
-    env.setdefault("PYLLAMA_PP_LOG", "1")
-    payload = json.dumps({**job, "variant": variant})
-    p = subprocess.run([sys.executable, str(Path(__file__).with_name("_q6_worker.py"))], input=payload,
-                       capture_output=True, text=True, timeout=timeout, env=env)
-    lines = p.stdout.strip().splitlines()
     try:
-        res = json.loads(lines[-1]) if lines else None
-    except json.JSONDecodeError:
-        res = None
-    if p.returncode != 0 or not isinstance(res, dict) or "error" in res:
-        msg = res.get("error") if isinstance(res, dict) else "no result"
-        return {"error": f"{variant} worker failed (rc {p.returncode}): {msg}\n{p.stderr[-1500:]}"}
-    return res
+        return run_job({**job, "kind": "workload"}, variant, timeout=timeout)
+    except WorkerError as e:
+        return {"error": str(e)}
 
 
 def changed(st: dict) -> bool:

@@ -38,11 +38,6 @@ def _ints(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
-def _strs(s: str) -> list[str]:
-    return [x for x in str(s).split(";" if ";" in str(s) else ",") if x] if not str(s).startswith(("vdev", "{")) \
-        else [x for x in str(s).split(";") if x]
-
-
 # ---------------------------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
     from .binding import VARIANTS, available_variants, build_info

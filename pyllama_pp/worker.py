@@ -4,7 +4,8 @@
 JSON document back. A worker that crashes, is killed or times out raises WorkerError (with its exit status
 and the end of its stderr); the caller decides whether that becomes an error row.
 
-Job kinds: "info", "schedule", "logits" (writes an .npy), "bench" (llama-bench-like pp/tg tests).
+Job kinds: "info", "schedule", "logits" (writes an .npy), "bench" (llama-bench-like pp/tg tests),
+"workload" (a mixed sequence in one context, bench/q6).
 """
 from __future__ import annotations
 
@@ -156,9 +157,70 @@ def _do_bench(job: dict) -> dict:
         return {"model": s.info.to_dict(), "schedule": sched, "tests": results}
 
 
+def _ext_counts(a, b):
+    if not a or not b:
+        return None
+    return {k: b[k] - a[k] for k in ("graphs", "id_readbacks", "upload_all", "selective", "fallback_syncs",
+                                     "input_event_syncs") if k in a and k in b}
+
+
+def _do_workload(job: dict) -> dict:
+    """A mixed workload in ONE session (one context, as a server would): per step its time, bytes moved, host
+    syncs, VDEV allocation counters, compute buffers before/after and the patched counters (bench/q6)."""
+    from .session import ContextParams, Placement, Session
+    s = Session(job["model"], devices=job["devices"], variant=job["variant"],
+                placement=Placement(host_experts=job.get("host_experts", "all"), tensor_split=job.get("tensor_split")),
+                ctx=ContextParams(n_ctx=job["n_ctx"], n_batch=job["n_batch"], n_ubatch=job["n_ubatch"]))
+    try:
+        sched0 = s.schedule()
+        cb0 = [b.compute_buffer_bytes for b in sched0.backends]
+        rng = np.random.default_rng(int(job.get("seed", 0)))
+        steps = []
+        for rnd in range(int(job.get("rounds", 2))):
+            pos = 0
+            for kind, n in job["workload"]:
+                s.native.check(s.native.lib.pp_synchronize(s._ctx))
+                before = s.device_counters()
+                s.reset_counters()        # peak_alloc_bytes := alloc_bytes
+                cb_before = [b.compute_buffer_bytes for b in s.schedule().backends]
+                e0 = s.ext_stats()
+                per = []
+                t0 = time.perf_counter()
+                if kind == "pp":
+                    toks = rng.integers(0, s.info.n_vocab, n)
+                    res = s.eval(toks, logits="last", pos0=0, clear=True)
+                    per.append(res.counters["devices"])
+                    pos = n
+                else:
+                    for i in range(n):
+                        tok = rng.integers(0, s.info.n_vocab, 1)
+                        res = s.eval(tok, logits="last", pos0=pos, clear=False, stats=False)
+                        per.append(res.counters["devices"])
+                        pos += 1
+                dt = time.perf_counter() - t0
+                after = s.device_counters()
+                cb_after = [b.compute_buffer_bytes for b in s.schedule().backends]
+                moved = _sum_devices(per)
+                steps.append({
+                    "round": rnd, "kind": kind, "n": n, "seconds": dt, "ts": n / dt if dt > 0 else float("nan"),
+                    "h2d_bytes_per_device": [d.get("h2d_bytes", 0) for d in moved],
+                    "host_syncs": sum(d.get("host_syncs", 0) for d in moved),
+                    "alloc_before": [d["alloc_bytes"] for d in before],
+                    "alloc_after": [d["alloc_bytes"] for d in after],
+                    "peak_alloc": [d["peak_alloc_bytes"] for d in after],
+                    "failed_allocs": sum(d["failed_allocs"] for d in after),
+                    "compute_buffer_before": cb_before, "compute_buffer_after": cb_after,
+                    "ext": _ext_counts(e0, s.ext_stats())})
+        return {"model": s.info.to_dict(), "schedule": sched0.to_dict(), "compute_buffer_at_creation": cb0,
+                "backend_names": [b.name for b in sched0.backends], "steps": steps}
+    finally:
+        s.close()
+
+
 def _main() -> int:
     job = json.loads(sys.stdin.read())
-    handlers = {"info": _do_info, "schedule": _do_schedule, "logits": _do_logits, "bench": _do_bench}
+    handlers = {"info": _do_info, "schedule": _do_schedule, "logits": _do_logits, "bench": _do_bench,
+                "workload": _do_workload}
     kind = job.get("kind", "bench")
     try:
         if kind not in handlers:
