@@ -158,3 +158,19 @@ def test_worker_survives_errors(runner, tmp_path):
     _worker_error(runner, "patched", {"kind": "schedule", "model": str(tmp_path / "missing.gguf")})
     r = runner.run("patched", {"kind": "schedule", "devices": "cpu"}, cache=False)
     assert r["schedule"]["variant"] == "patched"
+
+
+def test_small_preset_loads_and_decodes(tmp_path):
+    """The 'small' preset (~260 MB) loads and decodes with finite logits (the tiny one is covered above)."""
+    from pyllama_pp import synth
+    from pyllama_pp.worker import run_job
+
+    path = tmp_path / "small.gguf"
+    summary = synth.write_gguf(path, synth.preset("small", seed=3))
+    assert 100e6 <= summary["bytes"] <= 300e6
+    out = tmp_path / "small.npy"
+    res = run_job({"kind": "logits", "model": str(path), "devices": "cpu", "ctx": {"n_ctx": 64, "n_batch": 16,
+                   "n_ubatch": 16}, "n_tokens": 8, "logits": "all", "out": str(out)}, "patched", timeout=300)
+    logits = np.load(out)
+    assert logits.shape == (8, synth.preset("small").n_vocab) and res["shape"] == [8, logits.shape[1]]
+    assert np.isfinite(logits).all() and logits.std() > 0
