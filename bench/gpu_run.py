@@ -110,6 +110,8 @@ def main() -> int:
                 (16384, 1024, [["pp", 16384]], 150),
                 (16384, 4096, [["pp", 16384]], 110),
             ]
+        elif args.sweep == "quick":  # one A/B point, for a short lease
+            plan = [(4096, 512, [["pp", 4096]], 50)]
         elif args.sweep == "diag":  # where does the time go: CUDA graphs, graph rebuilds, upload-all
             plan = [(4096, 512, [["pp", 4096]], 80, {"GGML_CUDA_DISABLE_GRAPHS": "1"}, {}),
                     (4096, 512, [["pp", 4096]], 80, {}, {"REBUILD": 0}),
