@@ -136,6 +136,11 @@ def _fill_defaults(args, defaults: dict) -> None:
             setattr(args, k, v)
 
 
+def _failed(df) -> bool:
+    """Any error row (a worker that failed or was killed)?"""
+    return "error" in df and bool(df["error"].fillna("").astype(str).str.len().gt(0).any())
+
+
 def cmd_run(args) -> int:
     from . import bench
     _fill_defaults(args, PLAIN)
@@ -144,7 +149,7 @@ def cmd_run(args) -> int:
                         host_experts=_host_experts(args.host_experts), **kw)
     df = bench.ab(cfgs, variants=[args.variant], out_dir=args.out, progress=not args.json)
     _emit(args, {"rows": json.loads(df.to_json(orient="records"))}, _print_rows(df))
-    return 1 if "error" in df and df["error"].notna().any() and df["error"].astype(bool).any() else 0
+    return 1 if _failed(df) else 0
 
 
 def cmd_ab(args) -> int:
@@ -166,8 +171,7 @@ def cmd_ab(args) -> int:
              "plot": str(png) if png else None}
     _emit(args, {"rows": json.loads(df.to_json(orient="records")), "files": files},
           md + "\n" + "\n".join(f"{k}: {v}" for k, v in files.items() if v))
-    failed = "error" in df and df["error"].fillna("").astype(str).str.len().gt(0).any()
-    return 1 if failed else 0
+    return 1 if _failed(df) else 0
 
 
 # ---------------------------------------------------------------------------------------------------------

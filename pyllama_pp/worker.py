@@ -157,13 +157,6 @@ def _do_bench(job: dict) -> dict:
         return {"model": s.info.to_dict(), "schedule": sched, "tests": results}
 
 
-def _ext_counts(a, b):
-    if not a or not b:
-        return None
-    return {k: b[k] - a[k] for k in ("graphs", "id_readbacks", "upload_all", "selective", "fallback_syncs",
-                                     "input_event_syncs") if k in a and k in b}
-
-
 def _do_workload(job: dict) -> dict:
     """A mixed workload in ONE session (one context, as a server would): per step its time, bytes moved, host
     syncs, VDEV allocation counters, compute buffers before/after and the patched counters (bench/q6)."""
@@ -210,7 +203,7 @@ def _do_workload(job: dict) -> dict:
                     "peak_alloc": [d["peak_alloc_bytes"] for d in after],
                     "failed_allocs": sum(d["failed_allocs"] for d in after),
                     "compute_buffer_before": cb_before, "compute_buffer_after": cb_after,
-                    "ext": _ext_counts(e0, s.ext_stats())})
+                    "ext": _ext_delta(e0, s.ext_stats())})
         return {"model": s.info.to_dict(), "schedule": sched0.to_dict(), "compute_buffer_at_creation": cb0,
                 "backend_names": [b.name for b in sched0.backends], "steps": steps}
     finally:
