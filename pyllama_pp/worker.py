@@ -109,6 +109,9 @@ def _ext_delta(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
     if not a or not b:
         return None
     d = {k: b[k] - a[k] for k in b if isinstance(b[k], int) and k not in ("n_copies", "n_splits", "transient_inputs")}
+    for k in ("host_wait_us", "host_waits"):  # per-cause host waits (extension v2)
+        if isinstance(b.get(k), dict):
+            d[k] = {c: v - a.get(k, {}).get(c, 0) for c, v in b[k].items()}
     d["backends"] = [{"name": y["name"], **{k: y[k] - x[k] for k in y if k != "name"}}
                      for x, y in zip(a["backends"], b["backends"])]
     d["params"] = b.get("params")
