@@ -30,7 +30,7 @@ ROW_FIELDS = [
     "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen",
     "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "speedup", "pipeline_parallel", "n_copies", "n_splits",
     "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac",
-    "host_syncs", "id_readbacks", "upload_all", "re_reservations", "compute_buffer_bytes", "label", "env",
+    "host_syncs", "id_readbacks", "upload_all", "re_reservations", "host_wait_s", "host_submit_s", "compute_buffer_bytes", "label", "env",
     "ext_params", "error", "build", "machine", "date",
 ]
 
@@ -136,7 +136,11 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             "host_syncs": int(sum(d["host_syncs"] for d in devs) / reps) if devs else None,
             "id_readbacks": int(ext["id_readbacks"] / reps) if "id_readbacks" in ext else None,
             "upload_all": int(ext["upload_all"] / reps) if "upload_all" in ext else None,
-            "re_reservations": None,
+            "re_reservations": int(ext["reallocs"] / reps) if "reallocs" in ext else None,
+            "host_wait_s": ({c: us / 1e6 / reps for c, us in ext["host_wait_us"].items()}
+                            if "host_wait_us" in ext else None),
+            "host_submit_s": ([b["submit_us"] / 1e6 / reps for b in ext["backends"]]
+                              if ext.get("backends") and "submit_us" in ext["backends"][0] else None),
             "compute_buffer_bytes": [b["compute_buffer_bytes"] for b in sched["backends"]],
             "label": cfg.label, "ext_params": cfg.ext_params if variant == "patched" else {}, **meta})
     return rows
@@ -183,10 +187,45 @@ def _meta(cfg: BenchConfig) -> dict:
             "machine": f"{platform.node()} ({os.cpu_count()} cores)", "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+def _load_key(cfg: BenchConfig) -> str:
+    """Configs with the same key can share one loaded model (they differ only in context and tests)."""
+    job = {k: v for k, v in cfg.job().items() if k not in ("ctx", "tests")}
+    return json.dumps([job, cfg.env, cfg.ext_params], sort_keys=True, default=str)
+
+
+def _groups(configs: list[BenchConfig], group: bool) -> list[list[tuple[int, BenchConfig]]]:
+    out: list[list[tuple[int, BenchConfig]]] = []
+    for ci, cfg in enumerate(configs):
+        if group and out and _load_key(out[-1][0][1]) == _load_key(cfg):
+            out[-1].append((ci, cfg))
+        else:
+            out.append([(ci, cfg)])
+    return out
+
+
+def _finish_config(per_variant: dict[str, list[dict]]) -> None:
+    """Coverage measured by the first variant goes to every row; speedup = patched / baseline per test."""
+    first = {r["test"]: r for r in next(iter(per_variant.values()), [])}
+    for rows in per_variant.values():
+        for r in rows:
+            f = first.get(r["test"])
+            if f is not None and r.get("coverage") is None:
+                r["experts_used"], r["coverage"] = f.get("experts_used"), f.get("coverage")
+    base = {r["test"]: r for r in per_variant.get("baseline", [])}
+    for rows in per_variant.values():
+        for r in rows:
+            b = base.get(r["test"])
+            if b and b.get("avg_ts") and b["avg_ts"] == b["avg_ts"] and r.get("avg_ts") == r.get("avg_ts"):
+                r["speedup"] = r["avg_ts"] / b["avg_ts"]
+
+
 def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_dir: Optional[Union[str, Path]] = None,
-       progress: bool = True, timeout: Optional[float] = None):
+       progress: bool = True, timeout: Optional[float] = None, group: bool = True):
     """Run every config on every variant (each in its own worker); return a pandas DataFrame of rows with
-    `speedup` = patched avg_ts / baseline avg_ts for the same config and test."""
+    `speedup` = patched avg_ts / baseline avg_ts for the same config and test.
+
+    With `group` (default), consecutive configs that differ only in batch sizes and tests share one worker
+    per variant, which loads the model once (a 30 GB model takes longer to load than to benchmark)."""
     import pandas as pd
 
     configs = list(configs)
@@ -200,41 +239,39 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
             bar = None
     all_rows: list[dict] = []
     try:
-        for ci, cfg in enumerate(configs):
-            meta = _meta(cfg)
-            per_variant: dict[str, list[dict]] = {}
-            for v in variants:
+        for grp in _groups(configs, group):
+            lead = grp[0][1]
+            metas = [_meta(cfg) for _, cfg in grp]
+            per_cfg: list[dict[str, list[dict]]] = [{} for _ in grp]
+            for vi, v in enumerate(variants):
                 if bar:
-                    bar.set_postfix_str(f"{v} {cfg.devices} ub={cfg.n_ubatch}")
-                job = cfg.job()
-                if v == "patched" and cfg.ext_params:
-                    job["ext_params"] = cfg.ext_params
+                    bar.set_postfix_str(f"{v} {lead.devices} ub={','.join(str(c.n_ubatch) for _, c in grp)}")
+                job = lead.job()
+                if v == "patched" and lead.ext_params:
+                    job["ext_params"] = lead.ext_params
                 # coverage is a property of model, tokens and ubatch, not of the variant: measure it once
-                job["coverage"] = not per_variant
+                job["coverage"] = vi == 0
+                if len(grp) > 1:
+                    job["ctx_list"] = [{"ctx": cfg.job()["ctx"], "tests": cfg.tests} for _, cfg in grp]
                 try:
-                    res = run_job(job, v, timeout=timeout, env=cfg.env)
-                    rows = rows_from_result(cfg, v, res, meta)
+                    res = run_job(job, v, timeout=timeout, env=lead.env)
+                    runs = res["runs"] if len(grp) > 1 else [res]
+                    for k, (_, cfg) in enumerate(grp):
+                        run = runs[k]
+                        per_cfg[k][v] = (error_rows(cfg, v, run["error"], metas[k]) if "error" in run else
+                                         rows_from_result(cfg, v, {"model": res["model"], **run}, metas[k]))
                 except WorkerError as e:
-                    rows = error_rows(cfg, v, str(e), meta)
-                for r in rows:
-                    r["config"] = ci
-                per_variant[v] = rows
+                    for k, (_, cfg) in enumerate(grp):
+                        per_cfg[k][v] = error_rows(cfg, v, str(e), metas[k])
                 if bar:
-                    bar.update(1)
-            first = {r["test"]: r for r in next(iter(per_variant.values()), [])}
-            for rows in per_variant.values():
-                for r in rows:
-                    f = first.get(r["test"])
-                    if f is not None and r.get("coverage") is None:
-                        r["experts_used"], r["coverage"] = f.get("experts_used"), f.get("coverage")
-            base = {r["test"]: r for r in per_variant.get("baseline", [])}
-            for v, rows in per_variant.items():
-                for r in rows:
-                    b = base.get(r["test"])
-                    if b and b.get("avg_ts") and b["avg_ts"] == b["avg_ts"] and r.get("avg_ts") == r.get("avg_ts"):
-                        r["speedup"] = r["avg_ts"] / b["avg_ts"]
-                writer.write(rows)
-                all_rows.extend(rows)
+                    bar.update(len(grp))
+            for k, (ci, _) in enumerate(grp):
+                _finish_config(per_cfg[k])
+                for rows in per_cfg[k].values():
+                    for r in rows:
+                        r["config"] = ci
+                    writer.write(rows)
+                    all_rows.extend(rows)
     finally:
         if bar:
             bar.close()

@@ -347,6 +347,20 @@ class Session:
             raise OutOfMemoryError(self.native.last_error())
         return ctx
 
+    def set_context(self, ctx: ContextParams) -> None:
+        """Replace the llama context (n_batch, n_ubatch, n_ctx, ...) and keep the loaded model: a sweep over
+        batch sizes then loads a large model once."""
+        old, self.ctx_params = self.ctx_params, ctx
+        if self._ctx is not None:
+            self.native.lib.pp_context_free(self._ctx)
+            self._ctx = None
+        try:
+            self._ctx = self._new_context(coverage=False)
+        except Exception:
+            self.ctx_params = old  # keep a usable session: the previous context again
+            self._ctx = self._new_context(coverage=False)
+            raise
+
     # -- facts ---------------------------------------------------------------------------------------------
     def schedule(self, _ctx=None) -> Schedule:
         """Pipeline parallel on/off, copies, splits and per-backend buffers of the reserved (or last) graph."""

@@ -118,46 +118,67 @@ def _ext_delta(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
     return d
 
 
+def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
+    results = []
+    for kind, n in tests:
+        toks = _tokens(n, s.info.n_vocab, seed)
+        cov = None
+        if kind == "pp" and coverage and s.info.n_expert > 0:
+            cov = s.coverage(toks)
+        times, devs, ext0, ext1 = [], [], None, None
+        for r in range(reps + 1):
+            s.reset_counters()
+            e0 = s.ext_stats()
+            if kind == "pp":
+                res = s.eval(toks, logits="last")
+                dt, dev = res.seconds, res.counters["devices"]
+            else:
+                s.eval(toks[:1], logits="last")  # position 0 (not timed, as llama-bench's tg starts empty)
+                t0 = time.perf_counter()
+                per = []
+                for i in range(1, n + 1):
+                    res = s.eval(toks[i % len(toks): i % len(toks) + 1], logits="last", pos0=i, clear=False,
+                                 stats=False)
+                    per.append(res.counters["devices"])
+                dt = time.perf_counter() - t0
+                dev = _sum_devices(per)
+            if r == 0:
+                continue  # warm-up
+            times.append(dt)
+            devs.append(dev)
+            if ext0 is None:
+                ext0 = e0
+            ext1 = s.ext_stats()
+        results.append({"kind": kind, "n": n, "seconds": times, "devices": _sum_devices(devs),
+                        "ext": _ext_delta(ext0, ext1), "coverage": cov, "reps": reps})
+    return results
+
+
 def _do_bench(job: dict) -> dict:
     """Run llama-bench-like tests: ("pp", n) decodes n prompt tokens in n_batch chunks; ("tg", n) decodes n
-    tokens one by one. Each test: one warm-up, then `reps` timed runs."""
+    tokens one by one. Each test: one warm-up, then `reps` timed runs.
+
+    With "ctx_list" (a list of {"ctx": {...}, "tests": [...]}) the model is loaded once and each entry gets a
+    fresh context: the result then has "runs", one {"schedule", "tests"} (or {"error"}) per entry."""
+    from .session import ContextParams
     reps = int(job.get("reps", 3))
     seed = int(job.get("seed", 0))
+    coverage = bool(job.get("coverage", True))
     with _session(job) as s:
-        sched = s.schedule().to_dict()
-        results = []
-        for kind, n in job.get("tests", [["pp", 512]]):
-            toks = _tokens(n, s.info.n_vocab, seed)
-            cov = None
-            if kind == "pp" and job.get("coverage", True) and s.info.n_expert > 0:
-                cov = s.coverage(toks)
-            times, devs, ext0, ext1 = [], [], None, None
-            for r in range(reps + 1):
-                s.reset_counters()
-                e0 = s.ext_stats()
-                if kind == "pp":
-                    res = s.eval(toks, logits="last")
-                    dt, dev = res.seconds, res.counters["devices"]
-                else:
-                    s.eval(toks[:1], logits="last")  # position 0 (not timed, as llama-bench's tg starts empty)
-                    t0 = time.perf_counter()
-                    per = []
-                    for i in range(1, n + 1):
-                        res = s.eval(toks[i % len(toks): i % len(toks) + 1], logits="last", pos0=i, clear=False,
-                                     stats=False)
-                        per.append(res.counters["devices"])
-                    dt = time.perf_counter() - t0
-                    dev = _sum_devices(per)
-                if r == 0:
-                    continue  # warm-up
-                times.append(dt)
-                devs.append(dev)
-                if ext0 is None:
-                    ext0 = e0
-                ext1 = s.ext_stats()
-            results.append({"kind": kind, "n": n, "seconds": times, "devices": _sum_devices(devs),
-                            "ext": _ext_delta(ext0, ext1), "coverage": cov, "reps": reps})
-        return {"model": s.info.to_dict(), "schedule": sched, "tests": results}
+        if "ctx_list" not in job:
+            sched = s.schedule().to_dict()
+            return {"model": s.info.to_dict(), "schedule": sched,
+                    "tests": _run_tests(s, job.get("tests", [["pp", 512]]), reps, seed, coverage)}
+        runs = []
+        for i, entry in enumerate(job["ctx_list"]):
+            try:
+                if i > 0:
+                    s.set_context(ContextParams(**entry["ctx"]))
+                runs.append({"schedule": s.schedule().to_dict(),
+                             "tests": _run_tests(s, entry["tests"], reps, seed, coverage)})
+            except PyllamaError as e:
+                runs.append({"error": f"{type(e).__name__}: {e}"})
+        return {"model": s.info.to_dict(), "runs": runs}
 
 
 def _do_workload(job: dict) -> dict:

@@ -53,3 +53,50 @@ def test_expand_crosses_like_llama_bench(tiny_model):
     # ubatch 128 > batch 64 is skipped, as llama-bench skips impossible combinations
     assert len(cfgs) == 2 * 3
     assert all(c.n_ubatch <= c.n_batch for c in cfgs)
+
+
+def test_grouped_configs_share_one_worker_and_match_separate_runs(tiny_model, tmp_path, monkeypatch):
+    """Configs differing only in batch sizes run in one worker per variant (model loaded once); each still
+    gets its own schedule, rows and speedup, and an impossible context becomes an error row of its own."""
+    calls = []
+    real = bench.run_job
+
+    def counting(job, variant, **kw):
+        calls.append((variant, len(job.get("ctx_list", [None]))))
+        return real(job, variant, **kw)
+
+    monkeypatch.setattr(bench, "run_job", counting)
+    cfgs = [bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=nb, n_ubatch=ub,
+                              tests=[["pp", 64]], reps=1, label=f"ub{ub}") for nb, ub in ((64, 16), (64, 64))]
+    df = bench.ab(cfgs, progress=False, timeout=120)
+    assert calls == [("baseline", 2), ("patched", 2)]
+    assert len(df) == 4 and df.error.isna().all()
+    assert sorted(df[df.variant == "patched"].n_ubatch) == [16, 64]
+    p = df[df.variant == "patched"].set_index("n_ubatch")
+    # each config's schedule comes from its own context (PP on in both; ub16 is below the offload threshold,
+    # so it offloads nothing and uploads no host weights, ub64 uploads them)
+    assert p.loc[16, "pipeline_parallel"] and p.loc[64, "pipeline_parallel"]
+    assert p.loc[16, "h2d_bytes"] < p.loc[64, "h2d_bytes"]
+    assert p.loc[16, "re_reservations"] is not None and p.loc[16, "host_wait_s"] is not None
+    calls.clear()
+    sep = bench.ab(cfgs, progress=False, timeout=120, group=False)
+    assert calls == [("baseline", 1), ("patched", 1)] * 2
+    assert list(sep.n_ubatch) == list(df.n_ubatch)
+
+
+def test_set_context_changes_batch_sizes_and_keeps_the_model(tiny_model):
+    from pyllama_pp.session import ContextParams, Session
+    with Session(tiny_model, ctx=ContextParams(n_ctx=256, n_batch=64, n_ubatch=32), variant="patched") as s:
+        a = s.eval(list(range(1, 41)), logits="all").logits
+        s.set_context(ContextParams(n_ctx=256, n_batch=64, n_ubatch=8))
+        assert s.ctx_params.n_ubatch == 8
+        b = s.eval(list(range(1, 41)), logits="all").logits
+        assert a.shape == b.shape and float(abs(a - b).max()) < 1e-3
+        try:
+            s.set_context(ContextParams(n_ctx=256, n_batch=8, n_ubatch=64))
+            raise AssertionError("n_ubatch > n_batch was accepted")
+        except ValueError:
+            pass
+        assert s.ctx_params.n_ubatch == 8  # the session still works with its previous context
+        c = s.eval(list(range(1, 41)), logits="all").logits
+        assert float(abs(c - b).max()) == 0.0

@@ -12,7 +12,7 @@ CTX = {"n_ctx": 256, "n_batch": 128, "n_ubatch": 32}   # 64 tokens = 2 ubatches
 N_TOKENS = 64
 HOST_ALL = {"host_experts": "all"}
 DEVS = "vdev:2x0@0"
-SWITCHES = ("TRANSIENT", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL")
+SWITCHES = ("TRANSIENT", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL", "OFFLOAD_TAIL")
 FORCE_UPLOAD_ALL = {"GGML_SCHED_PP_UPLOAD_ALL_MIN": 1, "GGML_SCHED_PP_UPLOAD_ALL_MIN_INFLIGHT": 1,
                     "GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 0}
 
@@ -270,3 +270,22 @@ def test_partial_host_experts_stream_to_the_layer_owner(runner, tiny_model, asse
     assert pv1["h2d_bytes"] > 10 * pv0["h2d_bytes"], (pv0["h2d_bytes"], pv1["h2d_bytes"])
     assert bv0["h2d_bytes"] > 10 * bv1["h2d_bytes"], (bv0["h2d_bytes"], bv1["h2d_bytes"])
     assert_logits_match(p["logits"], b["logits"], "patched vs baseline, host experts of layers 4-5")
+
+
+def test_prompt_batches_do_not_re_reserve_and_host_waits_are_timed(runner):
+    """Patch 0010: the output rows of a prompt's last ubatch stay on their layer's device, so node backends
+    match the reserved graph and no re-reservation (a full drain) happens; with the switch off, the last
+    ubatch re-reserves and the timed host waits show it (patch 0009)."""
+    on = _bench(runner, None)["ext"]
+    off = _bench(runner, _off("OFFLOAD_TAIL"))["ext"]
+    assert on["params"]["OFFLOAD_TAIL"] == 1 and off["params"]["OFFLOAD_TAIL"] == 0
+    assert on["reallocs"] == 0, on
+    assert off["reallocs"] >= 1 and off["host_waits"]["realloc"] == off["reallocs"], off
+    assert on["host_waits"]["realloc"] == 0 and on["host_wait_us"]["realloc"] == 0
+    assert off["host_wait_us"]["realloc"] > 0
+    for e in (on, off):
+        assert set(e["host_wait_us"]) == {"user_input", "split_switch", "ids", "fallback", "realloc", "input_events"}
+        assert e["compute_async_us"] > 0 and e["graphs"] == 4, e  # 128 tokens in ubatches of 32
+        assert all(b["submit_us"] > 0 for b in e["backends"]), e["backends"]
+    # the cause with the switch off: node backends changed (the tail ran on the CPU)
+    assert off["reallocs_ids_changed"] >= 1 and on["reallocs_ids_changed"] == 0
