@@ -63,6 +63,31 @@ def correctness(model: str, devices: str, out: Path, ubatches=(64, 512), n_token
     return rows
 
 
+PP4096 = [["pp", 4096]]
+PP16K = [["pp", 16384]]
+# Blocks of configs that share one loaded model per variant (bench.ab groups them); in priority order, each
+# skipped when the budget left is below its estimate (seconds, both variants, model loads included).
+SWEEPS = {
+    "main": [
+        {"name": "uniform", "est": 150, "configs": [(4096, 512, PP4096 + [["tg", 32]]), (16384, 1024, PP16K)]},
+        {"name": "uniform-best", "est": 120, "configs": [(16384, 4096, PP16K), (4096, 256, PP4096)]},
+    ],
+    "more": [
+        {"name": "one-gpu", "devices": "cuda:0", "est": 70, "configs": [(4096, 512, PP4096 + [["tg", 32]])]},
+        {"name": "one-h200-as-two", "devices": "cuda", "est": 70,
+         "env": {"CUDA_VISIBLE_DEVICES": "0", "GGML_CUDA_DEVICES": "2"}, "configs": [(4096, 512, PP4096)]},
+        {"name": "skewed", "model": "skewed", "est": 110,
+         "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (512, 128, [["pp", 512]])]},
+        {"name": "mmap", "load_mode": "mmap", "est": 90, "configs": [(4096, 512, PP4096)]},
+    ],
+    "quick": [{"name": "uniform", "est": 50, "configs": [(4096, 512, PP4096)]}],
+    "diag": [
+        {"name": "no-cuda-graphs", "est": 80, "env": {"GGML_CUDA_DISABLE_GRAPHS": "1"}, "configs": [(4096, 512, PP4096)]},
+        {"name": "no-upload-all", "est": 80, "ext": {"UPLOAD_ALL": 0}, "configs": [(4096, 512, PP4096)]},
+    ],
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
@@ -70,8 +95,9 @@ def main() -> int:
     ap.add_argument("--devices", default="cuda")
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/pp_models"))
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--preset", default="qwen3-30b-a3b", help="synthetic model preset (tiny: a local smoke test)")
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: correctness,synth,sweep")
-    ap.add_argument("--sweep", default="main", help="main | extra")
+    ap.add_argument("--sweep", default="main", help="comma-separated: " + ", ".join(SWEEPS))
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -95,42 +121,38 @@ def main() -> int:
             summary["steps"]["correctness_tiny"] = {"error": str(e)}
         save()
 
-    big = args.model_dir / "qwen3-30b-a3b-uniform.gguf"
+    big = args.model_dir / f"{args.preset}-uniform.gguf"
     if "synth" not in skip and not big.exists() and left(args.budget) > 30:  # ~20 s on the H200 box
         t = time.time()
-        s = synth.write_gguf(big, synth.preset("qwen3-30b-a3b", seed=1, routing="uniform"))
+        s = synth.write_gguf(big, synth.preset(args.preset, seed=1, routing="uniform"))
         summary["steps"]["synth"] = {k: s[k] for k in ("bytes", "expert_bytes_per_layer", "seconds")}
         log(f"wrote {big}: {s['bytes'] / 1e9:.1f} GB in {time.time() - t:.0f} s")
         save()
 
     if "sweep" not in skip and big.exists():
-        if args.sweep == "main":
-            plan = [  # (n_batch, n_ubatch, tests, estimated seconds for both variants)
-                (4096, 512, [["pp", 4096], ["tg", 32]], 110),
-                (16384, 1024, [["pp", 16384]], 150),
-                (16384, 4096, [["pp", 16384]], 110),
-            ]
-        elif args.sweep == "quick":  # one A/B point, for a short lease
-            plan = [(4096, 512, [["pp", 4096]], 50)]
-        elif args.sweep == "diag":  # where does the time go: CUDA graphs, graph rebuilds, upload-all
-            plan = [(4096, 512, [["pp", 4096]], 80, {"GGML_CUDA_DISABLE_GRAPHS": "1"}, {}),
-                    (4096, 512, [["pp", 4096]], 80, {}, {"REBUILD": 0}),
-                    (4096, 512, [["pp", 4096]], 80, {"GGML_CUDA_DISABLE_GRAPHS": "1"}, {"UPLOAD_ALL": 0})]
-        else:
-            plan = [(4096, 2048, [["pp", 4096]], 90), (16384, 16384, [["pp", 16384]], 120),
-                    (4096, 512, [["pp", 4096]], 110)]
-        for item in plan:
-            nb, ub, tests, est = item[:4]
-            env, ext = (item[4], item[5]) if len(item) > 4 else ({}, {})
-            if left(args.budget) < est:
-                log(f"skip b{nb}/ub{ub}: {left(args.budget):.0f} s left, needs ~{est}")
+        unknown = [n for n in args.sweep.split(",") if n not in SWEEPS]
+        if unknown:
+            raise SystemExit(f"unknown sweep(s) {unknown}; choose from {sorted(SWEEPS)}")
+        for block in [b for n in args.sweep.split(",") for b in SWEEPS[n]]:
+            if block.get("model") == "skewed":
+                model = args.model_dir / f"{args.preset}-skewed.gguf"
+                if not model.exists() and left(args.budget) > block["est"] + 30:
+                    t = time.time()
+                    synth.write_gguf(model, synth.preset(args.preset, seed=1, routing="skewed"))
+                    log(f"wrote {model} in {time.time() - t:.0f} s")
+            else:
+                model = big
+            if left(args.budget) < block["est"] or not model.exists():
+                log(f"skip {block['name']}: {left(args.budget):.0f} s left, needs ~{block['est']}")
                 continue
-            cfg = bench.BenchConfig(model=str(big), devices=args.devices, n_batch=nb, n_ubatch=ub, tests=tests,
-                                    reps=args.reps, host_experts="all", env=env, ext_params=ext,
-                                    label=f"gpu b{nb} ub{ub} {env} {ext}".strip())
+            cfgs = [bench.BenchConfig(model=str(model), devices=block.get("devices", args.devices), n_batch=nb,
+                                      n_ubatch=ub, tests=tests, reps=args.reps, host_experts="all",
+                                      load_mode=block.get("load_mode", "none"), env=block.get("env", {}),
+                                      ext_params=block.get("ext", {}), label=f"{block['name']} b{nb} ub{ub}")
+                    for nb, ub, tests in block["configs"]]
             t = time.time()
-            df = bench.ab([cfg], out_dir=args.out / "ab", progress=False, timeout=max(60, left(args.budget) - 10))
-            log(f"b{nb}/ub{ub}: {time.time() - t:.0f} s\n{bench.markdown(df)}")
+            df = bench.ab(cfgs, out_dir=args.out / "ab", progress=False, timeout=max(60, left(args.budget) - 10))
+            log(f"{block['name']}: {time.time() - t:.0f} s (estimated {block['est']})\n{bench.markdown(df)}")
             summary["steps"].setdefault("sweeps", []).append(json.loads(df.to_json(orient="records")))
             save()
     md = args.out / "ab" / "results.jsonl"
