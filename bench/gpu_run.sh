@@ -64,6 +64,9 @@ fi
 # results go to one archive: at most 8 files come back from $OUT
 mkdir -p /tmp/res; cp /tmp/build.log /tmp/gpus.csv /tmp/res/
 set +e
+if [ "${PP_PROBE:-0}" = 1 ]; then  # CUDA launch-queue depth and one-thread pinned copies to two GPUs
+    (cd /tmp && timeout 90 python3 "$OLDPWD/bench/cuda_queue.py" --out /tmp/res) 2>&1 | tail -20
+fi
 # the script's budget: what is left of the call (PP_CALL_LIMIT, default 570 s of the 600 s a call may run)
 budget=$(( ${PP_CALL_LIMIT:-570} - ($(date +%s) - t0) ))
 cd /tmp && python3 "$OLDPWD/bench/gpu_run.py" --out /tmp/res --budget $budget "$@"; rc=$?

@@ -30,7 +30,7 @@ ROW_FIELDS = [
     "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen",
     "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "speedup", "pipeline_parallel", "n_copies", "n_splits",
     "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac",
-    "host_syncs", "id_readbacks", "upload_all", "re_reservations", "host_wait_s", "host_submit_s", "compute_buffer_bytes", "label", "env",
+    "host_syncs", "id_readbacks", "upload_all", "re_reservations", "host_wait_s", "host_submit_s", "host_sched_s", "compute_buffer_bytes", "label", "env",
     "ext_params", "error", "build", "machine", "date",
 ]
 
@@ -141,6 +141,8 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
                             if "host_wait_us" in ext else None),
             "host_submit_s": ([b["submit_us"] / 1e6 / reps for b in ext["backends"]]
                               if ext.get("backends") and "submit_us" in ext["backends"][0] else None),
+            "host_sched_s": ({k[:-3]: ext[k] / 1e6 / reps for k in ("compute_async_us", "alloc_us", "synchronize_us")}
+                             if "compute_async_us" in ext else None),
             "compute_buffer_bytes": [b["compute_buffer_bytes"] for b in sched["backends"]],
             "label": cfg.label, "ext_params": cfg.ext_params if variant == "patched" else {}, **meta})
     return rows

@@ -284,7 +284,8 @@ def test_prompt_batches_do_not_re_reserve_and_host_waits_are_timed(runner):
     assert on["host_waits"]["realloc"] == 0 and on["host_wait_us"]["realloc"] == 0
     assert off["host_wait_us"]["realloc"] > 0
     for e in (on, off):
-        assert set(e["host_wait_us"]) == {"user_input", "split_switch", "ids", "fallback", "realloc", "input_events"}
+        assert set(e["host_wait_us"]) == {"user_input", "split_switch", "ids", "fallback", "realloc", "input_events",
+                                         "upload"}
         assert e["compute_async_us"] > 0 and e["graphs"] == 4, e  # 128 tokens in ubatches of 32
         assert all(b["submit_us"] > 0 for b in e["backends"]), e["backends"]
     # the cause with the switch off: node backends changed (the tail ran on the CPU)
