@@ -81,6 +81,14 @@ SWEEPS = {
         {"name": "mmap", "load_mode": "mmap", "est": 90, "configs": [(4096, 512, PP4096)]},
     ],
     "quick": [{"name": "uniform", "est": 50, "configs": [(4096, 512, PP4096)]}],
+    # why every ubatch re-reserves on CUDA (patch 0009's last_realloc), mmap, and decode on one and two GPUs
+    "final": [
+        {"name": "uniform", "est": 150, "configs": [(4096, 512, PP4096 + [["tg", 32]]), (16384, 1024, PP16K)]},
+        {"name": "no-stable-reserve", "est": 50, "ext": {"STABLE_RESERVE": 0}, "variants": ["patched"],
+         "configs": [(4096, 512, PP4096)]},
+        {"name": "mmap", "load_mode": "mmap", "est": 90, "configs": [(4096, 512, PP4096)]},
+        {"name": "one-gpu", "devices": "cuda:0", "est": 50, "configs": [(4096, 512, [["tg", 32]])]},
+    ],
     "diag": [
         {"name": "no-cuda-graphs", "est": 80, "env": {"GGML_CUDA_DISABLE_GRAPHS": "1"}, "configs": [(4096, 512, PP4096)]},
         {"name": "no-upload-all", "est": 80, "ext": {"UPLOAD_ALL": 0}, "configs": [(4096, 512, PP4096)]},
@@ -151,7 +159,8 @@ def main() -> int:
                                       ext_params=block.get("ext", {}), label=f"{block['name']} b{nb} ub{ub}")
                     for nb, ub, tests in block["configs"]]
             t = time.time()
-            df = bench.ab(cfgs, out_dir=args.out / "ab", progress=False, timeout=max(60, left(args.budget) - 10))
+            df = bench.ab(cfgs, variants=block.get("variants", bench.VARIANTS), out_dir=args.out / "ab",
+                          progress=False, timeout=max(60, left(args.budget) - 10))
             log(f"{block['name']}: {time.time() - t:.0f} s (estimated {block['est']})\n{bench.markdown(df)}")
             summary["steps"].setdefault("sweeps", []).append(json.loads(df.to_json(orient="records")))
             save()

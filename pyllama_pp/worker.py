@@ -109,6 +109,8 @@ def _ext_delta(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
     if not a or not b:
         return None
     d = {k: b[k] - a[k] for k in b if isinstance(b[k], int) and k not in ("n_copies", "n_splits", "transient_inputs")}
+    if b.get("last_realloc"):
+        d["last_realloc"] = b["last_realloc"]
     for k in ("host_wait_us", "host_waits"):  # per-cause host waits (extension v2)
         if isinstance(b.get(k), dict):
             d[k] = {c: v - a.get(k, {}).get(c, 0) for c, v in b[k].items()}
