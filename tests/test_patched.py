@@ -45,7 +45,8 @@ def layers_per_device(model_path: str, schedule: dict, host_layers=None) -> dict
             layer_bytes[i] = layer_bytes.get(i, 0) + (0 if on_host else t["nbytes"])
         elif t["name"].startswith("output"):
             out_bytes += t["nbytes"]
-    rows = [m for m in schedule["memory"] if m["device"].startswith("VDEV")]
+    # llama's memory breakdown comes in no fixed order: layers go to the devices in device order
+    rows = sorted((m for m in schedule["memory"] if m["device"].startswith("VDEV")), key=lambda m: int(m["device"][4:]))
     counts, il = {}, 0
     for k, m in enumerate(rows):
         want = m["model_bytes"] - (out_bytes if k == len(rows) - 1 else 0)
