@@ -30,7 +30,7 @@ ROW_FIELDS = [
     "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen",
     "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "speedup", "pipeline_parallel", "n_copies", "n_splits",
     "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac",
-    "host_syncs", "id_readbacks", "upload_all", "re_reservations", "realloc_reason", "host_wait_s", "host_submit_s", "host_sched_s", "compute_buffer_bytes", "label", "env",
+    "host_syncs", "id_readbacks", "upload_all", "re_reservations", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "compute_buffer_bytes", "label", "env",
     "ext_params", "error", "build", "machine", "date",
 ]
 
@@ -138,6 +138,8 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             "upload_all": int(ext["upload_all"] / reps) if "upload_all" in ext else None,
             "re_reservations": int(ext["reallocs"] / reps) if "reallocs" in ext else None,
             "realloc_reason": ext.get("last_realloc") if ext.get("reallocs") else None,
+            "realloc_log": ext.get("realloc_log") or None,
+            "graph_nodes": [ext["graph_nodes_min"], ext["graph_nodes_max"]] if "graph_nodes_min" in ext else None,
             "host_wait_s": ({c: us / 1e6 / reps for c, us in ext["host_wait_us"].items()}
                             if "host_wait_us" in ext else None),
             "host_submit_s": ([b["submit_us"] / 1e6 / reps for b in ext["backends"]]

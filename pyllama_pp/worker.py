@@ -108,9 +108,9 @@ def _sum_devices(per_eval: list[list[dict]]) -> list[dict]:
 def _ext_delta(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
     if not a or not b:
         return None
-    d = {k: b[k] - a[k] for k in b if isinstance(b[k], int) and k not in ("n_copies", "n_splits", "transient_inputs")}
-    if b.get("last_realloc"):
-        d["last_realloc"] = b["last_realloc"]
+    levels = ("n_copies", "n_splits", "transient_inputs", "graph_nodes_min", "graph_nodes_max")
+    d = {k: b[k] - a[k] for k in b if isinstance(b[k], int) and k not in levels}
+    d.update({k: b[k] for k in levels + ("last_realloc", "realloc_log") if k in b})
     for k in ("host_wait_us", "host_waits"):  # per-cause host waits (extension v2)
         if isinstance(b.get(k), dict):
             d[k] = {c: v - a.get(k, {}).get(c, 0) for c, v in b[k].items()}

@@ -12,7 +12,7 @@ CTX = {"n_ctx": 256, "n_batch": 128, "n_ubatch": 32}   # 64 tokens = 2 ubatches
 N_TOKENS = 64
 HOST_ALL = {"host_experts": "all"}
 DEVS = "vdev:2x0@0"
-SWITCHES = ("TRANSIENT", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL", "OFFLOAD_TAIL")
+SWITCHES = ("TRANSIENT", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL", "OFFLOAD_TAIL", "STABLE_DEPS")
 FORCE_UPLOAD_ALL = {"GGML_SCHED_PP_UPLOAD_ALL_MIN": 1, "GGML_SCHED_PP_UPLOAD_ALL_MIN_INFLIGHT": 1,
                     "GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 0}
 
@@ -291,3 +291,16 @@ def test_prompt_batches_do_not_re_reserve_and_host_waits_are_timed(runner):
         assert all(b["submit_us"] > 0 for b in e["backends"]), e["backends"]
     # the cause with the switch off: node backends changed (the tail ran on the CPU)
     assert off["reallocs_ids_changed"] >= 1 and on["reallocs_ids_changed"] == 0
+
+
+def test_allocation_dependency_nodes_keep_the_reserved_node_count(runner):
+    """Patch 0011: VDEV, like CUDA, asks for an allocation-dependency node after each non-empty top-k routing;
+    the empty last layer of a ubatch without outputs gets none, so its graph has fewer nodes than the reserved
+    one. Padding keeps the count; without it the graph re-reserves and the reason names the node count."""
+    on = _bench(runner, None)["ext"]
+    off = _bench(runner, _off("STABLE_DEPS"))["ext"]
+    assert on["params"]["STABLE_DEPS"] == 1 and off["params"]["STABLE_DEPS"] == 0
+    assert on["reallocs"] == 0 and on["graph_nodes_min"] == on["graph_nodes_max"], on
+    assert off["reallocs"] >= 1, off
+    assert off["graph_nodes_max"] == off["graph_nodes_min"] + 1, off
+    assert any("first difference at node" in r and "ffn_moe" in r for r in off["realloc_log"]), off["realloc_log"]

@@ -734,6 +734,21 @@ std::shared_ptr<vdev_graph_job> build_graph_job(const ggml_cgraph * cg) {
     return job;
 }
 
+// Mimics CUDA's graph_optimize (ggml-cuda.cu): for the top-k MoE routing it fuses, CUDA asks the scheduler to
+// keep the router output allocated until the fused sequence ends - an extra dependency node in the
+// scheduler's graph - but only when the fusion applies, and it does not for an empty op (the last layer of a
+// ubatch without outputs). So the node count of the scheduler's graph depends on whether a ubatch has
+// outputs, which is what makes a reserved layout not fit (a re-reservation). VDEV reproduces that.
+void vdev_backend_graph_optimize(ggml_backend_t backend, ggml_cgraph * cgraph, ggml_backend_graph_optimize_params * params) {
+    (void) backend;
+    for (int i = 0; i < cgraph->n_nodes; i++) {
+        ggml_tensor * node = cgraph->nodes[i];
+        if (node->op == GGML_OP_ARGSORT && node->src[0] != nullptr && !ggml_is_empty(node)) {
+            params->add_alloc_dep(params->user_data, node->src[0], node);
+        }
+    }
+}
+
 ggml_status vdev_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgraph) {
     auto * b = (vdev_backend *) backend->context;
     b->dev->c.graph_computes += 1;
@@ -847,6 +862,7 @@ ggml_backend_t vdev_backend_init(vdev_device * d) {
     }
 
     ggml_backend_i iface{};
+    iface.graph_optimize      = vdev_backend_graph_optimize;
     iface.get_name            = vdev_backend_get_name;
     iface.free                = vdev_backend_free;
     iface.set_tensor_async    = vdev_backend_set_tensor_async;
@@ -862,7 +878,6 @@ ggml_backend_t vdev_backend_init(vdev_device * d) {
     iface.graph_compute       = vdev_backend_graph_compute;
     iface.event_record        = vdev_backend_event_record;
     iface.event_wait          = vdev_backend_event_wait;
-    iface.graph_optimize      = nullptr;
 
     return new ggml_backend{ &g_vdev_guid, iface, &d->dev, b };
 }
