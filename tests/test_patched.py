@@ -304,3 +304,27 @@ def test_allocation_dependency_nodes_keep_the_reserved_node_count(runner):
     assert off["reallocs"] >= 1, off
     assert off["graph_nodes_max"] == off["graph_nodes_min"] + 1, off
     assert any("first difference at node" in r and "ffn_moe" in r for r in off["realloc_log"]), off["realloc_log"]
+
+
+def test_pageable_host_weights_keep_pipelining_off(runner, assert_logits_match):
+    """Patch 0012: host weights outside the devices' pinned host buffer type (no_host here; an mmap-ed model
+    on CUDA) are copied synchronously, so nothing could overlap: the patched build keeps pipelining off, as
+    upstream does, unless GATE=3 asks for it. VDEV copies from pageable memory block the host, as CUDA's do."""
+    pageable = {**HOST_ALL, "no_host": True}
+    p = runner.logits("patched", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS)
+    b = runner.logits("baseline", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS)
+    assert p["schedule"]["pipeline_parallel"] is False and b["schedule"]["pipeline_parallel"] is False
+    assert_logits_match(p["logits"], b["logits"], "pageable, PP off")
+    forced = runner.logits("patched", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS,
+                           env={"GGML_SCHED_PP_GATE": 3})
+    assert forced["schedule"]["pipeline_parallel"] is True
+    assert_logits_match(forced["logits"], b["logits"], "pageable, GATE=3")
+    # where the weights are: a plain CPU buffer (pageable) vs the VDEV host buffer type (pinned)
+    assert "CPU" in {m["buft"] for m in p["schedule"]["memory"]}
+    pinned = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS)
+    assert "CPU" not in {m["buft"] for m in pinned["schedule"]["memory"]}
+    assert pinned["schedule"]["pipeline_parallel"] is True
+    # uploads from pageable memory made the host wait; from pinned memory they are only queued
+    assert forced["ext"]["host_waits"]["upload"] > 0
+    assert forced["ext"]["host_wait_us"]["upload"] > 20 * max(1, pinned["ext"]["host_wait_us"]["upload"]), \
+        (forced["ext"]["host_wait_us"], pinned["ext"]["host_wait_us"])

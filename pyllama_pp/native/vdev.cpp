@@ -538,6 +538,71 @@ void vdev_backend_free(ggml_backend_t backend) {
     delete backend;
 }
 
+// ---------------------------------------------------------------------------------------------
+// "Pinned" host memory: the devices' host buffer type (like CUDA_Host). Copies between it and a VDEV are
+// asynchronous; copies from or to any other host memory (pageable, e.g. an mmap-ed model) block the host
+// until the stream has done them, as cudaMemcpyAsync does with pageable memory.
+
+std::mutex                   g_pinned_mtx;
+std::map<uintptr_t, size_t>  g_pinned;          // base -> size of live VDEV_Host buffers
+void (*g_cpu_free_buffer)(ggml_backend_buffer_t) = nullptr;
+
+bool host_ptr_is_pinned(const void * p) {
+    std::lock_guard<std::mutex> lk(g_pinned_mtx);
+    auto it = g_pinned.upper_bound((uintptr_t) p);
+    if (it == g_pinned.begin()) {
+        return false;
+    }
+    --it;
+    return (uintptr_t) p < it->first + it->second;
+}
+
+void vdev_host_buffer_free(ggml_backend_buffer_t buffer) {
+    {
+        std::lock_guard<std::mutex> lk(g_pinned_mtx);
+        g_pinned.erase((uintptr_t) ggml_backend_buffer_get_base(buffer));
+    }
+    g_cpu_free_buffer(buffer);
+}
+
+const char * vdev_host_buft_get_name(ggml_backend_buffer_type_t) { return "VDEV_Host"; }
+
+ggml_backend_buffer_t vdev_host_buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size) {
+    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(ggml_backend_cpu_buffer_type(), size);
+    if (buf == nullptr) {
+        return nullptr;
+    }
+    g_cpu_free_buffer = buf->iface.free_buffer;
+    buf->iface.free_buffer = vdev_host_buffer_free;
+    buf->buft = buft;
+    std::lock_guard<std::mutex> lk(g_pinned_mtx);
+    g_pinned[(uintptr_t) ggml_backend_buffer_get_base(buf)] = ggml_backend_buffer_get_size(buf);
+    return buf;
+}
+
+size_t vdev_host_buft_get_alignment(ggml_backend_buffer_type_t) {
+    return ggml_backend_buft_get_alignment(ggml_backend_cpu_buffer_type());
+}
+
+bool vdev_host_buft_is_host(ggml_backend_buffer_type_t) { return true; }
+
+ggml_backend_buffer_type_t vdev_dev_get_host_buffer_type(ggml_backend_dev_t dev) {
+    static ggml_backend_buffer_type buft = {
+        /* .iface   = */ {
+            /* .get_name       = */ vdev_host_buft_get_name,
+            /* .alloc_buffer   = */ vdev_host_buft_alloc_buffer,
+            /* .get_alignment  = */ vdev_host_buft_get_alignment,
+            /* .get_max_size   = */ nullptr,
+            /* .get_alloc_size = */ nullptr,
+            /* .is_host        = */ vdev_host_buft_is_host,
+        },
+        /* .device  = */ nullptr,
+        /* .context = */ nullptr,
+    };
+    (void) dev;
+    return &buft;
+}
+
 void vdev_backend_set_tensor_async(ggml_backend_t backend, ggml_tensor * tensor, const void * data, size_t offset, size_t size) {
     auto * b = (vdev_backend *) backend->context;
     ggml_backend_buffer_t buf = tensor_buffer(tensor);
@@ -550,6 +615,9 @@ void vdev_backend_set_tensor_async(ggml_backend_t backend, ggml_tensor * tensor,
     vdev_device * d   = buffer_device(buf);
     char *        dst = (char *) tensor->data + offset;
     b->enqueue([d, dst, data, size]() { h2d_transfer(d, dst, data, size); });
+    if (!host_ptr_is_pinned(data)) {
+        b->drain(); // pageable source: the host waits for the copy (cudaMemcpyAsync from pageable memory)
+    }
 }
 
 void vdev_backend_get_tensor_async(ggml_backend_t backend, const ggml_tensor * tensor, void * data, size_t offset, size_t size) {
@@ -564,6 +632,9 @@ void vdev_backend_get_tensor_async(ggml_backend_t backend, const ggml_tensor * t
     vdev_device * d   = buffer_device(buf);
     const char *  src = (const char *) tensor->data + offset;
     b->enqueue([d, data, src, size]() { d2h_transfer(d, data, src, size); });
+    if (!host_ptr_is_pinned(data)) {
+        b->drain(); // pageable destination: the host waits for the copy
+    }
 }
 
 bool vdev_backend_cpy_tensor_async(ggml_backend_t backend_src, ggml_backend_t backend_dst, const ggml_tensor * src, ggml_tensor * dst) {
@@ -923,7 +994,7 @@ void vdev_dev_get_props(ggml_backend_dev_t dev, ggml_backend_dev_props * props) 
     props->device_id   = nullptr;
     vdev_dev_get_memory(dev, &props->memory_free, &props->memory_total);
     props->caps.async                = true;
-    props->caps.host_buffer          = false;
+    props->caps.host_buffer          = true;
     props->caps.buffer_from_host_ptr = false;
     props->caps.events               = true;
     props->caps.mmap_support         = false;
@@ -1081,7 +1152,7 @@ vdev_device * make_device(int i) {
     di.get_props            = vdev_dev_get_props;
     di.init_backend         = vdev_dev_init_backend;
     di.get_buffer_type      = vdev_dev_get_buffer_type;
-    di.get_host_buffer_type = nullptr;
+    di.get_host_buffer_type = vdev_dev_get_host_buffer_type;
     di.buffer_from_host_ptr = nullptr;
     di.supports_op          = vdev_dev_supports_op;
     di.supports_buft        = vdev_dev_supports_buft;
