@@ -12,7 +12,7 @@ CTX = {"n_ctx": 256, "n_batch": 128, "n_ubatch": 32}   # 64 tokens = 2 ubatches
 N_TOKENS = 64
 HOST_ALL = {"host_experts": "all"}
 DEVS = "vdev:2x0@0"
-SWITCHES = ("TRANSIENT", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL", "OFFLOAD_TAIL", "STABLE_DEPS")
+SWITCHES = ("TRANSIENT", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL", "OFFLOAD_TAIL", "STABLE_DEPS", "LAST_EVENTS")
 FORCE_UPLOAD_ALL = {"GGML_SCHED_PP_UPLOAD_ALL_MIN": 1, "GGML_SCHED_PP_UPLOAD_ALL_MIN_INFLIGHT": 1,
                     "GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 0}
 
@@ -328,3 +328,20 @@ def test_pageable_host_weights_keep_pipelining_off(runner, assert_logits_match):
     assert forced["ext"]["host_waits"]["upload"] > 0
     assert forced["ext"]["host_wait_us"]["upload"] > 20 * max(1, pinned["ext"]["host_wait_us"]["upload"]), \
         (forced["ext"]["host_wait_us"], pinned["ext"]["host_wait_us"])
+
+
+def test_decode_records_one_event_per_device_and_waits_on_none(runner):
+    """Patch 0013: in decode (nothing in flight, experts on the CPU) each device records one event per token
+    (after its last split) instead of one per split, and no split waits on an event; numerics unchanged."""
+    def tg(env):
+        r = runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL,
+                                   "ctx": {"n_ctx": 256, "n_batch": 16, "n_ubatch": 16}, "tests": [["tg", 8]],
+                                   "reps": 1}, env=env)
+        assert r["schedule"]["pipeline_parallel"] is True
+        return r["tests"][0]["devices"]
+    on, off = tg(None), tg(_off("LAST_EVENTS"))
+    for d_on, d_off in zip(on, off):
+        assert d_on["event_records"] == 8, d_on        # 8 tokens, one record each
+        assert d_on["event_waits"] == 0, d_on
+        assert d_off["event_records"] > d_on["event_records"] and d_off["event_waits"] > 0, d_off
+        assert d_on["host_syncs"] <= d_off["host_syncs"]
