@@ -616,6 +616,7 @@ void vdev_backend_set_tensor_async(ggml_backend_t backend, ggml_tensor * tensor,
     char *        dst = (char *) tensor->data + offset;
     b->enqueue([d, dst, data, size]() { h2d_transfer(d, dst, data, size); });
     if (!host_ptr_is_pinned(data)) {
+        b->dev->c.host_syncs += 1;
         b->drain(); // pageable source: the host waits for the copy (cudaMemcpyAsync from pageable memory)
     }
 }
@@ -633,6 +634,7 @@ void vdev_backend_get_tensor_async(ggml_backend_t backend, const ggml_tensor * t
     const char *  src = (const char *) tensor->data + offset;
     b->enqueue([d, data, src, size]() { d2h_transfer(d, data, src, size); });
     if (!host_ptr_is_pinned(data)) {
+        b->dev->c.host_syncs += 1;
         b->drain(); // pageable destination: the host waits for the copy
     }
 }

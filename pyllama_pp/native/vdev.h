@@ -21,7 +21,8 @@ struct pp_vdev_counters {
     uint64_t h2d_bytes, d2h_bytes, d2d_bytes;     // bytes moved per direction (d2d counted on the destination)
     uint64_t h2d_copies, d2h_copies, d2d_copies;
     uint64_t graph_computes;                      // graph_compute calls
-    uint64_t host_syncs;                          // host blocked on this device: synchronize, event_synchronize, sync get_tensor
+    uint64_t host_syncs;                          // host blocked on this device: synchronize, event_synchronize, sync get_tensor,
+                                                  // async copies from/to pageable host memory
     uint64_t event_records, event_waits;
     uint64_t alloc_bytes, peak_alloc_bytes, failed_allocs;
     double   link_busy_s;                          // seconds of throttled transfer charged to this device's link
