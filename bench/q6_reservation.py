@@ -83,7 +83,9 @@ def main() -> int:
                         "n_copies": res["schedule"]["n_copies"], "n_splits": res["schedule"]["n_splits"],
                         "h2d_bytes": sum(st["h2d_bytes_per_device"]), "h2d_bytes_per_device": st["h2d_bytes_per_device"],
                         "host_syncs": st["host_syncs"], "id_readbacks": ext.get("id_readbacks"),
-                        "upload_all": ext.get("upload_all"), "re_reservations": int(changed(st)),
+                        "upload_all": ext.get("upload_all"),
+                        "re_reservations": ext["reallocs"] if "reallocs" in ext else None,
+                        "alloc_changed": int(changed(st)),
                         "compute_buffer_bytes": st["compute_buffer_after"], "label": "q6 mixed workload",
                         "alloc_before": st["alloc_before"], "alloc_after": st["alloc_after"],
                         "peak_alloc": st["peak_alloc"], "compute_buffer_before": st["compute_buffer_before"],
@@ -110,7 +112,9 @@ def main() -> int:
                             "syncs": statistics.fmean(s["host_syncs"] for s in sts),
                             "re": sum(changed(s) for s in sts), "n": len(sts),
                             "cb": any(s["compute_buffer_after"] != s["compute_buffer_before"] for s in sts),
-                            "rb": statistics.fmean((s.get("ext") or {}).get("id_readbacks", 0) for s in sts)}
+                            "rb": statistics.fmean((s.get("ext") or {}).get("id_readbacks", 0) for s in sts),
+                            # the scheduler's own count of re-reservations (patched build only)
+                            "rr": sum((s.get("ext") or {}).get("reallocs", 0) for s in sts)}
             b, p = cells.get("baseline"), cells.get("patched")
             f = lambda c, k, fmt="{:.1f}": C.num(c[k], fmt) if c else ""
             sp = p["later"] / b["later"] if b and p and b["later"] > 0 else None
@@ -119,7 +123,7 @@ def main() -> int:
                          C.num(sp, "{:.2f}"), f"{f(b, 'syncs', '{:.0f}')} / {f(p, 'syncs', '{:.0f}')}",
                          f"{b['re'] if b else ''}/{b['n'] if b else ''} / {p['re'] if p else ''}/{p['n'] if p else ''}",
                          f"{'yes' if b and b['cb'] else 'no'} / {'yes' if p and p['cb'] else 'no'}",
-                         f(p, "rb", "{:.0f}")])
+                         f(p, "rb", "{:.0f}"), f(p, "rr", "{:.0f}")])
             plot_groups.append(f"{step}")
             plot_series["baseline"].append(b["later"] if b else float("nan"))
             plot_series["patched"].append(p["later"] if p else float("nan"))
@@ -146,8 +150,9 @@ def main() -> int:
                     f"{rounds} round(s))\n\n" + C.md_table(
                         ["step", "baseline t/s round 1", "patched t/s round 1", "baseline t/s later rounds",
                          "patched t/s later rounds", "speedup (later)", "host syncs/step b / p",
-                         "steps with alloc change b / p", "compute buffer changed b / p", "id readbacks/step p"],
-                        rows, "lrrrrrllll"))
+                         "steps with alloc change b / p", "compute buffer changed b / p", "id readbacks/step p",
+                         "re-reservations p (all rounds)"],
+                        rows, "lrrrrrllllr"))
         body.append("## whole workload per round\n\n" + C.md_table(
             ["variant", "round", "tokens", "seconds", "t/s", "host syncs", "steps with alloc change"], tot_rows,
             "lrrrrrr"))
