@@ -46,7 +46,8 @@ def layers_per_device(model_path: str, schedule: dict, host_layers=None) -> dict
         elif t["name"].startswith("output"):
             out_bytes += t["nbytes"]
     # llama's memory breakdown comes in no fixed order: layers go to the devices in device order
-    rows = sorted((m for m in schedule["memory"] if m["device"].startswith("VDEV")), key=lambda m: int(m["device"][4:]))
+    # (device buffers only: VDEV_Host, the pinned host buffer type, also belongs to VDEV0)
+    rows = sorted((m for m in schedule["memory"] if re.fullmatch(r"VDEV\d+", m["buft"])), key=lambda m: int(m["buft"][4:]))
     counts, il = {}, 0
     for k, m in enumerate(rows):
         want = m["model_bytes"] - (out_bytes if k == len(rows) - 1 else 0)
@@ -54,8 +55,8 @@ def layers_per_device(model_path: str, schedule: dict, host_layers=None) -> dict
         while got < want and il < len(layer_bytes):
             got += layer_bytes[il]
             il, n = il + 1, n + 1
-        assert got == want, f"{m['device']}: {m['model_bytes']} model bytes are not a run of whole layers"
-        counts[m["device"]] = n
+        assert got == want, f"{m['buft']}: {m['model_bytes']} model bytes are not a run of whole layers"
+        counts[m["buft"]] = n
     assert il == len(layer_bytes), f"layer counts {counts} do not add up to {len(layer_bytes)}"
     return counts
 
@@ -307,11 +308,12 @@ def test_allocation_dependency_nodes_keep_the_reserved_node_count(runner):
     assert any("first difference at node" in r and "ffn_moe" in r for r in off["realloc_log"]), off["realloc_log"]
 
 
-def test_pageable_host_weights_keep_pipelining_off(runner, assert_logits_match):
-    """Patch 0012: host weights outside the devices' pinned host buffer type (no_host here; an mmap-ed model
-    on CUDA) are copied synchronously, so nothing could overlap: the patched build keeps pipelining off, as
+@pytest.mark.parametrize("how, pageable_buft", [({"no_host": True}, "CPU"), ({"load_mode": "mmap"}, "CPU_Mapped")])
+def test_pageable_host_weights_keep_pipelining_off(runner, assert_logits_match, how, pageable_buft):
+    """Patch 0012: host weights outside the devices' pinned host buffer type (no host buffer, or an mmap-ed
+    model) are copied synchronously, so nothing could overlap: the patched build keeps pipelining off, as
     upstream does, unless GATE=3 asks for it. VDEV copies from pageable memory block the host, as CUDA's do."""
-    pageable = {**HOST_ALL, "no_host": True}
+    pageable = {**HOST_ALL, **how}
     p = runner.logits("patched", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS)
     b = runner.logits("baseline", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS)
     assert p["schedule"]["pipeline_parallel"] is False and b["schedule"]["pipeline_parallel"] is False
@@ -320,10 +322,10 @@ def test_pageable_host_weights_keep_pipelining_off(runner, assert_logits_match):
                            env={"GGML_SCHED_PP_GATE": 3})
     assert forced["schedule"]["pipeline_parallel"] is True
     assert_logits_match(forced["logits"], b["logits"], "pageable, GATE=3")
-    # where the weights are: a plain CPU buffer (pageable) vs the VDEV host buffer type (pinned)
-    assert "CPU" in {m["buft"] for m in p["schedule"]["memory"]}
+    # where the weights are: a pageable CPU buffer vs the VDEV host buffer type (pinned)
+    assert pageable_buft in {m["buft"] for m in p["schedule"]["memory"]}
     pinned = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS)
-    assert "CPU" not in {m["buft"] for m in pinned["schedule"]["memory"]}
+    assert not {"CPU", "CPU_Mapped"} & {m["buft"] for m in pinned["schedule"]["memory"]}
     assert pinned["schedule"]["pipeline_parallel"] is True
     # uploads from pageable memory block the host (counted as host syncs of the device); from pinned memory
     # they are only queued

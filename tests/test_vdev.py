@@ -118,7 +118,7 @@ def test_memory_budget_is_respected(runner):
     budget = 16 * 1024**2
     r = runner.logits("baseline", devices=f"vdev:2x{budget}@0", placement={"host_experts": "none"}, ctx=CTX,
                       n_tokens=N_TOKENS)
-    mem = {m["device"]: m for m in r["schedule"]["memory"]}
+    mem = {m["buft"]: m for m in r["schedule"]["memory"]}  # device buffers: buft name = device name
     for d in _devs(r):
         assert d["failed_allocs"] == 0
         assert 0 < d["peak_alloc_bytes"] <= budget, d

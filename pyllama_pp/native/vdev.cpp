@@ -545,7 +545,7 @@ void vdev_backend_free(ggml_backend_t backend) {
 
 std::mutex                   g_pinned_mtx;
 std::map<uintptr_t, size_t>  g_pinned;          // base -> size of live VDEV_Host buffers
-void (*g_cpu_free_buffer)(ggml_backend_buffer_t) = nullptr;
+void (*g_cpu_free_buffer)(ggml_backend_buffer_t) = nullptr;   // set under g_pinned_mtx
 
 bool host_ptr_is_pinned(const void * p) {
     std::lock_guard<std::mutex> lk(g_pinned_mtx);
@@ -558,11 +558,13 @@ bool host_ptr_is_pinned(const void * p) {
 }
 
 void vdev_host_buffer_free(ggml_backend_buffer_t buffer) {
+    void (*cpu_free)(ggml_backend_buffer_t) = nullptr;
     {
         std::lock_guard<std::mutex> lk(g_pinned_mtx);
         g_pinned.erase((uintptr_t) ggml_backend_buffer_get_base(buffer));
+        cpu_free = g_cpu_free_buffer;
     }
-    g_cpu_free_buffer(buffer);
+    cpu_free(buffer);
 }
 
 const char * vdev_host_buft_get_name(ggml_backend_buffer_type_t) { return "VDEV_Host"; }
@@ -572,10 +574,10 @@ ggml_backend_buffer_t vdev_host_buft_alloc_buffer(ggml_backend_buffer_type_t buf
     if (buf == nullptr) {
         return nullptr;
     }
-    g_cpu_free_buffer = buf->iface.free_buffer;
+    std::lock_guard<std::mutex> lk(g_pinned_mtx);
+    g_cpu_free_buffer = buf->iface.free_buffer;   // the CPU buffer type's, the same for every buffer
     buf->iface.free_buffer = vdev_host_buffer_free;
     buf->buft = buft;
-    std::lock_guard<std::mutex> lk(g_pinned_mtx);
     g_pinned[(uintptr_t) ggml_backend_buffer_get_base(buf)] = ggml_backend_buffer_get_size(buf);
     return buf;
 }
@@ -599,7 +601,10 @@ ggml_backend_buffer_type_t vdev_dev_get_host_buffer_type(ggml_backend_dev_t dev)
         /* .device  = */ nullptr,
         /* .context = */ nullptr,
     };
-    (void) dev;
+    // like CUDA_Host, the type belongs to the first device that hands it out; llama uses that to keep mmap-ed
+    // weights in pageable memory instead of copying them into the host buffer type
+    static std::once_flag once;
+    std::call_once(once, [&]() { buft.device = dev; });
     return &buft;
 }
 
