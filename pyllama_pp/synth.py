@@ -35,7 +35,8 @@ this project is about (see MEASURED.md).  ``SynthConfig.routing`` picks one of t
     2.0    47                       10
     =====  ======================  ==================
 
-    Real models sit around skew 0.75-1 at ubatch 512 (72-95 of 128 experts in one report).
+    Real models sit around skew 0.75-1 at ubatch 512 (72-95 of 128 experts in one report);
+    ``preset(..., routing="skewed")`` without a skew uses ``DEFAULT_SKEW`` (1.0).
 ``"natural"``  plain random initialisation: embeddings at 0.02, every matrix at
     ``1/sqrt(fan_in)``.  Attention and expert outputs dominate the residual, so routing
     concentrates on a minority of experts (the first random model of MEASURED.md).
@@ -130,6 +131,7 @@ _FILE_TYPE = {"q8_0": 7, "f16": 1}
 _WEIGHT_TYPE = {"q8_0": GGML_Q8_0, "f16": GGML_F16}
 
 ROUTING_MODES = ("uniform", "skewed", "natural")
+DEFAULT_SKEW = 1.0   # routing="skewed" without a skew (preset(), the CLI): about real models' concentration
 
 # std of a uniform int8 in [-128, 127]
 _INT8_STD = math.sqrt((256.0 ** 2 - 1.0) / 12.0)
@@ -269,6 +271,9 @@ def preset(name: str, **overrides: Any) -> SynthConfig:
     if bad:
         raise ValueError(f"unknown SynthConfig field(s) {bad}; fields: {', '.join(sorted(fields))}")
     overrides = {k: v for k, v in overrides.items() if v is not None or k in _SCALE_FIELDS}
+    if overrides.get("routing") == "skewed" and "skew" not in overrides:
+        # "skewed" without a skew would be uniform (skew 0): default to real models' level
+        overrides["skew"] = DEFAULT_SKEW
     return dataclasses.replace(PRESETS[name], **overrides).validate()
 
 

@@ -301,3 +301,11 @@ def test_read_rejects_garbage_and_truncated(tmp_path, tiny):
     bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (2**62).to_bytes(8, "little") * 2)
     with pytest.raises(ValueError, match="bad.gguf"):
         synth.read_gguf_header(bad)
+
+
+def test_skewed_without_a_skew_is_not_uniform():
+    """routing="skewed" alone used to mean skew 0, i.e. uniform routing under another name."""
+    cfg = synth.preset("tiny", routing="skewed")
+    assert cfg.skew == synth.DEFAULT_SKEW > 0
+    assert synth.preset("tiny", routing="skewed", skew=0.0).skew == 0.0   # explicit 0 stays allowed
+    assert synth.preset("tiny").skew == 0.0
