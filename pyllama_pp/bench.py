@@ -305,8 +305,8 @@ def markdown(df) -> str:
     if df.empty:
         return "(no rows)\n"
     lines = ["| devices | host experts | n_batch | n_ubatch | test | coverage | baseline t/s | patched t/s | speedup "
-             "| PP b/p | bytes/dev baseline | bytes/dev patched | bound t/s (patched) |",
-             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: |"]
+             "| PP b/p | bytes/dev baseline | bytes/dev patched | bound t/s (patched) | patched: re-reservations, host waits (largest cause) |",
+             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | --- |"]
     for (cfg, test), g in df.groupby(["config", "test"], sort=True):
         b = g[g.variant == "baseline"].iloc[0] if (g.variant == "baseline").any() else None
         p = g[g.variant == "patched"].iloc[0] if (g.variant == "patched").any() else None
@@ -328,6 +328,18 @@ def markdown(df) -> str:
             return "" if r is None or r.get("pipeline_parallel") != r.get("pipeline_parallel") else \
                 ("on" if r.get("pipeline_parallel") else "off")
 
+        def blocked(r):
+            # where the patched host thread waited (per run): re-reservations (each drains the pipeline), total wait
+            # and its largest cause (input_events = the host ran ahead and waits for the pipeline: expected)
+            if r is None or not isinstance(r.get("host_wait_s"), dict):
+                return ""
+            waits = r["host_wait_s"]
+            total = sum(waits.values())
+            top = max(waits, key=waits.get) if waits else ""
+            rr = r.get("re_reservations")
+            rr_s = f"{int(rr)}" if isinstance(rr, (int, float)) and rr == rr else "?"
+            return f"{rr_s}, {total:.2f} s" + (f" ({top})" if total > 0 else "")
+
         cov = ref.get("coverage")
         cov_s = f"{100 * cov:.0f}%" if isinstance(cov, float) and cov == cov else ""
         sp = p.get("speedup") if p is not None else None
@@ -336,7 +348,7 @@ def markdown(df) -> str:
             f"| {ref['devices']} | {str(ref['tensor_buft_overrides']).replace('host_experts=', '')} | {ref['n_batch']} "
             f"| {ref['n_ubatch']} | {test} | {cov_s} | {ts(b)} | {ts(p)} "
             f"| {'' if sp is None or sp != sp else f'{sp:.2f}'} | {pp(b)}/{pp(p)} | {per_dev(b)} | {per_dev(p)} "
-            f"| {'' if bound is None or bound != bound else f'{bound:.0f}'} |")
+            f"| {'' if bound is None or bound != bound else f'{bound:.0f}'} | {blocked(p)} |")
     return "\n".join(lines) + "\n"
 
 
