@@ -50,7 +50,8 @@ def cmd_info(args) -> int:
         if entry["built"]:
             try:
                 r = run_job({"kind": "info"}, v, timeout=120)
-                entry.update(ext_version=r["ext_version"], devices=r["devices"], system_info=r["system_info"])
+                entry.update(ext_version=r["ext_version"], devices=r["devices"], system_info=r["system_info"],
+                             switches=r.get("switches", []))
             except PyllamaError as e:
                 entry["error"] = str(e)
         entry["patches"] = _pin.PATCHES if v == "patched" else []
@@ -70,6 +71,10 @@ def cmd_info(args) -> int:
                      + (f", scheduler extension v{e.get('ext_version')}" if e.get("ext_version") else ""))
         for p in e["patches"]:
             lines.append(f"  {p}")
+        if e.get("switches"):
+            lines.append("  switches (GGML_SCHED_PP_<NAME>=V, --switch NAME=V):")
+            for sw in e["switches"]:
+                lines.append(f"    {sw['name']}={sw['value']}: {sw['description']}")
         for d in e.get("devices", []):
             lines.append(f"  device {d['name']} ({d['backend']}): {d['description']}, "
                          f"{d['memory_total'] / 2**30:.1f} GiB")

@@ -71,7 +71,15 @@ def _do_info(job: dict) -> dict:
     from . import binding
     from .session import list_devices
     native = binding.load(job["variant"])
-    return {"variant": native.variant, "ext_version": native.lib.pp_ext_version(),
+    switches = []
+    if native.lib.pp_ext_version() > 0:
+        name, desc, val = native.ffi.new("char[64]"), native.ffi.new("char[512]"), native.ffi.new("int64_t *")
+        for i in range(64):
+            if native.lib.pp_ext_param_info(i, name, 64, val, desc, 512) != 0:
+                break
+            switches.append({"name": native.ffi.string(name).decode(), "value": int(val[0]),
+                             "description": native.ffi.string(desc).decode()})
+    return {"variant": native.variant, "ext_version": native.lib.pp_ext_version(), "switches": switches,
             "system_info": native.str(native.lib.pp_system_info()), "devices": list_devices()}
 
 

@@ -31,8 +31,14 @@ def test_info(variant):
     assert info["variant"] == variant
     if variant == "patched":
         assert info["ext_version"] >= 1
+        # every switch, with its value and meaning (patch 0015)
+        sw = {s["name"]: s for s in info["switches"]}
+        for name in ("GATE", "TRANSIENT", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL", "REBUILD", "STABLE_RESERVE",
+                     "OFFLOAD_TAIL", "STABLE_DEPS", "LAST_EVENTS", "COPIES"):
+            assert name in sw and sw[name]["description"], name
+        assert sw["TRANSIENT"]["value"] == 1 and sw["COPIES"]["value"] == 0
     else:
-        assert info["ext_version"] == 0
+        assert info["ext_version"] == 0 and info["switches"] == []
     assert any(d["backend"] == "CPU" for d in info["devices"]), info["devices"]
 
 

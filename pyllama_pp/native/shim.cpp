@@ -119,6 +119,7 @@ struct ext_api {
     int (*get_param)(const char *, int64_t *) = nullptr;
     size_t (*stats_json)(ggml_backend_sched_t, char *, size_t) = nullptr;
     void (*reset_stats)(ggml_backend_sched_t) = nullptr;
+    const char * (*param_info)(int, int64_t *, const char **) = nullptr;
 };
 
 const ext_api & ext() {
@@ -131,6 +132,7 @@ const ext_api & ext() {
             a.get_param   = (int (*)(const char *, int64_t *)) dlsym(h, "ggml_backend_sched_pp_get_param");
             a.stats_json  = (size_t (*)(ggml_backend_sched_t, char *, size_t)) dlsym(h, "ggml_backend_sched_pp_stats_json");
             a.reset_stats = (void (*)(ggml_backend_sched_t)) dlsym(h, "ggml_backend_sched_pp_reset_stats");
+            a.param_info  = (const char * (*)(int, int64_t *, const char **)) dlsym(h, "ggml_backend_sched_pp_param_info");
         }
         return a;
     }();
@@ -657,6 +659,24 @@ PP_EXPORT int pp_ext_set_param(const char * name, int64_t value) {
         return fail(PP_ERR_UNSUPPORTED, std::string("the ") + PP_VARIANT + " build has no scheduler extension");
     }
     return ext().set_param(name, value) == 0 ? PP_OK : fail(PP_ERR_ARG, std::string("unknown parameter ") + (name ? name : "(null)"));
+}
+
+PP_EXPORT int pp_ext_param_info(int i, char * name, size_t name_size, int64_t * value, char * desc, size_t desc_size) {
+    if (!ext().param_info) {
+        return fail(PP_ERR_UNSUPPORTED, std::string("the ") + PP_VARIANT + " build cannot list scheduler switches");
+    }
+    const char * d = nullptr;
+    const char * n = ext().param_info(i, value, &d);
+    if (!n) {
+        return fail(PP_ERR_ARG, "no switch with index " + std::to_string(i));
+    }
+    if (name && name_size) {
+        snprintf(name, name_size, "%s", n);
+    }
+    if (desc && desc_size) {
+        snprintf(desc, desc_size, "%s", d ? d : "");
+    }
+    return PP_OK;
 }
 
 PP_EXPORT int pp_ext_get_param(const char * name, int64_t * value) {

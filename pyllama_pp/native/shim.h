@@ -155,6 +155,8 @@ int pp_ext_version(void);
 int pp_ext_get_stats_json(pp_context * ctx, char * buf, size_t buf_size);
 int pp_ext_set_param(const char * name, int64_t value);
 int pp_ext_get_param(const char * name, int64_t * value);
+// the i-th switch (0-based): name, current value, meaning; PP_ERR_ARG past the last one
+int pp_ext_param_info(int i, char * name, size_t name_size, int64_t * value, char * desc, size_t desc_size);
 
 #ifdef __cplusplus
 }
