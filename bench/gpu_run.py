@@ -107,6 +107,9 @@ def main() -> int:
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/pp_models"))
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--preset", default="qwen3-30b-a3b", help="synthetic model preset (tiny: a local smoke test)")
+    ap.add_argument("--link-gbps", type=float, default=55.0,
+                    help="host->GPU bandwidth per link for the rows' bound (pinned, measured: 54.9 / 55.1 GB/s on the "
+                         "2xH200 box, bench/cuda_queue.py, 2026-11-30)")
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: correctness,synth,sweep")
     ap.add_argument("--sweep", default="main", help="comma-separated: " + ", ".join(SWEEPS))
     args = ap.parse_args()
@@ -156,10 +159,15 @@ def main() -> int:
             if left(args.budget) < block["est"] or not model.exists():
                 log(f"skip {block['name']}: {left(args.budget):.0f} s left, needs ~{block['est']}")
                 continue
-            cfgs = [bench.BenchConfig(model=str(model), devices=block.get("devices", args.devices), n_batch=nb,
+            devices = block.get("devices", args.devices)
+            shared = block.get("env", {}).get("GGML_CUDA_DEVICES") is not None   # one GPU split in two: one link
+            n_dev = 1 if devices == "cuda:0" else 2
+            cfgs = [bench.BenchConfig(model=str(model), devices=devices, n_batch=nb,
                                       n_ubatch=ub, tests=tests, reps=args.reps, host_experts="all",
                                       load_mode=block.get("load_mode", "none"), env=block.get("env", {}),
-                                      ext_params=block.get("ext", {}), label=f"{block['name']} b{nb} ub{ub}")
+                                      ext_params=block.get("ext", {}), label=f"{block['name']} b{nb} ub{ub}",
+                                      link_gbps=[args.link_gbps] * n_dev if devices.startswith("cuda") else None,
+                                      shared_link=shared)
                     for nb, ub, tests in block["configs"]]
             t = time.time()
             df = bench.ab(cfgs, variants=block.get("variants", bench.VARIANTS), out_dir=args.out / "ab",

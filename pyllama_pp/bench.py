@@ -54,6 +54,10 @@ class BenchConfig:
     ext_params: dict = field(default_factory=dict)   # patched-only switches (GGML_SCHED_PP_*)
     env: dict = field(default_factory=dict)          # environment for both workers (e.g. GGML_OP_OFFLOAD_MIN_BATCH)
     label: str = ""
+    # host->device bandwidth of each device's link in GB/s, for devices that do not say (CUDA): gives rows a
+    # bound; shared_link: all devices share one link (one GPU split in two)
+    link_gbps: Optional[list] = None
+    shared_link: bool = False
 
     def job(self) -> dict:
         longest = max(n for _, n in self.tests) + 8
@@ -84,17 +88,22 @@ def _env_knobs(extra: dict) -> dict:
 
 def _link_bound(cfg: BenchConfig, h2d: list[int], n_tokens: int) -> tuple[list[float], float]:
     """Per-device link bandwidth (GB/s) and the tokens/s bound the bytes moved imply (links in parallel,
-    a shared link carries the bytes of all its devices)."""
+    a shared link carries the bytes of all its devices). VDEVs know their links; other devices take
+    cfg.link_gbps (e.g. measured host->GPU bandwidth)."""
     spec = devspec.parse(cfg.devices)
-    if spec.kind != "vdev" or not h2d:
+    if spec.kind == "vdev":
+        gbps = [v.link_gbps for v in spec.vdevs]
+        groups = [("g", v.link_group) if v.link_group >= 0 else ("d", i) for i, v in enumerate(spec.vdevs)]
+    elif cfg.link_gbps:
+        gbps = [float(x) for x in cfg.link_gbps][:len(h2d)]
+        groups = [("g", 0) if cfg.shared_link else ("d", i) for i in range(len(gbps))]
+    else:
         return [], float("nan")
-    gbps = [v.link_gbps for v in spec.vdevs]
-    if min(gbps) <= 0:
+    if not h2d or not gbps or min(gbps) <= 0:
         return gbps, float("nan")
     per_link: dict = {}
-    for i, v in enumerate(spec.vdevs):
-        key = ("g", v.link_group) if v.link_group >= 0 else ("d", i)
-        t = h2d[i] / (v.link_gbps * 1e9) if i < len(h2d) else 0.0
+    for i, (g, key) in enumerate(zip(gbps, groups)):
+        t = h2d[i] / (g * 1e9) if i < len(h2d) else 0.0
         per_link[key] = per_link.get(key, 0.0) + t
     worst = max(per_link.values())
     return gbps, (n_tokens / worst if worst > 0 else float("nan"))

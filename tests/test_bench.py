@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+import pytest
 
 from pyllama_pp import bench
 
@@ -100,3 +101,18 @@ def test_set_context_changes_batch_sizes_and_keeps_the_model(tiny_model):
         assert s.ctx_params.n_ubatch == 8  # the session still works with its previous context
         c = s.eval(list(range(1, 41)), logits="all").logits
         assert float(abs(c - b).max()) == 0.0
+
+
+def test_link_bound_for_devices_that_do_not_know_their_links(tiny_model):
+    """CUDA rows get a bound from configured link bandwidths: two links in parallel, or one shared link."""
+    h2d = [110_000_000_000, 100_000_000_000]           # bytes per run to each device
+    two = bench.BenchConfig(model=str(tiny_model), devices="cuda", link_gbps=[55.0, 55.0])
+    gbps, bound = bench._link_bound(two, h2d, 4096)
+    assert gbps == [55.0, 55.0] and bound == pytest.approx(4096 / (110 / 55.0))
+    shared = bench.BenchConfig(model=str(tiny_model), devices="cuda", link_gbps=[55.0, 55.0], shared_link=True)
+    assert bench._link_bound(shared, h2d, 4096)[1] == pytest.approx(4096 / (210 / 55.0))
+    none = bench.BenchConfig(model=str(tiny_model), devices="cuda")
+    gbps, bound = bench._link_bound(none, h2d, 4096)
+    assert gbps == [] and bound != bound   # unknown links: no bound (NaN)
+    vdev = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@1GBps")
+    assert bench._link_bound(vdev, h2d, 4096)[1] == pytest.approx(4096 / 110)
