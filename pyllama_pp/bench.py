@@ -346,7 +346,10 @@ def markdown(df) -> str:
             total = sum(waits.values())
             top = max(waits, key=waits.get) if waits else ""
             rr = r.get("re_reservations")
-            rr_s = f"{int(rr)}" if isinstance(rr, (int, float)) and rr == rr else "?"
+            try:
+                rr_s = f"{int(rr)}" if rr is not None and rr == rr else "?"   # numpy ints too
+            except (TypeError, ValueError):
+                rr_s = "?"
             return f"{rr_s}, {total:.2f} s" + (f" ({top})" if total > 0 else "")
 
         cov = ref.get("coverage")
