@@ -66,31 +66,32 @@ def correctness(model: str, devices: str, out: Path, ubatches=(64, 512), n_token
 PP4096 = [["pp", 4096]]
 PP16K = [["pp", 16384]]
 # Blocks of configs that share one loaded model per variant (bench.ab groups them); in priority order, each
-# skipped when the budget left is below its estimate (seconds, both variants, model loads included).
+# skipped when the budget left is below its estimate (seconds, both variants, model loads included; measured
+# on 2xH200 on 2026-11-30 before patch 0011, so with the re-reservations: faster runs will take less).
 SWEEPS = {
     "main": [
-        {"name": "uniform", "est": 150, "configs": [(4096, 512, PP4096 + [["tg", 32]]), (16384, 1024, PP16K)]},
-        {"name": "uniform-best", "est": 120, "configs": [(16384, 4096, PP16K), (4096, 256, PP4096)]},
+        {"name": "uniform", "est": 185, "configs": [(4096, 512, PP4096 + [["tg", 32]]), (16384, 1024, PP16K)]},
+        {"name": "uniform-best", "est": 130, "configs": [(16384, 4096, PP16K), (4096, 256, PP4096)]},
     ],
     "more": [
-        {"name": "one-gpu", "devices": "cuda:0", "est": 70, "configs": [(4096, 512, PP4096 + [["tg", 32]])]},
-        {"name": "one-h200-as-two", "devices": "cuda", "est": 70,
+        {"name": "one-gpu", "devices": "cuda:0", "est": 90, "configs": [(4096, 512, PP4096 + [["tg", 32]])]},
+        {"name": "one-h200-as-two", "devices": "cuda", "est": 85,
          "env": {"CUDA_VISIBLE_DEVICES": "0", "GGML_CUDA_DEVICES": "2"}, "configs": [(4096, 512, PP4096)]},
-        {"name": "skewed", "model": "skewed", "est": 110,
+        {"name": "skewed", "model": "skewed", "est": 180,
          "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (512, 128, [["pp", 512]])]},
-        {"name": "mmap", "load_mode": "mmap", "est": 90, "configs": [(4096, 512, PP4096)]},
+        {"name": "mmap", "load_mode": "mmap", "est": 250, "configs": [(4096, 512, PP4096)]},
     ],
-    "quick": [{"name": "uniform", "est": 60, "configs": [(4096, 512, PP4096)]},
+    "quick": [{"name": "uniform", "est": 95, "configs": [(4096, 512, PP4096)]},
               # patch 0014's default keeps one graph in flight per GPU; upstream's count for comparison
               {"name": "copies4", "est": 45, "ext": {"COPIES": 4}, "variants": ["patched"],
                "configs": [(4096, 512, PP4096)]}],
     # why every ubatch re-reserves on CUDA (patch 0009's last_realloc), mmap, and decode on one and two GPUs
     "final": [
-        {"name": "uniform", "est": 150, "configs": [(4096, 512, PP4096 + [["tg", 32]]), (16384, 1024, PP16K)]},
+        {"name": "uniform", "est": 185, "configs": [(4096, 512, PP4096 + [["tg", 32]]), (16384, 1024, PP16K)]},
         {"name": "no-stable-reserve", "est": 50, "ext": {"STABLE_RESERVE": 0}, "variants": ["patched"],
          "configs": [(4096, 512, PP4096)]},
-        {"name": "mmap", "load_mode": "mmap", "est": 90, "configs": [(4096, 512, PP4096)]},
-        {"name": "one-gpu", "devices": "cuda:0", "est": 50, "configs": [(4096, 512, [["tg", 32]])]},
+        {"name": "mmap", "load_mode": "mmap", "est": 250, "configs": [(4096, 512, PP4096)]},
+        {"name": "one-gpu", "devices": "cuda:0", "est": 60, "configs": [(4096, 512, [["tg", 32]])]},
     ],
     "diag": [
         {"name": "no-cuda-graphs", "est": 80, "env": {"GGML_CUDA_DISABLE_GRAPHS": "1"}, "configs": [(4096, 512, PP4096)]},
