@@ -26,13 +26,15 @@ if str(REPO) not in sys.path:  # `python bench/qN.py` from anywhere finds the pa
 from pyllama_pp import devices as devspec  # noqa: E402
 from pyllama_pp import synth  # noqa: E402
 
-# Two virtual devices, 256 MiB each, each on its own 0.1 GB/s host link: expert uploads dominate (the tiny
-# preset has 1.67 MB of experts a layer, 16.7 ms a layer over one link).
-DEFAULT_DEVICES = "vdev:2x256MiB@0.1GBps"
-# 7 layers split 3:5 puts 3 MoE layers that stream experts on each device (the last layer of a ubatch
-# without outputs does no expert work).
-DEFAULT_TS = [3.0, 5.0]
-N_LAYER = 7
+from pyllama_pp import bench  # noqa: E402
+from pyllama_pp import cli  # noqa: E402
+
+# The main job's setup (pyllama_pp.cli): two virtual devices, 256 MiB each, each on its own 0.1 GB/s host link,
+# so expert uploads dominate (the tiny preset has 1.67 MB of experts a layer, 16.7 ms a layer over one link);
+# 7 layers split 3:5 put 3 MoE layers that stream experts on each device.
+DEFAULT_DEVICES = cli.DEFAULT_DEVICES
+DEFAULT_TS = list(cli.MAIN_JOB["tensor_split"])
+N_LAYER = cli.MAIN_JOB_N_LAYER
 WORKER_TIMEOUT = 600.0
 
 
@@ -107,25 +109,11 @@ def machine() -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # models
 
-def cache_dir() -> Path:
-    base = Path(os.environ.get("PYLLAMA_PP_CACHE") or Path.home() / ".cache" / "pyllama_pp")
-    d = base / "models" / "bench"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def synth_model(routing: str = "uniform", skew: float = 0.0, seed: int = 1, n_layer: int = N_LAYER,
+def synth_model(routing: str = "uniform", skew: Optional[float] = None, seed: int = 1, n_layer: int = N_LAYER,
                 preset: str = "tiny") -> Path:
-    """A synthetic model in the cache (written once; same config -> same bytes)."""
-    tag = routing if routing != "skewed" else f"skewed{skew:g}"
-    path = cache_dir() / f"{preset}-L{n_layer}-{tag}-s{seed}.gguf"
-    if not path.exists():
-        cfg = synth.preset(preset, seed=seed, n_layer=n_layer, routing=routing, skew=skew)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        synth.write_gguf(tmp, cfg)
-        tmp.replace(path)
-        print(f"wrote {path}", file=sys.stderr)
-    return path
+    """A synthetic model in the cache, shared with the CLI (written once; same config -> same bytes).
+    routing="skewed" without a skew takes synth.DEFAULT_SKEW."""
+    return synth.cached_model(cli.models_dir(), preset, seed=seed, n_layer=n_layer, routing=routing, skew=skew)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -173,14 +161,7 @@ def isnum(x) -> bool:
 
 
 def fmt_bytes(b) -> str:
-    if not isnum(b):
-        return ""
-    b = float(b)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(b) < 1024 or unit == "GiB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-        b /= 1024
-    return ""
+    return bench.fmt_bytes(b) if isnum(b) else ""
 
 
 def fmt_ts(r) -> str:
@@ -361,7 +342,3 @@ def finish(ctx: dict, title: str, what: str, body: str, df=None) -> str:
     print(md)
     print(f"files: {ctx['out']}/results.jsonl, results.csv, results.md and the PNG", flush=True)
     return md
-
-
-def label_of(r: dict) -> str:
-    return r.get("label") or short_devices(r.get("devices"))

@@ -122,14 +122,13 @@ def main() -> int:
     def save():
         (args.out / "gpu_summary.json").write_text(json.dumps(summary, indent=1, default=float))
 
-    info = {v: run_job({"kind": "info"}, v, timeout=120) for v in ("baseline", "patched")}
-    summary["devices_seen"] = [d["name"] + ": " + d["description"] for d in info["patched"]["devices"]]
+    info = run_job({"kind": "info"}, "patched", timeout=120)
+    summary["devices_seen"] = [d["name"] + ": " + d["description"] for d in info["devices"]]
     log(f"devices: {summary['devices_seen']}")
     save()
 
     if "correctness" not in skip:
-        tiny = args.model_dir / "tiny.gguf"
-        synth.write_gguf(tiny, synth.preset("tiny", seed=1, n_layer=7))
+        tiny = synth.cached_model(args.model_dir, "tiny", seed=1, n_layer=7)
         try:
             summary["steps"]["correctness_tiny"] = correctness(str(tiny), args.devices, args.out)
         except PyllamaError as e:
@@ -162,12 +161,12 @@ def main() -> int:
                 continue
             devices = block.get("devices", args.devices)
             shared = block.get("env", {}).get("GGML_CUDA_DEVICES") is not None   # one GPU split in two: one link
-            n_dev = 1 if devices == "cuda:0" else 2
             cfgs = [bench.BenchConfig(model=str(model), devices=devices, n_batch=nb,
                                       n_ubatch=ub, tests=tests, reps=args.reps, host_experts="all",
                                       load_mode=block.get("load_mode", "none"), env=block.get("env", {}),
                                       ext_params=block.get("ext", {}), label=f"{block['name']} b{nb} ub{ub}",
-                                      link_gbps=[args.link_gbps] * n_dev if devices.startswith("cuda") else None,
+                                      # one entry per device at most (rows cut the list to their devices)
+                                      link_gbps=[args.link_gbps] * 16 if devices.startswith("cuda") else None,
                                       shared_link=shared)
                     for nb, ub, tests in block["configs"]]
             t = time.time()

@@ -1,12 +1,10 @@
 #!/usr/bin/env python3
 """Device memory of baseline, patched and the naive change (gate only) - docs/RESULTS.md, issue 4."""
+import _common as C
 from pyllama_pp.worker import run_job
 from pyllama_pp import synth
-cfg = synth.preset("tiny", seed=1, n_layer=7)
-import os, tempfile
-MODEL = os.path.join(tempfile.gettempdir(), "pp_tiny7.gguf")
-if not os.path.exists(MODEL):
-    synth.write_gguf(MODEL, cfg)
+cfg = synth.preset("tiny", seed=1, n_layer=C.N_LAYER)
+MODEL = str(C.synth_model())
 one_expert_tensor = synth.expert_bytes_per_layer(cfg) // 3
 rows = []
 for name, variant, env in [("baseline", "baseline", {}), ("patched", "patched", {}),

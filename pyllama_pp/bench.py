@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 from . import devices as devspec
-from .binding import build_info
+from .binding import VARIANTS, build_info
 from .errors import WorkerError
 from .worker import run_job
 
-VARIANTS = ("baseline", "patched")
 ROW_FIELDS = [
     "variant", "model", "model_size", "model_n_params", "n_expert", "n_expert_used", "devices", "n_gpu_layers",
     "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen",
@@ -296,7 +295,7 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
     return df
 
 
-def _fmt_bytes(b) -> str:
+def fmt_bytes(b) -> str:
     try:
         b = float(b)
     except (TypeError, ValueError):
@@ -331,7 +330,7 @@ def markdown(df) -> str:
         def per_dev(r):
             if r is None or not isinstance(r.get("h2d_bytes_per_device"), list):
                 return ""
-            return " / ".join(_fmt_bytes(x) for x in r["h2d_bytes_per_device"])
+            return " / ".join(fmt_bytes(x) for x in r["h2d_bytes_per_device"])
 
         def pp(r):
             return "" if r is None or r.get("pipeline_parallel") != r.get("pipeline_parallel") else \

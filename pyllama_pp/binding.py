@@ -5,7 +5,6 @@ harness runs each variant in its own worker process (pyllama_pp.worker).
 """
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 import os

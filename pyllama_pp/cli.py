@@ -17,6 +17,7 @@ from .errors import PyllamaError
 # without outputs does no expert work); n_ubatch 128 uses ~98% of the experts; n_batch = 16 x n_ubatch.
 DEFAULT_DEVICES = "vdev:2x256MiB@0.1GBps"
 MAIN_JOB = {"batch": [2048], "ubatch": [128], "pp": [2048], "tensor_split": [3.0, 5.0]}
+MAIN_JOB_N_LAYER = 7
 PLAIN = {"batch": [512], "ubatch": [32], "pp": [512], "tensor_split": None}
 
 
@@ -108,7 +109,10 @@ def _config_kwargs(args) -> dict:
         k, _, v = kv.partition("=")
         if not v:
             raise PyllamaError(f"--switch takes NAME=VALUE (e.g. UPLOAD_ALL=0), not {kv!r}")
-        ext[k.upper()] = int(v)
+        try:
+            ext[k.upper()] = int(v)
+        except ValueError:
+            raise PyllamaError(f"--switch {kv!r}: the value must be an integer (e.g. UPLOAD_ALL=0)") from None
     return {"tests": tests or [["pp", 512]], "reps": args.reps, "load_mode": args.load_mode,
             "tensor_split": args.tensor_split,
             "n_gpu_layers": args.ngl, "n_ctx": args.ctx, "ext_params": ext, "env": env}
@@ -118,14 +122,14 @@ def _host_experts(values: list[str]):
     return [int(v) if str(v).isdigit() else v for v in values]
 
 
+def models_dir() -> Path:
+    """Where synthetic models are cached (PYLLAMA_PP_CACHE or ~/.cache/pyllama_pp, then models/)."""
+    return _cache_dir() / "models"
+
+
 def _default_model() -> str:
     from . import synth
-    path = _cache_dir() / "models" / "tiny-L7-uniform-s1.gguf"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        print(f"pyllama_pp: writing the default synthetic model {path}", file=sys.stderr)
-        synth.write_gguf(path, synth.preset("tiny", seed=1, n_layer=7))
-    return str(path)
+    return str(synth.cached_model(models_dir(), "tiny", seed=1, n_layer=MAIN_JOB_N_LAYER))
 
 
 def _print_rows(df) -> str:

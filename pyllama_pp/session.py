@@ -203,6 +203,8 @@ class EvalResult:
 COUNTER_FIELDS = ("h2d_bytes", "d2h_bytes", "d2d_bytes", "h2d_copies", "d2h_copies", "d2d_copies", "graph_computes",
                   "host_syncs", "event_records", "event_waits", "alloc_bytes", "peak_alloc_bytes", "failed_allocs",
                   "link_busy_s", "compute_s")
+# device counters that are levels (bytes allocated now, the peak), not counts: deltas keep the later value
+LEVEL_FIELDS = ("alloc_bytes", "peak_alloc_bytes")
 
 
 def _check_gguf(path: Path) -> None:
@@ -329,11 +331,15 @@ class Session:
                               info.n_embd, info.n_vocab, info.n_head, info.n_head_kv, info.n_expert, info.n_expert_used,
                               info.n_ctx_train)
 
+    @staticmethod
+    def _check_ctx(c: "ContextParams") -> None:
+        if c.n_ubatch > c.n_batch:
+            raise ValueError(f"n_ubatch ({c.n_ubatch}) cannot exceed n_batch ({c.n_batch})")
+
     def _new_context(self, coverage: bool):
         lib, ffi = self.native.lib, self.native.ffi
         c = self.ctx_params
-        if c.n_ubatch > c.n_batch:
-            raise ValueError(f"n_ubatch ({c.n_ubatch}) cannot exceed n_batch ({c.n_batch})")
+        self._check_ctx(c)
         p = ffi.new("pp_context_params *")
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = c.n_ctx, c.n_batch, c.n_ubatch, 1
         # llama's default (4) oversubscribes small machines and starves big ones; llama-bench uses the cores
@@ -350,6 +356,7 @@ class Session:
     def set_context(self, ctx: ContextParams) -> None:
         """Replace the llama context (n_batch, n_ubatch, n_ctx, ...) and keep the loaded model: a sweep over
         batch sizes then loads a large model once."""
+        self._check_ctx(ctx)  # before the current context is freed
         old, self.ctx_params = self.ctx_params, ctx
         if self._ctx is not None:
             self.native.lib.pp_context_free(self._ctx)
@@ -479,8 +486,8 @@ class Session:
         self.native.check(lib.pp_synchronize(self._ctx))
         dt = time.perf_counter() - t0
         after = self.device_counters()
-        delta = [{k: (a[k] - b[k] if isinstance(a[k], (int, float)) and k not in ("alloc_bytes", "peak_alloc_bytes")
-                      else a[k]) for k in a} for a, b in zip(after, before)]
+        delta = [{k: (a[k] - b[k] if isinstance(a[k], (int, float)) and k not in LEVEL_FIELDS else a[k]) for k in a}
+                 for a, b in zip(after, before)]
         return EvalResult(out, dt, len(t), {"devices": delta}, self.ext_stats() if stats else None)
 
     def coverage(self, tokens: Iterable[int]) -> dict:

@@ -72,12 +72,14 @@ import sys
 import time
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 
 import numpy as np
 
 __all__ = [
     "SynthConfig",
+    "cached_model",
     "PRESETS",
     "preset",
     "write_gguf",
@@ -576,6 +578,19 @@ def _write_tensor(f: BinaryIO, t: _Tensor, cfg: SynthConfig, pools: _Pools) -> N
 
 # ----------------------------------------------------------------------------------------------
 # public writer
+
+
+def cached_model(directory, preset_name: str = "tiny", **overrides: Any) -> Path:
+    """The GGUF of ``preset(preset_name, **overrides)`` in ``directory``, written once (the same config gives
+    the same bytes). Named ``<preset>-L<n_layer>-<routing>[<skew>]-s<seed>.gguf``."""
+    cfg = preset(preset_name, **overrides)
+    tag = cfg.routing if cfg.routing != "skewed" else f"skewed{cfg.skew:g}"
+    path = Path(directory) / f"{preset_name}-L{cfg.n_layer}-{tag}-s{cfg.seed}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"pyllama_pp: writing the synthetic model {path}", file=sys.stderr)
+        write_gguf(path, cfg)
+    return path
 
 
 def write_gguf(path, cfg: SynthConfig, progress: bool = False) -> Dict[str, Any]:

@@ -23,6 +23,13 @@ import numpy as np
 from .errors import PyllamaError, WorkerError
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
 def run_job(job: dict, variant: str, timeout: Optional[float] = None, env: Optional[dict] = None) -> dict:
     """Run `job` in a fresh worker process for `variant`; returns the worker's result dict."""
     full_env = dict(os.environ)
@@ -33,7 +40,8 @@ def run_job(job: dict, variant: str, timeout: Optional[float] = None, env: Optio
         proc = subprocess.run([sys.executable, "-m", "pyllama_pp.worker"], input=payload, capture_output=True,
                               text=True, timeout=timeout, env=full_env)
     except subprocess.TimeoutExpired as e:
-        tail = (e.stderr or b"")[-2000:] if isinstance(e.stderr, bytes) else (e.stderr or "")[-2000:]
+        err = e.stderr or ""
+        tail = (err.decode(errors="replace") if isinstance(err, bytes) else err)[-2000:]
         raise WorkerError(f"{variant} worker timed out after {timeout:.0f} s; stderr tail:\n{tail}") from None
     out = proc.stdout.strip().splitlines()
     result = None
@@ -43,8 +51,7 @@ def run_job(job: dict, variant: str, timeout: Optional[float] = None, env: Optio
         except json.JSONDecodeError:
             result = None
     if proc.returncode != 0 or result is None:
-        how = (f"killed by signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
-               else f"exit code {proc.returncode}")
+        how = f"killed by signal {_signal_name(-proc.returncode)}" if proc.returncode < 0 else f"exit code {proc.returncode}"
         msg = result.get("error") if isinstance(result, dict) else None
         raise WorkerError(f"{variant} worker failed ({how}): {msg or 'no result'}\nstderr tail:\n"
                           f"{proc.stderr[-2000:]}")
@@ -77,8 +84,7 @@ def _do_info(job: dict) -> dict:
         for i in range(64):
             if native.lib.pp_ext_param_info(i, name, 64, val, desc, 512) != 0:
                 break
-            switches.append({"name": native.ffi.string(name).decode(), "value": int(val[0]),
-                             "description": native.ffi.string(desc).decode()})
+            switches.append({"name": native.str(name), "value": int(val[0]), "description": native.str(desc)})
     return {"variant": native.variant, "ext_version": native.lib.pp_ext_version(), "switches": switches,
             "system_info": native.str(native.lib.pp_system_info()), "devices": list_devices()}
 
@@ -100,13 +106,14 @@ def _do_logits(job: dict) -> dict:
 
 def _sum_devices(per_eval: list[list[dict]]) -> list[dict]:
     """Add up per-device counter deltas over several evals."""
+    from .session import LEVEL_FIELDS
     out: list[dict] = []
     for devs in per_eval:
         for i, d in enumerate(devs):
             if i >= len(out):
                 out.append({k: (0 if isinstance(v, (int, float)) else v) for k, v in d.items()})
             for k, v in d.items():
-                if isinstance(v, (int, float)) and k not in ("alloc_bytes", "peak_alloc_bytes"):
+                if isinstance(v, (int, float)) and k not in LEVEL_FIELDS:
                     out[i][k] += v
                 elif k == "peak_alloc_bytes":
                     out[i][k] = max(out[i][k], v)

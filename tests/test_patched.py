@@ -185,9 +185,9 @@ def test_device_compute_buffers_stay_small(runner, tiny_cfg, patched_all, baseli
     buffer of each device is at most the baseline's plus two expert tensors."""
     one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
     base = {b["name"]: b["compute_buffer_bytes"] for b in baseline_all["schedule"]["backends"]}
-    for b in patched_all["schedule"]["backends"]:
-        if not b["name"].startswith("VDEV"):
-            continue
+    vdevs = [b for b in patched_all["schedule"]["backends"] if b["name"].startswith("VDEV")]
+    assert len(vdevs) == 2, patched_all["schedule"]["backends"]
+    for b in vdevs:
         limit = base[b["name"]] + 2 * one_expert_tensor
         assert b["compute_buffer_bytes"] <= limit, \
             f"{b['name']}: {b['compute_buffer_bytes']} B > baseline {base[b['name']]} + 2 x {one_expert_tensor}"
@@ -200,9 +200,10 @@ def test_device_compute_buffers_stay_small_at_larger_ubatch(runner, tiny_cfg):
          for x in runner.schedule("baseline", devices=DEVS, placement=HOST_ALL, ctx=ctx)["schedule"]["backends"]}
     p = runner.schedule("patched", devices=DEVS, placement=HOST_ALL, ctx=ctx)["schedule"]
     assert p["pipeline_parallel"] is True
-    for x in p["backends"]:
-        if x["name"].startswith("VDEV"):
-            assert x["compute_buffer_bytes"] <= b[x["name"]] + 2 * one_expert_tensor, (x, b[x["name"]])
+    vdevs = [x for x in p["backends"] if x["name"].startswith("VDEV")]
+    assert len(vdevs) == 2, p["backends"]
+    for x in vdevs:
+        assert x["compute_buffer_bytes"] <= b[x["name"]] + 2 * one_expert_tensor, (x, b[x["name"]])
 
 
 # --- upload-all vs selective expert copies ------------------------------------------------------------------
@@ -345,6 +346,7 @@ def test_decode_records_one_event_per_device_and_waits_on_none(runner):
         assert r["schedule"]["pipeline_parallel"] is True
         return r["tests"][0]["devices"]
     on, off = tg(None), tg(_off("LAST_EVENTS"))
+    assert len(on) == len(off) == 2, (on, off)
     for d_on, d_off in zip(on, off):
         assert d_on["event_records"] == 8, d_on        # 8 tokens, one record each
         assert d_on["event_waits"] == 0, d_on
@@ -363,3 +365,5 @@ def test_copies_switch_sets_graphs_in_flight_and_memory(runner, copies, want, pa
     buf = lambda x: sum(b["compute_buffer_bytes"] for b in x["schedule"]["backends"] if b["name"].startswith("VDEV"))
     if want > 2:
         assert buf(r) > buf(patched_all), (buf(r), buf(patched_all))
+    else:  # clamped to 2, the default here: the same buffers
+        assert buf(r) == buf(patched_all), (buf(r), buf(patched_all))

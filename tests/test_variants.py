@@ -18,6 +18,8 @@ def _worker_error(runner, variant: str, job: dict) -> str:
         runner.run(variant, job, cache=False)
     msg = str(ei.value)
     assert "killed by signal" not in msg and "timed out" not in msg, f"the worker crashed:\n{msg}"
+    # exit code 3: a PyllamaError with its message; 4 would be an unexpected exception (a bug)
+    assert "(exit code 3)" in msg, f"not a clean error:\n{msg}"
     return msg
 
 
