@@ -56,8 +56,9 @@ def main() -> int:
     results = {}
     all_rows = []
     for dev in devs:
-        job = {"model": ctx["model"], "devices": dev, "tensor_split": ctx["ts"], "host_experts": "all",
-               "n_ctx": n_ctx, "n_batch": args.n_batch, "n_ubatch": min(args.n_ubatch, args.n_batch),
+        job = {"model": ctx["model"], "devices": dev,
+               "placement": {"tensor_split": ctx["ts"], "host_experts": "all"},
+               "ctx": {"n_ctx": n_ctx, "n_batch": args.n_batch, "n_ubatch": min(args.n_ubatch, args.n_batch)},
                "workload": workload, "rounds": rounds, "seed": 0}
         for v in bench.VARIANTS:
             print(f"{C.short_devices(dev)} {v}: {rounds} round(s) of {workload}", flush=True)
@@ -75,7 +76,7 @@ def main() -> int:
                     rows.append({
                         "variant": v, "model": Path(ctx["model"]).name, "devices": dev, "split_mode": "layer",
                         "tensor_split": ctx["ts"], "tensor_buft_overrides": "host_experts=all", "load_mode": "none",
-                        "n_ctx": n_ctx, "n_batch": job["n_batch"], "n_ubatch": job["n_ubatch"],
+                        "n_ctx": n_ctx, "n_batch": job["ctx"]["n_batch"], "n_ubatch": job["ctx"]["n_ubatch"],
                         "test": f"r{st['round'] + 1} {st['kind']}{st['n']}",
                         "n_prompt": st["n"] if st["kind"] == "pp" else 0, "n_gen": st["n"] if st["kind"] == "tg" else 0,
                         "avg_ts": st["ts"], "stddev_ts": 0.0, "samples_ts": [st["ts"]],

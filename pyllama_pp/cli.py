@@ -118,13 +118,16 @@ def _config_kwargs(args) -> dict:
             "n_gpu_layers": args.ngl, "n_ctx": args.ctx, "ext_params": ext, "env": env}
 
 
-def _host_experts(values: list[str]):
-    return [int(v) if str(v).isdigit() else v for v in values]
-
-
 def models_dir() -> Path:
     """Where synthetic models are cached (PYLLAMA_PP_CACHE or ~/.cache/pyllama_pp, then models/)."""
     return _cache_dir() / "models"
+
+
+def _configs(args, model: str) -> list:
+    """The A/B matrix of `run` and `ab`: devices x n_batch x n_ubatch x host experts, like llama-bench."""
+    from . import bench
+    return bench.expand(model, devices=args.devices, n_batch=args.batch, n_ubatch=args.ubatch,
+                        host_experts=args.host_experts, **_config_kwargs(args))
 
 
 def _default_model() -> str:
@@ -153,9 +156,7 @@ def _failed(df) -> bool:
 def cmd_run(args) -> int:
     from . import bench
     _fill_defaults(args, PLAIN)
-    kw = _config_kwargs(args)
-    cfgs = bench.expand(args.model, devices=args.devices, n_batch=args.batch, n_ubatch=args.ubatch,
-                        host_experts=_host_experts(args.host_experts), **kw)
+    cfgs = _configs(args, args.model)
     df = bench.ab(cfgs, variants=[args.variant], out_dir=args.out, progress=not args.json)
     _emit(args, {"rows": json.loads(df.to_json(orient="records"))}, _print_rows(df))
     return 1 if _failed(df) else 0
@@ -168,9 +169,7 @@ def cmd_ab(args) -> int:
     if default and args.devices == ["cpu"]:
         args.devices = [DEFAULT_DEVICES]
     _fill_defaults(args, MAIN_JOB if default else PLAIN)
-    kw = _config_kwargs(args)
-    cfgs = bench.expand(model, devices=args.devices, n_batch=args.batch, n_ubatch=args.ubatch,
-                        host_experts=_host_experts(args.host_experts), **kw)
+    cfgs = _configs(args, model)
     out = Path(args.out or Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S"))
     df = bench.ab(cfgs, out_dir=out, progress=not args.json)
     md = bench.markdown(df)

@@ -201,10 +201,7 @@ def _do_bench(job: dict) -> dict:
 def _do_workload(job: dict) -> dict:
     """A mixed workload in ONE session (one context, as a server would): per step its time, bytes moved, host
     syncs, VDEV allocation counters, compute buffers before/after and the patched counters (bench/q6)."""
-    from .session import ContextParams, Placement, Session
-    s = Session(job["model"], devices=job["devices"], variant=job["variant"],
-                placement=Placement(host_experts=job.get("host_experts", "all"), tensor_split=job.get("tensor_split")),
-                ctx=ContextParams(n_ctx=job["n_ctx"], n_batch=job["n_batch"], n_ubatch=job["n_ubatch"]))
+    s = _session(job)
     try:
         sched0 = s.schedule()
         cb0 = [b.compute_buffer_bytes for b in sched0.backends]
