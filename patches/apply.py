@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -80,14 +81,25 @@ def stamp_of(upstream: Path, patches: list[Path]) -> str:
     return h.hexdigest()
 
 
+def write_pin_json(out: Path, pin_file: Path, patches: list[Path]) -> None:
+    """The pin and the series the build used, for `pyllama-pp info` (read as fetch.py and this script read them)."""
+    sys.path.insert(0, str(pin_file.parent))
+    from fetch import read_pin  # vendor/llama.cpp/fetch.py
+    out.write_text(json.dumps({"pin": read_pin(pin_file), "patches": [p.name for p in patches]}, indent=1))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--upstream", type=Path, required=True)
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--series", type=Path, required=True)
+    ap.add_argument("--pin", type=Path, help="vendor/llama.cpp/PIN, for --pin-json")
+    ap.add_argument("--pin-json", type=Path, help="also write the pin and the series as JSON here")
     args = ap.parse_args(argv)
     try:
         patches = read_series(args.series)
+        if args.pin_json and args.pin:
+            write_pin_json(args.pin_json, args.pin, patches)
         stamp = stamp_of(args.upstream, patches)
         stamp_file = args.work / "trees.stamp"
         if stamp_file.exists() and stamp_file.read_text() == stamp:

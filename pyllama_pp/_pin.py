@@ -1,18 +1,8 @@
 """The upstream pin and the patch series this installation was built from (written by the build)."""
 from __future__ import annotations
 
-import json
+from .binding import installed_json
 
-from .binding import VARIANTS_DIR
-
-
-def _load() -> dict:
-    try:
-        return json.loads((VARIANTS_DIR / "pin.json").read_text())
-    except (OSError, ValueError):
-        return {"pin": {}, "patches": []}
-
-
-_DATA = _load()
+_DATA = installed_json("pin.json", {"pin": {}, "patches": []})
 PIN: dict = _DATA.get("pin", {})
 PATCHES: list = _DATA.get("patches", [])

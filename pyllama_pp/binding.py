@@ -75,12 +75,16 @@ def error_for(lib, rc: int, msg: str) -> PyllamaError:
     }.get(rc, PyllamaError)(msg or f"error {rc}")
 
 
-def build_info() -> dict:
-    path = VARIANTS_DIR / "build_info.json"
+def installed_json(name: str, default: dict) -> dict:
+    """A JSON file the build installed next to the variants (build_info.json, pin.json), or `default`."""
     try:
-        return json.loads(path.read_text())
+        return json.loads((VARIANTS_DIR / name).read_text())
     except (OSError, ValueError):
-        return {}
+        return default
+
+
+def build_info() -> dict:
+    return installed_json("build_info.json", {})
 
 
 def available_variants() -> list[str]:
