@@ -81,10 +81,10 @@ SWEEPS = {
          "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (512, 128, [["pp", 512]])]},
         {"name": "mmap", "load_mode": "mmap", "est": 250, "configs": [(4096, 512, PP4096)]},
     ],
-    "quick": [{"name": "uniform", "est": 95, "configs": [(4096, 512, PP4096)]},
-              # patch 0014's default keeps one graph in flight per GPU; upstream's count for comparison
-              {"name": "copies4", "est": 45, "ext": {"COPIES": 4}, "variants": ["patched"],
-               "configs": [(4096, 512, PP4096)]}],
+    "quick": [{"name": "uniform", "est": 95, "configs": [(4096, 512, PP4096)]}],
+    # patch 0014's default keeps one graph in flight per GPU; upstream's count for comparison
+    "copies": [{"name": "copies4", "est": 45, "ext": {"COPIES": 4}, "variants": ["patched"],
+                "configs": [(4096, 512, PP4096)]}],
     # why every ubatch re-reserves on CUDA (patch 0009's last_realloc), mmap, and decode on one and two GPUs
     "final": [
         {"name": "uniform", "est": 185, "configs": [(4096, 512, PP4096 + [["tg", 32]]), (16384, 1024, PP16K)]},

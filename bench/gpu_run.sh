@@ -69,6 +69,6 @@ if [ "${PP_PROBE:-0}" = 1 ]; then  # CUDA launch-queue depth and one-thread pinn
 fi
 # the script's budget: what is left of the call (PP_CALL_LIMIT, default 570 s of the 600 s a call may run)
 budget=$(( ${PP_CALL_LIMIT:-570} - ($(date +%s) - t0) ))
-cd /tmp && python3 "$OLDPWD/bench/gpu_run.py" --out /tmp/res --budget $budget "$@"; rc=$?
+cd /tmp && python3 "$OLDPWD/bench/gpu_run.py" --out /tmp/res --budget $budget "$@" 2>&1 | tee /tmp/res/run.log; rc=${PIPESTATUS[0]}
 tar czf "$OUT/results.tgz" -C /tmp/res . && ls -la "$OUT"
 exit $rc
