@@ -120,12 +120,14 @@ def _sum_devices(per_eval: list[list[dict]]) -> list[dict]:
     return out
 
 
+_EXT_LEVELS = ("n_copies", "n_splits", "transient_inputs", "graph_nodes_min", "graph_nodes_max")
+
+
 def _ext_delta(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
     if not a or not b:
         return None
-    levels = ("n_copies", "n_splits", "transient_inputs", "graph_nodes_min", "graph_nodes_max")
-    d = {k: b[k] - a[k] for k in b if isinstance(b[k], int) and k not in levels}
-    d.update({k: b[k] for k in levels + ("last_realloc", "realloc_log") if k in b})
+    d = {k: b[k] - a[k] for k in b if isinstance(b[k], int) and k not in _EXT_LEVELS}
+    d.update({k: b[k] for k in _EXT_LEVELS + ("last_realloc", "realloc_log") if k in b})
     for k in ("host_wait_us", "host_waits"):  # per-cause host waits (extension v2)
         if isinstance(b.get(k), dict):
             d[k] = {c: v - a.get(k, {}).get(c, 0) for c, v in b[k].items()}
@@ -135,6 +137,21 @@ def _ext_delta(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
     return d
 
 
+def _ext_add(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
+    """Sum of two _ext_delta results (levels and logs: the later one's)."""
+    if a is None or b is None:
+        return a or b
+    out = dict(b)
+    for k, v in b.items():
+        if isinstance(v, int) and isinstance(a.get(k), int) and k not in _EXT_LEVELS:
+            out[k] = a[k] + v
+        elif isinstance(v, dict) and k != "params":
+            out[k] = {c: a.get(k, {}).get(c, 0) + x for c, x in v.items()}
+    out["backends"] = [{"name": y["name"], **{k: x[k] + y[k] for k in y if k != "name"}}
+                       for x, y in zip(a["backends"], b["backends"])]
+    return out
+
+
 def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
     results = []
     for kind, n in tests:
@@ -142,7 +159,7 @@ def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
         cov = None
         if kind == "pp" and coverage and s.info.n_expert > 0:
             cov = s.coverage(toks)
-        times, devs, ext0, ext1 = [], [], None, None
+        times, devs, ext = [], [], None
         for r in range(reps + 1):
             s.reset_counters()
             e0 = s.ext_stats()
@@ -151,6 +168,7 @@ def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
                 dt, dev = res.seconds, res.counters["devices"]
             else:
                 s.eval(toks[:1], logits="last")  # position 0 (not timed, as llama-bench's tg starts empty)
+                e0 = s.ext_stats()                # nor counted in the extension's deltas
                 t0 = time.perf_counter()
                 per = []
                 for i in range(1, n + 1):
@@ -159,15 +177,14 @@ def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
                     per.append(res.counters["devices"])
                 dt = time.perf_counter() - t0
                 dev = _sum_devices(per)
+            e1 = s.ext_stats()
             if r == 0:
                 continue  # warm-up
             times.append(dt)
             devs.append(dev)
-            if ext0 is None:
-                ext0 = e0
-            ext1 = s.ext_stats()
+            ext = _ext_add(ext, _ext_delta(e0, e1))  # the timed window of each rep only
         results.append({"kind": kind, "n": n, "seconds": times, "devices": _sum_devices(devs),
-                        "ext": _ext_delta(ext0, ext1), "coverage": cov, "reps": reps})
+                        "ext": ext, "coverage": cov, "reps": reps})
     return results
 
 

@@ -342,13 +342,15 @@ def test_decode_records_one_event_per_device_and_waits_on_none(runner):
     def tg(env):
         r = runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL,
                                    "ctx": {"n_ctx": 256, "n_batch": 16, "n_ubatch": 16}, "tests": [["tg", 8]],
-                                   "reps": 1}, env=env)
+                                   "reps": 2}, env=env)
         assert r["schedule"]["pipeline_parallel"] is True
+        # the extension's deltas cover the timed tokens only (not each rep's untimed position-0 token)
+        assert r["tests"][0]["ext"]["graphs"] == 2 * 8, r["tests"][0]["ext"]["graphs"]
         return r["tests"][0]["devices"]
     on, off = tg(None), tg(_off("LAST_EVENTS"))
     assert len(on) == len(off) == 2, (on, off)
     for d_on, d_off in zip(on, off):
-        assert d_on["event_records"] == 8, d_on        # 8 tokens, one record each
+        assert d_on["event_records"] == 2 * 8, d_on    # 2 reps of 8 tokens, one record each
         assert d_on["event_waits"] == 0, d_on
         assert d_off["event_records"] > d_on["event_records"] and d_off["event_waits"] > 0, d_off
         assert d_on["host_syncs"] <= d_off["host_syncs"]
