@@ -41,20 +41,23 @@ def nmse(a: np.ndarray, b: np.ndarray) -> float:
     return float(((a.astype(np.float64) - b) ** 2).sum() / max((b.astype(np.float64) ** 2).sum(), 1e-30))
 
 
-def correctness(model: str, devices: str, out: Path, ubatches=(64, 512), n_tokens: int = 512) -> list[dict]:
+def correctness(model: str, devices: str, out: Path, cases=((64, "none"), (512, "none"), (512, "mmap")),
+                n_tokens: int = 512) -> list[dict]:
+    """(n_ubatch, load mode) cases; mmap: host weights in pageable memory (the patched build stages them)."""
     rows = []
-    for ub in ubatches:
+    for ub, mode in cases:
         got = {}
         for name, variant, he in (("baseline", "baseline", "all"), ("patched", "patched", "all"),
                                   ("all_on_gpu", "baseline", "none")):
             path = out / f"logits_{name}_ub{ub}.npy"
-            res = run_job({"kind": "logits", "model": model, "devices": devices, "placement": {"host_experts": he},
+            res = run_job({"kind": "logits", "model": model, "devices": devices,
+                           "placement": {"host_experts": he, "load_mode": mode},
                            "ctx": {"n_ctx": n_tokens + 64, "n_batch": n_tokens, "n_ubatch": ub},
                            "n_tokens": n_tokens, "seed": 7, "logits": "all", "out": str(path)}, variant, timeout=300)
             got[name] = (np.load(path), res["schedule"])
             path.unlink()
         b, p, g = got["baseline"][0], got["patched"][0], got["all_on_gpu"][0]
-        rows.append({"model": Path(model).name, "devices": devices, "n_ubatch": ub, "n_tokens": n_tokens,
+        rows.append({"model": Path(model).name, "devices": devices, "n_ubatch": ub, "load_mode": mode, "n_tokens": n_tokens,
                      "nmse_patched_vs_baseline": nmse(p, b), "maxabs_patched_vs_baseline": float(np.abs(p - b).max()),
                      "nmse_baseline_vs_all_on_gpu": nmse(b, g), "nmse_patched_vs_all_on_gpu": nmse(p, g),
                      "pp_baseline": got["baseline"][1]["pipeline_parallel"],
@@ -86,6 +89,13 @@ SWEEPS = {
     "copies": [{"name": "copies4", "est": 45, "ext": {"COPIES": 4}, "variants": ["patched"],
                 "configs": [(4096, 512, PP4096)]}],
     # why every ubatch re-reserves on CUDA (patch 0009's last_realloc), mmap, and decode on one and two GPUs
+    # single blocks, to combine in one call: --sweep mmap,skewed,quick
+    "mmap": [{"name": "mmap", "load_mode": "mmap", "est": 150, "reps": 1, "configs": [(4096, 512, PP4096)]}],
+    "skewed": [{"name": "skewed", "model": "skewed", "est": 180,
+                "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (512, 128, [["pp", 512]])]}],
+    "one-gpu": [{"name": "one-gpu", "devices": "cuda:0", "est": 90, "configs": [(4096, 512, PP4096 + [["tg", 32]])]}],
+    "one-h200-as-two": [{"name": "one-h200-as-two", "devices": "cuda", "est": 85,
+                         "env": {"CUDA_VISIBLE_DEVICES": "0", "GGML_CUDA_DEVICES": "2"}, "configs": [(4096, 512, PP4096)]}],
     "final": [
         {"name": "uniform", "est": 185, "configs": [(4096, 512, PP4096 + [["tg", 32]]), (16384, 1024, PP16K)]},
         {"name": "no-stable-reserve", "est": 50, "ext": {"STABLE_RESERVE": 0}, "variants": ["patched"],
@@ -162,7 +172,7 @@ def main() -> int:
             devices = block.get("devices", args.devices)
             shared = block.get("env", {}).get("GGML_CUDA_DEVICES") is not None   # one GPU split in two: one link
             cfgs = [bench.BenchConfig(model=str(model), devices=devices, n_batch=nb,
-                                      n_ubatch=ub, tests=tests, reps=args.reps, host_experts="all",
+                                      n_ubatch=ub, tests=tests, reps=block.get("reps", args.reps), host_experts="all",
                                       load_mode=block.get("load_mode", "none"), env=block.get("env", {}),
                                       ext_params=block.get("ext", {}), label=f"{block['name']} b{nb} ub{ub}",
                                       # one entry per device at most (rows cut the list to their devices)

@@ -29,7 +29,7 @@ ROW_FIELDS = [
     "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen",
     "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "speedup", "pipeline_parallel", "n_copies", "n_splits",
     "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac",
-    "host_syncs", "id_readbacks", "upload_all", "re_reservations", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "compute_buffer_bytes", "label", "env",
+    "host_syncs", "id_readbacks", "upload_all", "re_reservations", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "compute_buffer_bytes", "label", "env",
     "ext_params", "error", "build", "machine", "date",
 ]
 
@@ -152,8 +152,12 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
                             if "host_wait_us" in ext else None),
             "host_submit_s": ([b["submit_us"] / 1e6 / reps for b in ext["backends"]]
                               if ext.get("backends") and "submit_us" in ext["backends"][0] else None),
-            "host_sched_s": ({k[:-3]: ext[k] / 1e6 / reps for k in ("compute_async_us", "alloc_us", "synchronize_us")}
+            "host_sched_s": ({k[:-3]: ext[k] / 1e6 / reps for k in ("compute_async_us", "alloc_us", "synchronize_us",
+                                                                  "stage_wait_us") if k in ext}
                              if "compute_async_us" in ext else None),
+            # host-weight bytes that went through pinned staging (pageable host weights; patch 0016)
+            "staged_bytes_per_device": ([int(b["staged_bytes"] / reps) for b in ext["backends"] if b["name"] != "CPU"]
+                                        if ext.get("backends") and "staged_bytes" in ext["backends"][0] else None),
             "compute_buffer_bytes": [b["compute_buffer_bytes"] for b in sched["backends"]],
             "label": cfg.label, "ext_params": cfg.ext_params if variant == "patched" else {}, **meta})
     return rows

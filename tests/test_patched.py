@@ -251,6 +251,22 @@ def test_upload_all_skips_the_readbacks(runner, tiny_cfg):
     assert sum(d["h2d_bytes"] for d in sel["devices"]) >= total_s
 
 
+def test_coverage_is_remeasured_once_per_idle_graph_at_its_first_expert_op(runner):
+    """UPLOAD_ALL_REFRESH: coverage is read back at most once per graph that starts with nothing in flight (the
+    first ubatch of each prompt batch), at its first expert op; never mid-graph or while a graph is in flight,
+    where the readback would wait for every upload queued ahead of it."""
+    def run(refresh):
+        env = {**FORCE_UPLOAD_ALL, "GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 1, "GGML_SCHED_PP_UPLOAD_ALL_REFRESH": refresh}
+        r = runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
+                                   "tests": [["pp", 128]], "reps": 3}, env=env)
+        return r["tests"][0]["ext"]
+    every, rarely = run(1), run(1000)
+    assert every["graphs"] == rarely["graphs"] == 3 * 4, every["graphs"]   # 3 runs of 4 ubatches
+    assert every["id_readbacks"] == 3 and every["selective"] >= 3, every        # one per run
+    assert every["upload_all"] > 10 * every["selective"], every
+    assert rarely["id_readbacks"] == 0 and rarely["selective"] == 0, rarely     # measured in the warm-up
+
+
 def test_default_thresholds_choose_selective_for_the_tiny_model(runner):
     """With the default thresholds (4 x n_expert selections, 85 % coverage) a 32-token ubatch of the tiny
     model (64 selections, ~40 of 64 experts) must not upload everything."""
@@ -310,30 +326,40 @@ def test_allocation_dependency_nodes_keep_the_reserved_node_count(runner):
 
 
 @pytest.mark.parametrize("how, pageable_buft", [({"no_host": True}, "CPU"), ({"load_mode": "mmap"}, "CPU_Mapped")])
-def test_pageable_host_weights_keep_pipelining_off(runner, assert_logits_match, how, pageable_buft):
-    """Patch 0012: host weights outside the devices' pinned host buffer type (no host buffer, or an mmap-ed
-    model) are copied synchronously, so nothing could overlap: the patched build keeps pipelining off, as
-    upstream does, unless GATE=3 asks for it. VDEV copies from pageable memory block the host, as CUDA's do."""
+def test_pageable_host_weights_go_through_pinned_staging(runner, assert_logits_match, how, pageable_buft):
+    """Patches 0012 and 0016: a device copies from pageable memory (no host buffer, or an mmap-ed model)
+    synchronously. The patched build stages those uploads through pinned slots (STAGING) and pipelines; with
+    STAGING=0 it keeps pipelining off, as upstream, unless GATE=3 asks for it. VDEV copies from pageable memory
+    block the host, as CUDA's do."""
     pageable = {**HOST_ALL, **how}
-    p = runner.logits("patched", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS)
     b = runner.logits("baseline", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS)
-    assert p["schedule"]["pipeline_parallel"] is False and b["schedule"]["pipeline_parallel"] is False
-    assert_logits_match(p["logits"], b["logits"], "pageable, PP off")
+    staged = runner.logits("patched", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS)
+    off = runner.logits("patched", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS, env=_off("STAGING"))
     forced = runner.logits("patched", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS,
-                           env={"GGML_SCHED_PP_GATE": 3})
-    assert forced["schedule"]["pipeline_parallel"] is True
-    assert_logits_match(forced["logits"], b["logits"], "pageable, GATE=3")
+                           env={"GGML_SCHED_PP_GATE": 3, "GGML_SCHED_PP_STAGING": 0})
+    assert b["schedule"]["pipeline_parallel"] is False and off["schedule"]["pipeline_parallel"] is False
+    assert staged["schedule"]["pipeline_parallel"] is True and forced["schedule"]["pipeline_parallel"] is True
+    for r, what in ((staged, "staged"), (off, "STAGING=0, PP off"), (forced, "GATE=3 without staging")):
+        assert_logits_match(r["logits"], b["logits"], f"pageable, {what}")
     # where the weights are: a pageable CPU buffer vs the VDEV host buffer type (pinned)
-    assert pageable_buft in {m["buft"] for m in p["schedule"]["memory"]}
+    assert pageable_buft in {m["buft"] for m in staged["schedule"]["memory"]}
     pinned = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS)
     assert not {"CPU", "CPU_Mapped"} & {m["buft"] for m in pinned["schedule"]["memory"]}
     assert pinned["schedule"]["pipeline_parallel"] is True
-    # uploads from pageable memory block the host (counted as host syncs of the device); from pinned memory
-    # they are only queued
+    # every host-weight byte of the staged run went through the slots; none of the pinned or unstaged runs did
+    vdevs = lambda r: [x for x in r["ext"]["backends"] if x["name"].startswith("VDEV")]
+    assert len(vdevs(staged)) == len(vdevs(pinned)) == 2
+    for x, y in zip(vdevs(staged), vdevs(pinned)):
+        assert x["staged_bytes"] == x["weight_bytes"] == y["weight_bytes"] > 0, (x, y)
+        assert y["staged_bytes"] == 0, y
+    assert all(x["staged_bytes"] == 0 for x in forced["ext"]["backends"])
+    # uploads from pageable memory block the host (counted as host syncs of the device); from pinned memory,
+    # staged or not, they are only queued (the staged run waits only for a full slot)
     syncs = lambda x: sum(d["host_syncs"] for d in x["counters"]["devices"])
     uploads = forced["ext"]["host_waits"]["upload"]
     assert uploads > 0 and pinned["ext"]["host_waits"]["upload"] > 0
     assert syncs(forced) >= syncs(pinned) + uploads, (syncs(forced), syncs(pinned), uploads)
+    assert syncs(staged) <= syncs(pinned) + staged["ext"]["stage_waits"], (syncs(staged), syncs(pinned), staged["ext"])
 
 
 def test_decode_records_one_event_per_device_and_waits_on_none(runner):
