@@ -96,6 +96,12 @@ SWEEPS = {
     "one-gpu": [{"name": "one-gpu", "devices": "cuda:0", "est": 90, "configs": [(4096, 512, PP4096 + [["tg", 32]])]}],
     "one-h200-as-two": [{"name": "one-h200-as-two", "devices": "cuda", "est": 85,
                          "env": {"CUDA_VISIBLE_DEVICES": "0", "GGML_CUDA_DEVICES": "2"}, "configs": [(4096, 512, PP4096)]}],
+    # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
+    "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
+                 "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],
+    # decode with more repetitions (tg32 is ~1 s): 2 GPUs and 1 GPU
+    "decode": [{"name": "decode", "est": 70, "reps": 6, "configs": [(4096, 512, [["tg", 32]])]},
+               {"name": "decode-one-gpu", "devices": "cuda:0", "est": 70, "reps": 6, "configs": [(4096, 512, [["tg", 32]])]}],
     "final": [
         {"name": "uniform", "est": 185, "configs": [(4096, 512, PP4096 + [["tg", 32]]), (16384, 1024, PP16K)]},
         {"name": "no-stable-reserve", "est": 50, "ext": {"STABLE_RESERVE": 0}, "variants": ["patched"],
@@ -172,7 +178,8 @@ def main() -> int:
             devices = block.get("devices", args.devices)
             shared = block.get("env", {}).get("GGML_CUDA_DEVICES") is not None   # one GPU split in two: one link
             cfgs = [bench.BenchConfig(model=str(model), devices=devices, n_batch=nb,
-                                      n_ubatch=ub, tests=tests, reps=block.get("reps", args.reps), host_experts="all",
+                                      n_ubatch=ub, tests=tests, reps=block.get("reps", args.reps),
+                                      host_experts=block.get("host_experts", "all"),
                                       load_mode=block.get("load_mode", "none"), env=block.get("env", {}),
                                       ext_params=block.get("ext", {}), label=f"{block['name']} b{nb} ub{ub}",
                                       # one entry per device at most (rows cut the list to their devices)

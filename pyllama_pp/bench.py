@@ -28,7 +28,7 @@ ROW_FIELDS = [
     "variant", "model", "model_size", "model_n_params", "n_expert", "n_expert_used", "devices", "n_gpu_layers",
     "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen",
     "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "speedup", "pipeline_parallel", "n_copies", "n_splits",
-    "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac",
+    "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac", "bound_pipe_ts", "bound_pipe_frac",
     "host_syncs", "id_readbacks", "upload_all", "re_reservations", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "compute_buffer_bytes", "label", "env",
     "ext_params", "error", "build", "machine", "date",
 ]
@@ -108,6 +108,22 @@ def _link_bound(cfg: BenchConfig, h2d: list[int], n_tokens: int) -> tuple[list[f
     return gbps, (n_tokens / worst if worst > 0 else float("nan"))
 
 
+def _pipe_bound(cfg: BenchConfig, h2d: list[int], gbps: list[float], n_tokens: int) -> float:
+    """The tokens/s bound of a prompt pipelined in ubatches through the devices in order, when each device's
+    stage takes the time of its own uploads (bytes / link speed, spread evenly over the ubatches): the first
+    ubatch goes through every stage, each later one adds the slowest stage (pipeline fill), and no link can
+    carry more than its bytes. Compute is not in it (see all-on-GPU rows for that)."""
+    if not h2d or not gbps or min(gbps) <= 0:
+        return float("nan")
+    n_ub = max(1, -(-n_tokens // max(1, min(cfg.n_ubatch, cfg.n_batch))))
+    stages = [h2d[i] / n_ub / (g * 1e9) for i, g in enumerate(gbps) if i < len(h2d) and h2d[i] > 0]
+    if not stages:
+        return float("nan")
+    fill = sum(stages) + (n_ub - 1) * max(stages)
+    links = n_tokens / _link_bound(cfg, h2d, n_tokens)[1]    # busiest link, all its bytes (shared links add up)
+    return n_tokens / max(fill, links)
+
+
 def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> list[dict]:
     rows = []
     model = res["model"]
@@ -124,6 +140,7 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             # no device counters (CUDA): the patched scheduler's own count of host-weight bytes per device
             h2d = [int(b["weight_bytes"] / reps) for b in ext["backends"] if b["name"] != "CPU"]
         gbps, bound = _link_bound(cfg, h2d, n_tok)
+        pipe = _pipe_bound(cfg, h2d, gbps, n_tok) if t["kind"] == "pp" else float("nan")
         avg = statistics.fmean(ts) if ts else float("nan")
         cov = t.get("coverage") or {}
         rows.append({
@@ -141,6 +158,7 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             "n_splits": sched["n_splits"], "experts_used": cov.get("experts_used_per_layer_ubatch"),
             "coverage": cov.get("coverage"), "h2d_bytes": sum(h2d), "h2d_bytes_per_device": h2d, "link_gbps": gbps,
             "bound_ts": bound, "bound_frac": avg / bound if bound and bound == bound else float("nan"),
+            "bound_pipe_ts": pipe, "bound_pipe_frac": avg / pipe if pipe and pipe == pipe else float("nan"),
             "host_syncs": int(sum(d["host_syncs"] for d in devs) / reps) if devs else None,
             "id_readbacks": int(ext["id_readbacks"] / reps) if "id_readbacks" in ext else None,
             "upload_all": int(ext["upload_all"] / reps) if "upload_all" in ext else None,
@@ -317,7 +335,7 @@ def markdown(df) -> str:
     if df.empty:
         return "(no rows)\n"
     lines = ["| devices | host experts | n_batch | n_ubatch | test | coverage | baseline t/s | patched t/s | speedup "
-             "| PP b/p | bytes/dev baseline | bytes/dev patched | bound t/s (patched) | patched: re-reservations, host waits (largest cause) |",
+             "| PP b/p | bytes/dev baseline | bytes/dev patched | bound t/s (patched): links, with fill | patched: re-reservations, host waits (largest cause) |",
              "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | --- |"]
     for (cfg, test), g in df.groupby(["config", "test"], sort=True):
         b = g[g.variant == "baseline"].iloc[0] if (g.variant == "baseline").any() else None
@@ -358,12 +376,13 @@ def markdown(df) -> str:
         cov = ref.get("coverage")
         cov_s = f"{100 * cov:.0f}%" if isinstance(cov, float) and cov == cov else ""
         sp = p.get("speedup") if p is not None else None
-        bound = p.get("bound_ts") if p is not None else None
+        num = lambda x: "" if x is None or x != x else f"{x:.0f}"
+        bound = "" if p is None else ", ".join(filter(None, (num(p.get("bound_ts")), num(p.get("bound_pipe_ts")))))
         lines.append(
             f"| {ref['devices']} | {str(ref['tensor_buft_overrides']).replace('host_experts=', '')} | {ref['n_batch']} "
             f"| {ref['n_ubatch']} | {test} | {cov_s} | {ts(b)} | {ts(p)} "
             f"| {'' if sp is None or sp != sp else f'{sp:.2f}'} | {pp(b)}/{pp(p)} | {per_dev(b)} | {per_dev(p)} "
-            f"| {'' if bound is None or bound != bound else f'{bound:.0f}'} | {blocked(p)} |")
+            f"| {bound} | {blocked(p)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -120,6 +120,16 @@ def test_link_bound_for_devices_that_do_not_know_their_links(tiny_model):
     shared = bench.BenchConfig(model=str(tiny_model), devices="cuda", link_gbps=[55.0, 55.0], shared_link=True)
     assert bench._link_bound(shared, h2d, 4096)[1] == pytest.approx(4096 / (210 / 55.0))
     none = bench.BenchConfig(model=str(tiny_model), devices="cuda")
+    # with pipeline fill: 8 ubatches of 512, stages of 110/8 and 100/8 GB at 55 GB/s: the first ubatch passes
+    # both stages, the 7 others add the slower one
+    two_ub = bench.BenchConfig(model=str(tiny_model), devices="cuda", n_batch=4096, n_ubatch=512, link_gbps=[55.0, 55.0])
+    fill = (110 / 8 + 100 / 8 + 7 * 110 / 8) / 55.0
+    assert bench._pipe_bound(two_ub, h2d, [55.0, 55.0], 4096) == pytest.approx(4096 / fill)
+    assert bench._pipe_bound(two_ub, h2d, [55.0, 55.0], 4096) < bound
+    # one shared link: its 210 GB bind more than the fill does
+    shared_ub = bench.BenchConfig(model=str(tiny_model), devices="cuda", n_batch=4096, n_ubatch=512,
+                                  link_gbps=[55.0, 55.0], shared_link=True)
+    assert bench._pipe_bound(shared_ub, h2d, [55.0, 55.0], 4096) == pytest.approx(4096 / (210 / 55.0))
     gbps, bound = bench._link_bound(none, h2d, 4096)
     assert gbps == [] and bound != bound   # unknown links: no bound (NaN)
     vdev = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@1GBps")
