@@ -196,6 +196,7 @@ def main() -> int:
     if md.exists():
         import pandas as pd
         df = pd.read_json(md, lines=True)
+        df["config"] = df["label"]   # config numbers restart in each block's bench.ab call; labels do not
         (args.out / "gpu_results.md").write_text(bench.markdown(df))
         print(bench.markdown(df))
     save()
