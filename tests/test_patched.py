@@ -267,6 +267,19 @@ def test_coverage_is_remeasured_once_per_idle_graph_at_its_first_expert_op(runne
     assert rarely["id_readbacks"] == 0 and rarely["selective"] == 0, rarely     # measured in the warm-up
 
 
+def test_one_row_output_layer_does_not_pull_the_coverage_estimate_down(runner):
+    """Default thresholds, ubatches of 128 (about 98% coverage): per prompt, one readback re-measures coverage at
+    the first expert op and one reads the ids of the output ubatch's last layer (one row, below every threshold).
+    That one-row layer must not count as coverage: otherwise the next prompt starts below 85% and reads ids back
+    in its first layers too."""
+    r = runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL,
+                               "ctx": {"n_ctx": 1024, "n_batch": 512, "n_ubatch": 128}, "tests": [["pp", 512]],
+                               "reps": 3})
+    e = r["tests"][0]["ext"]
+    assert e["graphs"] == 3 * 4 and e["upload_all"] > 0, e
+    assert e["id_readbacks"] == 3 * 2, e
+
+
 def test_default_thresholds_choose_selective_for_the_tiny_model(runner):
     """With the default thresholds (4 x n_expert selections, 85 % coverage) a 32-token ubatch of the tiny
     model (64 selections, ~40 of 64 experts) must not upload everything."""
