@@ -9,8 +9,11 @@ one_expert_tensor = synth.expert_bytes_per_layer(cfg) // 3
 rows = []
 for name, variant, env in [("baseline", "baseline", {}), ("patched", "patched", {}),
                            ("patched, upstream's 4 copies (COPIES=4)", "patched", {"GGML_SCHED_PP_COPIES": "4"}),
-                           ("naive (gate only: GATE=2 TRANSIENT=0 COPIES=4)", "patched",
-                            {"GGML_SCHED_PP_GATE": "2", "GGML_SCHED_PP_TRANSIENT": "0", "GGML_SCHED_PP_COPIES": "4"})]:
+                           ("patched, a device copy of the user inputs per graph (SHARED_INPUTS=0)", "patched",
+                            {"GGML_SCHED_PP_SHARED_INPUTS": "0"}),
+                           ("naive (gate only: GATE=2 TRANSIENT=0 SHARED_INPUTS=0 COPIES=4)", "patched",
+                            {"GGML_SCHED_PP_GATE": "2", "GGML_SCHED_PP_TRANSIENT": "0", "GGML_SCHED_PP_SHARED_INPUTS": "0",
+                             "GGML_SCHED_PP_COPIES": "4"})]:
     for ub in (32, 128):
         r = run_job({"kind": "schedule", "model": MODEL, "devices": "vdev:2x0@0",
                      "placement": {"host_experts": "all", "tensor_split": [3, 5]},

@@ -12,7 +12,8 @@ CTX = {"n_ctx": 256, "n_batch": 128, "n_ubatch": 32}   # 64 tokens = 2 ubatches
 N_TOKENS = 64
 HOST_ALL = {"host_experts": "all"}
 DEVS = "vdev:2x0@0"
-SWITCHES = ("TRANSIENT", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL", "OFFLOAD_TAIL", "STABLE_DEPS", "LAST_EVENTS")
+SWITCHES = ("TRANSIENT", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL", "OFFLOAD_TAIL", "STABLE_DEPS", "LAST_EVENTS",
+            "SHARED_INPUTS")
 FORCE_UPLOAD_ALL = {"GGML_SCHED_PP_UPLOAD_ALL_MIN": 1, "GGML_SCHED_PP_UPLOAD_ALL_MIN_INFLIGHT": 1,
                     "GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 0}
 
@@ -204,6 +205,25 @@ def test_device_compute_buffers_stay_small_at_larger_ubatch(runner, tiny_cfg):
     assert len(vdevs) == 2, p["backends"]
     for x in vdevs:
         assert x["compute_buffer_bytes"] <= b[x["name"]] + 2 * one_expert_tensor, (x, b[x["name"]])
+
+
+@pytest.mark.parametrize("ub", [32, 128])
+def test_memory_bound_with_the_issue_geometry(runner, tiny_cfg, ub):
+    """Issue 4's must-show as bench/memory_ab.py measures it (ts 3,5, n_ctx 2304, n_batch = 16 x n_ubatch): each
+    device's compute buffer <= baseline + 2 x the largest expert tensor. At n_ubatch 128 the second device needs
+    one device copy of the user inputs (SHARED_INPUTS, patch 0018): a copy per graph in flight (mostly the KQ
+    mask) takes it over."""
+    one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
+    placement = {**HOST_ALL, "tensor_split": [3, 5]}
+    ctx = {"n_ctx": 2304, "n_batch": 16 * ub, "n_ubatch": ub}
+    bufs = lambda r: {x["name"]: x["compute_buffer_bytes"] for x in r["schedule"]["backends"] if x["name"].startswith("VDEV")}
+    b = bufs(runner.schedule("baseline", devices=DEVS, placement=placement, ctx=ctx))
+    p = runner.schedule("patched", devices=DEVS, placement=placement, ctx=ctx)
+    unshared = bufs(runner.schedule("patched", devices=DEVS, placement=placement, ctx=ctx, env=_off("SHARED_INPUTS")))
+    assert p["schedule"]["pipeline_parallel"] is True and len(b) == 2
+    for name, x in bufs(p).items():
+        assert x <= b[name] + 2 * one_expert_tensor, (name, x, b[name], one_expert_tensor)
+        assert x < unshared[name], (name, x, unshared[name])   # the per-graph input copies are gone
 
 
 # --- upload-all vs selective expert copies ------------------------------------------------------------------
