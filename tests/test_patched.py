@@ -226,6 +226,29 @@ def test_memory_bound_with_the_issue_geometry(runner, tiny_cfg, ub):
         assert x < unshared[name], (name, x, unshared[name])   # the per-graph input copies are gone
 
 
+@pytest.mark.parametrize("ub, env", [(32, {}), (128, {}), (128, FORCE_UPLOAD_ALL)], ids=["ub32", "ub128", "ub128-all"])
+def test_overlap_uploads_on_a_second_stream(runner, tiny_cfg, assert_logits_match, ub, env):
+    """Patch 0019 (OVERLAP, off by default): transient host weights go into a two-slot ring per device, uploaded on
+    a second backend of the same device while the split before computes. Same logits as the baseline, on slow
+    links with a slow device too (events order the slots); the ring holds two expert tensors (one split's
+    transient inputs per slot: one expert tensor here); every transient upload went through it."""
+    devs = "vdev:2x0@0.5,speed=1:3"
+    ctx = {"n_ctx": 512, "n_batch": 4 * ub, "n_ubatch": ub}
+    b = runner.logits("baseline", devices=devs, placement=HOST_ALL, ctx=ctx, n_tokens=4 * ub)
+    off = runner.logits("patched", devices=devs, placement=HOST_ALL, ctx=ctx, n_tokens=4 * ub, env=env)
+    on = runner.logits("patched", devices=devs, placement=HOST_ALL, ctx=ctx, n_tokens=4 * ub,
+                       env={**env, "GGML_SCHED_PP_OVERLAP": 1})
+    assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["OVERLAP"] == 1
+    assert_logits_match(on["logits"], b["logits"], f"OVERLAP=1 ub{ub}")
+    one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
+    for name in ("VDEV0", "VDEV1"):
+        e_on, e_off = _ext_backend(on["ext"], name), _ext_backend(off["ext"], name)
+        assert e_on["ring_bytes"] == 2 * one_expert_tensor and e_off["ring_bytes"] == 0, (e_on, e_off)
+        assert e_on["overlap_uploads"] >= e_on["weight_uploads"] > 0, e_on   # selective: one per expert range
+        assert e_off["overlap_uploads"] == 0
+        assert e_on["weight_bytes"] == e_off["weight_bytes"], (e_on, e_off)
+
+
 # --- upload-all vs selective expert copies ------------------------------------------------------------------
 
 BENCH_CTX = {"n_ctx": 256, "n_batch": 128, "n_ubatch": 32}   # 64 expert selections a ubatch: ~40 of 64 used
