@@ -41,11 +41,13 @@ def nmse(a: np.ndarray, b: np.ndarray) -> float:
     return float(((a.astype(np.float64) - b) ** 2).sum() / max((b.astype(np.float64) ** 2).sum(), 1e-30))
 
 
-def correctness(model: str, devices: str, out: Path, cases=((64, "none"), (512, "none"), (512, "mmap")),
+def correctness(model: str, devices: str, out: Path,
+                cases=((64, "none", {}), (512, "none", {}), (512, "mmap", {}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "1"})),
                 n_tokens: int = 512) -> list[dict]:
-    """(n_ubatch, load mode) cases; mmap: host weights in pageable memory (the patched build stages them)."""
+    """(n_ubatch, load mode, patched build's environment) cases; mmap: host weights in pageable memory (the
+    patched build stages them); OVERLAP=1: the opt-in upload ring of patch 0019."""
     rows = []
-    for ub, mode in cases:
+    for ub, mode, penv in cases:
         got = {}
         for name, variant, he in (("baseline", "baseline", "all"), ("patched", "patched", "all"),
                                   ("all_on_gpu", "baseline", "none")):
@@ -53,11 +55,13 @@ def correctness(model: str, devices: str, out: Path, cases=((64, "none"), (512, 
             res = run_job({"kind": "logits", "model": model, "devices": devices,
                            "placement": {"host_experts": he, "load_mode": mode},
                            "ctx": {"n_ctx": n_tokens + 64, "n_batch": n_tokens, "n_ubatch": ub},
-                           "n_tokens": n_tokens, "seed": 7, "logits": "all", "out": str(path)}, variant, timeout=300)
+                           "n_tokens": n_tokens, "seed": 7, "logits": "all", "out": str(path)}, variant, timeout=300,
+                          env=penv if name == "patched" else None)
             got[name] = (np.load(path), res["schedule"])
             path.unlink()
         b, p, g = got["baseline"][0], got["patched"][0], got["all_on_gpu"][0]
-        rows.append({"model": Path(model).name, "devices": devices, "n_ubatch": ub, "load_mode": mode, "n_tokens": n_tokens,
+        rows.append({"model": Path(model).name, "devices": devices, "n_ubatch": ub, "load_mode": mode, "patched_env": penv,
+                     "n_tokens": n_tokens,
                      "nmse_patched_vs_baseline": nmse(p, b), "maxabs_patched_vs_baseline": float(np.abs(p - b).max()),
                      "nmse_baseline_vs_all_on_gpu": nmse(b, g), "nmse_patched_vs_all_on_gpu": nmse(p, g),
                      "pp_baseline": got["baseline"][1]["pipeline_parallel"],
@@ -96,6 +100,9 @@ SWEEPS = {
     "one-gpu": [{"name": "one-gpu", "devices": "cuda:0", "est": 90, "configs": [(4096, 512, PP4096 + [["tg", 32]])]}],
     "one-h200-as-two": [{"name": "one-h200-as-two", "devices": "cuda", "est": 85,
                          "env": {"CUDA_VISIBLE_DEVICES": "0", "GGML_CUDA_DEVICES": "2"}, "configs": [(4096, 512, PP4096)]}],
+    # patch 0019 (OVERLAP, opt-in): the same configs as uniform-best and uniform, patched only, ring on
+    "overlap": [{"name": "overlap", "est": 110, "ext": {"OVERLAP": 1}, "variants": ["patched"],
+                 "configs": [(16384, 4096, PP16K), (4096, 512, PP4096), (16384, 1024, PP16K)]}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],
