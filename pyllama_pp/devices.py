@@ -86,7 +86,9 @@ class DeviceSpec:
 
 
 def _bad(spec: Any, why: str) -> DeviceSpecError:
-    return DeviceSpecError(f"bad device spec {spec!r}: {why}.\nAccepted forms:{FORMS}")
+    err = DeviceSpecError(f"bad device spec {spec!r}: {why}.\nAccepted forms:{FORMS}")
+    err.complete = True   # names the spec and lists the accepted forms: parse() passes it on as it is
+    return err
 
 
 def _from_dict(d: dict, text: str) -> DeviceSpec:
@@ -124,7 +126,7 @@ def parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
     try:
         return _parse(spec)
     except DeviceSpecError as e:
-        if "Accepted forms:" in str(e):
+        if getattr(e, "complete", False):
             raise
         raise _bad(spec, str(e)) from None
     except (TypeError, ValueError) as e:
