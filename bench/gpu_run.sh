@@ -63,6 +63,7 @@ if [ "${1:-}" = "debug" ]; then
 fi
 # results go to one archive: at most 8 files come back from $OUT
 rm -rf /tmp/res; mkdir -p /tmp/res; cp /tmp/build.log /tmp/gpus.csv /tmp/res/   # a warm machine keeps /tmp
+echo "build: $(( $(date +%s) - t0 )) s (including the carried wheels' install), $(date -u '+%Y-%m-%d %H:%M:%S UTC')" > /tmp/res/build_time.txt
 set +e
 if [ "${PP_PROBE:-0}" = 1 ]; then  # CUDA launch-queue depth and one-thread pinned copies to two GPUs
     (cd /tmp && timeout 90 python3 "$OLDPWD/bench/cuda_queue.py" --out /tmp/res) 2>&1 | tail -20
