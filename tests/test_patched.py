@@ -226,7 +226,8 @@ def test_memory_bound_with_the_issue_geometry(runner, tiny_cfg, ub):
         assert x < unshared[name], (name, x, unshared[name])   # the per-graph input copies are gone
 
 
-@pytest.mark.parametrize("ub, env", [(32, {}), (128, {}), (128, FORCE_UPLOAD_ALL)], ids=["ub32", "ub128", "ub128-all"])
+@pytest.mark.parametrize("ub, env", [(32, {}), (128, {}), (128, FORCE_UPLOAD_ALL), (64, {"GGML_SCHED_PP_COPIES": 4})],
+                         ids=["ub32", "ub128", "ub128-all", "ub64-copies4"])
 def test_overlap_uploads_on_a_second_stream(runner, tiny_cfg, assert_logits_match, ub, env):
     """Patch 0019 (OVERLAP, off by default): transient host weights go into a two-slot ring per device, uploaded on
     a second backend of the same device while the split before computes. Same logits as the baseline, on slow
@@ -247,6 +248,20 @@ def test_overlap_uploads_on_a_second_stream(runner, tiny_cfg, assert_logits_matc
         assert e_on["overlap_uploads"] >= e_on["weight_uploads"] > 0, e_on   # selective: one per expert range
         assert e_off["overlap_uploads"] == 0
         assert e_on["weight_bytes"] == e_off["weight_bytes"], (e_on, e_off)
+
+
+def test_overlap_leaves_pageable_weights_to_staging(runner, assert_logits_match):
+    """OVERLAP's ring takes pinned host weights only: with an mmap-ed model the uploads are staged (0016) as
+    without it, no ring is made, and the logits still match the baseline."""
+    pl = {**HOST_ALL, "load_mode": "mmap"}
+    ctx = {"n_ctx": 512, "n_batch": 256, "n_ubatch": 64}
+    b = runner.logits("baseline", devices=DEVS, placement=pl, ctx=ctx, n_tokens=256)
+    on = runner.logits("patched", devices=DEVS, placement=pl, ctx=ctx, n_tokens=256, env={"GGML_SCHED_PP_OVERLAP": 1})
+    assert on["schedule"]["pipeline_parallel"] is True
+    assert_logits_match(on["logits"], b["logits"], "mmap, OVERLAP=1")
+    for name in ("VDEV0", "VDEV1"):
+        e = _ext_backend(on["ext"], name)
+        assert e["ring_bytes"] == 0 and e["overlap_uploads"] == 0 and e["staged_bytes"] == e["weight_bytes"] > 0, e
 
 
 # --- upload-all vs selective expert copies ------------------------------------------------------------------
