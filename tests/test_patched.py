@@ -338,6 +338,25 @@ def test_one_row_output_layer_does_not_pull_the_coverage_estimate_down(runner):
     assert e["id_readbacks"] == 3 * 2, e
 
 
+def test_coverage_bar_follows_the_number_of_gpus(runner, tmp_path_factory):
+    """Patch 0020: with two GPUs the default coverage bar is 60% (120 / 2), not 85%: at ~65% coverage the patched
+    build uploads whole expert tensors (the stages overlap) where the old bar copied used experts after a
+    readback per layer; at ~30% it still copies only the used ones."""
+    def run(skew, env):
+        model = synth.cached_model(tmp_path_factory.getbasetemp() / "skewed", "tiny", seed=1, routing="skewed", skew=skew)
+        r = runner.run("patched", {"kind": "bench", "model": str(model), "devices": DEVS, "placement": HOST_ALL,
+                                   "ctx": {"n_ctx": 512, "n_batch": 256, "n_ubatch": 64}, "tests": [["pp", 256]],
+                                   "reps": 1}, env=env)
+        return r["tests"][0]
+    mid, mid_old = run(0.3, None), run(0.3, {"GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 85})
+    low = run(0.8, None)
+    assert 0.6 < mid["coverage"]["coverage"] < 0.85 and low["coverage"]["coverage"] < 0.5, (mid["coverage"], low["coverage"])
+    assert mid["ext"]["params"]["UPLOAD_ALL_MIN_COV"] == -1
+    assert mid["ext"]["upload_all"] > mid["ext"]["selective"], mid["ext"]
+    assert mid_old["ext"]["upload_all"] < mid_old["ext"]["selective"], mid_old["ext"]
+    assert low["ext"]["upload_all"] == 0 and low["ext"]["selective"] > 0, low["ext"]
+
+
 def test_default_thresholds_choose_selective_for_the_tiny_model(runner):
     """With the default thresholds (4 x n_expert selections, 85 % coverage) a 32-token ubatch of the tiny
     model (64 selections, ~40 of 64 experts) must not upload everything."""
