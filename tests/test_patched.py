@@ -339,7 +339,7 @@ def test_one_row_output_layer_does_not_pull_the_coverage_estimate_down(runner):
 
 
 def test_coverage_bar_follows_the_number_of_gpus(runner, tmp_path_factory):
-    """Patch 0020: with two GPUs the default coverage bar is 60% (120 / 2), not 85%: at ~65% coverage the patched
+    """Patch 0020: with two GPUs the default coverage bar is 55% (110 / 2), not 85%: at ~65% coverage the patched
     build uploads whole expert tensors (the stages overlap) where the old bar copied used experts after a
     readback per layer; at ~30% it still copies only the used ones."""
     def run(skew, env):
