@@ -338,13 +338,14 @@ def test_one_row_output_layer_does_not_pull_the_coverage_estimate_down(runner):
     assert e["id_readbacks"] == 3 * 2, e
 
 
-def test_coverage_bar_follows_the_number_of_gpus(runner, tmp_path_factory):
-    """Patch 0020: with two GPUs the default coverage bar is 55% (110 / 2), not 85%: at ~65% coverage the patched
-    build uploads whole expert tensors (the stages overlap) where the old bar copied used experts after a
-    readback per layer; at ~30% it still copies only the used ones."""
-    def run(skew, env):
+def test_coverage_bar_follows_the_number_of_links(runner, tmp_path_factory):
+    """Patch 0020: with two GPUs on links of their own the default coverage bar is 55% (110 / 2), not 85%: at ~65%
+    coverage the patched build uploads whole expert tensors (the stages overlap) where the old bar copied used
+    experts after a readback per layer; at ~30% it still copies only the used ones. On one shared link (VDEVs of
+    one link group report one bus id, as virtual CUDA devices of one GPU do), or with LINKS=1, the bar stays 85%."""
+    def run(skew, env, devs=DEVS):
         model = synth.cached_model(tmp_path_factory.getbasetemp() / "skewed", "tiny", seed=1, routing="skewed", skew=skew)
-        r = runner.run("patched", {"kind": "bench", "model": str(model), "devices": DEVS, "placement": HOST_ALL,
+        r = runner.run("patched", {"kind": "bench", "model": str(model), "devices": devs, "placement": HOST_ALL,
                                    "ctx": {"n_ctx": 512, "n_batch": 256, "n_ubatch": 64}, "tests": [["pp", 256]],
                                    "reps": 1}, env=env)
         return r["tests"][0]
@@ -355,6 +356,8 @@ def test_coverage_bar_follows_the_number_of_gpus(runner, tmp_path_factory):
     assert mid["ext"]["upload_all"] > mid["ext"]["selective"], mid["ext"]
     assert mid_old["ext"]["upload_all"] < mid_old["ext"]["selective"], mid_old["ext"]
     assert low["ext"]["upload_all"] == 0 and low["ext"]["selective"] > 0, low["ext"]
+    for shared in (run(0.3, None, "vdev:2x0@0,shared"), run(0.3, {"GGML_SCHED_PP_LINKS": 1})):
+        assert shared["ext"]["upload_all"] < shared["ext"]["selective"], shared["ext"]
 
 
 def test_default_thresholds_choose_selective_for_the_tiny_model(runner):

@@ -83,6 +83,7 @@ struct vdev_device {
     ggml_backend_device          dev{};
     ggml_backend_buffer_type     buft{};
     std::string                  buft_name;
+    std::string                  bus_id;          // props.device_id (see vdev_dev_get_props)
 
     mutable std::mutex           cfg_mtx;
     pp_vdev_config               cfg{};
@@ -998,7 +999,19 @@ void vdev_dev_get_props(ggml_backend_dev_t dev, ggml_backend_dev_props * props) 
     props->name        = vdev_dev_get_name(dev);
     props->description = vdev_dev_get_description(dev);
     props->type        = vdev_dev_get_type(dev);
-    props->device_id   = nullptr;
+    // like a PCI bus id, it tells which devices share a host link: VDEVs in one link group get the group's id with
+    // a "-v<N>" suffix, as ggml-cuda's virtual devices of one GPU (GGML_CUDA_DEVICES) carry their GPU's id
+    {
+        vdev_device * d = dev_ctx(dev);
+        const pp_vdev_config cfg = d->get_cfg();
+        std::lock_guard<std::mutex> lk(d->cfg_mtx);
+        const std::string id = cfg.link_group >= 0 ? "vdev-link" + std::to_string(cfg.link_group) + "-v" + std::to_string(d->index)
+                                                   : "vdev-" + std::to_string(d->index);
+        if (d->bus_id != id) {
+            d->bus_id = id; // (unchanged ids keep their pointer valid for earlier callers)
+        }
+        props->device_id = d->bus_id.c_str();
+    }
     vdev_dev_get_memory(dev, &props->memory_free, &props->memory_total);
     props->caps.async                = true;
     props->caps.host_buffer          = true;
