@@ -6,7 +6,7 @@ Tiny preset with skewed routing (skews 0.15 / 0.3 / 0.5 / 0.8: about 79 / 65 / 4
 per ubatch of 64), two VDEVs with dedicated 0.1 GB/s links (the main job's devices), ts 3,5, pp1024 / ub64;
 the patched build with the default (auto) bar, the old 85% bar and coverage ignored (always upload all), each
 against its own baseline run. Rows into docs/results/vdev/coverage_bar/ (results.jsonl, results.md).
-  python bench/coverage_bar.py [--reps N]
+  python bench/coverage_bar.py [--reps N] [--devices SPEC --out DIR]   (e.g. one shared link: "vdev:2x256MiB@0.1GBps,shared")
 """
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", type=Path, default=C.REPO / "docs" / "results" / "vdev" / "coverage_bar")
+    ap.add_argument("--devices", default=C.DEFAULT_DEVICES)
     args = ap.parse_args()
     for name in ("results.jsonl", "results.csv", "results.md"):
         (args.out / name).unlink(missing_ok=True)
-    cfgs = [bench.BenchConfig(model=str(C.synth_model(routing="skewed", skew=skew)), devices=C.DEFAULT_DEVICES,
+    cfgs = [bench.BenchConfig(model=str(C.synth_model(routing="skewed", skew=skew)), devices=args.devices,
                               n_batch=1024, n_ubatch=64, tests=[["pp", 1024]], reps=args.reps, host_experts="all",
                               tensor_split=[3, 5], ext_params=ext, label=f"skew {skew} | {name}")
             for skew in SKEWS for name, ext in SETTINGS]
@@ -43,8 +44,9 @@ def main() -> int:
         cov = df[df.label == f"skew {skew} | {SETTINGS[0][0]}"].coverage.dropna()
         rows.append([f"{skew}", f"{100 * cov.iloc[0]:.0f}%" if len(cov) else ""] + cells)
     table = C.md_table(["skew", "coverage", *[n for n, _ in SETTINGS]], rows, "rrlll")
-    text = (f"# Upload-all's coverage bar\n\n- command: `python bench/coverage_bar.py --reps {args.reps}`\n"
-            f"- devices: `{C.DEFAULT_DEVICES}`, ts 3,5, pp1024 / ub64, tiny preset with skewed routing\n"
+    extra = "" if args.devices == C.DEFAULT_DEVICES else f' --devices "{args.devices}" --out {args.out}'
+    text = (f"# Upload-all's coverage bar\n\n- command: `python bench/coverage_bar.py --reps {args.reps}{extra}`\n"
+            f"- devices: `{args.devices}`, ts 3,5, pp1024 / ub64, tiny preset with skewed routing\n"
             f"- machine: {C.machine()['cpu']}, nproc {C.machine()['nproc']}\n"
             f"- date: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}\n\n"
             "Speedup of the patched build over its own baseline run; in brackets what it did (more upload-all decisions "
