@@ -120,7 +120,7 @@ def _sum_devices(per_eval: list[list[dict]]) -> list[dict]:
     return out
 
 
-_EXT_LEVELS = ("n_copies", "n_splits", "transient_inputs", "graph_nodes_min", "graph_nodes_max")
+_EXT_LEVELS = ("n_copies", "n_splits", "transient_inputs", "graph_nodes_min", "graph_nodes_max", "links")
 
 
 def _ext_delta(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:

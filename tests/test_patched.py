@@ -356,12 +356,13 @@ def test_coverage_bar_follows_the_number_of_links(runner, tmp_path_factory):
     assert mid["ext"]["upload_all"] > mid["ext"]["selective"], mid["ext"]
     assert mid_old["ext"]["upload_all"] < mid_old["ext"]["selective"], mid_old["ext"]
     assert low["ext"]["upload_all"] == 0 and low["ext"]["selective"] > 0, low["ext"]
+    assert mid["ext"]["links"] == 2, mid["ext"]["links"]
     for shared in (run(0.3, None, "vdev:2x0@0,shared"), run(0.3, {"GGML_SCHED_PP_LINKS": 1})):
-        assert shared["ext"]["upload_all"] < shared["ext"]["selective"], shared["ext"]
+        assert shared["ext"]["links"] == 1 and shared["ext"]["upload_all"] < shared["ext"]["selective"], shared["ext"]
 
 
 def test_default_thresholds_choose_selective_for_the_tiny_model(runner):
-    """With the default thresholds (4 x n_expert selections, 85 % coverage) a 32-token ubatch of the tiny
+    """With the default thresholds (4 x n_expert selections; 2 x while in flight) a 32-token ubatch of the tiny
     model (64 selections, ~40 of 64 experts) must not upload everything."""
     t = _bench(runner, None)
     assert t["ext"]["upload_all"] == 0 and t["ext"]["id_readbacks"] > 0, t["ext"]

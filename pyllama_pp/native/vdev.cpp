@@ -1003,10 +1003,10 @@ void vdev_dev_get_props(ggml_backend_dev_t dev, ggml_backend_dev_props * props) 
     // a "-v<N>" suffix, as ggml-cuda's virtual devices of one GPU (GGML_CUDA_DEVICES) carry their GPU's id
     {
         vdev_device * d = dev_ctx(dev);
-        const pp_vdev_config cfg = d->get_cfg();
-        std::lock_guard<std::mutex> lk(d->cfg_mtx);
-        const std::string id = cfg.link_group >= 0 ? "vdev-link" + std::to_string(cfg.link_group) + "-v" + std::to_string(d->index)
-                                                   : "vdev-" + std::to_string(d->index);
+        std::lock_guard<std::mutex> lk(d->cfg_mtx);   // the link group and the id under one lock
+        const int group = d->cfg.link_group;
+        const std::string id = group >= 0 ? "vdev-link" + std::to_string(group) + "-v" + std::to_string(d->index)
+                                          : "vdev-" + std::to_string(d->index);
         if (d->bus_id != id) {
             d->bus_id = id; // (unchanged ids keep their pointer valid for earlier callers)
         }
