@@ -69,8 +69,8 @@ if [ "${PP_PROBE:-0}" = 1 ]; then  # CUDA launch-queue depth and one-thread pinn
     (cd /tmp && timeout 90 python3 "$OLDPWD/bench/cuda_queue.py" --out /tmp/res) 2>&1 | tail -20
 fi
 if [ "${PP_Q6:-0}" = 1 ]; then  # issue 6: re-reservations in a mixed workload (bench/q6 on the GPUs, 30B model)
-    M=/tmp/pp_models/qwen3-30b-a3b-uniform.gguf
-    [ -f "$M" ] || (cd /tmp && python3 -c "from pyllama_pp import synth; synth.write_gguf('$M', synth.preset('qwen3-30b-a3b', seed=1, routing='uniform'))")
+    M=/tmp/pp_models/qwen3-30b-a3b-uniform.gguf   # written by gpu_run.py's synth step (the sweeps' model)
+    (cd /tmp && python3 "$OLDPWD/bench/gpu_run.py" --out /tmp/res/q6 --skip correctness,sweep --budget 90) | tail -2
     (cd /tmp && timeout 200 python3 "$OLDPWD/bench/q6_reservation.py" --devices cuda --model "$M" --out /tmp/res/q6 \
         --reps 2 --n-batch 4096 --n-ubatch 512) 2>&1 | tail -30
 fi

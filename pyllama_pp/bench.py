@@ -108,11 +108,13 @@ def _link_bound(cfg: BenchConfig, h2d: list[int], n_tokens: int) -> tuple[list[f
     return gbps, (n_tokens / worst if worst > 0 else float("nan"))
 
 
-def _pipe_bound(cfg: BenchConfig, h2d: list[int], gbps: list[float], n_tokens: int) -> float:
+def _pipe_bound(cfg: BenchConfig, h2d: list[int], gbps: list[float], n_tokens: int,
+                link_bound: Optional[float] = None) -> float:
     """The tokens/s bound of a prompt pipelined in ubatches through the devices in order, when each device's
     stage takes the time of its own uploads (bytes / link speed, spread evenly over the ubatches): the first
     ubatch goes through every stage, each later one adds the slowest stage (pipeline fill), and no link can
-    carry more than its bytes. Compute is not in it (see all-on-GPU rows for that)."""
+    carry more than its bytes. Compute is not in it (see all-on-GPU rows for that). link_bound: _link_bound's
+    bound for these bytes, when the caller has it."""
     if not h2d or not gbps or min(gbps) <= 0:
         return float("nan")
     n_ub = max(1, -(-n_tokens // max(1, min(cfg.n_ubatch, cfg.n_batch))))
@@ -120,7 +122,9 @@ def _pipe_bound(cfg: BenchConfig, h2d: list[int], gbps: list[float], n_tokens: i
     if not stages:
         return float("nan")
     fill = sum(stages) + (n_ub - 1) * max(stages)
-    links = n_tokens / _link_bound(cfg, h2d, n_tokens)[1]    # busiest link, all its bytes (shared links add up)
+    if link_bound is None:
+        link_bound = _link_bound(cfg, h2d, n_tokens)[1]
+    links = n_tokens / link_bound    # busiest link, all its bytes (shared links add up)
     return n_tokens / max(fill, links)
 
 
@@ -140,7 +144,7 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             # no device counters (CUDA): the patched scheduler's own count of host-weight bytes per device
             h2d = [int(b["weight_bytes"] / reps) for b in ext["backends"] if b["name"] != "CPU"]
         gbps, bound = _link_bound(cfg, h2d, n_tok)
-        pipe = _pipe_bound(cfg, h2d, gbps, n_tok) if t["kind"] == "pp" else float("nan")
+        pipe = _pipe_bound(cfg, h2d, gbps, n_tok, bound) if t["kind"] == "pp" else float("nan")
         avg = statistics.fmean(ts) if ts else float("nan")
         cov = t.get("coverage") or {}
         rows.append({
