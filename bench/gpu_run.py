@@ -41,16 +41,21 @@ def nmse(a: np.ndarray, b: np.ndarray) -> float:
     return float(((a.astype(np.float64) - b) ** 2).sum() / max((b.astype(np.float64) ** 2).sum(), 1e-30))
 
 
+# patch 0021 at every expert op but the one that measures coverage: upload-all off, DIRECT=2 (the 30B preset's rows,
+# 2048 and 768 values, are whole steps of CUDA's MMQ; the tiny preset's are not, see the patch)
+DIRECT_ONLY = {"GGML_SCHED_PP_DIRECT": "2", "GGML_SCHED_PP_UPLOAD_ALL": "0"}
+
+
 def correctness(model: str, devices: str, out: Path,
                 cases=((64, "none", {}), (512, "none", {}), (512, "mmap", {}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "1"})),
-                n_tokens: int = 512) -> list[dict]:
+                n_tokens: int = 512, all_on_gpu: bool = True) -> list[dict]:
     """(n_ubatch, load mode, patched build's environment) cases; mmap: host weights in pageable memory (the
     patched build stages them); OVERLAP=1: the opt-in upload ring of patch 0019."""
     rows = []
     for ub, mode, penv in cases:
-        got = {}
+        got, ext = {}, {}
         for name, variant, he in (("baseline", "baseline", "all"), ("patched", "patched", "all"),
-                                  ("all_on_gpu", "baseline", "none")):
+                                  ("all_on_gpu", "baseline", "none"))[:3 if all_on_gpu else 2]:
             path = out / f"logits_{name}_ub{ub}.npy"
             res = run_job({"kind": "logits", "model": model, "devices": devices,
                            "placement": {"host_experts": he, "load_mode": mode},
@@ -59,11 +64,15 @@ def correctness(model: str, devices: str, out: Path,
                           env=penv if name == "patched" else None)
             got[name] = (np.load(path), res["schedule"])
             path.unlink()
-        b, p, g = got["baseline"][0], got["patched"][0], got["all_on_gpu"][0]
+            if name == "patched":
+                ext = {k: (res.get("ext") or {}).get(k) for k in ("id_readbacks", "selective", "upload_all", "direct")}
+        b, p = got["baseline"][0], got["patched"][0]
+        g = got["all_on_gpu"][0] if all_on_gpu else None
         rows.append({"model": Path(model).name, "devices": devices, "n_ubatch": ub, "load_mode": mode, "patched_env": penv,
                      "n_tokens": n_tokens,
                      "nmse_patched_vs_baseline": nmse(p, b), "maxabs_patched_vs_baseline": float(np.abs(p - b).max()),
-                     "nmse_baseline_vs_all_on_gpu": nmse(b, g), "nmse_patched_vs_all_on_gpu": nmse(p, g),
+                     "nmse_baseline_vs_all_on_gpu": nmse(b, g) if g is not None else None,
+                     "nmse_patched_vs_all_on_gpu": nmse(p, g) if g is not None else None, "patched_ext": ext,
                      "pp_baseline": got["baseline"][1]["pipeline_parallel"],
                      "pp_patched": got["patched"][1]["pipeline_parallel"]})
         log(f"correctness ub={ub}: {rows[-1]}")
@@ -108,6 +117,15 @@ SWEEPS = {
               "configs": [(4096, 512, PP4096), (16384, 1024, PP16K)]},
              {"name": "band-bar85", "model": "skewed", "skew": 1.0, "est": 60, "ext": {"UPLOAD_ALL_MIN_COV": 85},
               "variants": ["patched"], "configs": [(4096, 512, PP4096), (16384, 1024, PP16K)]}],
+    # patch 0021 (DIRECT, opt-in): below the coverage bar the GPU reads the used experts from pinned host memory
+    # itself (no readback per layer): the skewed A/B (37% coverage), then the same configs with DIRECT=1, and at
+    # 100% coverage with upload-all off (the kernel's read rate vs the copy engine's)
+    "direct": [{"name": "skewed", "model": "skewed", "est": 130,
+                "configs": [(4096, 512, PP4096), (16384, 1024, PP16K)]},
+               {"name": "direct-skewed", "model": "skewed", "est": 50, "ext": {"DIRECT": 2}, "variants": ["patched"],
+                "configs": [(4096, 512, PP4096), (16384, 1024, PP16K)]},
+               {"name": "direct-uniform", "est": 45, "ext": {"DIRECT": 2, "UPLOAD_ALL": 0}, "variants": ["patched"],
+                "configs": [(4096, 512, PP4096)]}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],
@@ -169,6 +187,16 @@ def main() -> int:
         s = synth.write_gguf(big, synth.preset(args.preset, seed=1, routing="uniform"))
         summary["steps"]["synth"] = {k: s[k] for k in ("bytes", "expert_bytes_per_layer", "seconds")}
         log(f"wrote {big}: {s['bytes'] / 1e9:.1f} GB in {time.time() - t:.0f} s")
+        save()
+
+    if "direct" in args.sweep.split(",") and "correctness" not in skip and big.exists() and left(args.budget) > 120:
+        # patch 0021 on the model it is measured with: 4 ubatches of 256, upload-all off (~60 s: two loads)
+        try:
+            summary["steps"]["correctness_direct"] = correctness(str(big), args.devices, args.out,
+                                                                 cases=((256, "none", DIRECT_ONLY),), n_tokens=1024,
+                                                                 all_on_gpu=False)
+        except PyllamaError as e:
+            summary["steps"]["correctness_direct"] = {"error": str(e)}
         save()
 
     if "sweep" not in skip and big.exists():

@@ -29,7 +29,7 @@ ROW_FIELDS = [
     "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen",
     "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "speedup", "pipeline_parallel", "n_copies", "n_splits",
     "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac", "bound_pipe_ts", "bound_pipe_frac",
-    "host_syncs", "id_readbacks", "upload_all", "re_reservations", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "compute_buffer_bytes", "label", "env",
+    "host_syncs", "id_readbacks", "upload_all", "direct_reads", "re_reservations", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "compute_buffer_bytes", "label", "env",
     "ext_params", "error", "build", "machine", "date",
 ]
 
@@ -141,8 +141,10 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
         h2d = [int(d["h2d_bytes"] / reps) for d in devs]
         ext = t.get("ext") or {}
         if not h2d and ext.get("backends"):
-            # no device counters (CUDA): the patched scheduler's own count of host-weight bytes per device
-            h2d = [int(b["weight_bytes"] / reps) for b in ext["backends"] if b["name"] != "CPU"]
+            # no device counters (CUDA): the patched scheduler's own count of host-weight bytes per device; with
+            # DIRECT (patch 0021) the kernels' reads from host memory are not counted there: their estimate
+            # (measured coverage x tensor bytes) is added
+            h2d = [int((b["weight_bytes"] + b.get("direct_bytes_est", 0)) / reps) for b in ext["backends"] if b["name"] != "CPU"]
         gbps, bound = _link_bound(cfg, h2d, n_tok)
         pipe = _pipe_bound(cfg, h2d, gbps, n_tok, bound) if t["kind"] == "pp" else float("nan")
         avg = statistics.fmean(ts) if ts else float("nan")
@@ -166,6 +168,7 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             "host_syncs": int(sum(d["host_syncs"] for d in devs) / reps) if devs else None,
             "id_readbacks": int(ext["id_readbacks"] / reps) if "id_readbacks" in ext else None,
             "upload_all": int(ext["upload_all"] / reps) if "upload_all" in ext else None,
+            "direct_reads": int(ext["direct"] / reps) if "direct" in ext else None,
             "re_reservations": int(ext["reallocs"] / reps) if "reallocs" in ext else None,
             "realloc_reason": ext.get("last_realloc") if ext.get("reallocs") else None,
             "realloc_log": ext.get("realloc_log") or None,

@@ -309,6 +309,32 @@ def test_upload_all_skips_the_readbacks(runner, tiny_cfg):
     assert sum(d["h2d_bytes"] for d in sel["devices"]) >= total_s
 
 
+@pytest.mark.parametrize("ub", [32, 128])
+def test_direct_reads_replace_the_readbacks(runner, assert_logits_match, ub):
+    """Patch 0021 (DIRECT, off by default): below the upload-all bar the device reads the used experts from pinned
+    host memory itself - no routing-id readback and no copy - except at the first expert op of a graph that starts
+    idle, which measures the coverage. Same logits as the baseline; the bytes over the links are the experts the
+    ids select (VDEV charges the kernel's reads): no more than the selective copy moves (it copies ranges of
+    experts with padding), and most of it."""
+    ctx = {"n_ctx": 512, "n_batch": 4 * ub, "n_ubatch": ub}
+    sel_env = {"GGML_SCHED_PP_UPLOAD_ALL": 0}
+    b = runner.logits("baseline", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=4 * ub)
+    sel = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=4 * ub, env=sel_env)
+    on = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=4 * ub,
+                       env={**sel_env, "GGML_SCHED_PP_DIRECT": 1})
+    assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["DIRECT"] == 1
+    assert_logits_match(on["logits"], b["logits"], f"DIRECT=1 ub{ub}")
+    e, s = on["ext"], sel["ext"]
+    assert s["direct"] == 0 and s["selective"] > 0, s
+    # one readback, at the first expert op of the one graph that starts idle; every other op reads directly
+    assert e["id_readbacks"] == 1 and e["selective"] == 1, e
+    assert e["direct"] == s["selective"] - 1, (e["direct"], s["selective"])
+    h2d = lambda r: {d["device"]: d["h2d_bytes"] for d in r["counters"]["devices"]}
+    for name, x in h2d(on).items():
+        assert 0.6 * h2d(sel)[name] < x <= h2d(sel)[name], (name, x, h2d(sel)[name])
+        assert _ext_backend(e, name)["direct_bytes_est"] > 0
+
+
 def test_coverage_is_remeasured_once_per_idle_graph_at_its_first_expert_op(runner):
     """UPLOAD_ALL_REFRESH: coverage is read back at most once per graph that starts with nothing in flight (the
     first ubatch of each prompt batch), at its first expert op; never mid-graph or while a graph is in flight,

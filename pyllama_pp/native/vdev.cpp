@@ -828,6 +828,36 @@ void vdev_backend_graph_optimize(ggml_backend_t backend, ggml_cgraph * cgraph, g
     }
 }
 
+// A kernel that reads expert weights straight from pinned host memory (the patched scheduler's DIRECT: a GPU
+// maps pinned host memory) moves the experts its routing ids select over the host link. Charged after the
+// graph, as h2d bytes and link time: the model serializes compute and those reads (a real kernel overlaps them).
+void charge_direct_reads(vdev_device * d, const ggml_cgraph * g) {
+    for (int i = 0; i < g->n_nodes; i++) {
+        const ggml_tensor * node = g->nodes[i];
+        const ggml_tensor * w    = node->src[0];
+        const ggml_tensor * ids  = node->src[2];
+        if (node->op != GGML_OP_MUL_MAT_ID || w == nullptr || ids == nullptr || ids->type != GGML_TYPE_I32 ||
+            !host_ptr_is_pinned(w->data)) {
+            continue;
+        }
+        std::vector<bool> used((size_t) w->ne[2], false);
+        size_t n_used = 0;
+        for (int64_t r = 0; r < ids->ne[1]; r++) {
+            for (int64_t c = 0; c < ids->ne[0]; c++) {
+                const int32_t e = *(const int32_t *) ((const char *) ids->data + r * ids->nb[1] + c * ids->nb[0]);
+                if (e >= 0 && e < w->ne[2] && !used[(size_t) e]) {
+                    used[(size_t) e] = true;
+                    n_used++;
+                }
+            }
+        }
+        const size_t bytes = n_used * w->nb[2];
+        const double secs  = link_transfer(d->link.load(), d->get_cfg().link_gbps, bytes, []() {});
+        d->c.h2d_bytes    += bytes;
+        d->c.link_busy_ns += secs_to_ns(secs);
+    }
+}
+
 ggml_status vdev_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgraph) {
     auto * b = (vdev_backend *) backend->context;
     b->dev->c.graph_computes += 1;
@@ -857,6 +887,7 @@ ggml_status vdev_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgr
             std::this_thread::sleep_until(t0 + std::chrono::duration_cast<clock_t_::duration>(
                 std::chrono::duration<double>(elapsed * cfg.compute_factor)));
         }
+        charge_direct_reads(b->dev, &job->graph);
         const double total = std::chrono::duration<double>(clock_t_::now() - t0).count();
         b->dev->c.compute_ns += secs_to_ns(total);
     });
