@@ -157,7 +157,7 @@ def main() -> int:
     ap.add_argument("--link-gbps", type=float, default=55.0,
                     help="host->GPU bandwidth per link for the rows' bound (pinned, measured: 54.9 / 55.1 GB/s on the "
                          "2xH200 box, bench/cuda_queue.py, 2026-11-30)")
-    ap.add_argument("--skip", default="", help="comma-separated steps to skip: correctness,synth,sweep")
+    ap.add_argument("--skip", default="", help="comma-separated steps to skip: correctness,synth,correctness-direct,sweep")
     ap.add_argument("--sweep", default="main", help="comma-separated: " + ", ".join(SWEEPS))
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -189,7 +189,7 @@ def main() -> int:
         log(f"wrote {big}: {s['bytes'] / 1e9:.1f} GB in {time.time() - t:.0f} s")
         save()
 
-    if "direct" in args.sweep.split(",") and "correctness" not in skip and big.exists() and left(args.budget) > 120:
+    if "direct" in args.sweep.split(",") and "correctness-direct" not in skip and big.exists() and left(args.budget) > 120:
         # patch 0021 on the model it is measured with: 4 ubatches of 256, upload-all off (~60 s: two loads)
         try:
             summary["steps"]["correctness_direct"] = correctness(str(big), args.devices, args.out,
