@@ -29,7 +29,7 @@ ROW_FIELDS = [
     "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen",
     "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "speedup", "pipeline_parallel", "n_copies", "n_splits",
     "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac", "bound_pipe_ts", "bound_pipe_frac",
-    "host_syncs", "id_readbacks", "upload_all", "direct_reads", "re_reservations", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "compute_buffer_bytes", "label", "env",
+    "host_syncs", "id_readbacks", "upload_all", "direct_reads", "re_reservations", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "compute_buffer_bytes", "ring_bytes_per_device", "label", "env",
     "ext_params", "error", "build", "machine", "date",
 ]
 
@@ -184,6 +184,8 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             "staged_bytes_per_device": ([int(b["staged_bytes"] / reps) for b in ext["backends"] if b["name"] != "CPU"]
                                         if ext.get("backends") and "staged_bytes" in ext["backends"][0] else None),
             "compute_buffer_bytes": [b["compute_buffer_bytes"] for b in sched["backends"]],
+            # OVERLAP's upload ring per device (patch 0019; VRAM outside the compute buffers; a level, not a delta)
+            "ring_bytes_per_device": ([b["ring_bytes"] for b in t["ext_ring"] if b["name"] != "CPU"] if t.get("ext_ring") else None),
             "label": cfg.label, "ext_params": cfg.ext_params if variant == "patched" else {}, **meta})
     return rows
 

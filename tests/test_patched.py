@@ -250,6 +250,16 @@ def test_overlap_uploads_on_a_second_stream(runner, tiny_cfg, assert_logits_matc
         assert e_on["weight_bytes"] == e_off["weight_bytes"], (e_on, e_off)
 
 
+def test_bench_reports_the_overlap_ring(runner, tiny_cfg):
+    """The ring is a level, not a per-rep count: bench results carry it as it stands after the last rep."""
+    on = _bench(runner, {"GGML_SCHED_PP_OVERLAP": 1})
+    off = _bench(runner, {})
+    one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
+    assert {r["name"]: r["ring_bytes"] for r in on["ext_ring"]} == {"VDEV0": 2 * one_expert_tensor,
+                                                                     "VDEV1": 2 * one_expert_tensor, "CPU": 0}
+    assert all(r["ring_bytes"] == 0 for r in off["ext_ring"])
+
+
 def test_overlap_leaves_pageable_weights_to_staging(runner, assert_logits_match):
     """OVERLAP's ring takes pinned host weights only: with an mmap-ed model the uploads are staged (0016) as
     without it, no ring is made, and the logits still match the baseline."""
