@@ -72,7 +72,7 @@ if [ "${PP_Q6:-0}" = 1 ]; then  # issue 6: re-reservations in a mixed workload (
     M=/tmp/pp_models/qwen3-30b-a3b-uniform.gguf   # written by gpu_run.py's synth step (the sweeps' model)
     (cd /tmp && python3 "$OLDPWD/bench/gpu_run.py" --out /tmp/res/q6 --skip correctness,sweep --budget 90) | tail -2
     (cd /tmp && timeout 200 python3 "$OLDPWD/bench/q6_reservation.py" --devices cuda --model "$M" --out /tmp/res/q6 \
-        --reps 2 --n-batch 4096 --n-ubatch 512) 2>&1 | tail -30
+        --reps 2 --rounds ${PP_Q6_ROUNDS:-2} --n-batch 4096 --n-ubatch 512) 2>&1 | tail -30
 fi
 # the script's budget: what is left of the call (PP_CALL_LIMIT, default 570 s of the 600 s a call may run)
 budget=$(( ${PP_CALL_LIMIT:-570} - ($(date +%s) - t0) ))
