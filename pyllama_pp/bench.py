@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 from . import devices as devspec
-from .binding import VARIANTS, build_info
+from .binding import BACKENDS_DIR, VARIANTS, build_info
 from .errors import WorkerError
 from .worker import run_job
 
@@ -227,7 +227,10 @@ class RowWriter:
 
 def _meta(cfg: BenchConfig) -> dict:
     info = build_info()
-    return {"env": _env_knobs(cfg.env), "build": {"cuda": info.get("cuda"), "compiler": info.get("compiler")},
+    # "cuda": how the package was configured; the CUDA module may also have been dropped into the backends folder
+    # afterwards (bench/gpu_run.sh with a carried module): "cuda_module" says whether it is there
+    return {"env": _env_knobs(cfg.env), "build": {"cuda": info.get("cuda"), "compiler": info.get("compiler"),
+                                                  "cuda_module": (BACKENDS_DIR / "libggml-cuda.so").exists()},
             "machine": f"{platform.node()} ({os.cpu_count()} cores)", "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
