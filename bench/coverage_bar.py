@@ -7,6 +7,8 @@ per ubatch of 64), two VDEVs with dedicated 0.1 GB/s links (the main job's devic
 the patched build with the default (auto) bar, the old 85% bar and coverage ignored (always upload all), each
 against its own baseline run. Rows into docs/results/vdev/coverage_bar/ (results.jsonl, results.md).
   python bench/coverage_bar.py [--reps N] [--devices SPEC --out DIR]   (e.g. one shared link: "vdev:2x256MiB@0.1GBps,shared")
+--direct adds patch 0021 (DIRECT=1: below the bar the devices read the used experts from pinned host memory, no
+readbacks); its rows go to docs/results/vdev/coverage_bar_direct/ unless --out says otherwise.
 """
 from __future__ import annotations
 
@@ -26,31 +28,38 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", type=Path, default=C.REPO / "docs" / "results" / "vdev" / "coverage_bar")
     ap.add_argument("--devices", default=C.DEFAULT_DEVICES)
+    ap.add_argument("--direct", action="store_true", help="also the auto bar with DIRECT=1 (patch 0021)")
     args = ap.parse_args()
+    settings = SETTINGS + ((("auto bar + DIRECT=1", {"DIRECT": 1}),) if args.direct else ())
+    if args.direct and args.out == ap.get_default("out"):
+        args.out = args.out.parent / "coverage_bar_direct"
+    args.out.mkdir(parents=True, exist_ok=True)
     for name in ("results.jsonl", "results.csv", "results.md"):
         (args.out / name).unlink(missing_ok=True)
     cfgs = [bench.BenchConfig(model=str(C.synth_model(routing="skewed", skew=skew)), devices=args.devices,
                               n_batch=1024, n_ubatch=64, tests=[["pp", 1024]], reps=args.reps, host_experts="all",
                               tensor_split=[3, 5], ext_params=ext, label=f"skew {skew} | {name}")
-            for skew in SKEWS for name, ext in SETTINGS]
+            for skew in SKEWS for name, ext in settings]
     df = bench.ab(cfgs, out_dir=args.out, progress=True)
     rows = []
     for skew in SKEWS:
         cells = []
-        for name, _ in SETTINGS:
+        for name, _ in settings:
             p = df[(df.label == f"skew {skew} | {name}") & (df.variant == "patched")].iloc[0]
             how = "upload-all" if (p.get("upload_all") or 0) > (p.get("id_readbacks") or 0) else "selective"
+            how = "direct" if (p.get("direct_reads") or 0) > max(p.get("upload_all") or 0, p.get("id_readbacks") or 0) else how
             cells.append(f"{p['speedup']:.2f}x ({how}, {p['avg_ts']:.0f} t/s)")
         cov = df[df.label == f"skew {skew} | {SETTINGS[0][0]}"].coverage.dropna()
         rows.append([f"{skew}", f"{100 * cov.iloc[0]:.0f}%" if len(cov) else ""] + cells)
-    table = C.md_table(["skew", "coverage", *[n for n, _ in SETTINGS]], rows, "rrlll")
+    table = C.md_table(["skew", "coverage", *[n for n, _ in settings]], rows, "rr" + "l" * len(settings))
     extra = "" if args.devices == C.DEFAULT_DEVICES else f' --devices "{args.devices}" --out {args.out}'
+    extra += " --direct" if args.direct else ""
     text = (f"# Upload-all's coverage bar\n\n- command: `python bench/coverage_bar.py --reps {args.reps}{extra}`\n"
             f"- devices: `{args.devices}`, ts 3,5, pp1024 / ub64, tiny preset with skewed routing\n"
             f"- machine: {C.machine()['cpu']}, nproc {C.machine()['nproc']}\n"
             f"- date: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}\n\n"
             "Speedup of the patched build over its own baseline run; in brackets what it did (more upload-all decisions "
-            "than readbacks = upload-all) and its t/s.\n\n" + table)
+            "than readbacks = upload-all; direct reads more than either = direct) and its t/s.\n\n" + table)
     (args.out / "results.md").write_text(text)
     print(text)
     return 0
