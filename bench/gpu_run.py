@@ -132,6 +132,11 @@ SWEEPS = {
     # decode with more repetitions (tg32 is ~1 s): 2 GPUs and 1 GPU
     "decode": [{"name": "decode", "est": 70, "reps": 6, "configs": [(4096, 512, [["tg", 32]])]},
                {"name": "decode-one-gpu", "devices": "cuda:0", "est": 70, "reps": 6, "configs": [(4096, 512, [["tg", 32]])]}],
+    # decode once more, one GPU twice around two GPUs (run-to-run spread of the CPU-bound decode: experts on the CPU)
+    "decode-again": [{"name": "decode-one-gpu", "devices": "cuda:0", "est": 60, "reps": 6, "configs": [(4096, 512, [["tg", 32]])]},
+                     {"name": "decode", "est": 60, "reps": 6, "configs": [(4096, 512, [["tg", 32]])]},
+                     {"name": "decode-one-gpu-2", "devices": "cuda:0", "est": 60, "reps": 6,
+                      "configs": [(4096, 512, [["tg", 32]])]}],
     "final": [
         {"name": "uniform", "est": 185, "configs": [(4096, 512, PP4096 + [["tg", 32]]), (16384, 1024, PP16K)]},
         {"name": "no-stable-reserve", "est": 50, "ext": {"STABLE_RESERVE": 0}, "variants": ["patched"],
