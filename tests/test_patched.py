@@ -226,6 +226,14 @@ def test_memory_bound_with_the_issue_geometry(runner, tiny_cfg, ub):
         assert x < unshared[name], (name, x, unshared[name])   # the per-graph input copies are gone
 
 
+def _baseline_off_on(runner, devs: str, ub: int, env: dict, switch: dict):
+    """Logits of 4 ubatches: the baseline, the patched build with `env`, and with `env` plus `switch`."""
+    kw = {"devices": devs, "placement": HOST_ALL, "ctx": {"n_ctx": 512, "n_batch": 4 * ub, "n_ubatch": ub},
+          "n_tokens": 4 * ub}
+    return (runner.logits("baseline", **kw), runner.logits("patched", env=env, **kw),
+            runner.logits("patched", env={**env, **switch}, **kw))
+
+
 @pytest.mark.parametrize("ub, env", [(32, {}), (128, {}), (128, FORCE_UPLOAD_ALL), (64, {"GGML_SCHED_PP_COPIES": 4})],
                          ids=["ub32", "ub128", "ub128-all", "ub64-copies4"])
 def test_overlap_uploads_on_a_second_stream(runner, tiny_cfg, assert_logits_match, ub, env):
@@ -233,12 +241,7 @@ def test_overlap_uploads_on_a_second_stream(runner, tiny_cfg, assert_logits_matc
     a second backend of the same device while the split before computes. Same logits as the baseline, on slow
     links with a slow device too (events order the slots); the ring holds two expert tensors (one split's
     transient inputs per slot: one expert tensor here); every transient upload went through it."""
-    devs = "vdev:2x0@0.5,speed=1:3"
-    ctx = {"n_ctx": 512, "n_batch": 4 * ub, "n_ubatch": ub}
-    b = runner.logits("baseline", devices=devs, placement=HOST_ALL, ctx=ctx, n_tokens=4 * ub)
-    off = runner.logits("patched", devices=devs, placement=HOST_ALL, ctx=ctx, n_tokens=4 * ub, env=env)
-    on = runner.logits("patched", devices=devs, placement=HOST_ALL, ctx=ctx, n_tokens=4 * ub,
-                       env={**env, "GGML_SCHED_PP_OVERLAP": 1})
+    b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, env, {"GGML_SCHED_PP_OVERLAP": 1})
     assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["OVERLAP"] == 1
     assert_logits_match(on["logits"], b["logits"], f"OVERLAP=1 ub{ub}")
     one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
@@ -326,12 +329,7 @@ def test_direct_reads_replace_the_readbacks(runner, assert_logits_match, ub):
     idle, which measures the coverage. Same logits as the baseline; the bytes over the links are the experts the
     ids select (VDEV charges the kernel's reads): no more than the selective copy moves (it copies ranges of
     experts with padding), and most of it."""
-    ctx = {"n_ctx": 512, "n_batch": 4 * ub, "n_ubatch": ub}
-    sel_env = {"GGML_SCHED_PP_UPLOAD_ALL": 0}
-    b = runner.logits("baseline", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=4 * ub)
-    sel = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=4 * ub, env=sel_env)
-    on = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=4 * ub,
-                       env={**sel_env, "GGML_SCHED_PP_DIRECT": 1})
+    b, sel, on = _baseline_off_on(runner, DEVS, ub, {"GGML_SCHED_PP_UPLOAD_ALL": 0}, {"GGML_SCHED_PP_DIRECT": 1})
     assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["DIRECT"] == 1
     assert_logits_match(on["logits"], b["logits"], f"DIRECT=1 ub{ub}")
     e, s = on["ext"], sel["ext"]
