@@ -40,6 +40,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #define PP_VDEV_EXPORT extern "C" __attribute__((visibility("default")))
@@ -829,15 +830,26 @@ void vdev_backend_graph_optimize(ggml_backend_t backend, ggml_cgraph * cgraph, g
 }
 
 // A kernel that reads expert weights straight from pinned host memory (the patched scheduler's DIRECT: a GPU
-// maps pinned host memory) moves the experts its routing ids select over the host link. Charged after the
-// graph, as h2d bytes and link time: the model serializes compute and those reads (a real kernel overlaps them).
-void charge_direct_reads(vdev_device * d, const ggml_cgraph * g) {
+// maps pinned host memory) moves the experts its routing ids select over the host link. Charged as h2d bytes
+// and link time, before the graph (`before`: ops whose ids come from earlier work on this stream, as the
+// scheduler's are) or after it (ids computed in the graph itself; by then later nodes may have reused their
+// memory, so those counts are best effort). The model serializes compute and those reads (a real kernel
+// overlaps them) and charges the link's full rate (a real kernel reads host memory more slowly).
+void charge_direct_reads(vdev_device * d, const ggml_cgraph * g, bool before) {
+    std::unordered_set<const ggml_tensor *> computed;
+    for (int i = 0; i < g->n_nodes; i++) {
+        computed.insert(g->nodes[i]);
+    }
     for (int i = 0; i < g->n_nodes; i++) {
         const ggml_tensor * node = g->nodes[i];
         const ggml_tensor * w    = node->src[0];
         const ggml_tensor * ids  = node->src[2];
         if (node->op != GGML_OP_MUL_MAT_ID || w == nullptr || ids == nullptr || ids->type != GGML_TYPE_I32 ||
             !host_ptr_is_pinned(w->data)) {
+            continue;
+        }
+        const bool ids_in_graph = computed.count(ids) > 0 || (ids->view_src != nullptr && computed.count(ids->view_src) > 0);
+        if (ids_in_graph == before) {
             continue;
         }
         std::vector<bool> used((size_t) w->ne[2], false);
@@ -877,6 +889,7 @@ ggml_status vdev_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgr
             b->set_n_threads(b->cpu, cfg.n_threads);
             b->cur_threads = cfg.n_threads;
         }
+        charge_direct_reads(b->dev, &job->graph, /*before =*/ true);
         const auto t0 = clock_t_::now();
         const ggml_status st = ggml_backend_graph_compute(b->cpu, &job->graph);
         const double elapsed = std::chrono::duration<double>(clock_t_::now() - t0).count();
@@ -887,7 +900,7 @@ ggml_status vdev_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgr
             std::this_thread::sleep_until(t0 + std::chrono::duration_cast<clock_t_::duration>(
                 std::chrono::duration<double>(elapsed * cfg.compute_factor)));
         }
-        charge_direct_reads(b->dev, &job->graph);
+        charge_direct_reads(b->dev, &job->graph, /*before =*/ false);
         const double total = std::chrono::duration<double>(clock_t_::now() - t0).count();
         b->dev->c.compute_ns += secs_to_ns(total);
     });
