@@ -345,6 +345,17 @@ def test_direct_reads_replace_the_readbacks(runner, tiny_cfg, assert_logits_matc
         assert _ext_backend(e, name)["direct_bytes_est"] > 0
 
 
+def test_direct_stops_above_its_tokens_per_expert_limit(runner):
+    """DIRECT_MAX_TOKENS: a kernel reads an expert's weights once per tile of tokens, so DIRECT is taken only while
+    the expected tokens per used expert stay at or below the limit (ub128 of the tiny preset: about 4)."""
+    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1}
+    kw = {"devices": DEVS, "placement": HOST_ALL, "ctx": {"n_ctx": 512, "n_batch": 512, "n_ubatch": 128}, "n_tokens": 512}
+    under = runner.logits("patched", env=env, **kw)["ext"]
+    over = runner.logits("patched", env={**env, "GGML_SCHED_PP_DIRECT_MAX_TOKENS": 2}, **kw)["ext"]
+    assert under["params"]["DIRECT_MAX_TOKENS"] == 128 and under["direct"] > 0, under
+    assert over["direct"] == 0 and over["selective"] == under["selective"] + under["direct"], (over, under)
+
+
 def test_direct_leaves_upload_alls_refresh_to_a_readback(runner):
     """With DIRECT on and coverage above the bar, upload-all's refresh (the first expert op of each idle graph)
     still reads the ids back: DIRECT must not take the op the refresh handed to the selective copy."""
