@@ -7,6 +7,8 @@ Accepted forms:
   vdev:2x768MiB@4GBps              2 virtual devices (VDEV), 768 MiB each, each on its own 4 GB/s link
   vdev:2x768MiB@4GBps,shared       ... both on ONE 4 GB/s link (PCIe topology)
   vdev:2x768MiB@4GBps,speed=1:2    ... the second device computes 2x slower (mixed GPUs)
+  vdev:2x768MiB@4GBps,direct=0.5   ... kernels that read pinned host memory (DIRECT) get half the link's rate
+                                   (the default: about what the 2xH200 box shows; 1 = the copy engine's rate)
   vdev:2x0@0                       2 unthrottled VDEVs without a memory limit
   a JSON file or dict: {"kind": "vdev", "devices": [{"memory": "768MiB", "link_gbps": 4, "link_group": 0,
                          "speed": 1.0, "threads": 1}, ...]}
@@ -62,6 +64,7 @@ class VDevConfig:
     speed: float = 1.0            # compute slow-down factor (>= 1)
     threads: int = 1
     d2d_gbps: float = 0.0
+    direct_read: float = 0.5      # kernels reading pinned host memory (patch 0021's DIRECT) at this share of the link
 
 
 @dataclass
@@ -85,6 +88,16 @@ class DeviceSpec:
         return self.text or self.kind
 
 
+def _direct_read(val: Any, spec: Any) -> float:
+    try:
+        f = float(val)
+    except (TypeError, ValueError):
+        raise _bad(spec, f"direct takes a number in (0, 1], not {val!r}") from None
+    if not 0.0 < f <= 1.0:
+        raise _bad(spec, f"direct takes a number in (0, 1] (a share of the link's rate), not {f:g}")
+    return f
+
+
 def _bad(spec: Any, why: str) -> DeviceSpecError:
     err = DeviceSpecError(f"bad device spec {spec!r}: {why}.\nAccepted forms:{FORMS}")
     err.complete = True   # names the spec and lists the accepted forms: parse() passes it on as it is
@@ -106,13 +119,14 @@ def _from_dict(d: dict, text: str) -> DeviceSpec:
     for i, dd in enumerate(devs):
         if not isinstance(dd, dict):
             raise _bad(text, f"device {i} is not an object")
-        unknown = set(dd) - {"memory", "link_gbps", "link", "link_group", "speed", "threads", "d2d_gbps"}
+        unknown = set(dd) - {"memory", "link_gbps", "link", "link_group", "speed", "threads", "d2d_gbps", "direct_read"}
         if unknown:
             raise _bad(text, f"device {i} has unknown keys {sorted(unknown)}")
         v = VDevConfig(memory=parse_size(dd.get("memory", 0)),
                        link_gbps=parse_rate(dd.get("link_gbps", dd.get("link", 0))),
                        link_group=int(dd.get("link_group", -1)), speed=float(dd.get("speed", 1.0)),
-                       threads=int(dd.get("threads", 1)), d2d_gbps=parse_rate(dd.get("d2d_gbps", 0)))
+                       threads=int(dd.get("threads", 1)), d2d_gbps=parse_rate(dd.get("d2d_gbps", 0)),
+                       direct_read=_direct_read(dd.get("direct_read", 0.5), text))
         if v.speed < 1.0:
             raise _bad(text, f"device {i}: speed is a slow-down factor and must be >= 1")
         out.append(v)
@@ -172,7 +186,7 @@ def _parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
         raise _bad(text, "the device count must be 1..16")
     mem = parse_size(m.group(2))
     rate = parse_rate(m.group(3) or 0)
-    shared, speeds, threads = False, [1.0] * n, 1
+    shared, speeds, threads, direct = False, [1.0] * n, 1, 0.5
     for opt in filter(None, (m.group(4) or "").split(",")):
         key, _, val = opt.partition("=")
         if key == "shared" and not val:
@@ -186,8 +200,10 @@ def _parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
                 raise _bad(text, f"speed needs {n} factors >= 1 separated by ':'")
         elif key == "threads" and val.isdigit():
             threads = int(val)
+        elif key == "direct" and val:
+            direct = _direct_read(val, text)
         else:
-            raise _bad(text, f"unknown option {opt!r} (options: shared, speed=A:B, threads=N)")
-    devs = [VDevConfig(memory=mem, link_gbps=rate, link_group=0 if shared else -1, speed=speeds[i], threads=threads)
-            for i in range(n)]
+            raise _bad(text, f"unknown option {opt!r} (options: shared, speed=A:B, threads=N, direct=F)")
+    devs = [VDevConfig(memory=mem, link_gbps=rate, link_group=0 if shared else -1, speed=speeds[i], threads=threads,
+                       direct_read=direct) for i in range(n)]
     return DeviceSpec("vdev", vdevs=devs, text=text)

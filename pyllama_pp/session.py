@@ -271,6 +271,7 @@ class Session:
                 cfg[i].compute_factor = v.speed
                 cfg[i].n_threads = v.threads
                 cfg[i].d2d_gbps = v.d2d_gbps
+                cfg[i].direct_read = v.direct_read
             err = ffi.new("char[512]")
             if lib.pp_vdev_register(cfg, n, err, 512) != 0:
                 raise DeviceSpecError(f"cannot set up the virtual devices: {ffi.string(err).decode()}")

@@ -103,6 +103,12 @@ def test_vdev_speeds_and_threads():
     assert len({v.link_group for v in s.vdevs}) == 1 and s.vdevs[0].link_group >= 0
 
 
+def test_vdev_direct_read_share():
+    assert [v.direct_read for v in parse("vdev:2x0@1").vdevs] == [0.5, 0.5]   # the default
+    assert [v.direct_read for v in parse("vdev:2x0@1,shared,direct=0.25").vdevs] == [0.25, 0.25]
+    assert parse({"kind": "vdev", "devices": [{"direct_read": 1}]}).vdevs[0].direct_read == 1.0
+
+
 # --- JSON forms --------------------------------------------------------------------------------------------
 
 JSON_SPEC = {"kind": "vdev", "devices": [
@@ -163,6 +169,7 @@ def _assert_lists_forms(msg: str) -> None:
     "gpu", "cuda:", "cuda:0,0", "cuda:a", "vdev", "vdev:", "vdev:2", "vdev:x768MiB", "vdev:0x768MiB",
     "vdev:17x768MiB", "vdev:2x768MiB@", "vdev:2x768MiB@4GBps,bogus", "vdev:2x768MiB@4GBps,speed=1",
     "vdev:2x768MiB@4GBps,speed=1:0.5", "vdev:2x768MiB@4GBps,shared=1", "vdev:2x768MiB@4GBps;shared",
+    "vdev:2x768MiB@4GBps,direct=0", "vdev:2x768MiB@4GBps,direct=1.5", "vdev:2x768MiB@4GBps,direct",
     "{not json", "vdev 2x768MiB",
 ])
 def test_bad_string_specs(bad):

@@ -345,6 +345,19 @@ def test_direct_reads_replace_the_readbacks(runner, tiny_cfg, assert_logits_matc
         assert _ext_backend(e, name)["direct_bytes_est"] > 0
 
 
+def test_vdev_charges_direct_reads_at_their_share_of_the_link(runner):
+    """VDEV's `direct` option: a kernel's reads of pinned host memory move at that share of the link's rate (the
+    same bytes take longer over the link than a copy's)."""
+    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1}
+    kw = {"placement": HOST_ALL, "ctx": {"n_ctx": 512, "n_batch": 512, "n_ubatch": 128}, "n_tokens": 512, "env": env}
+    full = runner.logits("patched", devices="vdev:2x0@2,direct=1", **kw)
+    slow = runner.logits("patched", devices="vdev:2x0@2,direct=0.25", **kw)
+    for f, s in zip(full["counters"]["devices"], slow["counters"]["devices"]):
+        assert f["h2d_bytes"] == s["h2d_bytes"] > 0, (f, s)
+        # most of the link time is direct reads (one selective copy measured coverage): 4x slower, at least 2.5x
+        assert s["link_busy_s"] > 2.5 * f["link_busy_s"] > 0, (f["link_busy_s"], s["link_busy_s"])
+
+
 def test_direct_stops_above_its_tokens_per_expert_limit(runner):
     """DIRECT_MAX_TOKENS: a kernel reads an expert's weights once per tile of tokens, so DIRECT is taken only while
     the expected tokens per used expert stay at or below the limit (ub128 of the tiny preset: about 4)."""

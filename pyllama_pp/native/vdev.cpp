@@ -834,7 +834,8 @@ void vdev_backend_graph_optimize(ggml_backend_t backend, ggml_cgraph * cgraph, g
 // and link time, before the graph (`before`: ops whose ids come from earlier work on this stream, as the
 // scheduler's are) or after it (ids computed in the graph itself; by then later nodes may have reused their
 // memory, so those counts are best effort). The model serializes compute and those reads (a real kernel
-// overlaps them) and charges the link's full rate (a real kernel reads host memory more slowly).
+// overlaps them) at `direct_read` times the link's rate (a kernel reads host memory more slowly than a copy
+// engine: about half on the 2xH200 box, docs/RESULTS.md section 2d).
 void charge_direct_reads(vdev_device * d, const ggml_cgraph * g, bool before) {
     std::unordered_set<const ggml_tensor *> computed;
     for (int i = 0; i < g->n_nodes; i++) {
@@ -864,7 +865,9 @@ void charge_direct_reads(vdev_device * d, const ggml_cgraph * g, bool before) {
             }
         }
         const size_t bytes = n_used * w->nb[2];
-        const double secs  = link_transfer(d->link.load(), d->get_cfg().link_gbps, bytes, []() {});
+        const pp_vdev_config cfg = d->get_cfg();
+        const double rate  = cfg.link_gbps * (cfg.direct_read > 0.0 ? cfg.direct_read : 1.0);
+        const double secs  = link_transfer(d->link.load(), rate, bytes, []() {});
         d->c.h2d_bytes    += bytes;
         d->c.link_busy_ns += secs_to_ns(secs);
     }

@@ -16,6 +16,7 @@ struct pp_vdev_config {
     double   compute_factor; // >= 1.0: every graph compute takes this many times as long (mixed GPUs); 1.0 = CPU speed
     int32_t  n_threads;      // CPU threads used for this device's compute (<= 0: 1)
     double   d2d_gbps;       // device<->device bandwidth in GB/s; <= 0: unthrottled
+    double   direct_read;    // kernels reading pinned host memory (DIRECT) move at this fraction of link_gbps; <= 0: 1
 };
 struct pp_vdev_counters {
     uint64_t h2d_bytes, d2h_bytes, d2d_bytes;     // bytes moved per direction (d2d counted on the destination)
