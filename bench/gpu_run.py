@@ -126,6 +126,12 @@ SWEEPS = {
                 "configs": [(4096, 512, PP4096), (16384, 1024, PP16K)]},
                {"name": "direct-uniform", "est": 45, "ext": {"DIRECT": 2, "UPLOAD_ALL": 0}, "variants": ["patched"],
                 "configs": [(4096, 512, PP4096)]}],
+    # patch 0021 after its review (DIRECT_MAX_TOKENS: ub1024 at 40% coverage should fall back to the selective copy),
+    # with ub256 (about 50 tokens per used expert) added; both variants, then patched with DIRECT=2
+    "direct-again": [{"name": "skewed", "model": "skewed", "est": 150,
+                      "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (4096, 256, PP4096)]},
+                     {"name": "direct-skewed", "model": "skewed", "est": 70, "ext": {"DIRECT": 2}, "variants": ["patched"],
+                      "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (4096, 256, PP4096)]}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],
