@@ -131,7 +131,9 @@ SWEEPS = {
     "direct-again": [{"name": "skewed", "model": "skewed", "est": 150,
                       "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (4096, 256, PP4096)]},
                      {"name": "direct-skewed", "model": "skewed", "est": 70, "ext": {"DIRECT": 2}, "variants": ["patched"],
-                      "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (4096, 256, PP4096)]}],
+                      "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (4096, 256, PP4096)]},
+                     {"name": "direct-not-first", "model": "skewed", "est": 50, "ext": {"DIRECT": 2, "DIRECT_FIRST": 0},
+                      "variants": ["patched"], "configs": [(4096, 512, PP4096), (4096, 256, PP4096)]}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],

@@ -369,6 +369,19 @@ def test_direct_stops_above_its_tokens_per_expert_limit(runner):
     assert over["direct"] == 0 and over["selective"] == under["selective"] + under["direct"], (over, under)
 
 
+def test_direct_first_off_keeps_the_selective_copy_on_the_first_gpu(runner, assert_logits_match):
+    """DIRECT_FIRST=0: the first GPU keeps the selective copy (readbacks there only block while the later stages
+    have work queued); the others read directly."""
+    b, on, first_off = _baseline_off_on(runner, DEVS, 64, {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1},
+                                        {"GGML_SCHED_PP_DIRECT_FIRST": 0})
+    assert_logits_match(first_off["logits"], b["logits"], "DIRECT=1 DIRECT_FIRST=0")
+    est = lambda r, n: _ext_backend(r["ext"], n)["direct_bytes_est"]
+    assert est(on, "VDEV0") > 0 and est(on, "VDEV1") > 0
+    # (the estimates follow the coverage measured so far, which the first GPU's readbacks keep updating)
+    assert est(first_off, "VDEV0") == 0 and est(first_off, "VDEV1") == pytest.approx(est(on, "VDEV1"), rel=0.25)
+    assert first_off["ext"]["id_readbacks"] > on["ext"]["id_readbacks"]
+
+
 def test_direct_leaves_upload_alls_refresh_to_a_readback(runner):
     """With DIRECT on and coverage above the bar, upload-all's refresh (the first expert op of each idle graph)
     still reads the ids back: DIRECT must not take the op the refresh handed to the selective copy."""
