@@ -202,12 +202,14 @@ def main() -> int:
         log(f"wrote {big}: {s['bytes'] / 1e9:.1f} GB in {time.time() - t:.0f} s")
         save()
 
-    if "direct" in args.sweep.split(",") and "correctness-direct" not in skip and big.exists() and left(args.budget) > 120:
-        # patch 0021 on the model it is measured with: 4 ubatches of 256, upload-all off (~60 s: two loads)
+    direct_sweep = any(n.startswith("direct") for n in args.sweep.split(","))
+    if direct_sweep and "correctness-direct" not in skip and big.exists() and left(args.budget) > 150:
+        # patch 0021 on the model it is measured with: 4 ubatches of 256, upload-all off (~60 s a case: two loads);
+        # also with the first GPU keeping the selective copy (DIRECT_FIRST=0)
         try:
-            summary["steps"]["correctness_direct"] = correctness(str(big), args.devices, args.out,
-                                                                 cases=((256, "none", DIRECT_ONLY),), n_tokens=1024,
-                                                                 all_on_gpu=False)
+            summary["steps"]["correctness_direct"] = correctness(
+                str(big), args.devices, args.out, n_tokens=1024, all_on_gpu=False,
+                cases=((256, "none", DIRECT_ONLY), (256, "none", {**DIRECT_ONLY, "GGML_SCHED_PP_DIRECT_FIRST": "0"})))
         except PyllamaError as e:
             summary["steps"]["correctness_direct"] = {"error": str(e)}
         save()

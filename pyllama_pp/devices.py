@@ -11,7 +11,7 @@ Accepted forms:
                                    (the default: about what the 2xH200 box shows; 1 = the copy engine's rate)
   vdev:2x0@0                       2 unthrottled VDEVs without a memory limit
   a JSON file or dict: {"kind": "vdev", "devices": [{"memory": "768MiB", "link_gbps": 4, "link_group": 0,
-                         "speed": 1.0, "threads": 1}, ...]}
+                         "speed": 1.0, "threads": 1, "direct_read": 0.5}, ...]}
 """
 from __future__ import annotations
 
@@ -88,13 +88,13 @@ class DeviceSpec:
         return self.text or self.kind
 
 
-def _direct_read(val: Any, spec: Any) -> float:
+def _direct_read(val: Any, spec: Any, what: str = "direct") -> float:
     try:
         f = float(val)
     except (TypeError, ValueError):
-        raise _bad(spec, f"direct takes a number in (0, 1], not {val!r}") from None
+        raise _bad(spec, f"{what} takes a number in (0, 1], not {val!r}") from None
     if not 0.0 < f <= 1.0:
-        raise _bad(spec, f"direct takes a number in (0, 1] (a share of the link's rate), not {f:g}")
+        raise _bad(spec, f"{what} takes a number in (0, 1] (a share of the link's rate), not {f:g}")
     return f
 
 
@@ -126,7 +126,7 @@ def _from_dict(d: dict, text: str) -> DeviceSpec:
                        link_gbps=parse_rate(dd.get("link_gbps", dd.get("link", 0))),
                        link_group=int(dd.get("link_group", -1)), speed=float(dd.get("speed", 1.0)),
                        threads=int(dd.get("threads", 1)), d2d_gbps=parse_rate(dd.get("d2d_gbps", 0)),
-                       direct_read=_direct_read(dd.get("direct_read", 0.5), text))
+                       direct_read=_direct_read(dd.get("direct_read", 0.5), text, f"device {i}: direct_read"))
         if v.speed < 1.0:
             raise _bad(text, f"device {i}: speed is a slow-down factor and must be >= 1")
         out.append(v)

@@ -183,7 +183,7 @@ def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
             times.append(dt)
             devs.append(dev)
             ext = _ext_add(ext, _ext_delta(e0, e1))  # the timed window of each rep only
-        # OVERLAP's ring per backend is a level (the deltas above drop it): as it stands after the last rep
+        # OVERLAP's ring per backend is a level (in the deltas above it subtracts to 0): as it stands after the last rep
         ring = [{"name": b["name"], "ring_bytes": b["ring_bytes"]} for b in e1["backends"]] \
             if e1 and e1.get("backends") and "ring_bytes" in e1["backends"][0] else None
         results.append({"kind": kind, "n": n, "seconds": times, "devices": _sum_devices(devs),

@@ -107,6 +107,8 @@ def test_vdev_direct_read_share():
     assert [v.direct_read for v in parse("vdev:2x0@1").vdevs] == [0.5, 0.5]   # the default
     assert [v.direct_read for v in parse("vdev:2x0@1,shared,direct=0.25").vdevs] == [0.25, 0.25]
     assert parse({"kind": "vdev", "devices": [{"direct_read": 1}]}).vdevs[0].direct_read == 1.0
+    with pytest.raises(DeviceSpecError, match="device 0: direct_read takes a number in"):
+        parse({"kind": "vdev", "devices": [{"direct_read": 2}]})
 
 
 # --- JSON forms --------------------------------------------------------------------------------------------

@@ -140,6 +140,9 @@ pp_vdev_config sanitize_cfg(const pp_vdev_config & in) {
     if (!std::isfinite(c.d2d_gbps)) {
         c.d2d_gbps = 0.0;
     }
+    if (!(c.direct_read > 0.0 && c.direct_read <= 1.0)) {
+        c.direct_read = 1.0; // the C API's default (zeroed config): the link's full rate; Python's device specs say 0.5
+    }
     return c;
 }
 
@@ -837,6 +840,14 @@ void vdev_backend_graph_optimize(ggml_backend_t backend, ggml_cgraph * cgraph, g
 // overlaps them) at `direct_read` times the link's rate (a kernel reads host memory more slowly than a copy
 // engine: about half on the 2xH200 box, docs/RESULTS.md section 2d).
 void charge_direct_reads(vdev_device * d, const ggml_cgraph * g, bool before) {
+    bool any = false;
+    for (int i = 0; i < g->n_nodes && !any; i++) {
+        const ggml_tensor * node = g->nodes[i];
+        any = node->op == GGML_OP_MUL_MAT_ID && node->src[0] != nullptr && host_ptr_is_pinned(node->src[0]->data);
+    }
+    if (!any) {
+        return;
+    }
     std::unordered_set<const ggml_tensor *> computed;
     for (int i = 0; i < g->n_nodes; i++) {
         computed.insert(g->nodes[i]);
@@ -866,7 +877,7 @@ void charge_direct_reads(vdev_device * d, const ggml_cgraph * g, bool before) {
         }
         const size_t bytes = n_used * w->nb[2];
         const pp_vdev_config cfg = d->get_cfg();
-        const double rate  = cfg.link_gbps * (cfg.direct_read > 0.0 ? cfg.direct_read : 1.0);
+        const double rate  = cfg.link_gbps * cfg.direct_read;
         const double secs  = link_transfer(d->link.load(), rate, bytes, []() {});
         d->c.h2d_bytes    += bytes;
         d->c.link_busy_ns += secs_to_ns(secs);
