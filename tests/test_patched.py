@@ -382,6 +382,17 @@ def test_direct_first_off_keeps_the_selective_copy_on_the_first_gpu(runner, asse
     assert first_off["ext"]["id_readbacks"] > on["ext"]["id_readbacks"]
 
 
+def test_direct_with_overlap(runner, assert_logits_match):
+    """DIRECT and OVERLAP together: a copy placed in the upload ring that DIRECT then points at the host weight is
+    neither uploaded nor read from the ring; the logits still match, on slow links and a slow second device."""
+    b, ov, both = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", 64,
+                                   {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_OVERLAP": 1}, {"GGML_SCHED_PP_DIRECT": 1})
+    assert_logits_match(both["logits"], b["logits"], "DIRECT=1 OVERLAP=1")
+    assert both["ext"]["direct"] > 0 and ov["ext"]["direct"] == 0
+    ups = lambda r: sum(x["overlap_uploads"] for x in r["ext"]["backends"])
+    assert 0 <= ups(both) < ups(ov), (ups(both), ups(ov))   # only the measuring op's copy goes through the ring
+
+
 def test_direct_leaves_upload_alls_refresh_to_a_readback(runner):
     """With DIRECT on and coverage above the bar, upload-all's refresh (the first expert op of each idle graph)
     still reads the ids back: DIRECT must not take the op the refresh handed to the selective copy."""
