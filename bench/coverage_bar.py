@@ -38,7 +38,7 @@ def main() -> int:
         (args.out / name).unlink(missing_ok=True)
     cfgs = [bench.BenchConfig(model=str(C.synth_model(routing="skewed", skew=skew)), devices=args.devices,
                               n_batch=1024, n_ubatch=64, tests=[["pp", 1024]], reps=args.reps, host_experts="all",
-                              tensor_split=[3, 5], ext_params=ext, label=f"skew {skew} | {name}")
+                              tensor_split=C.DEFAULT_TS, ext_params=ext, label=f"skew {skew} | {name}")
             for skew in SKEWS for name, ext in settings]
     df = bench.ab(cfgs, out_dir=args.out, progress=True)
     rows = []
@@ -52,11 +52,10 @@ def main() -> int:
         cov = df[df.label == f"skew {skew} | {SETTINGS[0][0]}"].coverage.dropna()
         rows.append([f"{skew}", f"{100 * cov.iloc[0]:.0f}%" if len(cov) else ""] + cells)
     table = C.md_table(["skew", "coverage", *[n for n, _ in settings]], rows, "rr" + "l" * len(settings))
-    extra = "" if args.devices == C.DEFAULT_DEVICES else f' --devices "{args.devices}" --out {args.out}'
-    extra += " --direct" if args.direct else ""
-    text = (f"# Upload-all's coverage bar\n\n- command: `python bench/coverage_bar.py --reps {args.reps}{extra}`\n"
+    m = C.machine()
+    text = (f"# Upload-all's coverage bar\n\n- command: `{C.command_line()}`\n"
             f"- devices: `{args.devices}`, ts 3,5, pp1024 / ub64, tiny preset with skewed routing\n"
-            f"- machine: {C.machine()['cpu']}, nproc {C.machine()['nproc']}\n"
+            f"- machine: {m['cpu']}, nproc {m['nproc']}\n"
             f"- date: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}\n\n"
             "Speedup of the patched build over its own baseline run; in brackets what it did (more upload-all decisions "
             "than readbacks = upload-all; direct reads more than either = direct) and its t/s.\n\n" + table)

@@ -19,6 +19,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -52,20 +53,28 @@ def correctness(model: str, devices: str, out: Path,
     """(n_ubatch, load mode, patched build's environment) cases; mmap: host weights in pageable memory (the
     patched build stages them); OVERLAP=1: the opt-in upload ring of patch 0019."""
     rows = []
+    refs: dict = {}   # baseline and all-on-GPU logits per (name, n_ubatch, load mode): the cases share them
+
+    def logits(name: str, variant: str, he: str, ub: int, mode: str, env: Optional[dict]) -> tuple:
+        path = out / f"logits_{name}_ub{ub}.npy"
+        res = run_job({"kind": "logits", "model": model, "devices": devices,
+                       "placement": {"host_experts": he, "load_mode": mode},
+                       "ctx": {"n_ctx": n_tokens + 64, "n_batch": n_tokens, "n_ubatch": ub},
+                       "n_tokens": n_tokens, "seed": 7, "logits": "all", "out": str(path)}, variant, timeout=300, env=env)
+        arr = np.load(path)
+        path.unlink()
+        return arr, res
+
     for ub, mode, penv in cases:
-        got, ext = {}, {}
-        for name, variant, he in (("baseline", "baseline", "all"), ("patched", "patched", "all"),
-                                  ("all_on_gpu", "baseline", "none"))[:3 if all_on_gpu else 2]:
-            path = out / f"logits_{name}_ub{ub}.npy"
-            res = run_job({"kind": "logits", "model": model, "devices": devices,
-                           "placement": {"host_experts": he, "load_mode": mode},
-                           "ctx": {"n_ctx": n_tokens + 64, "n_batch": n_tokens, "n_ubatch": ub},
-                           "n_tokens": n_tokens, "seed": 7, "logits": "all", "out": str(path)}, variant, timeout=300,
-                          env=penv if name == "patched" else None)
-            got[name] = (np.load(path), res["schedule"])
-            path.unlink()
-            if name == "patched":
-                ext = {k: (res.get("ext") or {}).get(k) for k in ("id_readbacks", "selective", "upload_all", "direct")}
+        got = {}
+        for name, variant, he in (("baseline", "baseline", "all"), ("all_on_gpu", "baseline", "none"))[:2 if all_on_gpu else 1]:
+            if (name, ub, mode) not in refs:
+                arr, res = logits(name, variant, he, ub, mode, None)
+                refs[(name, ub, mode)] = (arr, res["schedule"])
+            got[name] = refs[(name, ub, mode)]
+        arr, res = logits("patched", "patched", "all", ub, mode, penv)
+        got["patched"] = (arr, res["schedule"])
+        ext = {k: (res.get("ext") or {}).get(k) for k in ("id_readbacks", "selective", "upload_all", "direct")}
         b, p = got["baseline"][0], got["patched"][0]
         g = got["all_on_gpu"][0] if all_on_gpu else None
         rows.append({"model": Path(model).name, "devices": devices, "n_ubatch": ub, "load_mode": mode, "patched_env": penv,
@@ -84,31 +93,31 @@ PP16K = [["pp", 16384]]
 # Blocks of configs that share one loaded model per variant (bench.ab groups them); in priority order, each
 # skipped when the budget left is below its estimate (seconds, both variants, model loads included; measured
 # on 2xH200 on 2026-11-30 before patch 0011, so with the re-reservations: faster runs will take less).
+UNIFORM = {"name": "uniform", "est": 185, "configs": [(4096, 512, PP4096 + [["tg", 32]]), (16384, 1024, PP16K)]}
+ONE_GPU = {"name": "one-gpu", "devices": "cuda:0", "est": 90, "configs": [(4096, 512, PP4096 + [["tg", 32]])]}
+ONE_H200_AS_TWO = {"name": "one-h200-as-two", "devices": "cuda", "est": 85,
+                   "env": {"CUDA_VISIBLE_DEVICES": "0", "GGML_CUDA_DEVICES": "2"}, "configs": [(4096, 512, PP4096)]}
+SKEWED = {"name": "skewed", "model": "skewed", "est": 180,
+          "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (512, 128, [["pp", 512]])]}
+MMAP = {"name": "mmap", "load_mode": "mmap", "est": 250, "configs": [(4096, 512, PP4096)]}
+TG32 = [(4096, 512, [["tg", 32]])]
+DECODE = {"name": "decode", "est": 70, "reps": 6, "configs": TG32}
+DECODE_ONE_GPU = {"name": "decode-one-gpu", "devices": "cuda:0", "est": 70, "reps": 6, "configs": TG32}
 SWEEPS = {
     "main": [
-        {"name": "uniform", "est": 185, "configs": [(4096, 512, PP4096 + [["tg", 32]]), (16384, 1024, PP16K)]},
+        UNIFORM,
         {"name": "uniform-best", "est": 130, "configs": [(16384, 4096, PP16K), (4096, 256, PP4096)]},
     ],
-    "more": [
-        {"name": "one-gpu", "devices": "cuda:0", "est": 90, "configs": [(4096, 512, PP4096 + [["tg", 32]])]},
-        {"name": "one-h200-as-two", "devices": "cuda", "est": 85,
-         "env": {"CUDA_VISIBLE_DEVICES": "0", "GGML_CUDA_DEVICES": "2"}, "configs": [(4096, 512, PP4096)]},
-        {"name": "skewed", "model": "skewed", "est": 180,
-         "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (512, 128, [["pp", 512]])]},
-        {"name": "mmap", "load_mode": "mmap", "est": 250, "configs": [(4096, 512, PP4096)]},
-    ],
-    "quick": [{"name": "uniform", "est": 95, "configs": [(4096, 512, PP4096)]}],
+    "more": [ONE_GPU, ONE_H200_AS_TWO, SKEWED, MMAP],
+    "quick": [{**UNIFORM, "est": 95, "configs": [(4096, 512, PP4096)]}],
     # patch 0014's default keeps one graph in flight per GPU; upstream's count for comparison
     "copies": [{"name": "copies4", "est": 45, "ext": {"COPIES": 4}, "variants": ["patched"],
                 "configs": [(4096, 512, PP4096)]}],
-    # why every ubatch re-reserves on CUDA (patch 0009's last_realloc), mmap, and decode on one and two GPUs
     # single blocks, to combine in one call: --sweep mmap,skewed,quick
-    "mmap": [{"name": "mmap", "load_mode": "mmap", "est": 150, "reps": 1, "configs": [(4096, 512, PP4096)]}],
-    "skewed": [{"name": "skewed", "model": "skewed", "est": 180,
-                "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (512, 128, [["pp", 512]])]}],
-    "one-gpu": [{"name": "one-gpu", "devices": "cuda:0", "est": 90, "configs": [(4096, 512, PP4096 + [["tg", 32]])]}],
-    "one-h200-as-two": [{"name": "one-h200-as-two", "devices": "cuda", "est": 85,
-                         "env": {"CUDA_VISIBLE_DEVICES": "0", "GGML_CUDA_DEVICES": "2"}, "configs": [(4096, 512, PP4096)]}],
+    "mmap": [{**MMAP, "est": 150, "reps": 1}],
+    "skewed": [SKEWED],
+    "one-gpu": [ONE_GPU],
+    "one-h200-as-two": [ONE_H200_AS_TWO],
     # patch 0019 (OVERLAP, opt-in): the same configs as uniform-best and uniform, patched only, ring on
     "overlap": [{"name": "overlap", "est": 110, "ext": {"OVERLAP": 1}, "variants": ["patched"],
                  "configs": [(16384, 4096, PP16K), (4096, 512, PP4096), (16384, 1024, PP16K)]}],
@@ -118,39 +127,33 @@ SWEEPS = {
              {"name": "band-bar85", "model": "skewed", "skew": 1.0, "est": 60, "ext": {"UPLOAD_ALL_MIN_COV": 85},
               "variants": ["patched"], "configs": [(4096, 512, PP4096), (16384, 1024, PP16K)]}],
     # patch 0021 (DIRECT, opt-in): below the coverage bar the GPU reads the used experts from pinned host memory
-    # itself (no readback per layer): the skewed A/B (37% coverage), then the same configs with DIRECT=1, and at
+    # itself (no readback per layer): the skewed A/B (37% coverage), then the same configs with DIRECT=2, and at
     # 100% coverage with upload-all off (the kernel's read rate vs the copy engine's)
-    "direct": [{"name": "skewed", "model": "skewed", "est": 130,
-                "configs": [(4096, 512, PP4096), (16384, 1024, PP16K)]},
+    "direct": [{**SKEWED, "est": 130, "configs": SKEWED["configs"][:2]},
                {"name": "direct-skewed", "model": "skewed", "est": 50, "ext": {"DIRECT": 2}, "variants": ["patched"],
-                "configs": [(4096, 512, PP4096), (16384, 1024, PP16K)]},
+                "configs": SKEWED["configs"][:2]},
                {"name": "direct-uniform", "est": 45, "ext": {"DIRECT": 2, "UPLOAD_ALL": 0}, "variants": ["patched"],
                 "configs": [(4096, 512, PP4096)]}],
     # patch 0021 after its review (DIRECT_MAX_TOKENS: ub1024 at 40% coverage should fall back to the selective copy),
     # with ub256 (about 50 tokens per used expert) added; both variants, then patched with DIRECT=2
-    "direct-again": [{"name": "skewed", "model": "skewed", "est": 150,
-                      "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (4096, 256, PP4096)]},
+    "direct-again": [{**SKEWED, "est": 150, "configs": SKEWED["configs"][:2] + [(4096, 256, PP4096)]},
                      {"name": "direct-skewed", "model": "skewed", "est": 70, "ext": {"DIRECT": 2}, "variants": ["patched"],
-                      "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (4096, 256, PP4096)]},
+                      "configs": SKEWED["configs"][:2] + [(4096, 256, PP4096)]},
                      {"name": "direct-not-first", "model": "skewed", "est": 50, "ext": {"DIRECT": 2, "DIRECT_FIRST": 0},
                       "variants": ["patched"], "configs": [(4096, 512, PP4096), (4096, 256, PP4096)]}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],
     # decode with more repetitions (tg32 is ~1 s): 2 GPUs and 1 GPU
-    "decode": [{"name": "decode", "est": 70, "reps": 6, "configs": [(4096, 512, [["tg", 32]])]},
-               {"name": "decode-one-gpu", "devices": "cuda:0", "est": 70, "reps": 6, "configs": [(4096, 512, [["tg", 32]])]}],
+    "decode": [DECODE, DECODE_ONE_GPU],
     # decode once more, one GPU twice around two GPUs (run-to-run spread of the CPU-bound decode: experts on the CPU)
-    "decode-again": [{"name": "decode-one-gpu", "devices": "cuda:0", "est": 60, "reps": 6, "configs": [(4096, 512, [["tg", 32]])]},
-                     {"name": "decode", "est": 60, "reps": 6, "configs": [(4096, 512, [["tg", 32]])]},
-                     {"name": "decode-one-gpu-2", "devices": "cuda:0", "est": 60, "reps": 6,
-                      "configs": [(4096, 512, [["tg", 32]])]}],
+    "decode-again": [{**DECODE_ONE_GPU, "est": 60}, {**DECODE, "est": 60}, {**DECODE_ONE_GPU, "name": "decode-one-gpu-2", "est": 60}],
     "final": [
-        {"name": "uniform", "est": 185, "configs": [(4096, 512, PP4096 + [["tg", 32]]), (16384, 1024, PP16K)]},
+        UNIFORM,
         {"name": "no-stable-reserve", "est": 50, "ext": {"STABLE_RESERVE": 0}, "variants": ["patched"],
          "configs": [(4096, 512, PP4096)]},
-        {"name": "mmap", "load_mode": "mmap", "est": 250, "configs": [(4096, 512, PP4096)]},
-        {"name": "one-gpu", "devices": "cuda:0", "est": 60, "configs": [(4096, 512, [["tg", 32]])]},
+        MMAP,
+        {**ONE_GPU, "est": 60, "configs": TG32},
     ],
     "diag": [
         {"name": "no-cuda-graphs", "est": 80, "env": {"GGML_CUDA_DISABLE_GRAPHS": "1"}, "configs": [(4096, 512, PP4096)]},

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 from . import devices as devspec
-from .binding import BACKENDS_DIR, VARIANTS, build_info
+from .binding import VARIANTS, backend_modules, build_info
 from .errors import WorkerError
 from .worker import run_job
 
@@ -57,6 +57,15 @@ class BenchConfig:
     # bound; shared_link: all devices share one link (one GPU split in two)
     link_gbps: Optional[list] = None
     shared_link: bool = False
+
+    def __post_init__(self):
+        if self.link_gbps is not None:
+            if not isinstance(self.link_gbps, (list, tuple)):
+                raise ValueError(f"link_gbps takes a list of rates, one per device (e.g. [55, 55]), not {self.link_gbps!r}")
+            rates = [devspec.parse_rate(x) for x in self.link_gbps]
+            if any(r <= 0 for r in rates):
+                raise ValueError(f"link_gbps: every rate must be > 0, got {self.link_gbps!r}")
+            self.link_gbps = rates
 
     def job(self) -> dict:
         longest = max(n for _, n in self.tests) + 8
@@ -128,6 +137,20 @@ def _pipe_bound(cfg: BenchConfig, h2d: list[int], gbps: list[float], n_tokens: i
     return n_tokens / max(fill, links)
 
 
+def _per_gpu(ext: dict, key: str, reps: int = 1, plus: str = "") -> Optional[list]:
+    """One value per device backend (the CPU left out) from the patched scheduler's per-backend stats, per rep
+    (with `plus` added where the stats have it); None where they do not have `key` (baseline, older builds)."""
+    backends = ext.get("backends") or []
+    if not backends or key not in backends[0]:
+        return None
+    return [int((b[key] + b.get(plus, 0)) / reps) for b in backends if b["name"] != "CPU"]
+
+
+def num(x, fmt: str = "{:.0f}") -> str:
+    """A number for a table cell: empty for None and NaN."""
+    return "" if x is None or x != x else fmt.format(x)
+
+
 def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> list[dict]:
     rows = []
     model = res["model"]
@@ -144,7 +167,7 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             # no device counters (CUDA): the patched scheduler's own count of host-weight bytes per device; with
             # DIRECT (patch 0021) the kernels' reads from host memory are not counted there: their estimate
             # (measured coverage x tensor bytes) is added
-            h2d = [int((b["weight_bytes"] + b.get("direct_bytes_est", 0)) / reps) for b in ext["backends"] if b["name"] != "CPU"]
+            h2d = _per_gpu(ext, "weight_bytes", reps, plus="direct_bytes_est") or []
         gbps, bound = _link_bound(cfg, h2d, n_tok)
         pipe = _pipe_bound(cfg, h2d, gbps, n_tok, bound) if t["kind"] == "pp" else float("nan")
         avg = statistics.fmean(ts) if ts else float("nan")
@@ -181,11 +204,10 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
                                                                   "stage_wait_us") if k in ext}
                              if "compute_async_us" in ext else None),
             # host-weight bytes that went through pinned staging (pageable host weights; patch 0016)
-            "staged_bytes_per_device": ([int(b["staged_bytes"] / reps) for b in ext["backends"] if b["name"] != "CPU"]
-                                        if ext.get("backends") and "staged_bytes" in ext["backends"][0] else None),
+            "staged_bytes_per_device": _per_gpu(ext, "staged_bytes", reps),
             "compute_buffer_bytes": [b["compute_buffer_bytes"] for b in sched["backends"]],
             # OVERLAP's upload ring per device (patch 0019; VRAM outside the compute buffers; a level, not a delta)
-            "ring_bytes_per_device": ([b["ring_bytes"] for b in t["ext_ring"] if b["name"] != "CPU"] if t.get("ext_ring") else None),
+            "ring_bytes_per_device": _per_gpu({"backends": t.get("ext_ring")}, "ring_bytes"),
             "label": cfg.label, "ext_params": cfg.ext_params if variant == "patched" else {}, **meta})
     return rows
 
@@ -230,7 +252,7 @@ def _meta(cfg: BenchConfig) -> dict:
     # "cuda": how the package was configured; the CUDA module may also have been dropped into the backends folder
     # afterwards (bench/gpu_run.sh with a carried module): "cuda_module" says whether it is there
     return {"env": _env_knobs(cfg.env), "build": {"cuda": info.get("cuda"), "compiler": info.get("compiler"),
-                                                  "cuda_module": (BACKENDS_DIR / "libggml-cuda.so").exists()},
+                                                  "cuda_module": "CUDA" in backend_modules()},
             "machine": f"{platform.node()} ({os.cpu_count()} cores)", "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -378,17 +400,11 @@ def markdown(df) -> str:
             waits = r["host_wait_s"]
             total = sum(waits.values())
             top = max(waits, key=waits.get) if waits else ""
-            rr = r.get("re_reservations")
-            try:
-                rr_s = f"{int(rr)}" if rr is not None and rr == rr else "?"   # numpy ints too
-            except (TypeError, ValueError):
-                rr_s = "?"
-            return f"{rr_s}, {total:.2f} s" + (f" ({top})" if total > 0 else "")
+            return f"{num(r.get('re_reservations')) or '?'}, {total:.2f} s" + (f" ({top})" if total > 0 else "")
 
         cov = ref.get("coverage")
         cov_s = f"{100 * cov:.0f}%" if isinstance(cov, float) and cov == cov else ""
         sp = p.get("speedup") if p is not None else None
-        num = lambda x: "" if x is None or x != x else f"{x:.0f}"
         bound = "" if p is None else ", ".join(filter(None, (num(p.get("bound_ts")), num(p.get("bound_pipe_ts")))))
         lines.append(
             f"| {ref['devices']} | {str(ref['tensor_buft_overrides']).replace('host_experts=', '')} | {ref['n_batch']} "

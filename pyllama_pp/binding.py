@@ -83,6 +83,12 @@ def installed_json(name: str, default: dict) -> dict:
         return default
 
 
+def backend_modules() -> set[str]:
+    """Backend modules in the backends folder, by name (CPU, CUDA, RPC, ...): built with both variants, or a CUDA
+    module dropped in afterwards (bench/gpu_run.sh with a carried one)."""
+    return {f.name[len("libggml-"):-len(".so")].split("-")[0].upper() for f in BACKENDS_DIR.glob("libggml-*.so")}
+
+
 def build_info() -> dict:
     return installed_json("build_info.json", {})
 

@@ -57,10 +57,9 @@ def cmd_info(args) -> int:
                 entry["error"] = str(e)
         entry["patches"] = _pin.PATCHES if v == "patched" else []
         variants.append(entry)
-    from .binding import BACKENDS_DIR
+    from .binding import backend_modules
     # backend modules built for both variants (libggml-<name>.so), plus the devices' own backends (VDEV, ...)
-    modules = {f.name[len("libggml-"):-len(".so")].split("-")[0].upper() for f in BACKENDS_DIR.glob("libggml-*.so")}
-    backends = sorted(modules | {d["backend"] for e in variants for d in e.get("devices", [])} | {"VDEV"})
+    backends = sorted(backend_modules() | {d["backend"] for e in variants for d in e.get("devices", [])} | {"VDEV"})
     data = {"version": __version__, "upstream": {"commit": pin.get("commit"), "commit_date": pin.get("commit_date"),
                                                  "package": f"{pin.get('package')}=={pin.get('version')}",
                                                  "sha256": pin.get("sha256")},

@@ -54,6 +54,11 @@ def parse_rate(text: Union[str, int, float]) -> float:
     return v / 1000.0 if m.group(2) in ("mbps", "mb/s") else v
 
 
+# kernels reading pinned host memory (patch 0021's DIRECT) get this share of a VDEV's link: about what the
+# 2xH200 box showed (24-34 of 55 GB/s, docs/RESULTS.md section 2d)
+DEFAULT_DIRECT_READ = 0.5
+
+
 @dataclass
 class VDevConfig:
     """One virtual accelerator: memory budget, host link, link group, speed (1 = CPU speed, 2 = half as fast)."""
@@ -64,7 +69,7 @@ class VDevConfig:
     speed: float = 1.0            # compute slow-down factor (>= 1)
     threads: int = 1
     d2d_gbps: float = 0.0
-    direct_read: float = 0.5      # kernels reading pinned host memory (patch 0021's DIRECT) at this share of the link
+    direct_read: float = DEFAULT_DIRECT_READ   # share of the link for kernels reading pinned host memory (DIRECT)
 
 
 @dataclass
@@ -126,7 +131,7 @@ def _from_dict(d: dict, text: str) -> DeviceSpec:
                        link_gbps=parse_rate(dd.get("link_gbps", dd.get("link", 0))),
                        link_group=int(dd.get("link_group", -1)), speed=float(dd.get("speed", 1.0)),
                        threads=int(dd.get("threads", 1)), d2d_gbps=parse_rate(dd.get("d2d_gbps", 0)),
-                       direct_read=_direct_read(dd.get("direct_read", 0.5), text, f"device {i}: direct_read"))
+                       direct_read=_direct_read(dd.get("direct_read", DEFAULT_DIRECT_READ), text, f"device {i}: direct_read"))
         if v.speed < 1.0:
             raise _bad(text, f"device {i}: speed is a slow-down factor and must be >= 1")
         out.append(v)
@@ -186,7 +191,7 @@ def _parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
         raise _bad(text, "the device count must be 1..16")
     mem = parse_size(m.group(2))
     rate = parse_rate(m.group(3) or 0)
-    shared, speeds, threads, direct = False, [1.0] * n, 1, 0.5
+    shared, speeds, threads, direct = False, [1.0] * n, 1, DEFAULT_DIRECT_READ
     for opt in filter(None, (m.group(4) or "").split(",")):
         key, _, val = opt.partition("=")
         if key == "shared" and not val:

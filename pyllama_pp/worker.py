@@ -164,7 +164,7 @@ def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
             s.reset_counters()
             e0 = s.ext_stats()
             if kind == "pp":
-                res = s.eval(toks, logits="last")
+                res = s.eval(toks, logits="last", stats=False)   # the stats are read around it (e0, e1)
                 dt, dev = res.seconds, res.counters["devices"]
             else:
                 s.eval(toks[:1], logits="last")  # position 0 (not timed, as llama-bench's tg starts empty)
@@ -239,7 +239,7 @@ def _do_workload(job: dict) -> dict:
                 t0 = time.perf_counter()
                 if kind == "pp":
                     toks = rng.integers(0, s.info.n_vocab, n)
-                    res = s.eval(toks, logits="last", pos0=0, clear=True)
+                    res = s.eval(toks, logits="last", pos0=0, clear=True, stats=False)   # read around it (e0, ext)
                     per.append(res.counters["devices"])
                     pos = n
                 else:

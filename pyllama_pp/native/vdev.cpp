@@ -40,7 +40,6 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #define PP_VDEV_EXPORT extern "C" __attribute__((visibility("default")))
@@ -217,13 +216,17 @@ double link_transfer(vdev_link * l, double gbps, size_t bytes, const std::functi
     return secs;
 }
 
+// host->device bytes over device d's link at `gbps`, counted as `copies` copies
+void charge_h2d(vdev_device * d, double gbps, size_t size, const std::function<void()> & copy, int copies) {
+    const double secs = link_transfer(d->link.load(), gbps, size, copy);
+    d->c.h2d_bytes  += size;
+    d->c.h2d_copies += copies;
+    d->c.link_busy_ns += secs_to_ns(secs);
+}
+
 // host<->device transfer charged to device d
 void h2d_transfer(vdev_device * d, void * dst, const void * src, size_t size) {
-    const pp_vdev_config cfg = d->get_cfg();
-    const double secs = link_transfer(d->link.load(), cfg.link_gbps, size, [&]() { memcpy(dst, src, size); });
-    d->c.h2d_bytes  += size;
-    d->c.h2d_copies += 1;
-    d->c.link_busy_ns += secs_to_ns(secs);
+    charge_h2d(d, d->get_cfg().link_gbps, size, [&]() { memcpy(dst, src, size); }, 1);
 }
 
 void d2h_transfer(vdev_device * d, void * dst, const void * src, size_t size) {
@@ -613,6 +616,8 @@ ggml_backend_buffer_type_t vdev_dev_get_host_buffer_type(ggml_backend_dev_t dev)
     return &buft;
 }
 
+void vdev_backend_synchronize(ggml_backend_t backend);
+
 void vdev_backend_set_tensor_async(ggml_backend_t backend, ggml_tensor * tensor, const void * data, size_t offset, size_t size) {
     auto * b = (vdev_backend *) backend->context;
     ggml_backend_buffer_t buf = tensor_buffer(tensor);
@@ -626,8 +631,7 @@ void vdev_backend_set_tensor_async(ggml_backend_t backend, ggml_tensor * tensor,
     char *        dst = (char *) tensor->data + offset;
     b->enqueue([d, dst, data, size]() { h2d_transfer(d, dst, data, size); });
     if (!host_ptr_is_pinned(data)) {
-        b->dev->c.host_syncs += 1;
-        b->drain(); // pageable source: the host waits for the copy (cudaMemcpyAsync from pageable memory)
+        vdev_backend_synchronize(backend); // pageable source: the host waits for the copy (cudaMemcpyAsync from pageable memory)
     }
 }
 
@@ -644,8 +648,7 @@ void vdev_backend_get_tensor_async(ggml_backend_t backend, const ggml_tensor * t
     const char *  src = (const char *) tensor->data + offset;
     b->enqueue([d, data, src, size]() { d2h_transfer(d, data, src, size); });
     if (!host_ptr_is_pinned(data)) {
-        b->dev->c.host_syncs += 1;
-        b->drain(); // pageable destination: the host waits for the copy
+        vdev_backend_synchronize(backend); // pageable destination: the host waits for the copy
     }
 }
 
@@ -703,6 +706,9 @@ struct vdev_graph_job {
     std::vector<ggml_tensor *>  hs_keys;
     std::vector<int32_t>        use_counts;
     ggml_cgraph                 graph{};
+    // MUL_MAT_ID nodes whose weights are in pinned host memory (DIRECT reads), and whether their routing ids are
+    // computed in this graph itself (counted after the compute) or come from earlier work (counted before it)
+    std::vector<std::pair<const ggml_tensor *, bool>> direct_reads;
 };
 
 int32_t orig_use_count(const ggml_cgraph * cg, const ggml_tensor * node) {
@@ -787,6 +793,18 @@ std::shared_ptr<vdev_graph_job> build_graph_job(const ggml_cgraph * cg) {
     for (int i = 0; i < n_nodes; i++) {
         job->nodes[i] = &job->tensors[idx[cg->nodes[i]]];
     }
+    auto is_node = [&](const ggml_tensor * t) {
+        auto it = t != nullptr ? idx.find(t) : idx.end();
+        return it != idx.end() && it->second < n_first;
+    };
+    for (int i = 0; i < n_nodes; i++) {
+        const ggml_tensor * node = cg->nodes[i];
+        const ggml_tensor * ids  = node->src[2];
+        if (node->op == GGML_OP_MUL_MAT_ID && node->src[0] != nullptr && ids != nullptr && ids->type == GGML_TYPE_I32 &&
+            host_ptr_is_pinned(node->src[0]->data)) {
+            job->direct_reads.emplace_back(job->nodes[i], is_node(ids) || is_node(ids->view_src));
+        }
+    }
     const size_t hs_size = (size_t) n_nodes * 2 + 1;
     job->hs_used.assign(ggml_bitset_size(hs_size), 0);
     job->hs_keys.assign(hs_size, nullptr);
@@ -839,31 +857,17 @@ void vdev_backend_graph_optimize(ggml_backend_t backend, ggml_cgraph * cgraph, g
 // memory, so those counts are best effort). The model serializes compute and those reads (a real kernel
 // overlaps them) at `direct_read` times the link's rate (a kernel reads host memory more slowly than a copy
 // engine: about half on the 2xH200 box, docs/RESULTS.md section 2d).
-void charge_direct_reads(vdev_device * d, const ggml_cgraph * g, bool before) {
-    bool any = false;
-    for (int i = 0; i < g->n_nodes && !any; i++) {
-        const ggml_tensor * node = g->nodes[i];
-        any = node->op == GGML_OP_MUL_MAT_ID && node->src[0] != nullptr && host_ptr_is_pinned(node->src[0]->data);
-    }
-    if (!any) {
+void charge_direct_reads(vdev_device * d, const vdev_graph_job & job, bool before) {
+    if (job.direct_reads.empty()) {
         return;
     }
-    std::unordered_set<const ggml_tensor *> computed;
-    for (int i = 0; i < g->n_nodes; i++) {
-        computed.insert(g->nodes[i]);
-    }
-    for (int i = 0; i < g->n_nodes; i++) {
-        const ggml_tensor * node = g->nodes[i];
-        const ggml_tensor * w    = node->src[0];
-        const ggml_tensor * ids  = node->src[2];
-        if (node->op != GGML_OP_MUL_MAT_ID || w == nullptr || ids == nullptr || ids->type != GGML_TYPE_I32 ||
-            !host_ptr_is_pinned(w->data)) {
-            continue;
-        }
-        const bool ids_in_graph = computed.count(ids) > 0 || (ids->view_src != nullptr && computed.count(ids->view_src) > 0);
+    const pp_vdev_config cfg = d->get_cfg();
+    for (const auto & [node, ids_in_graph] : job.direct_reads) {
         if (ids_in_graph == before) {
             continue;
         }
+        const ggml_tensor * w   = node->src[0];
+        const ggml_tensor * ids = node->src[2];
         std::vector<bool> used((size_t) w->ne[2], false);
         size_t n_used = 0;
         for (int64_t r = 0; r < ids->ne[1]; r++) {
@@ -875,12 +879,7 @@ void charge_direct_reads(vdev_device * d, const ggml_cgraph * g, bool before) {
                 }
             }
         }
-        const size_t bytes = n_used * w->nb[2];
-        const pp_vdev_config cfg = d->get_cfg();
-        const double rate  = cfg.link_gbps * cfg.direct_read;
-        const double secs  = link_transfer(d->link.load(), rate, bytes, []() {});
-        d->c.h2d_bytes    += bytes;
-        d->c.link_busy_ns += secs_to_ns(secs);
+        charge_h2d(d, cfg.link_gbps * cfg.direct_read, n_used * w->nb[2], []() {}, /*copies =*/ 0);
     }
 }
 
@@ -903,7 +902,7 @@ ggml_status vdev_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgr
             b->set_n_threads(b->cpu, cfg.n_threads);
             b->cur_threads = cfg.n_threads;
         }
-        charge_direct_reads(b->dev, &job->graph, /*before =*/ true);
+        charge_direct_reads(b->dev, *job, /*before =*/ true);
         const auto t0 = clock_t_::now();
         const ggml_status st = ggml_backend_graph_compute(b->cpu, &job->graph);
         const double elapsed = std::chrono::duration<double>(clock_t_::now() - t0).count();
@@ -914,7 +913,7 @@ ggml_status vdev_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgr
             std::this_thread::sleep_until(t0 + std::chrono::duration_cast<clock_t_::duration>(
                 std::chrono::duration<double>(elapsed * cfg.compute_factor)));
         }
-        charge_direct_reads(b->dev, &job->graph, /*before =*/ false);
+        charge_direct_reads(b->dev, *job, /*before =*/ false);
         const double total = std::chrono::duration<double>(clock_t_::now() - t0).count();
         b->dev->c.compute_ns += secs_to_ns(total);
     });
