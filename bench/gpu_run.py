@@ -141,6 +141,13 @@ SWEEPS = {
                       "configs": SKEWED["configs"][:2] + [(4096, 256, PP4096)]},
                      {"name": "direct-not-first", "model": "skewed", "est": 50, "ext": {"DIRECT": 2, "DIRECT_FIRST": 0},
                       "variants": ["patched"], "configs": [(4096, 512, PP4096), (4096, 256, PP4096)]}],
+    # patches 0022 (PLANS) and 0023 (DIRECT by default, not on the first GPU): the skewed A/B with the defaults
+    # (run 12 has ub512/ub256 selective, DIRECT_FIRST=1 and =0), a small batch, one shared link, and a near-uniform
+    # check (above the coverage bar: upload-all, unchanged); with PP_Q6=1 for the mixed workload
+    "defaults": [{**SKEWED, "name": "skewed-defaults", "est": 150,
+                  "configs": [(4096, 512, PP4096), (4096, 256, PP4096), (512, 128, [["pp", 512]])]},
+                 {**ONE_H200_AS_TWO, "name": "one-h200-as-two-skewed", "model": "skewed", "est": 90},
+                 {**UNIFORM, "name": "uniform-defaults", "est": 95, "configs": [(4096, 512, PP4096)]}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Q6: graph reservation under a mixed workload (the baseline for a future reservation patch).
+"""Q6: graph reservation under a mixed workload.
 
 One session per variant (its own worker process, job kind "workload" of pyllama_pp.worker) runs a mixed workload in one context, as
 a server would: prompts of alternating lengths pp64, pp512, pp128, pp2048 (each from an empty cache), then tg16
@@ -9,7 +9,8 @@ every graph shape). Every expert in host RAM, n_batch 2048, n_ubatch 128.
 Reported per step: throughput, host syncs, bytes moved, and as a proxy for re-reservations (compute buffers
 re-allocated) the VDEV allocation counters: a step "re-allocates" when a device's allocated bytes after the
 step differ from before it or its peak during the step exceeds the starting level; plus the scheduler's compute
-buffer sizes before/after. Both variants run as they are (no reservation patch exists yet).
+buffer sizes before/after. The patched build also reports its own count of re-reservations and of graphs it
+allocated from a kept plan instead (patch 0022, PLANS), with how many of those had graphs in flight.
 """
 from __future__ import annotations
 
@@ -86,6 +87,7 @@ def main() -> int:
                         "host_syncs": st["host_syncs"], "id_readbacks": ext.get("id_readbacks"),
                         "upload_all": ext.get("upload_all"),
                         "re_reservations": ext["reallocs"] if "reallocs" in ext else None,
+                        "plan_switches": ext.get("plan_switches"), "plan_switch_drains": ext.get("plan_switch_drains"),
                         "alloc_changed": int(changed(st)),
                         "compute_buffer_bytes": st["compute_buffer_after"], "label": "q6 mixed workload",
                         "alloc_before": st["alloc_before"], "alloc_after": st["alloc_after"],
@@ -115,7 +117,10 @@ def main() -> int:
                             "cb": any(s["compute_buffer_after"] != s["compute_buffer_before"] for s in sts),
                             "rb": statistics.fmean((s.get("ext") or {}).get("id_readbacks", 0) for s in sts),
                             # the scheduler's own count of re-reservations (patched build only)
-                            "rr": sum((s.get("ext") or {}).get("reallocs", 0) for s in sts)}
+                            "rr": sum((s.get("ext") or {}).get("reallocs", 0) for s in sts),
+                            # graphs allocated from a kept plan instead (patch 0022), and of those with graphs in flight
+                            "ps": sum((s.get("ext") or {}).get("plan_switches", 0) for s in sts),
+                            "pd": sum((s.get("ext") or {}).get("plan_switch_drains", 0) for s in sts)}
             b, p = cells.get("baseline"), cells.get("patched")
             f = lambda c, k, fmt="{:.1f}": C.num(c[k], fmt) if c else ""
             sp = p["later"] / b["later"] if b and p and b["later"] > 0 else None
@@ -124,7 +129,7 @@ def main() -> int:
                          C.num(sp, "{:.2f}"), f"{f(b, 'syncs', '{:.0f}')} / {f(p, 'syncs', '{:.0f}')}",
                          f"{b['re'] if b else ''}/{b['n'] if b else ''} / {p['re'] if p else ''}/{p['n'] if p else ''}",
                          f"{'yes' if b and b['cb'] else 'no'} / {'yes' if p and p['cb'] else 'no'}",
-                         f(p, "rb", "{:.0f}"), f(p, "rr", "{:.0f}")])
+                         f(p, "rb", "{:.0f}"), f(p, "rr", "{:.0f}"), f"{f(p, 'ps', '{:.0f}')} / {f(p, 'pd', '{:.0f}')}"])
             plot_groups.append(f"{step}")
             plot_series["baseline"].append(b["later"] if b else float("nan"))
             plot_series["patched"].append(p["later"] if p else float("nan"))
@@ -152,8 +157,8 @@ def main() -> int:
                         ["step", "baseline t/s round 1", "patched t/s round 1", "baseline t/s later rounds",
                          "patched t/s later rounds", "speedup (later)", "host syncs/step b / p",
                          "steps with alloc change b / p", "compute buffer changed b / p", "id readbacks/step p",
-                         "re-reservations p (all rounds)"],
-                        rows, "lrrrrrllllr"))
+                         "re-reservations p (all rounds)", "plan switches / with drain p (all rounds)"],
+                        rows, "lrrrrrllllrl"))
         body.append("## whole workload per round\n\n" + C.md_table(
             ["variant", "round", "tokens", "seconds", "t/s", "host syncs", "steps with alloc change"], tot_rows,
             "lrrrrrr"))
@@ -167,7 +172,7 @@ def main() -> int:
     C.bar_plot(plot_groups, plot_series, ctx["out"] / "q6_reservation.png",
                "Q6: mixed workload in one context, t/s per step (rounds after the first)", notes=plot_notes)
     import pandas as pd
-    C.finish(ctx, "Q6: graph reservation under a mixed workload (baseline for a reservation patch)",
+    C.finish(ctx, "Q6: graph reservation under a mixed workload",
              "One context per variant runs the workload " + ", ".join(f"{k}{n}" for k, n in workload)
              + f" {rounds} time(s); each pp starts from an empty cache, tg continues after the last prompt. "
              "`steps with alloc change` = steps during which a VDEV's allocated bytes changed or peaked above the "

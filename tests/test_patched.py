@@ -3,7 +3,10 @@ numerics against the baseline (also with each switch off), device memory and the
 from __future__ import annotations
 
 import re
+from pathlib import Path
+from typing import Optional
 
+import numpy as np
 import pytest
 
 from pyllama_pp import synth
@@ -20,6 +23,11 @@ FORCE_UPLOAD_ALL = {"GGML_SCHED_PP_UPLOAD_ALL_MIN": 1, "GGML_SCHED_PP_UPLOAD_ALL
 
 def _off(name: str) -> dict:
     return {f"GGML_SCHED_PP_{name}": 0}
+
+
+# the selective copy on every device (patch 0023 makes DIRECT the default on every GPU but the first): for tests of
+# the transient-copy machinery itself
+NO_DIRECT = _off("DIRECT")
 
 
 def _ext_backend(ext: dict, name: str) -> dict:
@@ -84,17 +92,22 @@ def test_pipeline_stays_on_with_host_experts(patched_all):
 
 
 @pytest.mark.parametrize("tensor_split", [None, [3, 4]], ids=["default-split", "split-3-4"])
-def test_both_devices_get_their_own_layers_experts(runner, tiny_model, tensor_split):
+@pytest.mark.parametrize("direct", [None, 0], ids=["defaults", "direct-off"])
+def test_both_devices_get_their_own_layers_experts(runner, tiny_model, tensor_split, direct):
     """Each device receives the expert bytes of the MoE layers it owns (logits "all": every layer, the last
-    one included, processes every token)."""
+    one included, processes every token): over its link (VDEV's h2d count, which includes what DIRECT's kernels
+    read from host memory - on by default on every GPU but the first, patch 0023) and, with DIRECT off, as
+    the scheduler's own transient uploads."""
     r = runner.logits("patched", devices=DEVS, placement={**HOST_ALL, "tensor_split": tensor_split}, ctx=CTX,
-                      n_tokens=N_TOKENS)
+                      n_tokens=N_TOKENS, env=None if direct is None else {"GGML_SCHED_PP_DIRECT": direct})
     assert r["schedule"]["pipeline_parallel"] is True
     owned = layers_per_device(tiny_model, r["schedule"])
     assert all(n > 0 for n in owned.values()), owned
     n_layer = sum(owned.values())
     devs = {d["device"]: d for d in r["counters"]["devices"]}
     ext = r["ext"]
+    assert ext["params"]["DIRECT"] == (2 if direct is None else 0)
+    assert (ext["direct"] > 0) == (direct is None), ext["direct"]
     total_h2d = sum(d["h2d_bytes"] for d in devs.values())
     total_w = sum(_ext_backend(ext, name)["weight_bytes"] for name in owned)
     assert _ext_backend(ext, "CPU")["weight_bytes"] == 0
@@ -104,9 +117,10 @@ def test_both_devices_get_their_own_layers_experts(runner, tiny_model, tensor_sp
         w = _ext_backend(ext, name)["weight_bytes"]
         assert h2d == pytest.approx(share * total_h2d, rel=0.10), \
             f"{name} owns {n}/{n_layer} layers but got {h2d / total_h2d:.1%} of the h2d bytes ({owned})"
-        assert w == pytest.approx(share * total_w, rel=0.10), \
-            f"{name} owns {n}/{n_layer} layers but got {w / total_w:.1%} of the expert bytes ({owned})"
         assert w <= h2d, "expert bytes are part of what crossed the link"
+        if direct == 0:
+            assert w == pytest.approx(share * total_w, rel=0.10), \
+                f"{name} owns {n}/{n_layer} layers but got {w / total_w:.1%} of the expert bytes ({owned})"
 
 
 def test_patched_moves_no_more_expert_bytes_than_baseline(patched_all, baseline_all):
@@ -240,8 +254,9 @@ def test_overlap_uploads_on_a_second_stream(runner, tiny_cfg, assert_logits_matc
     """Patch 0019 (OVERLAP, off by default): transient host weights go into a two-slot ring per device, uploaded on
     a second backend of the same device while the split before computes. Same logits as the baseline, on slow
     links with a slow device too (events order the slots); the ring holds two expert tensors (one split's
-    transient inputs per slot: one expert tensor here); every transient upload went through it."""
-    b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, env, {"GGML_SCHED_PP_OVERLAP": 1})
+    transient inputs per slot: one expert tensor here); every transient upload went through it. (DIRECT off:
+    with it VDEV1 reads below the bar from host memory - test_direct_with_overlap.)"""
+    b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, {**NO_DIRECT, **env}, {"GGML_SCHED_PP_OVERLAP": 1})
     assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["OVERLAP"] == 1
     assert_logits_match(on["logits"], b["logits"], f"OVERLAP=1 ub{ub}")
     one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
@@ -293,7 +308,7 @@ def _bench(runner, env):
 
 def test_upload_all_skips_the_readbacks(runner, tiny_cfg):
     forced = _bench(runner, FORCE_UPLOAD_ALL)
-    sel = _bench(runner, _off("UPLOAD_ALL"))
+    sel = _bench(runner, {**_off("UPLOAD_ALL"), **NO_DIRECT})
     fe, se = forced["ext"], sel["ext"]
     assert fe["params"]["UPLOAD_ALL_MIN"] == 1 and se["params"]["UPLOAD_ALL"] == 0
     # forced upload-all: whole tensors, no host-blocking routing-id readback
@@ -324,13 +339,14 @@ def test_upload_all_skips_the_readbacks(runner, tiny_cfg):
 
 @pytest.mark.parametrize("ub", [32, 128])
 def test_direct_reads_replace_the_readbacks(runner, tiny_cfg, assert_logits_match, ub):
-    """Patch 0021 (DIRECT, off by default): below the upload-all bar the device reads the used experts from pinned
+    """Patch 0021 (DIRECT; 0023 makes it the default on every GPU but the first): below the upload-all bar the device reads the used experts from pinned
     host memory itself - no routing-id readback and no copy - except at the first expert op of a graph that starts
     idle, which measures the coverage where a measurement counts (a selection of at least 2 x n_expert: ub128 of the
     tiny preset's 2-of-64 routing, not ub32). Same logits as the baseline; the bytes over the links are the experts the
     ids select (VDEV charges the kernel's reads): no more than the selective copy moves (it copies ranges of
     experts with padding), and most of it."""
-    b, sel, on = _baseline_off_on(runner, DEVS, ub, {"GGML_SCHED_PP_UPLOAD_ALL": 0}, {"GGML_SCHED_PP_DIRECT": 1})
+    b, sel, on = _baseline_off_on(runner, DEVS, ub, {"GGML_SCHED_PP_UPLOAD_ALL": 0, **NO_DIRECT},
+                                  {"GGML_SCHED_PP_DIRECT": 1, "GGML_SCHED_PP_DIRECT_FIRST": 1})
     assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["DIRECT"] == 1
     assert_logits_match(on["logits"], b["logits"], f"DIRECT=1 ub{ub}")
     e, s = on["ext"], sel["ext"]
@@ -348,7 +364,7 @@ def test_direct_reads_replace_the_readbacks(runner, tiny_cfg, assert_logits_matc
 def test_vdev_charges_direct_reads_at_their_share_of_the_link(runner):
     """VDEV's `direct` option: a kernel's reads of pinned host memory move at that share of the link's rate (the
     same bytes take longer over the link than a copy's)."""
-    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1}
+    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1, "GGML_SCHED_PP_DIRECT_FIRST": 1}
     kw = {"placement": HOST_ALL, "ctx": {"n_ctx": 512, "n_batch": 512, "n_ubatch": 128}, "n_tokens": 512, "env": env}
     full = runner.logits("patched", devices="vdev:2x0@2,direct=1", **kw)
     slow = runner.logits("patched", devices="vdev:2x0@2,direct=0.25", **kw)
@@ -370,9 +386,10 @@ def test_direct_stops_above_its_tokens_per_expert_limit(runner):
 
 
 def test_direct_first_off_keeps_the_selective_copy_on_the_first_gpu(runner, assert_logits_match):
-    """DIRECT_FIRST=0: the first GPU keeps the selective copy (readbacks there only block while the later stages
-    have work queued); the others read directly."""
-    b, on, first_off = _baseline_off_on(runner, DEVS, 64, {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1},
+    """DIRECT_FIRST=0 (the default since patch 0023): the first GPU keeps the selective copy (readbacks there only
+    block while the later stages have work queued); the others read directly."""
+    b, on, first_off = _baseline_off_on(runner, DEVS, 64, {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1,
+                                                           "GGML_SCHED_PP_DIRECT_FIRST": 1},
                                         {"GGML_SCHED_PP_DIRECT_FIRST": 0})
     assert_logits_match(first_off["logits"], b["logits"], "DIRECT=1 DIRECT_FIRST=0")
     est = lambda r, n: _ext_backend(r["ext"], n)["direct_bytes_est"]
@@ -386,7 +403,8 @@ def test_direct_with_overlap(runner, assert_logits_match):
     """DIRECT and OVERLAP together: a copy placed in the upload ring that DIRECT then points at the host weight is
     neither uploaded nor read from the ring; the logits still match, on slow links and a slow second device."""
     b, ov, both = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", 64,
-                                   {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_OVERLAP": 1}, {"GGML_SCHED_PP_DIRECT": 1})
+                                   {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_OVERLAP": 1, **NO_DIRECT},
+                                   {"GGML_SCHED_PP_DIRECT": 1})
     assert_logits_match(both["logits"], b["logits"], "DIRECT=1 OVERLAP=1")
     assert both["ext"]["direct"] > 0 and ov["ext"]["direct"] == 0
     ups = lambda r: sum(x["overlap_uploads"] for x in r["ext"]["backends"])
@@ -439,13 +457,16 @@ def test_one_row_output_layer_does_not_pull_the_coverage_estimate_down(runner):
     """Default thresholds, ubatches of 128 (about 98% coverage): per prompt, one readback re-measures coverage at
     the first expert op and one reads the ids of the output ubatch's last layer (one row, below every threshold).
     That one-row layer must not count as coverage: otherwise the next prompt starts below 85% and reads ids back
-    in its first layers too."""
-    r = runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL,
-                               "ctx": {"n_ctx": 1024, "n_batch": 512, "n_ubatch": 128}, "tests": [["pp", 512]],
-                               "reps": 3})
-    e = r["tests"][0]["ext"]
-    assert e["graphs"] == 3 * 4 and e["upload_all"] > 0, e
-    assert e["id_readbacks"] == 3 * 2, e
+    in its first layers too. (With DIRECT, the default, the last layer's GPU reads that row's experts from host
+    memory: only the measuring readback is left.)"""
+    job = {"kind": "bench", "devices": DEVS, "placement": HOST_ALL,
+           "ctx": {"n_ctx": 1024, "n_batch": 512, "n_ubatch": 128}, "tests": [["pp", 512]], "reps": 3}
+    sel = runner.run("patched", job, env=NO_DIRECT)["tests"][0]["ext"]
+    e = runner.run("patched", job)["tests"][0]["ext"]
+    for x in (sel, e):
+        assert x["graphs"] == 3 * 4 and x["upload_all"] > 0, x
+    assert sel["id_readbacks"] == 3 * 2 and sel["direct"] == 0, sel
+    assert e["id_readbacks"] == 3 and e["direct"] == 3 * 3, e   # the one-row layer's gate, up and down
 
 
 def test_coverage_bar_follows_the_number_of_links(runner, tmp_path_factory):
@@ -479,32 +500,43 @@ def test_default_thresholds_choose_selective_for_the_tiny_model(runner):
 
 
 def test_partial_host_experts_stream_to_the_layer_owner(runner, tiny_model, assert_logits_match):
-    """Experts of the last two layers (VDEV1's) in host RAM: the patched build streams them to VDEV1, upstream
+    """Experts of the last two layers (VDEV1's) in host RAM: the patched build streams them to VDEV1 (by default
+    VDEV1's kernels read the used experts from host memory: DIRECT; with it off, as transient copies), upstream
     to VDEV0 (its first-device rule); the logits agree."""
     placement = {"host_experts": [4, 5]}
     p = runner.logits("patched", devices=DEVS, placement=placement, ctx=CTX, n_tokens=N_TOKENS)
+    sel = runner.logits("patched", devices=DEVS, placement=placement, ctx=CTX, n_tokens=N_TOKENS, env=NO_DIRECT)
     b = runner.logits("baseline", devices=DEVS, placement=placement, ctx=CTX, n_tokens=N_TOKENS)
     owned = layers_per_device(tiny_model, p["schedule"], host_layers={4, 5})
     assert owned == {"VDEV0": 4, "VDEV1": 2}, f"this test assumes layers 4 and 5 are VDEV1's: {owned}"
     assert p["schedule"]["pipeline_parallel"] is True
-    assert _ext_backend(p["ext"], "VDEV0")["weight_bytes"] == 0
-    assert _ext_backend(p["ext"], "VDEV1")["weight_bytes"] > 0
-    pv0, pv1 = p["counters"]["devices"]
+    for r in (p, sel):
+        assert _ext_backend(r["ext"], "VDEV0")["weight_bytes"] == 0
+        assert _ext_backend(r["ext"], "VDEV0")["direct_bytes_est"] == 0
+    assert p["ext"]["direct"] > 0 and _ext_backend(p["ext"], "VDEV1")["direct_bytes_est"] > 0
+    assert sel["ext"]["direct"] == 0 and _ext_backend(sel["ext"], "VDEV1")["weight_bytes"] > 0
     bv0, bv1 = b["counters"]["devices"]
-    assert pv1["h2d_bytes"] > 10 * pv0["h2d_bytes"], (pv0["h2d_bytes"], pv1["h2d_bytes"])
+    for r in (p, sel):
+        pv0, pv1 = r["counters"]["devices"]
+        assert pv1["h2d_bytes"] > 10 * pv0["h2d_bytes"], (pv0["h2d_bytes"], pv1["h2d_bytes"])
     assert bv0["h2d_bytes"] > 10 * bv1["h2d_bytes"], (bv0["h2d_bytes"], bv1["h2d_bytes"])
     assert_logits_match(p["logits"], b["logits"], "patched vs baseline, host experts of layers 4-5")
+    assert_logits_match(sel["logits"], b["logits"], "patched (DIRECT=0) vs baseline, host experts of layers 4-5")
 
 
 def test_prompt_batches_do_not_re_reserve_and_host_waits_are_timed(runner):
     """Patch 0010: the output rows of a prompt's last ubatch stay on their layer's device, so node backends
-    match the reserved graph and no re-reservation (a full drain) happens; with the switch off, the last
-    ubatch re-reserves and the timed host waits show it (patch 0009)."""
+    match the reserved graph and no re-reservation (a full drain) happens; with the switch off (and one plan,
+    PLANS=0), the last ubatch re-reserves and the timed host waits show it (patch 0009). With kept plans
+    (0022) the last ubatch switches to its own plan instead, but still drains: the graphs before it are in flight."""
     on = _bench(runner, None)["ext"]
-    off = _bench(runner, _off("OFFLOAD_TAIL"))["ext"]
+    off = _bench(runner, {**_off("OFFLOAD_TAIL"), **_off("PLANS")})["ext"]
+    kept = _bench(runner, _off("OFFLOAD_TAIL"))["ext"]
     assert on["params"]["OFFLOAD_TAIL"] == 1 and off["params"]["OFFLOAD_TAIL"] == 0
-    assert on["reallocs"] == 0, on
+    assert on["reallocs"] == 0 and on["plan_switches"] == 0, on
     assert off["reallocs"] >= 1 and off["host_waits"]["realloc"] == off["reallocs"], off
+    assert kept["reallocs"] == 0 and kept["plan_switch_drains"] >= 1, kept   # the warm-up rep re-reserved
+    assert kept["host_waits"]["realloc"] == kept["plan_switch_drains"], kept
     assert on["host_waits"]["realloc"] == 0 and on["host_wait_us"]["realloc"] == 0
     assert off["host_wait_us"]["realloc"] > 0
     for e in (on, off):
@@ -516,12 +548,64 @@ def test_prompt_batches_do_not_re_reserve_and_host_waits_are_timed(runner):
     assert off["reallocs_ids_changed"] >= 1 and on["reallocs_ids_changed"] == 0
 
 
+MIXED = [["pp", 64], ["pp", 128], ["tg", 4]]
+
+
+def _mixed(runner, variant: str, env: Optional[dict], out: Path) -> dict:
+    job = {"kind": "workload", "devices": DEVS, "placement": HOST_ALL,
+           "ctx": {"n_ctx": 512, "n_batch": 256, "n_ubatch": 32}, "workload": MIXED, "rounds": 2, "out": str(out)}
+    r = runner.run(variant, job, env=env, cache=False)
+    return {**r, "logits": np.load(out)}
+
+
+def test_decode_after_a_prompt_allocates_from_a_kept_plan(runner, tmp_path, assert_logits_match):
+    """Patch 0022 (PLANS): prompts, then decode, twice, in one context (bench/q6's pattern). The decode graph keeps
+    its expert ops on the CPU, so its node backends differ from the prompt layout: with one plan the first decode
+    token re-reserves in every round. With kept plans (llama reserves the decode graph when the context is made)
+    every step allocates from a plan that fits it: no re-reservation and, with nothing in flight between
+    llama_decode calls, no drain. The logits of every step's last token and of each decoded token match the
+    baseline either way."""
+    b = _mixed(runner, "baseline", None, tmp_path / "b.npy")
+    on = _mixed(runner, "patched", None, tmp_path / "on.npy")
+    off = _mixed(runner, "patched", _off("PLANS"), tmp_path / "off.npy")
+    assert b["logits"].shape == on["logits"].shape == (2 * (len(MIXED) - 1 + 4), b["logits"].shape[1])
+    assert_logits_match(on["logits"], b["logits"], "PLANS on, mixed workload")
+    assert_logits_match(off["logits"], b["logits"], "PLANS=0, mixed workload")
+    steps_on, steps_off = on["steps"], off["steps"]
+    assert steps_on[0]["ext"]["params"]["PLANS"] == 4 and steps_off[0]["ext"]["params"]["PLANS"] == 0
+    for st in steps_on:
+        e = st["ext"]
+        assert e["reallocs"] == 0 and e["plan_switch_drains"] == 0, (st["round"], st["kind"], e["realloc_log"])
+        if st["kind"] == "tg":
+            assert e["plan_switches"] == 1, e          # to the decode plan at the first token, then it fits
+    assert steps_on[len(MIXED)]["ext"]["plan_switches"] == 1   # round 2's first prompt: back to the prompt plan
+    for st in steps_off:
+        assert st["ext"]["plan_switches"] == 0
+        if st["kind"] == "tg":
+            assert st["ext"]["reallocs"] >= 1, st["ext"]
+
+
+def test_a_plan_switch_with_graphs_in_flight_drains_first(runner, tmp_path, assert_logits_match):
+    """Patch 0022: with OFFLOAD_TAIL=0 a prompt's last ubatch runs its MoE tail on the CPU, a layout of its own.
+    Its first occurrence re-reserves; later ones switch to the kept plan while the ubatches before are still in
+    flight, so the scheduler synchronizes first (counted as drains). Logits match the baseline."""
+    env = _off("OFFLOAD_TAIL")
+    b = _mixed(runner, "baseline", None, tmp_path / "b.npy")
+    p = _mixed(runner, "patched", env, tmp_path / "p.npy")
+    assert_logits_match(p["logits"], b["logits"], "OFFLOAD_TAIL=0, mixed workload")
+    ext = [st["ext"] for st in p["steps"]]
+    assert sum(e["reallocs"] for e in ext) == 1 and ext[0]["reallocs"] == 1, [e["realloc_log"] for e in ext]
+    assert sum(e["plan_switch_drains"] for e in ext) >= 3, ext   # each later prompt's last ubatch
+    assert all(e["plan_switch_drains"] <= e["plan_switches"] for e in ext)
+
+
 def test_allocation_dependency_nodes_keep_the_reserved_node_count(runner):
     """Patch 0011: VDEV, like CUDA, asks for an allocation-dependency node after each non-empty top-k routing;
     the empty last layer of a ubatch without outputs gets none, so its graph has fewer nodes than the reserved
-    one. Padding keeps the count; without it the graph re-reserves and the reason names the node count."""
+    one. Padding keeps the count; without it (and one plan, PLANS=0) the graph re-reserves and the reason names
+    the node count."""
     on = _bench(runner, None)["ext"]
-    off = _bench(runner, _off("STABLE_DEPS"))["ext"]
+    off = _bench(runner, {**_off("STABLE_DEPS"), **_off("PLANS")})["ext"]
     assert on["params"]["STABLE_DEPS"] == 1 and off["params"]["STABLE_DEPS"] == 0
     assert on["reallocs"] == 0 and on["graph_nodes_min"] == on["graph_nodes_max"], on
     assert off["reallocs"] >= 1, off
@@ -547,7 +631,9 @@ def test_pageable_host_weights_go_through_pinned_staging(runner, assert_logits_m
         assert_logits_match(r["logits"], b["logits"], f"pageable, {what}")
     # where the weights are: a pageable CPU buffer vs the VDEV host buffer type (pinned)
     assert pageable_buft in {m["buft"] for m in staged["schedule"]["memory"]}
-    pinned = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS)
+    # (DIRECT off for the pinned run: it reads pinned weights from host memory, pageable ones never)
+    pinned = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS, env=NO_DIRECT)
+    assert staged["ext"]["direct"] == 0
     assert not {"CPU", "CPU_Mapped"} & {m["buft"] for m in pinned["schedule"]["memory"]}
     assert pinned["schedule"]["pipeline_parallel"] is True
     # every host-weight byte of the staged run went through the slots; none of the pinned or unstaged runs did
