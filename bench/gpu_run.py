@@ -148,6 +148,11 @@ SWEEPS = {
                   "configs": [(4096, 512, PP4096), (4096, 256, PP4096), (512, 128, [["pp", 512]])]},
                  {**ONE_H200_AS_TWO, "name": "one-h200-as-two-skewed", "model": "skewed", "est": 90},
                  {**UNIFORM, "name": "uniform-defaults", "est": 95, "configs": [(4096, 512, PP4096)]}],
+    # patch 0023 after run 13: DIRECT's default (auto) stays off on one shared link; the mixed workload's decode and
+    # the decode rows once more (with PP_Q6=1 PP_Q6_ROUNDS=3)
+    "defaults-again": [{**ONE_H200_AS_TWO, "name": "one-h200-as-two-skewed", "model": "skewed", "est": 75},
+                       {**DECODE_ONE_GPU, "est": 60}, {**DECODE, "est": 60},
+                       {**DECODE_ONE_GPU, "name": "decode-one-gpu-2", "est": 60}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],

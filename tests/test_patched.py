@@ -106,7 +106,7 @@ def test_both_devices_get_their_own_layers_experts(runner, tiny_model, tensor_sp
     n_layer = sum(owned.values())
     devs = {d["device"]: d for d in r["counters"]["devices"]}
     ext = r["ext"]
-    assert ext["params"]["DIRECT"] == (2 if direct is None else 0)
+    assert ext["params"]["DIRECT"] == (-1 if direct is None else 0)
     assert (ext["direct"] > 0) == (direct is None), ext["direct"]
     total_h2d = sum(d["h2d_bytes"] for d in devs.values())
     total_w = sum(_ext_backend(ext, name)["weight_bytes"] for name in owned)
@@ -397,6 +397,24 @@ def test_direct_first_off_keeps_the_selective_copy_on_the_first_gpu(runner, asse
     # (the estimates follow the coverage measured so far, which the first GPU's readbacks keep updating)
     assert est(first_off, "VDEV0") == 0 and est(first_off, "VDEV1") == pytest.approx(est(on, "VDEV1"), rel=0.25)
     assert first_off["ext"]["id_readbacks"] > on["ext"]["id_readbacks"]
+
+
+def test_direct_by_default_only_on_links_of_their_own(runner, assert_logits_match):
+    """Patch 0023: DIRECT=-1 (the default) reads directly only where the GPUs have host links of their own; on
+    one shared link the kernels' slow reads would take link time from the other stage's copies (one H200 as two:
+    0.91x upstream), so the selective copy stays. Logits match the baseline either way."""
+    kw = {"placement": HOST_ALL, "ctx": CTX, "n_tokens": N_TOKENS}
+    own = runner.logits("patched", devices="vdev:2x0@0", **kw)
+    shared = runner.logits("patched", devices="vdev:2x0@0,shared", **kw)
+    forced = runner.logits("patched", devices="vdev:2x0@0,shared", env={"GGML_SCHED_PP_DIRECT": 2}, **kw)
+    b = runner.logits("baseline", devices="vdev:2x0@0", **kw)
+    assert own["ext"]["links"] == 2 and shared["ext"]["links"] == 1
+    assert own["ext"]["params"]["DIRECT"] == shared["ext"]["params"]["DIRECT"] == -1
+    assert own["ext"]["direct"] > 0 and _ext_backend(own["ext"], "VDEV0")["direct_bytes_est"] == 0   # DIRECT_FIRST=0
+    assert shared["ext"]["direct"] == 0 and shared["ext"]["id_readbacks"] > 0, shared["ext"]
+    assert forced["ext"]["direct"] > 0                                   # explicit DIRECT=2 still reads directly
+    for r, what in ((own, "own links"), (shared, "shared link")):
+        assert_logits_match(r["logits"], b["logits"], f"DIRECT default, {what}")
 
 
 def test_direct_with_overlap(runner, assert_logits_match):
