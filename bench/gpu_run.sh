@@ -71,8 +71,17 @@ fi
 if [ "${PP_Q6:-0}" = 1 ]; then  # issue 6: re-reservations in a mixed workload (bench/q6 on the GPUs, 30B model)
     M=/tmp/pp_models/qwen3-30b-a3b-uniform.gguf   # written by gpu_run.py's synth step (the sweeps' model)
     (cd /tmp && python3 "$OLDPWD/bench/gpu_run.py" --out /tmp/res/q6 --skip correctness,sweep --budget 90) | tail -2
-    (cd /tmp && timeout 200 python3 "$OLDPWD/bench/q6_reservation.py" --devices cuda --model "$M" --out /tmp/res/q6 \
-        --reps 2 --rounds ${PP_Q6_ROUNDS:-2} --n-batch 4096 --n-ubatch 512) 2>&1 | tail -30
+    # PP_Q6_REPEAT=N runs it N times, the variants' order alternating (q6, q6-2, ...); PP_Q6_LOGITS=1 also compares
+    # every step's logits; PP_Q6_ENV_LAST="GGML_SCHED_PP_X=V ..." sets switches for the last repetition only
+    n=${PP_Q6_REPEAT:-1}
+    for i in $(seq 1 $n); do
+        order=baseline,patched; [ $((i % 2)) = 0 ] && order=patched,baseline
+        d=/tmp/res/q6; [ $i -gt 1 ] && d=/tmp/res/q6-$i
+        envs=""; [ $i = $n ] && envs="${PP_Q6_ENV_LAST:-}"
+        (cd /tmp && env $envs timeout 200 python3 "$OLDPWD/bench/q6_reservation.py" --devices cuda --model "$M" --out $d \
+            --reps 2 --rounds ${PP_Q6_ROUNDS:-2} --n-batch 4096 --n-ubatch 512 --order $order \
+            $([ "${PP_Q6_LOGITS:-0}" = 1 ] && echo --logits)) 2>&1 | tail -${PP_Q6_TAIL:-30}
+    done
 fi
 # the script's budget: what is left of the call (PP_CALL_LIMIT, default 570 s of the 600 s a call may run)
 budget=$(( ${PP_CALL_LIMIT:-570} - ($(date +%s) - t0) ))

@@ -14,11 +14,13 @@ allocated from a kept plan instead (patch 0022, PLANS), with how many of those h
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from pathlib import Path
 
 import _common as C
+import numpy as np
 from pyllama_pp import bench
 from pyllama_pp.binding import build_info
 from pyllama_pp.errors import WorkerError
@@ -44,7 +46,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None, help="workload repetitions (default: --reps)")
     ap.add_argument("--n-batch", type=int, default=2048)
     ap.add_argument("--n-ubatch", type=int, default=128)
+    ap.add_argument("--order", default=",".join(bench.VARIANTS),
+                    help="the order the variants run in, one after the other (default: baseline,patched)")
+    ap.add_argument("--logits", action="store_true",
+                    help="also compare the logits of every step (each prompt's last token, every decoded token)")
     args = ap.parse_args()
+    order = [v.strip() for v in args.order.split(",") if v.strip()]
+    if sorted(order) != sorted(bench.VARIANTS):
+        ap.error(f"--order must name {' and '.join(bench.VARIANTS)} once each, got {args.order!r}")
     ctx = C.setup(args)
     rounds = args.rounds or args.reps
     workload = [["pp", 64], ["pp", 512], ["pp", 128], ["tg", 16]] if args.quick else WORKLOAD
@@ -56,17 +65,24 @@ def main() -> int:
     info = build_info()
     results = {}
     all_rows = []
+    # switches of the patched build set in the environment (the baseline has none)
+    pp_env = {k: v for k, v in os.environ.items() if k.startswith("GGML_SCHED_PP_")}
     for dev in devs:
         job = {"model": ctx["model"], "devices": dev,
                "placement": {"tensor_split": ctx["ts"], "host_experts": "all"},
                "ctx": {"n_ctx": n_ctx, "n_batch": args.n_batch, "n_ubatch": min(args.n_ubatch, args.n_batch)},
                "workload": workload, "rounds": rounds, "seed": 0}
-        for v in bench.VARIANTS:
+        for v in order:
             print(f"{C.short_devices(dev)} {v}: {rounds} round(s) of {workload}", flush=True)
-            res = run_variant(job, v, args.timeout)
+            vjob = {**job, "out": str(ctx["out"] / f"logits-{len(results)}-{v}.npy")} if args.logits else job
+            res = run_variant(vjob, v, args.timeout)
+            if args.logits and "error" not in res:
+                res["logits"] = np.load(vjob["out"])
+                os.remove(vjob["out"])   # compared below; a 150k vocabulary makes them large
             results[(dev, v)] = res
             meta = {"machine": f"{ctx['machine']['host']} ({ctx['machine']['nproc']} cores)",
-                    "date": ctx["machine"]["date_utc"], "build": {"cuda": info.get("cuda")}, "env": {}}
+                    "date": ctx["machine"]["date_utc"], "build": {"cuda": info.get("cuda")}, "env": pp_env,
+                    "order": ",".join(order)}
             if "error" in res:
                 rows = [{"variant": v, "devices": dev, "test": "workload", "avg_ts": float("nan"),
                          "error": res["error"][:2000], "label": "q6", **meta}]
@@ -134,6 +150,17 @@ def main() -> int:
             plot_series["baseline"].append(b["later"] if b else float("nan"))
             plot_series["patched"].append(p["later"] if p else float("nan"))
             plot_notes.append(f"{sp:.2f}x" if sp else "")
+        if args.logits and len(ok) == 2:
+            lb, lp = ok["baseline"]["logits"], ok["patched"]["logits"]
+            kinds = [f"{s['kind']}{s['n']}" for s in ok["patched"]["steps"] for _ in range(s["n"] if s["kind"] == "tg" else 1)]
+            lrows = []
+            for step in dict.fromkeys(kinds):
+                idx = [i for i, k in enumerate(kinds) if k == step]
+                a, b = lp[idx].astype(np.float64), lb[idx].astype(np.float64)
+                lrows.append([step, len(idx), f"{float(((a - b) ** 2).sum() / max((b ** 2).sum(), 1e-30)):.3g}",
+                              f"{float(np.abs(a - b).max()):.3g}"])
+            body.append("## logits, patched vs baseline (each prompt's last token, every decoded token; all rounds)\n\n"
+                        + C.md_table(["step", "rows", "NMSE", "max abs diff"], lrows, "lrrr"))
         # whole workload per round
         tot = []
         for v, r in ok.items():
