@@ -153,6 +153,13 @@ SWEEPS = {
     "defaults-again": [{**ONE_H200_AS_TWO, "name": "one-h200-as-two-skewed", "model": "skewed", "est": 75},
                        {**DECODE_ONE_GPU, "est": 60}, {**DECODE, "est": 60},
                        {**DECODE_ONE_GPU, "name": "decode-one-gpu-2", "est": 60}],
+    # decode right after a filled context (llama-bench's -d; the mixed workload's tg16 after pp2048 swung 0.66-1.32x
+    # on one sample per round): tg32 at depth 2048, 6 reps each, the variants' order both ways, 2 GPUs and 1 GPU
+    "decode-depth": [{"name": "decode-depth", "est": 75, "reps": 6, "configs": [(4096, 512, [["tg", 32, 2048]])]},
+                     {"name": "decode-depth-patched-first", "est": 75, "reps": 6, "variants": ["patched", "baseline"],
+                      "configs": [(4096, 512, [["tg", 32, 2048]])]},
+                     {**DECODE_ONE_GPU, "name": "decode-depth-one-gpu", "est": 75,
+                      "configs": [(4096, 512, [["tg", 32, 2048]])]}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],

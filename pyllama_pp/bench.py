@@ -26,7 +26,7 @@ from .worker import run_job
 
 ROW_FIELDS = [
     "variant", "model", "model_size", "model_n_params", "n_expert", "n_expert_used", "devices", "n_gpu_layers",
-    "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen",
+    "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen", "n_depth",
     "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "speedup", "pipeline_parallel", "n_copies", "n_splits",
     "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac", "bound_pipe_ts", "bound_pipe_frac",
     "host_syncs", "id_readbacks", "upload_all", "direct_reads", "re_reservations", "plan_switches", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "compute_buffer_bytes", "ring_bytes_per_device", "label", "env",
@@ -68,7 +68,7 @@ class BenchConfig:
             self.link_gbps = rates
 
     def job(self) -> dict:
-        longest = max(n for _, n in self.tests) + 8
+        longest = max(int(t[1]) + _depth(t) for t in self.tests) + 8
         n_ctx = self.n_ctx or max(256, int(math.ceil(longest / 256.0)) * 256)
         return {"kind": "bench", "model": self.model, "devices": self.devices, "tests": self.tests, "reps": self.reps,
                 "placement": {"host_experts": self.host_experts, "load_mode": self.load_mode,
@@ -151,6 +151,15 @@ def num(x, fmt: str = "{:.0f}") -> str:
     return "" if x is None or x != x else fmt.format(x)
 
 
+def _depth(test) -> int:
+    """A test is [kind, n] or [kind, n, depth] (tokens already in the context, llama-bench's -d)."""
+    return int(test[2]) if len(test) > 2 else 0
+
+
+def _test_name(kind: str, n: int, depth: int) -> str:
+    return f"{kind}{n}" + (f" @ d{depth}" if depth else "")   # llama-bench's naming
+
+
 def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> list[dict]:
     rows = []
     model = res["model"]
@@ -179,8 +188,8 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             "tensor_split": cfg.tensor_split,
             "tensor_buft_overrides": f"host_experts={cfg.host_experts}", "load_mode": cfg.load_mode,
             "n_ctx": cfg.job()["ctx"]["n_ctx"], "n_batch": cfg.n_batch, "n_ubatch": min(cfg.n_ubatch, cfg.n_batch),
-            "test": f"{t['kind']}{n_tok}", "n_prompt": n_tok if t["kind"] == "pp" else 0,
-            "n_gen": n_tok if t["kind"] == "tg" else 0, "avg_ts": avg,
+            "test": _test_name(t["kind"], n_tok, t.get("depth", 0)), "n_prompt": n_tok if t["kind"] == "pp" else 0,
+            "n_gen": n_tok if t["kind"] == "tg" else 0, "n_depth": t.get("depth", 0), "avg_ts": avg,
             "stddev_ts": statistics.stdev(ts) if len(ts) > 1 else 0.0, "samples_ts": ts,
             "avg_ns": int(statistics.fmean(secs) * 1e9) if secs else 0, "speedup": float("nan"),
             "pipeline_parallel": sched["pipeline_parallel"], "n_copies": sched["n_copies"],
@@ -216,8 +225,8 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
 def error_rows(cfg: BenchConfig, variant: str, err: str, meta: dict) -> list[dict]:
     return [{"variant": variant, "model": Path(cfg.model).name, "devices": cfg.devices, "n_batch": cfg.n_batch,
              "n_ubatch": cfg.n_ubatch, "tensor_buft_overrides": f"host_experts={cfg.host_experts}",
-             "load_mode": cfg.load_mode, "test": f"{k}{n}", "avg_ts": float("nan"), "label": cfg.label,
-             "error": err[:2000], **meta} for k, n in cfg.tests]
+             "load_mode": cfg.load_mode, "test": _test_name(t[0], int(t[1]), _depth(t)), "n_depth": _depth(t),
+             "avg_ts": float("nan"), "label": cfg.label, "error": err[:2000], **meta} for t in cfg.tests]
 
 
 class RowWriter:

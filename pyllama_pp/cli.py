@@ -96,10 +96,13 @@ def cmd_synth(args) -> int:
 
 def _config_kwargs(args) -> dict:
     tests = []
-    if args.pp:
-        tests += [["pp", n] for n in args.pp]
-    if args.tg:
-        tests += [["tg", n] for n in args.tg]
+    if any(d < 0 for d in args.depth):
+        raise PyllamaError(f"-d/--n-depth takes token counts >= 0, got {args.depth}")
+    for d in args.depth:
+        if args.pp:
+            tests += [["pp", n] + ([d] if d else []) for n in args.pp]
+        if args.tg:
+            tests += [["tg", n] + ([d] if d else []) for n in args.tg]
     env = {}
     if args.offload_min_batch is not None:
         env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(args.offload_min_batch)
@@ -220,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="layer proportions per device, e.g. 3,5 (llama's -ts)")
         p.add_argument("-p", "--pp", type=_ints, default=None, help="prompt lengths (pp tests; default 512)")
         p.add_argument("-n", "--tg", type=_ints, default=[16], help="generation lengths (tg tests); 0 for none")
+        p.add_argument("-d", "--n-depth", dest="depth", type=_ints, default=[0],
+                       help="tokens already in the context before each test (llama-bench's -d; comma-separated)")
         p.add_argument("-r", "--reps", type=int, default=3)
         p.add_argument("--load-mode", default="none", choices=["none", "mmap"],
                        help="none (default): no mmap, host weights pinned where possible - upstream's fastest")

@@ -153,27 +153,38 @@ def _ext_add(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
 
 
 def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
+    """Each test is [kind, n] or [kind, n, depth] (llama-bench's -d: the context first holds `depth` prompt
+    tokens, untimed; tg then decodes right after them, its first token included)."""
     results = []
-    for kind, n in tests:
+    for test in tests:
+        kind, n = test[0], int(test[1])
+        depth = int(test[2]) if len(test) > 2 else 0
         toks = _tokens(n, s.info.n_vocab, seed)
+        prefix = _tokens(depth, s.info.n_vocab, seed + 1) if depth else None
         cov = None
         if kind == "pp" and coverage and s.info.n_expert > 0:
             cov = s.coverage(toks)
         times, devs, ext = [], [], None
         for r in range(reps + 1):
             s.reset_counters()
+            if depth:
+                s.eval(prefix, logits="last", stats=False)   # the context's depth (not timed, not counted)
+                s.reset_counters()
             e0 = s.ext_stats()
             if kind == "pp":
-                res = s.eval(toks, logits="last", stats=False)   # the stats are read around it (e0, e1)
+                res = s.eval(toks, logits="last", pos0=depth, clear=not depth, stats=False)   # stats read around it
                 dt, dev = res.seconds, res.counters["devices"]
             else:
-                s.eval(toks[:1], logits="last")  # position 0 (not timed, as llama-bench's tg starts empty)
-                e0 = s.ext_stats()                # nor counted in the extension's deltas
+                first = depth
+                if not depth:
+                    s.eval(toks[:1], logits="last")  # position 0 (not timed, as llama-bench's tg starts empty)
+                    e0 = s.ext_stats()                # nor counted in the extension's deltas
+                    first = 1
                 t0 = time.perf_counter()
                 per = []
-                for i in range(1, n + 1):
-                    res = s.eval(toks[i % len(toks): i % len(toks) + 1], logits="last", pos0=i, clear=False,
-                                 stats=False)
+                for i in range(first, first + n):
+                    j = (i - first + 1) % len(toks)
+                    res = s.eval(toks[j: j + 1], logits="last", pos0=i, clear=False, stats=False)
                     per.append(res.counters["devices"])
                 dt = time.perf_counter() - t0
                 dev = _sum_devices(per)
@@ -186,7 +197,7 @@ def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
         # OVERLAP's ring per backend is a level (in the deltas above it subtracts to 0): as it stands after the last rep
         ring = [{"name": b["name"], "ring_bytes": b["ring_bytes"]} for b in e1["backends"]] \
             if e1 and e1.get("backends") and "ring_bytes" in e1["backends"][0] else None
-        results.append({"kind": kind, "n": n, "seconds": times, "devices": _sum_devices(devs),
+        results.append({"kind": kind, "n": n, "depth": depth, "seconds": times, "devices": _sum_devices(devs),
                         "ext": ext, "ext_ring": ring, "coverage": cov, "reps": reps})
     return results
 

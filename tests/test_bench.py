@@ -153,3 +153,28 @@ def test_cuda_rows_count_direct_reads_and_the_overlap_ring(tiny_model):
     assert row["direct_reads"] == 5 and row["ring_bytes_per_device"] == [7, 7]
     res["tests"][0].pop("ext_ring")
     assert bench.rows_from_result(cfg, "patched", res, {})[0]["ring_bytes_per_device"] is None
+
+
+def test_tests_at_a_depth_start_after_a_filled_context(tiny_model, tmp_path):
+    """llama-bench's -d: [kind, n, depth] first fills the context with `depth` tokens (untimed), then times the test
+    right after them. The rows say so (n_depth, "tg4 @ d300"); the KQ mask of a deeper context is larger, so each
+    token uploads more bytes than at depth 0."""
+    cfg = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32,
+                            tests=[["tg", 4], ["tg", 4, 300], ["pp", 32, 300]], reps=1)
+    assert cfg.job()["ctx"]["n_ctx"] >= 332   # room for the depth
+    df = bench.ab([cfg], out_dir=tmp_path, progress=False, timeout=120, variants=["patched"])
+    r = df.set_index("test")
+    assert list(r.index) == ["tg4", "tg4 @ d300", "pp32 @ d300"], list(r.index)
+    assert list(r["n_depth"]) == [0, 300, 300] and (r["avg_ts"] > 0).all()
+    h2d = lambda t: sum(r.loc[t, "h2d_bytes_per_device"])
+    assert h2d("tg4 @ d300") > h2d("tg4"), (h2d("tg4 @ d300"), h2d("tg4"))
+
+
+def test_cli_depth_option_builds_tests_per_depth():
+    from pyllama_pp import cli
+    from pyllama_pp.errors import PyllamaError
+
+    args = cli.build_parser().parse_args(["ab", "-p", "64", "-n", "8", "-d", "0,512"])
+    assert cli._config_kwargs(args)["tests"] == [["pp", 64], ["tg", 8], ["pp", 64, 512], ["tg", 8, 512]]
+    with pytest.raises(PyllamaError, match="n-depth"):
+        cli._config_kwargs(cli.build_parser().parse_args(["ab", "-d", "-1"]))
