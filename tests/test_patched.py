@@ -417,6 +417,21 @@ def test_direct_by_default_only_on_links_of_their_own(runner, assert_logits_matc
         assert_logits_match(r["logits"], b["logits"], f"DIRECT default, {what}")
 
 
+def test_direct_by_default_per_link_with_three_devices(runner, assert_logits_match):
+    """DIRECT's auto mode is decided per device: with three VDEVs, the first two on one link and the third on a
+    link of its own, only the third reads from host memory (the second shares the first's link; the first keeps
+    the selective copy anyway, DIRECT_FIRST=0)."""
+    devs = {"kind": "vdev", "devices": [{"link_gbps": 0, "link_group": 0}, {"link_gbps": 0, "link_group": 0},
+                                        {"link_gbps": 0}]}
+    kw = {"placement": HOST_ALL, "ctx": CTX, "n_tokens": N_TOKENS}
+    r = runner.logits("patched", devices=devs, **kw)
+    b = runner.logits("baseline", devices=devs, **kw)
+    assert r["ext"]["links"] == 2 and r["schedule"]["pipeline_parallel"] is True
+    est = {x["name"]: x["direct_bytes_est"] for x in r["ext"]["backends"]}
+    assert est["VDEV0"] == 0 and est["VDEV1"] == 0 and est["VDEV2"] > 0, est
+    assert_logits_match(r["logits"], b["logits"], "DIRECT auto, three devices, two links")
+
+
 def test_direct_with_overlap(runner, assert_logits_match):
     """DIRECT and OVERLAP together: a copy placed in the upload ring that DIRECT then points at the host weight is
     neither uploaded nor read from the ring; the logits still match, on slow links and a slow second device."""
@@ -615,6 +630,21 @@ def test_a_plan_switch_with_graphs_in_flight_drains_first(runner, tmp_path, asse
     assert sum(e["reallocs"] for e in ext) == 1 and ext[0]["reallocs"] == 1, [e["realloc_log"] for e in ext]
     assert sum(e["plan_switch_drains"] for e in ext) >= 3, ext   # each later prompt's last ubatch
     assert all(e["plan_switch_drains"] <= e["plan_switches"] for e in ext)
+
+
+def test_fewer_kept_plans_than_layouts_evict_the_oldest(runner, tmp_path, assert_logits_match):
+    """Patch 0022 with one kept plan (PLANS=1) and three layouts in play (prompt, a prompt's CPU-tail last ubatch
+    with OFFLOAD_TAIL=0, decode): the live plan and one kept plan cannot hold all three, so the least recently
+    used one is dropped and re-reserved again later - more re-reservations than with 4 kept plans, the same logits."""
+    env = _off("OFFLOAD_TAIL")
+    b = _mixed(runner, "baseline", None, tmp_path / "b.npy")
+    four = _mixed(runner, "patched", env, tmp_path / "four.npy")
+    one = _mixed(runner, "patched", {**env, "GGML_SCHED_PP_PLANS": 1}, tmp_path / "one.npy")
+    assert_logits_match(one["logits"], b["logits"], "PLANS=1, OFFLOAD_TAIL=0, mixed workload")
+    count = lambda r, k: sum(st["ext"][k] for st in r["steps"])
+    assert one["steps"][0]["ext"]["params"]["PLANS"] == 1
+    assert count(one, "reallocs") > count(four, "reallocs") == 1, (count(one, "reallocs"), count(four, "reallocs"))
+    assert count(one, "plan_switches") > 0
 
 
 def test_allocation_dependency_nodes_keep_the_reserved_node_count(runner):
