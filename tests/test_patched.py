@@ -285,7 +285,7 @@ def test_overlap_leaves_pageable_weights_to_staging(runner, assert_logits_match)
     ctx = {"n_ctx": 512, "n_batch": 256, "n_ubatch": 64}
     b = runner.logits("baseline", devices=DEVS, placement=pl, ctx=ctx, n_tokens=256)
     on = runner.logits("patched", devices=DEVS, placement=pl, ctx=ctx, n_tokens=256, env={"GGML_SCHED_PP_OVERLAP": 1})
-    assert on["schedule"]["pipeline_parallel"] is True
+    assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["OVERLAP"] == 1
     assert_logits_match(on["logits"], b["logits"], "mmap, OVERLAP=1")
     for name in ("VDEV0", "VDEV1"):
         e = _ext_backend(on["ext"], name)
@@ -453,6 +453,11 @@ def test_direct_leaves_upload_alls_refresh_to_a_readback(runner):
     e = r["tests"][0]["ext"]
     assert e["graphs"] == 3 * 4 and e["id_readbacks"] == 3 and e["upload_all"] > 10 * e["selective"], e
     assert e["direct"] == 0, e   # above the bar: upload-all everywhere else
+    # control: the same run below the bar (upload-all off) does read directly, so the 0 above means something
+    low = runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
+                                 "tests": [["pp", 128]], "reps": 3},
+                     env={"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1})["tests"][0]["ext"]
+    assert low["direct"] > 0, low
 
 
 def test_direct_skips_graphs_llama_reuses(runner, assert_logits_match):
@@ -726,7 +731,7 @@ def test_copies_switch_sets_graphs_in_flight_and_memory(runner, copies, want, pa
     memory; the logits do not change."""
     r = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
                       env={"GGML_SCHED_PP_COPIES": copies})
-    assert r["schedule"]["n_copies"] == want
+    assert r["schedule"]["n_copies"] == want and r["ext"]["params"]["COPIES"] == copies
     assert_logits_match(r["logits"], patched_all["logits"], f"COPIES={copies}")
     buf = lambda x: sum(b["compute_buffer_bytes"] for b in x["schedule"]["backends"] if b["name"].startswith("VDEV"))
     if want > 2:

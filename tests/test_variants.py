@@ -39,6 +39,10 @@ def test_info(variant):
                      "OFFLOAD_TAIL", "STABLE_DEPS", "LAST_EVENTS", "COPIES"):
             assert name in sw and sw[name]["description"], name
         assert sw["TRANSIENT"]["value"] == 1 and sw["COPIES"]["value"] == 0
+        # the defaults README and docs/DEVELOPING.md state
+        documented = {"OVERLAP": 0, "DIRECT": -1, "DIRECT_FIRST": 0, "DIRECT_MAX_TOKENS": 128, "PLANS": 4,
+                      "STAGING": 1, "SHARED_INPUTS": 1, "LINKS": 0}
+        assert {k: sw[k]["value"] for k in documented} == documented
     else:
         assert info["ext_version"] == 0 and info["switches"] == []
     assert any(d["backend"] == "CPU" for d in info["devices"]), info["devices"]
