@@ -160,6 +160,10 @@ SWEEPS = {
                       "configs": [(4096, 512, [["tg", 32, 2048]])]},
                      {**DECODE_ONE_GPU, "name": "decode-depth-one-gpu", "est": 75,
                       "configs": [(4096, 512, [["tg", 32, 2048]])]}],
+    # low coverage with the defaults: the second GPU reads its experts in its kernels (~half the copy engine's rate)
+    # and became the slower stage at ub512 (run 13): fewer layers for it (llama's -ts), both variants alike
+    "skewed-balance": [{**SKEWED, "name": f"skewed-ts{a}-{b}", "est": 100, "tensor_split": [a, b],
+                        "configs": [(4096, 512, PP4096), (4096, 256, PP4096)]} for a, b in ((28, 20), (32, 16))],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],
@@ -259,6 +263,7 @@ def main() -> int:
             cfgs = [bench.BenchConfig(model=str(model), devices=devices, n_batch=nb,
                                       n_ubatch=ub, tests=tests, reps=block.get("reps", args.reps),
                                       host_experts=block.get("host_experts", "all"),
+                                      tensor_split=block.get("tensor_split"),
                                       load_mode=block.get("load_mode", "none"), env=block.get("env", {}),
                                       ext_params=block.get("ext", {}), label=f"{block['name']} b{nb} ub{ub}",
                                       # one entry per device at most (rows cut the list to their devices)
