@@ -73,14 +73,17 @@ if [ "${PP_Q6:-0}" = 1 ]; then  # issue 6: re-reservations in a mixed workload (
     (cd /tmp && python3 "$OLDPWD/bench/gpu_run.py" --out /tmp/res/q6 --skip correctness,sweep --budget 90) | tail -2
     # PP_Q6_REPEAT=N runs it N times, the variants' order alternating (q6, q6-2, ...); PP_Q6_LOGITS=1 also compares
     # every step's logits; PP_Q6_ENV_LAST="GGML_SCHED_PP_X=V ..." sets switches for the last repetition only
+    # (each repetition stops at what is left of the call, so the results archive below is always written)
     n=${PP_Q6_REPEAT:-1}
     for i in $(seq 1 $n); do
+        left=$(( ${PP_CALL_LIMIT:-570} - ($(date +%s) - t0) - 30 ))
+        if [ $left -lt 60 ]; then echo "q6 repetition $i skipped: ${left} s left"; break; fi
         order=baseline,patched; [ $((i % 2)) = 0 ] && order=patched,baseline
         d=/tmp/res/q6; [ $i -gt 1 ] && d=/tmp/res/q6-$i
-        envs=""; [ $i = $n ] && envs="${PP_Q6_ENV_LAST:-}"
-        (cd /tmp && env $envs timeout 200 python3 "$OLDPWD/bench/q6_reservation.py" --devices cuda --model "$M" --out $d \
-            --reps 2 --rounds ${PP_Q6_ROUNDS:-2} --n-batch 4096 --n-ubatch 512 --order $order \
-            $([ "${PP_Q6_LOGITS:-0}" = 1 ] && echo --logits)) 2>&1 | tail -${PP_Q6_TAIL:-30}
+        envs=(); [ $i = $n ] && read -ra envs <<< "${PP_Q6_ENV_LAST:-}"
+        (cd /tmp && env ${envs[@]+"${envs[@]}"} timeout $(( left < 200 ? left : 200 )) python3 "$OLDPWD/bench/q6_reservation.py" \
+            --devices cuda --model "$M" --out $d --reps 2 --rounds ${PP_Q6_ROUNDS:-2} --n-batch 4096 --n-ubatch 512 \
+            --order $order $([ "${PP_Q6_LOGITS:-0}" = 1 ] && echo --logits)) 2>&1 | tail -${PP_Q6_TAIL:-30}
     done
 fi
 # the script's budget: what is left of the call (PP_CALL_LIMIT, default 570 s of the 600 s a call may run)

@@ -81,7 +81,8 @@ def main() -> int:
                 os.remove(vjob["out"])   # compared below; a 150k vocabulary makes them large
             results[(dev, v)] = res
             meta = {"machine": f"{ctx['machine']['host']} ({ctx['machine']['nproc']} cores)",
-                    "date": ctx["machine"]["date_utc"], "build": {"cuda": info.get("cuda")}, "env": pp_env,
+                    "date": ctx["machine"]["date_utc"], "build": {"cuda": info.get("cuda")},
+                    "env": pp_env if v == "patched" else {},   # the baseline has no switches
                     "order": ",".join(order)}
             if "error" in res:
                 rows = [{"variant": v, "devices": dev, "test": "workload", "avg_ts": float("nan"),

@@ -98,7 +98,7 @@ def _config_kwargs(args) -> dict:
     tests = []
     if any(d < 0 for d in args.depth):
         raise PyllamaError(f"-d/--n-depth takes token counts >= 0, got {args.depth}")
-    for d in args.depth:
+    for d in dict.fromkeys(args.depth or [0]):   # each depth once, in order
         if args.pp:
             tests += [["pp", n] + ([d] if d else []) for n in args.pp]
         if args.tg:

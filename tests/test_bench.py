@@ -178,3 +178,36 @@ def test_cli_depth_option_builds_tests_per_depth():
     assert cli._config_kwargs(args)["tests"] == [["pp", 64], ["tg", 8], ["pp", 64, 512], ["tg", 8, 512]]
     with pytest.raises(PyllamaError, match="n-depth"):
         cli._config_kwargs(cli.build_parser().parse_args(["ab", "-d", "-1"]))
+
+
+def test_depth_positions_and_clears():
+    """The exact evals of a test at a depth: the prefix at positions 0..d-1 from a cleared cache, then the timed
+    tokens at d, d+1, ... without clearing; at depth 0, tg keeps its untimed position-0 token (as before)."""
+    from types import SimpleNamespace
+
+    from pyllama_pp import worker
+
+    calls = []
+
+    class FakeSession:
+        info = SimpleNamespace(n_vocab=100, n_expert=0)
+
+        def reset_counters(self):
+            pass
+
+        def ext_stats(self):
+            return None
+
+        def eval(self, toks, logits="last", pos0=0, clear=True, stats=True):
+            calls.append((len(toks), pos0, clear))
+            return SimpleNamespace(seconds=0.01, counters={"devices": []})
+
+    def run(test):
+        calls.clear()
+        worker._run_tests(FakeSession(), [test], reps=1, seed=0, coverage=False)
+        return calls[len(calls) // 2:]   # the timed rep (the first is the warm-up)
+
+    assert run(["tg", 3, 10]) == [(10, 0, True), (1, 10, False), (1, 11, False), (1, 12, False)]
+    assert run(["pp", 5, 10]) == [(10, 0, True), (5, 10, False)]
+    assert run(["tg", 3]) == [(1, 0, True), (1, 1, False), (1, 2, False), (1, 3, False)]
+    assert run(["pp", 5]) == [(5, 0, True)]
