@@ -268,6 +268,54 @@ def test_overlap_uploads_on_a_second_stream(runner, tiny_cfg, assert_logits_matc
         assert e_on["weight_bytes"] == e_off["weight_bytes"], (e_on, e_off)
 
 
+@pytest.mark.parametrize("ub, env", [(128, {}), (64, FORCE_UPLOAD_ALL), (32, {}), (64, {"GGML_SCHED_PP_COPIES": 4})],
+                         ids=["ub128", "ub64-all", "ub32-selective", "ub64-copies4"])
+def test_overlap_in_the_compute_buffer(runner, tiny_cfg, assert_logits_match, ub, env):
+    """Patch 0024 (OVERLAP=2): a whole upload of the next split's expert tensor goes up on a second stream while
+    the split before computes, into memory ggml-alloc placed one split early in the compute buffer - no ring.
+    Same logits as the baseline on slow links and a slow second device; every upload-all went through the second
+    stream; selective copies (ub32: below the bar) stay on the plain path."""
+    b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, env, {"GGML_SCHED_PP_OVERLAP": 2})
+    assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["OVERLAP"] == 2
+    assert_logits_match(on["logits"], b["logits"], f"OVERLAP=2 ub{ub}")
+    e_on, e_off = on["ext"], off["ext"]
+    assert e_on["upload_all"] == e_off["upload_all"] and e_on["selective"] == e_off["selective"], (e_on, e_off)
+    ov = sum(x["overlap_uploads"] for x in e_on["backends"])
+    assert all(x["ring_bytes"] == 0 for x in e_on["backends"])
+    if e_on["upload_all"] > 0:
+        # all but each GPU's first expert op of a graph whose split before runs elsewhere
+        assert 0.8 * e_on["upload_all"] <= ov <= e_on["upload_all"], (ov, e_on["upload_all"])
+    else:
+        assert ov == 0
+    for name in ("VDEV0", "VDEV1"):
+        assert _ext_backend(e_on, name)["weight_bytes"] == _ext_backend(e_off, name)["weight_bytes"]
+
+
+@pytest.mark.parametrize("ub", [32, 128])
+def test_overlap_in_the_compute_buffer_keeps_the_memory_bound(runner, tiny_cfg, ub):
+    """Issue 4's bound with OVERLAP=2 (the geometry of test_memory_bound_with_the_issue_geometry): each device's
+    compute buffer <= baseline + 2 x the largest expert tensor - where OVERLAP=1's ring alone is two tensors."""
+    one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
+    placement = {**HOST_ALL, "tensor_split": [3, 5]}
+    ctx = {"n_ctx": 2304, "n_batch": 16 * ub, "n_ubatch": ub}
+    bufs = lambda r: {x["name"]: x["compute_buffer_bytes"] for x in r["schedule"]["backends"] if x["name"].startswith("VDEV")}
+    b = bufs(runner.schedule("baseline", devices=DEVS, placement=placement, ctx=ctx))
+    plain = bufs(runner.schedule("patched", devices=DEVS, placement=placement, ctx=ctx))
+    p = bufs(runner.schedule("patched", devices=DEVS, placement=placement, ctx=ctx, env={"GGML_SCHED_PP_OVERLAP": 2}))
+    for name, x in p.items():
+        assert x <= b[name] + 2 * one_expert_tensor, (name, x, b[name], one_expert_tensor)
+        assert x >= plain[name], (name, x, plain[name])   # the early copies live one split longer
+
+
+def test_overlap_in_the_compute_buffer_with_direct_and_kept_plans(runner, tmp_path, assert_logits_match):
+    """OVERLAP=2 together with DIRECT (on by default) and kept plans, in the mixed workload: the same logits as the
+    baseline, no re-reservation."""
+    b = _mixed(runner, "baseline", None, tmp_path / "b.npy")
+    p = _mixed(runner, "patched", {"GGML_SCHED_PP_OVERLAP": 2}, tmp_path / "p.npy")
+    assert_logits_match(p["logits"], b["logits"], "OVERLAP=2, mixed workload")
+    assert sum(st["ext"]["reallocs"] for st in p["steps"]) == 0
+
+
 def test_bench_reports_the_overlap_ring(runner, tiny_cfg):
     """The ring is a level, not a per-rep count: bench results carry it as it stands after the last rep."""
     on = _bench(runner, {"GGML_SCHED_PP_OVERLAP": 1})
