@@ -48,10 +48,12 @@ DIRECT_ONLY = {"GGML_SCHED_PP_DIRECT": "2", "GGML_SCHED_PP_UPLOAD_ALL": "0"}
 
 
 def correctness(model: str, devices: str, out: Path,
-                cases=((64, "none", {}), (512, "none", {}), (512, "mmap", {}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "1"})),
+                cases=((64, "none", {}), (512, "none", {}), (512, "mmap", {}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "1"}),
+                       (64, "none", {"GGML_SCHED_PP_OVERLAP": "2"}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "2"})),
                 n_tokens: int = 512, all_on_gpu: bool = True) -> list[dict]:
     """(n_ubatch, load mode, patched build's environment) cases; mmap: host weights in pageable memory (the
-    patched build stages them); OVERLAP=1: the opt-in upload ring of patch 0019."""
+    patched build stages them); OVERLAP=1: the opt-in upload ring of patch 0019; OVERLAP=2: patch 0024's early
+    uploads inside the compute buffer."""
     rows = []
     refs: dict = {}   # baseline and all-on-GPU logits per (name, n_ubatch, load mode): the cases share them
 
@@ -164,6 +166,11 @@ SWEEPS = {
     # and became the slower stage at ub512 (run 13): fewer layers for it (llama's -ts), both variants alike
     "skewed-balance": [{**SKEWED, "name": f"skewed-ts{a}-{b}", "est": 100, "tensor_split": [a, b],
                         "configs": [(4096, 512, PP4096), (4096, 256, PP4096)]} for a, b in ((28, 20), (32, 16))],
+    # patch 0024 (OVERLAP=2, opt-in): the uploads overlap compute inside the compute buffer, within issue 4's memory
+    # bound - the candidate default if it matches OVERLAP=1's rows (run 8: 1567.9 / 3279.1 / 9310.7 t/s); both
+    # variants, near-uniform routing; the correctness step checks it on the tiny preset (ub64, ub512)
+    "overlap2": [{"name": "overlap2", "est": 200, "ext": {"OVERLAP": 2},
+                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],
