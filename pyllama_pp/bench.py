@@ -361,6 +361,52 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
     return df
 
 
+# a server's mixed load in one context (bench/q6; `pyllama-pp run/ab --workload mixed`): prompts of alternating
+# lengths, each from an empty cache, then decoding right after the last one
+MIXED_WORKLOAD = [["pp", 64], ["pp", 512], ["pp", 128], ["pp", 2048], ["tg", 16]]
+
+
+def mixed_workload(cfg: BenchConfig, variants: Sequence[str] = VARIANTS, rounds: int = 3,
+                   workload: Optional[list] = None, timeout: Optional[float] = None):
+    """Run `workload` (default MIXED_WORKLOAD) `rounds` times in one context per variant (its own worker) and
+    return a DataFrame with a row per variant and step: `test` ("r2 pp512"), `avg_ts`, `speedup` (patched over
+    baseline, same step), `re_reservations` and `plan_switches` (patched build), `host_syncs`, bytes per device."""
+    import pandas as pd
+
+    workload = workload or MIXED_WORKLOAD
+    longest = max(n for k, n in workload if k == "pp") + sum(n for k, n in workload if k == "tg") + 8
+    job = {**cfg.job(), "kind": "workload", "workload": workload, "rounds": rounds}
+    job.pop("tests", None)
+    job["ctx"] = {**job["ctx"], "n_ctx": cfg.n_ctx or max(256, int(math.ceil(longest / 256.0)) * 256)}
+    meta = _meta(cfg)
+    rows: list[dict] = []
+    for v in variants:
+        vjob = {**job, "ext_params": cfg.ext_params} if v == "patched" and cfg.ext_params else job
+        try:
+            res = run_job(vjob, v, timeout=timeout, env=cfg.env)
+        except WorkerError as e:
+            rows.append({"variant": v, "devices": cfg.devices, "test": "workload", "avg_ts": float("nan"),
+                         "error": str(e)[:2000], **meta})
+            continue
+        for st in res["steps"]:
+            ext = st.get("ext") or {}
+            rows.append({
+                "variant": v, "model": Path(cfg.model).name, "devices": cfg.devices, "n_ctx": job["ctx"]["n_ctx"],
+                "n_batch": cfg.n_batch, "n_ubatch": min(cfg.n_ubatch, cfg.n_batch), "round": st["round"] + 1,
+                "test": f"r{st['round'] + 1} {st['kind']}{st['n']}", "n_prompt": st["n"] if st["kind"] == "pp" else 0,
+                "n_gen": st["n"] if st["kind"] == "tg" else 0, "avg_ts": st["ts"], "seconds": st["seconds"],
+                "pipeline_parallel": res["schedule"]["pipeline_parallel"], "host_syncs": st["host_syncs"],
+                "h2d_bytes_per_device": st["h2d_bytes_per_device"], "re_reservations": ext.get("reallocs"),
+                "plan_switches": ext.get("plan_switches"), "id_readbacks": ext.get("id_readbacks"),
+                "ext_params": cfg.ext_params if v == "patched" else {}, **meta})
+    df = pd.DataFrame(rows)
+    if not df.empty and {"baseline", "patched"} <= set(df["variant"]):
+        base = df[df.variant == "baseline"].set_index("test")["avg_ts"]
+        df["speedup"] = [r.avg_ts / base[r.test] if r.variant == "patched" and r.test in base.index and base[r.test] > 0
+                         else float("nan") for r in df.itertuples()]
+    return df
+
+
 def fmt_bytes(b) -> str:
     try:
         b = float(b)

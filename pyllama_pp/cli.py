@@ -155,9 +155,27 @@ def _failed(df) -> bool:
     return "error" in df and bool(df["error"].fillna("").astype(str).str.len().gt(0).any())
 
 
+def _workload(args, model: str, variants) -> int:
+    """--workload mixed: bench.MIXED_WORKLOAD in one context per variant, -r rounds, on every device spec."""
+    import pandas as pd
+
+    from . import bench
+    dfs = [bench.mixed_workload(cfg, variants=variants, rounds=args.reps) for cfg in _configs(args, model)]
+    df = pd.concat(dfs, ignore_index=True) if dfs else pd.DataFrame()
+    cols = [c for c in ("variant", "devices", "test", "avg_ts", "speedup", "re_reservations", "plan_switches",
+                        "host_syncs", "error") if c in df.columns]
+    if args.out:
+        bench.RowWriter(Path(args.out)).write(json.loads(df.to_json(orient="records")))
+    _emit(args, {"rows": json.loads(df.to_json(orient="records"))},
+          df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}") if not df.empty else "(no rows)")
+    return 1 if _failed(df) else 0
+
+
 def cmd_run(args) -> int:
     from . import bench
     _fill_defaults(args, PLAIN)
+    if args.workload:
+        return _workload(args, args.model, [args.variant])
     cfgs = _configs(args, args.model)
     df = bench.ab(cfgs, variants=[args.variant], out_dir=args.out, progress=not args.json)
     _emit(args, {"rows": json.loads(df.to_json(orient="records"))}, _print_rows(df))
@@ -171,6 +189,8 @@ def cmd_ab(args) -> int:
     if default and args.devices == ["cpu"]:
         args.devices = [DEFAULT_DEVICES]
     _fill_defaults(args, MAIN_JOB if default else PLAIN)
+    if args.workload:
+        return _workload(args, model, list(bench.VARIANTS))
     cfgs = _configs(args, model)
     out = Path(args.out or Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S"))
     df = bench.ab(cfgs, out_dir=out, progress=not args.json)
@@ -225,7 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-n", "--tg", type=_ints, default=[16], help="generation lengths (tg tests); 0 for none")
         p.add_argument("-d", "--n-depth", dest="depth", type=_ints, default=[0],
                        help="tokens already in the context before each test (llama-bench's -d; comma-separated)")
-        p.add_argument("-r", "--reps", type=int, default=3)
+        p.add_argument("-r", "--reps", type=int, default=3, help="repetitions (with --workload: rounds)")
+        p.add_argument("--workload", choices=["mixed"],
+                       help="mixed: prompts pp64, pp512, pp128, pp2048 from an empty cache, then tg16, in one context "
+                            "per variant, -r rounds (re-reservations and plan switches per step); -p/-n/-d are ignored")
         p.add_argument("--load-mode", default="none", choices=["none", "mmap"],
                        help="none (default): no mmap, host weights pinned where possible - upstream's fastest")
         p.add_argument("--offload-min-batch", type=int, help="GGML_OP_OFFLOAD_MIN_BATCH for both variants")

@@ -211,3 +211,23 @@ def test_depth_positions_and_clears():
     assert run(["pp", 5, 10]) == [(10, 0, True), (5, 10, False)]
     assert run(["tg", 3]) == [(1, 0, True), (1, 1, False), (1, 2, False), (1, 3, False)]
     assert run(["pp", 5]) == [(5, 0, True)]
+
+
+def test_mixed_workload_rows(tiny_model):
+    """bench.mixed_workload (`pyllama-pp run/ab --workload mixed`): a row per variant and step of each round, the
+    patched build's re-reservations (0: kept plans, patch 0022) and plan switches (the decode steps), speedups."""
+    cfg = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32)
+    df = bench.mixed_workload(cfg, rounds=2, workload=[["pp", 64], ["tg", 2]], timeout=120)
+    assert list(df[df.variant == "patched"]["test"]) == ["r1 pp64", "r1 tg2", "r2 pp64", "r2 tg2"]
+    assert len(df[df.variant == "baseline"]) == 4 and (df["avg_ts"] > 0).all()
+    p = df[df.variant == "patched"].set_index("test")
+    assert (p["re_reservations"] == 0).all() and p.loc["r1 tg2", "plan_switches"] == 1, p
+    assert p["speedup"].notna().all() and df[df.variant == "baseline"]["speedup"].isna().all()
+
+
+def test_cli_workload_option():
+    from pyllama_pp import cli
+
+    assert cli.build_parser().parse_args(["ab", "--workload", "mixed", "-r", "2"]).workload == "mixed"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["run", "m.gguf", "--workload", "bogus"])
