@@ -271,22 +271,20 @@ def test_overlap_uploads_on_a_second_stream(runner, tiny_cfg, assert_logits_matc
 @pytest.mark.parametrize("ub, env", [(128, {}), (64, FORCE_UPLOAD_ALL), (32, {}), (64, {"GGML_SCHED_PP_COPIES": 4})],
                          ids=["ub128", "ub64-all", "ub32-selective", "ub64-copies4"])
 def test_overlap_in_the_compute_buffer(runner, tiny_cfg, assert_logits_match, ub, env):
-    """Patch 0024 (OVERLAP=2): a whole upload of the next split's expert tensor goes up on a second stream while
-    the split before computes, into memory ggml-alloc placed one split early in the compute buffer - no ring.
-    Same logits as the baseline on slow links and a slow second device; every upload-all went through the second
-    stream; selective copies (ub32: below the bar) stay on the plain path."""
+    """Patch 0024 (OVERLAP=2): the next split's expert copy goes up on a second stream while the split before
+    computes, into memory ggml-alloc placed one split early in the compute buffer - no ring: a whole upload, or a
+    selective copy whose ids the split before already read back (up and down after gate). Same logits as the
+    baseline on slow links and a slow second device; the same decisions and bytes as without it, part of them
+    now on the second stream."""
     b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, env, {"GGML_SCHED_PP_OVERLAP": 2})
     assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["OVERLAP"] == 2
     assert_logits_match(on["logits"], b["logits"], f"OVERLAP=2 ub{ub}")
     e_on, e_off = on["ext"], off["ext"]
-    assert e_on["upload_all"] == e_off["upload_all"] and e_on["selective"] == e_off["selective"], (e_on, e_off)
-    ov = sum(x["overlap_uploads"] for x in e_on["backends"])
+    for k in ("upload_all", "selective", "id_readbacks", "direct"):
+        assert e_on[k] == e_off[k], (k, e_on[k], e_off[k])
     assert all(x["ring_bytes"] == 0 for x in e_on["backends"])
-    if e_on["upload_all"] > 0:
-        # all but each GPU's first expert op of a graph whose split before runs elsewhere
-        assert 0.8 * e_on["upload_all"] <= ov <= e_on["upload_all"], (ov, e_on["upload_all"])
-    else:
-        assert ov == 0
+    assert sum(x["overlap_uploads"] for x in e_on["backends"]) > 0
+    assert all(x["overlap_uploads"] == 0 for x in e_off["backends"])
     for name in ("VDEV0", "VDEV1"):
         assert _ext_backend(e_on, name)["weight_bytes"] == _ext_backend(e_off, name)["weight_bytes"]
 
