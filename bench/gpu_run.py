@@ -170,7 +170,11 @@ SWEEPS = {
     # bound - the candidate default if it matches OVERLAP=1's rows (run 8: 1567.9 / 3279.1 / 9310.7 t/s); both
     # variants, near-uniform routing; the correctness step checks it on the tiny preset (ub64, ub512)
     "overlap2": [{"name": "overlap2", "est": 200, "ext": {"OVERLAP": 2},
-                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],
+                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]},
+                 # low coverage: the first GPU's selective copies of up and down go up early too (patched only;
+                 # compare with the skewed rows of runs 12-13: 2622.4 / 1812.0 t/s with the defaults)
+                 {"name": "skewed-overlap2", "model": "skewed", "est": 60, "ext": {"OVERLAP": 2},
+                  "variants": ["patched"], "configs": [(4096, 512, PP4096), (4096, 256, PP4096)]}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],
