@@ -38,10 +38,6 @@ def log(msg: str) -> None:
     print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
-def nmse(a: np.ndarray, b: np.ndarray) -> float:
-    return float(((a.astype(np.float64) - b) ** 2).sum() / max((b.astype(np.float64) ** 2).sum(), 1e-30))
-
-
 # patch 0021 at every expert op but the one that measures coverage: upload-all off, DIRECT=2 (the 30B preset's rows,
 # 2048 and 768 values, are whole steps of CUDA's MMQ; the tiny preset's are not, see the patch)
 DIRECT_ONLY = {"GGML_SCHED_PP_DIRECT": "2", "GGML_SCHED_PP_UPLOAD_ALL": "0"}
@@ -81,9 +77,9 @@ def correctness(model: str, devices: str, out: Path,
         g = got["all_on_gpu"][0] if all_on_gpu else None
         rows.append({"model": Path(model).name, "devices": devices, "n_ubatch": ub, "load_mode": mode, "patched_env": penv,
                      "n_tokens": n_tokens,
-                     "nmse_patched_vs_baseline": nmse(p, b), "maxabs_patched_vs_baseline": float(np.abs(p - b).max()),
-                     "nmse_baseline_vs_all_on_gpu": nmse(b, g) if g is not None else None,
-                     "nmse_patched_vs_all_on_gpu": nmse(p, g) if g is not None else None, "patched_ext": ext,
+                     "nmse_patched_vs_baseline": bench.nmse(p, b), "maxabs_patched_vs_baseline": float(np.abs(p - b).max()),
+                     "nmse_baseline_vs_all_on_gpu": bench.nmse(b, g) if g is not None else None,
+                     "nmse_patched_vs_all_on_gpu": bench.nmse(p, g) if g is not None else None, "patched_ext": ext,
                      "pp_baseline": got["baseline"][1]["pipeline_parallel"],
                      "pp_patched": got["patched"][1]["pipeline_parallel"]})
         log(f"correctness ub={ub}: {rows[-1]}")
@@ -105,6 +101,9 @@ MMAP = {"name": "mmap", "load_mode": "mmap", "est": 250, "configs": [(4096, 512,
 TG32 = [(4096, 512, [["tg", 32]])]
 DECODE = {"name": "decode", "est": 70, "reps": 6, "configs": TG32}
 DECODE_ONE_GPU = {"name": "decode-one-gpu", "devices": "cuda:0", "est": 70, "reps": 6, "configs": TG32}
+DECODE_AGAIN = [{**DECODE_ONE_GPU, "est": 60}, {**DECODE, "est": 60}, {**DECODE_ONE_GPU, "name": "decode-one-gpu-2", "est": 60}]
+TG32_D2048 = [(4096, 512, [["tg", 32, 2048]])]   # tg32 right after 2048 tokens
+SKEWED_ONE_LINK = {**ONE_H200_AS_TWO, "name": "one-h200-as-two-skewed", "model": "skewed"}
 SWEEPS = {
     "main": [
         UNIFORM,
@@ -148,20 +147,17 @@ SWEEPS = {
     # check (above the coverage bar: upload-all, unchanged); with PP_Q6=1 for the mixed workload
     "defaults": [{**SKEWED, "name": "skewed-defaults", "est": 150,
                   "configs": [(4096, 512, PP4096), (4096, 256, PP4096), (512, 128, [["pp", 512]])]},
-                 {**ONE_H200_AS_TWO, "name": "one-h200-as-two-skewed", "model": "skewed", "est": 90},
+                 {**SKEWED_ONE_LINK, "est": 90},
                  {**UNIFORM, "name": "uniform-defaults", "est": 95, "configs": [(4096, 512, PP4096)]}],
     # patch 0023 after run 13: DIRECT's default (auto) stays off on one shared link; the mixed workload's decode and
     # the decode rows once more (with PP_Q6=1 PP_Q6_ROUNDS=3)
-    "defaults-again": [{**ONE_H200_AS_TWO, "name": "one-h200-as-two-skewed", "model": "skewed", "est": 75},
-                       {**DECODE_ONE_GPU, "est": 60}, {**DECODE, "est": 60},
-                       {**DECODE_ONE_GPU, "name": "decode-one-gpu-2", "est": 60}],
+    "defaults-again": [{**SKEWED_ONE_LINK, "est": 75}] + DECODE_AGAIN,
     # decode right after a filled context (llama-bench's -d; the mixed workload's tg16 after pp2048 swung 0.66-1.32x
     # on one sample per round): tg32 at depth 2048, 6 reps each, the variants' order both ways, 2 GPUs and 1 GPU
-    "decode-depth": [{"name": "decode-depth", "est": 75, "reps": 6, "configs": [(4096, 512, [["tg", 32, 2048]])]},
+    "decode-depth": [{"name": "decode-depth", "est": 75, "reps": 6, "configs": TG32_D2048},
                      {"name": "decode-depth-patched-first", "est": 75, "reps": 6, "variants": ["patched", "baseline"],
-                      "configs": [(4096, 512, [["tg", 32, 2048]])]},
-                     {**DECODE_ONE_GPU, "name": "decode-depth-one-gpu", "est": 75,
-                      "configs": [(4096, 512, [["tg", 32, 2048]])]}],
+                      "configs": TG32_D2048},
+                     {**DECODE_ONE_GPU, "name": "decode-depth-one-gpu", "est": 75, "configs": TG32_D2048}],
     # low coverage with the defaults: the second GPU reads its experts in its kernels (~half the copy engine's rate)
     # and became the slower stage at ub512 (run 13): fewer layers for it (llama's -ts), both variants alike
     "skewed-balance": [{**SKEWED, "name": f"skewed-ts{a}-{b}", "est": 100, "tensor_split": [a, b],
@@ -181,7 +177,7 @@ SWEEPS = {
     # decode with more repetitions (tg32 is ~1 s): 2 GPUs and 1 GPU
     "decode": [DECODE, DECODE_ONE_GPU],
     # decode once more, one GPU twice around two GPUs (run-to-run spread of the CPU-bound decode: experts on the CPU)
-    "decode-again": [{**DECODE_ONE_GPU, "est": 60}, {**DECODE, "est": 60}, {**DECODE_ONE_GPU, "name": "decode-one-gpu-2", "est": 60}],
+    "decode-again": DECODE_AGAIN,
     "final": [
         UNIFORM,
         {"name": "no-stable-reserve", "est": 50, "ext": {"STABLE_RESERVE": 0}, "variants": ["patched"],
@@ -210,6 +206,9 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: correctness,synth,correctness-direct,sweep")
     ap.add_argument("--sweep", default="main", help="comma-separated: " + ", ".join(SWEEPS))
     args = ap.parse_args()
+    unknown = [n for n in args.sweep.split(",") if n not in SWEEPS]
+    if unknown:   # before any GPU time is spent
+        raise SystemExit(f"unknown sweep(s) {unknown}; choose from {sorted(SWEEPS)}")
     skip = set(filter(None, args.skip.split(",")))
     args.out.mkdir(parents=True, exist_ok=True)
     args.model_dir.mkdir(parents=True, exist_ok=True)
@@ -252,9 +251,6 @@ def main() -> int:
         save()
 
     if "sweep" not in skip and big.exists():
-        unknown = [n for n in args.sweep.split(",") if n not in SWEEPS]
-        if unknown:
-            raise SystemExit(f"unknown sweep(s) {unknown}; choose from {sorted(SWEEPS)}")
         for block in [b for n in args.sweep.split(",") for b in SWEEPS[n]]:
             if block.get("model") == "skewed":
                 # skew 2.0: ~47 of 128 experts a layer at ub512 (37%); 1.0: ~74 (58%, like real models' 56-74%)

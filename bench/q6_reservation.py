@@ -26,7 +26,7 @@ from pyllama_pp.binding import build_info
 from pyllama_pp.errors import WorkerError
 from pyllama_pp.worker import run_job
 
-WORKLOAD = [["pp", 64], ["pp", 512], ["pp", 128], ["pp", 2048], ["tg", 16]]
+WORKLOAD = bench.MIXED_WORKLOAD
 
 
 def run_variant(job: dict, variant: str, timeout: float) -> dict:
@@ -59,7 +59,7 @@ def main() -> int:
     workload = [["pp", 64], ["pp", 512], ["pp", 128], ["tg", 16]] if args.quick else WORKLOAD
     max_pp = max(n for k, n in workload if k == "pp")
     n_tg = sum(n for k, n in workload if k == "tg")
-    n_ctx = -(-(max_pp + n_tg + 8) // 256) * 256
+    n_ctx = bench.ctx_for(max_pp + n_tg + 8)
     devs = C.device_list(args, [C.DEFAULT_DEVICES])
     writer = bench.RowWriter(ctx["out"])
     info = build_info()
@@ -158,7 +158,7 @@ def main() -> int:
             for step in dict.fromkeys(kinds):
                 idx = [i for i, k in enumerate(kinds) if k == step]
                 a, b = lp[idx].astype(np.float64), lb[idx].astype(np.float64)
-                lrows.append([step, len(idx), f"{float(((a - b) ** 2).sum() / max((b ** 2).sum(), 1e-30)):.3g}",
+                lrows.append([step, len(idx), f"{bench.nmse(a, b):.3g}",
                               f"{float(np.abs(a - b).max()):.3g}"])
             body.append("## logits, patched vs baseline (each prompt's last token, every decoded token; all rounds)\n\n"
                         + C.md_table(["step", "rows", "NMSE", "max abs diff"], lrows, "lrrr"))

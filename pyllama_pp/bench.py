@@ -69,7 +69,7 @@ class BenchConfig:
 
     def job(self) -> dict:
         longest = max(int(t[1]) + _depth(t) for t in self.tests) + 8
-        n_ctx = self.n_ctx or max(256, int(math.ceil(longest / 256.0)) * 256)
+        n_ctx = ctx_for(longest, self.n_ctx)
         return {"kind": "bench", "model": self.model, "devices": self.devices, "tests": self.tests, "reps": self.reps,
                 "placement": {"host_experts": self.host_experts, "load_mode": self.load_mode,
                               "n_gpu_layers": self.n_gpu_layers, "tensor_split": self.tensor_split},
@@ -149,6 +149,18 @@ def _per_gpu(ext: dict, key: str, reps: int = 1, plus: str = "") -> Optional[lis
 def num(x, fmt: str = "{:.0f}") -> str:
     """A number for a table cell: empty for None and NaN."""
     return "" if x is None or x != x else fmt.format(x)
+
+
+def ctx_for(n_tokens: int, n_ctx: int = 0) -> int:
+    """n_ctx for runs of up to n_tokens positions: `n_ctx` when set, else n_tokens rounded up to 256 (at least 256)."""
+    return n_ctx or max(256, int(math.ceil(n_tokens / 256.0)) * 256)
+
+
+def nmse(a, b) -> float:
+    """Normalized mean squared error of logits `a` against the reference `b` (float64)."""
+    import numpy as np
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(((a - b) ** 2).sum() / max((b ** 2).sum(), 1e-30))
 
 
 def _depth(test) -> int:
@@ -377,7 +389,7 @@ def mixed_workload(cfg: BenchConfig, variants: Sequence[str] = VARIANTS, rounds:
     longest = max(n for k, n in workload if k == "pp") + sum(n for k, n in workload if k == "tg") + 8
     job = {**cfg.job(), "kind": "workload", "workload": workload, "rounds": rounds}
     job.pop("tests", None)
-    job["ctx"] = {**job["ctx"], "n_ctx": cfg.n_ctx or max(256, int(math.ceil(longest / 256.0)) * 256)}
+    job["ctx"] = {**job["ctx"], "n_ctx": ctx_for(longest, cfg.n_ctx)}
     meta = _meta(cfg)
     rows: list[dict] = []
     for v in variants:

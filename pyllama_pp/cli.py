@@ -164,9 +164,10 @@ def _workload(args, model: str, variants) -> int:
     df = pd.concat(dfs, ignore_index=True) if dfs else pd.DataFrame()
     cols = [c for c in ("variant", "devices", "test", "avg_ts", "speedup", "re_reservations", "plan_switches",
                         "host_syncs", "error") if c in df.columns]
+    rows = json.loads(df.to_json(orient="records"))
     if args.out:
-        bench.RowWriter(Path(args.out)).write(json.loads(df.to_json(orient="records")))
-    _emit(args, {"rows": json.loads(df.to_json(orient="records"))},
+        bench.RowWriter(Path(args.out)).write(rows)
+    _emit(args, {"rows": rows},
           df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}") if not df.empty else "(no rows)")
     return 1 if _failed(df) else 0
 

@@ -36,22 +36,21 @@ def _case(i: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def routed_models(tmp_path_factory, tiny_model) -> dict:
-    d = tmp_path_factory.mktemp("fuzz")
-    out = {"uniform": tiny_model}
+def routed_runners(tmp_path_factory, tiny_model) -> dict:
+    """One JobRunner per routing (cases that share a baseline run it once)."""
+    from conftest import JobRunner
+
+    models = {"uniform": tiny_model}
     for name, skew in (("skew1", 1.0), ("skew2", 2.0)):
-        path = d / f"tiny-{name}.gguf"
-        synth.write_gguf(str(path), synth.preset("tiny", seed=1, routing="skewed", skew=skew))
-        out[name] = str(path)
-    return out
+        models[name] = str(synth.cached_model(tmp_path_factory.getbasetemp() / "skewed", "tiny", seed=1,
+                                              routing="skewed", skew=skew))
+    return {name: JobRunner(path, tmp_path_factory.mktemp(f"fuzz-{name}")) for name, path in models.items()}
 
 
 @pytest.mark.parametrize("i", range(N_CASES))
-def test_random_switches_keep_the_logits(routed_models, assert_logits_match, tmp_path, i):
-    from conftest import JobRunner
-
+def test_random_switches_keep_the_logits(routed_runners, assert_logits_match, i):
     c = _case(i)
-    runner = JobRunner(routed_models[c["routing"]], tmp_path)
+    runner = routed_runners[c["routing"]]
     kw = {k: c[k] for k in ("devices", "placement", "ctx", "n_tokens")}
     b = runner.logits("baseline", **kw)
     p = runner.logits("patched", env=c["env"], **kw)

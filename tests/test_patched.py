@@ -2,8 +2,9 @@
 numerics against the baseline (also with each switch off), device memory and the upload-all path."""
 from __future__ import annotations
 
+import hashlib
+import json
 import re
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -305,11 +306,11 @@ def test_overlap_in_the_compute_buffer_keeps_the_memory_bound(runner, tiny_cfg, 
         assert x >= plain[name], (name, x, plain[name])   # the early copies live one split longer
 
 
-def test_overlap_in_the_compute_buffer_with_direct_and_kept_plans(runner, tmp_path, assert_logits_match):
+def test_overlap_in_the_compute_buffer_with_direct_and_kept_plans(runner, assert_logits_match):
     """OVERLAP=2 together with DIRECT (on by default) and kept plans, in the mixed workload: the same logits as the
     baseline, no re-reservation."""
-    b = _mixed(runner, "baseline", None, tmp_path / "b.npy")
-    p = _mixed(runner, "patched", {"GGML_SCHED_PP_OVERLAP": 2}, tmp_path / "p.npy")
+    b = _mixed(runner, "baseline", None)
+    p = _mixed(runner, "patched", {"GGML_SCHED_PP_OVERLAP": 2})
     assert_logits_match(p["logits"], b["logits"], "OVERLAP=2, mixed workload")
     assert sum(st["ext"]["reallocs"] for st in p["steps"]) == 0
 
@@ -635,23 +636,26 @@ def test_prompt_batches_do_not_re_reserve_and_host_waits_are_timed(runner):
 MIXED = [["pp", 64], ["pp", 128], ["tg", 4]]
 
 
-def _mixed(runner, variant: str, env: Optional[dict], out: Path) -> dict:
+def _mixed(runner, variant: str, env: Optional[dict]) -> dict:
+    """The MIXED workload, 2 rounds, with every step's logits; identical runs are made once per session (the
+    runner caches the result, the logits stay in its folder)."""
+    out = runner.outdir / ("mixed-" + hashlib.md5(json.dumps([variant, env], sort_keys=True, default=str).encode()).hexdigest()[:12] + ".npy")
     job = {"kind": "workload", "devices": DEVS, "placement": HOST_ALL,
            "ctx": {"n_ctx": 512, "n_batch": 256, "n_ubatch": 32}, "workload": MIXED, "rounds": 2, "out": str(out)}
-    r = runner.run(variant, job, env=env, cache=False)
+    r = runner.run(variant, job, env=env)
     return {**r, "logits": np.load(out)}
 
 
-def test_decode_after_a_prompt_allocates_from_a_kept_plan(runner, tmp_path, assert_logits_match):
+def test_decode_after_a_prompt_allocates_from_a_kept_plan(runner, assert_logits_match):
     """Patch 0022 (PLANS): prompts, then decode, twice, in one context (bench/q6's pattern). The decode graph keeps
     its expert ops on the CPU, so its node backends differ from the prompt layout: with one plan the first decode
     token re-reserves in every round. With kept plans (llama reserves the decode graph when the context is made)
     every step allocates from a plan that fits it: no re-reservation and, with nothing in flight between
     llama_decode calls, no drain. The logits of every step's last token and of each decoded token match the
     baseline either way."""
-    b = _mixed(runner, "baseline", None, tmp_path / "b.npy")
-    on = _mixed(runner, "patched", None, tmp_path / "on.npy")
-    off = _mixed(runner, "patched", _off("PLANS"), tmp_path / "off.npy")
+    b = _mixed(runner, "baseline", None)
+    on = _mixed(runner, "patched", None)
+    off = _mixed(runner, "patched", _off("PLANS"))
     assert b["logits"].shape == on["logits"].shape == (2 * (len(MIXED) - 1 + 4), b["logits"].shape[1])
     assert_logits_match(on["logits"], b["logits"], "PLANS on, mixed workload")
     assert_logits_match(off["logits"], b["logits"], "PLANS=0, mixed workload")
@@ -669,13 +673,13 @@ def test_decode_after_a_prompt_allocates_from_a_kept_plan(runner, tmp_path, asse
             assert st["ext"]["reallocs"] >= 1, st["ext"]
 
 
-def test_a_plan_switch_with_graphs_in_flight_drains_first(runner, tmp_path, assert_logits_match):
+def test_a_plan_switch_with_graphs_in_flight_drains_first(runner, assert_logits_match):
     """Patch 0022: with OFFLOAD_TAIL=0 a prompt's last ubatch runs its MoE tail on the CPU, a layout of its own.
     Its first occurrence re-reserves; later ones switch to the kept plan while the ubatches before are still in
     flight, so the scheduler synchronizes first (counted as drains). Logits match the baseline."""
     env = _off("OFFLOAD_TAIL")
-    b = _mixed(runner, "baseline", None, tmp_path / "b.npy")
-    p = _mixed(runner, "patched", env, tmp_path / "p.npy")
+    b = _mixed(runner, "baseline", None)
+    p = _mixed(runner, "patched", env)
     assert_logits_match(p["logits"], b["logits"], "OFFLOAD_TAIL=0, mixed workload")
     ext = [st["ext"] for st in p["steps"]]
     assert sum(e["reallocs"] for e in ext) == 1 and ext[0]["reallocs"] == 1, [e["realloc_log"] for e in ext]
@@ -683,14 +687,14 @@ def test_a_plan_switch_with_graphs_in_flight_drains_first(runner, tmp_path, asse
     assert all(e["plan_switch_drains"] <= e["plan_switches"] for e in ext)
 
 
-def test_fewer_kept_plans_than_layouts_evict_the_oldest(runner, tmp_path, assert_logits_match):
+def test_fewer_kept_plans_than_layouts_evict_the_oldest(runner, assert_logits_match):
     """Patch 0022 with one kept plan (PLANS=1) and three layouts in play (prompt, a prompt's CPU-tail last ubatch
     with OFFLOAD_TAIL=0, decode): the live plan and one kept plan cannot hold all three, so the least recently
     used one is dropped and re-reserved again later - more re-reservations than with 4 kept plans, the same logits."""
     env = _off("OFFLOAD_TAIL")
-    b = _mixed(runner, "baseline", None, tmp_path / "b.npy")
-    four = _mixed(runner, "patched", env, tmp_path / "four.npy")
-    one = _mixed(runner, "patched", {**env, "GGML_SCHED_PP_PLANS": 1}, tmp_path / "one.npy")
+    b = _mixed(runner, "baseline", None)
+    four = _mixed(runner, "patched", env)
+    one = _mixed(runner, "patched", {**env, "GGML_SCHED_PP_PLANS": 1})
     assert_logits_match(one["logits"], b["logits"], "PLANS=1, OFFLOAD_TAIL=0, mixed workload")
     count = lambda r, k: sum(st["ext"][k] for st in r["steps"])
     assert one["steps"][0]["ext"]["params"]["PLANS"] == 1
