@@ -104,6 +104,12 @@ DECODE_ONE_GPU = {"name": "decode-one-gpu", "devices": "cuda:0", "est": 70, "rep
 DECODE_AGAIN = [{**DECODE_ONE_GPU, "est": 60}, {**DECODE, "est": 60}, {**DECODE_ONE_GPU, "name": "decode-one-gpu-2", "est": 60}]
 TG32_D2048 = [(4096, 512, [["tg", 32, 2048]])]   # tg32 right after 2048 tokens
 SKEWED_ONE_LINK = {**ONE_H200_AS_TWO, "name": "one-h200-as-two-skewed", "model": "skewed"}
+DECODE_DEPTH = [{"name": "decode-depth", "est": 75, "reps": 6, "configs": TG32_D2048},
+                {"name": "decode-depth-patched-first", "est": 75, "reps": 6, "variants": ["patched", "baseline"],
+                 "configs": TG32_D2048},
+                {**DECODE_ONE_GPU, "name": "decode-depth-one-gpu", "est": 75, "configs": TG32_D2048}]
+OVERLAP2 = {"OVERLAP": 2}
+SKEWED_LOW = [(4096, 512, PP4096), (4096, 256, PP4096)]   # 37% / 34% coverage
 SWEEPS = {
     "main": [
         UNIFORM,
@@ -154,10 +160,9 @@ SWEEPS = {
     "defaults-again": [{**SKEWED_ONE_LINK, "est": 75}] + DECODE_AGAIN,
     # decode right after a filled context (llama-bench's -d; the mixed workload's tg16 after pp2048 swung 0.66-1.32x
     # on one sample per round): tg32 at depth 2048, 6 reps each, the variants' order both ways, 2 GPUs and 1 GPU
-    "decode-depth": [{"name": "decode-depth", "est": 75, "reps": 6, "configs": TG32_D2048},
-                     {"name": "decode-depth-patched-first", "est": 75, "reps": 6, "variants": ["patched", "baseline"],
-                      "configs": TG32_D2048},
-                     {**DECODE_ONE_GPU, "name": "decode-depth-one-gpu", "est": 75, "configs": TG32_D2048}],
+    "decode-depth": DECODE_DEPTH,
+    # the same with OVERLAP=2 (the candidate default after run 16)
+    "decode-depth-overlap2": [{**b, "name": b["name"] + "-overlap2", "ext": OVERLAP2} for b in DECODE_DEPTH],
     # low coverage with the defaults: the second GPU reads its experts in its kernels (~half the copy engine's rate)
     # and became the slower stage at ub512 (run 13): fewer layers for it (llama's -ts), both variants alike
     "skewed-balance": [{**SKEWED, "name": f"skewed-ts{a}-{b}", "est": 100, "tensor_split": [a, b],
@@ -171,6 +176,11 @@ SWEEPS = {
                  # compare with the skewed rows of runs 12-13: 2622.4 / 1812.0 t/s with the defaults)
                  {"name": "skewed-overlap2", "model": "skewed", "est": 60, "ext": {"OVERLAP": 2},
                   "variants": ["patched"], "configs": [(4096, 512, PP4096), (4096, 256, PP4096)]}],
+    # OVERLAP=2 at low coverage in one call (run 16's patched-only 2477.6 t/s at ub512 vs run 13's 2622.4 with
+    # OVERLAP off came from different calls): the A/B with OVERLAP=2, then patched with OVERLAP off
+    "overlap2-low": [{**SKEWED, "name": "skewed-overlap2", "est": 130, "ext": OVERLAP2, "configs": SKEWED_LOW},
+                     {"name": "skewed-overlap0", "model": "skewed", "est": 50, "variants": ["patched"],
+                      "configs": SKEWED_LOW}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],
