@@ -179,7 +179,7 @@ SWEEPS = {
     # OVERLAP=2 at low coverage in one call (run 16's patched-only 2477.6 t/s at ub512 vs run 13's 2622.4 with
     # OVERLAP off came from different calls): the A/B with OVERLAP=2, then patched with OVERLAP off
     "overlap2-low": [{**SKEWED, "name": "skewed-overlap2", "est": 130, "ext": OVERLAP2, "configs": SKEWED_LOW},
-                     {"name": "skewed-overlap0", "model": "skewed", "est": 50, "variants": ["patched"],
+                     {"name": "skewed-overlap0", "model": "skewed", "est": 50, "ext": {"OVERLAP": 0}, "variants": ["patched"],
                       "configs": SKEWED_LOW}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
