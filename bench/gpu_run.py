@@ -181,6 +181,12 @@ SWEEPS = {
     "overlap2-low": [{**SKEWED, "name": "skewed-overlap2", "est": 130, "ext": OVERLAP2, "configs": SKEWED_LOW},
                      {"name": "skewed-overlap0", "model": "skewed", "est": 50, "ext": {"OVERLAP": 0}, "variants": ["patched"],
                       "configs": SKEWED_LOW}],
+    # OVERLAP=2 by default (patch 0027): what runs 16-17 did not cover - near-uniform ub256 (the 85% target starts
+    # there), mmap (pageable weights: staged, not early), one shared link, and a small batch at low coverage
+    "overlap2-default": [{**UNIFORM, "name": "uniform-ub256", "est": 70, "configs": [(4096, 256, PP4096)]},
+                         {**MMAP, "est": 150, "reps": 1},
+                         {**ONE_H200_AS_TWO, "est": 85},
+                         {**SKEWED, "name": "skewed-small", "est": 45, "configs": [(512, 128, [["pp", 512]])]}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],

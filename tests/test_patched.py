@@ -29,6 +29,8 @@ def _off(name: str) -> dict:
 # the selective copy on every device (patch 0023 makes DIRECT the default on every GPU but the first): for tests of
 # the transient-copy machinery itself
 NO_DIRECT = _off("DIRECT")
+# uploads on the split's own stream (patch 0027 makes OVERLAP=2 the default): the control of the OVERLAP tests
+OVERLAP_OFF = _off("OVERLAP")
 
 
 def _ext_backend(ext: dict, name: str) -> dict:
@@ -252,12 +254,13 @@ def _baseline_off_on(runner, devs: str, ub: int, env: dict, switch: dict):
 @pytest.mark.parametrize("ub, env", [(32, {}), (128, {}), (128, FORCE_UPLOAD_ALL), (64, {"GGML_SCHED_PP_COPIES": 4})],
                          ids=["ub32", "ub128", "ub128-all", "ub64-copies4"])
 def test_overlap_uploads_on_a_second_stream(runner, tiny_cfg, assert_logits_match, ub, env):
-    """Patch 0019 (OVERLAP, off by default): transient host weights go into a two-slot ring per device, uploaded on
+    """Patch 0019 (OVERLAP=1, opt-in; against OVERLAP off): transient host weights go into a two-slot ring per device, uploaded on
     a second backend of the same device while the split before computes. Same logits as the baseline, on slow
     links with a slow device too (events order the slots); the ring holds two expert tensors (one split's
     transient inputs per slot: one expert tensor here); every transient upload went through it. (DIRECT off:
     with it VDEV1 reads below the bar from host memory - test_direct_with_overlap.)"""
-    b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, {**NO_DIRECT, **env}, {"GGML_SCHED_PP_OVERLAP": 1})
+    b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, {**NO_DIRECT, **OVERLAP_OFF, **env},
+                                  {"GGML_SCHED_PP_OVERLAP": 1})
     assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["OVERLAP"] == 1
     assert_logits_match(on["logits"], b["logits"], f"OVERLAP=1 ub{ub}")
     one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
@@ -272,12 +275,12 @@ def test_overlap_uploads_on_a_second_stream(runner, tiny_cfg, assert_logits_matc
 @pytest.mark.parametrize("ub, env", [(128, {}), (64, FORCE_UPLOAD_ALL), (32, {}), (64, {"GGML_SCHED_PP_COPIES": 4})],
                          ids=["ub128", "ub64-all", "ub32-selective", "ub64-copies4"])
 def test_overlap_in_the_compute_buffer(runner, tiny_cfg, assert_logits_match, ub, env):
-    """Patch 0024 (OVERLAP=2): the next split's expert copy goes up on a second stream while the split before
+    """Patch 0024 (OVERLAP=2, the default since 0027; against OVERLAP off): the next split's expert copy goes up on a second stream while the split before
     computes, into memory ggml-alloc placed one split early in the compute buffer - no ring: a whole upload, or a
     selective copy whose ids the split before already read back (up and down after gate). Same logits as the
     baseline on slow links and a slow second device; the same decisions and bytes as without it, part of them
     now on the second stream."""
-    b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, env, {"GGML_SCHED_PP_OVERLAP": 2})
+    b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, {**OVERLAP_OFF, **env}, {"GGML_SCHED_PP_OVERLAP": 2})
     assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["OVERLAP"] == 2
     assert_logits_match(on["logits"], b["logits"], f"OVERLAP=2 ub{ub}")
     e_on, e_off = on["ext"], off["ext"]
@@ -299,7 +302,7 @@ def test_overlap_in_the_compute_buffer_keeps_the_memory_bound(runner, tiny_cfg, 
     ctx = {"n_ctx": 2304, "n_batch": 16 * ub, "n_ubatch": ub}
     bufs = lambda r: {x["name"]: x["compute_buffer_bytes"] for x in r["schedule"]["backends"] if x["name"].startswith("VDEV")}
     b = bufs(runner.schedule("baseline", devices=DEVS, placement=placement, ctx=ctx))
-    plain = bufs(runner.schedule("patched", devices=DEVS, placement=placement, ctx=ctx))
+    plain = bufs(runner.schedule("patched", devices=DEVS, placement=placement, ctx=ctx, env=OVERLAP_OFF))
     p = bufs(runner.schedule("patched", devices=DEVS, placement=placement, ctx=ctx, env={"GGML_SCHED_PP_OVERLAP": 2}))
     for name, x in p.items():
         assert x <= b[name] + 2 * one_expert_tensor, (name, x, b[name], one_expert_tensor)
@@ -313,6 +316,23 @@ def test_overlap_in_the_compute_buffer_with_direct_and_kept_plans(runner, assert
     p = _mixed(runner, "patched", {"GGML_SCHED_PP_OVERLAP": 2})
     assert_logits_match(p["logits"], b["logits"], "OVERLAP=2, mixed workload")
     assert sum(st["ext"]["reallocs"] for st in p["steps"]) == 0
+
+
+def test_overlap_in_the_compute_buffer_keeps_one_plan_for_a_prompt(runner):
+    """OVERLAP=2 places the early copies by the ubatch's expert selections, not each op's: the last layer of a
+    prompt's last ubatch reads only its output rows (none in the other ubatches), and placing its copies by those
+    rows ordered that graph differently - a second allocation plan, switched to with graphs in flight (a drain)
+    at every prompt. Upload-all at every op (so every copy can go up early): no plan switch, no drain, and one
+    coverage readback per prompt (upload-all's refresh), as with OVERLAP off."""
+    def run(overlap):
+        env = {**FORCE_UPLOAD_ALL, "GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 1, "GGML_SCHED_PP_OVERLAP": overlap}
+        return runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
+                                      "tests": [["pp", 128]], "reps": 3}, env=env)["tests"][0]["ext"]
+    on, off = run(2), run(0)
+    assert on["graphs"] == off["graphs"] == 3 * 4
+    assert sum(x["overlap_uploads"] for x in on["backends"]) > 0, on   # the copies did go up early
+    assert on["plan_switches"] == on["plan_switch_drains"] == on["reallocs"] == 0, on
+    assert on["id_readbacks"] == off["id_readbacks"] == 3, (on["id_readbacks"], off["id_readbacks"])
 
 
 def test_bench_reports_the_overlap_ring(runner, tiny_cfg):
@@ -735,7 +755,9 @@ def test_pageable_host_weights_go_through_pinned_staging(runner, assert_logits_m
     # where the weights are: a pageable CPU buffer vs the VDEV host buffer type (pinned)
     assert pageable_buft in {m["buft"] for m in staged["schedule"]["memory"]}
     # (DIRECT off for the pinned run: it reads pinned weights from host memory, pageable ones never)
-    pinned = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS, env=NO_DIRECT)
+    # (and OVERLAP off, as for pageable weights: its second stream adds host syncs of its own at each synchronize)
+    pinned = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
+                           env={**NO_DIRECT, **OVERLAP_OFF})
     assert staged["ext"]["direct"] == 0
     assert not {"CPU", "CPU_Mapped"} & {m["buft"] for m in pinned["schedule"]["memory"]}
     assert pinned["schedule"]["pipeline_parallel"] is True
