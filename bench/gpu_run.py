@@ -187,6 +187,11 @@ SWEEPS = {
                          {**MMAP, "est": 150, "reps": 1},
                          {**ONE_H200_AS_TWO, "est": 85},
                          {**SKEWED, "name": "skewed-small", "est": 45, "configs": [(512, 128, [["pp", 512]])]}],
+    # decode after a filled context with more tokens per sample (tg16/tg32 single samples swung 0.66-1.32x): tg128
+    # at depth 2048, 5 reps, both variant orders, 2 GPUs
+    "decode-long": [{"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]},
+                    {"name": "decode-long-patched-first", "est": 130, "reps": 5, "variants": ["patched", "baseline"],
+                     "configs": [(4096, 512, [["tg", 128, 2048]])]}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],
