@@ -192,6 +192,8 @@ SWEEPS = {
     "decode-long": [{"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]},
                     {"name": "decode-long-patched-first", "est": 130, "reps": 5, "variants": ["patched", "baseline"],
                      "configs": [(4096, 512, [["tg", 128, 2048]])]}],
+    "decode-long-one-gpu": [{"name": "decode-long-one-gpu", "devices": "cuda:0", "est": 110, "reps": 5,
+                             "configs": [(4096, 512, [["tg", 128, 2048]])]}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],
