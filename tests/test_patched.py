@@ -29,7 +29,7 @@ def _off(name: str) -> dict:
 # the selective copy on every device (patch 0023 makes DIRECT the default on every GPU but the first): for tests of
 # the transient-copy machinery itself
 NO_DIRECT = _off("DIRECT")
-# uploads on the split's own stream (patch 0027 makes OVERLAP=2 the default): the control of the OVERLAP tests
+# uploads on the split's own stream (the default; pinned so the OVERLAP tests keep their control if it changes)
 OVERLAP_OFF = _off("OVERLAP")
 
 
@@ -275,9 +275,10 @@ def test_overlap_uploads_on_a_second_stream(runner, tiny_cfg, assert_logits_matc
 @pytest.mark.parametrize("ub, env", [(128, {}), (64, FORCE_UPLOAD_ALL), (32, {}), (64, {"GGML_SCHED_PP_COPIES": 4})],
                          ids=["ub128", "ub64-all", "ub32-selective", "ub64-copies4"])
 def test_overlap_in_the_compute_buffer(runner, tiny_cfg, assert_logits_match, ub, env):
-    """Patch 0024 (OVERLAP=2, the default since 0027; against OVERLAP off): the next split's expert copy goes up on a second stream while the split before
-    computes, into memory ggml-alloc placed one split early in the compute buffer - no ring: a whole upload, or a
-    selective copy whose ids the split before already read back (up and down after gate). Same logits as the
+    """Patch 0024 (OVERLAP=2, opt-in; against OVERLAP off): the next split's expert copy goes up on a second
+    stream while the split before computes, into memory ggml-alloc placed one split early in the compute buffer -
+    no ring: a whole upload, or a selective copy whose ids the split before already read back (up and down after
+    gate). Same logits as the
     baseline on slow links and a slow second device; the same decisions and bytes as without it, part of them
     now on the second stream."""
     b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, {**OVERLAP_OFF, **env}, {"GGML_SCHED_PP_OVERLAP": 2})

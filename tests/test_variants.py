@@ -40,7 +40,7 @@ def test_info(variant):
             assert name in sw and sw[name]["description"], name
         assert sw["TRANSIENT"]["value"] == 1 and sw["COPIES"]["value"] == 0
         # the defaults README and docs/DEVELOPING.md state
-        documented = {"OVERLAP": 2, "DIRECT": -1, "DIRECT_FIRST": 0, "DIRECT_MAX_TOKENS": 128, "PLANS": 4,
+        documented = {"OVERLAP": 0, "DIRECT": -1, "DIRECT_FIRST": 0, "DIRECT_MAX_TOKENS": 128, "PLANS": 4,
                       "STAGING": 1, "SHARED_INPUTS": 1, "LINKS": 0}
         assert {k: sw[k]["value"] for k in documented} == documented
     else:
