@@ -385,8 +385,16 @@ def mixed_workload(cfg: BenchConfig, variants: Sequence[str] = VARIANTS, rounds:
     baseline, same step), `re_reservations` and `plan_switches` (patched build), `host_syncs`, bytes per device."""
     import pandas as pd
 
-    workload = workload or MIXED_WORKLOAD
-    longest = max(n for k, n in workload if k == "pp") + sum(n for k, n in workload if k == "tg") + 8
+    workload = MIXED_WORKLOAD if workload is None else workload
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a whole number of at least 1, got {rounds!r}")
+    bad = [st for st in workload if not (isinstance(st, (list, tuple)) and len(st) == 2 and st[0] in ("pp", "tg")
+                                         and isinstance(st[1], int) and not isinstance(st[1], bool) and st[1] >= 1)]
+    if not workload or bad:
+        raise ValueError(f"a workload is a non-empty list of steps [\"pp\" or \"tg\", tokens >= 1], such as "
+                         f"{MIXED_WORKLOAD}; got {bad[0] if bad else workload!r}")
+    # a prompt starts from an empty cache; decode steps continue after the last prompt (or from position 0)
+    longest = max((n for k, n in workload if k == "pp"), default=0) + sum(n for k, n in workload if k == "tg") + 8
     job = {**cfg.job(), "kind": "workload", "workload": workload, "rounds": rounds}
     job.pop("tests", None)
     job["ctx"] = {**job["ctx"], "n_ctx": ctx_for(longest, cfg.n_ctx)}

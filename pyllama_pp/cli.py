@@ -39,6 +39,16 @@ def _ints(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
+def _positive(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {s!r}")
+    return n
+
+
 # ---------------------------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
     from .binding import VARIANTS, available_variants, build_info
@@ -246,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-n", "--tg", type=_ints, default=[16], help="generation lengths (tg tests); 0 for none")
         p.add_argument("-d", "--n-depth", dest="depth", type=_ints, default=[0],
                        help="tokens already in the context before each test (llama-bench's -d; comma-separated)")
-        p.add_argument("-r", "--reps", type=int, default=3, help="repetitions (with --workload: rounds)")
+        p.add_argument("-r", "--reps", type=_positive, default=3, help="repetitions (with --workload: rounds)")
         p.add_argument("--workload", choices=["mixed"],
                        help="mixed: prompts pp64, pp512, pp128, pp2048 from an empty cache, then tg16, in one context "
                             "per variant, -r rounds (re-reservations and plan switches per step); -p/-n/-d are ignored")

@@ -225,9 +225,37 @@ def test_mixed_workload_rows(tiny_model):
     assert p["speedup"].notna().all() and df[df.variant == "baseline"]["speedup"].isna().all()
 
 
-def test_cli_workload_option():
+def test_cli_workload_option(capsys):
     from pyllama_pp import cli
 
     assert cli.build_parser().parse_args(["ab", "--workload", "mixed", "-r", "2"]).workload == "mixed"
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["run", "m.gguf", "--workload", "bogus"])
+    # no repetitions or rounds: an error that says so, not an empty table and exit 0
+    for reps in ("0", "-1", "x"):
+        with pytest.raises(SystemExit) as e:
+            cli.build_parser().parse_args(["ab", "--workload", "mixed", "-r", reps])
+        assert e.value.code == 2
+        assert "at least 1" in capsys.readouterr().err
+
+
+def test_mixed_workload_rejects_bad_steps_before_any_run(tiny_model):
+    """A custom workload or round count that cannot run is a ValueError naming the problem, raised before a
+    worker starts."""
+    cfg = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32)
+    for workload, what in (([], "non-empty"), ([["pp", 0]], "['pp', 0]"), ([["decode", 4]], "decode"),
+                           ([["pp", 64, 1]], "['pp', 64, 1]"), ([["tg", 2.5]], "2.5")):
+        with pytest.raises(ValueError, match="a workload is") as e:
+            bench.mixed_workload(cfg, workload=workload)
+        assert what in str(e.value), (workload, str(e.value))
+    for rounds in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="rounds must be"):
+            bench.mixed_workload(cfg, rounds=rounds, workload=[["pp", 64]])
+
+
+def test_mixed_workload_without_a_prompt(tiny_model):
+    """Decode steps alone start from an empty cache (before, the context size came from the longest prompt and a
+    workload without one failed with a bare max() error)."""
+    cfg = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32)
+    df = bench.mixed_workload(cfg, variants=["baseline"], rounds=1, workload=[["tg", 3]], timeout=120)
+    assert list(df["test"]) == ["r1 tg3"] and (df["avg_ts"] > 0).all(), df
