@@ -9,9 +9,10 @@ Accepted forms:
   vdev:2x768MiB@4GBps,speed=1:2    ... the second device computes 2x slower (mixed GPUs)
   vdev:2x768MiB@4GBps,direct=0.5   ... kernels that read pinned host memory (DIRECT) get half the link's rate
                                    (the default: about what the 2xH200 box shows; 1 = the copy engine's rate)
+  vdev:2x0@0,pad=512               ... quantized tensors get CUDA's row padding in their alloc size (VRAM as on CUDA)
   vdev:2x0@0                       2 unthrottled VDEVs without a memory limit
   a JSON file or dict: {"kind": "vdev", "devices": [{"memory": "768MiB", "link_gbps": 4, "link_group": 0,
-                         "speed": 1.0, "threads": 1, "direct_read": 0.5}, ...]}
+                         "speed": 1.0, "threads": 1, "direct_read": 0.5, "row_pad": 0}, ...]}
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ class VDevConfig:
     threads: int = 1
     d2d_gbps: float = 0.0
     direct_read: float = DEFAULT_DIRECT_READ   # share of the link for kernels reading pinned host memory (DIRECT)
+    row_pad: int = 0              # CUDA's row padding of quantized tensors (512 there): alloc sizes as on CUDA; 0 = none
 
 
 @dataclass
@@ -103,6 +105,16 @@ def _direct_read(val: Any, spec: Any, what: str = "direct") -> float:
     return f
 
 
+def _row_pad(val: Any, spec: Any, what: str = "pad") -> int:
+    try:
+        n = int(val)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0 or n > 4096:
+        raise _bad(spec, f"{what} takes a whole number of values 0..4096 (CUDA pads rows to 512), not {val!r}")
+    return n
+
+
 def _bad(spec: Any, why: str) -> DeviceSpecError:
     err = DeviceSpecError(f"bad device spec {spec!r}: {why}.\nAccepted forms:{FORMS}")
     err.complete = True   # names the spec and lists the accepted forms: parse() passes it on as it is
@@ -124,14 +136,16 @@ def _from_dict(d: dict, text: str) -> DeviceSpec:
     for i, dd in enumerate(devs):
         if not isinstance(dd, dict):
             raise _bad(text, f"device {i} is not an object")
-        unknown = set(dd) - {"memory", "link_gbps", "link", "link_group", "speed", "threads", "d2d_gbps", "direct_read"}
+        unknown = set(dd) - {"memory", "link_gbps", "link", "link_group", "speed", "threads", "d2d_gbps", "direct_read",
+                             "row_pad"}
         if unknown:
             raise _bad(text, f"device {i} has unknown keys {sorted(unknown)}")
         v = VDevConfig(memory=parse_size(dd.get("memory", 0)),
                        link_gbps=parse_rate(dd.get("link_gbps", dd.get("link", 0))),
                        link_group=int(dd.get("link_group", -1)), speed=float(dd.get("speed", 1.0)),
                        threads=int(dd.get("threads", 1)), d2d_gbps=parse_rate(dd.get("d2d_gbps", 0)),
-                       direct_read=_direct_read(dd.get("direct_read", DEFAULT_DIRECT_READ), text, f"device {i}: direct_read"))
+                       direct_read=_direct_read(dd.get("direct_read", DEFAULT_DIRECT_READ), text, f"device {i}: direct_read"),
+                       row_pad=_row_pad(dd.get("row_pad", 0), text, f"device {i}: row_pad"))
         if v.speed < 1.0:
             raise _bad(text, f"device {i}: speed is a slow-down factor and must be >= 1")
         out.append(v)
@@ -191,7 +205,7 @@ def _parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
         raise _bad(text, "the device count must be 1..16")
     mem = parse_size(m.group(2))
     rate = parse_rate(m.group(3) or 0)
-    shared, speeds, threads, direct = False, [1.0] * n, 1, DEFAULT_DIRECT_READ
+    shared, speeds, threads, direct, pad = False, [1.0] * n, 1, DEFAULT_DIRECT_READ, 0
     for opt in filter(None, (m.group(4) or "").split(",")):
         key, _, val = opt.partition("=")
         if key == "shared" and not val:
@@ -207,8 +221,10 @@ def _parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
             threads = int(val)
         elif key == "direct" and val:
             direct = _direct_read(val, text)
+        elif key == "pad" and val:
+            pad = _row_pad(val, text)
         else:
-            raise _bad(text, f"unknown option {opt!r} (options: shared, speed=A:B, threads=N, direct=F)")
+            raise _bad(text, f"unknown option {opt!r} (options: shared, speed=A:B, threads=N, direct=F, pad=N)")
     devs = [VDevConfig(memory=mem, link_gbps=rate, link_group=0 if shared else -1, speed=speeds[i], threads=threads,
-                       direct_read=direct) for i in range(n)]
+                       direct_read=direct, row_pad=pad) for i in range(n)]
     return DeviceSpec("vdev", vdevs=devs, text=text)

@@ -272,6 +272,7 @@ class Session:
                 cfg[i].n_threads = v.threads
                 cfg[i].d2d_gbps = v.d2d_gbps
                 cfg[i].direct_read = v.direct_read
+                cfg[i].row_pad = v.row_pad
             err = ffi.new("char[512]")
             if lib.pp_vdev_register(cfg, n, err, 512) != 0:
                 raise DeviceSpecError(f"cannot set up the virtual devices: {ffi.string(err).decode()}")

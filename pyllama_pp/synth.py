@@ -65,6 +65,8 @@ lives under ``pyllama_pp.synth.*`` (format version, preset, all config fields, r
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
 import struct
@@ -582,10 +584,15 @@ def _write_tensor(f: BinaryIO, t: _Tensor, cfg: SynthConfig, pools: _Pools) -> N
 
 def cached_model(directory, preset_name: str = "tiny", **overrides: Any) -> Path:
     """The GGUF of ``preset(preset_name, **overrides)`` in ``directory``, written once (the same config gives
-    the same bytes). Named ``<preset>-L<n_layer>-<routing>[<skew>]-s<seed>.gguf``."""
+    the same bytes). Named ``<preset>-L<n_layer>-<routing>[<skew>]-s<seed>[-<hash>].gguf``: the hash of the
+    config is added when it differs from the preset in anything else (n_expert, type, ...), so two configs never
+    share a file."""
     cfg = preset(preset_name, **overrides)
     tag = cfg.routing if cfg.routing != "skewed" else f"skewed{cfg.skew:g}"
-    path = Path(directory) / f"{preset_name}-L{cfg.n_layer}-{tag}-s{cfg.seed}.gguf"
+    named = {"n_layer": cfg.n_layer, "routing": cfg.routing, "skew": cfg.skew, "seed": cfg.seed}
+    other = "" if cfg == preset(preset_name, **named) else "-" + hashlib.sha1(
+        json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:8]
+    path = Path(directory) / f"{preset_name}-L{cfg.n_layer}-{tag}-s{cfg.seed}{other}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         print(f"pyllama_pp: writing the synthetic model {path}", file=sys.stderr)

@@ -111,6 +111,18 @@ def test_vdev_direct_read_share():
         parse({"kind": "vdev", "devices": [{"direct_read": 2}]})
 
 
+def test_vdev_row_pad():
+    """pad=N: alloc sizes with CUDA's row padding of quantized tensors (VRAM as on CUDA); none by default."""
+    assert [v.row_pad for v in parse("vdev:2x0@1").vdevs] == [0, 0]
+    assert [v.row_pad for v in parse("vdev:2x0@1,shared,pad=512").vdevs] == [512, 512]
+    assert parse({"kind": "vdev", "devices": [{"row_pad": 256}]}).vdevs[0].row_pad == 256
+    for bad in ("vdev:2x0@1,pad=5000", "vdev:2x0@1,pad=1.5"):
+        with pytest.raises(DeviceSpecError, match="pad takes a whole number"):
+            parse(bad)
+    with pytest.raises(DeviceSpecError, match="device 0: row_pad takes a whole number"):
+        parse({"kind": "vdev", "devices": [{"row_pad": -1}]})
+
+
 # --- JSON forms --------------------------------------------------------------------------------------------
 
 JSON_SPEC = {"kind": "vdev", "devices": [

@@ -14,7 +14,7 @@ N_CASES = int(os.environ.get("PP_FUZZ_CASES", "16"))
 SEED = int(os.environ.get("PP_FUZZ_SEED", "0"))
 SWITCHES = {"OVERLAP": [0, 1, 2], "DIRECT": [-1, 0, 1, 2], "DIRECT_FIRST": [0, 1], "PLANS": [0, 1, 4],
             "COPIES": [0, 2, 4], "UPLOAD_ALL": [0, 1], "SHARED_INPUTS": [0, 1], "EARLY_INPUTS": [0, 1],
-            "STAGING": [0, 1], "OFFLOAD_TAIL": [0, 1]}
+            "STAGING": [0, 1], "OFFLOAD_TAIL": [0, 1], "OVERLAP_POOL": [0, 1]}
 
 
 def _case(i: int) -> dict:
@@ -23,9 +23,13 @@ def _case(i: int) -> dict:
     nb = ub * rng.choice([1, 2, 4, 8])
     link = rng.choice([0, 0.5, 2])
     shape = rng.choice(["two", "shared", "slow", "three"])
-    devs = {"two": f"vdev:2x0@{link}", "shared": f"vdev:2x0@{link},shared", "slow": f"vdev:2x0@{link},speed=1:3",
-            "three": {"kind": "vdev", "devices": [{"link_gbps": link, "link_group": 0},
-                                                  {"link_gbps": link, "link_group": 0}, {"link_gbps": link}]}}[shape]
+    pad = rng.choice([0, 512])   # CUDA's row padding in alloc sizes (OVERLAP=2 pools the expert copies then)
+    opt = f",pad={pad}" if pad else ""
+    devs = {"two": f"vdev:2x0@{link}{opt}", "shared": f"vdev:2x0@{link},shared{opt}",
+            "slow": f"vdev:2x0@{link},speed=1:3{opt}",
+            "three": {"kind": "vdev", "devices": [{"link_gbps": link, "link_group": 0, "row_pad": pad},
+                                                  {"link_gbps": link, "link_group": 0, "row_pad": pad},
+                                                  {"link_gbps": link, "row_pad": pad}]}}[shape]
     env = {f"GGML_SCHED_PP_{k}": rng.choice(v) for k, v in SWITCHES.items() if rng.random() < 0.5}
     placement = {"host_experts": rng.choice(["all", "all", 3])}
     if rng.random() < 0.2:

@@ -319,6 +319,36 @@ def test_overlap_in_the_compute_buffer_with_direct_and_kept_plans(runner, assert
     assert sum(st["ext"]["reallocs"] for st in p["steps"]) == 0
 
 
+def test_overlap_pools_the_expert_copies(tmp_path_factory, assert_logits_match, runner):
+    """OVERLAP_POOL: CUDA pads a quantized tensor whose rows are not a multiple of 512 values by one step (a down
+    projection of 768 values, not a gate of 2048), so with OVERLAP=2 a down copy did not fit the block a gate copy
+    freed and took fresh memory (2xH200, 30B preset, ub512: 648.3 MiB per GPU against 276.3 with OVERLAP off).
+    Pooled - one alloc size for a graph's expert copies - OVERLAP=2 costs at most one expert copy more than OVERLAP
+    off on each device; unpooled it costs more (the control: this geometry shows the problem). VDEVs with CUDA's
+    padding (pad=512), the 30B geometry with 8 experts and 4 layers."""
+    cfg = synth.preset("qwen3-30b-a3b", seed=1, n_layer=4, n_expert=8)
+    model = str(synth.cached_model(tmp_path_factory.getbasetemp() / "geometry", "qwen3-30b-a3b", seed=1, n_layer=4,
+                                   n_expert=8))
+    one_copy = synth.expert_bytes_per_layer(cfg) // 3 + 512   # + CUDA's padding step
+    job = {"kind": "schedule", "model": model, "devices": "vdev:2x0@0,pad=512", "placement": HOST_ALL,
+           "ctx": {"n_ctx": 1024, "n_batch": 1024, "n_ubatch": 512}}
+    bufs = lambda env: {x["name"]: x["compute_buffer_bytes"] for x in runner.run("patched", job, env=env)["schedule"]["backends"]
+                        if x["name"].startswith("VDEV")}
+    off, pooled = bufs(OVERLAP_OFF), bufs({"GGML_SCHED_PP_OVERLAP": 2})
+    unpooled = bufs({"GGML_SCHED_PP_OVERLAP": 2, "GGML_SCHED_PP_OVERLAP_POOL": 0})
+    for name in off:
+        assert pooled[name] <= off[name] + one_copy, (name, pooled[name], off[name], one_copy)
+        assert pooled[name] <= unpooled[name], (name, pooled[name], unpooled[name])
+    assert any(unpooled[n] > off[n] + one_copy for n in off), (unpooled, off, one_copy)
+    # pooled copies (padded on these devices: the tiny preset's rows are not multiples of 512) compute the same
+    kw = {"devices": "vdev:2x0@0.5,pad=512", "placement": HOST_ALL, "ctx": {"n_ctx": 512, "n_batch": 256, "n_ubatch": 64},
+          "n_tokens": 256}
+    b = runner.logits("baseline", **kw)
+    p = runner.logits("patched", env={"GGML_SCHED_PP_OVERLAP": 2}, **kw)
+    assert p["schedule"]["pipeline_parallel"] is True and sum(x["overlap_uploads"] for x in p["ext"]["backends"]) > 0
+    assert_logits_match(p["logits"], b["logits"], "OVERLAP=2, pooled copies, pad=512")
+
+
 def test_overlap_in_the_compute_buffer_keeps_one_plan_for_a_prompt(runner):
     """OVERLAP=2 places the early copies by the ubatch's expert selections, not each op's: the last layer of a
     prompt's last ubatch reads only its output rows (none in the other ubatches), and placing its copies by those

@@ -3,6 +3,7 @@
 import hashlib
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -309,3 +310,17 @@ def test_skewed_without_a_skew_is_not_uniform():
     assert cfg.skew == synth.DEFAULT_SKEW > 0
     assert synth.preset("tiny", routing="skewed", skew=0.0).skew == 0.0   # explicit 0 stays allowed
     assert synth.preset("tiny").skew == 0.0
+
+
+def test_cached_model_never_hands_out_a_file_of_another_config(tmp_path, monkeypatch):
+    """cached_model's file name carries every field that differs from the preset: an override of n_expert (not
+    in the short name) gets a file of its own, not the one written for the preset's defaults."""
+    written = []
+    monkeypatch.setattr(synth, "write_gguf", lambda path, cfg: (written.append(cfg), Path(path).write_bytes(b"x")))
+    plain = synth.cached_model(tmp_path, "tiny", seed=1)
+    assert synth.cached_model(tmp_path, "tiny", seed=1) == plain and len(written) == 1   # written once
+    more = synth.cached_model(tmp_path, "tiny", seed=1, n_expert=2 * written[0].n_expert)
+    assert more != plain and len(written) == 2 and written[1].n_expert == 2 * written[0].n_expert
+    assert plain.name == f"tiny-L{written[0].n_layer}-uniform-s1.gguf"      # the short name where nothing else differs
+    skewed = synth.cached_model(tmp_path, "tiny", seed=1, routing="skewed", skew=2.0)
+    assert skewed.name == f"tiny-L{written[0].n_layer}-skewed2-s1.gguf" and len(written) == 3

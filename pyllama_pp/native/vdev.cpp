@@ -142,6 +142,9 @@ pp_vdev_config sanitize_cfg(const pp_vdev_config & in) {
     if (!(c.direct_read > 0.0 && c.direct_read <= 1.0)) {
         c.direct_read = 1.0; // the C API's default (zeroed config): the link's full rate; Python's device specs say 0.5
     }
+    if (c.row_pad < 0) {
+        c.row_pad = 0;
+    }
     return c;
 }
 
@@ -398,6 +401,18 @@ ggml_backend_buffer_t vdev_buft_alloc_buffer(ggml_backend_buffer_type_t buft, si
 size_t vdev_buft_get_alignment(ggml_backend_buffer_type_t buft) {
     (void) buft;
     return VDEV_ALIGNMENT;
+}
+
+// row_pad: CUDA's rule (ggml_backend_cuda_buffer_type_get_alloc_size) - kernels step through quantized rows a
+// whole number of padding steps at a time, so one step's worth of room follows the tensor
+size_t vdev_buft_get_alloc_size(ggml_backend_buffer_type_t buft, const ggml_tensor * tensor) {
+    auto * d = (vdev_device *) buft->context;
+    const int64_t pad = d->get_cfg().row_pad;
+    size_t size = ggml_nbytes(tensor);
+    if (pad > 0 && ggml_is_quantized(tensor->type) && tensor->ne[0] % pad != 0) {
+        size += ggml_row_size(tensor->type, pad - tensor->ne[0] % pad);
+    }
+    return size;
 }
 
 size_t vdev_buft_get_max_size(ggml_backend_buffer_type_t buft) {
@@ -1247,7 +1262,7 @@ vdev_device * make_device(int i) {
     bi.alloc_buffer   = vdev_buft_alloc_buffer;
     bi.get_alignment  = vdev_buft_get_alignment;
     bi.get_max_size   = vdev_buft_get_max_size;
-    bi.get_alloc_size = nullptr;
+    bi.get_alloc_size = vdev_buft_get_alloc_size;
     bi.is_host        = vdev_buft_is_host;
 
     d->buft.iface   = bi;

@@ -17,6 +17,8 @@ struct pp_vdev_config {
     int32_t  n_threads;      // CPU threads used for this device's compute (<= 0: 1)
     double   d2d_gbps;       // device<->device bandwidth in GB/s; <= 0: unthrottled
     double   direct_read;    // kernels reading pinned host memory (DIRECT) move at this fraction of link_gbps; <= 0: 1
+    int32_t  row_pad;        // > 0: like CUDA's MATRIX_ROW_PADDING, a quantized tensor whose rows are not a multiple of
+                             // this many values gets room for the rest of one such step past its end (alloc size); 0: none
 };
 struct pp_vdev_counters {
     uint64_t h2d_bytes, d2h_bytes, d2d_bytes;     // bytes moved per direction (d2d counted on the destination)
