@@ -187,6 +187,13 @@ SWEEPS = {
                          {**MMAP, "est": 150, "reps": 1},
                          {**ONE_H200_AS_TWO, "est": 85},
                          {**SKEWED, "name": "skewed-small", "est": 45, "configs": [(512, 128, [["pp", 512]])]}],
+    # patch 0027 (OVERLAP_POOL) on CUDA: OVERLAP=2's compute buffers should drop from 648.3 / 732.5 / 1670.1 MiB per
+    # GPU (runs 16 and 18) to about the default's plus one expert copy (VDEVs with CUDA's padding: 484.8 at ub512,
+    # 1118.1 at ub4096) at the same speed (1503.7 / 3159.8 / 9434.9 t/s); then unpooled at ub512 as the control
+    "overlap2-pool": [{"name": "overlap2-pooled", "est": 170, "ext": OVERLAP2,
+                       "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]},
+                      {"name": "overlap2-unpooled", "est": 40, "ext": {**OVERLAP2, "OVERLAP_POOL": 0},
+                       "variants": ["patched"], "configs": [(4096, 512, PP4096)]}],
     # decode after a filled context with more tokens per sample (tg16/tg32 single samples swung 0.66-1.32x): tg128
     # at depth 2048, 5 reps, both variant orders, 2 GPUs
     "decode-long": [{"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]},
