@@ -323,8 +323,9 @@ def test_overlap_pools_the_expert_copies(tmp_path_factory, assert_logits_match, 
     """OVERLAP_POOL: CUDA pads a quantized tensor whose rows are not a multiple of 512 values by one step (a down
     projection of 768 values, not a gate of 2048), so with OVERLAP=2 a down copy did not fit the block a gate copy
     freed and took fresh memory (2xH200, 30B preset, ub512: 648.3 MiB per GPU against 276.3 with OVERLAP off).
-    Pooled - one alloc size for a graph's expert copies - OVERLAP=2 costs at most one expert copy more than OVERLAP
-    off on each device; unpooled it costs more (the control: this geometry shows the problem). VDEVs with CUDA's
+    Pooled - a graph's expert copies in size classes within 1% - OVERLAP=2 costs at most one expert copy more
+    than OVERLAP off on each device; unpooled it costs more (the control: this geometry shows the problem). VDEVs
+    with CUDA's
     padding (pad=512), the 30B geometry with 8 experts and 4 layers."""
     cfg = synth.preset("qwen3-30b-a3b", seed=1, n_layer=4, n_expert=8)
     model = str(synth.cached_model(tmp_path_factory.getbasetemp() / "geometry", "qwen3-30b-a3b", seed=1, n_layer=4,
