@@ -325,8 +325,7 @@ def test_overlap_pools_the_expert_copies(tmp_path_factory, assert_logits_match, 
     freed and took fresh memory (2xH200, 30B preset, ub512: 648.3 MiB per GPU against 276.3 with OVERLAP off).
     Pooled - a graph's expert copies in size classes within 1% - OVERLAP=2 costs at most one expert copy more
     than OVERLAP off on each device; unpooled it costs more (the control: this geometry shows the problem). VDEVs
-    with CUDA's
-    padding (pad=512), the 30B geometry with 8 experts and 4 layers."""
+    with CUDA's padding (pad=512), the 30B geometry with 8 experts and 4 layers."""
     cfg = synth.preset("qwen3-30b-a3b", seed=1, n_layer=4, n_expert=8)
     model = str(synth.cached_model(tmp_path_factory.getbasetemp() / "geometry", "qwen3-30b-a3b", seed=1, n_layer=4,
                                    n_expert=8))
