@@ -106,12 +106,17 @@ def _direct_read(val: Any, spec: Any, what: str = "direct") -> float:
 
 
 def _row_pad(val: Any, spec: Any, what: str = "pad") -> int:
-    try:
-        n = int(val)
-    except (TypeError, ValueError):
-        n = -1
-    if n < 0 or n > 4096:
-        raise _bad(spec, f"{what} takes a whole number of values 0..4096 (CUDA pads rows to 512), not {val!r}")
+    """0 or a multiple of 256 values up to 4096 (a padding step must hold whole blocks of every quantized type)."""
+    n = -1
+    if not isinstance(val, bool):
+        try:
+            f = float(val)
+            if f.is_integer():
+                n = int(f)
+        except (TypeError, ValueError, OverflowError):
+            pass
+    if n < 0 or n > 4096 or n % 256:
+        raise _bad(spec, f"{what} takes 0 or a multiple of 256 values up to 4096 (CUDA pads rows to 512), not {val!r}")
     return n
 
 

@@ -589,7 +589,8 @@ def cached_model(directory, preset_name: str = "tiny", **overrides: Any) -> Path
     share a file."""
     cfg = preset(preset_name, **overrides)
     tag = cfg.routing if cfg.routing != "skewed" else f"skewed{cfg.skew:g}"
-    named = {"n_layer": cfg.n_layer, "routing": cfg.routing, "skew": cfg.skew, "seed": cfg.seed}
+    # (skew as the name writes it: a skew the name rounds gets the hash too)
+    named = {"n_layer": cfg.n_layer, "routing": cfg.routing, "skew": float(f"{cfg.skew:g}"), "seed": cfg.seed}
     other = "" if cfg == preset(preset_name, **named) else "-" + hashlib.sha1(
         json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:8]
     path = Path(directory) / f"{preset_name}-L{cfg.n_layer}-{tag}-s{cfg.seed}{other}.gguf"

@@ -261,7 +261,8 @@ def _do_workload(job: dict) -> dict:
                 else:
                     for i in range(n):
                         tok = rng.integers(0, s.info.n_vocab, 1)
-                        res = s.eval(tok, logits="last", pos0=pos, clear=False, stats=False)
+                        # (a round that starts with decode starts from an empty cache, as a prompt does)
+                        res = s.eval(tok, logits="last", pos0=pos, clear=pos == 0, stats=False)
                         per.append(res.counters["devices"])
                         if keep:
                             last_logits.append(res.logits[-1])

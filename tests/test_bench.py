@@ -243,7 +243,7 @@ def test_mixed_workload_rejects_bad_steps_before_any_run(tiny_model):
     """A custom workload or round count that cannot run is a ValueError naming the problem, raised before a
     worker starts."""
     cfg = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32)
-    for workload, what in (([], "non-empty"), ([["pp", 0]], "['pp', 0]"), ([["decode", 4]], "decode"),
+    for workload, what in (([], "got []"), ([["pp", 0]], "['pp', 0]"), ([["decode", 4]], "decode"),
                            ([["pp", 64, 1]], "['pp', 64, 1]"), ([["tg", 2.5]], "2.5")):
         with pytest.raises(ValueError, match="a workload is") as e:
             bench.mixed_workload(cfg, workload=workload)
@@ -257,5 +257,5 @@ def test_mixed_workload_without_a_prompt(tiny_model):
     """Decode steps alone start from an empty cache (before, the context size came from the longest prompt and a
     workload without one failed with a bare max() error)."""
     cfg = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32)
-    df = bench.mixed_workload(cfg, variants=["baseline"], rounds=1, workload=[["tg", 3]], timeout=120)
-    assert list(df["test"]) == ["r1 tg3"] and (df["avg_ts"] > 0).all(), df
+    df = bench.mixed_workload(cfg, variants=["baseline"], rounds=2, workload=[["tg", 3]], timeout=120)
+    assert list(df["test"]) == ["r1 tg3", "r2 tg3"] and (df["avg_ts"] > 0).all(), df

@@ -116,11 +116,12 @@ def test_vdev_row_pad():
     assert [v.row_pad for v in parse("vdev:2x0@1").vdevs] == [0, 0]
     assert [v.row_pad for v in parse("vdev:2x0@1,shared,pad=512").vdevs] == [512, 512]
     assert parse({"kind": "vdev", "devices": [{"row_pad": 256}]}).vdevs[0].row_pad == 256
-    for bad in ("vdev:2x0@1,pad=5000", "vdev:2x0@1,pad=1.5"):
-        with pytest.raises(DeviceSpecError, match="pad takes a whole number"):
+    for bad in ("vdev:2x0@1,pad=5000", "vdev:2x0@1,pad=1.5", "vdev:2x0@1,pad=100"):
+        with pytest.raises(DeviceSpecError, match="pad takes 0 or a multiple of 256"):
             parse(bad)
-    with pytest.raises(DeviceSpecError, match="device 0: row_pad takes a whole number"):
-        parse({"kind": "vdev", "devices": [{"row_pad": -1}]})
+    for bad in (-1, True, 512.5, float("inf"), "x"):
+        with pytest.raises(DeviceSpecError, match="device 0: row_pad takes 0 or a multiple of 256"):
+            parse({"kind": "vdev", "devices": [{"row_pad": bad}]})
 
 
 # --- JSON forms --------------------------------------------------------------------------------------------

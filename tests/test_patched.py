@@ -325,10 +325,10 @@ def test_overlap_pools_the_expert_copies(tmp_path_factory, assert_logits_match, 
     freed and took fresh memory (2xH200, 30B preset, ub512: 648.3 MiB per GPU against 276.3 with OVERLAP off).
     Pooled - a graph's expert copies in size classes within 1% - OVERLAP=2 costs at most one expert copy more
     than OVERLAP off on each device; unpooled it costs more (the control: this geometry shows the problem). VDEVs
-    with CUDA's padding (pad=512), the 30B geometry with 8 experts and 4 layers."""
-    cfg = synth.preset("qwen3-30b-a3b", seed=1, n_layer=4, n_expert=8)
-    model = str(synth.cached_model(tmp_path_factory.getbasetemp() / "geometry", "qwen3-30b-a3b", seed=1, n_layer=4,
-                                   n_expert=8))
+    with CUDA's padding (pad=512), the 30B geometry with 8 experts, 4 layers and a small vocabulary."""
+    geometry = {"seed": 1, "n_layer": 4, "n_expert": 8, "n_vocab": 2048}   # a 238 MiB file
+    cfg = synth.preset("qwen3-30b-a3b", **geometry)
+    model = str(synth.cached_model(tmp_path_factory.getbasetemp() / "geometry", "qwen3-30b-a3b", **geometry))
     one_copy = synth.expert_bytes_per_layer(cfg) // 3 + 512   # + CUDA's padding step
     job = {"kind": "schedule", "model": model, "devices": "vdev:2x0@0,pad=512", "placement": HOST_ALL,
            "ctx": {"n_ctx": 1024, "n_batch": 1024, "n_ubatch": 512}}

@@ -324,3 +324,5 @@ def test_cached_model_never_hands_out_a_file_of_another_config(tmp_path, monkeyp
     assert plain.name == f"tiny-L{written[0].n_layer}-uniform-s1.gguf"      # the short name where nothing else differs
     skewed = synth.cached_model(tmp_path, "tiny", seed=1, routing="skewed", skew=2.0)
     assert skewed.name == f"tiny-L{written[0].n_layer}-skewed2-s1.gguf" and len(written) == 3
+    near = synth.cached_model(tmp_path, "tiny", seed=1, routing="skewed", skew=2.0000001)   # the name rounds it
+    assert near != skewed and len(written) == 4

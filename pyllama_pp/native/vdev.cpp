@@ -406,10 +406,13 @@ size_t vdev_buft_get_alignment(ggml_backend_buffer_type_t buft) {
 // row_pad: CUDA's rule (ggml_backend_cuda_buffer_type_get_alloc_size) - kernels step through quantized rows a
 // whole number of padding steps at a time, so one step's worth of room follows the tensor
 size_t vdev_buft_get_alloc_size(ggml_backend_buffer_type_t buft, const ggml_tensor * tensor) {
-    auto * d = (vdev_device *) buft->context;
-    const int64_t pad = d->get_cfg().row_pad;
     size_t size = ggml_nbytes(tensor);
-    if (pad > 0 && ggml_is_quantized(tensor->type) && tensor->ne[0] % pad != 0) {
+    if (!ggml_is_quantized(tensor->type)) {
+        return size;
+    }
+    auto * d = (vdev_device *) buft->context;
+    const int64_t pad = d->get_cfg().row_pad; // 0 or a multiple of 256 (devices.py): whole blocks of every type
+    if (pad > 0 && tensor->ne[0] % pad != 0) {
         size += ggml_row_size(tensor->type, pad - tensor->ne[0] % pad);
     }
     return size;
