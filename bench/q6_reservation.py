@@ -57,9 +57,7 @@ def main() -> int:
     ctx = C.setup(args)
     rounds = args.rounds or args.reps
     workload = [["pp", 64], ["pp", 512], ["pp", 128], ["tg", 16]] if args.quick else WORKLOAD
-    max_pp = max(n for k, n in workload if k == "pp")
-    n_tg = sum(n for k, n in workload if k == "tg")
-    n_ctx = bench.ctx_for(max_pp + n_tg + 8)
+    n_ctx = bench.workload_ctx(workload)
     devs = C.device_list(args, [C.DEFAULT_DEVICES])
     writer = bench.RowWriter(ctx["out"])
     info = build_info()

@@ -22,7 +22,7 @@ from typing import Iterable, Optional, Sequence, Union
 from . import devices as devspec
 from .binding import VARIANTS, backend_modules, build_info
 from .errors import WorkerError
-from .worker import run_job
+from .worker import run_job, depth_of
 
 ROW_FIELDS = [
     "variant", "model", "model_size", "model_n_params", "n_expert", "n_expert_used", "devices", "n_gpu_layers",
@@ -68,7 +68,7 @@ class BenchConfig:
             self.link_gbps = rates
 
     def job(self) -> dict:
-        longest = max(int(t[1]) + _depth(t) for t in self.tests) + 8
+        longest = max(int(t[1]) + depth_of(t) for t in self.tests) + 8
         n_ctx = ctx_for(longest, self.n_ctx)
         return {"kind": "bench", "model": self.model, "devices": self.devices, "tests": self.tests, "reps": self.reps,
                 "placement": {"host_experts": self.host_experts, "load_mode": self.load_mode,
@@ -163,11 +163,6 @@ def nmse(a, b) -> float:
     return float(((a - b) ** 2).sum() / max((b ** 2).sum(), 1e-30))
 
 
-def _depth(test) -> int:
-    """A test is [kind, n] or [kind, n, depth] (tokens already in the context, llama-bench's -d)."""
-    return int(test[2]) if len(test) > 2 else 0
-
-
 def _test_name(kind: str, n: int, depth: int) -> str:
     return f"{kind}{n}" + (f" @ d{depth}" if depth else "")   # llama-bench's naming
 
@@ -237,7 +232,7 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
 def error_rows(cfg: BenchConfig, variant: str, err: str, meta: dict) -> list[dict]:
     return [{"variant": variant, "model": Path(cfg.model).name, "devices": cfg.devices, "n_batch": cfg.n_batch,
              "n_ubatch": cfg.n_ubatch, "tensor_buft_overrides": f"host_experts={cfg.host_experts}",
-             "load_mode": cfg.load_mode, "test": _test_name(t[0], int(t[1]), _depth(t)), "n_depth": _depth(t),
+             "load_mode": cfg.load_mode, "test": _test_name(t[0], int(t[1]), depth_of(t)), "n_depth": depth_of(t),
              "avg_ts": float("nan"), "label": cfg.label, "error": err[:2000], **meta} for t in cfg.tests]
 
 
@@ -378,6 +373,13 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
 MIXED_WORKLOAD = [["pp", 64], ["pp", 512], ["pp", 128], ["pp", 2048], ["tg", 16]]
 
 
+def workload_ctx(workload: list, n_ctx: int = 0) -> int:
+    """n_ctx for a workload: a prompt starts from an empty cache, decode steps continue after the last prompt (or
+    from position 0), so the longest prompt plus every decoded token."""
+    return ctx_for(max((n for k, n in workload if k == "pp"), default=0) + sum(n for k, n in workload if k == "tg") + 8,
+                   n_ctx)
+
+
 def mixed_workload(cfg: BenchConfig, variants: Sequence[str] = VARIANTS, rounds: int = 3,
                    workload: Optional[list] = None, timeout: Optional[float] = None):
     """Run `workload` (default MIXED_WORKLOAD) `rounds` times in one context per variant (its own worker) and
@@ -393,11 +395,9 @@ def mixed_workload(cfg: BenchConfig, variants: Sequence[str] = VARIANTS, rounds:
     if not workload or bad:
         raise ValueError(f"a workload is a non-empty list of steps [\"pp\" or \"tg\", tokens >= 1], such as "
                          f"{MIXED_WORKLOAD}; got {bad[0] if bad else workload!r}")
-    # a prompt starts from an empty cache; decode steps continue after the last prompt (or from position 0)
-    longest = max((n for k, n in workload if k == "pp"), default=0) + sum(n for k, n in workload if k == "tg") + 8
     job = {**cfg.job(), "kind": "workload", "workload": workload, "rounds": rounds}
     job.pop("tests", None)
-    job["ctx"] = {**job["ctx"], "n_ctx": ctx_for(longest, cfg.n_ctx)}
+    job["ctx"] = {**job["ctx"], "n_ctx": workload_ctx(workload, cfg.n_ctx)}
     meta = _meta(cfg)
     rows: list[dict] = []
     for v in variants:

@@ -152,13 +152,18 @@ def _ext_add(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
     return out
 
 
+def depth_of(test) -> int:
+    """A test is [kind, n] or [kind, n, depth] (tokens already in the context, llama-bench's -d)."""
+    return int(test[2]) if len(test) > 2 else 0
+
+
 def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
     """Each test is [kind, n] or [kind, n, depth] (llama-bench's -d: the context first holds `depth` prompt
     tokens, untimed; tg then decodes right after them, its first token included)."""
     results = []
     for test in tests:
         kind, n = test[0], int(test[1])
-        depth = int(test[2]) if len(test) > 2 else 0
+        depth = depth_of(test)
         toks = _tokens(n, s.info.n_vocab, seed)
         prefix = _tokens(depth, s.info.n_vocab, seed + 1) if depth else None
         cov = None
