@@ -40,7 +40,8 @@ def log(msg: str) -> None:
 
 # patch 0021 at every expert op but the one that measures coverage: upload-all off, DIRECT=2 (the 30B preset's rows,
 # 2048 and 768 values, are whole steps of CUDA's MMQ; the tiny preset's are not, see the patch)
-DIRECT_ONLY = {"GGML_SCHED_PP_DIRECT": "2", "GGML_SCHED_PP_UPLOAD_ALL": "0"}
+DIRECT_ONLY = {"GGML_SCHED_PP_DIRECT": "2", "GGML_SCHED_PP_UPLOAD_ALL": "0", "GGML_SCHED_PP_GATHER": "0"}
+NO_UPLOAD_ALL = {"GGML_SCHED_PP_UPLOAD_ALL": "0"}
 
 
 def correctness(model: str, devices: str, out: Path,
@@ -72,7 +73,7 @@ def correctness(model: str, devices: str, out: Path,
             got[name] = refs[(name, ub, mode)]
         arr, res = logits("patched", "patched", "all", ub, mode, penv)
         got["patched"] = (arr, res["schedule"])
-        ext = {k: (res.get("ext") or {}).get(k) for k in ("id_readbacks", "selective", "upload_all", "direct")}
+        ext = {k: (res.get("ext") or {}).get(k) for k in ("id_readbacks", "selective", "upload_all", "direct", "gather")}
         b, p = got["baseline"][0], got["patched"][0]
         g = got["all_on_gpu"][0] if all_on_gpu else None
         rows.append({"model": Path(model).name, "devices": devices, "n_ubatch": ub, "load_mode": mode, "patched_env": penv,
@@ -201,6 +202,23 @@ SWEEPS = {
     "decode-long": [{"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]},
                     {"name": "decode-long-patched-first", "est": 130, "reps": 5, "variants": ["patched", "baseline"],
                      "configs": [(4096, 512, [["tg", 128, 2048]])]}],
+    # patch 0028 (GATHER, on by default where pyllama_pp's CUDA gather library loads): low coverage, where the
+    # selective copy's readbacks (first GPU) and DIRECT's slow kernel reads (second GPU) gave 62% / 75% of the bound
+    # (runs 13, 17): the A/B with the defaults, then patched with OVERLAP=2 (up and down gathered on the second
+    # stream while the op before computes), then patched with GATHER=0 (the old defaults) in the same call
+    "gather": [{**SKEWED, "name": "skewed-gather", "est": 130, "configs": SKEWED_LOW},
+               {"name": "skewed-gather-overlap2", "model": "skewed", "est": 50, "ext": OVERLAP2, "variants": ["patched"],
+                "configs": SKEWED_LOW},
+               {"name": "skewed-gather0", "model": "skewed", "est": 50, "ext": {"GATHER": 0}, "variants": ["patched"],
+                "configs": SKEWED_LOW}],
+    # GATHER where runs 12-13 had the selective copy or DIRECT: low coverage at ub1024 (DIRECT_MAX_TOKENS kept the
+    # selective copy there: 3049.8 t/s, 37% of the bound) and a small batch (pp512 / ub128)
+    "gather-more": [{**SKEWED, "name": "skewed-gather-more", "est": 110,
+                     "configs": [(16384, 1024, PP16K), (512, 128, [["pp", 512]])]}],
+    # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
+    "decode-same-call": [{"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]},
+                         {"name": "decode-long-one-gpu", "devices": "cuda:0", "est": 110, "reps": 5,
+                          "configs": [(4096, 512, [["tg", 128, 2048]])]}],
     "decode-long-one-gpu": [{"name": "decode-long-one-gpu", "devices": "cuda:0", "est": 110, "reps": 5,
                              "configs": [(4096, 512, [["tg", 128, 2048]])]}],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
@@ -268,6 +286,18 @@ def main() -> int:
         s = synth.write_gguf(big, synth.preset(args.preset, seed=1, routing="uniform"))
         summary["steps"]["synth"] = {k: s[k] for k in ("bytes", "expert_bytes_per_layer", "seconds")}
         log(f"wrote {big}: {s['bytes'] / 1e9:.1f} GB in {time.time() - t:.0f} s")
+        save()
+
+    if "gather" in args.sweep.split(",") and "correctness-gather" not in skip and big.exists() and left(args.budget) > 150:
+        # patch 0028 on the 30B preset: 4 ubatches of 256 with upload-all off, so every expert op but the one that
+        # measures coverage gathers (the tiny preset's ub64 case above covers a few); also with OVERLAP=2's early
+        # gathers on the second stream
+        try:
+            summary["steps"]["correctness_gather"] = correctness(
+                str(big), args.devices, args.out, n_tokens=1024, all_on_gpu=False,
+                cases=((256, "none", NO_UPLOAD_ALL), (256, "none", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2"})))
+        except PyllamaError as e:
+            summary["steps"]["correctness_gather"] = {"error": str(e)}
         save()
 
     direct_sweep = any(n.startswith("direct") for n in args.sweep.split(","))

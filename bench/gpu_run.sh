@@ -13,12 +13,15 @@ python3 -c "import sysconfig, os; p = sysconfig.get_paths()['include']; print('P
 # The CUDA module is built from the pristine tree and shared by both variants, so a module built by an
 # earlier call (returned as $OUT/cuda.xz.part*, carried back as .cuda/) is reused: the call then builds only
 # the two variants' CPU-side libraries (~1 min instead of ~3-4).
-CUDA_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90"
-if ls .cuda/cuda.xz.part* > /dev/null 2>&1; then CUDA_ARGS=""; echo "reusing the carried CUDA module"; fi
+# (pyllama_pp's CUDA gather library, GATHER, is built either way: with the module, or alone - one small file)
+CUDA_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90"; CARRIED=0
+if ls .cuda/cuda.xz.part* > /dev/null 2>&1; then
+    CUDA_ARGS="-DPP_CUDA_GATHER=ON -DCMAKE_CUDA_ARCHITECTURES=90"; CARRIED=1; echo "reusing the carried CUDA module"
+fi
 CMAKE_ARGS="$CUDA_ARGS" python3 -m pip install --no-build-isolation --no-index --no-deps -v . > /tmp/build.log 2>&1 \
     || { tail -50 /tmp/build.log; exit 1; }
 B=$(cd /tmp && python3 -c "import pyllama_pp.binding as b; print(b.BACKENDS_DIR)")
-if [ -z "$CUDA_ARGS" ]; then
+if [ $CARRIED = 1 ]; then
     cat .cuda/cuda.xz.part* | xz -d > "$B/libggml-cuda.so"
 else
     xz -T0 -6 -c "$B/libggml-cuda.so" | split -b 15M - "$OUT/cuda.xz.part"

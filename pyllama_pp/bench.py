@@ -29,7 +29,7 @@ ROW_FIELDS = [
     "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen", "n_depth",
     "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "speedup", "pipeline_parallel", "n_copies", "n_splits",
     "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac", "bound_pipe_ts", "bound_pipe_frac",
-    "host_syncs", "id_readbacks", "upload_all", "direct_reads", "re_reservations", "plan_switches", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "compute_buffer_bytes", "ring_bytes_per_device", "label", "env",
+    "host_syncs", "id_readbacks", "upload_all", "direct_reads", "gathers", "re_reservations", "plan_switches", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "compute_buffer_bytes", "ring_bytes_per_device", "label", "env",
     "ext_params", "error", "build", "machine", "date",
 ]
 
@@ -137,13 +137,14 @@ def _pipe_bound(cfg: BenchConfig, h2d: list[int], gbps: list[float], n_tokens: i
     return n_tokens / max(fill, links)
 
 
-def _per_gpu(ext: dict, key: str, reps: int = 1, plus: str = "") -> Optional[list]:
+def _per_gpu(ext: dict, key: str, reps: int = 1, plus: tuple = ()) -> Optional[list]:
     """One value per device backend (the CPU left out) from the patched scheduler's per-backend stats, per rep
-    (with `plus` added where the stats have it); None where they do not have `key` (baseline, older builds)."""
+    (with the keys in `plus` added where the stats have them); None where they do not have `key` (baseline, older
+    builds)."""
     backends = ext.get("backends") or []
     if not backends or key not in backends[0]:
         return None
-    return [int((b[key] + b.get(plus, 0)) / reps) for b in backends if b["name"] != "CPU"]
+    return [int((b[key] + sum(b.get(k, 0) for k in plus)) / reps) for b in backends if b["name"] != "CPU"]
 
 
 def num(x, fmt: str = "{:.0f}") -> str:
@@ -181,9 +182,9 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
         ext = t.get("ext") or {}
         if not h2d and ext.get("backends"):
             # no device counters (CUDA): the patched scheduler's own count of host-weight bytes per device; with
-            # DIRECT (patch 0021) the kernels' reads from host memory are not counted there: their estimate
-            # (measured coverage x tensor bytes) is added
-            h2d = _per_gpu(ext, "weight_bytes", reps, plus="direct_bytes_est") or []
+            # DIRECT (patch 0021) the kernels' reads from host memory and with GATHER (0028) the device's own copies
+            # are not counted there: their estimates (measured coverage x tensor bytes) are added
+            h2d = _per_gpu(ext, "weight_bytes", reps, plus=("direct_bytes_est", "gather_bytes_est")) or []
         gbps, bound = _link_bound(cfg, h2d, n_tok)
         pipe = _pipe_bound(cfg, h2d, gbps, n_tok, bound) if t["kind"] == "pp" else float("nan")
         avg = statistics.fmean(ts) if ts else float("nan")
@@ -208,6 +209,7 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             "id_readbacks": int(ext["id_readbacks"] / reps) if "id_readbacks" in ext else None,
             "upload_all": int(ext["upload_all"] / reps) if "upload_all" in ext else None,
             "direct_reads": int(ext["direct"] / reps) if "direct" in ext else None,
+            "gathers": int(ext["gather"] / reps) if "gather" in ext else None,
             "re_reservations": int(ext["reallocs"] / reps) if "reallocs" in ext else None,
             "plan_switches": int(ext["plan_switches"] / reps) if "plan_switches" in ext else None,
             "realloc_reason": ext.get("last_realloc") if ext.get("reallocs") else None,

@@ -26,9 +26,11 @@ def _off(name: str) -> dict:
     return {f"GGML_SCHED_PP_{name}": 0}
 
 
-# the selective copy on every device (patch 0023 makes DIRECT the default on every GPU but the first): for tests of
-# the transient-copy machinery itself
-NO_DIRECT = _off("DIRECT")
+# the device's own gather of the used experts (patch 0028, on by default wherever a gather exists: VDEVs have one)
+NO_GATHER = _off("GATHER")
+# the selective copy on every device (patch 0023 makes DIRECT the default on every GPU but the first, 0028 GATHER on
+# every device with a gather): for tests of the transient-copy machinery itself
+NO_DIRECT = {**_off("DIRECT"), **NO_GATHER}
 # uploads on the split's own stream (the default; pinned so the OVERLAP tests keep their control if it changes)
 OVERLAP_OFF = _off("OVERLAP")
 
@@ -98,19 +100,19 @@ def test_pipeline_stays_on_with_host_experts(patched_all):
 @pytest.mark.parametrize("direct", [None, 0], ids=["defaults", "direct-off"])
 def test_both_devices_get_their_own_layers_experts(runner, tiny_model, tensor_split, direct):
     """Each device receives the expert bytes of the MoE layers it owns (logits "all": every layer, the last
-    one included, processes every token): over its link (VDEV's h2d count, which includes what DIRECT's kernels
-    read from host memory - on by default on every GPU but the first, patch 0023) and, with DIRECT off, as
-    the scheduler's own transient uploads."""
+    one included, processes every token): over its link (VDEV's h2d count, which includes what the devices'
+    gathers copy - GATHER, on by default, patch 0028) and, with GATHER and DIRECT off, as the scheduler's own
+    transient uploads."""
     r = runner.logits("patched", devices=DEVS, placement={**HOST_ALL, "tensor_split": tensor_split}, ctx=CTX,
-                      n_tokens=N_TOKENS, env=None if direct is None else {"GGML_SCHED_PP_DIRECT": direct})
+                      n_tokens=N_TOKENS, env=None if direct is None else NO_DIRECT)
     assert r["schedule"]["pipeline_parallel"] is True
     owned = layers_per_device(tiny_model, r["schedule"])
     assert all(n > 0 for n in owned.values()), owned
     n_layer = sum(owned.values())
     devs = {d["device"]: d for d in r["counters"]["devices"]}
     ext = r["ext"]
-    assert ext["params"]["DIRECT"] == (-1 if direct is None else 0)
-    assert (ext["direct"] > 0) == (direct is None), ext["direct"]
+    assert ext["params"]["GATHER"] == (-1 if direct is None else 0) and ext["direct"] == 0, ext
+    assert (ext["gather"] > 0) == (direct is None), ext["gather"]
     total_h2d = sum(d["h2d_bytes"] for d in devs.values())
     total_w = sum(_ext_backend(ext, name)["weight_bytes"] for name in owned)
     assert _ext_backend(ext, "CPU")["weight_bytes"] == 0
@@ -285,7 +287,7 @@ def test_overlap_in_the_compute_buffer(runner, tiny_cfg, assert_logits_match, ub
     assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["OVERLAP"] == 2
     assert_logits_match(on["logits"], b["logits"], f"OVERLAP=2 ub{ub}")
     e_on, e_off = on["ext"], off["ext"]
-    for k in ("upload_all", "selective", "id_readbacks", "direct"):
+    for k in ("upload_all", "selective", "id_readbacks", "direct", "gather"):
         assert e_on[k] == e_off[k], (k, e_on[k], e_off[k])
     assert all(x["ring_bytes"] == 0 for x in e_on["backends"])
     assert sum(x["overlap_uploads"] for x in e_on["backends"]) > 0
@@ -459,10 +461,51 @@ def test_direct_reads_replace_the_readbacks(runner, tiny_cfg, assert_logits_matc
         assert _ext_backend(e, name)["direct_bytes_est"] > 0
 
 
+@pytest.mark.parametrize("ub", [32, 128])
+def test_gather_copies_what_the_selective_copy_does_without_readbacks(runner, tiny_cfg, assert_logits_match, ub):
+    """Patch 0028 (GATHER, on by default where a device has a gather: VDEVs, and CUDA with pyllama_pp's library):
+    below the upload-all bar the device copies the experts its routing ids select itself, so the host reads no
+    ids back - except at the first expert op of a graph that starts idle, which measures the coverage (ub128, not
+    ub32: as DIRECT), and whose up and down ops then take the selective copy with those ids. The same logits as
+    the baseline, and exactly the bytes the selective copy moves over each link (the same runs of experts, each
+    with the bytes after it that the selective copy leaves there); the scheduler counts none of them as its own
+    uploads but estimates them."""
+    b, sel, on = _baseline_off_on(runner, DEVS, ub, {"GGML_SCHED_PP_UPLOAD_ALL": 0, **NO_DIRECT},
+                                  {"GGML_SCHED_PP_GATHER": -1})
+    assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["GATHER"] == -1
+    assert_logits_match(on["logits"], b["logits"], f"GATHER ub{ub}")
+    e, s = on["ext"], sel["ext"]
+    assert s["gather"] == 0 and s["id_readbacks"] > 0, s
+    measures = 1 if ub * tiny_cfg.n_expert_used >= 2 * tiny_cfg.n_expert else 0
+    assert e["id_readbacks"] == measures and e["selective"] == 3 * measures and e["direct"] == 0, e
+    assert e["gather"] == s["selective"] - 3 * measures > 0, (e["gather"], s["selective"])
+    h2d = lambda r: {d["device"]: d["h2d_bytes"] for d in r["counters"]["devices"]}
+    assert h2d(on) == h2d(sel), (h2d(on), h2d(sel))
+    for name in ("VDEV0", "VDEV1"):
+        x, y = _ext_backend(e, name), _ext_backend(s, name)
+        assert x["gather_bytes_est"] > 0 and x["weight_bytes"] < y["weight_bytes"], (x, y)
+
+
+def test_gather_with_overlap_goes_up_on_the_second_stream(runner, assert_logits_match):
+    """GATHER with OVERLAP=2: the up and down ops of a layer route by the ids the op before them already routed
+    by, so their gathers go up on the device's second stream while that op computes (into copies placed one split
+    early); the first expert op of each layer gathers on the compute stream, after its ids. Same logits as the
+    baseline on slow links and a slow second device; the same gathers as without OVERLAP, two thirds of them
+    early."""
+    b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", 32, {"GGML_SCHED_PP_UPLOAD_ALL": 0, **OVERLAP_OFF},
+                                  {"GGML_SCHED_PP_OVERLAP": 2})
+    assert_logits_match(on["logits"], b["logits"], "GATHER, OVERLAP=2")
+    e_on, e_off = on["ext"], off["ext"]
+    assert e_on["id_readbacks"] == e_off["id_readbacks"] == 0 and e_on["gather"] == e_off["gather"] > 0, (e_on, e_off)
+    early = sum(x["overlap_uploads"] for x in e_on["backends"])
+    assert 3 * early == 2 * e_on["gather"], (early, e_on["gather"])
+    assert all(x["overlap_uploads"] == 0 for x in e_off["backends"])
+
+
 def test_vdev_charges_direct_reads_at_their_share_of_the_link(runner):
     """VDEV's `direct` option: a kernel's reads of pinned host memory move at that share of the link's rate (the
     same bytes take longer over the link than a copy's)."""
-    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1, "GGML_SCHED_PP_DIRECT_FIRST": 1}
+    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1, "GGML_SCHED_PP_DIRECT_FIRST": 1, **NO_GATHER}
     kw = {"placement": HOST_ALL, "ctx": {"n_ctx": 512, "n_batch": 512, "n_ubatch": 128}, "n_tokens": 512, "env": env}
     full = runner.logits("patched", devices="vdev:2x0@2,direct=1", **kw)
     slow = runner.logits("patched", devices="vdev:2x0@2,direct=0.25", **kw)
@@ -475,7 +518,7 @@ def test_vdev_charges_direct_reads_at_their_share_of_the_link(runner):
 def test_direct_stops_above_its_tokens_per_expert_limit(runner):
     """DIRECT_MAX_TOKENS: a kernel reads an expert's weights once per tile of tokens, so DIRECT is taken only while
     the expected tokens per used expert stay at or below the limit (ub128 of the tiny preset: about 4)."""
-    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1}
+    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1, **NO_GATHER}
     kw = {"devices": DEVS, "placement": HOST_ALL, "ctx": {"n_ctx": 512, "n_batch": 512, "n_ubatch": 128}, "n_tokens": 512}
     under = runner.logits("patched", env=env, **kw)["ext"]
     over = runner.logits("patched", env={**env, "GGML_SCHED_PP_DIRECT_MAX_TOKENS": 2}, **kw)["ext"]
@@ -487,7 +530,7 @@ def test_direct_first_off_keeps_the_selective_copy_on_the_first_gpu(runner, asse
     """DIRECT_FIRST=0 (the default since patch 0023): the first GPU keeps the selective copy (readbacks there only
     block while the later stages have work queued); the others read directly."""
     b, on, first_off = _baseline_off_on(runner, DEVS, 64, {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1,
-                                                           "GGML_SCHED_PP_DIRECT_FIRST": 1},
+                                                           "GGML_SCHED_PP_DIRECT_FIRST": 1, **NO_GATHER},
                                         {"GGML_SCHED_PP_DIRECT_FIRST": 0})
     assert_logits_match(first_off["logits"], b["logits"], "DIRECT=1 DIRECT_FIRST=0")
     est = lambda r, n: _ext_backend(r["ext"], n)["direct_bytes_est"]
@@ -500,11 +543,12 @@ def test_direct_first_off_keeps_the_selective_copy_on_the_first_gpu(runner, asse
 def test_direct_by_default_only_on_links_of_their_own(runner, assert_logits_match):
     """Patch 0023: DIRECT=-1 (the default) reads directly only where the GPUs have host links of their own; on
     one shared link the kernels' slow reads would take link time from the other stage's copies (one H200 as two:
-    0.91x upstream), so the selective copy stays. Logits match the baseline either way."""
+    0.91x upstream), so the selective copy stays. Logits match the baseline either way. (GATHER off: DIRECT's
+    default is for devices without a gather.)"""
     kw = {"placement": HOST_ALL, "ctx": CTX, "n_tokens": N_TOKENS}
-    own = runner.logits("patched", devices="vdev:2x0@0", **kw)
-    shared = runner.logits("patched", devices="vdev:2x0@0,shared", **kw)
-    forced = runner.logits("patched", devices="vdev:2x0@0,shared", env={"GGML_SCHED_PP_DIRECT": 2}, **kw)
+    own = runner.logits("patched", devices="vdev:2x0@0", env=NO_GATHER, **kw)
+    shared = runner.logits("patched", devices="vdev:2x0@0,shared", env=NO_GATHER, **kw)
+    forced = runner.logits("patched", devices="vdev:2x0@0,shared", env={"GGML_SCHED_PP_DIRECT": 2, **NO_GATHER}, **kw)
     b = runner.logits("baseline", devices="vdev:2x0@0", **kw)
     assert own["ext"]["links"] == 2 and shared["ext"]["links"] == 1
     assert own["ext"]["params"]["DIRECT"] == shared["ext"]["params"]["DIRECT"] == -1
@@ -518,11 +562,11 @@ def test_direct_by_default_only_on_links_of_their_own(runner, assert_logits_matc
 def test_direct_by_default_per_link_with_three_devices(runner, assert_logits_match):
     """DIRECT's auto mode is decided per device: with three VDEVs, the first two on one link and the third on a
     link of its own, only the third reads from host memory (the second shares the first's link; the first keeps
-    the selective copy anyway, DIRECT_FIRST=0)."""
+    the selective copy anyway, DIRECT_FIRST=0). GATHER off, as above."""
     devs = {"kind": "vdev", "devices": [{"link_gbps": 0, "link_group": 0}, {"link_gbps": 0, "link_group": 0},
                                         {"link_gbps": 0}]}
     kw = {"placement": HOST_ALL, "ctx": CTX, "n_tokens": N_TOKENS}
-    r = runner.logits("patched", devices=devs, **kw)
+    r = runner.logits("patched", devices=devs, env=NO_GATHER, **kw)
     b = runner.logits("baseline", devices=devs, **kw)
     assert r["ext"]["links"] == 2 and r["schedule"]["pipeline_parallel"] is True
     est = {x["name"]: x["direct_bytes_est"] for x in r["ext"]["backends"]}
@@ -545,7 +589,7 @@ def test_direct_with_overlap(runner, assert_logits_match):
 def test_direct_leaves_upload_alls_refresh_to_a_readback(runner):
     """With DIRECT on and coverage above the bar, upload-all's refresh (the first expert op of each idle graph)
     still reads the ids back: DIRECT must not take the op the refresh handed to the selective copy."""
-    env = {**FORCE_UPLOAD_ALL, "GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 1, "GGML_SCHED_PP_DIRECT": 1}
+    env = {**FORCE_UPLOAD_ALL, "GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 1, "GGML_SCHED_PP_DIRECT": 1, **NO_GATHER}
     r = runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
                                "tests": [["pp", 128]], "reps": 3}, env=env)
     e = r["tests"][0]["ext"]
@@ -554,14 +598,14 @@ def test_direct_leaves_upload_alls_refresh_to_a_readback(runner):
     # control: the same run below the bar (upload-all off) does read directly, so the 0 above means something
     low = runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
                                  "tests": [["pp", 128]], "reps": 3},
-                     env={"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1})["tests"][0]["ext"]
+                     env={"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1, **NO_GATHER})["tests"][0]["ext"]
     assert low["direct"] > 0, low
 
 
 def test_direct_skips_graphs_llama_reuses(runner, assert_logits_match):
     """A graph llama reuses (REBUILD=0 while pipelining) keeps its splits - and on CUDA its captured graphs, which
     would replay the pointer of their capture: DIRECT only takes graphs split for their own compute."""
-    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1}
+    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1, **NO_GATHER}
     ctx = {"n_ctx": 512, "n_batch": 128, "n_ubatch": 64}   # 4 ubatches of 64: the first prompt's, then reused
     b = runner.logits("baseline", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=256)
     rebuilt = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=256, env=env)
@@ -593,8 +637,8 @@ def test_one_row_output_layer_does_not_pull_the_coverage_estimate_down(runner):
     """Default thresholds, ubatches of 128 (about 98% coverage): per prompt, one readback re-measures coverage at
     the first expert op and one reads the ids of the output ubatch's last layer (one row, below every threshold).
     That one-row layer must not count as coverage: otherwise the next prompt starts below 85% and reads ids back
-    in its first layers too. (With DIRECT, the default, the last layer's GPU reads that row's experts from host
-    memory: only the measuring readback is left.)"""
+    in its first layers too. (With GATHER, the default, the last layer's GPU gathers that row's experts itself:
+    only the measuring readback is left.)"""
     job = {"kind": "bench", "devices": DEVS, "placement": HOST_ALL,
            "ctx": {"n_ctx": 1024, "n_batch": 512, "n_ubatch": 128}, "tests": [["pp", 512]], "reps": 3}
     sel = runner.run("patched", job, env=NO_DIRECT)["tests"][0]["ext"]
@@ -602,7 +646,7 @@ def test_one_row_output_layer_does_not_pull_the_coverage_estimate_down(runner):
     for x in (sel, e):
         assert x["graphs"] == 3 * 4 and x["upload_all"] > 0, x
     assert sel["id_readbacks"] == 3 * 2 and sel["direct"] == 0, sel
-    assert e["id_readbacks"] == 3 and e["direct"] == 3 * 3, e   # the one-row layer's gate, up and down
+    assert e["id_readbacks"] == 3 and e["gather"] == 3 * 3 and e["direct"] == 0, e   # the one-row layer's gate, up, down
 
 
 def test_coverage_bar_follows_the_number_of_links(runner, tmp_path_factory):
@@ -630,15 +674,17 @@ def test_coverage_bar_follows_the_number_of_links(runner, tmp_path_factory):
 
 def test_default_thresholds_choose_selective_for_the_tiny_model(runner):
     """With the default thresholds (4 x n_expert selections; 2 x while in flight) a 32-token ubatch of the tiny
-    model (64 selections, ~40 of 64 experts) must not upload everything."""
-    t = _bench(runner, None)
-    assert t["ext"]["upload_all"] == 0 and t["ext"]["id_readbacks"] > 0, t["ext"]
+    model (64 selections, ~40 of 64 experts) must not upload everything: the devices gather the used experts
+    (GATHER, the default), or with GATHER off the host reads the ids back and copies them."""
+    t, sel = _bench(runner, None), _bench(runner, NO_GATHER)
+    assert t["ext"]["upload_all"] == 0 and t["ext"]["gather"] > 0, t["ext"]
+    assert sel["ext"]["upload_all"] == 0 and sel["ext"]["id_readbacks"] > 0, sel["ext"]
 
 
 def test_partial_host_experts_stream_to_the_layer_owner(runner, tiny_model, assert_logits_match):
     """Experts of the last two layers (VDEV1's) in host RAM: the patched build streams them to VDEV1 (by default
-    VDEV1's kernels read the used experts from host memory: DIRECT; with it off, as transient copies), upstream
-    to VDEV0 (its first-device rule); the logits agree."""
+    VDEV1 gathers the used experts itself: GATHER; with it and DIRECT off, as transient copies), upstream to VDEV0
+    (its first-device rule); the logits agree."""
     placement = {"host_experts": [4, 5]}
     p = runner.logits("patched", devices=DEVS, placement=placement, ctx=CTX, n_tokens=N_TOKENS)
     sel = runner.logits("patched", devices=DEVS, placement=placement, ctx=CTX, n_tokens=N_TOKENS, env=NO_DIRECT)
@@ -648,16 +694,16 @@ def test_partial_host_experts_stream_to_the_layer_owner(runner, tiny_model, asse
     assert p["schedule"]["pipeline_parallel"] is True
     for r in (p, sel):
         assert _ext_backend(r["ext"], "VDEV0")["weight_bytes"] == 0
-        assert _ext_backend(r["ext"], "VDEV0")["direct_bytes_est"] == 0
-    assert p["ext"]["direct"] > 0 and _ext_backend(p["ext"], "VDEV1")["direct_bytes_est"] > 0
-    assert sel["ext"]["direct"] == 0 and _ext_backend(sel["ext"], "VDEV1")["weight_bytes"] > 0
+        assert _ext_backend(r["ext"], "VDEV0")["gather_bytes_est"] == 0
+    assert p["ext"]["gather"] > 0 and _ext_backend(p["ext"], "VDEV1")["gather_bytes_est"] > 0
+    assert sel["ext"]["gather"] == 0 and _ext_backend(sel["ext"], "VDEV1")["weight_bytes"] > 0
     bv0, bv1 = b["counters"]["devices"]
     for r in (p, sel):
         pv0, pv1 = r["counters"]["devices"]
         assert pv1["h2d_bytes"] > 10 * pv0["h2d_bytes"], (pv0["h2d_bytes"], pv1["h2d_bytes"])
     assert bv0["h2d_bytes"] > 10 * bv1["h2d_bytes"], (bv0["h2d_bytes"], bv1["h2d_bytes"])
     assert_logits_match(p["logits"], b["logits"], "patched vs baseline, host experts of layers 4-5")
-    assert_logits_match(sel["logits"], b["logits"], "patched (DIRECT=0) vs baseline, host experts of layers 4-5")
+    assert_logits_match(sel["logits"], b["logits"], "patched (GATHER=0 DIRECT=0) vs baseline, host experts of layers 4-5")
 
 
 def test_prompt_batches_do_not_re_reserve_and_host_waits_are_timed(runner):

@@ -139,6 +139,27 @@ const ext_api & ext() {
     return api;
 }
 
+// GATHER for CUDA devices: pyllama_pp's own library next to the backend modules (gather_cuda.cu), registered
+// with the patched scheduler for the "CUDA" registry. Nothing to do in the baseline (no such scheduler function),
+// without the CUDA backend, or where the library was not built (a CPU-only install).
+void register_cuda_gather(const char * backend_dir) {
+    void * base = dlopen("libggml-base.so", RTLD_NOW | RTLD_NOLOAD);
+    auto set = base ? (void (*)(const char *, void *)) dlsym(base, "ggml_backend_sched_pp_set_gather") : nullptr;
+    if (set == nullptr || ggml_backend_reg_by_name("CUDA") == nullptr || backend_dir == nullptr || !*backend_dir) {
+        return;
+    }
+    const std::string path = std::string(backend_dir) + "/libpyllama_pp_gather_cuda.so";
+    void * lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    void * fn  = lib ? dlsym(lib, "pp_gather_cuda") : nullptr;
+    if (fn == nullptr) {
+        const char * why = dlerror();
+        log_cb(GGML_LOG_LEVEL_INFO, ("pyllama_pp: no CUDA gather (" + path + ": " + (why ? why : "no pp_gather_cuda") +
+                                     "); GATHER falls back to DIRECT or the selective copy\n").c_str(), nullptr);
+        return;
+    }
+    set("CUDA", fn);
+}
+
 }  // namespace
 
 struct pp_model {
@@ -196,6 +217,7 @@ PP_EXPORT int pp_init(const char * backend_dir, int log_level) {
                 ggml_backend_load_all();
             }
             llama_backend_init();
+            register_cuda_gather(backend_dir);
         });
         if (!ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)) {
             return fail(PP_ERR_DEVICE, std::string("no CPU backend found in ") + (backend_dir ? backend_dir : "(default path)") +

@@ -1226,9 +1226,69 @@ ggml_backend_dev_t vdev_reg_get_device(ggml_backend_reg_t reg, size_t index) {
     return &g_devices[index]->dev;
 }
 
+// GATHER (the patched scheduler's ggml_backend_pp_gather_t, ggml-backend-pp.h; the baseline never asks): on the
+// backend's queue, after what is queued before it, read the int32 routing ids in device memory and copy each used
+// expert of the host tensor `src` into `dst`, plus the first min(nb[2], 512) bytes of the expert after it
+// (GGML_BACKEND_PP_GATHER_TAIL: what the selective copy leaves there) - charged to the link at its full rate, as
+// a copy engine moves it (CUDA's gather kernel reads host memory itself; measure it there)
+bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor * src, const ggml_tensor * ids) {
+    if (!backend_is_vdev(backend) || dst == nullptr || src == nullptr || ids == nullptr || ids->type != GGML_TYPE_I32 ||
+        dst->data == nullptr || src->data == nullptr || ids->data == nullptr || ggml_nbytes(dst) != ggml_nbytes(src) ||
+        dst->nb[2] != src->nb[2] || !buffer_is_vdev(tensor_buffer(dst)) || !buffer_is_vdev(tensor_buffer(ids))) {
+        return false;
+    }
+    auto *         b = (vdev_backend *) backend->context;
+    vdev_device *  d = buffer_device(tensor_buffer(dst));
+    if (b->dev != d || buffer_device(tensor_buffer(ids)) != d) {
+        return false;
+    }
+    char *         out      = (char *) dst->data;
+    const char *   in       = (const char *) src->data;
+    const char *   id_data  = (const char *) ids->data;
+    const size_t   expert   = src->nb[2];
+    const int64_t  n_expert = src->ne[2];
+    const int64_t  n_col = ids->ne[0], n_row = ids->ne[1];
+    const size_t   nb0 = ids->nb[0], nb1 = ids->nb[1];
+    b->enqueue([=]() {
+        std::vector<bool> used((size_t) n_expert, false);
+        for (int64_t r = 0; r < n_row; r++) {
+            for (int64_t c = 0; c < n_col; c++) {
+                const int32_t e = *(const int32_t *) (id_data + r * nb1 + c * nb0);
+                if (e >= 0 && e < n_expert) {
+                    used[(size_t) e] = true;
+                }
+            }
+        }
+        // runs of consecutive used experts, each with the tail after its last expert
+        std::vector<std::pair<size_t, size_t>> runs;   // (offset, bytes)
+        size_t total = 0;
+        for (int64_t e = 0; e < n_expert; e++) {
+            if (!used[(size_t) e]) {
+                continue;
+            }
+            int64_t last = e;
+            while (last + 1 < n_expert && used[(size_t) last + 1]) {
+                last++;
+            }
+            const size_t tail = last < n_expert - 1 ? std::min<size_t>(expert, 512) : 0;
+            runs.emplace_back((size_t) e * expert, (size_t) (last - e + 1) * expert + tail);
+            total += runs.back().second;
+            e = last;
+        }
+        charge_h2d(d, d->get_cfg().link_gbps, total, [&]() {
+            for (const auto & [off, n] : runs) {
+                memcpy(out + off, in + off, n);
+            }
+        }, (int) runs.size());
+    });
+    return true;
+}
+
 void * vdev_reg_get_proc_address(ggml_backend_reg_t reg, const char * name) {
     (void) reg;
-    (void) name;
+    if (name != nullptr && strcmp(name, "ggml_backend_pp_gather") == 0) {
+        return (void *) vdev_pp_gather;
+    }
     return nullptr;
 }
 

@@ -1,0 +1,198 @@
+// pyllama_pp's GATHER for CUDA devices (the patched scheduler's ggml_backend_pp_gather_t, ggml-backend-pp.h).
+//
+// Below the upload-all bar the scheduler copies only the experts a MUL_MAT_ID uses. Upstream reads the routing ids
+// back on the host for that (a sync per expert op, which stops the pipeline); DIRECT lets the matmul kernel read
+// host memory itself (once per tile of tokens, at about half the copy engine's rate). This library does the copy on
+// the device instead: one kernel marks the experts the ids (in device memory) name, a second copies those experts
+// from pinned host memory (mapped: the same pointer on the device) into the device copy with 16-byte loads. Each
+// byte crosses the link once and the host never waits.
+//
+// Ordering without access to the backend's stream: an event recorded on the backend is waited for on a stream of
+// this library (high priority, so its blocks are scheduled ahead of waiting compute blocks), and the backend waits
+// for an event recorded behind the copy. A ggml CUDA event's context is its cudaEvent_t.
+//
+// Built only with the CUDA backend, as a library of its own next to the backend modules (not a backend: the
+// loader does not pick it up); the shim registers it with the patched scheduler for the "CUDA" registry.
+
+#include "ggml-backend.h"
+#include "ggml-backend-impl.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+
+namespace {
+
+constexpr int    kTail            = 512;   // GGML_BACKEND_PP_GATHER_TAIL: bytes after an expert that must be numbers
+constexpr int    kMaxExperts      = 4096;  // flags in shared memory (16 KiB)
+constexpr int    kThreads         = 256;
+constexpr int    kBlocksPerExpert = 32;    // enough loads in flight to fill a PCIe 5 link with a few experts
+
+struct gather_stream {
+    ggml_backend_dev_t   dev    = nullptr;
+    int                  device = -1;       // the CUDA device of the backend's memory
+    cudaStream_t         stream = nullptr;
+    int *                used   = nullptr;  // kMaxExperts flags on the device
+    ggml_backend_event_t before = nullptr;  // recorded on the backend, waited for here
+    ggml_backend_event_t after  = nullptr;  // recorded here, waited for on the backend
+};
+
+std::mutex                                         g_mutex;
+std::unordered_map<ggml_backend_t, gather_stream *> g_streams;  // never freed: one per backend of the process
+
+__global__ void mark_used(const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1, int n_expert, int * used) {
+    extern __shared__ int flags[];
+    for (int i = threadIdx.x; i < n_expert; i += blockDim.x) {
+        flags[i] = 0;
+    }
+    __syncthreads();
+    const int64_t n = n_col * n_row;
+    for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
+        const int64_t r = k / n_col;
+        const int64_t c = k - r * n_col;
+        const int     e = *(const int *) (ids + r * nb1 + c * nb0);
+        if (e >= 0 && e < n_expert) {
+            flags[e] = 1;
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n_expert; i += blockDim.x) {
+        used[i] = flags[i];
+    }
+}
+
+// grid: (kBlocksPerExpert, n_expert); the blocks of an unused expert return at once
+__global__ void copy_used(char * dst, const char * src, size_t expert, int n_expert, const int * used) {
+    const int e = blockIdx.y;
+    if (!used[e]) {
+        return;
+    }
+    const size_t begin  = (size_t) e * expert;
+    const size_t n      = expert + (e < n_expert - 1 ? (expert < (size_t) kTail ? expert : (size_t) kTail) : 0);
+    const char * s      = src + begin;
+    char *       d      = dst + begin;
+    const size_t stride = (size_t) gridDim.x * blockDim.x;
+    const size_t t0     = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if ((((uintptr_t) s | (uintptr_t) d | n) & 15) == 0) {
+        const uint4 * s4 = (const uint4 *) s;
+        uint4 *       d4 = (uint4 *) d;
+        const size_t  n4 = n / 16;
+        size_t i = t0;
+        for (; i + 3 * stride < n4; i += 4 * stride) {   // four loads in flight per thread
+            const uint4 a = s4[i];
+            const uint4 b = s4[i + stride];
+            const uint4 c = s4[i + 2 * stride];
+            const uint4 q = s4[i + 3 * stride];
+            d4[i]              = a;
+            d4[i + stride]     = b;
+            d4[i + 2 * stride] = c;
+            d4[i + 3 * stride] = q;
+        }
+        for (; i < n4; i += stride) {
+            d4[i] = s4[i];
+        }
+    } else {
+        for (size_t i = t0; i < n; i += stride) {
+            d[i] = s[i];
+        }
+    }
+}
+
+bool is_cuda(ggml_backend_dev_t dev) {
+    const char * reg = dev != nullptr ? ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)) : nullptr;
+    return reg != nullptr && strcmp(reg, "CUDA") == 0;
+}
+
+// the CUDA device of device memory p, or -1
+int device_of(const void * p) {
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        cudaGetLastError();
+        return -1;
+    }
+    return a.type == cudaMemoryTypeDevice ? a.device : -1;
+}
+
+// the library's stream for `backend`, made on first use on the device that holds `dst`; nullptr if it cannot be
+gather_stream * stream_for(ggml_backend_t backend, ggml_backend_dev_t dev, const void * dst) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_streams.find(backend);
+    if (it != g_streams.end() && it->second->dev == dev) {
+        return it->second;   // (a backend freed and another made at its address on the same device: same device, fine)
+    }
+    const int device = device_of(dst);
+    if (device < 0) {
+        return nullptr;
+    }
+    auto * g = new gather_stream();
+    g->dev    = dev;
+    g->device = device;
+    int least = 0, greatest = 0;
+    bool ok = cudaSetDevice(device) == cudaSuccess &&
+              cudaDeviceGetStreamPriorityRange(&least, &greatest) == cudaSuccess &&
+              cudaStreamCreateWithPriority(&g->stream, cudaStreamNonBlocking, greatest) == cudaSuccess &&
+              cudaMalloc((void **) &g->used, kMaxExperts * sizeof(int)) == cudaSuccess;
+    if (ok) {
+        g->before = ggml_backend_event_new(dev);
+        g->after  = ggml_backend_event_new(dev);
+        ok = g->before != nullptr && g->after != nullptr;
+    }
+    if (!ok) {
+        cudaGetLastError();
+        return nullptr;   // (leaks what was made: a device that cannot make a stream is not used again)
+    }
+    g_streams[backend] = g;
+    return g;
+}
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default")))
+bool pp_gather_cuda(ggml_backend_t backend, struct ggml_tensor * dst, const struct ggml_tensor * src, const struct ggml_tensor * ids) {
+    if (backend == nullptr || dst == nullptr || src == nullptr || ids == nullptr || dst->data == nullptr ||
+        src->data == nullptr || ids->data == nullptr || ids->type != GGML_TYPE_I32 || ids->ne[2] != 1 || ids->ne[3] != 1 ||
+        src->ne[2] < 1 || src->ne[2] > kMaxExperts || src->ne[3] != 1 || ggml_nbytes(dst) != ggml_nbytes(src) ||
+        dst->nb[2] != src->nb[2]) {
+        return false;
+    }
+    ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+    if (!is_cuda(dev)) {
+        return false;
+    }
+    // the source: host memory the device reads through the same pointer (pinned by the CUDA host buffer type)
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, src->data) != cudaSuccess || a.type != cudaMemoryTypeHost || a.devicePointer != src->data) {
+        cudaGetLastError();
+        return false;
+    }
+    int prev = -1;
+    cudaGetDevice(&prev);
+    gather_stream * g = stream_for(backend, dev, dst->data);
+    if (g == nullptr || device_of(dst->data) != g->device || device_of(ids->data) != g->device) {
+        if (prev >= 0) {
+            cudaSetDevice(prev);
+        }
+        return false;
+    }
+    cudaSetDevice(g->device);
+    const int n_expert = (int) src->ne[2];
+    ggml_backend_event_record(g->before, backend);
+    bool ok = cudaStreamWaitEvent(g->stream, (cudaEvent_t) g->before->context, 0) == cudaSuccess;
+    if (ok) {
+        mark_used<<<1, 1024, n_expert * sizeof(int), g->stream>>>((const char *) ids->data, ids->ne[0], ids->ne[1],
+                                                                   ids->nb[0], ids->nb[1], n_expert, g->used);
+        copy_used<<<dim3(kBlocksPerExpert, n_expert), kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
+                                                                                src->nb[2], n_expert, g->used);
+        ok = cudaGetLastError() == cudaSuccess && cudaEventRecord((cudaEvent_t) g->after->context, g->stream) == cudaSuccess;
+    }
+    if (ok) {
+        ggml_backend_event_wait(backend, g->after);
+    }
+    if (prev >= 0) {
+        cudaSetDevice(prev);
+    }
+    return ok;
+}
