@@ -215,6 +215,14 @@ SWEEPS = {
     # selective copy there: 3049.8 t/s, 37% of the bound) and a small batch (pp512 / ub128)
     "gather-more": [{**SKEWED, "name": "skewed-gather-more", "est": 110,
                      "configs": [(16384, 1024, PP16K), (512, 128, [["pp", 512]])]}],
+    # after the review of the CUDA gather (one stream per GPU, no false return once queued): low coverage again,
+    # patched only (run 22: 3162.8 t/s), and one H200 as two devices (one shared link, where DIRECT's auto rule
+    # kept DIRECT off) at low coverage, both variants, then patched with GATHER=0
+    "gather-check": [{"name": "skewed-gather-again", "model": "skewed", "est": 35, "variants": ["patched"],
+                      "configs": [(4096, 512, PP4096)]},
+                     {**SKEWED_ONE_LINK, "name": "one-h200-as-two-skewed-gather", "est": 85},
+                     {**SKEWED_ONE_LINK, "name": "one-h200-as-two-skewed-gather0", "est": 45, "ext": {"GATHER": 0},
+                      "variants": ["patched"]}],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [{"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]},
                          {"name": "decode-long-one-gpu", "devices": "cuda:0", "est": 110, "reps": 5,
@@ -288,29 +296,25 @@ def main() -> int:
         log(f"wrote {big}: {s['bytes'] / 1e9:.1f} GB in {time.time() - t:.0f} s")
         save()
 
-    if "gather" in args.sweep.split(",") and "correctness-gather" not in skip and big.exists() and left(args.budget) > 150:
-        # patch 0028 on the 30B preset: 4 ubatches of 256 with upload-all off, so every expert op but the one that
-        # measures coverage gathers (the tiny preset's ub64 case above covers a few); also with OVERLAP=2's early
-        # gathers on the second stream
+    def correctness_30b(step: str, env: dict, env2: dict) -> None:
+        """The 30B preset, 4 ubatches of 256, patched with `env`, then with `env` + `env2` (~60 s a case: two loads)."""
+        if step.replace("_", "-") in skip or not big.exists() or left(args.budget) <= 150:
+            return
         try:
-            summary["steps"]["correctness_gather"] = correctness(
-                str(big), args.devices, args.out, n_tokens=1024, all_on_gpu=False,
-                cases=((256, "none", NO_UPLOAD_ALL), (256, "none", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2"})))
+            summary["steps"][step] = correctness(str(big), args.devices, args.out, n_tokens=1024, all_on_gpu=False,
+                                                 cases=((256, "none", env), (256, "none", {**env, **env2})))
         except PyllamaError as e:
-            summary["steps"]["correctness_gather"] = {"error": str(e)}
+            summary["steps"][step] = {"error": str(e)}
         save()
 
-    direct_sweep = any(n.startswith("direct") for n in args.sweep.split(","))
-    if direct_sweep and "correctness-direct" not in skip and big.exists() and left(args.budget) > 150:
-        # patch 0021 on the model it is measured with: 4 ubatches of 256, upload-all off (~60 s a case: two loads);
-        # also with the first GPU keeping the selective copy (DIRECT_FIRST=0)
-        try:
-            summary["steps"]["correctness_direct"] = correctness(
-                str(big), args.devices, args.out, n_tokens=1024, all_on_gpu=False,
-                cases=((256, "none", DIRECT_ONLY), (256, "none", {**DIRECT_ONLY, "GGML_SCHED_PP_DIRECT_FIRST": "0"})))
-        except PyllamaError as e:
-            summary["steps"]["correctness_direct"] = {"error": str(e)}
-        save()
+    if any(n.startswith("gather") for n in args.sweep.split(",")):
+        # patch 0028: upload-all off, so every expert op but the one that measures coverage gathers (the tiny
+        # preset's ub64 case above covers a few); then with OVERLAP=2's early gathers on the second stream
+        correctness_30b("correctness_gather", NO_UPLOAD_ALL, {"GGML_SCHED_PP_OVERLAP": "2"})
+    if any(n.startswith("direct") for n in args.sweep.split(",")):
+        # patch 0021 on the model it is measured with, upload-all off; then with the first GPU keeping the
+        # selective copy (DIRECT_FIRST=0)
+        correctness_30b("correctness_direct", DIRECT_ONLY, {"GGML_SCHED_PP_DIRECT_FIRST": "0"})
 
     if "sweep" not in skip and big.exists():
         for block in [b for n in args.sweep.split(",") for b in SWEEPS[n]]:

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 
 namespace {
@@ -31,17 +32,20 @@ constexpr int    kMaxExperts      = 4096;  // flags in shared memory (16 KiB)
 constexpr int    kThreads         = 256;
 constexpr int    kBlocksPerExpert = 32;    // enough loads in flight to fill a PCIe 5 link with a few experts
 
+// one per physical device (virtual CUDA devices of one GPU share it; so do a scheduler's backends and their second
+// streams): bounded by the device count, kept for the process. `mutex` covers a whole gather - the events and the
+// flags are reused by the next one.
 struct gather_stream {
-    ggml_backend_dev_t   dev    = nullptr;
-    int                  device = -1;       // the CUDA device of the backend's memory
+    std::mutex           mutex;
+    bool                 usable = false;    // false: setting it up failed once; never tried again
     cudaStream_t         stream = nullptr;
     int *                used   = nullptr;  // kMaxExperts flags on the device
-    ggml_backend_event_t before = nullptr;  // recorded on the backend, waited for here
-    ggml_backend_event_t after  = nullptr;  // recorded here, waited for on the backend
+    ggml_backend_event_t before = nullptr;  // recorded on the calling backend, waited for here
+    ggml_backend_event_t after  = nullptr;  // recorded here, waited for on the calling backend
 };
 
-std::mutex                                         g_mutex;
-std::unordered_map<ggml_backend_t, gather_stream *> g_streams;  // never freed: one per backend of the process
+std::mutex                               g_mutex;
+std::unordered_map<int, gather_stream *> g_streams;  // CUDA device -> its stream
 
 __global__ void mark_used(const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1, int n_expert, int * used) {
     extern __shared__ int flags[];
@@ -116,83 +120,133 @@ int device_of(const void * p) {
     return a.type == cudaMemoryTypeDevice ? a.device : -1;
 }
 
-// the library's stream for `backend`, made on first use on the device that holds `dst`; nullptr if it cannot be
-gather_stream * stream_for(ggml_backend_t backend, ggml_backend_dev_t dev, const void * dst) {
+// the CUDA device behind a ggml CUDA device, from its PCI bus id (virtual devices of one GPU carry a "-v<N>"
+// suffix); -1 where unknown
+int physical_of(ggml_backend_dev_t dev) {
+    static std::unordered_map<ggml_backend_dev_t, int> known;   // under g_mutex
     std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_streams.find(backend);
-    if (it != g_streams.end() && it->second->dev == dev) {
-        return it->second;   // (a backend freed and another made at its address on the same device: same device, fine)
+    auto it = known.find(dev);
+    if (it != known.end()) {
+        return it->second;
     }
-    const int device = device_of(dst);
-    if (device < 0) {
-        return nullptr;
+    ggml_backend_dev_props props;
+    ggml_backend_dev_get_props(dev, &props);
+    int device = -1;
+    if (props.device_id != nullptr) {
+        std::string id = props.device_id;
+        const size_t v = id.rfind("-v");
+        if (v != std::string::npos) {
+            id.resize(v);
+        }
+        if (cudaDeviceGetByPCIBusId(&device, id.c_str()) != cudaSuccess) {
+            (void) cudaGetLastError();
+            device = -1;
+        }
+    }
+    known[dev] = device;
+    return device;
+}
+
+// the stream of CUDA device `device`, set up on first use with events of the ggml device `dev` (whose physical GPU
+// must be `device`); nullptr where setting it up failed (remembered: nothing is retried, nothing leaks)
+gather_stream * stream_for(int device, ggml_backend_dev_t dev) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_streams.find(device);
+    if (it != g_streams.end()) {
+        return it->second->usable ? it->second : nullptr;
     }
     auto * g = new gather_stream();
-    g->dev    = dev;
-    g->device = device;
-    int least = 0, greatest = 0;
+    g_streams[device] = g;
+    int least = 0, greatest = 0, current = -1;
     bool ok = cudaSetDevice(device) == cudaSuccess &&
               cudaDeviceGetStreamPriorityRange(&least, &greatest) == cudaSuccess &&
               cudaStreamCreateWithPriority(&g->stream, cudaStreamNonBlocking, greatest) == cudaSuccess &&
               cudaMalloc((void **) &g->used, kMaxExperts * sizeof(int)) == cudaSuccess;
     if (ok) {
-        g->before = ggml_backend_event_new(dev);
+        g->before = ggml_backend_event_new(dev);   // (leaves the current device at dev's physical GPU)
         g->after  = ggml_backend_event_new(dev);
-        ok = g->before != nullptr && g->after != nullptr;
+        ok = g->before != nullptr && g->after != nullptr && cudaGetDevice(&current) == cudaSuccess && current == device;
     }
     if (!ok) {
-        cudaGetLastError();
-        return nullptr;   // (leaks what was made: a device that cannot make a stream is not used again)
+        (void) cudaGetLastError();
+        if (g->before != nullptr) { ggml_backend_event_free(g->before); g->before = nullptr; }
+        if (g->after  != nullptr) { ggml_backend_event_free(g->after);  g->after  = nullptr; }
+        if (g->used   != nullptr) { cudaFree(g->used);                  g->used   = nullptr; }
+        if (g->stream != nullptr) { cudaStreamDestroy(g->stream);       g->stream = nullptr; }
+        (void) cudaGetLastError();
+        return nullptr;
     }
-    g_streams[backend] = g;
+    g->usable = true;
     return g;
 }
 
 }  // namespace
 
+// The contract (ggml-backend-pp.h): false only with nothing queued; once the copy is queued, true - if the event
+// behind it cannot be recorded, the host waits for the copy instead.
 extern "C" __attribute__((visibility("default")))
 bool pp_gather_cuda(ggml_backend_t backend, struct ggml_tensor * dst, const struct ggml_tensor * src, const struct ggml_tensor * ids) {
     if (backend == nullptr || dst == nullptr || src == nullptr || ids == nullptr || dst->data == nullptr ||
         src->data == nullptr || ids->data == nullptr || ids->type != GGML_TYPE_I32 || ids->ne[2] != 1 || ids->ne[3] != 1 ||
-        src->ne[2] < 1 || src->ne[2] > kMaxExperts || src->ne[3] != 1 || ggml_nbytes(dst) != ggml_nbytes(src) ||
-        dst->nb[2] != src->nb[2]) {
+        src->ne[2] < 1 || src->ne[2] > kMaxExperts || src->ne[3] != 1 || !ggml_is_contiguous(src) ||
+        !ggml_is_contiguous(dst) || ggml_nbytes(dst) != ggml_nbytes(src) || dst->nb[2] != src->nb[2]) {
         return false;
     }
     ggml_backend_dev_t dev = ggml_backend_get_device(backend);
     if (!is_cuda(dev)) {
         return false;
     }
+    (void) cudaGetLastError();   // an error another component left must not read as ours
     // the source: host memory the device reads through the same pointer (pinned by the CUDA host buffer type)
     cudaPointerAttributes a;
     if (cudaPointerGetAttributes(&a, src->data) != cudaSuccess || a.type != cudaMemoryTypeHost || a.devicePointer != src->data) {
-        cudaGetLastError();
+        (void) cudaGetLastError();
+        return false;
+    }
+    // the copy, the ids and the backend's stream on one GPU (events are recorded on the backend's stream)
+    const int device = device_of(dst->data);
+    const int physical = physical_of(dev);   // (-1: no bus id to tell; then the pointers' device is trusted)
+    if (device < 0 || device_of(ids->data) != device || (physical >= 0 && physical != device)) {
         return false;
     }
     int prev = -1;
-    cudaGetDevice(&prev);
-    gather_stream * g = stream_for(backend, dev, dst->data);
-    if (g == nullptr || device_of(dst->data) != g->device || device_of(ids->data) != g->device) {
+    if (cudaGetDevice(&prev) != cudaSuccess) {
+        (void) cudaGetLastError();
+        prev = -1;
+    }
+    gather_stream * g = stream_for(device, dev);
+    if (g == nullptr) {
         if (prev >= 0) {
             cudaSetDevice(prev);
         }
         return false;
     }
-    cudaSetDevice(g->device);
+    std::lock_guard<std::mutex> lock(g->mutex);
+    bool queued = false;
     const int n_expert = (int) src->ne[2];
-    ggml_backend_event_record(g->before, backend);
-    bool ok = cudaStreamWaitEvent(g->stream, (cudaEvent_t) g->before->context, 0) == cudaSuccess;
-    if (ok) {
-        mark_used<<<1, 1024, n_expert * sizeof(int), g->stream>>>((const char *) ids->data, ids->ne[0], ids->ne[1],
-                                                                   ids->nb[0], ids->nb[1], n_expert, g->used);
-        copy_used<<<dim3(kBlocksPerExpert, n_expert), kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
-                                                                                src->nb[2], n_expert, g->used);
-        ok = cudaGetLastError() == cudaSuccess && cudaEventRecord((cudaEvent_t) g->after->context, g->stream) == cudaSuccess;
+    if (cudaSetDevice(device) == cudaSuccess) {
+        ggml_backend_event_record(g->before, backend);
+        if (cudaStreamWaitEvent(g->stream, (cudaEvent_t) g->before->context, 0) == cudaSuccess) {
+            mark_used<<<1, 1024, n_expert * sizeof(int), g->stream>>>((const char *) ids->data, ids->ne[0], ids->ne[1],
+                                                                       ids->nb[0], ids->nb[1], n_expert, g->used);
+            if (cudaGetLastError() == cudaSuccess) {
+                copy_used<<<dim3(kBlocksPerExpert, n_expert), kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
+                                                                                        src->nb[2], n_expert, g->used);
+                queued = cudaGetLastError() == cudaSuccess;
+            }
+        }
     }
-    if (ok) {
-        ggml_backend_event_wait(backend, g->after);
+    if (queued) {
+        if (cudaEventRecord((cudaEvent_t) g->after->context, g->stream) == cudaSuccess) {
+            ggml_backend_event_wait(backend, g->after);
+        } else {
+            (void) cudaGetLastError();
+            cudaStreamSynchronize(g->stream);   // no event to order the backend after the copy: wait for it here
+        }
     }
+    (void) cudaGetLastError();
     if (prev >= 0) {
         cudaSetDevice(prev);
     }
-    return ok;
+    return queued;
 }

@@ -1233,7 +1233,8 @@ ggml_backend_dev_t vdev_reg_get_device(ggml_backend_reg_t reg, size_t index) {
 // a copy engine moves it (CUDA's gather kernel reads host memory itself; measure it there)
 bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor * src, const ggml_tensor * ids) {
     if (!backend_is_vdev(backend) || dst == nullptr || src == nullptr || ids == nullptr || ids->type != GGML_TYPE_I32 ||
-        dst->data == nullptr || src->data == nullptr || ids->data == nullptr || ggml_nbytes(dst) != ggml_nbytes(src) ||
+        dst->data == nullptr || src->data == nullptr || ids->data == nullptr || !ggml_is_contiguous(src) ||
+        !ggml_is_contiguous(dst) || ggml_nbytes(dst) != ggml_nbytes(src) ||
         dst->nb[2] != src->nb[2] || !buffer_is_vdev(tensor_buffer(dst)) || !buffer_is_vdev(tensor_buffer(ids))) {
         return false;
     }
