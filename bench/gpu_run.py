@@ -223,6 +223,10 @@ SWEEPS = {
                      {**SKEWED_ONE_LINK, "name": "one-h200-as-two-skewed-gather", "est": 85},
                      {**SKEWED_ONE_LINK, "name": "one-h200-as-two-skewed-gather0", "est": 45, "ext": {"GATHER": 0},
                       "variants": ["patched"]}],
+    # what compute alone allows at low coverage (every weight in VRAM, upstream pipelines it): the compute part of
+    # the bound of the skewed rows (runs 22-24)
+    "compute-skewed": [{"name": "all-on-gpu-skewed", "model": "skewed", "host_experts": "none", "variants": ["baseline"],
+                        "est": 60, "configs": [(4096, 512, PP4096), (4096, 256, PP4096)]}],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [{"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]},
                          {"name": "decode-long-one-gpu", "devices": "cuda:0", "est": 110, "reps": 5,
