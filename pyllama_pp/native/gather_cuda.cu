@@ -20,6 +20,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -103,6 +104,57 @@ __global__ void copy_used(char * dst, const char * src, size_t expert, int n_exp
             d[i] = s[i];
         }
     }
+}
+
+// PYLLAMA_PP_GATHER_BLOCKS=N (experimental, not yet measured for correctness on a GPU): N blocks in all, each
+// walking every used expert, instead of kBlocksPerExpert blocks per expert. The per-expert grid fills every SM
+// while it waits on the link, so compute on the other stream cannot run beside it (runs 22-24: GATHER measured
+// at about the sum of transfer and compute, and OVERLAP=2 gained nothing); a few blocks keep enough loads in
+// flight for the link and leave the SMs to compute.
+__global__ void copy_used_few(char * dst, const char * src, size_t expert, int n_expert, const int * used) {
+    const size_t stride = (size_t) gridDim.x * blockDim.x;
+    const size_t t0     = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
+    for (int e = 0; e < n_expert; e++) {
+        if (!used[e]) {
+            continue;
+        }
+        const size_t begin = (size_t) e * expert;
+        const size_t n     = expert + (e < n_expert - 1 ? (expert < (size_t) kTail ? expert : (size_t) kTail) : 0);
+        const char * s     = src + begin;
+        char *       d     = dst + begin;
+        if ((((uintptr_t) s | (uintptr_t) d | n) & 15) == 0) {
+            const uint4 * s4 = (const uint4 *) s;
+            uint4 *       d4 = (uint4 *) d;
+            const size_t  n4 = n / 16;
+            size_t i = t0;
+            for (; i + 3 * stride < n4; i += 4 * stride) {
+                const uint4 a = s4[i];
+                const uint4 b = s4[i + stride];
+                const uint4 c = s4[i + 2 * stride];
+                const uint4 q = s4[i + 3 * stride];
+                d4[i]              = a;
+                d4[i + stride]     = b;
+                d4[i + 2 * stride] = c;
+                d4[i + 3 * stride] = q;
+            }
+            for (; i < n4; i += stride) {
+                d4[i] = s4[i];
+            }
+        } else {
+            for (size_t i = t0; i < n; i += stride) {
+                d[i] = s[i];
+            }
+        }
+    }
+}
+
+int few_blocks() {
+    static const int n = [] {
+        const char * v = getenv("PYLLAMA_PP_GATHER_BLOCKS");
+        const int    x = v != nullptr ? atoi(v) : 0;
+        return x > 0 && x <= 1024 ? x : 0;
+    }();
+    return n;
 }
 
 bool is_cuda(ggml_backend_dev_t dev) {
@@ -230,8 +282,13 @@ bool pp_gather_cuda(ggml_backend_t backend, struct ggml_tensor * dst, const stru
             mark_used<<<1, 1024, n_expert * sizeof(int), g->stream>>>((const char *) ids->data, ids->ne[0], ids->ne[1],
                                                                        ids->nb[0], ids->nb[1], n_expert, g->used);
             if (cudaGetLastError() == cudaSuccess) {
-                copy_used<<<dim3(kBlocksPerExpert, n_expert), kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
-                                                                                        src->nb[2], n_expert, g->used);
+                if (few_blocks() > 0) {
+                    copy_used_few<<<few_blocks(), kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
+                                                                            src->nb[2], n_expert, g->used);
+                } else {
+                    copy_used<<<dim3(kBlocksPerExpert, n_expert), kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
+                                                                                            src->nb[2], n_expert, g->used);
+                }
                 queued = cudaGetLastError() == cudaSuccess;
             }
         }
