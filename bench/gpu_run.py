@@ -42,6 +42,7 @@ def log(msg: str) -> None:
 # 2048 and 768 values, are whole steps of CUDA's MMQ; the tiny preset's are not, see the patch)
 DIRECT_ONLY = {"GGML_SCHED_PP_DIRECT": "2", "GGML_SCHED_PP_UPLOAD_ALL": "0", "GGML_SCHED_PP_GATHER": "0"}
 NO_UPLOAD_ALL = {"GGML_SCHED_PP_UPLOAD_ALL": "0"}
+FEW_BLOCKS = {"PYLLAMA_PP_GATHER_BLOCKS": "48"}   # the CUDA gather with 48 blocks in all (experimental)
 
 
 def correctness(model: str, devices: str, out: Path,
@@ -229,9 +230,12 @@ SWEEPS = {
                         "est": 60, "configs": [(4096, 512, PP4096), (4096, 256, PP4096)]}],
     # the CUDA gather with a few blocks in all (PYLLAMA_PP_GATHER_BLOCKS, experimental) instead of a grid per expert,
     # with OVERLAP=2: do the gathers then run beside compute? (runs 22 and 24: 3176.5 / 3166.5 t/s)
-    "gather-few": [{"name": "skewed-gather-few-overlap2", "model": "skewed", "est": 20, "ext": OVERLAP2,
-                    "env": {"PYLLAMA_PP_GATHER_BLOCKS": "48"}, "variants": ["patched"], "reps": 1,
-                    "configs": [(4096, 512, PP4096)]}],
+    "gather-few": [{"name": "skewed-gather-few-overlap2", "model": "skewed", "est": 30, "ext": OVERLAP2,
+                    "env": FEW_BLOCKS, "variants": ["patched"], "configs": SKEWED_LOW},
+                   {"name": "skewed-gather-few", "model": "skewed", "est": 30, "env": FEW_BLOCKS, "variants": ["patched"],
+                    "configs": SKEWED_LOW},
+                   {"name": "skewed-gather-overlap2", "model": "skewed", "est": 30, "ext": OVERLAP2, "variants": ["patched"],
+                    "configs": SKEWED_LOW}],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [{"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]},
                          {"name": "decode-long-one-gpu", "devices": "cuda:0", "est": 110, "reps": 5,
@@ -316,7 +320,10 @@ def main() -> int:
             summary["steps"][step] = {"error": str(e)}
         save()
 
-    if any(n.startswith("gather") for n in args.sweep.split(",")):
+    if "gather-few" in args.sweep.split(","):
+        # the same with the experimental few-block gather kernel
+        correctness_30b("correctness_gather_few", {**NO_UPLOAD_ALL, **FEW_BLOCKS}, {"GGML_SCHED_PP_OVERLAP": "2"})
+    elif any(n.startswith("gather") for n in args.sweep.split(",")):
         # patch 0028: upload-all off, so every expert op but the one that measures coverage gathers (the tiny
         # preset's ub64 case above covers a few); then with OVERLAP=2's early gathers on the second stream
         correctness_30b("correctness_gather", NO_UPLOAD_ALL, {"GGML_SCHED_PP_OVERLAP": "2"})

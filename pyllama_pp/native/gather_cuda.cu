@@ -17,6 +17,8 @@
 #include "ggml-backend.h"
 #include "ggml-backend-impl.h"
 
+#include "gather_cuda_kernels.cuh"
+
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -28,10 +30,7 @@
 
 namespace {
 
-constexpr int    kTail            = 512;   // GGML_BACKEND_PP_GATHER_TAIL: bytes after an expert that must be numbers
-constexpr int    kMaxExperts      = 4096;  // flags in shared memory (16 KiB)
-constexpr int    kThreads         = 256;
-constexpr int    kBlocksPerExpert = 32;    // enough loads in flight to fill a PCIe 5 link with a few experts
+using namespace pp_gather;
 
 // one per physical device (virtual CUDA devices of one GPU share it; so do a scheduler's backends and their second
 // streams): bounded by the device count, kept for the process. `mutex` covers a whole gather - the events and the
@@ -48,106 +47,8 @@ struct gather_stream {
 std::mutex                               g_mutex;
 std::unordered_map<int, gather_stream *> g_streams;  // CUDA device -> its stream
 
-__global__ void mark_used(const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1, int n_expert, int * used) {
-    extern __shared__ int flags[];
-    for (int i = threadIdx.x; i < n_expert; i += blockDim.x) {
-        flags[i] = 0;
-    }
-    __syncthreads();
-    const int64_t n = n_col * n_row;
-    for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
-        const int64_t r = k / n_col;
-        const int64_t c = k - r * n_col;
-        const int     e = *(const int *) (ids + r * nb1 + c * nb0);
-        if (e >= 0 && e < n_expert) {
-            flags[e] = 1;
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < n_expert; i += blockDim.x) {
-        used[i] = flags[i];
-    }
-}
-
-// grid: (kBlocksPerExpert, n_expert); the blocks of an unused expert return at once
-__global__ void copy_used(char * dst, const char * src, size_t expert, int n_expert, const int * used) {
-    const int e = blockIdx.y;
-    if (!used[e]) {
-        return;
-    }
-    const size_t begin  = (size_t) e * expert;
-    const size_t n      = expert + (e < n_expert - 1 ? (expert < (size_t) kTail ? expert : (size_t) kTail) : 0);
-    const char * s      = src + begin;
-    char *       d      = dst + begin;
-    const size_t stride = (size_t) gridDim.x * blockDim.x;
-    const size_t t0     = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
-    if ((((uintptr_t) s | (uintptr_t) d | n) & 15) == 0) {
-        const uint4 * s4 = (const uint4 *) s;
-        uint4 *       d4 = (uint4 *) d;
-        const size_t  n4 = n / 16;
-        size_t i = t0;
-        for (; i + 3 * stride < n4; i += 4 * stride) {   // four loads in flight per thread
-            const uint4 a = s4[i];
-            const uint4 b = s4[i + stride];
-            const uint4 c = s4[i + 2 * stride];
-            const uint4 q = s4[i + 3 * stride];
-            d4[i]              = a;
-            d4[i + stride]     = b;
-            d4[i + 2 * stride] = c;
-            d4[i + 3 * stride] = q;
-        }
-        for (; i < n4; i += stride) {
-            d4[i] = s4[i];
-        }
-    } else {
-        for (size_t i = t0; i < n; i += stride) {
-            d[i] = s[i];
-        }
-    }
-}
-
-// PYLLAMA_PP_GATHER_BLOCKS=N (experimental, not yet measured for correctness on a GPU): N blocks in all, each
-// walking every used expert, instead of kBlocksPerExpert blocks per expert. The per-expert grid fills every SM
-// while it waits on the link, so compute on the other stream cannot run beside it (runs 22-24: GATHER measured
-// at about the sum of transfer and compute, and OVERLAP=2 gained nothing); a few blocks keep enough loads in
-// flight for the link and leave the SMs to compute.
-__global__ void copy_used_few(char * dst, const char * src, size_t expert, int n_expert, const int * used) {
-    const size_t stride = (size_t) gridDim.x * blockDim.x;
-    const size_t t0     = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
-    for (int e = 0; e < n_expert; e++) {
-        if (!used[e]) {
-            continue;
-        }
-        const size_t begin = (size_t) e * expert;
-        const size_t n     = expert + (e < n_expert - 1 ? (expert < (size_t) kTail ? expert : (size_t) kTail) : 0);
-        const char * s     = src + begin;
-        char *       d     = dst + begin;
-        if ((((uintptr_t) s | (uintptr_t) d | n) & 15) == 0) {
-            const uint4 * s4 = (const uint4 *) s;
-            uint4 *       d4 = (uint4 *) d;
-            const size_t  n4 = n / 16;
-            size_t i = t0;
-            for (; i + 3 * stride < n4; i += 4 * stride) {
-                const uint4 a = s4[i];
-                const uint4 b = s4[i + stride];
-                const uint4 c = s4[i + 2 * stride];
-                const uint4 q = s4[i + 3 * stride];
-                d4[i]              = a;
-                d4[i + stride]     = b;
-                d4[i + 2 * stride] = c;
-                d4[i + 3 * stride] = q;
-            }
-            for (; i < n4; i += stride) {
-                d4[i] = s4[i];
-            }
-        } else {
-            for (size_t i = t0; i < n; i += stride) {
-                d[i] = s[i];
-            }
-        }
-    }
-}
-
+// PYLLAMA_PP_GATHER_BLOCKS=N (experimental, not yet run on a GPU): N blocks in all (copy_used_few) instead of
+// kBlocksPerExpert blocks per expert (gather_cuda_kernels.cuh says why)
 int few_blocks() {
     static const int n = [] {
         const char * v = getenv("PYLLAMA_PP_GATHER_BLOCKS");

@@ -1,0 +1,97 @@
+// The kernels of pyllama_pp's CUDA gather (gather_cuda.cu), shared with its probe (bench/gather_probe.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pp_gather {
+
+constexpr int kTail            = 512;   // GGML_BACKEND_PP_GATHER_TAIL: bytes after an expert that must be numbers
+constexpr int kMaxExperts      = 4096;  // flags in shared memory (16 KiB)
+constexpr int kThreads         = 256;
+constexpr int kBlocksPerExpert = 32;    // copy_used: enough loads in flight to fill a PCIe 5 link with a few experts
+
+// one block: used[e] = 1 for each expert e one of the int32 ids names, else 0
+__global__ void mark_used(const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1, int n_expert, int * used) {
+    extern __shared__ int flags[];
+    for (int i = threadIdx.x; i < n_expert; i += blockDim.x) {
+        flags[i] = 0;
+    }
+    __syncthreads();
+    const int64_t n = n_col * n_row;
+    for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
+        const int64_t r = k / n_col;
+        const int64_t c = k - r * n_col;
+        const int     e = *(const int *) (ids + r * nb1 + c * nb0);
+        if (e >= 0 && e < n_expert) {
+            flags[e] = 1;
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n_expert; i += blockDim.x) {
+        used[i] = flags[i];
+    }
+}
+
+// the bytes of expert e to copy: the expert and, unless it is the last, the tail after it
+__device__ inline size_t expert_span(int e, size_t expert, int n_expert) {
+    return expert + (e < n_expert - 1 ? (expert < (size_t) kTail ? expert : (size_t) kTail) : 0);
+}
+
+// threads t0, t0 + stride, ... of a grid copy n bytes: 16 bytes at a time, four loads in flight per thread, where
+// source, destination and size allow; else byte by byte
+__device__ inline void copy_range(char * d, const char * s, size_t n, size_t t0, size_t stride) {
+    if ((((uintptr_t) s | (uintptr_t) d | n) & 15) == 0) {
+        const uint4 * s4 = (const uint4 *) s;
+        uint4 *       d4 = (uint4 *) d;
+        const size_t  n4 = n / 16;
+        size_t i = t0;
+        for (; i + 3 * stride < n4; i += 4 * stride) {
+            const uint4 a = s4[i];
+            const uint4 b = s4[i + stride];
+            const uint4 c = s4[i + 2 * stride];
+            const uint4 q = s4[i + 3 * stride];
+            d4[i]              = a;
+            d4[i + stride]     = b;
+            d4[i + 2 * stride] = c;
+            d4[i + 3 * stride] = q;
+        }
+        for (; i < n4; i += stride) {
+            d4[i] = s4[i];
+        }
+    } else {
+        for (size_t i = t0; i < n; i += stride) {
+            d[i] = s[i];
+        }
+    }
+}
+
+// grid (kBlocksPerExpert, n_expert): the blocks of an unused expert return at once
+__global__ void copy_used(char * dst, const char * src, size_t expert, int n_expert, const int * used) {
+    const int e = blockIdx.y;
+    if (!used[e]) {
+        return;
+    }
+    const size_t begin = (size_t) e * expert;
+    copy_range(dst + begin, src + begin, expert_span(e, expert, n_expert),
+               (size_t) blockIdx.x * blockDim.x + threadIdx.x, (size_t) gridDim.x * blockDim.x);
+}
+
+// grid (N): every block walks every used expert. copy_used's grid (about 1500 blocks of 256 threads for 47 used
+// experts) fills every SM while it waits on the link, so compute on another stream cannot run beside it (2 x H200,
+// runs 22-25: GATHER's rows sit at transfer + compute, and OVERLAP=2 gained nothing); a few blocks keep enough loads
+// in flight for the link and leave the SMs to compute. Experimental (PYLLAMA_PP_GATHER_BLOCKS).
+__global__ void copy_used_few(char * dst, const char * src, size_t expert, int n_expert, const int * used) {
+    const size_t t0     = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t stride = (size_t) gridDim.x * blockDim.x;
+    for (int e = 0; e < n_expert; e++) {
+        if (used[e]) {
+            const size_t begin = (size_t) e * expert;
+            copy_range(dst + begin, src + begin, expert_span(e, expert, n_expert), t0, stride);
+        }
+    }
+}
+
+}  // namespace pp_gather
