@@ -8,8 +8,9 @@
 // each alone, then started together with a compute kernel (FMA loops on every SM, about as long as the gather) on a
 // normal-priority stream, the gather on a high-priority one, as the library runs it. Printed per variant: GB/s
 // alone, compute alone (ms), both together (ms), and the overlap: 1 - (together - max) / min (1 = fully hidden,
-// 0 = serial). Last, "ce-graph": the copy engine driven from the device (a CUDA graph of conditional memcpy nodes
-// whose conditions a kernel sets), where the CUDA version allows it.
+// 0 = serial). Last, "ce-graph": the copy engine driven from the device - the library's gather graph
+// (PYLLAMA_PP_GATHER_MODE=graph: conditional memcpy nodes whose conditions a kernel sets from the ids), where the
+// CUDA version allows it.
 //
 //   nvcc -O3 -arch=sm_90 -I pyllama_pp/native bench/gather_probe.cu -o /tmp/gather_probe && /tmp/gather_probe
 
@@ -35,72 +36,6 @@ __global__ void burn(float * out, int iters) {
     if (a == 12345.0f) {
         out[blockIdx.x] = a + b;   // never: keeps the loop
     }
-}
-
-// the copy engine driven from the device: a CUDA graph with one conditional node per expert, each holding a memcpy
-// of that expert (host -> device); a kernel node sets the conditions from the flags (the library would set them from
-// the ids). No SM time for the bytes, no host readback.
-__global__ void set_conditionals(const int * used, const cudaGraphConditionalHandle * h, int n) {
-    const int e = blockIdx.x * blockDim.x + threadIdx.x;
-    if (e < n) {
-        cudaGraphSetConditional(h[e], used[e] ? 1u : 0u);
-    }
-}
-
-// the graph for (dst, src): nullptr with the error printed where the CUDA version or the driver refuses it
-cudaGraphExec_t build_ce_gather(char * dst, const char * src, size_t expert, int n_expert, const int * used) {
-    cudaGraph_t g = nullptr;
-    if (cudaGraphCreate(&g, 0) != cudaSuccess) {
-        return nullptr;
-    }
-    std::vector<cudaGraphConditionalHandle> h((size_t) n_expert);
-    cudaError_t err = cudaSuccess;
-    for (int e = 0; e < n_expert && err == cudaSuccess; e++) {
-        err = cudaGraphConditionalHandleCreate(&h[e], g, 0, cudaGraphCondAssignDefault);
-    }
-    cudaGraphConditionalHandle * dh = nullptr;
-    if (err == cudaSuccess) {
-        err = cudaMalloc((void **) &dh, n_expert * sizeof(cudaGraphConditionalHandle));
-    }
-    if (err == cudaSuccess) {
-        err = cudaMemcpy(dh, h.data(), n_expert * sizeof(cudaGraphConditionalHandle), cudaMemcpyHostToDevice);
-    }
-    cudaGraphNode_t set = nullptr;
-    if (err == cudaSuccess) {
-        int n = n_expert;
-        void * args[] = { (void *) &used, (void *) &dh, (void *) &n };
-        cudaKernelNodeParams kp = {};
-        kp.func         = (void *) set_conditionals;
-        kp.gridDim      = dim3((n_expert + 127) / 128);
-        kp.blockDim     = dim3(128);
-        kp.kernelParams = args;
-        err = cudaGraphAddKernelNode(&set, g, nullptr, 0, &kp);
-    }
-    for (int e = 0; e < n_expert && err == cudaSuccess; e++) {
-        cudaGraphNodeParams cp = {};
-        cp.type               = cudaGraphNodeTypeConditional;
-        cp.conditional.handle = h[e];
-        cp.conditional.type   = cudaGraphCondTypeIf;
-        cp.conditional.size   = 1;
-        cudaGraphNode_t node = nullptr;
-        err = cudaGraphAddNode(&node, g, &set, nullptr, 1, &cp);
-        if (err == cudaSuccess) {
-            const size_t span = expert + (e < n_expert - 1 ? (expert < (size_t) kTail ? expert : (size_t) kTail) : 0);
-            cudaGraphNode_t copy = nullptr;
-            err = cudaGraphAddMemcpyNode1D(&copy, cp.conditional.phGraph_out[0], nullptr, 0, dst + e * expert,
-                                           src + e * expert, span, cudaMemcpyHostToDevice);
-        }
-    }
-    cudaGraphExec_t exec = nullptr;
-    if (err == cudaSuccess) {
-        err = cudaGraphInstantiate(&exec, g, 0);
-    }
-    if (err != cudaSuccess) {
-        printf("copy engine from the device (conditional graph): not available: %s\n", cudaGetErrorString(err));
-        (void) cudaGetLastError();
-        return nullptr;
-    }
-    return exec;
 }
 
 struct timer {
@@ -189,7 +124,23 @@ int main(int argc, char ** argv) {
     }
     printf("SMs %d; compute kernel: %d blocks x 256 threads, %d iterations, %.2f ms alone\n", sms, burn_blocks, iters, c_ms);
     printf("%-10s %10s %10s %12s %10s\n", "blocks", "GB/s", "alone ms", "together ms", "overlap");
-    cudaGraphExec_t ce = build_ce_gather(dst, src, expert, n_expert, used);
+    // the library's gather graph (PYLLAMA_PP_GATHER_MODE=graph), with ids listing the used experts
+    std::vector<int> id_list;
+    for (int e = 0; e < n_expert; e++) {
+        if (flags[e]) {
+            id_list.push_back(e);
+        }
+    }
+    int * ids = nullptr;
+    CHECK(cudaMalloc((void **) &ids, id_list.size() * sizeof(int)));
+    CHECK(cudaMemcpy(ids, id_list.data(), id_list.size() * sizeof(int), cudaMemcpyHostToDevice));
+    gather_graph gg;
+    const cudaError_t gerr = build_gather_graph(dst, src, expert, n_expert, (const char *) ids, (int64_t) id_list.size(), 1,
+                                                sizeof(int), id_list.size() * sizeof(int), gg);
+    if (gerr != cudaSuccess) {
+        printf("copy engine from the device (conditional graph): not available: %s\n", cudaGetErrorString(gerr));
+    }
+    cudaGraphExec_t ce = gerr == cudaSuccess ? gg.exec : nullptr;
     const int variants[] = { 0, 8, 16, 32, 48, 64, 128, 264, -1 };   // 0: the grid per expert; -1: the graph
     for (int blocks : variants) {
         if (blocks < 0 && ce == nullptr) {

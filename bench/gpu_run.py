@@ -43,6 +43,7 @@ def log(msg: str) -> None:
 DIRECT_ONLY = {"GGML_SCHED_PP_DIRECT": "2", "GGML_SCHED_PP_UPLOAD_ALL": "0", "GGML_SCHED_PP_GATHER": "0"}
 NO_UPLOAD_ALL = {"GGML_SCHED_PP_UPLOAD_ALL": "0"}
 FEW_BLOCKS = {"PYLLAMA_PP_GATHER_BLOCKS": "48"}   # the CUDA gather with 48 blocks in all (experimental)
+GRAPH_MODE = {"PYLLAMA_PP_GATHER_MODE": "graph"}  # ... by the copy engine, driven from the device (experimental)
 
 
 def correctness(model: str, devices: str, out: Path,
@@ -228,13 +229,19 @@ SWEEPS = {
     # the bound of the skewed rows (runs 22-24)
     "compute-skewed": [{"name": "all-on-gpu-skewed", "model": "skewed", "host_experts": "none", "variants": ["baseline"],
                         "est": 60, "configs": [(4096, 512, PP4096), (4096, 256, PP4096)]}],
-    # the CUDA gather with a few blocks in all (PYLLAMA_PP_GATHER_BLOCKS, experimental) instead of a grid per expert,
-    # with OVERLAP=2: do the gathers then run beside compute? (runs 22 and 24: 3176.5 / 3166.5 t/s)
-    "gather-few": [{"name": "skewed-gather-few-overlap2", "model": "skewed", "est": 30, "ext": OVERLAP2,
+    # the CUDA gather's experimental variants - a few blocks in all (PYLLAMA_PP_GATHER_BLOCKS) instead of a grid per
+    # expert, and the copy engine driven from the device (PYLLAMA_PP_GATHER_MODE=graph) - with OVERLAP=2 and without:
+    # do the gathers then run beside compute? Then the default kernel with OVERLAP=2 as the same-call control (runs
+    # 22 and 24: 3176.5 / 3166.5 t/s at ub512). PP_GATHER_PROBE=1 adds bench/gather_probe.cu (no model).
+    "gather-few": [{"name": "skewed-gather-graph-overlap2", "model": "skewed", "est": 30, "ext": OVERLAP2,
+                    "env": GRAPH_MODE, "variants": ["patched"], "configs": SKEWED_LOW},
+                   {"name": "skewed-gather-few-overlap2", "model": "skewed", "est": 30, "ext": OVERLAP2,
                     "env": FEW_BLOCKS, "variants": ["patched"], "configs": SKEWED_LOW},
-                   {"name": "skewed-gather-few", "model": "skewed", "est": 30, "env": FEW_BLOCKS, "variants": ["patched"],
-                    "configs": SKEWED_LOW},
                    {"name": "skewed-gather-overlap2", "model": "skewed", "est": 30, "ext": OVERLAP2, "variants": ["patched"],
+                    "configs": SKEWED_LOW},
+                   {"name": "skewed-gather-graph", "model": "skewed", "est": 30, "env": GRAPH_MODE, "variants": ["patched"],
+                    "configs": SKEWED_LOW},
+                   {"name": "skewed-gather-few", "model": "skewed", "est": 30, "env": FEW_BLOCKS, "variants": ["patched"],
                     "configs": SKEWED_LOW}],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [{"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]},
@@ -321,7 +328,8 @@ def main() -> int:
         save()
 
     if "gather-few" in args.sweep.split(","):
-        # the same with the experimental few-block gather kernel
+        # the same with the experimental variants of the CUDA gather
+        correctness_30b("correctness_gather_graph", {**NO_UPLOAD_ALL, **GRAPH_MODE}, {"GGML_SCHED_PP_OVERLAP": "2"})
         correctness_30b("correctness_gather_few", {**NO_UPLOAD_ALL, **FEW_BLOCKS}, {"GGML_SCHED_PP_OVERLAP": "2"})
     elif any(n.startswith("gather") for n in args.sweep.split(",")):
         # patch 0028: upload-all off, so every expert op but the one that measures coverage gathers (the tiny

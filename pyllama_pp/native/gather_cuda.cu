@@ -23,8 +23,11 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
+#include <tuple>
 #include <string>
 #include <unordered_map>
 
@@ -42,6 +45,9 @@ struct gather_stream {
     int *                used   = nullptr;  // kMaxExperts flags on the device
     ggml_backend_event_t before = nullptr;  // recorded on the calling backend, waited for here
     ggml_backend_event_t after  = nullptr;  // recorded here, waited for on the calling backend
+    // PYLLAMA_PP_GATHER_MODE=graph: one gather graph per (copy, weight, ids, shapes); off for good after a failure
+    std::map<std::tuple<void *, const void *, const void *, size_t, int, int64_t, int64_t, size_t, size_t>, gather_graph> graphs;
+    bool graphs_failed = false;
 };
 
 std::mutex                               g_mutex;
@@ -56,6 +62,45 @@ int few_blocks() {
         return x > 0 && x <= 1024 ? x : 0;
     }();
     return n;
+}
+
+// PYLLAMA_PP_GATHER_MODE=graph (experimental, not yet run on a GPU): the copy engine moves the used experts, driven
+// from the device by a CUDA graph of conditional memcpy nodes (gather_cuda_kernels.cuh), instead of a copy kernel
+bool graph_mode() {
+    static const bool on = [] {
+        const char * v = getenv("PYLLAMA_PP_GATHER_MODE");
+        return v != nullptr && strcmp(v, "graph") == 0;
+    }();
+    return on;
+}
+
+constexpr size_t kMaxGraphs = 4096;   // per GPU: kept plans x layers x expert tensors stay far below
+
+// the gather graph for this call, built on first use; nullptr: use the kernels (graph mode off, the cap reached,
+// or a build failed - then graph mode stays off on this GPU, said once)
+const gather_graph * graph_for(gather_stream * g, const ggml_tensor * dst, const ggml_tensor * src, const ggml_tensor * ids) {
+    if (!graph_mode() || g->graphs_failed) {
+        return nullptr;
+    }
+    const auto key = std::make_tuple(dst->data, (const void *) src->data, (const void *) ids->data, (size_t) src->nb[2],
+                                     (int) src->ne[2], ids->ne[0], ids->ne[1], (size_t) ids->nb[0], (size_t) ids->nb[1]);
+    auto it = g->graphs.find(key);
+    if (it != g->graphs.end()) {
+        return &it->second;
+    }
+    if (g->graphs.size() >= kMaxGraphs) {
+        return nullptr;
+    }
+    gather_graph gg;
+    const cudaError_t err = build_gather_graph((char *) dst->data, (const char *) src->data, src->nb[2], (int) src->ne[2],
+                                               (const char *) ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1], gg);
+    if (err != cudaSuccess) {
+        g->graphs_failed = true;
+        fprintf(stderr, "pyllama_pp: the CUDA gather graph could not be built (%s): copy kernels from now on\n",
+                cudaGetErrorString(err));
+        return nullptr;
+    }
+    return &(g->graphs[key] = gg);
 }
 
 bool is_cuda(ggml_backend_dev_t dev) {
@@ -178,8 +223,13 @@ bool pp_gather_cuda(ggml_backend_t backend, struct ggml_tensor * dst, const stru
     bool queued = false;
     const int n_expert = (int) src->ne[2];
     if (cudaSetDevice(device) == cudaSuccess) {
+        const gather_graph * gg = graph_for(g, dst, src, ids);   // (built before anything is queued)
         ggml_backend_event_record(g->before, backend);
-        if (cudaStreamWaitEvent(g->stream, (cudaEvent_t) g->before->context, 0) == cudaSuccess) {
+        if (cudaStreamWaitEvent(g->stream, (cudaEvent_t) g->before->context, 0) != cudaSuccess) {
+            (void) cudaGetLastError();
+        } else if (gg != nullptr) {
+            queued = cudaGraphLaunch(gg->exec, g->stream) == cudaSuccess;
+        } else {
             mark_used<<<1, 1024, n_expert * sizeof(int), g->stream>>>((const char *) ids->data, ids->ne[0], ids->ne[1],
                                                                        ids->nb[0], ids->nb[1], n_expert, g->used);
             if (cudaGetLastError() == cudaSuccess) {

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace pp_gather {
 
@@ -13,9 +14,9 @@ constexpr int kMaxExperts      = 4096;  // flags in shared memory (16 KiB)
 constexpr int kThreads         = 256;
 constexpr int kBlocksPerExpert = 32;    // copy_used: enough loads in flight to fill a PCIe 5 link with a few experts
 
-// one block: used[e] = 1 for each expert e one of the int32 ids names, else 0
-__global__ void mark_used(const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1, int n_expert, int * used) {
-    extern __shared__ int flags[];
+// the threads of one block: flags[e] = 1 (shared memory) for each expert e one of the int32 ids names, else 0
+__device__ inline void mark_flags(int * flags, const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1,
+                                  int n_expert) {
     for (int i = threadIdx.x; i < n_expert; i += blockDim.x) {
         flags[i] = 0;
     }
@@ -30,6 +31,12 @@ __global__ void mark_used(const char * ids, int64_t n_col, int64_t n_row, size_t
         }
     }
     __syncthreads();
+}
+
+// one block: used[e] = 1 for each expert e one of the int32 ids names, else 0
+__global__ void mark_used(const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1, int n_expert, int * used) {
+    extern __shared__ int flags[];
+    mark_flags(flags, ids, n_col, n_row, nb0, nb1, n_expert);
     for (int i = threadIdx.x; i < n_expert; i += blockDim.x) {
         used[i] = flags[i];
     }
@@ -92,6 +99,89 @@ __global__ void copy_used_few(char * dst, const char * src, size_t expert, int n
             copy_range(dst + begin, src + begin, expert_span(e, expert, n_expert), t0, stride);
         }
     }
+}
+
+// ---- the copy engine driven from the device (experimental, PYLLAMA_PP_GATHER_MODE=graph) ----------------------
+// A CUDA graph per (copy, weight, ids): a kernel node marks the used experts and sets one condition per expert; one
+// conditional node per expert holds a memcpy of that expert (and its tail) from pinned host memory. The bytes move
+// on the copy engine - no SM waits on the link - and the host still never reads the ids.
+
+// one block: the conditions of a gather graph (1: the expert is used)
+__global__ void set_used_conditionals(const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1, int n_expert,
+                                      const cudaGraphConditionalHandle * handles) {
+    extern __shared__ int flags[];
+    mark_flags(flags, ids, n_col, n_row, nb0, nb1, n_expert);
+    for (int i = threadIdx.x; i < n_expert; i += blockDim.x) {
+        cudaGraphSetConditional(handles[i], flags[i] ? 1u : 0u);
+    }
+}
+
+struct gather_graph {
+    cudaGraph_t                  graph   = nullptr;
+    cudaGraphExec_t              exec    = nullptr;
+    cudaGraphConditionalHandle * handles = nullptr;   // n_expert, in device memory (the kernel node reads them)
+};
+
+inline void free_gather_graph(gather_graph & g) {
+    if (g.exec != nullptr) { cudaGraphExecDestroy(g.exec); }
+    if (g.graph != nullptr) { cudaGraphDestroy(g.graph); }
+    if (g.handles != nullptr) { cudaFree(g.handles); }
+    g = gather_graph();
+}
+
+// the gather graph of (dst, src, ids) on the current device: cudaSuccess and `out`, or the first error (nothing kept)
+inline cudaError_t build_gather_graph(char * dst, const char * src, size_t expert, int n_expert, const char * ids,
+                                      int64_t n_col, int64_t n_row, size_t nb0, size_t nb1, gather_graph & out) {
+    gather_graph g;
+    cudaError_t err = cudaGraphCreate(&g.graph, 0);
+    std::vector<cudaGraphConditionalHandle> h((size_t) n_expert);
+    for (int e = 0; e < n_expert && err == cudaSuccess; e++) {
+        err = cudaGraphConditionalHandleCreate(&h[e], g.graph, 0, cudaGraphCondAssignDefault);
+    }
+    if (err == cudaSuccess) {
+        err = cudaMalloc((void **) &g.handles, n_expert * sizeof(cudaGraphConditionalHandle));
+    }
+    if (err == cudaSuccess) {
+        err = cudaMemcpy(g.handles, h.data(), n_expert * sizeof(cudaGraphConditionalHandle), cudaMemcpyHostToDevice);
+    }
+    cudaGraphNode_t set = nullptr;
+    if (err == cudaSuccess) {
+        const cudaGraphConditionalHandle * handles = g.handles;
+        void * args[] = { (void *) &ids, (void *) &n_col, (void *) &n_row, (void *) &nb0, (void *) &nb1, (void *) &n_expert,
+                          (void *) &handles };
+        cudaKernelNodeParams kp = {};
+        kp.func           = (void *) set_used_conditionals;
+        kp.gridDim        = dim3(1);
+        kp.blockDim       = dim3(1024);
+        kp.sharedMemBytes = n_expert * sizeof(int);
+        kp.kernelParams   = args;
+        err = cudaGraphAddKernelNode(&set, g.graph, nullptr, 0, &kp);
+    }
+    for (int e = 0; e < n_expert && err == cudaSuccess; e++) {
+        cudaGraphNodeParams cp = {};
+        cp.type               = cudaGraphNodeTypeConditional;
+        cp.conditional.handle = h[e];
+        cp.conditional.type   = cudaGraphCondTypeIf;
+        cp.conditional.size   = 1;
+        cudaGraphNode_t node = nullptr;
+        err = cudaGraphAddNode(&node, g.graph, &set, nullptr, 1, &cp);
+        if (err == cudaSuccess) {
+            const size_t span = expert + (e < n_expert - 1 ? (expert < (size_t) kTail ? expert : (size_t) kTail) : 0);
+            cudaGraphNode_t copy = nullptr;
+            err = cudaGraphAddMemcpyNode1D(&copy, cp.conditional.phGraph_out[0], nullptr, 0, dst + (size_t) e * expert,
+                                           src + (size_t) e * expert, span, cudaMemcpyHostToDevice);
+        }
+    }
+    if (err == cudaSuccess) {
+        err = cudaGraphInstantiate(&g.exec, g.graph, 0);
+    }
+    if (err != cudaSuccess) {
+        (void) cudaGetLastError();
+        free_gather_graph(g);
+        return err;
+    }
+    out = g;
+    return cudaSuccess;
 }
 
 }  // namespace pp_gather
