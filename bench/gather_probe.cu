@@ -1,24 +1,27 @@
-// Probe of pyllama_pp's CUDA gather kernels (pyllama_pp/native/gather_cuda_kernels.cuh) on one GPU, no model:
-// does a gather run beside compute on another stream, or does it take the SMs while it waits on the link?
+// Probe of pyllama_pp's CUDA gather (pyllama_pp/native/gather_cuda_kernels.cuh) on one GPU, no model: does a gather
+// run beside compute on another stream, or does it take the SMs while it waits on the link?
 //
 // One expert tensor of the 30B preset (128 experts of 2048 x 768 Q8_0: 1671168 bytes each) in pinned host memory,
 // 47 of them used (37%, the skewed rows of docs/RESULTS.md 2g), copied into device memory by
-//   - copy_used (the default grid: kBlocksPerExpert blocks per expert), and
-//   - copy_used_few with N blocks in all (PYLLAMA_PP_GATHER_BLOCKS=N), for several N;
-// each alone, then started together with a compute kernel (FMA loops on every SM, about as long as the gather) on a
-// normal-priority stream, the gather on a high-priority one, as the library runs it. Printed per variant: GB/s
-// alone, compute alone (ms), both together (ms), and the overlap: 1 - (together - max) / min (1 = fully hidden,
-// 0 = serial). Last, "ce-graph": the copy engine driven from the device - the library's gather graph
-// (PYLLAMA_PP_GATHER_MODE=graph: conditional memcpy nodes whose conditions a kernel sets from the ids), where the
-// CUDA version allows it.
+//   - copy_used (the default grid: kBlocksPerExpert blocks per expert),
+//   - copy_used_few with N blocks in all (PYLLAMA_PP_GATHER_BLOCKS=N), for several N, and
+//   - "ce-graph": the library's gather graph (PYLLAMA_PP_GATHER_MODE=graph: conditional memcpy nodes whose
+//     conditions a kernel sets from the ids), where the CUDA version allows it;
+// each alone, then together with a compute kernel on a normal-priority stream (the gather on a high-priority one,
+// as the library runs it). The compute kernel is many short passes of FMA blocks, so it refills SM slots as they
+// free up, as a tiled matmul does; both start behind one event. Printed per variant: GB/s alone, the gather alone
+// (ms), compute alone (ms), both together (ms), and the overlap: 1 - (together - max) / min (1: the shorter one is
+// fully hidden; 0: serial). Each variant's copy is checked byte for byte (used experts and their tails; unused
+// experts stay zero past the tail of the expert before).
 //
-//   nvcc -O3 -arch=sm_90 -I pyllama_pp/native bench/gather_probe.cu -o /tmp/gather_probe && /tmp/gather_probe
+//   nvcc -O3 -arch=sm_90 -std=c++17 -I pyllama_pp/native bench/gather_probe.cu -o /tmp/gather_probe && /tmp/gather_probe
 
 #include "gather_cuda_kernels.cuh"
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -38,68 +41,98 @@ __global__ void burn(float * out, int iters) {
     }
 }
 
+__global__ void spin(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {
+    }
+}
+
 struct timer {
     cudaEvent_t a, b;
     timer() { CHECK(cudaEventCreate(&a)); CHECK(cudaEventCreate(&b)); }
     float ms() { float t; CHECK(cudaEventElapsedTime(&t, a, b)); return t; }
 };
 
+static unsigned char pattern(size_t i) {
+    return (unsigned char) (((i * 2654435761ull) >> 24) | 1);   // never 0
+}
+
 int main(int argc, char ** argv) {
+    setvbuf(stdout, nullptr, _IONBF, 0);   // every row out at once, even if a later one hangs
     const size_t expert   = argc > 1 ? strtoull(argv[1], nullptr, 10) : 1671168;
     const int    n_expert = 128;
     const int    n_used   = argc > 2 ? atoi(argv[2]) : 47;
     int sms = 0;
     CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
 
-    char * src = nullptr;
+    const size_t total = expert * n_expert;
+    unsigned char * src = nullptr;
     char * dst = nullptr;
     int *  used = nullptr;
     float * sink = nullptr;
-    CHECK(cudaMallocHost((void **) &src, expert * n_expert));
-    CHECK(cudaMalloc((void **) &dst, expert * n_expert));
+    CHECK(cudaMallocHost((void **) &src, total));
+    CHECK(cudaMalloc((void **) &dst, total));
     CHECK(cudaMalloc((void **) &used, n_expert * sizeof(int)));
-    CHECK(cudaMalloc((void **) &sink, 65536 * sizeof(float)));
-    for (size_t i = 0; i < expert * n_expert; i += 4096) {
-        src[i] = (char) i;
+    CHECK(cudaMalloc((void **) &sink, 1 << 22));
+    for (size_t i = 0; i < total; i++) {
+        src[i] = pattern(i);
     }
     std::vector<int> flags(n_expert, 0);
-    size_t bytes = 0;
     for (int k = 0; k < n_used; k++) {
-        const int e = (int) ((long long) k * n_expert / n_used);
-        flags[e] = 1;
+        flags[(int) ((long long) k * n_expert / n_used)] = 1;
     }
+    std::vector<int> id_list;
+    size_t bytes = 0;
     for (int e = 0; e < n_expert; e++) {
-        bytes += flags[e] ? expert + (e < n_expert - 1 ? (expert < (size_t) kTail ? expert : (size_t) kTail) : 0) : 0;
+        if (flags[e]) {
+            id_list.push_back(e);
+            bytes += expert + (e < n_expert - 1 ? std::min(expert, (size_t) kTail) : 0);
+        }
     }
     CHECK(cudaMemcpy(used, flags.data(), n_expert * sizeof(int), cudaMemcpyHostToDevice));
+    int * ids = nullptr;
+    CHECK(cudaMalloc((void **) &ids, id_list.size() * sizeof(int)));
+    CHECK(cudaMemcpy(ids, id_list.data(), id_list.size() * sizeof(int), cudaMemcpyHostToDevice));
 
     int least = 0, greatest = 0;
     CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    cudaStream_t sg, sc;
+    cudaStream_t sg, sc, s0;
     CHECK(cudaStreamCreateWithPriority(&sg, cudaStreamNonBlocking, greatest));
     CHECK(cudaStreamCreateWithPriority(&sc, cudaStreamNonBlocking, least));
+    CHECK(cudaStreamCreateWithFlags(&s0, cudaStreamNonBlocking));
 
-    auto gather = [&](int blocks, cudaStream_t s) {
-        if (blocks == 0) {
-            copy_used<<<dim3(kBlocksPerExpert, n_expert), kThreads, 0, s>>>(dst, src, expert, n_expert, used);
-        } else {
-            copy_used_few<<<blocks, kThreads, 0, s>>>(dst, src, expert, n_expert, used);
-        }
-    };
-    const int burn_blocks = sms * 8;
-    auto compute = [&](int iters, cudaStream_t s) { burn<<<burn_blocks, 256, 0, s>>>(sink, iters); };
+    gather_graph gg;
+    const cudaError_t gerr = build_gather_graph(dst, (const char *) src, expert, n_expert, (const char *) ids,
+                                                (int64_t) id_list.size(), 1, sizeof(int), id_list.size() * sizeof(int), gg);
+    if (gerr != cudaSuccess) {
+        printf("ce-graph (the copy engine driven from the device): not available: %s\n", cudaGetErrorString(gerr));
+    }
 
     timer t;
-    // the copy engine's rate for the same bytes, one copy per used expert
-    CHECK(cudaEventRecord(t.a, sg));
-    for (int e = 0; e < n_expert; e++) {
-        if (flags[e]) {
-            CHECK(cudaMemcpyAsync(dst + e * expert, src + e * expert, expert, cudaMemcpyHostToDevice, sg));
+    // the copy engine's rate for the same bytes, host-driven: one copy per used expert and its tail (warmed up)
+    for (int rep = 0; rep < 2; rep++) {
+        CHECK(cudaEventRecord(t.a, sg));
+        for (int e : id_list) {
+            const size_t span = expert + (e < n_expert - 1 ? std::min(expert, (size_t) kTail) : 0);
+            CHECK(cudaMemcpyAsync(dst + e * expert, src + e * expert, span, cudaMemcpyHostToDevice, sg));
         }
+        CHECK(cudaEventRecord(t.b, sg));
+        CHECK(cudaStreamSynchronize(sg));
     }
-    CHECK(cudaEventRecord(t.b, sg));
-    CHECK(cudaStreamSynchronize(sg));
-    printf("copy engine: %.1f GB/s (%zu bytes)\n", bytes / (t.ms() * 1e6), bytes);
+    printf("copy engine, host-driven: %.1f GB/s (%zu bytes, %d of %d experts)\n", bytes / (t.ms() * 1e6), bytes, n_used, n_expert);
+
+    auto gather = [&](int blocks, cudaStream_t s) {   // -1: the graph
+        if (blocks < 0) {
+            CHECK(cudaGraphLaunch(gg.exec, s));
+        } else if (blocks == 0) {
+            copy_used<<<dim3(kBlocksPerExpert, n_expert), kThreads, 0, s>>>(dst, (const char *) src, expert, n_expert, used);
+        } else {
+            copy_used_few<<<blocks, kThreads, 0, s>>>(dst, (const char *) src, expert, n_expert, used);
+        }
+        CHECK(cudaGetLastError());
+    };
+    const int burn_blocks = sms * 8 * 32;   // 32 passes of a full GPU: slots free up and refill all along
+    auto compute = [&](int iters, cudaStream_t s) { burn<<<burn_blocks, 256, 0, s>>>(sink, iters); CHECK(cudaGetLastError()); };
 
     // calibrate the compute kernel to about the default gather's time
     gather(0, sg);
@@ -109,95 +142,73 @@ int main(int argc, char ** argv) {
     CHECK(cudaEventRecord(t.b, sg));
     CHECK(cudaStreamSynchronize(sg));
     const float g0 = t.ms();
-    int iters = 1 << 12;
+    int iters = 64;
     float c_ms = 0;
-    for (int k = 0; k < 12; k++) {
+    for (int k = 0; k < 16; k++) {
         CHECK(cudaEventRecord(t.a, sc));
         compute(iters, sc);
         CHECK(cudaEventRecord(t.b, sc));
         CHECK(cudaStreamSynchronize(sc));
         c_ms = t.ms();
-        if (c_ms >= g0) {
+        if (c_ms >= 0.9f * g0) {
             break;
         }
-        iters *= 2;
+        iters = (int) std::min<double>(iters * 8.0, iters * (double) g0 / std::max(c_ms, 1e-3f));
     }
-    printf("SMs %d; compute kernel: %d blocks x 256 threads, %d iterations, %.2f ms alone\n", sms, burn_blocks, iters, c_ms);
-    printf("%-10s %10s %10s %12s %10s\n", "blocks", "GB/s", "alone ms", "together ms", "overlap");
-    // the library's gather graph (PYLLAMA_PP_GATHER_MODE=graph), with ids listing the used experts
-    std::vector<int> id_list;
-    for (int e = 0; e < n_expert; e++) {
-        if (flags[e]) {
-            id_list.push_back(e);
-        }
-    }
-    int * ids = nullptr;
-    CHECK(cudaMalloc((void **) &ids, id_list.size() * sizeof(int)));
-    CHECK(cudaMemcpy(ids, id_list.data(), id_list.size() * sizeof(int), cudaMemcpyHostToDevice));
-    gather_graph gg;
-    const cudaError_t gerr = build_gather_graph(dst, src, expert, n_expert, (const char *) ids, (int64_t) id_list.size(), 1,
-                                                sizeof(int), id_list.size() * sizeof(int), gg);
-    if (gerr != cudaSuccess) {
-        printf("copy engine from the device (conditional graph): not available: %s\n", cudaGetErrorString(gerr));
-    }
-    cudaGraphExec_t ce = gerr == cudaSuccess ? gg.exec : nullptr;
+    printf("SMs %d; default gather %.2f ms; compute kernel: %d blocks x 256 threads, %d iterations, %.2f ms alone\n",
+           sms, g0, burn_blocks, iters, c_ms);
+    printf("%-10s %8s %10s %10s %12s %8s\n", "gather", "GB/s", "alone ms", "compute ms", "together ms", "overlap");
+
+    cudaEvent_t go, end_g;
+    CHECK(cudaEventCreate(&go));
+    CHECK(cudaEventCreate(&end_g));
+    std::vector<unsigned char> back(total);
     const int variants[] = { 0, 8, 16, 32, 48, 64, 128, 264, -1 };   // 0: the grid per expert; -1: the graph
     for (int blocks : variants) {
-        if (blocks < 0 && ce == nullptr) {
+        if (blocks < 0 && gerr != cudaSuccess) {
             continue;
         }
-        auto run = [&](cudaStream_t s) {
-            if (blocks < 0) {
-                CHECK(cudaGraphLaunch(ce, s));
-            } else {
-                gather(blocks, s);
-            }
-        };
-        CHECK(cudaMemset(dst, 0, expert * n_expert));
+        CHECK(cudaMemsetAsync(dst, 0, total, sg));
         float alone = 0;
         for (int rep = 0; rep < 3; rep++) {   // best of 3
             CHECK(cudaEventRecord(t.a, sg));
-            run(sg);
+            gather(blocks, sg);
             CHECK(cudaEventRecord(t.b, sg));
             CHECK(cudaStreamSynchronize(sg));
             alone = rep == 0 ? t.ms() : std::min(alone, t.ms());
         }
-        // together: both streams start after one event on the compute stream
-        cudaEvent_t go, end_g, end_c;
-        CHECK(cudaEventCreate(&go));
-        CHECK(cudaEventCreate(&end_g));
-        CHECK(cudaEventCreate(&end_c));
-        CHECK(cudaEventRecord(t.a, sc));
-        CHECK(cudaEventRecord(go, sc));
+        // the copy, byte for byte: used experts and their tails from the source, every other byte still zero
+        CHECK(cudaMemcpy(back.data(), dst, total, cudaMemcpyDeviceToHost));
+        size_t bad = 0;
+        for (int e = 0; e < n_expert; e++) {
+            const size_t begin = (size_t) e * expert;
+            const bool   tail_before = e > 0 && flags[e - 1];
+            for (size_t i = 0; i < expert; i++) {
+                const bool copied = flags[e] || (tail_before && i < std::min(expert, (size_t) kTail));
+                if (back[begin + i] != (copied ? src[begin + i] : 0)) {
+                    bad++;
+                }
+            }
+        }
+        // together: both streams wait behind a short spin on a third one; the gather is queued first
+        spin<<<1, 1, 0, s0>>>(1000000);
+        CHECK(cudaEventRecord(go, s0));
         CHECK(cudaStreamWaitEvent(sg, go, 0));
+        CHECK(cudaStreamWaitEvent(sc, go, 0));
+        CHECK(cudaEventRecord(t.a, s0));
+        gather(blocks, sg);
         compute(iters, sc);
-        run(sg);
         CHECK(cudaEventRecord(end_g, sg));
         CHECK(cudaStreamWaitEvent(sc, end_g, 0));
         CHECK(cudaEventRecord(t.b, sc));
         CHECK(cudaStreamSynchronize(sc));
         const float both = t.ms();
         const float lo = std::min(alone, c_ms), hi = std::max(alone, c_ms);
-        printf("%-10s %10.1f %10.2f %12.2f %10.2f\n",
-               blocks == 0 ? "per-expert" : blocks < 0 ? "ce-graph" : std::to_string(blocks).c_str(),
-               bytes / (alone * 1e6), alone, both, 1.0f - (both - hi) / lo);
-        // each variant's bytes: the used experts equal the source (sampled)
-        std::vector<char> back(expert);
-        for (int e = 0; e < n_expert; e++) {
-            if (flags[e]) {
-                CHECK(cudaMemcpy(back.data(), dst + e * expert, expert, cudaMemcpyDeviceToHost));
-                for (size_t i = 0; i < expert; i += 4096) {
-                    if (back[i] != src[e * expert + i]) {
-                        printf("MISMATCH: %d blocks, expert %d byte %zu\n", blocks, e, i);
-                        return 1;
-                    }
-                }
-            }
-        }
-        CHECK(cudaEventDestroy(go));
-        CHECK(cudaEventDestroy(end_g));
-        CHECK(cudaEventDestroy(end_c));
+        printf("%-10s %8.1f %10.2f %10.2f %12.2f %8.2f%s\n",
+               blocks == 0 ? "per-expert" : blocks < 0 ? "ce-graph" : (std::to_string(blocks) + " blocks").c_str(),
+               bytes / (alone * 1e6), alone, c_ms, both, 1.0f - (both - hi) / lo,
+               bad ? (" BYTES WRONG: " + std::to_string(bad)).c_str() : "");
     }
-    printf("every variant's gathered bytes match the source (sampled every 4 KiB)\n");
+    free_gather_graph(gg);
     return 0;
 }

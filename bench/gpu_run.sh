@@ -74,7 +74,7 @@ fi
 if [ "${PP_GATHER_PROBE:-0}" = 1 ]; then  # the CUDA gather's kernels beside compute, no model (bench/gather_probe.cu)
     NVCC=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
     "$NVCC" -O3 -arch=sm_90 -std=c++17 -I pyllama_pp/native bench/gather_probe.cu -o /tmp/gather_probe \
-        && timeout 60 /tmp/gather_probe 2>&1 | tee /tmp/res/gather_probe.txt
+        && timeout 120 /tmp/gather_probe 2>&1 | tee /tmp/res/gather_probe.txt
 fi
 if [ "${PP_Q6:-0}" = 1 ]; then  # issue 6: re-reservations in a mixed workload (bench/q6 on the GPUs, 30B model)
     M=/tmp/pp_models/qwen3-30b-a3b-uniform.gguf   # written by gpu_run.py's synth step (the sweeps' model)

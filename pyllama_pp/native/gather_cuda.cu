@@ -45,8 +45,9 @@ struct gather_stream {
     int *                used   = nullptr;  // kMaxExperts flags on the device
     ggml_backend_event_t before = nullptr;  // recorded on the calling backend, waited for here
     ggml_backend_event_t after  = nullptr;  // recorded here, waited for on the calling backend
-    // PYLLAMA_PP_GATHER_MODE=graph: one gather graph per (copy, weight, ids, shapes); off for good after a failure
-    std::map<std::tuple<void *, const void *, const void *, size_t, int, int64_t, int64_t, size_t, size_t>, gather_graph> graphs;
+    // PYLLAMA_PP_GATHER_MODE=graph: one gather graph per (copy, weight, expert size, experts), its ids set at each
+    // launch; off for good after a failure
+    std::map<std::tuple<void *, const void *, size_t, int>, gather_graph> graphs;
     bool graphs_failed = false;
 };
 
@@ -76,31 +77,40 @@ bool graph_mode() {
 
 constexpr size_t kMaxGraphs = 4096;   // per GPU: kept plans x layers x expert tensors stay far below
 
-// the gather graph for this call, built on first use; nullptr: use the kernels (graph mode off, the cap reached,
-// or a build failed - then graph mode stays off on this GPU, said once)
-const gather_graph * graph_for(gather_stream * g, const ggml_tensor * dst, const ggml_tensor * src, const ggml_tensor * ids) {
+void graphs_off(gather_stream * g, const char * what, cudaError_t err) {
+    (void) cudaGetLastError();
+    g->graphs_failed = true;
+    fprintf(stderr, "pyllama_pp: the CUDA gather graph %s (%s): copy kernels from now on\n", what, cudaGetErrorString(err));
+}
+
+// the gather graph for this call, built on first use and pointed at these ids; nullptr: use the kernels (graph mode
+// off, the cap reached, or a build or update failed - then graph mode stays off on this GPU, said once)
+gather_graph * graph_for(gather_stream * g, const ggml_tensor * dst, const ggml_tensor * src, const ggml_tensor * ids) {
     if (!graph_mode() || g->graphs_failed) {
         return nullptr;
     }
-    const auto key = std::make_tuple(dst->data, (const void *) src->data, (const void *) ids->data, (size_t) src->nb[2],
-                                     (int) src->ne[2], ids->ne[0], ids->ne[1], (size_t) ids->nb[0], (size_t) ids->nb[1]);
+    const auto key = std::make_tuple(dst->data, (const void *) src->data, (size_t) src->nb[2], (int) src->ne[2]);
     auto it = g->graphs.find(key);
-    if (it != g->graphs.end()) {
-        return &it->second;
+    gather_graph * gg = it != g->graphs.end() ? &it->second : nullptr;
+    if (gg == nullptr) {
+        if (g->graphs.size() >= kMaxGraphs) {
+            return nullptr;
+        }
+        gather_graph built;
+        const cudaError_t err = build_gather_graph((char *) dst->data, (const char *) src->data, src->nb[2], (int) src->ne[2],
+                                                   (const char *) ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1], built);
+        if (err != cudaSuccess) {
+            graphs_off(g, "could not be built", err);
+            return nullptr;
+        }
+        gg = &(g->graphs[key] = built);
     }
-    if (g->graphs.size() >= kMaxGraphs) {
-        return nullptr;
-    }
-    gather_graph gg;
-    const cudaError_t err = build_gather_graph((char *) dst->data, (const char *) src->data, src->nb[2], (int) src->ne[2],
-                                               (const char *) ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1], gg);
+    const cudaError_t err = set_gather_graph_ids(*gg, (const char *) ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1]);
     if (err != cudaSuccess) {
-        g->graphs_failed = true;
-        fprintf(stderr, "pyllama_pp: the CUDA gather graph could not be built (%s): copy kernels from now on\n",
-                cudaGetErrorString(err));
+        graphs_off(g, "could not take the ids", err);
         return nullptr;
     }
-    return &(g->graphs[key] = gg);
+    return gg;
 }
 
 bool is_cuda(ggml_backend_dev_t dev) {
@@ -225,11 +235,15 @@ bool pp_gather_cuda(ggml_backend_t backend, struct ggml_tensor * dst, const stru
     if (cudaSetDevice(device) == cudaSuccess) {
         const gather_graph * gg = graph_for(g, dst, src, ids);   // (built before anything is queued)
         ggml_backend_event_record(g->before, backend);
+        cudaError_t err = cudaSuccess;
         if (cudaStreamWaitEvent(g->stream, (cudaEvent_t) g->before->context, 0) != cudaSuccess) {
             (void) cudaGetLastError();
-        } else if (gg != nullptr) {
-            queued = cudaGraphLaunch(gg->exec, g->stream) == cudaSuccess;
+        } else if (gg != nullptr && (err = cudaGraphLaunch(gg->exec, g->stream)) == cudaSuccess) {
+            queued = true;
         } else {
+            if (gg != nullptr) {
+                graphs_off(g, "could not be launched", err);   // (nothing queued: the kernels below do the copy)
+            }
             mark_used<<<1, 1024, n_expert * sizeof(int), g->stream>>>((const char *) ids->data, ids->ne[0], ids->ne[1],
                                                                        ids->nb[0], ids->nb[1], n_expert, g->used);
             if (cudaGetLastError() == cudaSuccess) {

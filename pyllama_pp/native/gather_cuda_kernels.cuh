@@ -111,16 +111,40 @@ __global__ void set_used_conditionals(const char * ids, int64_t n_col, int64_t n
                                       const cudaGraphConditionalHandle * handles) {
     extern __shared__ int flags[];
     mark_flags(flags, ids, n_col, n_row, nb0, nb1, n_expert);
-    for (int i = threadIdx.x; i < n_expert; i += blockDim.x) {
-        cudaGraphSetConditional(handles[i], flags[i] ? 1u : 0u);
+    if (threadIdx.x == 0) {   // one thread: concurrent calls of cudaGraphSetConditional are undefined
+        for (int i = 0; i < n_expert; i++) {
+            cudaGraphSetConditional(handles[i], flags[i] ? 1u : 0u);
+        }
     }
 }
 
 struct gather_graph {
     cudaGraph_t                  graph   = nullptr;
     cudaGraphExec_t              exec    = nullptr;
+    cudaGraphNode_t              set     = nullptr;   // the kernel node: its ids are set before each launch
     cudaGraphConditionalHandle * handles = nullptr;   // n_expert, in device memory (the kernel node reads them)
+    int                          n_expert = 0;
 };
+
+// the kernel node's parameters for these ids (`args` must outlive the call that uses the result)
+inline cudaKernelNodeParams set_node_params(void ** args, int n_expert) {
+    cudaKernelNodeParams kp = {};
+    kp.func           = (void *) set_used_conditionals;
+    kp.gridDim        = dim3(1);
+    kp.blockDim       = dim3(1024);
+    kp.sharedMemBytes = n_expert * sizeof(int);
+    kp.kernelParams   = args;
+    return kp;
+}
+
+// point the graph's kernel node at these ids (takes effect at the next launch; earlier launches are not affected)
+inline cudaError_t set_gather_graph_ids(gather_graph & g, const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1) {
+    const cudaGraphConditionalHandle * handles = g.handles;
+    void * args[] = { (void *) &ids, (void *) &n_col, (void *) &n_row, (void *) &nb0, (void *) &nb1, (void *) &g.n_expert,
+                      (void *) &handles };
+    const cudaKernelNodeParams kp = set_node_params(args, g.n_expert);
+    return cudaGraphExecKernelNodeSetParams(g.exec, g.set, &kp);
+}
 
 inline void free_gather_graph(gather_graph & g) {
     if (g.exec != nullptr) { cudaGraphExecDestroy(g.exec); }
@@ -129,7 +153,8 @@ inline void free_gather_graph(gather_graph & g) {
     g = gather_graph();
 }
 
-// the gather graph of (dst, src, ids) on the current device: cudaSuccess and `out`, or the first error (nothing kept)
+// the gather graph of (dst, src) on the current device, its kernel node pointed at `ids` (set_gather_graph_ids
+// points it at others): cudaSuccess and `out`, or the first error (nothing kept)
 inline cudaError_t build_gather_graph(char * dst, const char * src, size_t expert, int n_expert, const char * ids,
                                       int64_t n_col, int64_t n_row, size_t nb0, size_t nb1, gather_graph & out) {
     gather_graph g;
@@ -144,18 +169,13 @@ inline cudaError_t build_gather_graph(char * dst, const char * src, size_t exper
     if (err == cudaSuccess) {
         err = cudaMemcpy(g.handles, h.data(), n_expert * sizeof(cudaGraphConditionalHandle), cudaMemcpyHostToDevice);
     }
-    cudaGraphNode_t set = nullptr;
+    g.n_expert = n_expert;
     if (err == cudaSuccess) {
         const cudaGraphConditionalHandle * handles = g.handles;
         void * args[] = { (void *) &ids, (void *) &n_col, (void *) &n_row, (void *) &nb0, (void *) &nb1, (void *) &n_expert,
                           (void *) &handles };
-        cudaKernelNodeParams kp = {};
-        kp.func           = (void *) set_used_conditionals;
-        kp.gridDim        = dim3(1);
-        kp.blockDim       = dim3(1024);
-        kp.sharedMemBytes = n_expert * sizeof(int);
-        kp.kernelParams   = args;
-        err = cudaGraphAddKernelNode(&set, g.graph, nullptr, 0, &kp);
+        const cudaKernelNodeParams kp = set_node_params(args, n_expert);
+        err = cudaGraphAddKernelNode(&g.set, g.graph, nullptr, 0, &kp);
     }
     for (int e = 0; e < n_expert && err == cudaSuccess; e++) {
         cudaGraphNodeParams cp = {};
@@ -164,7 +184,7 @@ inline cudaError_t build_gather_graph(char * dst, const char * src, size_t exper
         cp.conditional.type   = cudaGraphCondTypeIf;
         cp.conditional.size   = 1;
         cudaGraphNode_t node = nullptr;
-        err = cudaGraphAddNode(&node, g.graph, &set, nullptr, 1, &cp);
+        err = cudaGraphAddNode(&node, g.graph, &g.set, nullptr, 1, &cp);
         if (err == cudaSuccess) {
             const size_t span = expert + (e < n_expert - 1 ? (expert < (size_t) kTail ? expert : (size_t) kTail) : 0);
             cudaGraphNode_t copy = nullptr;
