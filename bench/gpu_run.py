@@ -113,6 +113,8 @@ DECODE_DEPTH = [{"name": "decode-depth", "est": 75, "reps": 6, "configs": TG32_D
                 {**DECODE_ONE_GPU, "name": "decode-depth-one-gpu", "est": 75, "configs": TG32_D2048}]
 OVERLAP2 = {"OVERLAP": 2}
 SKEWED_LOW = [(4096, 512, PP4096), (4096, 256, PP4096)]   # 37% / 34% coverage
+DECODE_LONG = {"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]}   # tg128 @ d2048
+DECODE_LONG_ONE_GPU = {**DECODE_LONG, "name": "decode-long-one-gpu", "devices": "cuda:0", "est": 110}
 SWEEPS = {
     "main": [
         UNIFORM,
@@ -150,7 +152,7 @@ SWEEPS = {
                      {"name": "direct-skewed", "model": "skewed", "est": 70, "ext": {"DIRECT": 2}, "variants": ["patched"],
                       "configs": SKEWED["configs"][:2] + [(4096, 256, PP4096)]},
                      {"name": "direct-not-first", "model": "skewed", "est": 50, "ext": {"DIRECT": 2, "DIRECT_FIRST": 0},
-                      "variants": ["patched"], "configs": [(4096, 512, PP4096), (4096, 256, PP4096)]}],
+                      "variants": ["patched"], "configs": SKEWED_LOW}],
     # patches 0022 (PLANS) and 0023 (DIRECT by default, not on the first GPU): the skewed A/B with the defaults
     # (run 12 has ub512/ub256 selective, DIRECT_FIRST=1 and =0), a small batch, one shared link, and a near-uniform
     # check (above the coverage bar: upload-all, unchanged); with PP_Q6=1 for the mixed workload
@@ -169,16 +171,16 @@ SWEEPS = {
     # low coverage with the defaults: the second GPU reads its experts in its kernels (~half the copy engine's rate)
     # and became the slower stage at ub512 (run 13): fewer layers for it (llama's -ts), both variants alike
     "skewed-balance": [{**SKEWED, "name": f"skewed-ts{a}-{b}", "est": 100, "tensor_split": [a, b],
-                        "configs": [(4096, 512, PP4096), (4096, 256, PP4096)]} for a, b in ((28, 20), (32, 16))],
+                        "configs": SKEWED_LOW} for a, b in ((28, 20), (32, 16))],
     # patch 0024 (OVERLAP=2, opt-in): the uploads overlap compute inside the compute buffer, within issue 4's memory
     # bound - the candidate default if it matches OVERLAP=1's rows (run 8: 1567.9 / 3279.1 / 9310.7 t/s); both
     # variants, near-uniform routing; the correctness step checks it on the tiny preset (ub64, ub512)
-    "overlap2": [{"name": "overlap2", "est": 200, "ext": {"OVERLAP": 2},
+    "overlap2": [{"name": "overlap2", "est": 200, "ext": OVERLAP2,
                   "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]},
                  # low coverage: the first GPU's selective copies of up and down go up early too (patched only;
                  # compare with the skewed rows of runs 12-13: 2622.4 / 1812.0 t/s with the defaults)
-                 {"name": "skewed-overlap2", "model": "skewed", "est": 60, "ext": {"OVERLAP": 2},
-                  "variants": ["patched"], "configs": [(4096, 512, PP4096), (4096, 256, PP4096)]}],
+                 {"name": "skewed-overlap2", "model": "skewed", "est": 60, "ext": OVERLAP2,
+                  "variants": ["patched"], "configs": SKEWED_LOW}],
     # OVERLAP=2 at low coverage in one call (run 16's patched-only 2477.6 t/s at ub512 vs run 13's 2622.4 with
     # OVERLAP off came from different calls): the A/B with OVERLAP=2, then patched with OVERLAP off
     "overlap2-low": [{**SKEWED, "name": "skewed-overlap2", "est": 130, "ext": OVERLAP2, "configs": SKEWED_LOW},
@@ -201,9 +203,7 @@ SWEEPS = {
                        "variants": ["patched"], "configs": [(4096, 512, PP4096)]}],
     # decode after a filled context with more tokens per sample (tg16/tg32 single samples swung 0.66-1.32x): tg128
     # at depth 2048, 5 reps, both variant orders, 2 GPUs
-    "decode-long": [{"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]},
-                    {"name": "decode-long-patched-first", "est": 130, "reps": 5, "variants": ["patched", "baseline"],
-                     "configs": [(4096, 512, [["tg", 128, 2048]])]}],
+    "decode-long": [DECODE_LONG, {**DECODE_LONG, "name": "decode-long-patched-first", "variants": ["patched", "baseline"]}],
     # patch 0028 (GATHER, on by default where pyllama_pp's CUDA gather library loads): low coverage, where the
     # selective copy's readbacks (first GPU) and DIRECT's slow kernel reads (second GPU) gave 62% / 75% of the bound
     # (runs 13, 17): the A/B with the defaults, then patched with OVERLAP=2 (up and down gathered on the second
@@ -228,7 +228,7 @@ SWEEPS = {
     # what compute alone allows at low coverage (every weight in VRAM, upstream pipelines it): the compute part of
     # the bound of the skewed rows (runs 22-24)
     "compute-skewed": [{"name": "all-on-gpu-skewed", "model": "skewed", "host_experts": "none", "variants": ["baseline"],
-                        "est": 60, "configs": [(4096, 512, PP4096), (4096, 256, PP4096)]}],
+                        "est": 60, "configs": SKEWED_LOW}],
     # the CUDA gather's experimental variants - a few blocks in all (PYLLAMA_PP_GATHER_BLOCKS) instead of a grid per
     # expert, and the copy engine driven from the device (PYLLAMA_PP_GATHER_MODE=graph) - with OVERLAP=2 and without:
     # do the gathers then run beside compute? Then the default kernel with OVERLAP=2 as the same-call control (runs
@@ -244,11 +244,8 @@ SWEEPS = {
                    {"name": "skewed-gather-few", "model": "skewed", "est": 30, "env": FEW_BLOCKS, "variants": ["patched"],
                     "configs": SKEWED_LOW}],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
-    "decode-same-call": [{"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]},
-                         {"name": "decode-long-one-gpu", "devices": "cuda:0", "est": 110, "reps": 5,
-                          "configs": [(4096, 512, [["tg", 128, 2048]])]}],
-    "decode-long-one-gpu": [{"name": "decode-long-one-gpu", "devices": "cuda:0", "est": 110, "reps": 5,
-                             "configs": [(4096, 512, [["tg", 128, 2048]])]}],
+    "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
+    "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],
     # what compute alone allows: every weight in VRAM (upstream pipelines that itself)
     "compute": [{"name": "all-on-gpu", "host_experts": "none", "variants": ["baseline"], "est": 60,
                  "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (16384, 4096, PP16K)]}],
@@ -281,10 +278,12 @@ def main() -> int:
     ap.add_argument("--link-gbps", type=float, default=55.0,
                     help="host->GPU bandwidth per link for the rows' bound (pinned, measured: 54.9 / 55.1 GB/s on the "
                          "2xH200 box, bench/cuda_queue.py, 2026-11-30)")
-    ap.add_argument("--skip", default="", help="comma-separated steps to skip: correctness,synth,correctness-direct,sweep")
+    ap.add_argument("--skip", default="", help="comma-separated steps to skip: correctness,synth,correctness-direct,correctness-gather,"
+                                                "correctness-gather-graph,correctness-gather-few,sweep")
     ap.add_argument("--sweep", default="main", help="comma-separated: " + ", ".join(SWEEPS))
     args = ap.parse_args()
-    unknown = [n for n in args.sweep.split(",") if n not in SWEEPS]
+    sweeps = args.sweep.split(",")
+    unknown = [n for n in sweeps if n not in SWEEPS]
     if unknown:   # before any GPU time is spent
         raise SystemExit(f"unknown sweep(s) {unknown}; choose from {sorted(SWEEPS)}")
     skip = set(filter(None, args.skip.split(",")))
@@ -327,21 +326,21 @@ def main() -> int:
             summary["steps"][step] = {"error": str(e)}
         save()
 
-    if "gather-few" in args.sweep.split(","):
+    if "gather-few" in sweeps:
         # the same with the experimental variants of the CUDA gather
         correctness_30b("correctness_gather_graph", {**NO_UPLOAD_ALL, **GRAPH_MODE}, {"GGML_SCHED_PP_OVERLAP": "2"})
         correctness_30b("correctness_gather_few", {**NO_UPLOAD_ALL, **FEW_BLOCKS}, {"GGML_SCHED_PP_OVERLAP": "2"})
-    elif any(n.startswith("gather") for n in args.sweep.split(",")):
+    elif any(n.startswith("gather") for n in sweeps):
         # patch 0028: upload-all off, so every expert op but the one that measures coverage gathers (the tiny
         # preset's ub64 case above covers a few); then with OVERLAP=2's early gathers on the second stream
         correctness_30b("correctness_gather", NO_UPLOAD_ALL, {"GGML_SCHED_PP_OVERLAP": "2"})
-    if any(n.startswith("direct") for n in args.sweep.split(",")):
+    if any(n.startswith("direct") for n in sweeps):
         # patch 0021 on the model it is measured with, upload-all off; then with the first GPU keeping the
         # selective copy (DIRECT_FIRST=0)
         correctness_30b("correctness_direct", DIRECT_ONLY, {"GGML_SCHED_PP_DIRECT_FIRST": "0"})
 
     if "sweep" not in skip:   # (each block checks its own model: a skewed-only call may skip the uniform one)
-        for block in [b for n in args.sweep.split(",") for b in SWEEPS[n]]:
+        for block in [b for n in sweeps for b in SWEEPS[n]]:
             if block.get("model") == "skewed":
                 # skew 2.0: ~47 of 128 experts a layer at ub512 (37%); 1.0: ~74 (58%, like real models' 56-74%)
                 skew = float(block.get("skew", 2.0))

@@ -93,21 +93,15 @@ def main() -> int:
                         "variant": v, "model": Path(ctx["model"]).name, "devices": dev, "split_mode": "layer",
                         "tensor_split": ctx["ts"], "tensor_buft_overrides": "host_experts=all", "load_mode": "none",
                         "n_ctx": n_ctx, "n_batch": job["ctx"]["n_batch"], "n_ubatch": job["ctx"]["n_ubatch"],
-                        "test": f"r{st['round'] + 1} {st['kind']}{st['n']}",
-                        "n_prompt": st["n"] if st["kind"] == "pp" else 0, "n_gen": st["n"] if st["kind"] == "tg" else 0,
-                        "avg_ts": st["ts"], "stddev_ts": 0.0, "samples_ts": [st["ts"]],
-                        "avg_ns": int(st["seconds"] * 1e9), "pipeline_parallel": res["schedule"]["pipeline_parallel"],
+                        **bench.workload_step_row(st, res), "stddev_ts": 0.0, "samples_ts": [st["ts"]],
+                        "avg_ns": int(st["seconds"] * 1e9),
                         "n_copies": res["schedule"]["n_copies"], "n_splits": res["schedule"]["n_splits"],
-                        "h2d_bytes": sum(st["h2d_bytes_per_device"]), "h2d_bytes_per_device": st["h2d_bytes_per_device"],
-                        "host_syncs": st["host_syncs"], "id_readbacks": ext.get("id_readbacks"),
-                        "upload_all": ext.get("upload_all"),
-                        "re_reservations": ext["reallocs"] if "reallocs" in ext else None,
-                        "plan_switches": ext.get("plan_switches"), "plan_switch_drains": ext.get("plan_switch_drains"),
-                        "alloc_changed": int(changed(st)),
+                        "h2d_bytes": sum(st["h2d_bytes_per_device"]), "upload_all": ext.get("upload_all"),
+                        "plan_switch_drains": ext.get("plan_switch_drains"), "alloc_changed": int(changed(st)),
                         "compute_buffer_bytes": st["compute_buffer_after"], "label": "q6 mixed workload",
                         "alloc_before": st["alloc_before"], "alloc_after": st["alloc_after"],
                         "peak_alloc": st["peak_alloc"], "compute_buffer_before": st["compute_buffer_before"],
-                        "graphs": ext.get("graphs"), "round": st["round"] + 1, "step": f"{st['kind']}{st['n']}", **meta})
+                        "graphs": ext.get("graphs"), "step": f"{st['kind']}{st['n']}", **meta})
             writer.write(rows)
             all_rows.extend(rows)
 

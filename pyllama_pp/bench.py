@@ -382,6 +382,16 @@ def workload_ctx(workload: list, n_ctx: int = 0) -> int:
                    n_ctx)
 
 
+def workload_step_row(st: dict, res: dict) -> dict:
+    """The fields of one step of a worker "workload" result (`res["steps"]`) that every workload table shows."""
+    ext = st.get("ext") or {}
+    return {"round": st["round"] + 1, "test": f"r{st['round'] + 1} {st['kind']}{st['n']}",
+            "n_prompt": st["n"] if st["kind"] == "pp" else 0, "n_gen": st["n"] if st["kind"] == "tg" else 0,
+            "avg_ts": st["ts"], "pipeline_parallel": res["schedule"]["pipeline_parallel"], "host_syncs": st["host_syncs"],
+            "h2d_bytes_per_device": st["h2d_bytes_per_device"], "re_reservations": ext.get("reallocs"),
+            "plan_switches": ext.get("plan_switches"), "id_readbacks": ext.get("id_readbacks")}
+
+
 def mixed_workload(cfg: BenchConfig, variants: Sequence[str] = VARIANTS, rounds: int = 3,
                    workload: Optional[list] = None, timeout: Optional[float] = None):
     """Run `workload` (default MIXED_WORKLOAD) `rounds` times in one context per variant (its own worker) and
@@ -411,16 +421,10 @@ def mixed_workload(cfg: BenchConfig, variants: Sequence[str] = VARIANTS, rounds:
                          "error": str(e)[:2000], **meta})
             continue
         for st in res["steps"]:
-            ext = st.get("ext") or {}
             rows.append({
                 "variant": v, "model": Path(cfg.model).name, "devices": cfg.devices, "n_ctx": job["ctx"]["n_ctx"],
-                "n_batch": cfg.n_batch, "n_ubatch": min(cfg.n_ubatch, cfg.n_batch), "round": st["round"] + 1,
-                "test": f"r{st['round'] + 1} {st['kind']}{st['n']}", "n_prompt": st["n"] if st["kind"] == "pp" else 0,
-                "n_gen": st["n"] if st["kind"] == "tg" else 0, "avg_ts": st["ts"], "seconds": st["seconds"],
-                "pipeline_parallel": res["schedule"]["pipeline_parallel"], "host_syncs": st["host_syncs"],
-                "h2d_bytes_per_device": st["h2d_bytes_per_device"], "re_reservations": ext.get("reallocs"),
-                "plan_switches": ext.get("plan_switches"), "id_readbacks": ext.get("id_readbacks"),
-                "ext_params": cfg.ext_params if v == "patched" else {}, **meta})
+                "n_batch": cfg.n_batch, "n_ubatch": min(cfg.n_ubatch, cfg.n_batch), **workload_step_row(st, res),
+                "seconds": st["seconds"], "ext_params": cfg.ext_params if v == "patched" else {}, **meta})
     df = pd.DataFrame(rows)
     if not df.empty and {"baseline", "patched"} <= set(df["variant"]):
         base = df[df.variant == "baseline"].set_index("test")["avg_ts"]

@@ -274,7 +274,7 @@ def test_overlap_uploads_on_a_second_stream(runner, tiny_cfg, assert_logits_matc
         assert e_on["weight_bytes"] == e_off["weight_bytes"], (e_on, e_off)
 
 
-@pytest.mark.parametrize("ub, env", [(128, {}), (64, FORCE_UPLOAD_ALL), (32, {}), (64, {"GGML_SCHED_PP_COPIES": 4})],
+@pytest.mark.parametrize("ub, env", [(128, {}), (64, FORCE_UPLOAD_ALL), (32, NO_GATHER), (64, {"GGML_SCHED_PP_COPIES": 4})],
                          ids=["ub128", "ub64-all", "ub32-selective", "ub64-copies4"])
 def test_overlap_in_the_compute_buffer(runner, tiny_cfg, assert_logits_match, ub, env):
     """Patch 0024 (OVERLAP=2, opt-in; against OVERLAP off): the next split's expert copy goes up on a second
@@ -313,8 +313,8 @@ def test_overlap_in_the_compute_buffer_keeps_the_memory_bound(runner, tiny_cfg, 
 
 
 def test_overlap_in_the_compute_buffer_with_direct_and_kept_plans(runner, assert_logits_match):
-    """OVERLAP=2 together with DIRECT (on by default) and kept plans, in the mixed workload: the same logits as the
-    baseline, no re-reservation."""
+    """OVERLAP=2 together with the defaults below the upload-all bar (GATHER on VDEVs since patch 0028, DIRECT
+    before it) and kept plans, in the mixed workload: the same logits as the baseline, no re-reservation."""
     b = _mixed(runner, "baseline", None)
     p = _mixed(runner, "patched", {"GGML_SCHED_PP_OVERLAP": 2})
     assert_logits_match(p["logits"], b["logits"], "OVERLAP=2, mixed workload")

@@ -120,6 +120,7 @@ struct ext_api {
     size_t (*stats_json)(ggml_backend_sched_t, char *, size_t) = nullptr;
     void (*reset_stats)(ggml_backend_sched_t) = nullptr;
     const char * (*param_info)(int, int64_t *, const char **) = nullptr;
+    void (*set_gather)(const char *, void *) = nullptr;
 };
 
 const ext_api & ext() {
@@ -133,6 +134,7 @@ const ext_api & ext() {
             a.stats_json  = (size_t (*)(ggml_backend_sched_t, char *, size_t)) dlsym(h, "ggml_backend_sched_pp_stats_json");
             a.reset_stats = (void (*)(ggml_backend_sched_t)) dlsym(h, "ggml_backend_sched_pp_reset_stats");
             a.param_info  = (const char * (*)(int, int64_t *, const char **)) dlsym(h, "ggml_backend_sched_pp_param_info");
+            a.set_gather  = (void (*)(const char *, void *)) dlsym(h, "ggml_backend_sched_pp_set_gather");
         }
         return a;
     }();
@@ -143,9 +145,7 @@ const ext_api & ext() {
 // with the patched scheduler for the "CUDA" registry. Nothing to do in the baseline (no such scheduler function),
 // without the CUDA backend, or where the library was not built (a CPU-only install).
 void register_cuda_gather(const char * backend_dir) {
-    void * base = dlopen("libggml-base.so", RTLD_NOW | RTLD_NOLOAD);
-    auto set = base ? (void (*)(const char *, void *)) dlsym(base, "ggml_backend_sched_pp_set_gather") : nullptr;
-    if (set == nullptr || ggml_backend_reg_by_name("CUDA") == nullptr || backend_dir == nullptr || !*backend_dir) {
+    if (ext().set_gather == nullptr || ggml_backend_reg_by_name("CUDA") == nullptr || backend_dir == nullptr || !*backend_dir) {
         return;
     }
     const std::string path = std::string(backend_dir) + "/libpyllama_pp_gather_cuda.so";
@@ -157,7 +157,7 @@ void register_cuda_gather(const char * backend_dir) {
                                      "); GATHER falls back to DIRECT or the selective copy\n").c_str(), nullptr);
         return;
     }
-    set("CUDA", fn);
+    ext().set_gather("CUDA", fn);
 }
 
 }  // namespace

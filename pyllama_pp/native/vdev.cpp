@@ -875,6 +875,20 @@ void vdev_backend_graph_optimize(ggml_backend_t backend, ggml_cgraph * cgraph, g
 // memory, so those counts are best effort). The model serializes compute and those reads (a real kernel
 // overlaps them) at `direct_read` times the link's rate (a kernel reads host memory more slowly than a copy
 // engine: about half on the 2xH200 box, docs/RESULTS.md section 2d).
+// the experts (of n_expert) that the int32 routing ids at `ids` (n_col x n_row, strides nb0 / nb1) name
+std::vector<bool> used_experts(const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1, int64_t n_expert) {
+    std::vector<bool> used((size_t) n_expert, false);
+    for (int64_t r = 0; r < n_row; r++) {
+        for (int64_t c = 0; c < n_col; c++) {
+            const int32_t e = *(const int32_t *) (ids + r * nb1 + c * nb0);
+            if (e >= 0 && e < n_expert) {
+                used[(size_t) e] = true;
+            }
+        }
+    }
+    return used;
+}
+
 void charge_direct_reads(vdev_device * d, const vdev_graph_job & job, bool before) {
     if (job.direct_reads.empty()) {
         return;
@@ -886,17 +900,8 @@ void charge_direct_reads(vdev_device * d, const vdev_graph_job & job, bool befor
         }
         const ggml_tensor * w   = node->src[0];
         const ggml_tensor * ids = node->src[2];
-        std::vector<bool> used((size_t) w->ne[2], false);
-        size_t n_used = 0;
-        for (int64_t r = 0; r < ids->ne[1]; r++) {
-            for (int64_t c = 0; c < ids->ne[0]; c++) {
-                const int32_t e = *(const int32_t *) ((const char *) ids->data + r * ids->nb[1] + c * ids->nb[0]);
-                if (e >= 0 && e < w->ne[2] && !used[(size_t) e]) {
-                    used[(size_t) e] = true;
-                    n_used++;
-                }
-            }
-        }
+        const std::vector<bool> used = used_experts((const char *) ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1], w->ne[2]);
+        const size_t n_used = (size_t) std::count(used.begin(), used.end(), true);
         charge_h2d(d, cfg.link_gbps * cfg.direct_read, n_used * w->nb[2], []() {}, /*copies =*/ 0);
     }
 }
@@ -1251,15 +1256,7 @@ bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor
     const int64_t  n_col = ids->ne[0], n_row = ids->ne[1];
     const size_t   nb0 = ids->nb[0], nb1 = ids->nb[1];
     b->enqueue([=]() {
-        std::vector<bool> used((size_t) n_expert, false);
-        for (int64_t r = 0; r < n_row; r++) {
-            for (int64_t c = 0; c < n_col; c++) {
-                const int32_t e = *(const int32_t *) (id_data + r * nb1 + c * nb0);
-                if (e >= 0 && e < n_expert) {
-                    used[(size_t) e] = true;
-                }
-            }
-        }
+        const std::vector<bool> used = used_experts(id_data, n_col, n_row, nb0, nb1, n_expert);
         // runs of consecutive used experts, each with the tail after its last expert
         std::vector<std::pair<size_t, size_t>> runs;   // (offset, bytes)
         size_t total = 0;
