@@ -4,14 +4,13 @@
 // One expert tensor of the 30B preset (128 experts of 2048 x 768 Q8_0: 1671168 bytes each) in pinned host memory,
 // 47 of them used (37%, the skewed rows of docs/RESULTS.md 2g), copied into device memory by
 //   - copy_used (the default grid: kBlocksPerExpert blocks per expert),
-//   - copy_used_few with N blocks in all (PYLLAMA_PP_GATHER_BLOCKS=N), for several N, and
-//   - "ce-graph": the library's gather graph (PYLLAMA_PP_GATHER_MODE=graph: conditional memcpy nodes whose
-//     conditions a kernel sets from the ids), where the CUDA version allows it;
+//   - copy_used_few with N blocks in all (the library's default N = kDefaultBlocks; PYLLAMA_PP_GATHER_BLOCKS=N), for
+//     several N;
 // each alone, then together with a compute kernel on a normal-priority stream (the gather on a high-priority one,
 // as the library runs it). The compute kernel is many short passes of FMA blocks, so it refills SM slots as they
 // free up, as a tiled matmul does; both start behind one event. Printed per variant: GB/s alone, the gather alone
-// (ms), compute alone (ms), both together (ms), and the overlap: 1 - (together - max) / min (1: the shorter one is
-// fully hidden; 0: serial). Each variant's copy is checked byte for byte (used experts and their tails; unused
+// (ms), compute alone (ms), both together (ms: the median of 5, with the fastest and slowest), and the overlap: 1 - (together - max) / min (1: the shorter one is
+// fully hidden; 0: serial) from the median. Each variant's copy is checked byte for byte (used experts and their tails; unused
 // experts stay zero past the tail of the expert before).
 //
 //   nvcc -O3 -arch=sm_90 -std=c++17 -I pyllama_pp/native bench/gather_probe.cu -o /tmp/gather_probe && /tmp/gather_probe
@@ -101,13 +100,6 @@ int main(int argc, char ** argv) {
     CHECK(cudaStreamCreateWithPriority(&sc, cudaStreamNonBlocking, least));
     CHECK(cudaStreamCreateWithFlags(&s0, cudaStreamNonBlocking));
 
-    gather_graph gg;
-    const cudaError_t gerr = build_gather_graph(dst, (const char *) src, expert, n_expert, (const char *) ids,
-                                                (int64_t) id_list.size(), 1, sizeof(int), id_list.size() * sizeof(int), gg);
-    if (gerr != cudaSuccess) {
-        printf("ce-graph (the copy engine driven from the device): not available: %s\n", cudaGetErrorString(gerr));
-    }
-
     timer t;
     // the copy engine's rate for the same bytes, host-driven: one copy per used expert and its tail (warmed up)
     for (int rep = 0; rep < 2; rep++) {
@@ -121,10 +113,8 @@ int main(int argc, char ** argv) {
     }
     printf("copy engine, host-driven: %.1f GB/s (%zu bytes, %d of %d experts)\n", bytes / (t.ms() * 1e6), bytes, n_used, n_expert);
 
-    auto gather = [&](int blocks, cudaStream_t s) {   // -1: the graph
-        if (blocks < 0) {
-            CHECK(cudaGraphLaunch(gg.exec, s));
-        } else if (blocks == 0) {
+    auto gather = [&](int blocks, cudaStream_t s) {   // 0: the grid per expert
+        if (blocks == 0) {
             copy_used<<<dim3(kBlocksPerExpert, n_expert), kThreads, 0, s>>>(dst, (const char *) src, expert, n_expert, used);
         } else {
             copy_used_few<<<blocks, kThreads, 0, s>>>(dst, (const char *) src, expert, n_expert, used);
@@ -157,17 +147,14 @@ int main(int argc, char ** argv) {
     }
     printf("SMs %d; default gather %.2f ms; compute kernel: %d blocks x 256 threads, %d iterations, %.2f ms alone\n",
            sms, g0, burn_blocks, iters, c_ms);
-    printf("%-10s %8s %10s %10s %12s %8s\n", "gather", "GB/s", "alone ms", "compute ms", "together ms", "overlap");
+    printf("%-10s %8s %10s %10s %12s %14s %8s\n", "gather", "GB/s", "alone ms", "compute ms", "together ms", "(min - max)", "overlap");
 
     cudaEvent_t go, end_g;
     CHECK(cudaEventCreate(&go));
     CHECK(cudaEventCreate(&end_g));
     std::vector<unsigned char> back(total);
-    const int variants[] = { 0, 8, 16, 32, 48, 64, 128, 264, -1 };   // 0: the grid per expert; -1: the graph
+    const int variants[] = { 0, 4, 8, 12, 16, 24, 32, 64, 132, 264 };   // 0: the grid per expert
     for (int blocks : variants) {
-        if (blocks < 0 && gerr != cudaSuccess) {
-            continue;
-        }
         CHECK(cudaMemsetAsync(dst, 0, total, sg));
         float alone = 0;
         for (int rep = 0; rep < 3; rep++) {   // best of 3
@@ -191,24 +178,29 @@ int main(int argc, char ** argv) {
             }
         }
         // together: both streams wait behind a short spin on a third one; the gather is queued first
-        spin<<<1, 1, 0, s0>>>(1000000);
-        CHECK(cudaEventRecord(go, s0));
-        CHECK(cudaStreamWaitEvent(sg, go, 0));
-        CHECK(cudaStreamWaitEvent(sc, go, 0));
-        CHECK(cudaEventRecord(t.a, s0));
-        gather(blocks, sg);
-        compute(iters, sc);
-        CHECK(cudaEventRecord(end_g, sg));
-        CHECK(cudaStreamWaitEvent(sc, end_g, 0));
-        CHECK(cudaEventRecord(t.b, sc));
-        CHECK(cudaStreamSynchronize(sc));
-        const float both = t.ms();
+        std::vector<float> both_ms;
+        for (int rep = 0; rep < 5; rep++) {
+            spin<<<1, 1, 0, s0>>>(1000000);
+            CHECK(cudaEventRecord(go, s0));
+            CHECK(cudaStreamWaitEvent(sg, go, 0));
+            CHECK(cudaStreamWaitEvent(sc, go, 0));
+            CHECK(cudaEventRecord(t.a, s0));
+            gather(blocks, sg);
+            compute(iters, sc);
+            CHECK(cudaEventRecord(end_g, sg));
+            CHECK(cudaStreamWaitEvent(sc, end_g, 0));
+            CHECK(cudaEventRecord(t.b, sc));
+            CHECK(cudaStreamSynchronize(sc));
+            both_ms.push_back(t.ms());
+        }
+        std::sort(both_ms.begin(), both_ms.end());
+        const float both = both_ms[2];
         const float lo = std::min(alone, c_ms), hi = std::max(alone, c_ms);
-        printf("%-10s %8.1f %10.2f %10.2f %12.2f %8.2f%s\n",
-               blocks == 0 ? "per-expert" : blocks < 0 ? "ce-graph" : (std::to_string(blocks) + " blocks").c_str(),
-               bytes / (alone * 1e6), alone, c_ms, both, 1.0f - (both - hi) / lo,
+        const std::string spread = "(" + std::to_string(both_ms[0]).substr(0, 4) + " - " + std::to_string(both_ms[4]).substr(0, 4) + ")";
+        printf("%-10s %8.1f %10.2f %10.2f %12.2f %14s %8.2f%s\n",
+               blocks == 0 ? "per-expert" : (std::to_string(blocks) + " blocks").c_str(),
+               bytes / (alone * 1e6), alone, c_ms, both, spread.c_str(), 1.0f - (both - hi) / lo,
                bad ? (" BYTES WRONG: " + std::to_string(bad)).c_str() : "");
     }
-    free_gather_graph(gg);
     return 0;
 }

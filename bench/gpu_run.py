@@ -42,8 +42,12 @@ def log(msg: str) -> None:
 # 2048 and 768 values, are whole steps of CUDA's MMQ; the tiny preset's are not, see the patch)
 DIRECT_ONLY = {"GGML_SCHED_PP_DIRECT": "2", "GGML_SCHED_PP_UPLOAD_ALL": "0", "GGML_SCHED_PP_GATHER": "0"}
 NO_UPLOAD_ALL = {"GGML_SCHED_PP_UPLOAD_ALL": "0"}
-FEW_BLOCKS = {"PYLLAMA_PP_GATHER_BLOCKS": "48"}   # the CUDA gather with 48 blocks in all (experimental)
-GRAPH_MODE = {"PYLLAMA_PP_GATHER_MODE": "graph"}  # ... by the copy engine, driven from the device (experimental)
+GRID_BLOCKS = {"PYLLAMA_PP_GATHER_BLOCKS": "0"}   # the CUDA gather's grid per expert (its default until run 26)
+
+
+def gather_blocks(n: int) -> dict:
+    """The CUDA gather's copy kernel with n blocks in all (default 16, gather_cuda_kernels.cuh)."""
+    return {"PYLLAMA_PP_GATHER_BLOCKS": str(n)}
 
 
 def correctness(model: str, devices: str, out: Path,
@@ -229,20 +233,19 @@ SWEEPS = {
     # the bound of the skewed rows (runs 22-24)
     "compute-skewed": [{"name": "all-on-gpu-skewed", "model": "skewed", "host_experts": "none", "variants": ["baseline"],
                         "est": 60, "configs": SKEWED_LOW}],
-    # the CUDA gather's experimental variants - a few blocks in all (PYLLAMA_PP_GATHER_BLOCKS) instead of a grid per
-    # expert, and the copy engine driven from the device (PYLLAMA_PP_GATHER_MODE=graph) - with OVERLAP=2 and without:
-    # do the gathers then run beside compute? Then the default kernel with OVERLAP=2 as the same-call control (runs
-    # 22 and 24: 3176.5 / 3166.5 t/s at ub512). PP_GATHER_PROBE=1 adds bench/gather_probe.cu (no model).
-    "gather-few": [{"name": "skewed-gather-graph-overlap2", "model": "skewed", "est": 30, "ext": OVERLAP2,
-                    "env": GRAPH_MODE, "variants": ["patched"], "configs": SKEWED_LOW},
+    # the CUDA gather's copy kernel with a few blocks in all (the default since run 26) against its grid per expert
+    # (run 26's probe: the grid takes every SM while it waits on the link; 16 blocks copy as fast and leave compute
+    # beside them): low coverage against upstream, with OVERLAP=2, the grid as the same-call control (runs 22/24:
+    # 3162.8 / 3166.5 t/s at ub512), and 8 / 32 blocks. PP_GATHER_PROBE=1 adds bench/gather_probe.cu (no model).
+    "gather-few": [{"name": "skewed-gather-few", "model": "skewed", "est": 60, "configs": SKEWED_LOW},
                    {"name": "skewed-gather-few-overlap2", "model": "skewed", "est": 30, "ext": OVERLAP2,
-                    "env": FEW_BLOCKS, "variants": ["patched"], "configs": SKEWED_LOW},
-                   {"name": "skewed-gather-overlap2", "model": "skewed", "est": 30, "ext": OVERLAP2, "variants": ["patched"],
-                    "configs": SKEWED_LOW},
-                   {"name": "skewed-gather-graph", "model": "skewed", "est": 30, "env": GRAPH_MODE, "variants": ["patched"],
-                    "configs": SKEWED_LOW},
-                   {"name": "skewed-gather-few", "model": "skewed", "est": 30, "env": FEW_BLOCKS, "variants": ["patched"],
-                    "configs": SKEWED_LOW}],
+                    "variants": ["patched"], "configs": SKEWED_LOW},
+                   {"name": "skewed-gather-grid", "model": "skewed", "est": 30, "env": GRID_BLOCKS,
+                    "variants": ["patched"], "configs": SKEWED_LOW},
+                   {"name": "skewed-gather-8-blocks", "model": "skewed", "est": 30, "env": gather_blocks(8),
+                    "variants": ["patched"], "configs": SKEWED_LOW},
+                   {"name": "skewed-gather-32-blocks", "model": "skewed", "est": 30, "env": gather_blocks(32),
+                    "variants": ["patched"], "configs": SKEWED_LOW}],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],
@@ -279,7 +282,7 @@ def main() -> int:
                     help="host->GPU bandwidth per link for the rows' bound (pinned, measured: 54.9 / 55.1 GB/s on the "
                          "2xH200 box, bench/cuda_queue.py, 2026-11-30)")
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: correctness,synth,correctness-direct,correctness-gather,"
-                                                "correctness-gather-graph,correctness-gather-few,sweep")
+                                                "sweep")
     ap.add_argument("--sweep", default="main", help="comma-separated: " + ", ".join(SWEEPS))
     args = ap.parse_args()
     sweeps = args.sweep.split(",")
@@ -326,11 +329,7 @@ def main() -> int:
             summary["steps"][step] = {"error": str(e)}
         save()
 
-    if "gather-few" in sweeps:
-        # the same with the experimental variants of the CUDA gather
-        correctness_30b("correctness_gather_graph", {**NO_UPLOAD_ALL, **GRAPH_MODE}, {"GGML_SCHED_PP_OVERLAP": "2"})
-        correctness_30b("correctness_gather_few", {**NO_UPLOAD_ALL, **FEW_BLOCKS}, {"GGML_SCHED_PP_OVERLAP": "2"})
-    elif any(n.startswith("gather") for n in sweeps):
+    if any(n.startswith("gather") for n in sweeps):
         # patch 0028: upload-all off, so every expert op but the one that measures coverage gathers (the tiny
         # preset's ub64 case above covers a few); then with OVERLAP=2's early gathers on the second stream
         correctness_30b("correctness_gather", NO_UPLOAD_ALL, {"GGML_SCHED_PP_OVERLAP": "2"})

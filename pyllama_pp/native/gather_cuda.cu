@@ -25,9 +25,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
-#include <map>
 #include <mutex>
-#include <tuple>
 #include <string>
 #include <unordered_map>
 
@@ -45,72 +43,20 @@ struct gather_stream {
     int *                used   = nullptr;  // kMaxExperts flags on the device
     ggml_backend_event_t before = nullptr;  // recorded on the calling backend, waited for here
     ggml_backend_event_t after  = nullptr;  // recorded here, waited for on the calling backend
-    // PYLLAMA_PP_GATHER_MODE=graph: one gather graph per (copy, weight, expert size, experts), its ids set at each
-    // launch; off for good after a failure
-    std::map<std::tuple<void *, const void *, size_t, int>, gather_graph> graphs;
-    bool graphs_failed = false;
 };
 
 std::mutex                               g_mutex;
 std::unordered_map<int, gather_stream *> g_streams;  // CUDA device -> its stream
 
-// PYLLAMA_PP_GATHER_BLOCKS=N (experimental, not yet run on a GPU): N blocks in all (copy_used_few) instead of
-// kBlocksPerExpert blocks per expert (gather_cuda_kernels.cuh says why)
-int few_blocks() {
+// the copy kernel's blocks: kDefaultBlocks in all (copy_used_few); PYLLAMA_PP_GATHER_BLOCKS=N sets N (1-1024), 0 the
+// grid of kBlocksPerExpert blocks per expert (copy_used, the default until run 26: no overlap with compute)
+int copy_blocks() {
     static const int n = [] {
         const char * v = getenv("PYLLAMA_PP_GATHER_BLOCKS");
-        const int    x = v != nullptr ? atoi(v) : 0;
-        return x > 0 && x <= 1024 ? x : 0;
+        const int    x = v != nullptr && *v != '\0' ? atoi(v) : kDefaultBlocks;
+        return x >= 0 && x <= 1024 ? x : kDefaultBlocks;
     }();
     return n;
-}
-
-// PYLLAMA_PP_GATHER_MODE=graph (experimental, not yet run on a GPU): the copy engine moves the used experts, driven
-// from the device by a CUDA graph of conditional memcpy nodes (gather_cuda_kernels.cuh), instead of a copy kernel
-bool graph_mode() {
-    static const bool on = [] {
-        const char * v = getenv("PYLLAMA_PP_GATHER_MODE");
-        return v != nullptr && strcmp(v, "graph") == 0;
-    }();
-    return on;
-}
-
-constexpr size_t kMaxGraphs = 4096;   // per GPU: kept plans x layers x expert tensors stay far below
-
-void graphs_off(gather_stream * g, const char * what, cudaError_t err) {
-    (void) cudaGetLastError();
-    g->graphs_failed = true;
-    fprintf(stderr, "pyllama_pp: the CUDA gather graph %s (%s): copy kernels from now on\n", what, cudaGetErrorString(err));
-}
-
-// the gather graph for this call, built on first use and pointed at these ids; nullptr: use the kernels (graph mode
-// off, the cap reached, or a build or update failed - then graph mode stays off on this GPU, said once)
-gather_graph * graph_for(gather_stream * g, const ggml_tensor * dst, const ggml_tensor * src, const ggml_tensor * ids) {
-    if (!graph_mode() || g->graphs_failed) {
-        return nullptr;
-    }
-    const auto key = std::make_tuple(dst->data, (const void *) src->data, (size_t) src->nb[2], (int) src->ne[2]);
-    auto it = g->graphs.find(key);
-    gather_graph * gg = it != g->graphs.end() ? &it->second : nullptr;
-    if (gg == nullptr) {
-        if (g->graphs.size() >= kMaxGraphs) {
-            return nullptr;
-        }
-        gather_graph built;
-        const cudaError_t err = build_gather_graph((char *) dst->data, (const char *) src->data, src->nb[2], (int) src->ne[2],
-                                                   (const char *) ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1], built);
-        if (err != cudaSuccess) {
-            graphs_off(g, "could not be built", err);
-            return nullptr;
-        }
-        gg = &(g->graphs[key] = built);
-    }
-    const cudaError_t err = set_gather_graph_ids(*gg, (const char *) ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1]);
-    if (err != cudaSuccess) {
-        graphs_off(g, "could not take the ids", err);
-        return nullptr;
-    }
-    return gg;
 }
 
 bool is_cuda(ggml_backend_dev_t dev) {
@@ -233,23 +179,16 @@ bool pp_gather_cuda(ggml_backend_t backend, struct ggml_tensor * dst, const stru
     bool queued = false;
     const int n_expert = (int) src->ne[2];
     if (cudaSetDevice(device) == cudaSuccess) {
-        const gather_graph * gg = graph_for(g, dst, src, ids);   // (built before anything is queued)
         ggml_backend_event_record(g->before, backend);
-        cudaError_t err = cudaSuccess;
         if (cudaStreamWaitEvent(g->stream, (cudaEvent_t) g->before->context, 0) != cudaSuccess) {
             (void) cudaGetLastError();
-        } else if (gg != nullptr && (err = cudaGraphLaunch(gg->exec, g->stream)) == cudaSuccess) {
-            queued = true;
         } else {
-            if (gg != nullptr) {
-                graphs_off(g, "could not be launched", err);   // (nothing queued: the kernels below do the copy)
-            }
             mark_used<<<1, 1024, n_expert * sizeof(int), g->stream>>>((const char *) ids->data, ids->ne[0], ids->ne[1],
                                                                        ids->nb[0], ids->nb[1], n_expert, g->used);
             if (cudaGetLastError() == cudaSuccess) {
-                if (few_blocks() > 0) {
-                    copy_used_few<<<few_blocks(), kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
-                                                                            src->nb[2], n_expert, g->used);
+                if (copy_blocks() > 0) {
+                    copy_used_few<<<copy_blocks(), kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
+                                                                             src->nb[2], n_expert, g->used);
                 } else {
                     copy_used<<<dim3(kBlocksPerExpert, n_expert), kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
                                                                                             src->nb[2], n_expert, g->used);
