@@ -246,6 +246,13 @@ SWEEPS = {
                     "variants": ["patched"], "configs": SKEWED_LOW},
                    {"name": "skewed-gather-32-blocks", "model": "skewed", "est": 30, "env": gather_blocks(32),
                     "variants": ["patched"], "configs": SKEWED_LOW}],
+    # the few-block default (run 27) where runs 23-24 measured the grid: low coverage at ub1024 and pp512 / ub128, the
+    # A/B, then patched with OVERLAP=2; and one H200 as two devices (one shared link), the A/B
+    "gather-few-more": [{**SKEWED, "name": "skewed-gather-few-more", "est": 110,
+                         "configs": [(16384, 1024, PP16K), (512, 128, [["pp", 512]])]},
+                        {"name": "skewed-gather-few-more-overlap2", "model": "skewed", "est": 60, "ext": OVERLAP2,
+                         "variants": ["patched"], "configs": [(16384, 1024, PP16K), (512, 128, [["pp", 512]])]},
+                        {**SKEWED_ONE_LINK, "name": "one-h200-as-two-skewed-gather-few", "est": 85}],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],
