@@ -4,7 +4,7 @@
 // One expert tensor of the 30B preset (128 experts of 2048 x 768 Q8_0: 1671168 bytes each) in pinned host memory,
 // 47 of them used (37%, the skewed rows of docs/RESULTS.md 2g), copied into device memory by
 //   - copy_used (the default grid: kBlocksPerExpert blocks per expert),
-//   - copy_used_few with N blocks in all (the library's default N = kDefaultBlocks; PYLLAMA_PP_GATHER_BLOCKS=N), for
+//   - copy_used_few with N blocks in all (PYLLAMA_PP_GATHER_BLOCKS=N), for
 //     several N;
 // each alone, then together with a compute kernel on a normal-priority stream (the gather on a high-priority one,
 // as the library runs it). The compute kernel is many short passes of FMA blocks, so it refills SM slots as they

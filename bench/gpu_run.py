@@ -42,11 +42,11 @@ def log(msg: str) -> None:
 # 2048 and 768 values, are whole steps of CUDA's MMQ; the tiny preset's are not, see the patch)
 DIRECT_ONLY = {"GGML_SCHED_PP_DIRECT": "2", "GGML_SCHED_PP_UPLOAD_ALL": "0", "GGML_SCHED_PP_GATHER": "0"}
 NO_UPLOAD_ALL = {"GGML_SCHED_PP_UPLOAD_ALL": "0"}
-GRID_BLOCKS = {"PYLLAMA_PP_GATHER_BLOCKS": "0"}   # the CUDA gather's grid per expert (its default until run 26)
+GRID_BLOCKS = {"PYLLAMA_PP_GATHER_BLOCKS": "0"}   # the CUDA gather's grid per expert (the default)
 
 
 def gather_blocks(n: int) -> dict:
-    """The CUDA gather's copy kernel with n blocks in all (default 16, gather_cuda_kernels.cuh)."""
+    """The CUDA gather's copy kernel with n blocks in all (default: a grid per expert; gather_cuda_kernels.cuh)."""
     return {"PYLLAMA_PP_GATHER_BLOCKS": str(n)}
 
 
@@ -233,26 +233,36 @@ SWEEPS = {
     # the bound of the skewed rows (runs 22-24)
     "compute-skewed": [{"name": "all-on-gpu-skewed", "model": "skewed", "host_experts": "none", "variants": ["baseline"],
                         "est": 60, "configs": SKEWED_LOW}],
-    # the CUDA gather's copy kernel with a few blocks in all (the default since run 26) against its grid per expert
-    # (run 26's probe: the grid takes every SM while it waits on the link; 16 blocks copy as fast and leave compute
-    # beside them): low coverage against upstream, with OVERLAP=2, the grid as the same-call control (runs 22/24:
-    # 3162.8 / 3166.5 t/s at ub512), and 8 / 32 blocks. PP_GATHER_PROBE=1 adds bench/gather_probe.cu (no model).
-    "gather-few": [{"name": "skewed-gather-few", "model": "skewed", "est": 60, "configs": SKEWED_LOW},
+    # the CUDA gather's copy kernel with a few blocks in all (PYLLAMA_PP_GATHER_BLOCKS) against its grid per expert
+    # (the default; run 27's probe: the grid takes every SM while it waits on the link, 16 blocks copy as fast and
+    # leave compute beside them): low coverage against upstream, with OVERLAP=2, the grid as the same-call control
+    # (runs 22/24: 3162.8 / 3166.5 t/s at ub512), and 8 / 32 blocks. PP_GATHER_PROBE=1 adds bench/gather_probe.cu.
+    # Run 27: 16 blocks pay only with OVERLAP=2 (RESULTS 2h)
+    "gather-few": [{"name": "skewed-gather-few", "model": "skewed", "est": 60, "env": gather_blocks(16),
+                    "configs": SKEWED_LOW},
                    {"name": "skewed-gather-few-overlap2", "model": "skewed", "est": 30, "ext": OVERLAP2,
-                    "variants": ["patched"], "configs": SKEWED_LOW},
+                    "env": gather_blocks(16), "variants": ["patched"], "configs": SKEWED_LOW},
                    {"name": "skewed-gather-grid", "model": "skewed", "est": 30, "env": GRID_BLOCKS,
                     "variants": ["patched"], "configs": SKEWED_LOW},
                    {"name": "skewed-gather-8-blocks", "model": "skewed", "est": 30, "env": gather_blocks(8),
                     "variants": ["patched"], "configs": SKEWED_LOW},
                    {"name": "skewed-gather-32-blocks", "model": "skewed", "est": 30, "env": gather_blocks(32),
                     "variants": ["patched"], "configs": SKEWED_LOW}],
-    # the few-block default (run 27) where runs 23-24 measured the grid: low coverage at ub1024 and pp512 / ub128, the
-    # A/B, then patched with OVERLAP=2; and one H200 as two devices (one shared link), the A/B
-    "gather-few-more": [{**SKEWED, "name": "skewed-gather-few-more", "est": 110,
+    # 16 blocks where runs 23-24 measured the grid: low coverage at ub1024 and pp512 / ub128, the A/B, then patched
+    # with OVERLAP=2; and one H200 as two devices (one shared link), the A/B (run 28)
+    "gather-few-more": [{**SKEWED, "name": "skewed-gather-few-more", "est": 110, "env": gather_blocks(16),
                          "configs": [(16384, 1024, PP16K), (512, 128, [["pp", 512]])]},
                         {"name": "skewed-gather-few-more-overlap2", "model": "skewed", "est": 60, "ext": OVERLAP2,
-                         "variants": ["patched"], "configs": [(16384, 1024, PP16K), (512, 128, [["pp", 512]])]},
-                        {**SKEWED_ONE_LINK, "name": "one-h200-as-two-skewed-gather-few", "est": 85}],
+                         "env": gather_blocks(16), "variants": ["patched"],
+                         "configs": [(16384, 1024, PP16K), (512, 128, [["pp", 512]])]},
+                        {**SKEWED_ONE_LINK, "name": "one-h200-as-two-skewed-gather-few", "est": 85,
+                         "env": {**SKEWED_ONE_LINK.get("env", {}), **gather_blocks(16)}}],
+    # the final check of session 8's build on CUDA (the grid by default again): the tiny preset's correctness cases
+    # run first; then low coverage at ub512, patched with the default and with 16 blocks + OVERLAP=2
+    "gather-final": [{"name": "skewed-gather-final", "model": "skewed", "est": 35, "variants": ["patched"],
+                      "configs": [(4096, 512, PP4096)]},
+                     {"name": "skewed-gather-final-few-overlap2", "model": "skewed", "est": 35, "ext": OVERLAP2,
+                      "env": gather_blocks(16), "variants": ["patched"], "configs": [(4096, 512, PP4096)]}],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],

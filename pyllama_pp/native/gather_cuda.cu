@@ -48,13 +48,13 @@ struct gather_stream {
 std::mutex                               g_mutex;
 std::unordered_map<int, gather_stream *> g_streams;  // CUDA device -> its stream
 
-// the copy kernel's blocks: kDefaultBlocks in all (copy_used_few); PYLLAMA_PP_GATHER_BLOCKS=N sets N (1-1024), 0 the
-// grid of kBlocksPerExpert blocks per expert (copy_used, the default until run 26: no overlap with compute)
+// the copy kernel's blocks: 0 (default) the grid of kBlocksPerExpert blocks per expert (copy_used);
+// PYLLAMA_PP_GATHER_BLOCKS=N, N blocks in all (copy_used_few; 16 pays with OVERLAP=2, gather_cuda_kernels.cuh)
 int copy_blocks() {
     static const int n = [] {
         const char * v = getenv("PYLLAMA_PP_GATHER_BLOCKS");
-        const int    x = v != nullptr && *v != '\0' ? atoi(v) : kDefaultBlocks;
-        return x >= 0 && x <= 1024 ? x : kDefaultBlocks;
+        const int    x = v != nullptr ? atoi(v) : 0;
+        return x > 0 && x <= 1024 ? x : 0;
     }();
     return n;
 }

@@ -12,7 +12,6 @@ constexpr int kTail            = 512;   // GGML_BACKEND_PP_GATHER_TAIL: bytes af
 constexpr int kMaxExperts      = 4096;  // flags in shared memory (16 KiB)
 constexpr int kThreads         = 256;
 constexpr int kBlocksPerExpert = 32;    // copy_used: enough loads in flight to fill a PCIe 5 link with a few experts
-constexpr int kDefaultBlocks    = 16;    // copy_used_few: the same rate (16 x 256 threads x 4 loads of 16 bytes in flight)
 
 // the threads of one block: flags[e] = 1 (shared memory) for each expert e one of the int32 ids names, else 0
 __device__ inline void mark_flags(int * flags, const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1,
@@ -86,10 +85,13 @@ __global__ void copy_used(char * dst, const char * src, size_t expert, int n_exp
                (size_t) blockIdx.x * blockDim.x + threadIdx.x, (size_t) gridDim.x * blockDim.x);
 }
 
-// grid (N): every block walks every used expert. The default with N = kDefaultBlocks: copy_used's grid (about 1500
-// blocks of 256 threads for 47 used experts) takes every SM while it waits on the link, so compute on another stream
-// cannot run beside it (bench/gather_probe.cu on an H200, run 26: overlap -0.05 with the grid, 1.00 with 16 blocks at
-// the same 51 GB/s); a few blocks keep enough loads in flight for a PCIe 5 link and leave the SMs to compute.
+// grid (N): every block walks every used expert (PYLLAMA_PP_GATHER_BLOCKS=N). copy_used's grid (about 1500 blocks of
+// 256 threads for 47 used experts) takes every SM while it waits on the link: on an H200 (bench/gather_probe.cu, run
+// 27) compute on another stream overlaps it by 0.17, and 8-264 blocks in all by 0.95-1.00 at the same 48-51 GB/s
+// (16 blocks and up). In the model that pays only where a gather has compute beside it - OVERLAP=2's early gathers
+// of up and down: 16 blocks +4.3% / +2.0% at ub512 / ub256 (run 27 against the grid in run 22). Without OVERLAP=2 a
+// gather waits for its own routing ids and its op waits for it, so nothing runs beside it on that GPU, and the grid
+// is 1-2% faster (runs 27-28); 8 blocks are 10% slower, 32 blocks 2-3% (run 27).
 __global__ void copy_used_few(char * dst, const char * src, size_t expert, int n_expert, const int * used) {
     const size_t t0     = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
     const size_t stride = (size_t) gridDim.x * blockDim.x;
