@@ -263,6 +263,15 @@ SWEEPS = {
                       "configs": [(4096, 512, PP4096)]},
                      {"name": "skewed-gather-final-few-overlap2", "model": "skewed", "est": 35, "ext": OVERLAP2,
                       "env": gather_blocks(16), "variants": ["patched"], "configs": [(4096, 512, PP4096)]}],
+    # patch 0029 (PREFETCH, opt-in, experimental): with OVERLAP=2 and 16-block gathers (run 27's best: 3314.1 /
+    # 1929.1 t/s), the gate copies prefetched by the last used set a split early; low coverage at ub512 / ub256 and
+    # ub1024, patched, then the same without PREFETCH as the same-call control. The correctness step checks it
+    "prefetch": [{"name": "skewed-prefetch", "model": "skewed", "est": 40, "ext": {**OVERLAP2, "PREFETCH": 1},
+                  "env": gather_blocks(16), "variants": ["patched"], "configs": SKEWED_LOW},
+                 {"name": "skewed-prefetch-control", "model": "skewed", "est": 40, "ext": OVERLAP2,
+                  "env": gather_blocks(16), "variants": ["patched"], "configs": SKEWED_LOW},
+                 {"name": "skewed-prefetch-ub1024", "model": "skewed", "est": 45, "ext": {**OVERLAP2, "PREFETCH": 1},
+                  "env": gather_blocks(16), "variants": ["patched"], "configs": [(16384, 1024, PP16K)]}],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],
@@ -298,7 +307,7 @@ def main() -> int:
     ap.add_argument("--link-gbps", type=float, default=55.0,
                     help="host->GPU bandwidth per link for the rows' bound (pinned, measured: 54.9 / 55.1 GB/s on the "
                          "2xH200 box, bench/cuda_queue.py, 2026-11-30)")
-    ap.add_argument("--skip", default="", help="comma-separated steps to skip: correctness,synth,correctness-direct,correctness-gather,"
+    ap.add_argument("--skip", default="", help="comma-separated steps to skip: correctness,synth,correctness-direct,correctness-gather,correctness-prefetch,"
                                                 "sweep")
     ap.add_argument("--sweep", default="main", help="comma-separated: " + ", ".join(SWEEPS))
     args = ap.parse_args()
@@ -346,6 +355,11 @@ def main() -> int:
             summary["steps"][step] = {"error": str(e)}
         save()
 
+    if "prefetch" in sweeps:
+        # patch 0029 on the 30B preset: every gate but the first ubatch's prefetched, the rest gathered (grid), then
+        # with 16-block gathers
+        correctness_30b("correctness_prefetch", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "1"},
+                        gather_blocks(16))
     if any(n.startswith("gather") for n in sweeps):
         # patch 0028: upload-all off, so every expert op but the one that measures coverage gathers (the tiny
         # preset's ub64 case above covers a few); then with OVERLAP=2's early gathers on the second stream

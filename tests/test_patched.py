@@ -502,6 +502,38 @@ def test_gather_with_overlap_goes_up_on_the_second_stream(runner, assert_logits_
     assert all(x["overlap_uploads"] == 0 for x in e_off["backends"])
 
 
+def test_prefetch_brings_last_used_experts_a_split_early(runner, tiny_cfg, assert_logits_match):
+    """PREFETCH (patch 0029, opt-in, with OVERLAP=2 and GATHER): a layer's first expert op (gate) cannot gather a
+    split early - its ids are computed in the split before - so its copy is placed early too and the device fills it
+    on the second stream with the experts the same weight used at its last gather; the op's own split then gathers
+    only the rest. Same logits as the baseline on slow links and a slow second device (the rest waits for the
+    prefetch); the same ops gathered, the prefetches on the second stream as well; no fewer bytes on any link than
+    the plain gathers (each used expert still arrives), and less than the prefetches moved; the same compute
+    buffers."""
+    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_OVERLAP": 2}
+    b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", 32, env, {"GGML_SCHED_PP_PREFETCH": 1})
+    assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["PREFETCH"] == 1
+    assert_logits_match(on["logits"], b["logits"], "PREFETCH, OVERLAP=2")
+    e_on, e_off = on["ext"], off["ext"]
+    assert e_off["prefetch"] == 0 and e_on["gather"] == e_off["gather"] > 0, (e_on, e_off)
+    # every gate but the first ubatch's (no last used set yet) of the 6 layers
+    assert 0 < e_on["prefetch"] <= e_on["gather"] // 3 - tiny_cfg.n_layer, e_on
+    early = lambda e: sum(x["overlap_uploads"] for x in e["backends"])
+    assert early(e_on) == early(e_off) + e_on["prefetch"], (early(e_on), early(e_off), e_on["prefetch"])
+    one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
+    h2d = lambda r: {d["device"]: d["h2d_bytes"] for d in r["counters"]["devices"]}
+    extra = sum(h2d(on).values()) - sum(h2d(off).values())
+    assert all(h2d(on)[d] >= h2d(off)[d] for d in h2d(off)), (h2d(on), h2d(off))
+    assert extra <= e_on["prefetch"] * one_expert_tensor, (extra, e_on["prefetch"])
+    # and the rest leaves out what the prefetch brought: a prefetch moves about an average op's bytes (the last
+    # used set); had the rest copied every used expert again, all of them would be extra (tiny, ub32: 40% of that)
+    per_op = sum(h2d(off).values()) / e_off["gather"]
+    assert extra < 0.75 * e_on["prefetch"] * per_op, (extra, e_on["prefetch"], per_op)
+    # the gate copy placed early is alive while down's is: no more compute memory than OVERLAP=2 without it
+    compute = lambda r: {m["buft"]: m["compute_bytes"] for m in r["schedule"]["memory"]}
+    assert compute(on) == compute(off), (compute(on), compute(off))
+
+
 def test_vdev_charges_direct_reads_at_their_share_of_the_link(runner):
     """VDEV's `direct` option: a kernel's reads of pinned host memory move at that share of the link's rate (the
     same bytes take longer over the link than a copy's)."""

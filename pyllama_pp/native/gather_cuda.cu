@@ -43,6 +43,10 @@ struct gather_stream {
     int *                used   = nullptr;  // kMaxExperts flags on the device
     ggml_backend_event_t before = nullptr;  // recorded on the calling backend, waited for here
     ggml_backend_event_t after  = nullptr;  // recorded here, waited for on the calling backend
+    // PREFETCH: per weight (host data) its last used set, per copy (device data) the set the last prefetch brought
+    // (n_expert flags each on the device, zeroed when made; a few hundred per model)
+    std::unordered_map<const void *, int *> last;
+    std::unordered_map<const void *, int *> pref;
 };
 
 std::mutex                               g_mutex;
@@ -57,6 +61,33 @@ int copy_blocks() {
         return x > 0 && x <= 1024 ? x : 0;
     }();
     return n;
+}
+
+// modes of ggml_backend_pp_gather_t (enum ggml_backend_pp_gather_mode; plain ints here: the baseline's tree, which
+// builds this library, has no ggml-backend-pp.h)
+constexpr int kGatherUsed = 0, kGatherPrefetch = 1, kGatherRest = 2;
+constexpr size_t kMaxFlagSets   = 4096;   // per GPU and kind: weights x copies stay far below
+constexpr int    kPrefetchBlocks = 16;    // a prefetch runs beside compute: a few blocks (gather_cuda_kernels.cuh)
+
+// the flag set of `key` in `sets` (n_expert ints, zeroed on the stream when made); nullptr: the cap is reached or
+// the device has no memory (then the caller declines)
+int * flag_set(std::unordered_map<const void *, int *> & sets, const void * key, cudaStream_t stream) {
+    auto it = sets.find(key);
+    if (it != sets.end()) {
+        return it->second;
+    }
+    int * p = nullptr;
+    if (sets.size() >= kMaxFlagSets || cudaMalloc((void **) &p, kMaxExperts * sizeof(int)) != cudaSuccess) {
+        (void) cudaGetLastError();
+        return nullptr;
+    }
+    if (cudaMemsetAsync(p, 0, kMaxExperts * sizeof(int), stream) != cudaSuccess) {
+        (void) cudaGetLastError();
+        cudaFree(p);
+        return nullptr;
+    }
+    sets[key] = p;
+    return p;
 }
 
 bool is_cuda(ggml_backend_dev_t dev) {
@@ -138,10 +169,17 @@ gather_stream * stream_for(int device, ggml_backend_dev_t dev) {
 
 // The contract (ggml-backend-pp.h): false only with nothing queued; once the copy is queued, true - if the event
 // behind it cannot be recorded, the host waits for the copy instead.
+// PREFETCH (mode 1, no ids): the experts of src's last used set on this GPU (false where none was recorded yet);
+// REST (mode 2): the used experts the last prefetch into dst did not bring. Every gather with ids records its set.
 extern "C" __attribute__((visibility("default")))
-bool pp_gather_cuda(ggml_backend_t backend, struct ggml_tensor * dst, const struct ggml_tensor * src, const struct ggml_tensor * ids) {
-    if (backend == nullptr || dst == nullptr || src == nullptr || ids == nullptr || dst->data == nullptr ||
-        src->data == nullptr || ids->data == nullptr || ids->type != GGML_TYPE_I32 || ids->ne[2] != 1 || ids->ne[3] != 1 ||
+bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const struct ggml_tensor * src,
+                       const struct ggml_tensor * ids, int mode) {
+    const bool prefetch = mode == kGatherPrefetch;
+    if ((mode != kGatherUsed && mode != kGatherPrefetch && mode != kGatherRest) || (ids == nullptr) != prefetch ||
+        (ids != nullptr && (ids->data == nullptr || ids->type != GGML_TYPE_I32 || ids->ne[2] != 1 || ids->ne[3] != 1))) {
+        return false;
+    }
+    if (backend == nullptr || dst == nullptr || src == nullptr || dst->data == nullptr || src->data == nullptr ||
         src->ne[2] < 1 || src->ne[2] > kMaxExperts || src->ne[3] != 1 || !ggml_is_contiguous(src) ||
         !ggml_is_contiguous(dst) || ggml_nbytes(dst) != ggml_nbytes(src) || dst->nb[2] != src->nb[2]) {
         return false;
@@ -160,7 +198,7 @@ bool pp_gather_cuda(ggml_backend_t backend, struct ggml_tensor * dst, const stru
     // the copy, the ids and the backend's stream on one GPU (events are recorded on the backend's stream)
     const int device = device_of(dst->data);
     const int physical = physical_of(dev);   // (-1: no bus id to tell; then the pointers' device is trusted)
-    if (device < 0 || device_of(ids->data) != device || (physical >= 0 && physical != device)) {
+    if (device < 0 || (ids != nullptr && device_of(ids->data) != device) || (physical >= 0 && physical != device)) {
         return false;
     }
     int prev = -1;
@@ -179,19 +217,43 @@ bool pp_gather_cuda(ggml_backend_t backend, struct ggml_tensor * dst, const stru
     bool queued = false;
     const int n_expert = (int) src->ne[2];
     if (cudaSetDevice(device) == cudaSuccess) {
-        ggml_backend_event_record(g->before, backend);
-        if (cudaStreamWaitEvent(g->stream, (cudaEvent_t) g->before->context, 0) != cudaSuccess) {
-            (void) cudaGetLastError();
+        // the flag sets first (nothing queued yet if they cannot be had)
+        int * last = nullptr, * pref = nullptr, * need = g->used;
+        bool ready = true;
+        if (prefetch) {
+            auto it = g->last.find(src->data);
+            last = it != g->last.end() ? it->second : nullptr;
+            pref = last != nullptr ? flag_set(g->pref, dst->data, g->stream) : nullptr;
+            ready = pref != nullptr;
         } else {
-            mark_used<<<1, 1024, n_expert * sizeof(int), g->stream>>>((const char *) ids->data, ids->ne[0], ids->ne[1],
-                                                                       ids->nb[0], ids->nb[1], n_expert, g->used);
+            last = flag_set(g->last, src->data, g->stream);   // (none: the gather goes on without recording)
+            if (mode == kGatherRest) {
+                auto it = g->pref.find(dst->data);
+                pref = it != g->pref.end() ? it->second : nullptr;   // (none: every used expert)
+            }
+        }
+        if (ready) {
+            ggml_backend_event_record(g->before, backend);
+        }
+        if (ready && cudaStreamWaitEvent(g->stream, (cudaEvent_t) g->before->context, 0) != cudaSuccess) {
+            (void) cudaGetLastError();
+        } else if (ready && prefetch) {
+            copy_flags<<<1, 1024, 0, g->stream>>>(pref, last, n_expert);
+            if (cudaGetLastError() == cudaSuccess) {
+                copy_used_few<<<kPrefetchBlocks, kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
+                                                                           src->nb[2], n_expert, pref);
+                queued = cudaGetLastError() == cudaSuccess;
+            }
+        } else if (ready) {
+            mark_rest<<<1, 1024, n_expert * sizeof(int), g->stream>>>((const char *) ids->data, ids->ne[0], ids->ne[1],
+                                                                       ids->nb[0], ids->nb[1], n_expert, pref, need, last);
             if (cudaGetLastError() == cudaSuccess) {
                 if (copy_blocks() > 0) {
                     copy_used_few<<<copy_blocks(), kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
-                                                                             src->nb[2], n_expert, g->used);
+                                                                             src->nb[2], n_expert, need);
                 } else {
                     copy_used<<<dim3(kBlocksPerExpert, n_expert), kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
-                                                                                            src->nb[2], n_expert, g->used);
+                                                                                            src->nb[2], n_expert, need);
                 }
                 queued = cudaGetLastError() == cudaSuccess;
             }

@@ -32,12 +32,25 @@ __device__ inline void mark_flags(int * flags, const char * ids, int64_t n_col, 
     __syncthreads();
 }
 
-// one block: used[e] = 1 for each expert e one of the int32 ids names, else 0
-__global__ void mark_used(const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1, int n_expert, int * used) {
+// one block, for every gather with ids: with the flags of the experts the int32 ids name, need[i] = flag and not
+// pref[i] (without `pref`: the flag; with it, the experts a prefetch did not bring) and last[i] = flag (the weight's
+// last used set, for the next prefetch; if `last`)
+__global__ void mark_rest(const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1, int n_expert,
+                          const int * pref, int * need, int * last) {
     extern __shared__ int flags[];
     mark_flags(flags, ids, n_col, n_row, nb0, nb1, n_expert);
     for (int i = threadIdx.x; i < n_expert; i += blockDim.x) {
-        used[i] = flags[i];
+        if (last != nullptr) {
+            last[i] = flags[i];
+        }
+        need[i] = flags[i] && !(pref != nullptr && pref[i]);
+    }
+}
+
+// a prefetch (one block): pref = last (the set it copies, kept for the rest after it)
+__global__ void copy_flags(int * dst, const int * src, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        dst[i] = src[i];
     }
 }
 

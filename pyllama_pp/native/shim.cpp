@@ -150,10 +150,10 @@ void register_cuda_gather(const char * backend_dir) {
     }
     const std::string path = std::string(backend_dir) + "/libpyllama_pp_gather_cuda.so";
     void * lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    void * fn  = lib ? dlsym(lib, "pp_gather_cuda") : nullptr;
+    void * fn  = lib ? dlsym(lib, "pp_gather_cuda_v4") : nullptr;   // (the hook of extension version 4: with a mode)
     if (fn == nullptr) {
         const char * why = dlerror();
-        log_cb(GGML_LOG_LEVEL_INFO, ("pyllama_pp: no CUDA gather (" + path + ": " + (why ? why : "no pp_gather_cuda") +
+        log_cb(GGML_LOG_LEVEL_INFO, ("pyllama_pp: no CUDA gather (" + path + ": " + (why ? why : "no pp_gather_cuda_v4") +
                                      "); GATHER falls back to DIRECT or the selective copy\n").c_str(), nullptr);
         return;
     }

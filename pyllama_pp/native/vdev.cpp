@@ -1235,49 +1235,94 @@ ggml_backend_dev_t vdev_reg_get_device(ggml_backend_reg_t reg, size_t index) {
 // backend's queue, after what is queued before it, read the int32 routing ids in device memory and copy each used
 // expert of the host tensor `src` into `dst`, plus the first min(nb[2], 512) bytes of the expert after it
 // (GGML_BACKEND_PP_GATHER_TAIL: what the selective copy leaves there) - charged to the link at its full rate, as
-// a copy engine moves it (CUDA's gather kernel reads host memory itself; measure it there)
-bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor * src, const ggml_tensor * ids) {
-    if (!backend_is_vdev(backend) || dst == nullptr || src == nullptr || ids == nullptr || ids->type != GGML_TYPE_I32 ||
-        dst->data == nullptr || src->data == nullptr || ids->data == nullptr || !ggml_is_contiguous(src) ||
+// a copy engine moves it (CUDA's gather kernel reads host memory itself; measure it there).
+// Modes (ggml_backend_pp_gather_mode; plain ints: the baseline's tree has no such header): 0 USED; 1 PREFETCH
+// (no ids: the experts `src` used at its last gather on this device, into `dst`, remembered for `dst`); 2 REST
+// (USED less what the last prefetch into `dst` brought). Every gather with ids records the set it used for `src`.
+constexpr int kGatherUsed = 0, kGatherPrefetch = 1, kGatherRest = 2;
+
+struct vdev_gather_state {   // per device; written on the queues in their order, read there (prefetch, rest)
+    std::mutex                                              mtx;
+    std::unordered_map<const void *, std::vector<bool>>     last;   // src data -> experts its last gather used
+    std::unordered_map<const void *, std::vector<bool>>     pref;   // dst data -> experts the last prefetch brought
+    std::unordered_map<const void *, bool>                  known;  // host side: src data with a gather queued
+};
+vdev_gather_state g_gather_state[PP_VDEV_MAX];
+
+// copy the selected experts of `in` (and the tail after each run of them) into `out`, charged to d's link
+void gather_runs(vdev_device * d, char * out, const char * in, size_t expert, int64_t n_expert, const std::vector<bool> & sel) {
+    std::vector<std::pair<size_t, size_t>> runs;   // (offset, bytes)
+    size_t total = 0;
+    for (int64_t e = 0; e < n_expert; e++) {
+        if (!sel[(size_t) e]) {
+            continue;
+        }
+        int64_t last = e;
+        while (last + 1 < n_expert && sel[(size_t) last + 1]) {
+            last++;
+        }
+        const size_t tail = last < n_expert - 1 ? std::min<size_t>(expert, 512) : 0;
+        runs.emplace_back((size_t) e * expert, (size_t) (last - e + 1) * expert + tail);
+        total += runs.back().second;
+        e = last;
+    }
+    charge_h2d(d, d->get_cfg().link_gbps, total, [&]() {
+        for (const auto & [off, n] : runs) {
+            memcpy(out + off, in + off, n);
+        }
+    }, (int) runs.size());
+}
+
+bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor * src, const ggml_tensor * ids, int mode) {
+    const bool prefetch = mode == kGatherPrefetch;
+    if (!backend_is_vdev(backend) || dst == nullptr || src == nullptr || (ids == nullptr) != prefetch ||
+        (mode != kGatherUsed && mode != kGatherPrefetch && mode != kGatherRest) ||
+        (ids != nullptr && (ids->type != GGML_TYPE_I32 || ids->data == nullptr || !buffer_is_vdev(tensor_buffer(ids)))) ||
+        dst->data == nullptr || src->data == nullptr || !ggml_is_contiguous(src) ||
         !ggml_is_contiguous(dst) || ggml_nbytes(dst) != ggml_nbytes(src) ||
-        dst->nb[2] != src->nb[2] || !buffer_is_vdev(tensor_buffer(dst)) || !buffer_is_vdev(tensor_buffer(ids))) {
+        dst->nb[2] != src->nb[2] || !buffer_is_vdev(tensor_buffer(dst))) {
         return false;
     }
     auto *         b = (vdev_backend *) backend->context;
     vdev_device *  d = buffer_device(tensor_buffer(dst));
-    if (b->dev != d || buffer_device(tensor_buffer(ids)) != d) {
+    if (b->dev != d || (ids != nullptr && buffer_device(tensor_buffer(ids)) != d)) {
         return false;
+    }
+    vdev_gather_state & st = g_gather_state[d->index];
+    {
+        std::lock_guard<std::mutex> lk(st.mtx);
+        if (prefetch && !st.known.count(src->data)) {
+            return false;   // nothing gathered from this weight yet: no set to predict from
+        }
+        st.known[src->data] = true;
     }
     char *         out      = (char *) dst->data;
     const char *   in       = (const char *) src->data;
-    const char *   id_data  = (const char *) ids->data;
+    const char *   id_data  = ids != nullptr ? (const char *) ids->data : nullptr;
     const size_t   expert   = src->nb[2];
     const int64_t  n_expert = src->ne[2];
-    const int64_t  n_col = ids->ne[0], n_row = ids->ne[1];
-    const size_t   nb0 = ids->nb[0], nb1 = ids->nb[1];
-    b->enqueue([=]() {
-        const std::vector<bool> used = used_experts(id_data, n_col, n_row, nb0, nb1, n_expert);
-        // runs of consecutive used experts, each with the tail after its last expert
-        std::vector<std::pair<size_t, size_t>> runs;   // (offset, bytes)
-        size_t total = 0;
-        for (int64_t e = 0; e < n_expert; e++) {
-            if (!used[(size_t) e]) {
-                continue;
+    const int64_t  n_col = ids != nullptr ? ids->ne[0] : 0, n_row = ids != nullptr ? ids->ne[1] : 0;
+    const size_t   nb0 = ids != nullptr ? ids->nb[0] : 0, nb1 = ids != nullptr ? ids->nb[1] : 0;
+    b->enqueue([=, &st]() {
+        std::vector<bool> sel;
+        if (prefetch) {
+            std::lock_guard<std::mutex> lk(st.mtx);
+            auto it = st.last.find(in);
+            sel = it != st.last.end() && (int64_t) it->second.size() == n_expert ? it->second : std::vector<bool>((size_t) n_expert, false);
+            st.pref[out] = sel;
+        } else {
+            const std::vector<bool> used = used_experts(id_data, n_col, n_row, nb0, nb1, n_expert);
+            sel = used;
+            std::lock_guard<std::mutex> lk(st.mtx);
+            st.last[in] = used;
+            auto it = st.pref.find(out);
+            if (mode == kGatherRest && it != st.pref.end() && (int64_t) it->second.size() == n_expert) {
+                for (int64_t e = 0; e < n_expert; e++) {
+                    sel[(size_t) e] = sel[(size_t) e] && !it->second[(size_t) e];
+                }
             }
-            int64_t last = e;
-            while (last + 1 < n_expert && used[(size_t) last + 1]) {
-                last++;
-            }
-            const size_t tail = last < n_expert - 1 ? std::min<size_t>(expert, 512) : 0;
-            runs.emplace_back((size_t) e * expert, (size_t) (last - e + 1) * expert + tail);
-            total += runs.back().second;
-            e = last;
         }
-        charge_h2d(d, d->get_cfg().link_gbps, total, [&]() {
-            for (const auto & [off, n] : runs) {
-                memcpy(out + off, in + off, n);
-            }
-        }, (int) runs.size());
+        gather_runs(d, out, in, expert, n_expert, sel);
     });
     return true;
 }
