@@ -1329,7 +1329,7 @@ bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor
 
 void * vdev_reg_get_proc_address(ggml_backend_reg_t reg, const char * name) {
     (void) reg;
-    if (name != nullptr && strcmp(name, "ggml_backend_pp_gather") == 0) {
+    if (name != nullptr && strcmp(name, "ggml_backend_pp_gather_v4") == 0) {   // (with a mode: extension version 4)
         return (void *) vdev_pp_gather;
     }
     return nullptr;
