@@ -184,7 +184,10 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             # no device counters (CUDA): the patched scheduler's own count of host-weight bytes per device; with
             # DIRECT (patch 0021) the kernels' reads from host memory and with GATHER (0028) the device's own copies
             # are not counted there: their estimates (measured coverage x tensor bytes) are added
-            h2d = _per_gpu(ext, "weight_bytes", reps, plus=("direct_bytes_est", "gather_bytes_est")) or []
+            # GATHER's bytes as the device counted them where it does (CUDA; prefetches included), else estimated
+            counted = any("gather_bytes" in b for b in ext.get("backends") or [])
+            h2d = _per_gpu(ext, "weight_bytes", reps,
+                           plus=("direct_bytes_est", "gather_bytes" if counted else "gather_bytes_est")) or []
         gbps, bound = _link_bound(cfg, h2d, n_tok)
         pipe = _pipe_bound(cfg, h2d, gbps, n_tok, bound) if t["kind"] == "pp" else float("nan")
         avg = statistics.fmean(ts) if ts else float("nan")

@@ -425,7 +425,12 @@ class Session:
             return None
         buf = ffi.new("char[65536]")
         self.native.check(lib.pp_ext_get_stats_json(self._ctx, buf, 65536))
-        return json.loads(ffi.string(buf).decode())
+        stats = json.loads(ffi.string(buf).decode())
+        for b in stats.get("backends", []):   # GATHER's bytes where the device counts them (CUDA's library)
+            n = lib.pp_gather_counted(b["name"].encode())
+            if n >= 0:
+                b["gather_bytes"] = n
+        return stats
 
     def device_counters(self) -> list[dict]:
         """Per-VDEV counters (bytes moved per direction, syncs, ...); empty for other devices."""

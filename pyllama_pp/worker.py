@@ -131,7 +131,8 @@ def _ext_delta(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
     for k in ("host_wait_us", "host_waits"):  # per-cause host waits (extension v2)
         if isinstance(b.get(k), dict):
             d[k] = {c: v - a.get(k, {}).get(c, 0) for c, v in b[k].items()}
-    d["backends"] = [{"name": y["name"], **{k: y[k] - x[k] for k in y if k != "name"}}
+    # (a key may appear in the later stats only: gather_bytes once the device's first gather is counted)
+    d["backends"] = [{"name": y["name"], **{k: y[k] - x.get(k, 0) for k in y if k != "name"}}
                      for x, y in zip(a["backends"], b["backends"])]
     d["params"] = b.get("params")
     return d
@@ -147,7 +148,7 @@ def _ext_add(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
             out[k] = a[k] + v
         elif isinstance(v, dict) and k != "params":
             out[k] = {c: a.get(k, {}).get(c, 0) + x for c, x in v.items()}
-    out["backends"] = [{"name": y["name"], **{k: x[k] + y[k] for k in y if k != "name"}}
+    out["backends"] = [{"name": y["name"], **{k: x.get(k, 0) + y[k] for k in y if k != "name"}}
                        for x, y in zip(a["backends"], b["backends"])]
     return out
 

@@ -155,6 +155,29 @@ def test_cuda_rows_count_direct_reads_and_the_overlap_ring(tiny_model):
     assert bench.rows_from_result(cfg, "patched", res, {})[0]["ring_bytes_per_device"] is None
 
 
+def test_cuda_rows_take_the_gather_bytes_the_device_counted(tiny_model):
+    """GATHER on CUDA: where the gather library counts the bytes it read (gather_bytes per backend, prefetches
+    included) a row takes them instead of the scheduler's estimate; where no backend has a count, the estimate.
+    The deltas between two stats snapshots keep a count that appears only in the later one (the first gather)."""
+    from pyllama_pp.worker import _ext_delta
+    cfg = bench.BenchConfig(model=str(tiny_model), devices="cuda", n_batch=4096, n_ubatch=512, link_gbps=[55.0, 55.0])
+    before = {"backends": [{"name": "CUDA0", "weight_bytes": 0, "gather_bytes_est": 0},
+                           {"name": "CUDA1", "weight_bytes": 0, "gather_bytes_est": 0}, {"name": "CPU", "weight_bytes": 0}]}
+    after = {"backends": [{"name": "CUDA0", "weight_bytes": 1_000, "gather_bytes_est": 8_000, "gather_bytes": 9_000},
+                          {"name": "CUDA1", "weight_bytes": 2_000, "gather_bytes_est": 4_000, "gather_bytes": 5_000},
+                          {"name": "CPU", "weight_bytes": 0}]}
+    ext = _ext_delta(before, after)
+    assert ext["backends"][0]["gather_bytes"] == 9_000 and "gather_bytes" not in ext["backends"][2]
+    res = {"model": {"path": "m.gguf", "size_bytes": 1, "n_params": 1, "n_expert": 128, "n_expert_used": 8},
+           "schedule": {"pipeline_parallel": True, "n_copies": 2, "n_splits": 9, "backends": []},
+           "tests": [{"kind": "pp", "n": 4096, "seconds": [1.0, 1.0], "devices": [], "ext": ext}]}
+    assert bench.rows_from_result(cfg, "patched", res, {})[0]["h2d_bytes_per_device"] == [5_000, 3_500]
+    for b in after["backends"]:
+        b.pop("gather_bytes", None)
+    res["tests"][0]["ext"] = _ext_delta(before, after)
+    assert bench.rows_from_result(cfg, "patched", res, {})[0]["h2d_bytes_per_device"] == [4_500, 3_000]
+
+
 def test_tests_at_a_depth_start_after_a_filled_context(tiny_model, tmp_path):
     """llama-bench's -d: [kind, n, depth] first fills the context with `depth` tokens (untimed), then times the test
     right after them. The rows say so (n_depth, "tg4 @ d300"); the KQ mask of a deeper context is larger, so each

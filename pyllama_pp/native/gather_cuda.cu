@@ -47,10 +47,39 @@ struct gather_stream {
     // (n_expert flags each on the device, zeroed when made; a few hundred per model)
     std::unordered_map<const void *, int *> last;
     std::unordered_map<const void *, int *> pref;
+    // the bytes each ggml device's gathers read over the link, counted by the kernels into host memory mapped into
+    // the device (kMaxCounted slots; pp_gather_cuda_counted reads them)
+    unsigned long long * counted_host = nullptr;
+    unsigned long long * counted_dev  = nullptr;
 };
+constexpr int kMaxCounted = 64;
 
 std::mutex                               g_mutex;
 std::unordered_map<int, gather_stream *> g_streams;  // CUDA device -> its stream
+std::unordered_map<std::string, unsigned long long *> g_counted;  // ggml device name -> its count (host side; g_mutex)
+
+// the count of ggml device `dev` on g's GPU (device pointer), a slot taken on first use; nullptr: not counted
+unsigned long long * counted_for(gather_stream * g, ggml_backend_dev_t dev) {
+    if (g->counted_host == nullptr) {
+        return nullptr;
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const std::string name = ggml_backend_dev_name(dev);
+    auto it = g_counted.find(name);
+    if (it != g_counted.end()) {
+        const ptrdiff_t slot = it->second - g->counted_host;
+        return slot >= 0 && slot < kMaxCounted ? g->counted_dev + slot : nullptr;   // (another GPU's: not here)
+    }
+    int used = 0;
+    for (const auto & [n, p] : g_counted) {
+        used += p >= g->counted_host && p < g->counted_host + kMaxCounted;
+    }
+    if (used >= kMaxCounted) {
+        return nullptr;
+    }
+    g_counted[name] = g->counted_host + used;
+    return g->counted_dev + used;
+}
 
 // the copy kernel's blocks: 0 (default) the grid of kBlocksPerExpert blocks per expert (copy_used);
 // PYLLAMA_PP_GATHER_BLOCKS=N, N blocks in all (copy_used_few; 16 pays with OVERLAP=2, gather_cuda_kernels.cuh)
@@ -147,7 +176,17 @@ gather_stream * stream_for(int device, ggml_backend_dev_t dev) {
               cudaDeviceGetStreamPriorityRange(&least, &greatest) == cudaSuccess &&
               cudaStreamCreateWithPriority(&g->stream, cudaStreamNonBlocking, greatest) == cudaSuccess &&
               cudaMalloc((void **) &g->used, kMaxExperts * sizeof(int)) == cudaSuccess;
-    if (ok) {
+    if (ok) {   // (no count where mapped host memory cannot be had: the gathers still run)
+        void * dev_ptr = nullptr;
+        if (cudaHostAlloc((void **) &g->counted_host, kMaxCounted * sizeof(unsigned long long), cudaHostAllocMapped) != cudaSuccess ||
+            cudaHostGetDevicePointer(&dev_ptr, g->counted_host, 0) != cudaSuccess) {
+            (void) cudaGetLastError();
+            if (g->counted_host != nullptr) { cudaFreeHost(g->counted_host); }
+            g->counted_host = nullptr;
+        } else {
+            memset(g->counted_host, 0, kMaxCounted * sizeof(unsigned long long));
+            g->counted_dev = (unsigned long long *) dev_ptr;
+        }
         g->before = ggml_backend_event_new(dev);   // (leaves the current device at dev's physical GPU)
         g->after  = ggml_backend_event_new(dev);
         ok = g->before != nullptr && g->after != nullptr && cudaGetDevice(&current) == cudaSuccess && current == device;
@@ -157,6 +196,7 @@ gather_stream * stream_for(int device, ggml_backend_dev_t dev) {
         if (g->before != nullptr) { ggml_backend_event_free(g->before); g->before = nullptr; }
         if (g->after  != nullptr) { ggml_backend_event_free(g->after);  g->after  = nullptr; }
         if (g->used   != nullptr) { cudaFree(g->used);                  g->used   = nullptr; }
+        if (g->counted_host != nullptr) { cudaFreeHost(g->counted_host); g->counted_host = nullptr; g->counted_dev = nullptr; }
         if (g->stream != nullptr) { cudaStreamDestroy(g->stream);       g->stream = nullptr; }
         (void) cudaGetLastError();
         return nullptr;
@@ -213,6 +253,7 @@ bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const s
         }
         return false;
     }
+    unsigned long long * counted = counted_for(g, dev);   // (before g->mutex: counted_for takes g_mutex)
     std::lock_guard<std::mutex> lock(g->mutex);
     bool queued = false;
     const int n_expert = (int) src->ne[2];
@@ -238,7 +279,7 @@ bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const s
         if (ready && cudaStreamWaitEvent(g->stream, (cudaEvent_t) g->before->context, 0) != cudaSuccess) {
             (void) cudaGetLastError();
         } else if (ready && prefetch) {
-            copy_flags<<<1, 1024, 0, g->stream>>>(pref, last, n_expert);
+            copy_flags<<<1, 1024, 0, g->stream>>>(pref, last, n_expert, src->nb[2], counted);
             if (cudaGetLastError() == cudaSuccess) {
                 copy_used_few<<<kPrefetchBlocks, kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
                                                                            src->nb[2], n_expert, pref);
@@ -246,7 +287,8 @@ bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const s
             }
         } else if (ready) {
             mark_rest<<<1, 1024, n_expert * sizeof(int), g->stream>>>((const char *) ids->data, ids->ne[0], ids->ne[1],
-                                                                       ids->nb[0], ids->nb[1], n_expert, pref, need, last);
+                                                                       ids->nb[0], ids->nb[1], n_expert, pref, need, last,
+                                                                       src->nb[2], counted);
             if (cudaGetLastError() == cudaSuccess) {
                 if (copy_blocks() > 0) {
                     copy_used_few<<<copy_blocks(), kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
@@ -272,4 +314,16 @@ bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const s
         cudaSetDevice(prev);
     }
     return queued;
+}
+
+// the bytes the gathers of ggml device `dev_name` (e.g. "CUDA0") have read over the link so far, prefetches
+// included (what the kernels flagged, counted on the device: complete once the copies are); -1 where none counted
+extern "C" __attribute__((visibility("default")))
+long long pp_gather_cuda_counted(const char * dev_name) {
+    if (dev_name == nullptr) {
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_counted.find(dev_name);
+    return it != g_counted.end() ? (long long) *(volatile unsigned long long *) it->second : -1;
 }

@@ -32,11 +32,29 @@ __device__ inline void mark_flags(int * flags, const char * ids, int64_t n_col, 
     __syncthreads();
 }
 
+// the bytes of expert e to copy: the expert and, unless it is the last, the tail after it
+__device__ inline size_t expert_span(int e, size_t expert, int n_expert) {
+    return expert + (e < n_expert - 1 ? (expert < (size_t) kTail ? expert : (size_t) kTail) : 0);
+}
+
+// one thread: add the bytes the copy of the experts flagged in `sel` reads over the link to *counted (host memory
+// mapped into the device, read by the host once the copies are done; if `counted`)
+__device__ inline void count_bytes(unsigned long long * counted, const int * sel, size_t expert, int n_expert) {
+    if (counted == nullptr) {
+        return;
+    }
+    unsigned long long sum = 0;
+    for (int i = 0; i < n_expert; i++) {
+        sum += sel[i] ? (unsigned long long) expert_span(i, expert, n_expert) : 0ull;
+    }
+    *(volatile unsigned long long *) counted += sum;   // (one stream per GPU: its kernels never overlap)
+}
+
 // one block, for every gather with ids: with the flags of the experts the int32 ids name, need[i] = flag and not
 // pref[i] (without `pref`: the flag; with it, the experts a prefetch did not bring) and last[i] = flag (the weight's
 // last used set, for the next prefetch; if `last`)
 __global__ void mark_rest(const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1, int n_expert,
-                          const int * pref, int * need, int * last) {
+                          const int * pref, int * need, int * last, size_t expert, unsigned long long * counted) {
     extern __shared__ int flags[];
     mark_flags(flags, ids, n_col, n_row, nb0, nb1, n_expert);
     for (int i = threadIdx.x; i < n_expert; i += blockDim.x) {
@@ -45,18 +63,21 @@ __global__ void mark_rest(const char * ids, int64_t n_col, int64_t n_row, size_t
         }
         need[i] = flags[i] && !(pref != nullptr && pref[i]);
     }
-}
-
-// a prefetch (one block): pref = last (the set it copies, kept for the rest after it)
-__global__ void copy_flags(int * dst, const int * src, int n) {
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        dst[i] = src[i];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        count_bytes(counted, need, expert, n_expert);
     }
 }
 
-// the bytes of expert e to copy: the expert and, unless it is the last, the tail after it
-__device__ inline size_t expert_span(int e, size_t expert, int n_expert) {
-    return expert + (e < n_expert - 1 ? (expert < (size_t) kTail ? expert : (size_t) kTail) : 0);
+// a prefetch (one block): pref = last (the set it copies, kept for the rest after it)
+__global__ void copy_flags(int * dst, const int * src, int n, size_t expert, unsigned long long * counted) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        dst[i] = src[i];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        count_bytes(counted, dst, expert, n);
+    }
 }
 
 // threads t0, t0 + stride, ... of a grid copy n bytes: 16 bytes at a time, four loads in flight per thread, where

@@ -141,6 +141,9 @@ const ext_api & ext() {
     return api;
 }
 
+// the CUDA gather library's count of the bytes a device's gathers read (pp_gather_cuda_counted), once registered
+long long (*g_gather_counted)(const char *) = nullptr;
+
 // GATHER for CUDA devices: pyllama_pp's own library next to the backend modules (gather_cuda.cu), registered
 // with the patched scheduler for the "CUDA" registry. Nothing to do in the baseline (no such scheduler function),
 // without the CUDA backend, or where the library was not built (a CPU-only install).
@@ -158,6 +161,7 @@ void register_cuda_gather(const char * backend_dir) {
         return;
     }
     ext().set_gather("CUDA", fn);
+    g_gather_counted = (long long (*)(const char *)) dlsym(lib, "pp_gather_cuda_counted");
 }
 
 }  // namespace
@@ -660,6 +664,10 @@ PP_EXPORT void pp_coverage_enable(pp_context * c, int32_t on) {
 }
 
 // ---- extension -------------------------------------------------------------------------------------------
+
+PP_EXPORT long long pp_gather_counted(const char * dev_name) {
+    return g_gather_counted != nullptr && dev_name != nullptr ? g_gather_counted(dev_name) : -1;
+}
 
 PP_EXPORT int pp_ext_version(void) { return ext().version ? ext().version() : 0; }
 

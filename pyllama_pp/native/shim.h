@@ -157,6 +157,10 @@ int pp_ext_set_param(const char * name, int64_t value);
 int pp_ext_get_param(const char * name, int64_t * value);
 // the i-th switch (0-based): name, current value, meaning; PP_ERR_ARG past the last one
 int pp_ext_param_info(int i, char * name, size_t name_size, int64_t * value, char * desc, size_t desc_size);
+// The bytes the gathers of ggml device `dev_name` ("CUDA0", ...) read over its host link so far, prefetches
+// included, as counted by pyllama_pp's CUDA gather library on the device; -1 where nothing is counted (no such
+// library, a device it never gathered for, or not CUDA).
+long long pp_gather_counted(const char * dev_name);
 
 #ifdef __cplusplus
 }
