@@ -29,7 +29,7 @@ ROW_FIELDS = [
     "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen", "n_depth",
     "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "speedup", "pipeline_parallel", "n_copies", "n_splits",
     "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac", "bound_pipe_ts", "bound_pipe_frac",
-    "host_syncs", "id_readbacks", "upload_all", "direct_reads", "gathers", "prefetches", "re_reservations", "plan_switches", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "compute_buffer_bytes", "ring_bytes_per_device", "label", "env",
+    "host_syncs", "id_readbacks", "upload_all", "direct_reads", "gathers", "prefetches", "re_reservations", "plan_switches", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "gather_bytes_est_per_device", "compute_buffer_bytes", "ring_bytes_per_device", "label", "env",
     "ext_params", "error", "build", "machine", "date",
 ]
 
@@ -228,6 +228,8 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
                              if "compute_async_us" in ext else None),
             # host-weight bytes that went through pinned staging (pageable host weights; patch 0016)
             "staged_bytes_per_device": _per_gpu(ext, "staged_bytes", reps),
+            # GATHER's estimate beside the count the bytes above take where the device counts them (CUDA)
+            "gather_bytes_est_per_device": _per_gpu(ext, "gather_bytes_est", reps),
             "compute_buffer_bytes": [b["compute_buffer_bytes"] for b in sched["backends"]],
             # OVERLAP's upload ring per device (patch 0019; VRAM outside the compute buffers; a level, not a delta)
             "ring_bytes_per_device": _per_gpu({"backends": t.get("ext_ring")}, "ring_bytes"),

@@ -171,7 +171,8 @@ def test_cuda_rows_take_the_gather_bytes_the_device_counted(tiny_model):
     res = {"model": {"path": "m.gguf", "size_bytes": 1, "n_params": 1, "n_expert": 128, "n_expert_used": 8},
            "schedule": {"pipeline_parallel": True, "n_copies": 2, "n_splits": 9, "backends": []},
            "tests": [{"kind": "pp", "n": 4096, "seconds": [1.0, 1.0], "devices": [], "ext": ext}]}
-    assert bench.rows_from_result(cfg, "patched", res, {})[0]["h2d_bytes_per_device"] == [5_000, 3_500]
+    (row,) = bench.rows_from_result(cfg, "patched", res, {})
+    assert row["h2d_bytes_per_device"] == [5_000, 3_500] and row["gather_bytes_est_per_device"] == [4_000, 2_000]
     for b in after["backends"]:
         b.pop("gather_bytes", None)
     res["tests"][0]["ext"] = _ext_delta(before, after)
