@@ -502,16 +502,18 @@ def test_gather_with_overlap_goes_up_on_the_second_stream(runner, assert_logits_
     assert all(x["overlap_uploads"] == 0 for x in e_off["backends"])
 
 
-def test_prefetch_brings_last_used_experts_a_split_early(runner, tiny_cfg, assert_logits_match):
+@pytest.mark.parametrize("ub", [32, 128])
+def test_prefetch_brings_last_used_experts_a_split_early(runner, tiny_cfg, assert_logits_match, ub):
     """PREFETCH (patch 0029, opt-in, with OVERLAP=2 and GATHER): a layer's first expert op (gate) cannot gather a
     split early - its ids are computed in the split before - so its copy is placed early too and the device fills it
     on the second stream with the experts the same weight used at its last gather; the op's own split then gathers
-    only the rest. Same logits as the baseline on slow links and a slow second device (the rest waits for the
+    only the rest (ub128: not the gate that reads its ids back to measure the coverage, the graph's first expert op).
+    Same logits as the baseline on slow links and a slow second device (the rest waits for the
     prefetch); the same ops gathered, the prefetches on the second stream as well; no fewer bytes on any link than
     the plain gathers (each used expert still arrives), and less than the prefetches moved; the same compute
     buffers."""
     env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_OVERLAP": 2}
-    b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", 32, env, {"GGML_SCHED_PP_PREFETCH": 1})
+    b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, env, {"GGML_SCHED_PP_PREFETCH": 1})
     assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["PREFETCH"] == 1
     assert_logits_match(on["logits"], b["logits"], "PREFETCH, OVERLAP=2")
     e_on, e_off = on["ext"], off["ext"]
