@@ -53,10 +53,10 @@ def gather_blocks(n: int) -> dict:
 def correctness(model: str, devices: str, out: Path,
                 cases=((64, "none", {}), (512, "none", {}), (512, "mmap", {}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "1"}),
                        (64, "none", {"GGML_SCHED_PP_OVERLAP": "2"}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "2"})),
-                n_tokens: int = 512, all_on_gpu: bool = True) -> list[dict]:
+                n_tokens: int = 512, all_on_gpu: bool = True, timeout: float = 300) -> list[dict]:
     """(n_ubatch, load mode, patched build's environment) cases; mmap: host weights in pageable memory (the
     patched build stages them); OVERLAP=1: the opt-in upload ring of patch 0019; OVERLAP=2: patch 0024's early
-    uploads inside the compute buffer."""
+    uploads inside the compute buffer. `timeout`: seconds a worker may take (a hang costs no more)."""
     rows = []
     refs: dict = {}   # baseline and all-on-GPU logits per (name, n_ubatch, load mode): the cases share them
 
@@ -65,7 +65,7 @@ def correctness(model: str, devices: str, out: Path,
         res = run_job({"kind": "logits", "model": model, "devices": devices,
                        "placement": {"host_experts": he, "load_mode": mode},
                        "ctx": {"n_ctx": n_tokens + 64, "n_batch": n_tokens, "n_ubatch": ub},
-                       "n_tokens": n_tokens, "seed": 7, "logits": "all", "out": str(path)}, variant, timeout=300, env=env)
+                       "n_tokens": n_tokens, "seed": 7, "logits": "all", "out": str(path)}, variant, timeout=timeout, env=env)
         arr = np.load(path)
         path.unlink()
         return arr, res
@@ -349,8 +349,10 @@ def main() -> int:
         if step.replace("_", "-") in skip or not big.exists() or left(args.budget) <= 150:
             return
         try:
+            # (a worker loads the 32 GB preset in about 25 s and runs in a few more: 150 s, so that a hang - as graph
+            # mode's with OVERLAP=2 in run 26 - does not take the call)
             summary["steps"][step] = correctness(str(big), args.devices, args.out, n_tokens=1024, all_on_gpu=False,
-                                                 cases=((256, "none", env), (256, "none", {**env, **env2})))
+                                                 cases=((256, "none", env), (256, "none", {**env, **env2})), timeout=150)
         except PyllamaError as e:
             summary["steps"][step] = {"error": str(e)}
         save()
