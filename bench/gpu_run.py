@@ -400,7 +400,9 @@ def main() -> int:
                     for nb, ub, tests in block["configs"]]
             t = time.time()
             df = bench.ab(cfgs, variants=block.get("variants", bench.VARIANTS), out_dir=args.out / "ab",
-                          progress=False, timeout=max(60, left(args.budget) - 10))
+                          # (a worker: at most three times its block's estimate, so that a hang leaves the
+                          # blocks after it their time)
+                          progress=False, timeout=max(60, min(left(args.budget) - 10, 3 * block["est"])))
             log(f"{block['name']}: {time.time() - t:.0f} s (estimated {block['est']})\n{bench.markdown(df)}")
             summary["steps"].setdefault("sweeps", []).append(json.loads(df.to_json(orient="records")))
             save()
