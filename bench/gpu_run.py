@@ -79,7 +79,7 @@ def correctness(model: str, devices: str, out: Path,
             got[name] = refs[(name, ub, mode)]
         arr, res = logits("patched", "patched", "all", ub, mode, penv)
         got["patched"] = (arr, res["schedule"])
-        ext = {k: (res.get("ext") or {}).get(k) for k in ("id_readbacks", "selective", "upload_all", "direct", "gather")}
+        ext = {k: (res.get("ext") or {}).get(k) for k in ("id_readbacks", "selective", "upload_all", "direct", "gather", "prefetch")}
         b, p = got["baseline"][0], got["patched"][0]
         g = got["all_on_gpu"][0] if all_on_gpu else None
         rows.append({"model": Path(model).name, "devices": devices, "n_ubatch": ub, "load_mode": mode, "patched_env": penv,
