@@ -1248,6 +1248,7 @@ struct vdev_gather_state {   // per device; written on the queues in their order
     std::unordered_map<const void *, bool>                  known;  // host side: src data with a gather queued
 };
 vdev_gather_state g_gather_state[PP_VDEV_MAX];
+constexpr size_t kMaxGatherSets = 16384;   // per device: weights and copies of the models loaded so far
 
 // copy the selected experts of `in` (and the tail after each run of them) into `out`, charged to d's link
 void gather_runs(vdev_device * d, char * out, const char * in, size_t expert, int64_t n_expert, const std::vector<bool> & sel) {
@@ -1293,6 +1294,16 @@ bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor
         std::lock_guard<std::mutex> lk(st.mtx);
         if (prefetch && !st.known.count(src->data)) {
             return false;   // nothing gathered from this weight yet: no set to predict from
+        }
+        if (st.known.size() + st.pref.size() > kMaxGatherSets) {
+            // bounded (models come and go; pointers are reused): forgetting is safe - a prefetch then brings
+            // nothing it cannot find, and a rest with no prefetched set copies every used expert
+            st.known.clear();
+            st.last.clear();
+            st.pref.clear();
+            if (prefetch) {
+                return false;
+            }
         }
         st.known[src->data] = true;
     }
