@@ -271,7 +271,17 @@ SWEEPS = {
                  {"name": "skewed-prefetch-control", "model": "skewed", "est": 40, "ext": OVERLAP2,
                   "env": gather_blocks(16), "variants": ["patched"], "configs": SKEWED_LOW},
                  {"name": "skewed-prefetch-ub1024", "model": "skewed", "est": 45, "ext": {**OVERLAP2, "PREFETCH": 1},
-                  "env": gather_blocks(16), "variants": ["patched"], "configs": [(16384, 1024, PP16K)]}],
+                  "env": gather_blocks(16), "variants": ["patched"], "configs": [(16384, 1024, PP16K)]},
+                 # a small batch ("never below 0.97x"; upstream 522.9-563.7 t/s in runs 23 / 28) and the default
+                 # settings at ub512 (counted gather bytes beside the estimate, where runs 22-29 had only it)
+                 {"name": "skewed-prefetch-small", "model": "skewed", "est": 35, "ext": {**OVERLAP2, "PREFETCH": 1},
+                  "env": gather_blocks(16), "variants": ["patched"], "configs": [(512, 128, [["pp", 512]])]},
+                 {"name": "skewed-defaults-counted", "model": "skewed", "est": 35, "variants": ["patched"],
+                  "configs": [(4096, 512, PP4096)]},
+                 # near-uniform (above the upload-all bar: no gathers, so no prefetches): unchanged from
+                 # OVERLAP=2 pooled (run 21: 1579.3 t/s)
+                 {"name": "uniform-prefetch", "est": 45, "ext": {**OVERLAP2, "PREFETCH": 1}, "variants": ["patched"],
+                  "configs": [(4096, 512, PP4096)]}],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],
