@@ -114,11 +114,7 @@ int main(int argc, char ** argv) {
     printf("copy engine, host-driven: %.1f GB/s (%zu bytes, %d of %d experts)\n", bytes / (t.ms() * 1e6), bytes, n_used, n_expert);
 
     auto gather = [&](int blocks, cudaStream_t s) {   // 0: the grid per expert
-        if (blocks == 0) {
-            copy_used<<<dim3(kBlocksPerExpert, n_expert), kThreads, 0, s>>>(dst, (const char *) src, expert, n_expert, used);
-        } else {
-            copy_used_few<<<blocks, kThreads, 0, s>>>(dst, (const char *) src, expert, n_expert, used);
-        }
+        launch_copy(blocks, s, dst, (const char *) src, expert, n_expert, used);
         CHECK(cudaGetLastError());
     };
     const int burn_blocks = sms * 8 * 32;   // 32 passes of a full GPU: slots free up and refill all along

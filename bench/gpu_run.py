@@ -50,6 +50,15 @@ def gather_blocks(n: int) -> dict:
     return {"PYLLAMA_PP_GATHER_BLOCKS": str(n)}
 
 
+FEW_BLOCKS = gather_blocks(16)   # the block count that pays with OVERLAP=2 (run 27)
+
+
+def skewed_patched(name: str, est: int, configs=None, **block) -> dict:
+    """A sweep block on the skewed model, patched build only (low coverage: SKEWED_LOW unless `configs`)."""
+    return {"name": name, "model": "skewed", "est": est, "variants": ["patched"], "configs": configs or SKEWED_LOW,
+            **block}
+
+
 def correctness(model: str, devices: str, out: Path,
                 cases=((64, "none", {}), (512, "none", {}), (512, "mmap", {}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "1"}),
                        (64, "none", {"GGML_SCHED_PP_OVERLAP": "2"}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "2"})),
@@ -95,6 +104,7 @@ def correctness(model: str, devices: str, out: Path,
 
 PP4096 = [["pp", 4096]]
 PP16K = [["pp", 16384]]
+PP512 = [["pp", 512]]
 # Blocks of configs that share one loaded model per variant (bench.ab groups them); in priority order, each
 # skipped when the budget left is below its estimate (seconds, both variants, model loads included; measured
 # on 2xH200 on 2026-11-30 before patch 0011, so with the re-reservations: faster runs will take less).
@@ -103,7 +113,7 @@ ONE_GPU = {"name": "one-gpu", "devices": "cuda:0", "est": 90, "configs": [(4096,
 ONE_H200_AS_TWO = {"name": "one-h200-as-two", "devices": "cuda", "est": 85,
                    "env": {"CUDA_VISIBLE_DEVICES": "0", "GGML_CUDA_DEVICES": "2"}, "configs": [(4096, 512, PP4096)]}
 SKEWED = {"name": "skewed", "model": "skewed", "est": 180,
-          "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (512, 128, [["pp", 512]])]}
+          "configs": [(4096, 512, PP4096), (16384, 1024, PP16K), (512, 128, PP512)]}
 MMAP = {"name": "mmap", "load_mode": "mmap", "est": 250, "configs": [(4096, 512, PP4096)]}
 TG32 = [(4096, 512, [["tg", 32]])]
 DECODE = {"name": "decode", "est": 70, "reps": 6, "configs": TG32}
@@ -116,6 +126,7 @@ DECODE_DEPTH = [{"name": "decode-depth", "est": 75, "reps": 6, "configs": TG32_D
                  "configs": TG32_D2048},
                 {**DECODE_ONE_GPU, "name": "decode-depth-one-gpu", "est": 75, "configs": TG32_D2048}]
 OVERLAP2 = {"OVERLAP": 2}
+PREFETCH_ON = {**OVERLAP2, "PREFETCH": 1}   # patch 0029 needs OVERLAP=2
 SKEWED_LOW = [(4096, 512, PP4096), (4096, 256, PP4096)]   # 37% / 34% coverage
 DECODE_LONG = {"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]}   # tg128 @ d2048
 DECODE_LONG_ONE_GPU = {**DECODE_LONG, "name": "decode-long-one-gpu", "devices": "cuda:0", "est": 110}
@@ -161,7 +172,7 @@ SWEEPS = {
     # (run 12 has ub512/ub256 selective, DIRECT_FIRST=1 and =0), a small batch, one shared link, and a near-uniform
     # check (above the coverage bar: upload-all, unchanged); with PP_Q6=1 for the mixed workload
     "defaults": [{**SKEWED, "name": "skewed-defaults", "est": 150,
-                  "configs": [(4096, 512, PP4096), (4096, 256, PP4096), (512, 128, [["pp", 512]])]},
+                  "configs": [(4096, 512, PP4096), (4096, 256, PP4096), (512, 128, PP512)]},
                  {**SKEWED_ONE_LINK, "est": 90},
                  {**UNIFORM, "name": "uniform-defaults", "est": 95, "configs": [(4096, 512, PP4096)]}],
     # patch 0023 after run 13: DIRECT's default (auto) stays off on one shared link; the mixed workload's decode and
@@ -197,7 +208,7 @@ SWEEPS = {
                          {**MMAP, "est": 150, "reps": 1, "ext": OVERLAP2},
                          {**ONE_H200_AS_TWO, "est": 85, "ext": OVERLAP2},
                          {**SKEWED, "name": "skewed-small", "est": 45, "ext": OVERLAP2,
-                          "configs": [(512, 128, [["pp", 512]])]}],
+                          "configs": [(512, 128, PP512)]}],
     # patch 0027 (OVERLAP_POOL) on CUDA: OVERLAP=2's compute buffers should drop from 648.3 / 732.5 / 1670.1 MiB per
     # GPU (runs 16 and 18) to about the default's plus one expert copy (VDEVs with CUDA's padding: 484.8 at ub512,
     # 1118.1 at ub4096) at the same speed (1503.7 / 3159.8 / 9434.9 t/s); then unpooled at ub512 as the control
@@ -220,7 +231,7 @@ SWEEPS = {
     # GATHER where runs 12-13 had the selective copy or DIRECT: low coverage at ub1024 (DIRECT_MAX_TOKENS kept the
     # selective copy there: 3049.8 t/s, 37% of the bound) and a small batch (pp512 / ub128)
     "gather-more": [{**SKEWED, "name": "skewed-gather-more", "est": 110,
-                     "configs": [(16384, 1024, PP16K), (512, 128, [["pp", 512]])]}],
+                     "configs": [(16384, 1024, PP16K), (512, 128, PP512)]}],
     # after the review of the CUDA gather (one stream per GPU, no false return once queued): low coverage again,
     # patched only (run 22: 3162.8 t/s), and one H200 as two devices (one shared link, where DIRECT's auto rule
     # kept DIRECT off) at low coverage, both variants, then patched with GATHER=0
@@ -238,49 +249,37 @@ SWEEPS = {
     # leave compute beside them): low coverage against upstream, with OVERLAP=2, the grid as the same-call control
     # (runs 22/24: 3162.8 / 3166.5 t/s at ub512), and 8 / 32 blocks. PP_GATHER_PROBE=1 adds bench/gather_probe.cu.
     # Run 27: 16 blocks pay only with OVERLAP=2 (RESULTS 2h)
-    "gather-few": [{"name": "skewed-gather-few", "model": "skewed", "est": 60, "env": gather_blocks(16),
-                    "configs": SKEWED_LOW},
-                   {"name": "skewed-gather-few-overlap2", "model": "skewed", "est": 30, "ext": OVERLAP2,
-                    "env": gather_blocks(16), "variants": ["patched"], "configs": SKEWED_LOW},
-                   {"name": "skewed-gather-grid", "model": "skewed", "est": 30, "env": GRID_BLOCKS,
-                    "variants": ["patched"], "configs": SKEWED_LOW},
-                   {"name": "skewed-gather-8-blocks", "model": "skewed", "est": 30, "env": gather_blocks(8),
-                    "variants": ["patched"], "configs": SKEWED_LOW},
-                   {"name": "skewed-gather-32-blocks", "model": "skewed", "est": 30, "env": gather_blocks(32),
-                    "variants": ["patched"], "configs": SKEWED_LOW}],
+    "gather-few": [{"name": "skewed-gather-few", "model": "skewed", "est": 60, "env": FEW_BLOCKS, "configs": SKEWED_LOW},
+                   skewed_patched("skewed-gather-few-overlap2", 30, ext=OVERLAP2, env=FEW_BLOCKS),
+                   skewed_patched("skewed-gather-grid", 30, env=GRID_BLOCKS),
+                   skewed_patched("skewed-gather-8-blocks", 30, env=gather_blocks(8)),
+                   skewed_patched("skewed-gather-32-blocks", 30, env=gather_blocks(32))],
     # 16 blocks where runs 23-24 measured the grid: low coverage at ub1024 and pp512 / ub128, the A/B, then patched
     # with OVERLAP=2; and one H200 as two devices (one shared link), the A/B (run 28)
-    "gather-few-more": [{**SKEWED, "name": "skewed-gather-few-more", "est": 110, "env": gather_blocks(16),
-                         "configs": [(16384, 1024, PP16K), (512, 128, [["pp", 512]])]},
-                        {"name": "skewed-gather-few-more-overlap2", "model": "skewed", "est": 60, "ext": OVERLAP2,
-                         "env": gather_blocks(16), "variants": ["patched"],
-                         "configs": [(16384, 1024, PP16K), (512, 128, [["pp", 512]])]},
+    "gather-few-more": [{**SKEWED, "name": "skewed-gather-few-more", "est": 110, "env": FEW_BLOCKS,
+                         "configs": [(16384, 1024, PP16K), (512, 128, PP512)]},
+                        skewed_patched("skewed-gather-few-more-overlap2", 60, [(16384, 1024, PP16K), (512, 128, PP512)],
+                                       ext=OVERLAP2, env=FEW_BLOCKS),
                         {**SKEWED_ONE_LINK, "name": "one-h200-as-two-skewed-gather-few", "est": 85,
-                         "env": {**SKEWED_ONE_LINK.get("env", {}), **gather_blocks(16)}}],
+                         "env": {**SKEWED_ONE_LINK.get("env", {}), **FEW_BLOCKS}}],
     # the final check of session 8's build on CUDA (the grid by default again): the tiny preset's correctness cases
     # run first; then low coverage at ub512, patched with the default and with 16 blocks + OVERLAP=2
-    "gather-final": [{"name": "skewed-gather-final", "model": "skewed", "est": 35, "variants": ["patched"],
-                      "configs": [(4096, 512, PP4096)]},
-                     {"name": "skewed-gather-final-few-overlap2", "model": "skewed", "est": 35, "ext": OVERLAP2,
-                      "env": gather_blocks(16), "variants": ["patched"], "configs": [(4096, 512, PP4096)]}],
+    "gather-final": [skewed_patched("skewed-gather-final", 35, [(4096, 512, PP4096)]),
+                     skewed_patched("skewed-gather-final-few-overlap2", 35, [(4096, 512, PP4096)], ext=OVERLAP2,
+                                    env=FEW_BLOCKS)],
     # patch 0029 (PREFETCH, opt-in, experimental): with OVERLAP=2 and 16-block gathers (run 27's best: 3314.1 /
     # 1929.1 t/s), the gate copies prefetched by the last used set a split early; low coverage at ub512 / ub256 and
     # ub1024, patched, then the same without PREFETCH as the same-call control. The correctness step checks it
-    "prefetch": [{"name": "skewed-prefetch", "model": "skewed", "est": 40, "ext": {**OVERLAP2, "PREFETCH": 1},
-                  "env": gather_blocks(16), "variants": ["patched"], "configs": SKEWED_LOW},
-                 {"name": "skewed-prefetch-control", "model": "skewed", "est": 40, "ext": OVERLAP2,
-                  "env": gather_blocks(16), "variants": ["patched"], "configs": SKEWED_LOW},
-                 {"name": "skewed-prefetch-ub1024", "model": "skewed", "est": 45, "ext": {**OVERLAP2, "PREFETCH": 1},
-                  "env": gather_blocks(16), "variants": ["patched"], "configs": [(16384, 1024, PP16K)]},
+    "prefetch": [skewed_patched("skewed-prefetch", 40, ext=PREFETCH_ON, env=FEW_BLOCKS),
+                 skewed_patched("skewed-prefetch-control", 40, ext=OVERLAP2, env=FEW_BLOCKS),
+                 skewed_patched("skewed-prefetch-ub1024", 45, [(16384, 1024, PP16K)], ext=PREFETCH_ON, env=FEW_BLOCKS),
                  # a small batch ("never below 0.97x"; upstream 522.9-563.7 t/s in runs 23 / 28) and the default
                  # settings at ub512 (counted gather bytes beside the estimate, where runs 22-29 had only it)
-                 {"name": "skewed-prefetch-small", "model": "skewed", "est": 35, "ext": {**OVERLAP2, "PREFETCH": 1},
-                  "env": gather_blocks(16), "variants": ["patched"], "configs": [(512, 128, [["pp", 512]])]},
-                 {"name": "skewed-defaults-counted", "model": "skewed", "est": 35, "variants": ["patched"],
-                  "configs": [(4096, 512, PP4096)]},
+                 skewed_patched("skewed-prefetch-small", 35, [(512, 128, PP512)], ext=PREFETCH_ON, env=FEW_BLOCKS),
+                 skewed_patched("skewed-defaults-counted", 35, [(4096, 512, PP4096)]),
                  # near-uniform (above the upload-all bar: no gathers, so no prefetches): unchanged from
                  # OVERLAP=2 pooled (run 21: 1579.3 t/s)
-                 {"name": "uniform-prefetch", "est": 45, "ext": {**OVERLAP2, "PREFETCH": 1}, "variants": ["patched"],
+                 {"name": "uniform-prefetch", "est": 45, "ext": PREFETCH_ON, "variants": ["patched"],
                   "configs": [(4096, 512, PP4096)]}],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
@@ -371,7 +370,7 @@ def main() -> int:
         # patch 0029 on the 30B preset: every gate but the first ubatch's prefetched, the rest gathered (grid), then
         # with 16-block gathers
         correctness_30b("correctness_prefetch", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "1"},
-                        gather_blocks(16))
+                        FEW_BLOCKS)
     if any(n.startswith("gather") for n in sweeps):
         # patch 0028: upload-all off, so every expert op but the one that measures coverage gathers (the tiny
         # preset's ub64 case above covers a few); then with OVERLAP=2's early gathers on the second stream

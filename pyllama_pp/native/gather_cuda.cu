@@ -92,9 +92,8 @@ int copy_blocks() {
     return n;
 }
 
-// modes of ggml_backend_pp_gather_t (enum ggml_backend_pp_gather_mode; plain ints here: the baseline's tree, which
-// builds this library, has no ggml-backend-pp.h)
-constexpr int kGatherUsed = 0, kGatherPrefetch = 1, kGatherRest = 2;
+using namespace pp_gather_abi;   // the modes of ggml_backend_pp_gather_t (gather_abi.h)
+
 constexpr size_t kMaxFlagSets   = 4096;   // per GPU and kind: weights x copies stay far below
 constexpr int    kPrefetchBlocks = 16;    // a prefetch runs beside compute: a few blocks (gather_cuda_kernels.cuh)
 
@@ -214,8 +213,8 @@ gather_stream * stream_for(int device, ggml_backend_dev_t dev) {
 extern "C" __attribute__((visibility("default")))
 bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const struct ggml_tensor * src,
                        const struct ggml_tensor * ids, int mode) {
-    const bool prefetch = mode == kGatherPrefetch;
-    if ((mode != kGatherUsed && mode != kGatherPrefetch && mode != kGatherRest) || (ids == nullptr) != prefetch ||
+    const bool prefetch = mode == kPrefetch;
+    if ((mode != kUsed && mode != kPrefetch && mode != kRest) || (ids == nullptr) != prefetch ||
         (ids != nullptr && (ids->data == nullptr || ids->type != GGML_TYPE_I32 || ids->ne[2] != 1 || ids->ne[3] != 1))) {
         return false;
     }
@@ -268,37 +267,29 @@ bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const s
             ready = pref != nullptr;
         } else {
             last = flag_set(g->last, src->data, g->stream);   // (none: the gather goes on without recording)
-            if (mode == kGatherRest) {
+            if (mode == kRest) {
                 auto it = g->pref.find(dst->data);
                 pref = it != g->pref.end() ? it->second : nullptr;   // (none: every used expert)
             }
         }
         if (ready) {
             ggml_backend_event_record(g->before, backend);
-        }
-        if (ready && cudaStreamWaitEvent(g->stream, (cudaEvent_t) g->before->context, 0) != cudaSuccess) {
-            (void) cudaGetLastError();
-        } else if (ready && prefetch) {
-            copy_flags<<<1, 1024, 0, g->stream>>>(pref, last, n_expert, src->nb[2], counted);
-            if (cudaGetLastError() == cudaSuccess) {
-                copy_used_few<<<kPrefetchBlocks, kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
-                                                                           src->nb[2], n_expert, pref);
-                queued = cudaGetLastError() == cudaSuccess;
-            }
-        } else if (ready) {
-            mark_rest<<<1, 1024, n_expert * sizeof(int), g->stream>>>((const char *) ids->data, ids->ne[0], ids->ne[1],
-                                                                       ids->nb[0], ids->nb[1], n_expert, pref, need, last,
-                                                                       src->nb[2], counted);
-            if (cudaGetLastError() == cudaSuccess) {
-                if (copy_blocks() > 0) {
-                    copy_used_few<<<copy_blocks(), kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
-                                                                             src->nb[2], n_expert, need);
+            if (cudaStreamWaitEvent(g->stream, (cudaEvent_t) g->before->context, 0) == cudaSuccess) {
+                // the flags (a prefetch: its set; a gather: the used experts it still needs), then the copy
+                if (prefetch) {
+                    copy_flags<<<1, 1024, 0, g->stream>>>(pref, last, n_expert, src->nb[2], counted);
                 } else {
-                    copy_used<<<dim3(kBlocksPerExpert, n_expert), kThreads, 0, g->stream>>>((char *) dst->data, (const char *) src->data,
-                                                                                            src->nb[2], n_expert, need);
+                    mark_rest<<<1, 1024, n_expert * sizeof(int), g->stream>>>((const char *) ids->data, ids->ne[0], ids->ne[1],
+                                                                               ids->nb[0], ids->nb[1], n_expert, pref, need, last,
+                                                                               src->nb[2], counted);
                 }
-                queued = cudaGetLastError() == cudaSuccess;
+                if (cudaGetLastError() == cudaSuccess) {
+                    launch_copy(prefetch ? kPrefetchBlocks : copy_blocks(), g->stream, (char *) dst->data,
+                                (const char *) src->data, src->nb[2], n_expert, prefetch ? pref : need);
+                    queued = cudaGetLastError() == cudaSuccess;
+                }
             }
+            (void) cudaGetLastError();
         }
     }
     if (queued) {

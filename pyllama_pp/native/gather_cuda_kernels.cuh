@@ -1,6 +1,8 @@
 // The kernels of pyllama_pp's CUDA gather (gather_cuda.cu), shared with its probe (bench/gather_probe.cu).
 #pragma once
 
+#include "gather_abi.h"
+
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -8,7 +10,7 @@
 
 namespace pp_gather {
 
-constexpr int kTail            = 512;   // GGML_BACKEND_PP_GATHER_TAIL: bytes after an expert that must be numbers
+using pp_gather_abi::kTail;
 constexpr int kMaxExperts      = 4096;  // flags in shared memory (16 KiB)
 constexpr int kThreads         = 256;
 constexpr int kBlocksPerExpert = 32;    // copy_used: enough loads in flight to fill a PCIe 5 link with a few experts
@@ -134,6 +136,17 @@ __global__ void copy_used_few(char * dst, const char * src, size_t expert, int n
             const size_t begin = (size_t) e * expert;
             copy_range(dst + begin, src + begin, expert_span(e, expert, n_expert), t0, stride);
         }
+    }
+}
+
+// queue the copy of the experts flagged in `used` on `stream`: `blocks` blocks in all (copy_used_few), or with 0 the
+// grid of kBlocksPerExpert blocks per expert (copy_used)
+inline void launch_copy(int blocks, cudaStream_t stream, char * dst, const char * src, size_t expert, int n_expert,
+                        const int * used) {
+    if (blocks > 0) {
+        copy_used_few<<<blocks, kThreads, 0, stream>>>(dst, src, expert, n_expert, used);
+    } else {
+        copy_used<<<dim3(kBlocksPerExpert, n_expert), kThreads, 0, stream>>>(dst, src, expert, n_expert, used);
     }
 }
 

@@ -10,6 +10,7 @@
 //   * compute: the CPU backend (found through the registry, never linked) runs a deep copy of
 //     the submitted graph on the worker thread; a compute factor slows it down.
 #include "vdev.h"
+#include "gather_abi.h"
 
 #include "ggml-backend-impl.h"
 
@@ -40,6 +41,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #define PP_VDEV_EXPORT extern "C" __attribute__((visibility("default")))
@@ -1236,16 +1238,15 @@ ggml_backend_dev_t vdev_reg_get_device(ggml_backend_reg_t reg, size_t index) {
 // expert of the host tensor `src` into `dst`, plus the first min(nb[2], 512) bytes of the expert after it
 // (GGML_BACKEND_PP_GATHER_TAIL: what the selective copy leaves there) - charged to the link at its full rate, as
 // a copy engine moves it (CUDA's gather kernel reads host memory itself; measure it there).
-// Modes (ggml_backend_pp_gather_mode; plain ints: the baseline's tree has no such header): 0 USED; 1 PREFETCH
-// (no ids: the experts `src` used at its last gather on this device, into `dst`, remembered for `dst`); 2 REST
-// (USED less what the last prefetch into `dst` brought). Every gather with ids records the set it used for `src`.
-constexpr int kGatherUsed = 0, kGatherPrefetch = 1, kGatherRest = 2;
+// Modes (gather_abi.h): USED; PREFETCH (no ids: the experts `src` used at its last gather on this device, into
+// `dst`, remembered for `dst`); REST (USED less what the last prefetch into `dst` brought). Every gather with ids
+// records the set it used for `src`.
 
 struct vdev_gather_state {   // per device; written on the queues in their order, read there (prefetch, rest)
     std::mutex                                              mtx;
     std::unordered_map<const void *, std::vector<bool>>     last;   // src data -> experts its last gather used
     std::unordered_map<const void *, std::vector<bool>>     pref;   // dst data -> experts the last prefetch brought
-    std::unordered_map<const void *, bool>                  known;  // host side: src data with a gather queued
+    std::unordered_set<const void *>                        known;  // host side: src data with a gather queued
 };
 vdev_gather_state g_gather_state[PP_VDEV_MAX];
 constexpr size_t kMaxGatherSets = 16384;   // per device: weights and copies of the models loaded so far
@@ -1262,7 +1263,7 @@ void gather_runs(vdev_device * d, char * out, const char * in, size_t expert, in
         while (last + 1 < n_expert && sel[(size_t) last + 1]) {
             last++;
         }
-        const size_t tail = last < n_expert - 1 ? std::min<size_t>(expert, 512) : 0;
+        const size_t tail = last < n_expert - 1 ? std::min<size_t>(expert, pp_gather_abi::kTail) : 0;
         runs.emplace_back((size_t) e * expert, (size_t) (last - e + 1) * expert + tail);
         total += runs.back().second;
         e = last;
@@ -1275,9 +1276,10 @@ void gather_runs(vdev_device * d, char * out, const char * in, size_t expert, in
 }
 
 bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor * src, const ggml_tensor * ids, int mode) {
-    const bool prefetch = mode == kGatherPrefetch;
+    using namespace pp_gather_abi;
+    const bool prefetch = mode == kPrefetch;
     if (!backend_is_vdev(backend) || dst == nullptr || src == nullptr || (ids == nullptr) != prefetch ||
-        (mode != kGatherUsed && mode != kGatherPrefetch && mode != kGatherRest) ||
+        (mode != kUsed && mode != kPrefetch && mode != kRest) ||
         (ids != nullptr && (ids->type != GGML_TYPE_I32 || ids->data == nullptr || !buffer_is_vdev(tensor_buffer(ids)))) ||
         dst->data == nullptr || src->data == nullptr || !ggml_is_contiguous(src) ||
         !ggml_is_contiguous(dst) || ggml_nbytes(dst) != ggml_nbytes(src) ||
@@ -1305,7 +1307,7 @@ bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor
                 return false;
             }
         }
-        st.known[src->data] = true;
+        st.known.insert(src->data);
     }
     char *         out      = (char *) dst->data;
     const char *   in       = (const char *) src->data;
@@ -1322,12 +1324,11 @@ bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor
             sel = it != st.last.end() && (int64_t) it->second.size() == n_expert ? it->second : std::vector<bool>((size_t) n_expert, false);
             st.pref[out] = sel;
         } else {
-            const std::vector<bool> used = used_experts(id_data, n_col, n_row, nb0, nb1, n_expert);
-            sel = used;
+            sel = used_experts(id_data, n_col, n_row, nb0, nb1, n_expert);
             std::lock_guard<std::mutex> lk(st.mtx);
-            st.last[in] = used;
+            st.last[in] = sel;
             auto it = st.pref.find(out);
-            if (mode == kGatherRest && it != st.pref.end() && (int64_t) it->second.size() == n_expert) {
+            if (mode == kRest && it != st.pref.end() && (int64_t) it->second.size() == n_expert) {
                 for (int64_t e = 0; e < n_expert; e++) {
                     sel[(size_t) e] = sel[(size_t) e] && !it->second[(size_t) e];
                 }
