@@ -23,6 +23,8 @@ from typing import Optional
 
 import numpy as np
 
+import gather_timeline   # bench/gather_timeline.py (this script's folder is on sys.path)
+
 from pyllama_pp import bench, synth
 from pyllama_pp.errors import PyllamaError
 from pyllama_pp.worker import run_job
@@ -61,11 +63,12 @@ def skewed_patched(name: str, est: int, configs=None, **block) -> dict:
 
 def correctness(model: str, devices: str, out: Path,
                 cases=((64, "none", {}), (512, "none", {}), (512, "mmap", {}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "1"}),
-                       (64, "none", {"GGML_SCHED_PP_OVERLAP": "2"}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "2"})),
+                       (64, "none", {"GGML_SCHED_PP_OVERLAP": "2"}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "2"}),
+                       (64, "none", {"GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "1", "GGML_SCHED_PP_UPLOAD_ALL": "0"})),
                 n_tokens: int = 512, all_on_gpu: bool = True, timeout: float = 300) -> list[dict]:
     """(n_ubatch, load mode, patched build's environment) cases; mmap: host weights in pageable memory (the
     patched build stages them); OVERLAP=1: the opt-in upload ring of patch 0019; OVERLAP=2: patch 0024's early
-    uploads inside the compute buffer. `timeout`: seconds a worker may take (a hang costs no more)."""
+    uploads inside the compute buffer; PREFETCH (0029) with upload-all off, so that every expert op gathers. `timeout`: seconds a worker may take (a hang costs no more)."""
     rows = []
     refs: dict = {}   # baseline and all-on-GPU logits per (name, n_ubatch, load mode): the cases share them
 
@@ -281,6 +284,22 @@ SWEEPS = {
                  # OVERLAP=2 pooled (run 21: 1579.3 t/s)
                  {"name": "uniform-prefetch", "est": 45, "ext": PREFETCH_ON, "variants": ["patched"],
                   "configs": [(4096, 512, PP4096)]}],
+    # where the link waits at low coverage (run 30: PREFETCH 86.8% / 86.6% of the fill bound at ub512 / ub256, 80.5%
+    # at ub1024): the CUDA gather's timeline ("timeline": PYLLAMA_PP_GATHER_TIMELINE, bench/gather_timeline.py) at
+    # ub1024 with and without PREFETCH and at ub512; what compute alone allows at ub1024; 32 blocks and the grid
+    # for the gathers with ids at ub1024 (the prefetch keeps its 16)
+    "timeline": [{**skewed_patched("skewed-prefetch-ub1024-tl", 90, [(16384, 1024, PP16K)], ext=PREFETCH_ON,
+                                   env=FEW_BLOCKS, timeline=True), "variants": bench.VARIANTS},   # (with upstream)
+                 skewed_patched("skewed-overlap2-ub1024-tl", 45, [(16384, 1024, PP16K)], ext=OVERLAP2, env=FEW_BLOCKS,
+                                timeline=True),
+                 {**skewed_patched("skewed-prefetch-ub512-tl", 60, [(4096, 512, PP4096)], ext=PREFETCH_ON,
+                                   env=FEW_BLOCKS, timeline=True), "variants": bench.VARIANTS},
+                 {"name": "all-on-gpu-skewed-ub1024", "model": "skewed", "host_experts": "none", "variants": ["baseline"],
+                  "est": 45, "configs": [(16384, 1024, PP16K)]},
+                 skewed_patched("skewed-prefetch-ub1024-32", 45, [(16384, 1024, PP16K)], ext=PREFETCH_ON,
+                                env=gather_blocks(32)),
+                 skewed_patched("skewed-prefetch-ub1024-grid", 45, [(16384, 1024, PP16K)], ext=PREFETCH_ON,
+                                env=GRID_BLOCKS)],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],
@@ -396,12 +415,17 @@ def main() -> int:
                 log(f"skip {block['name']}: {left(args.budget):.0f} s left, needs ~{block['est']}")
                 continue
             devices = block.get("devices", args.devices)
+            env = dict(block.get("env", {}))
+            timeline = args.out / "timeline" / block["name"]
+            if block.get("timeline"):   # the CUDA gather's timeline, one file per worker (bench/gather_timeline.py)
+                timeline.parent.mkdir(parents=True, exist_ok=True)
+                env["PYLLAMA_PP_GATHER_TIMELINE"] = str(timeline)
             shared = block.get("env", {}).get("GGML_CUDA_DEVICES") is not None   # one GPU split in two: one link
             cfgs = [bench.BenchConfig(model=str(model), devices=devices, n_batch=nb,
                                       n_ubatch=ub, tests=tests, reps=block.get("reps", args.reps),
                                       host_experts=block.get("host_experts", "all"),
                                       tensor_split=block.get("tensor_split"),
-                                      load_mode=block.get("load_mode", "none"), env=block.get("env", {}),
+                                      load_mode=block.get("load_mode", "none"), env=env,
                                       ext_params=block.get("ext", {}), label=f"{block['name']} b{nb} ub{ub}",
                                       # one entry per device at most (rows cut the list to their devices)
                                       link_gbps=[args.link_gbps] * 16 if devices.startswith("cuda") else None,
@@ -413,6 +437,11 @@ def main() -> int:
                           # blocks after it their time)
                           progress=False, timeout=max(60, min(left(args.budget) - 10, 3 * block["est"])))
             log(f"{block['name']}: {time.time() - t:.0f} s (estimated {block['est']})\n{bench.markdown(df)}")
+            files = sorted(timeline.parent.glob(timeline.name + ".*.csv")) if block.get("timeline") else []
+            if files:
+                tl = gather_timeline.summarize(gather_timeline.read(files))
+                (args.out / "timeline" / f"{block['name']}.json").write_text(json.dumps(tl, indent=1))
+                log(f"{block['name']}: the gather timeline\n{gather_timeline.markdown(tl)}")
             summary["steps"].setdefault("sweeps", []).append(json.loads(df.to_json(orient="records")))
             save()
     md = args.out / "ab" / "results.jsonl"

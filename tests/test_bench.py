@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -283,3 +284,48 @@ def test_mixed_workload_without_a_prompt(tiny_model):
     cfg = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32)
     df = bench.mixed_workload(cfg, variants=["baseline"], rounds=2, workload=[["tg", 3]], timeout=120)
     assert list(df["test"]) == ["r1 tg3", "r2 tg3"] and (df["avg_ts"] > 0).all(), df
+
+
+def _gather_timeline():
+    """bench/gather_timeline.py (a script, not part of the package)."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "bench" / "gather_timeline.py"
+    spec = importlib.util.spec_from_file_location("gather_timeline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gather_timeline_puts_each_idle_gap_on_the_gather_that_ends_it(tmp_path, capsys):
+    gt = _gather_timeline()
+    ms = 1_000_000
+    T = 1000 * ms   # (the GPU's timer: never 0)
+    # GPU 0: prefetch 0-2 ms, rest 3-4 (1 ms idle before it), up 4-6, down 6-8; then 100 ms of nothing and a
+    # second run: up 108-110, down 111-113 (1 ms idle). GPU 1: one run, never idle. A gather that never ran (t0 0)
+    # is left out.
+    lines = ["gpu,seq,mode,weight,t0_ns,t1_ns,bytes",
+             f"0,0,1,blk.0.ffn_gate_exps.weight,{T + 0 * ms},{T + 2 * ms},100",
+             f"0,1,2,blk.0.ffn_gate_exps.weight,{T + 3 * ms},{T + 4 * ms},50",
+             f"0,2,0,blk.0.ffn_up_exps.weight,{T + 4 * ms},{T + 6 * ms},100",
+             f"0,3,0,blk.0.ffn_down_exps.weight,{T + 6 * ms},{T + 8 * ms},100",
+             f"0,4,0,blk.1.ffn_up_exps.weight,{T + 108 * ms},{T + 110 * ms},100",
+             f"0,5,0,blk.1.ffn_down_exps.weight,{T + 111 * ms},{T + 113 * ms},100",
+             "0,6,0,blk.1.ffn_gate_exps.weight,0,0,0",
+             f"1,0,0,blk.2.ffn_up_exps.weight,{T + 5 * ms},{T + 7 * ms},300"]
+    f = tmp_path / "tl.123.csv"
+    f.write_text("\n".join(lines) + "\n")
+    s = gt.summarize(gt.read([f]), split_ms=20, min_gathers=1)
+    assert [(x["gpu"], x["burst"], x["gathers"]) for x in s] == [(0, 0, 4), (0, 1, 2), (1, 0, 1)]
+    first = s[0]
+    assert first["span_ms"] == pytest.approx(8) and first["busy_ms"] == pytest.approx(7)
+    assert first["idle_ms"] == pytest.approx(1) and first["busy_frac"] == pytest.approx(7 / 8)
+    assert first["kinds"]["rest:gate"]["gap_before_ms"] == pytest.approx(1)
+    assert first["kinds"]["prefetch:gate"]["gap_before_ms"] == 0 and first["kinds"]["used:up"]["gap_before_ms"] == 0
+    assert first["kinds"]["rest:gate"]["gbps"] == pytest.approx(50 / 1e6)
+    assert s[1]["kinds"]["used:down"]["gap_before_ms"] == pytest.approx(1)
+    assert s[2]["busy_frac"] == pytest.approx(1.0) and s[2]["bytes"] == 300
+    assert gt.main([str(f), "--min-gathers", "3"]) == 0
+    table = capsys.readouterr().out
+    assert "rest:gate 1.0 (1" in table and "| 1 |" not in table   # (GPU 1's single gather is below 3)
+    assert gt.main([str(tmp_path / "missing.csv")]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -27,7 +27,9 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <unistd.h>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -51,8 +53,16 @@ struct gather_stream {
     // the device (kMaxCounted slots; pp_gather_cuda_counted reads them)
     unsigned long long * counted_host = nullptr;
     unsigned long long * counted_dev  = nullptr;
+    // PYLLAMA_PP_GATHER_TIMELINE: a ring of kTimeline records in mapped host memory (the kernels write them), with
+    // each record's mode and weight on the host; nullptr: not recorded
+    struct record { unsigned long long t0, t1, bytes; };
+    record *                 tl_host = nullptr;
+    record *                 tl_dev  = nullptr;
+    std::vector<int>         tl_mode, tl_weight;
+    size_t                   tl_n    = 0;
 };
-constexpr int kMaxCounted = 64;
+constexpr int    kMaxCounted = 64;
+constexpr size_t kTimeline   = 1 << 16;
 
 std::mutex                               g_mutex;
 std::unordered_map<int, gather_stream *> g_streams;  // CUDA device -> its stream
@@ -90,6 +100,52 @@ int copy_blocks() {
         return x > 0 && x <= 1024 ? x : 0;
     }();
     return n;
+}
+
+// PYLLAMA_PP_GATHER_TIMELINE=PREFIX (a diagnosis, off by default): each gather's start and end on its GPU's
+// stream (the device's global timer, ns) and bytes, written at exit to PREFIX.<pid>.csv; bench/gather_timeline.py
+// reads it (where the link waits, and for what)
+const char * timeline_prefix() {
+    static const char * p = [] {
+        const char * v = getenv("PYLLAMA_PP_GATHER_TIMELINE");
+        return v != nullptr && *v != '\0' ? v : nullptr;
+    }();
+    return p;
+}
+
+std::vector<std::string>                 g_weight_names;   // under g_mutex
+std::unordered_map<const void *, int>    g_weight_ids;
+
+int weight_id(const ggml_tensor * src) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_weight_ids.find(src->data);
+    if (it != g_weight_ids.end()) {
+        return it->second;
+    }
+    g_weight_names.emplace_back(src->name);
+    return g_weight_ids[src->data] = (int) g_weight_names.size() - 1;
+}
+
+void write_timeline();
+
+// the timeline ring of g (mapped host memory), set up with g; registered for writing at exit after CUDA's own
+// exit handler (so it runs first)
+void timeline_setup(gather_stream * g) {
+    void * dev_ptr = nullptr;
+    if (cudaHostAlloc((void **) &g->tl_host, kTimeline * sizeof(gather_stream::record), cudaHostAllocMapped) != cudaSuccess ||
+        cudaHostGetDevicePointer(&dev_ptr, g->tl_host, 0) != cudaSuccess) {
+        (void) cudaGetLastError();
+        if (g->tl_host != nullptr) { cudaFreeHost(g->tl_host); }
+        g->tl_host = nullptr;
+        fprintf(stderr, "pyllama_pp: PYLLAMA_PP_GATHER_TIMELINE: no mapped host memory for the timeline; not recorded\n");
+        return;
+    }
+    memset(g->tl_host, 0, kTimeline * sizeof(gather_stream::record));
+    g->tl_dev = (gather_stream::record *) dev_ptr;
+    g->tl_mode.assign(kTimeline, -1);
+    g->tl_weight.assign(kTimeline, -1);
+    static std::once_flag once;
+    std::call_once(once, [] { atexit(write_timeline); });
 }
 
 using namespace pp_gather_abi;   // the modes of ggml_backend_pp_gather_t (gather_abi.h)
@@ -186,6 +242,9 @@ gather_stream * stream_for(int device, ggml_backend_dev_t dev) {
             memset(g->counted_host, 0, kMaxCounted * sizeof(unsigned long long));
             g->counted_dev = (unsigned long long *) dev_ptr;
         }
+        if (timeline_prefix() != nullptr) {
+            timeline_setup(g);
+        }
         g->before = ggml_backend_event_new(dev);   // (leaves the current device at dev's physical GPU)
         g->after  = ggml_backend_event_new(dev);
         ok = g->before != nullptr && g->after != nullptr && cudaGetDevice(&current) == cudaSuccess && current == device;
@@ -196,6 +255,7 @@ gather_stream * stream_for(int device, ggml_backend_dev_t dev) {
         if (g->after  != nullptr) { ggml_backend_event_free(g->after);  g->after  = nullptr; }
         if (g->used   != nullptr) { cudaFree(g->used);                  g->used   = nullptr; }
         if (g->counted_host != nullptr) { cudaFreeHost(g->counted_host); g->counted_host = nullptr; g->counted_dev = nullptr; }
+        if (g->tl_host != nullptr) { cudaFreeHost(g->tl_host); g->tl_host = nullptr; g->tl_dev = nullptr; }
         if (g->stream != nullptr) { cudaStreamDestroy(g->stream);       g->stream = nullptr; }
         (void) cudaGetLastError();
         return nullptr;
@@ -252,7 +312,8 @@ bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const s
         }
         return false;
     }
-    unsigned long long * counted = counted_for(g, dev);   // (before g->mutex: counted_for takes g_mutex)
+    unsigned long long * counted = counted_for(g, dev);   // (before g->mutex: counted_for and weight_id take g_mutex)
+    const int weight = g->tl_dev != nullptr ? weight_id(src) : -1;
     std::lock_guard<std::mutex> lock(g->mutex);
     bool queued = false;
     const int n_expert = (int) src->ne[2];
@@ -275,17 +336,31 @@ bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const s
         if (ready) {
             ggml_backend_event_record(g->before, backend);
             if (cudaStreamWaitEvent(g->stream, (cudaEvent_t) g->before->context, 0) == cudaSuccess) {
+                gather_stream::record * rec = nullptr;   // (the timeline's; where recorded)
+                if (g->tl_dev != nullptr) {
+                    const size_t i = g->tl_n++ % kTimeline;
+                    g->tl_host[i] = {0, 0, 0};
+                    g->tl_mode[i]   = mode;
+                    g->tl_weight[i] = weight;
+                    rec = g->tl_dev + i;
+                    stamp<<<1, 1, 0, g->stream>>>(&rec->t0);
+                }
                 // the flags (a prefetch: its set; a gather: the used experts it still needs), then the copy
                 if (prefetch) {
-                    copy_flags<<<1, 1024, 0, g->stream>>>(pref, last, n_expert, src->nb[2], counted);
+                    copy_flags<<<1, 1024, 0, g->stream>>>(pref, last, n_expert, src->nb[2], counted,
+                                                          rec != nullptr ? &rec->bytes : nullptr);
                 } else {
                     mark_rest<<<1, 1024, n_expert * sizeof(int), g->stream>>>((const char *) ids->data, ids->ne[0], ids->ne[1],
                                                                                ids->nb[0], ids->nb[1], n_expert, pref, need, last,
-                                                                               src->nb[2], counted);
+                                                                               src->nb[2], counted,
+                                                                               rec != nullptr ? &rec->bytes : nullptr);
                 }
                 if (cudaGetLastError() == cudaSuccess) {
                     launch_copy(prefetch ? kPrefetchBlocks : copy_blocks(), g->stream, (char *) dst->data,
                                 (const char *) src->data, src->nb[2], n_expert, prefetch ? pref : need);
+                    if (rec != nullptr) {
+                        stamp<<<1, 1, 0, g->stream>>>(&rec->t1);
+                    }
                     queued = cudaGetLastError() == cudaSuccess;
                 }
             }
@@ -318,3 +393,38 @@ long long pp_gather_cuda_counted(const char * dev_name) {
     auto it = g_counted.find(dev_name);
     return it != g_counted.end() ? (long long) *(volatile unsigned long long *) it->second : -1;
 }
+
+namespace {
+
+// at exit (PYLLAMA_PP_GATHER_TIMELINE=PREFIX): every recorded gather, oldest first, to PREFIX.<pid>.csv - its GPU,
+// order, mode (gather_abi.h), weight, start and end (ns, the GPU's global timer; 0: not reached) and bytes read
+void write_timeline() {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const std::string path = std::string(timeline_prefix()) + "." + std::to_string(getpid()) + ".csv";
+    FILE * f = fopen(path.c_str(), "w");
+    if (f == nullptr) {
+        fprintf(stderr, "pyllama_pp: PYLLAMA_PP_GATHER_TIMELINE: cannot write %s\n", path.c_str());
+        return;
+    }
+    fprintf(f, "gpu,seq,mode,weight,t0_ns,t1_ns,bytes\n");
+    for (const auto & [device, g] : g_streams) {
+        if (g->tl_host == nullptr) {
+            continue;
+        }
+        std::lock_guard<std::mutex> glock(g->mutex);
+        if (cudaSetDevice(device) != cudaSuccess || cudaStreamSynchronize(g->stream) != cudaSuccess) {
+            (void) cudaGetLastError();   // (what the kernels wrote so far is written)
+        }
+        const size_t first = g->tl_n > kTimeline ? g->tl_n - kTimeline : 0;
+        for (size_t n = first; n < g->tl_n; n++) {
+            const size_t i = n % kTimeline;
+            const volatile gather_stream::record & r = g->tl_host[i];
+            const int w = g->tl_weight[i];
+            fprintf(f, "%d,%zu,%d,%s,%llu,%llu,%llu\n", device, n, g->tl_mode[i],
+                    w >= 0 && w < (int) g_weight_names.size() ? g_weight_names[w].c_str() : "?", r.t0, r.t1, r.bytes);
+        }
+    }
+    fclose(f);
+}
+
+}  // namespace

@@ -40,23 +40,38 @@ __device__ inline size_t expert_span(int e, size_t expert, int n_expert) {
 }
 
 // one thread: add the bytes the copy of the experts flagged in `sel` reads over the link to *counted (host memory
-// mapped into the device, read by the host once the copies are done; if `counted`)
-__device__ inline void count_bytes(unsigned long long * counted, const int * sel, size_t expert, int n_expert) {
-    if (counted == nullptr) {
+// mapped into the device, read by the host once the copies are done; if `counted`), and store them in *rec (the
+// gather's timeline record, PYLLAMA_PP_GATHER_TIMELINE; if `rec`)
+__device__ inline void count_bytes(unsigned long long * counted, unsigned long long * rec, const int * sel, size_t expert,
+                                   int n_expert) {
+    if (counted == nullptr && rec == nullptr) {
         return;
     }
     unsigned long long sum = 0;
     for (int i = 0; i < n_expert; i++) {
         sum += sel[i] ? (unsigned long long) expert_span(i, expert, n_expert) : 0ull;
     }
-    *(volatile unsigned long long *) counted += sum;   // (one stream per GPU: its kernels never overlap)
+    if (counted != nullptr) {
+        *(volatile unsigned long long *) counted += sum;   // (one stream per GPU: its kernels never overlap)
+    }
+    if (rec != nullptr) {
+        *(volatile unsigned long long *) rec = sum;
+    }
+}
+
+// one thread: *at = the device's global timer (ns), where the stream reaches it (PYLLAMA_PP_GATHER_TIMELINE)
+__global__ void stamp(unsigned long long * at) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    *(volatile unsigned long long *) at = t;
 }
 
 // one block, for every gather with ids: with the flags of the experts the int32 ids name, need[i] = flag and not
 // pref[i] (without `pref`: the flag; with it, the experts a prefetch did not bring) and last[i] = flag (the weight's
 // last used set, for the next prefetch; if `last`)
 __global__ void mark_rest(const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1, int n_expert,
-                          const int * pref, int * need, int * last, size_t expert, unsigned long long * counted) {
+                          const int * pref, int * need, int * last, size_t expert, unsigned long long * counted,
+                          unsigned long long * rec) {
     extern __shared__ int flags[];
     mark_flags(flags, ids, n_col, n_row, nb0, nb1, n_expert);
     for (int i = threadIdx.x; i < n_expert; i += blockDim.x) {
@@ -67,18 +82,19 @@ __global__ void mark_rest(const char * ids, int64_t n_col, int64_t n_row, size_t
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        count_bytes(counted, need, expert, n_expert);
+        count_bytes(counted, rec, need, expert, n_expert);
     }
 }
 
 // a prefetch (one block): pref = last (the set it copies, kept for the rest after it)
-__global__ void copy_flags(int * dst, const int * src, int n, size_t expert, unsigned long long * counted) {
+__global__ void copy_flags(int * dst, const int * src, int n, size_t expert, unsigned long long * counted,
+                           unsigned long long * rec) {
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         dst[i] = src[i];
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        count_bytes(counted, dst, expert, n);
+        count_bytes(counted, rec, dst, expert, n);
     }
 }
 

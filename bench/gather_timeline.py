@@ -1,0 +1,120 @@
+"""Where the link waits: the CUDA gather's timeline (PYLLAMA_PP_GATHER_TIMELINE=PREFIX, gather_cuda.cu).
+
+With that variable set, pyllama_pp's CUDA gather library stamps each gather's start and end on its GPU's gather
+stream (the device's global timer) and the bytes it read, and writes them at exit to PREFIX.<pid>.csv. One stream
+per GPU carries every gather, so the gaps between one gather's end and the next one's start are the time the link
+sat idle - and the gather that ends a gap says what it waited for:
+
+- `rest:gate` / `used:gate`: a layer's first expert op, which waits for the router computed just before it;
+- `used:up` / `used:down`: OVERLAP=2's early gathers (ids known), placed one split early;
+- `prefetch:gate`: PREFETCH's copy of the gate's last used experts, a split early.
+
+A run is a burst of gathers: a gap longer than --split-ms starts a new one (the bench's warm-up and repetitions).
+
+    python bench/gather_timeline.py out/timeline/skewed-prefetch-ub1024.*.csv [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import sys
+from pathlib import Path
+
+MODES = {0: "used", 1: "prefetch", 2: "rest"}   # gather_abi.h
+
+
+def weight_kind(name: str) -> str:
+    m = re.search(r"ffn_(gate|up|down)", name)
+    return m.group(1) if m else "other"
+
+
+def read(paths) -> list[dict]:
+    rows = []
+    for p in paths:
+        with open(p, newline="") as f:
+            for r in csv.DictReader(f):
+                rows.append({"gpu": int(r["gpu"]), "seq": int(r["seq"]),
+                             "kind": f"{MODES.get(int(r['mode']), r['mode'])}:{weight_kind(r['weight'])}",
+                             "t0": int(r["t0_ns"]), "t1": int(r["t1_ns"]), "bytes": int(r["bytes"]), "file": str(p)})
+    return rows
+
+
+def bursts(recs: list[dict], split_ns: float) -> list[list[dict]]:
+    """One GPU's completed gathers (in stream order) cut where the link idled longer than split_ns."""
+    out: list[list[dict]] = []
+    for r in recs:
+        if out and r["t0"] - out[-1][-1]["t1"] <= split_ns:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
+
+
+def summarize_burst(b: list[dict]) -> dict:
+    span = b[-1]["t1"] - b[0]["t0"]
+    busy = sum(r["t1"] - r["t0"] for r in b)
+    kinds: dict = {}
+    for i, r in enumerate(b):
+        k = kinds.setdefault(r["kind"], {"count": 0, "busy_ms": 0.0, "gap_before_ms": 0.0, "bytes": 0})
+        k["count"] += 1
+        k["busy_ms"] += (r["t1"] - r["t0"]) / 1e6
+        k["bytes"] += r["bytes"]
+        if i > 0:
+            k["gap_before_ms"] += max(0, r["t0"] - b[i - 1]["t1"]) / 1e6
+    for k in kinds.values():
+        k["gbps"] = k["bytes"] / (k["busy_ms"] * 1e6) if k["busy_ms"] > 0 else None
+    total = sum(r["bytes"] for r in b)
+    return {"gathers": len(b), "span_ms": span / 1e6, "busy_ms": busy / 1e6, "idle_ms": (span - busy) / 1e6,
+            "busy_frac": busy / span if span > 0 else None, "bytes": total,
+            "gbps_busy": total / busy if busy > 0 else None, "kinds": kinds}
+
+
+def summarize(rows: list[dict], split_ms: float = 20.0, min_gathers: int = 50) -> list[dict]:
+    """Per file and GPU, per burst of at least min_gathers completed gathers: link busy / idle time, and the idle
+    time before each kind of gather."""
+    out = []
+    for key in sorted({(r["file"], r["gpu"]) for r in rows}):
+        recs = sorted((r for r in rows if (r["file"], r["gpu"]) == key and r["t0"] > 0 and r["t1"] >= r["t0"]),
+                      key=lambda r: r["seq"])
+        for i, b in enumerate(x for x in bursts(recs, split_ms * 1e6) if len(x) >= min_gathers):
+            out.append({"file": Path(key[0]).name, "gpu": key[1], "burst": i, **summarize_burst(b)})
+    return out
+
+
+def markdown(summary: list[dict]) -> str:
+    lines = ["| file | gpu | burst | gathers | span ms | link busy | GB/s busy | idle ms before: " +
+             "kind (count) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for s in summary:
+        gaps = ", ".join(f"{k} {v['gap_before_ms']:.1f} ({v['count']}, {v['gbps']:.1f} GB/s)" if v["gbps"] else
+                         f"{k} {v['gap_before_ms']:.1f} ({v['count']})" for k, v in sorted(s["kinds"].items()))
+        lines.append(f"| {s['file']} | {s['gpu']} | {s['burst']} | {s['gathers']} | {s['span_ms']:.1f} | "
+                     f"{s['busy_frac']:.1%} | {s['gbps_busy'] / 1e9 if s['gbps_busy'] else 0:.1f} | {gaps} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("--split-ms", type=float, default=20.0, help="an idle link longer than this starts a new run")
+    ap.add_argument("--min-gathers", type=int, default=50, help="runs with fewer gathers are left out")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    missing = [str(p) for p in a.files if not p.is_file()]
+    if missing:
+        print(f"gather_timeline: no such file: {', '.join(missing)} (PYLLAMA_PP_GATHER_TIMELINE=PREFIX writes "
+              "PREFIX.<pid>.csv at exit)", file=sys.stderr)
+        return 2
+    try:
+        s = summarize(read(a.files), a.split_ms, a.min_gathers)
+    except (KeyError, ValueError) as e:
+        print(f"gather_timeline: not a gather timeline ({e}); expected the columns gpu,seq,mode,weight,t0_ns,t1_ns,"
+              "bytes", file=sys.stderr)
+        return 2
+    print(json.dumps(s, indent=1) if a.json else markdown(s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
