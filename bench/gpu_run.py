@@ -128,8 +128,9 @@ DECODE_DEPTH = [{"name": "decode-depth", "est": 75, "reps": 6, "configs": TG32_D
                 {"name": "decode-depth-patched-first", "est": 75, "reps": 6, "variants": ["patched", "baseline"],
                  "configs": TG32_D2048},
                 {**DECODE_ONE_GPU, "name": "decode-depth-one-gpu", "est": 75, "configs": TG32_D2048}]
-OVERLAP2 = {"OVERLAP": 2}
-PREFETCH_ON = {**OVERLAP2, "PREFETCH": 1}   # patch 0029 needs OVERLAP=2
+OVERLAP2 = {"OVERLAP": 2, "PREFETCH": 0}   # OVERLAP=2 as runs 16-29 measured it (before PREFETCH, on since run 31)
+PREFETCH_ON = {**OVERLAP2, "PREFETCH": 1}   # patch 0029 acts with OVERLAP=2 only
+ONE_SWITCH = {"OVERLAP": 2}   # since run 31: with PREFETCH (default on) and 16-block gathers (BESIDE)
 SKEWED_LOW = [(4096, 512, PP4096), (4096, 256, PP4096)]   # 37% / 34% coverage
 DECODE_LONG = {"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]}   # tg128 @ d2048
 DECODE_LONG_ONE_GPU = {**DECODE_LONG, "name": "decode-long-one-gpu", "devices": "cuda:0", "est": 110}
@@ -284,22 +285,24 @@ SWEEPS = {
                  # OVERLAP=2 pooled (run 21: 1579.3 t/s)
                  {"name": "uniform-prefetch", "est": 45, "ext": PREFETCH_ON, "variants": ["patched"],
                   "configs": [(4096, 512, PP4096)]}],
-    # where the link waits at low coverage (run 30: PREFETCH 86.8% / 86.6% of the fill bound at ub512 / ub256, 80.5%
-    # at ub1024): the CUDA gather's timeline ("timeline": PYLLAMA_PP_GATHER_TIMELINE, bench/gather_timeline.py) at
-    # ub1024 with and without PREFETCH and at ub512; what compute alone allows at ub1024; 32 blocks and the grid
-    # for the gathers with ids at ub1024 (the prefetch keeps its 16)
-    "timeline": [{**skewed_patched("skewed-prefetch-ub1024-tl", 90, [(16384, 1024, PP16K)], ext=PREFETCH_ON,
-                                   env=FEW_BLOCKS, timeline=True), "variants": bench.VARIANTS},   # (with upstream)
-                 skewed_patched("skewed-overlap2-ub1024-tl", 45, [(16384, 1024, PP16K)], ext=OVERLAP2, env=FEW_BLOCKS,
-                                timeline=True),
-                 {**skewed_patched("skewed-prefetch-ub512-tl", 60, [(4096, 512, PP4096)], ext=PREFETCH_ON,
-                                   env=FEW_BLOCKS, timeline=True), "variants": bench.VARIANTS},
+    # OVERLAP=2 alone since run 31 brings PREFETCH (on by default, acting with OVERLAP=2 only) and 16-block gathers
+    # (the scheduler flags OVERLAP=2's gathers BESIDE): run 30's best rows with one switch - low coverage at ub1024
+    # against upstream, at ub512 against upstream, at ub256 - with the CUDA gather's timeline ("timeline":
+    # PYLLAMA_PP_GATHER_TIMELINE, bench/gather_timeline.py: where the link waits); the ub1024 control without
+    # PREFETCH; what compute alone allows at ub1024; the grid and 32 blocks for the gathers with ids at ub1024 (the
+    # prefetches keep 16); the default settings at ub512 (run 30: 3199.7 t/s)
+    "timeline": [{**skewed_patched("overlap2-ub1024-tl", 90, [(16384, 1024, PP16K)], ext=ONE_SWITCH, timeline=True),
+                  "variants": bench.VARIANTS},
+                 {**skewed_patched("overlap2-ub512-tl", 60, [(4096, 512, PP4096)], ext=ONE_SWITCH, timeline=True),
+                  "variants": bench.VARIANTS},
+                 skewed_patched("overlap2-ub256", 35, [(4096, 256, PP4096)], ext=ONE_SWITCH),
+                 skewed_patched("overlap2-no-prefetch-ub1024-tl", 45, [(16384, 1024, PP16K)], ext=OVERLAP2,
+                                env=FEW_BLOCKS, timeline=True),
                  {"name": "all-on-gpu-skewed-ub1024", "model": "skewed", "host_experts": "none", "variants": ["baseline"],
                   "est": 45, "configs": [(16384, 1024, PP16K)]},
-                 skewed_patched("skewed-prefetch-ub1024-32", 45, [(16384, 1024, PP16K)], ext=PREFETCH_ON,
-                                env=gather_blocks(32)),
-                 skewed_patched("skewed-prefetch-ub1024-grid", 45, [(16384, 1024, PP16K)], ext=PREFETCH_ON,
-                                env=GRID_BLOCKS)],
+                 skewed_patched("overlap2-ub1024-grid", 45, [(16384, 1024, PP16K)], ext=ONE_SWITCH, env=GRID_BLOCKS),
+                 skewed_patched("overlap2-ub1024-32", 45, [(16384, 1024, PP16K)], ext=ONE_SWITCH, env=gather_blocks(32)),
+                 skewed_patched("defaults-ub512", 35, [(4096, 512, PP4096)])],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],

@@ -492,7 +492,8 @@ def test_gather_with_overlap_goes_up_on_the_second_stream(runner, assert_logits_
     early); the first expert op of each layer gathers on the compute stream, after its ids. Same logits as the
     baseline on slow links and a slow second device; the same gathers as without OVERLAP, two thirds of them
     early."""
-    b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", 32, {"GGML_SCHED_PP_UPLOAD_ALL": 0, **OVERLAP_OFF},
+    b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", 32,
+                                  {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_PREFETCH": 0, **OVERLAP_OFF},
                                   {"GGML_SCHED_PP_OVERLAP": 2})
     assert_logits_match(on["logits"], b["logits"], "GATHER, OVERLAP=2")
     e_on, e_off = on["ext"], off["ext"]
@@ -500,11 +501,17 @@ def test_gather_with_overlap_goes_up_on_the_second_stream(runner, assert_logits_
     early = sum(x["overlap_uploads"] for x in e_on["backends"])
     assert 3 * early == 2 * e_on["gather"], (early, e_on["gather"])
     assert all(x["overlap_uploads"] == 0 for x in e_off["backends"])
+    # with OVERLAP=2 the scheduler flags every gather BESIDE (compute runs beside it: the CUDA gather then copies
+    # with a few blocks), without it none
+    dev = lambda r: {d["device"]: d for d in r["counters"]["devices"]}
+    for name, d in dev(on).items():
+        assert d["beside_gathers"] == d["gathers"] > 0 and dev(off)[name]["beside_gathers"] == 0 < dev(off)[name]["gathers"], (d, dev(off)[name])
+    assert sum(d["gathers"] for d in dev(on).values()) == e_on["gather"], (dev(on), e_on["gather"])
 
 
 @pytest.mark.parametrize("ub", [32, 128])
 def test_prefetch_brings_last_used_experts_a_split_early(runner, tiny_cfg, assert_logits_match, ub):
-    """PREFETCH (patch 0029, opt-in, with OVERLAP=2 and GATHER): a layer's first expert op (gate) cannot gather a
+    """PREFETCH (patch 0029, on by default, acting with OVERLAP=2 and GATHER): a layer's first expert op (gate) cannot gather a
     split early - its ids are computed in the split before - so its copy is placed early too and the device fills it
     on the second stream with the experts the same weight used at its last gather; the op's own split then gathers
     only the rest (ub128: not the gate that reads its ids back to measure the coverage, the graph's first expert op).
@@ -512,7 +519,7 @@ def test_prefetch_brings_last_used_experts_a_split_early(runner, tiny_cfg, asser
     prefetch); the same ops gathered, the prefetches on the second stream as well; no fewer bytes on any link than
     the plain gathers (each used expert still arrives), and less than the prefetches moved; the same compute
     buffers."""
-    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_OVERLAP": 2}
+    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_OVERLAP": 2, "GGML_SCHED_PP_PREFETCH": 0}
     b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, env, {"GGML_SCHED_PP_PREFETCH": 1})
     assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["PREFETCH"] == 1
     assert_logits_match(on["logits"], b["logits"], "PREFETCH, OVERLAP=2")

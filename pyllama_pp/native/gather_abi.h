@@ -8,6 +8,7 @@ namespace pp_gather_abi {
 constexpr int kUsed     = 0;   // GGML_BACKEND_PP_GATHER_USED: the experts the ids select (records the set used)
 constexpr int kPrefetch = 1;   // GGML_BACKEND_PP_GATHER_PREFETCH: no ids; the weight's last used set
 constexpr int kRest     = 2;   // GGML_BACKEND_PP_GATHER_REST: the used experts the last prefetch did not bring
+constexpr int kBeside   = 16;  // GGML_BACKEND_PP_GATHER_BESIDE, a flag: compute may run beside the copy (OVERLAP=2)
 constexpr int kTail     = 512; // GGML_BACKEND_PP_GATHER_TAIL: bytes after an expert that must be numbers
 
 }  // namespace pp_gather_abi

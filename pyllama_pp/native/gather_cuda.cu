@@ -91,15 +91,20 @@ unsigned long long * counted_for(gather_stream * g, ggml_backend_dev_t dev) {
     return g->counted_dev + used;
 }
 
-// the copy kernel's blocks: 0 (default) the grid of kBlocksPerExpert blocks per expert (copy_used);
-// PYLLAMA_PP_GATHER_BLOCKS=N, N blocks in all (copy_used_few; 16 pays with OVERLAP=2, gather_cuda_kernels.cuh)
-int copy_blocks() {
+constexpr int kBesideBlocks = 16;   // a gather with compute beside it (OVERLAP=2; run 27: +4.3% / +2.0% over the grid),
+                                    // and every prefetch (always beside compute, whatever PYLLAMA_PP_GATHER_BLOCKS says)
+
+// the copy kernel's blocks: by default kBesideBlocks in all (copy_used_few) where compute may run beside the copy
+// (the scheduler's BESIDE flag, OVERLAP=2), else the grid of kBlocksPerExpert blocks per expert (copy_used: 0; 1-2%
+// faster where nothing runs beside it, runs 27-28); PYLLAMA_PP_GATHER_BLOCKS=N sets N blocks in all for every
+// gather, 0 the grid (gather_cuda_kernels.cuh)
+int copy_blocks(bool beside) {
     static const int n = [] {
         const char * v = getenv("PYLLAMA_PP_GATHER_BLOCKS");
-        const int    x = v != nullptr ? atoi(v) : 0;
-        return x > 0 && x <= 1024 ? x : 0;
+        const int    x = v != nullptr && *v != '\0' ? atoi(v) : -1;
+        return x >= 0 && x <= 1024 ? x : -1;
     }();
-    return n;
+    return n >= 0 ? n : (beside ? kBesideBlocks : 0);
 }
 
 // PYLLAMA_PP_GATHER_TIMELINE=PREFIX (a diagnosis, off by default): each gather's start and end on its GPU's
@@ -151,7 +156,6 @@ void timeline_setup(gather_stream * g) {
 using namespace pp_gather_abi;   // the modes of ggml_backend_pp_gather_t (gather_abi.h)
 
 constexpr size_t kMaxFlagSets   = 4096;   // per GPU and kind: weights x copies stay far below
-constexpr int    kPrefetchBlocks = 16;    // a prefetch runs beside compute: a few blocks (gather_cuda_kernels.cuh)
 
 // the flag set of `key` in `sets` (n_expert ints, zeroed on the stream when made); nullptr: the cap is reached or
 // the device has no memory (then the caller declines)
@@ -270,9 +274,12 @@ gather_stream * stream_for(int device, ggml_backend_dev_t dev) {
 // behind it cannot be recorded, the host waits for the copy instead.
 // PREFETCH (mode 1, no ids): the experts of src's last used set on this GPU (false where none was recorded yet);
 // REST (mode 2): the used experts the last prefetch into dst did not bring. Every gather with ids records its set.
+// BESIDE (flag 16): compute may run beside the copy - the copy takes a few blocks then (copy_blocks).
 extern "C" __attribute__((visibility("default")))
 bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const struct ggml_tensor * src,
                        const struct ggml_tensor * ids, int mode) {
+    const bool beside = (mode & kBeside) != 0;
+    mode &= ~kBeside;
     const bool prefetch = mode == kPrefetch;
     if ((mode != kUsed && mode != kPrefetch && mode != kRest) || (ids == nullptr) != prefetch ||
         (ids != nullptr && (ids->data == nullptr || ids->type != GGML_TYPE_I32 || ids->ne[2] != 1 || ids->ne[3] != 1))) {
@@ -356,7 +363,7 @@ bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const s
                                                                                rec != nullptr ? &rec->bytes : nullptr);
                 }
                 if (cudaGetLastError() == cudaSuccess) {
-                    launch_copy(prefetch ? kPrefetchBlocks : copy_blocks(), g->stream, (char *) dst->data,
+                    launch_copy(prefetch ? kBesideBlocks : copy_blocks(beside), g->stream, (char *) dst->data,
                                 (const char *) src->data, src->nb[2], n_expert, prefetch ? pref : need);
                     if (rec != nullptr) {
                         stamp<<<1, 1, 0, g->stream>>>(&rec->t1);

@@ -72,6 +72,8 @@ struct vdev_counters_atomic {
     std::atomic<uint64_t> h2d_copies{0}, d2h_copies{0}, d2d_copies{0};
     std::atomic<uint64_t> graph_computes{0};
     std::atomic<uint64_t> host_syncs{0};
+    std::atomic<uint64_t> gathers{0};
+    std::atomic<uint64_t> beside_gathers{0};
     std::atomic<uint64_t> event_records{0}, event_waits{0};
     std::atomic<uint64_t> alloc_bytes{0}, peak_alloc_bytes{0}, failed_allocs{0};
     std::atomic<uint64_t> link_busy_ns{0};
@@ -1277,6 +1279,8 @@ void gather_runs(vdev_device * d, char * out, const char * in, size_t expert, in
 
 bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor * src, const ggml_tensor * ids, int mode) {
     using namespace pp_gather_abi;
+    const bool beside = (mode & kBeside) != 0;   // (counted; VDEV copies alike either way)
+    mode &= ~kBeside;
     const bool prefetch = mode == kPrefetch;
     if (!backend_is_vdev(backend) || dst == nullptr || src == nullptr || (ids == nullptr) != prefetch ||
         (mode != kUsed && mode != kPrefetch && mode != kRest) ||
@@ -1336,6 +1340,8 @@ bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor
         }
         gather_runs(d, out, in, expert, n_expert, sel);
     });
+    d->c.gathers += 1;
+    d->c.beside_gathers += beside ? 1 : 0;
     return true;
 }
 
@@ -1503,6 +1509,8 @@ PP_VDEV_EXPORT int pp_vdev_get_counters(int i, struct pp_vdev_counters * out) {
     out->failed_allocs    = c.failed_allocs.load();
     out->link_busy_s      = (double) c.link_busy_ns.load() * 1e-9;
     out->compute_s        = (double) c.compute_ns.load() * 1e-9;
+    out->gathers          = c.gathers.load();
+    out->beside_gathers   = c.beside_gathers.load();
     return 0;
 }
 
@@ -1517,6 +1525,7 @@ PP_VDEV_EXPORT void pp_vdev_reset_counters(void) {
         c.h2d_copies = 0; c.d2h_copies = 0; c.d2d_copies = 0;
         c.graph_computes = 0;
         c.host_syncs = 0;
+        c.gathers = 0; c.beside_gathers = 0;
         c.event_records = 0; c.event_waits = 0;
         c.failed_allocs = 0;
         c.peak_alloc_bytes = c.alloc_bytes.load();

@@ -30,6 +30,8 @@ struct pp_vdev_counters {
     uint64_t alloc_bytes, peak_alloc_bytes, failed_allocs;
     double   link_busy_s;                          // seconds of throttled transfer charged to this device's link
     double   compute_s;                            // seconds spent computing (including the slow-down)
+    uint64_t gathers;                              // GATHER hook calls taken (gathers and prefetches)
+    uint64_t beside_gathers;                       // of those, flagged BESIDE by the scheduler (OVERLAP=2)
 };
 // Register n (1..PP_VDEV_MAX) virtual devices "VDEV0".."VDEV{n-1}" with ggml's backend registry.
 // Once per process: a second call with the same n only reconfigures; with another n it fails. Returns 0, or -1 with a message in err.
