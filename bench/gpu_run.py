@@ -303,6 +303,14 @@ SWEEPS = {
                  skewed_patched("overlap2-ub1024-grid", 45, [(16384, 1024, PP16K)], ext=ONE_SWITCH, env=GRID_BLOCKS),
                  skewed_patched("overlap2-ub1024-32", 45, [(16384, 1024, PP16K)], ext=ONE_SWITCH, env=gather_blocks(32)),
                  skewed_patched("defaults-ub512", 35, [(4096, 512, PP4096)])],
+    # one H200 as two devices (one shared link; the machine kind with one H200), low coverage: the A/B with the
+    # defaults at ub512 (runs 24 / 28: 1889.5 / 1861.4 vs 1806.3 / 1803.5 t/s), then OVERLAP=2 alone (PREFETCH and
+    # 16-block gathers since run 31) with the gather timeline, and the A/B with OVERLAP=2 at ub1024
+    "one-link-overlap2": [{**SKEWED_ONE_LINK, "name": "one-link-skewed-defaults", "est": 85},
+                          {**SKEWED_ONE_LINK, "name": "one-link-skewed-overlap2-tl", "est": 45, "ext": ONE_SWITCH,
+                           "variants": ["patched"], "timeline": True},
+                          {**SKEWED_ONE_LINK, "name": "one-link-skewed-overlap2-ub1024", "est": 110, "ext": ONE_SWITCH,
+                           "configs": [(16384, 1024, PP16K)]}],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],
