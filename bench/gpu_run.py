@@ -286,7 +286,8 @@ SWEEPS = {
                  {"name": "uniform-prefetch", "est": 45, "ext": PREFETCH_ON, "variants": ["patched"],
                   "configs": [(4096, 512, PP4096)]}],
     # OVERLAP=2 alone since run 31 brings PREFETCH (on by default, acting with OVERLAP=2 only) and 16-block gathers
-    # (the scheduler flags OVERLAP=2's gathers BESIDE): run 30's best rows with one switch - low coverage at ub1024
+    # (the scheduler flags OVERLAP=2's gathers BESIDE; one kernel a gather since run 32): run 30's best rows with one
+    # switch - low coverage at ub1024
     # against upstream, at ub512 against upstream, at ub256 - with the CUDA gather's timeline ("timeline":
     # PYLLAMA_PP_GATHER_TIMELINE, bench/gather_timeline.py: where the link waits); the ub1024 control without
     # PREFETCH; what compute alone allows at ub1024; the grid and 32 blocks for the gathers with ids at ub1024 (the
