@@ -90,7 +90,7 @@ def markdown(summary: list[dict]) -> str:
         gaps = ", ".join(f"{k} {v['gap_before_ms']:.1f} ({v['count']}, {v['gbps']:.1f} GB/s)" if v["gbps"] else
                          f"{k} {v['gap_before_ms']:.1f} ({v['count']})" for k, v in sorted(s["kinds"].items()))
         lines.append(f"| {s['file']} | {s['gpu']} | {s['burst']} | {s['gathers']} | {s['span_ms']:.1f} | "
-                     f"{s['busy_frac']:.1%} | {s["gbps_busy"] or 0:.1f} | {gaps} |")
+                     f"{s['busy_frac']:.1%} | {s['gbps_busy'] or 0:.1f} | {gaps} |")
     return "\n".join(lines)
 
 

@@ -303,7 +303,10 @@ SWEEPS = {
                   "est": 45, "configs": [(16384, 1024, PP16K)]},
                  skewed_patched("overlap2-ub1024-grid", 45, [(16384, 1024, PP16K)], ext=ONE_SWITCH, env=GRID_BLOCKS),
                  skewed_patched("overlap2-ub1024-32", 45, [(16384, 1024, PP16K)], ext=ONE_SWITCH, env=gather_blocks(32)),
-                 skewed_patched("defaults-ub512", 35, [(4096, 512, PP4096)])],
+                 skewed_patched("defaults-ub512", 35, [(4096, 512, PP4096)]),
+                 # one H200 as two, OVERLAP=2 alone (run 31, two kernels a gather: 1993.4 t/s)
+                 {**SKEWED_ONE_LINK, "name": "one-link-skewed-overlap2-tl-2", "est": 45, "ext": ONE_SWITCH,
+                  "variants": ["patched"], "timeline": True}],
     # one H200 as two devices (one shared link; the machine kind with one H200), low coverage: the A/B with the
     # defaults at ub512 (runs 24 / 28: 1889.5 / 1861.4 vs 1806.3 / 1803.5 t/s), then OVERLAP=2 alone (PREFETCH and
     # 16-block gathers since run 31) with the gather timeline, and the A/B with OVERLAP=2 at ub1024
