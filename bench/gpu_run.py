@@ -315,6 +315,13 @@ SWEEPS = {
                            "variants": ["patched"], "timeline": True},
                           {**SKEWED_ONE_LINK, "name": "one-link-skewed-overlap2-ub1024", "est": 110, "ext": ONE_SWITCH,
                            "configs": [(16384, 1024, PP16K)]}],
+    # the final check of session 9's build (OVERLAP=2 alone: PREFETCH, one-kernel 16-block gathers): the 30B
+    # preset's correctness with it (step correctness_overlap2), low coverage at ub512 / ub1024 without the timeline,
+    # near-uniform A/B with tg32 (no gathers there: OVERLAP=2's uploads; decode)
+    "final-overlap2": [skewed_patched("overlap2-final-ub512", 35, [(4096, 512, PP4096)], ext=ONE_SWITCH),
+                       skewed_patched("overlap2-final-ub1024", 35, [(16384, 1024, PP16K)], ext=ONE_SWITCH),
+                       {"name": "uniform-overlap2", "est": 95, "ext": ONE_SWITCH,
+                        "configs": [(4096, 512, PP4096 + [["tg", 32]])]}],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],
@@ -405,6 +412,11 @@ def main() -> int:
         # with 16-block gathers
         correctness_30b("correctness_prefetch", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "1"},
                         FEW_BLOCKS)
+    if "final-overlap2" in sweeps:
+        # OVERLAP=2 alone on the 30B preset, upload-all off (every expert op but one gathers, PREFETCH on: one
+        # kernel a gather), then the same without PREFETCH
+        correctness_30b("correctness_overlap2", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2"},
+                        {"GGML_SCHED_PP_PREFETCH": "0"})
     if any(n.startswith("gather") for n in sweeps):
         # patch 0028: upload-all off, so every expert op but the one that measures coverage gathers (the tiny
         # preset's ub64 case above covers a few); then with OVERLAP=2's early gathers on the second stream
