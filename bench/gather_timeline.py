@@ -11,12 +11,13 @@ sat idle - and the gather that ends a gap says what it waited for:
 
 A run is a burst of gathers: a gap longer than --split-ms starts a new one (the bench's warm-up and repetitions).
 
-    python bench/gather_timeline.py out/timeline/skewed-prefetch-ub1024.*.csv [--json]
+    python bench/gather_timeline.py out/timeline/overlap2-ub1024-tl.*.csv [--json]   (.csv.gz as well)
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import json
 import re
 import sys
@@ -33,7 +34,7 @@ def weight_kind(name: str) -> str:
 def read(paths) -> list[dict]:
     rows = []
     for p in paths:
-        with open(p, newline="") as f:
+        with (gzip.open(p, "rt", newline="") if str(p).endswith(".gz") else open(p, newline="")) as f:
             for r in csv.DictReader(f):
                 rows.append({"gpu": int(r["gpu"]), "seq": int(r["seq"]),
                              "kind": f"{MODES.get(int(r['mode']), r['mode'])}:{weight_kind(r['weight'])}",

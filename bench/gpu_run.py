@@ -286,8 +286,8 @@ SWEEPS = {
                  {"name": "uniform-prefetch", "est": 45, "ext": PREFETCH_ON, "variants": ["patched"],
                   "configs": [(4096, 512, PP4096)]}],
     # OVERLAP=2 alone since run 31 brings PREFETCH (on by default, acting with OVERLAP=2 only) and 16-block gathers
-    # (the scheduler flags OVERLAP=2's gathers BESIDE; one kernel a gather since run 32): run 30's best rows with one
-    # switch - low coverage at ub1024
+    # (the scheduler flags OVERLAP=2's gathers BESIDE; runs 32-33 had a one-kernel gather, not kept): run 30's best
+    # rows with one switch - low coverage at ub1024
     # against upstream, at ub512 against upstream, at ub256 - with the CUDA gather's timeline ("timeline":
     # PYLLAMA_PP_GATHER_TIMELINE, bench/gather_timeline.py: where the link waits); the ub1024 control without
     # PREFETCH; what compute alone allows at ub1024; the grid and 32 blocks for the gathers with ids at ub1024 (the
@@ -315,7 +315,8 @@ SWEEPS = {
                            "variants": ["patched"], "timeline": True},
                           {**SKEWED_ONE_LINK, "name": "one-link-skewed-overlap2-ub1024", "est": 110, "ext": ONE_SWITCH,
                            "configs": [(16384, 1024, PP16K)]}],
-    # the final check of session 9's build (OVERLAP=2 alone: PREFETCH, one-kernel 16-block gathers): the 30B
+    # the last check of session 9 (run 33, OVERLAP=2 alone: PREFETCH, 16-block gathers - there one kernel a gather,
+    # not kept: the two kernels of run 30 / 31 are the build): the 30B
     # preset's correctness with it (step correctness_overlap2), low coverage at ub512 / ub1024 without the timeline,
     # near-uniform A/B with tg32 (no gathers there: OVERLAP=2's uploads; decode)
     "final-overlap2": [skewed_patched("overlap2-final-ub512", 35, [(4096, 512, PP4096)], ext=ONE_SWITCH),

@@ -352,25 +352,19 @@ bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const s
                     rec = g->tl_dev + i;
                     stamp<<<1, 1, 0, g->stream>>>(&rec->t0);
                 }
-                unsigned long long * rec_bytes = rec != nullptr ? &rec->bytes : nullptr;
-                const int blocks = prefetch ? kBesideBlocks : copy_blocks(beside);
-                const char * id_data = ids != nullptr ? (const char *) ids->data : nullptr;
-                bool launched = true;
-                if (blocks > 0) {   // one kernel: finds and copies (a prefetch: its set; a gather: what it still needs)
-                    gather_few<<<blocks, kThreads, n_expert * sizeof(int), g->stream>>>(
-                        (char *) dst->data, (const char *) src->data, src->nb[2], n_expert, id_data,
-                        ids != nullptr ? ids->ne[0] : 0, ids != nullptr ? ids->ne[1] : 0, ids != nullptr ? ids->nb[0] : 0,
-                        ids != nullptr ? ids->nb[1] : 0, last, pref, counted, rec_bytes);
-                } else {            // the grid (never a prefetch): the flags, then the copy
-                    mark_rest<<<1, 1024, n_expert * sizeof(int), g->stream>>>(id_data, ids->ne[0], ids->ne[1], ids->nb[0],
-                                                                               ids->nb[1], n_expert, pref, need, last,
-                                                                               src->nb[2], counted, rec_bytes);
-                    launched = cudaGetLastError() == cudaSuccess;
-                    if (launched) {
-                        launch_copy(0, g->stream, (char *) dst->data, (const char *) src->data, src->nb[2], n_expert, need);
-                    }
+                // the flags (a prefetch: its set; a gather: the used experts it still needs), then the copy
+                if (prefetch) {
+                    copy_flags<<<1, 1024, 0, g->stream>>>(pref, last, n_expert, src->nb[2], counted,
+                                                          rec != nullptr ? &rec->bytes : nullptr);
+                } else {
+                    mark_rest<<<1, 1024, n_expert * sizeof(int), g->stream>>>((const char *) ids->data, ids->ne[0], ids->ne[1],
+                                                                               ids->nb[0], ids->nb[1], n_expert, pref, need, last,
+                                                                               src->nb[2], counted,
+                                                                               rec != nullptr ? &rec->bytes : nullptr);
                 }
-                if (launched) {
+                if (cudaGetLastError() == cudaSuccess) {
+                    launch_copy(prefetch ? kBesideBlocks : copy_blocks(beside), g->stream, (char *) dst->data,
+                                (const char *) src->data, src->nb[2], n_expert, prefetch ? pref : need);
                     if (rec != nullptr) {
                         stamp<<<1, 1, 0, g->stream>>>(&rec->t1);
                     }

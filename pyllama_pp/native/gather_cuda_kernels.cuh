@@ -86,6 +86,18 @@ __global__ void mark_rest(const char * ids, int64_t n_col, int64_t n_row, size_t
     }
 }
 
+// a prefetch (one block): pref = last (the set it copies, kept for the rest after it)
+__global__ void copy_flags(int * dst, const int * src, int n, size_t expert, unsigned long long * counted,
+                           unsigned long long * rec) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        dst[i] = src[i];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        count_bytes(counted, rec, dst, expert, n);
+    }
+}
+
 // threads t0, t0 + stride, ... of a grid copy n bytes: 16 bytes at a time, four loads in flight per thread, where
 // source, destination and size allow; else byte by byte
 __device__ inline void copy_range(char * d, const char * s, size_t n, size_t t0, size_t stride) {
@@ -137,46 +149,6 @@ __global__ void copy_used_few(char * dst, const char * src, size_t expert, int n
     const size_t stride = (size_t) gridDim.x * blockDim.x;
     for (int e = 0; e < n_expert; e++) {
         if (used[e]) {
-            const size_t begin = (size_t) e * expert;
-            copy_range(dst + begin, src + begin, expert_span(e, expert, n_expert), t0, stride);
-        }
-    }
-}
-
-// a gather with compute beside it, and every prefetch: `gridDim.x` blocks in all, one kernel a gather. Each block
-// finds the experts itself - with ids, those they select less those the last prefetch into dst brought (`pref`, if
-// any); without (a prefetch), the weight's last used set (`last`) - so that no marking kernel has to get an SM
-// beside the compute before the copy can start (each kernel start there waits for compute blocks to end: about
-// 65 us between two gathers on an H200, run 31's timeline). Block 0 also keeps the sets - a gather with ids records
-// its used set in `last` (if any), a prefetch the set it brings in `pref` - and counts the bytes.
-__global__ void gather_few(char * dst, const char * src, size_t expert, int n_expert, const char * ids, int64_t n_col,
-                           int64_t n_row, size_t nb0, size_t nb1, int * last, int * pref, unsigned long long * counted,
-                           unsigned long long * rec) {
-    extern __shared__ int flags[];
-    if (ids != nullptr) {
-        mark_flags(flags, ids, n_col, n_row, nb0, nb1, n_expert);
-        for (int i = threadIdx.x; i < n_expert; i += blockDim.x) {
-            if (blockIdx.x == 0 && last != nullptr) {
-                last[i] = flags[i];
-            }
-            flags[i] = flags[i] && !(pref != nullptr && pref[i]);
-        }
-    } else {
-        for (int i = threadIdx.x; i < n_expert; i += blockDim.x) {
-            flags[i] = last[i];
-            if (blockIdx.x == 0) {
-                pref[i] = flags[i];
-            }
-        }
-    }
-    __syncthreads();
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        count_bytes(counted, rec, flags, expert, n_expert);
-    }
-    const size_t t0     = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
-    const size_t stride = (size_t) gridDim.x * blockDim.x;
-    for (int e = 0; e < n_expert; e++) {
-        if (flags[e]) {
             const size_t begin = (size_t) e * expert;
             copy_range(dst + begin, src + begin, expert_span(e, expert, n_expert), t0, stride);
         }
