@@ -10,6 +10,9 @@ sat idle - and the gather that ends a gap says what it waited for:
 - `prefetch:gate`: PREFETCH's copy of the gate's last used experts, a split early.
 
 A run is a burst of gathers: a gap longer than --split-ms starts a new one (the bench's warm-up and repetitions).
+Only gathers are stamped: the link may carry other uploads in a gap (upload-all copies, activations, on a shared
+link the other device's copies), so "idle" means "no gather", which is the link's idle time only where every
+expert op gathers (low coverage).
 
     python bench/gather_timeline.py out/timeline/overlap2-ub1024-tl.*.csv [--json]   (.csv.gz as well)
 """
@@ -90,8 +93,10 @@ def markdown(summary: list[dict]) -> str:
     for s in summary:
         gaps = ", ".join(f"{k} {v['gap_before_ms']:.1f} ({v['count']}, {v['gbps']:.1f} GB/s)" if v["gbps"] else
                          f"{k} {v['gap_before_ms']:.1f} ({v['count']})" for k, v in sorted(s["kinds"].items()))
-        lines.append(f"| {s['file']} | {s['gpu']} | {s['burst']} | {s['gathers']} | {s['span_ms']:.1f} | "
-                     f"{s['busy_frac']:.1%} | {s['gbps_busy'] or 0:.1f} | {gaps} |")
+        busy = f"{s['busy_frac']:.1%}" if s["busy_frac"] is not None else "-"
+        gbps = f"{s['gbps_busy']:.1f}" if s["gbps_busy"] is not None else "-"
+        lines.append(f"| {s['file']} | {s['gpu']} | {s['burst']} | {s['gathers']} | {s['span_ms']:.1f} | {busy} | "
+                     f"{gbps} | {gaps} |")
     return "\n".join(lines)
 
 
@@ -109,7 +114,7 @@ def main(argv=None) -> int:
         return 2
     try:
         s = summarize(read(a.files), a.split_ms, a.min_gathers)
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, TypeError) as e:
         print(f"gather_timeline: not a gather timeline ({e}); expected the columns gpu,seq,mode,weight,t0_ns,t1_ns,"
               "bytes", file=sys.stderr)
         return 2

@@ -44,11 +44,12 @@ def log(msg: str) -> None:
 # 2048 and 768 values, are whole steps of CUDA's MMQ; the tiny preset's are not, see the patch)
 DIRECT_ONLY = {"GGML_SCHED_PP_DIRECT": "2", "GGML_SCHED_PP_UPLOAD_ALL": "0", "GGML_SCHED_PP_GATHER": "0"}
 NO_UPLOAD_ALL = {"GGML_SCHED_PP_UPLOAD_ALL": "0"}
-GRID_BLOCKS = {"PYLLAMA_PP_GATHER_BLOCKS": "0"}   # the CUDA gather's grid per expert (the default)
+GRID_BLOCKS = {"PYLLAMA_PP_GATHER_BLOCKS": "0"}   # the CUDA gather's grid per expert (the default without OVERLAP=2)
 
 
 def gather_blocks(n: int) -> dict:
-    """The CUDA gather's copy kernel with n blocks in all (default: a grid per expert; gather_cuda_kernels.cuh)."""
+    """The CUDA gather's copy kernel with n blocks in all (default: a grid per expert, 16 blocks with OVERLAP=2;
+    gather_cuda_kernels.cuh)."""
     return {"PYLLAMA_PP_GATHER_BLOCKS": str(n)}
 
 
@@ -411,11 +412,12 @@ def main() -> int:
     if "prefetch" in sweeps:
         # patch 0029 on the 30B preset: every gate but the first ubatch's prefetched, the rest gathered (grid), then
         # with 16-block gathers
-        correctness_30b("correctness_prefetch", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "1"},
+        correctness_30b("correctness_prefetch", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "1",
+                                                 **GRID_BLOCKS},
                         FEW_BLOCKS)
     if "final-overlap2" in sweeps:
-        # OVERLAP=2 alone on the 30B preset, upload-all off (every expert op but one gathers, PREFETCH on: one
-        # kernel a gather), then the same without PREFETCH
+        # OVERLAP=2 alone on the 30B preset, upload-all off (every expert op but one gathers; PREFETCH and 16-block
+        # gathers come with it - in run 33 one kernel a gather, since reverted), then the same without PREFETCH
         correctness_30b("correctness_overlap2", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2"},
                         {"GGML_SCHED_PP_PREFETCH": "0"})
     if any(n.startswith("gather") for n in sweeps):
@@ -447,6 +449,8 @@ def main() -> int:
             timeline = args.out / "timeline" / block["name"]
             if block.get("timeline"):   # the CUDA gather's timeline, one file per worker (bench/gather_timeline.py)
                 timeline.parent.mkdir(parents=True, exist_ok=True)
+                for old in timeline.parent.glob(timeline.name + ".*.csv"):   # (an earlier call's, same --out)
+                    old.unlink()
                 env["PYLLAMA_PP_GATHER_TIMELINE"] = str(timeline)
             shared = block.get("env", {}).get("GGML_CUDA_DEVICES") is not None   # one GPU split in two: one link
             cfgs = [bench.BenchConfig(model=str(model), devices=devices, n_batch=nb,
@@ -467,9 +471,12 @@ def main() -> int:
             log(f"{block['name']}: {time.time() - t:.0f} s (estimated {block['est']})\n{bench.markdown(df)}")
             files = sorted(timeline.parent.glob(timeline.name + ".*.csv")) if block.get("timeline") else []
             if files:
-                tl = gather_timeline.summarize(gather_timeline.read(files))
-                (args.out / "timeline" / f"{block['name']}.json").write_text(json.dumps(tl, indent=1))
-                log(f"{block['name']}: the gather timeline\n{gather_timeline.markdown(tl)}")
+                try:   # (a diagnosis: it must not stop the rest of the call)
+                    tl = gather_timeline.summarize(gather_timeline.read(files))
+                    (args.out / "timeline" / f"{block['name']}.json").write_text(json.dumps(tl, indent=1))
+                    log(f"{block['name']}: the gather timeline\n{gather_timeline.markdown(tl)}")
+                except Exception as e:   # noqa: BLE001
+                    log(f"{block['name']}: the gather timeline could not be read: {e!r}")
             summary["steps"].setdefault("sweeps", []).append(json.loads(df.to_json(orient="records")))
             save()
     md = args.out / "ab" / "results.jsonl"

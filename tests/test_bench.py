@@ -329,3 +329,10 @@ def test_gather_timeline_puts_each_idle_gap_on_the_gather_that_ends_it(tmp_path,
     assert "rest:gate 1.0 (1" in table and "| 1 |" not in table   # (GPU 1's single gather is below 3)
     assert gt.main([str(tmp_path / "missing.csv")]) == 2
     assert "no such file" in capsys.readouterr().err
+    # a gather that took no time (span 0: no busy fraction) prints "-", and a cut-off file is a clear error
+    one = tmp_path / "one.1.csv"
+    one.write_text(lines[0] + f"\n0,0,0,blk.0.ffn_up_exps.weight,{T},{T},0\n")
+    assert gt.main([str(one), "--min-gathers", "1"]) == 0 and "| - |" in capsys.readouterr().out
+    cut = tmp_path / "cut.1.csv"
+    cut.write_text(lines[0] + "\n0,0,0,blk.0.ffn_up_exps.weight\n")
+    assert gt.main([str(cut)]) == 2 and "not a gather timeline" in capsys.readouterr().err
