@@ -65,11 +65,12 @@ def skewed_patched(name: str, est: int, configs=None, **block) -> dict:
 def correctness(model: str, devices: str, out: Path,
                 cases=((64, "none", {}), (512, "none", {}), (512, "mmap", {}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "1"}),
                        (64, "none", {"GGML_SCHED_PP_OVERLAP": "2"}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "2"}),
-                       (64, "none", {"GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "1", "GGML_SCHED_PP_UPLOAD_ALL": "0"})),
+                       (64, "none", {"GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "1", **NO_UPLOAD_ALL})),
                 n_tokens: int = 512, all_on_gpu: bool = True, timeout: float = 300) -> list[dict]:
     """(n_ubatch, load mode, patched build's environment) cases; mmap: host weights in pageable memory (the
     patched build stages them); OVERLAP=1: the opt-in upload ring of patch 0019; OVERLAP=2: patch 0024's early
-    uploads inside the compute buffer; PREFETCH (0029) with upload-all off, so that every expert op gathers. `timeout`: seconds a worker may take (a hang costs no more)."""
+    uploads inside the compute buffer; PREFETCH (0029) with upload-all off, so that every expert op gathers.
+    `timeout`: seconds a worker may take (a hang costs no more)."""
     rows = []
     refs: dict = {}   # baseline and all-on-GPU logits per (name, n_ubatch, load mode): the cases share them
 
@@ -288,8 +289,8 @@ SWEEPS = {
                   "configs": [(4096, 512, PP4096)]}],
     # OVERLAP=2 alone since run 31 brings PREFETCH (on by default, acting with OVERLAP=2 only) and 16-block gathers
     # (the scheduler flags OVERLAP=2's gathers BESIDE; runs 32-33 had a one-kernel gather, not kept): run 30's best
-    # rows with one switch - low coverage at ub1024
-    # against upstream, at ub512 against upstream, at ub256 - with the CUDA gather's timeline ("timeline":
+    # rows with one switch - low coverage at ub1024 against upstream, at ub512 against upstream, at ub256 - with
+    # the CUDA gather's timeline ("timeline":
     # PYLLAMA_PP_GATHER_TIMELINE, bench/gather_timeline.py: where the link waits); the ub1024 control without
     # PREFETCH; what compute alone allows at ub1024; the grid and 32 blocks for the gathers with ids at ub1024 (the
     # prefetches keep 16); the default settings at ub512 (run 30: 3199.7 t/s)
@@ -317,9 +318,9 @@ SWEEPS = {
                           {**SKEWED_ONE_LINK, "name": "one-link-skewed-overlap2-ub1024", "est": 110, "ext": ONE_SWITCH,
                            "configs": [(16384, 1024, PP16K)]}],
     # the last check of session 9 (run 33, OVERLAP=2 alone: PREFETCH, 16-block gathers - there one kernel a gather,
-    # not kept: the two kernels of run 30 / 31 are the build): the 30B
-    # preset's correctness with it (step correctness_overlap2), low coverage at ub512 / ub1024 without the timeline,
-    # near-uniform A/B with tg32 (no gathers there: OVERLAP=2's uploads; decode)
+    # not kept: the two kernels of run 30 / 31 are the build): the 30B preset's correctness with it (step
+    # correctness_overlap2), low coverage at ub512 / ub1024 without the timeline, near-uniform A/B with tg32 (no
+    # gathers there: OVERLAP=2's uploads; decode)
     "final-overlap2": [skewed_patched("overlap2-final-ub512", 35, [(4096, 512, PP4096)], ext=ONE_SWITCH),
                        skewed_patched("overlap2-final-ub1024", 35, [(16384, 1024, PP16K)], ext=ONE_SWITCH),
                        {"name": "uniform-overlap2", "est": 95, "ext": ONE_SWITCH,
@@ -452,7 +453,7 @@ def main() -> int:
                 for old in timeline.parent.glob(timeline.name + ".*.csv"):   # (an earlier call's, same --out)
                     old.unlink()
                 env["PYLLAMA_PP_GATHER_TIMELINE"] = str(timeline)
-            shared = block.get("env", {}).get("GGML_CUDA_DEVICES") is not None   # one GPU split in two: one link
+            shared = env.get("GGML_CUDA_DEVICES") is not None   # one GPU split in two: one link
             cfgs = [bench.BenchConfig(model=str(model), devices=devices, n_batch=nb,
                                       n_ubatch=ub, tests=tests, reps=block.get("reps", args.reps),
                                       host_experts=block.get("host_experts", "all"),

@@ -181,11 +181,11 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
         h2d = [int(d["h2d_bytes"] / reps) for d in devs]
         ext = t.get("ext") or {}
         if not h2d and ext.get("backends"):
-            # no device counters (CUDA): the patched scheduler's own count of host-weight bytes per device; with
-            # DIRECT (patch 0021) the kernels' reads from host memory and with GATHER (0028) the device's own copies
-            # are not counted there: their estimates (measured coverage x tensor bytes) are added
-            # GATHER's bytes as the device counted them where it does (CUDA; prefetches included), else estimated
-            counted = any("gather_bytes" in b for b in ext.get("backends") or [])
+            # no device counters (CUDA): the patched scheduler's own count of host-weight bytes per device. DIRECT's
+            # kernel reads (patch 0021) and GATHER's device copies (0028) are not in it: DIRECT's estimate (measured
+            # coverage x tensor bytes) is added, and GATHER's bytes as the device counted them where it does (CUDA's
+            # library; prefetches included), else their estimate
+            counted = any("gather_bytes" in b for b in ext["backends"])
             h2d = _per_gpu(ext, "weight_bytes", reps,
                            plus=("direct_bytes_est", "gather_bytes" if counted else "gather_bytes_est")) or []
         gbps, bound = _link_bound(cfg, h2d, n_tok)

@@ -297,6 +297,8 @@ def _gather_timeline():
 
 
 def test_gather_timeline_puts_each_idle_gap_on_the_gather_that_ends_it(tmp_path, capsys):
+    """bench/gather_timeline.py: runs are cut where the link idled longer than --split-ms; in a run, busy and idle
+    time, and each idle gap counted before the kind of gather that ends it; bad files are clear errors."""
     gt = _gather_timeline()
     ms = 1_000_000
     T = 1000 * ms   # (the GPU's timer: never 0)

@@ -505,19 +505,20 @@ def test_gather_with_overlap_goes_up_on_the_second_stream(runner, assert_logits_
     # with a few blocks), without it none
     dev = lambda r: {d["device"]: d for d in r["counters"]["devices"]}
     for name, d in dev(on).items():
-        assert d["beside_gathers"] == d["gathers"] > 0 and dev(off)[name]["beside_gathers"] == 0 < dev(off)[name]["gathers"], (d, dev(off)[name])
+        o = dev(off)[name]
+        assert d["beside_gathers"] == d["gathers"] > 0 and o["beside_gathers"] == 0 < o["gathers"], (d, o)
     assert sum(d["gathers"] for d in dev(on).values()) == e_on["gather"], (dev(on), e_on["gather"])
 
 
 @pytest.mark.parametrize("ub", [32, 128])
 def test_prefetch_brings_last_used_experts_a_split_early(runner, tiny_cfg, assert_logits_match, ub):
-    """PREFETCH (patch 0029, on by default, acting with OVERLAP=2 and GATHER): a layer's first expert op (gate) cannot gather a
-    split early - its ids are computed in the split before - so its copy is placed early too and the device fills it
-    on the second stream with the experts the same weight used at its last gather; the op's own split then gathers
-    only the rest (ub128: not the gate that reads its ids back to measure the coverage, the graph's first expert op).
-    Same logits as the baseline on slow links and a slow second device (the rest waits for the
-    prefetch); the same ops gathered, the prefetches on the second stream as well; no fewer bytes on any link than
-    the plain gathers (each used expert still arrives), and less than the prefetches moved; the same compute
+    """PREFETCH (patch 0029, on by default, acting with OVERLAP=2 and GATHER): a layer's first expert op (gate)
+    cannot gather a split early - its ids are computed in the split before - so its copy is placed early too and the
+    device fills it on the second stream with the experts the same weight used at its last gather; the op's own
+    split then gathers only the rest (ub128: not the gate that reads its ids back to measure the coverage, the
+    graph's first expert op). Same logits as the baseline on slow links and a slow second device (the rest waits for
+    the prefetch); the same ops gathered, the prefetches on the second stream as well; no fewer bytes on any link
+    than the plain gathers (each used expert still arrives), and less than the prefetches moved; the same compute
     buffers."""
     env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_OVERLAP": 2, "GGML_SCHED_PP_PREFETCH": 0}
     b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, env, {"GGML_SCHED_PP_PREFETCH": 1})

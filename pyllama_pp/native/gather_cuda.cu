@@ -64,6 +64,21 @@ struct gather_stream {
 constexpr int    kMaxCounted = 64;
 constexpr size_t kTimeline   = 1 << 16;
 
+// n zeroed bytes of pinned host memory mapped into the current device: the host pointer, with the device's in
+// *dev; nullptr (nothing held) where it cannot be had
+void * mapped_zeroed(size_t n, void ** dev) {
+    void * host = nullptr;
+    if (cudaHostAlloc(&host, n, cudaHostAllocMapped) != cudaSuccess || cudaHostGetDevicePointer(dev, host, 0) != cudaSuccess) {
+        (void) cudaGetLastError();
+        if (host != nullptr) {
+            cudaFreeHost(host);
+        }
+        return nullptr;
+    }
+    memset(host, 0, n);
+    return host;
+}
+
 std::mutex                               g_mutex;
 std::unordered_map<int, gather_stream *> g_streams;  // CUDA device -> its stream
 std::unordered_map<std::string, unsigned long long *> g_counted;  // ggml device name -> its count (host side; g_mutex)
@@ -137,15 +152,11 @@ void write_timeline();
 // exit handler (so it runs first)
 void timeline_setup(gather_stream * g) {
     void * dev_ptr = nullptr;
-    if (cudaHostAlloc((void **) &g->tl_host, kTimeline * sizeof(gather_stream::record), cudaHostAllocMapped) != cudaSuccess ||
-        cudaHostGetDevicePointer(&dev_ptr, g->tl_host, 0) != cudaSuccess) {
-        (void) cudaGetLastError();
-        if (g->tl_host != nullptr) { cudaFreeHost(g->tl_host); }
-        g->tl_host = nullptr;
+    g->tl_host = (gather_stream::record *) mapped_zeroed(kTimeline * sizeof(gather_stream::record), &dev_ptr);
+    if (g->tl_host == nullptr) {
         fprintf(stderr, "pyllama_pp: PYLLAMA_PP_GATHER_TIMELINE: no mapped host memory for the timeline; not recorded\n");
         return;
     }
-    memset(g->tl_host, 0, kTimeline * sizeof(gather_stream::record));
     g->tl_dev = (gather_stream::record *) dev_ptr;
     g->tl_mode.assign(kTimeline, -1);
     g->tl_weight.assign(kTimeline, -1);
@@ -237,15 +248,8 @@ gather_stream * stream_for(int device, ggml_backend_dev_t dev) {
               cudaMalloc((void **) &g->used, kMaxExperts * sizeof(int)) == cudaSuccess;
     if (ok) {   // (no count where mapped host memory cannot be had: the gathers still run)
         void * dev_ptr = nullptr;
-        if (cudaHostAlloc((void **) &g->counted_host, kMaxCounted * sizeof(unsigned long long), cudaHostAllocMapped) != cudaSuccess ||
-            cudaHostGetDevicePointer(&dev_ptr, g->counted_host, 0) != cudaSuccess) {
-            (void) cudaGetLastError();
-            if (g->counted_host != nullptr) { cudaFreeHost(g->counted_host); }
-            g->counted_host = nullptr;
-        } else {
-            memset(g->counted_host, 0, kMaxCounted * sizeof(unsigned long long));
-            g->counted_dev = (unsigned long long *) dev_ptr;
-        }
+        g->counted_host = (unsigned long long *) mapped_zeroed(kMaxCounted * sizeof(unsigned long long), &dev_ptr);
+        g->counted_dev  = (unsigned long long *) dev_ptr;
         if (timeline_prefix() != nullptr) {
             timeline_setup(g);
         }

@@ -872,13 +872,6 @@ void vdev_backend_graph_optimize(ggml_backend_t backend, ggml_cgraph * cgraph, g
     }
 }
 
-// A kernel that reads expert weights straight from pinned host memory (the patched scheduler's DIRECT: a GPU
-// maps pinned host memory) moves the experts its routing ids select over the host link. Charged as h2d bytes
-// and link time, before the graph (`before`: ops whose ids come from earlier work on this stream, as the
-// scheduler's are) or after it (ids computed in the graph itself; by then later nodes may have reused their
-// memory, so those counts are best effort). The model serializes compute and those reads (a real kernel
-// overlaps them) at `direct_read` times the link's rate (a kernel reads host memory more slowly than a copy
-// engine: about half on the 2xH200 box, docs/RESULTS.md section 2d).
 // the experts (of n_expert) that the int32 routing ids at `ids` (n_col x n_row, strides nb0 / nb1) name
 std::vector<bool> used_experts(const char * ids, int64_t n_col, int64_t n_row, size_t nb0, size_t nb1, int64_t n_expert) {
     std::vector<bool> used((size_t) n_expert, false);
@@ -893,6 +886,13 @@ std::vector<bool> used_experts(const char * ids, int64_t n_col, int64_t n_row, s
     return used;
 }
 
+// A kernel that reads expert weights straight from pinned host memory (the patched scheduler's DIRECT: a GPU
+// maps pinned host memory) moves the experts its routing ids select over the host link. Charged as h2d bytes
+// and link time, before the graph (`before`: ops whose ids come from earlier work on this stream, as the
+// scheduler's are) or after it (ids computed in the graph itself; by then later nodes may have reused their
+// memory, so those counts are best effort). The model serializes compute and those reads (a real kernel
+// overlaps them) at `direct_read` times the link's rate (a kernel reads host memory more slowly than a copy
+// engine: about half on the 2xH200 box, docs/RESULTS.md section 2d).
 void charge_direct_reads(vdev_device * d, const vdev_graph_job & job, bool before) {
     if (job.direct_reads.empty()) {
         return;
