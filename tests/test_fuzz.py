@@ -14,7 +14,7 @@ N_CASES = int(os.environ.get("PP_FUZZ_CASES", "16"))
 SEED = int(os.environ.get("PP_FUZZ_SEED", "0"))
 SWITCHES = {"OVERLAP": [0, 1, 2], "DIRECT": [-1, 0, 1, 2], "DIRECT_FIRST": [0, 1], "PLANS": [0, 1, 4],
             "COPIES": [0, 2, 4], "UPLOAD_ALL": [0, 1], "SHARED_INPUTS": [0, 1], "EARLY_INPUTS": [0, 1],
-            "STAGING": [0, 1], "OFFLOAD_TAIL": [0, 1], "OVERLAP_POOL": [0, 1], "GATHER": [-1, 0], "PREFETCH": [0, 1]}
+            "STAGING": [0, 1], "OFFLOAD_TAIL": [0, 1], "OVERLAP_POOL": [0, 1], "GATHER": [-1, 0], "PREFETCH": [0, 1, 2]}
 
 
 def _case(i: int) -> dict:

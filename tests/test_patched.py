@@ -544,6 +544,41 @@ def test_prefetch_brings_last_used_experts_a_split_early(runner, tiny_cfg, asser
     assert compute(on) == compute(off), (compute(on), compute(off))
 
 
+@pytest.mark.parametrize("ub", [32, 128])
+def test_prefetch2_moves_up_and_down_two_splits_early(runner, tiny_cfg, assert_logits_match, ub):
+    """PREFETCH=2 (opt-in): besides the gate's prefetch, a layer's up copy is prefetched two splits early (beside
+    the gate's) and gathers its rest on the second stream beside the gate, and down's copy is gathered there too,
+    two splits early; each split waits only for its own copies, a prefetch only for the last split that used its
+    memory. Same logits as the baseline on slow links and a slow second device; every expert op still gathered
+    once (a rest counts as its op's gather), about twice PREFETCH=1's prefetches, more of the gathers on the
+    second stream; three expert copies in lanes of their own instead of two in the compute buffer."""
+    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_OVERLAP": 2, "GGML_SCHED_PP_PREFETCH": 1}
+    b, one, two = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, env, {"GGML_SCHED_PP_PREFETCH": 2})
+    assert two["schedule"]["pipeline_parallel"] is True and two["ext"]["params"]["PREFETCH"] == 2
+    assert_logits_match(two["logits"], b["logits"], f"PREFETCH=2 ub{ub}")
+    assert_logits_match(one["logits"], b["logits"], f"PREFETCH=1 ub{ub}")
+    e1, e2 = one["ext"], two["ext"]
+    assert e1["gather"] == e2["gather"] > 0 and e1["id_readbacks"] == e2["id_readbacks"], (e1, e2)
+    # up's copies are prefetched too: every gate and up but the first ubatch's (no last used set yet), and those
+    # of a graph's measuring op (ub128: its layer's gate and up read back or follow the readback)
+    assert 2 * e1["prefetch"] - 2 <= e2["prefetch"] <= 2 * e1["prefetch"] and e1["prefetch"] > 0, (e1["prefetch"], e2["prefetch"])
+    # the extra prefetches go up on the second stream; up's rest there instead of its gather, down's gather too
+    early = lambda e: sum(x["overlap_uploads"] for x in e["backends"])
+    assert early(e2) - early(e1) == e2["prefetch"] - e1["prefetch"], (early(e1), early(e2), e1["prefetch"], e2["prefetch"])
+    h2d = lambda r: {d["device"]: d["h2d_bytes"] for d in r["counters"]["devices"]}
+    assert all(h2d(two)[d] >= h2d(one)[d] for d in h2d(one)), (h2d(one), h2d(two))
+    # the copies live in three lanes of their own (gate, up, down in turn), outside the compute buffer, which never
+    # grows: at least one expert copy more than PREFETCH=1's two; more where other tensors shared the copies' blocks
+    # in PREFETCH=1's compute buffer (the output logits on the last device at ub128)
+    one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
+    compute = lambda r: {m["buft"]: m["compute_bytes"] for m in r["schedule"]["memory"]}
+    for name in ("VDEV0", "VDEV1"):
+        lanes = _ext_backend(e2, name)["ring_bytes"]
+        assert lanes == 3 * one_expert_tensor and _ext_backend(e1, name)["ring_bytes"] == 0, (name, lanes)
+        c1, c2 = compute(one)[name], compute(two)[name]
+        assert c2 <= c1 and c1 + one_expert_tensor <= c2 + lanes, (name, c1, c2, lanes)
+
+
 def test_vdev_charges_direct_reads_at_their_share_of_the_link(runner):
     """VDEV's `direct` option: a kernel's reads of pinned host memory move at that share of the link's rate (the
     same bytes take longer over the link than a copy's)."""
