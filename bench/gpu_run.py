@@ -66,15 +66,12 @@ def correctness(model: str, devices: str, out: Path,
                 cases=((64, "none", {}), (512, "none", {}), (512, "mmap", {}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "1"}),
                        (64, "none", {"GGML_SCHED_PP_OVERLAP": "2"}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "2"}),
                        (64, "none", {"GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "1", **NO_UPLOAD_ALL}),
-                       (64, "none", {"GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2", **NO_UPLOAD_ALL}),
-                       (64, "none", {"GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2", **NO_UPLOAD_ALL,
-                                     "PYLLAMA_PP_GATHER_DMA": "1"})),
+                       (64, "none", {"GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2", **NO_UPLOAD_ALL})),
                 n_tokens: int = 512, all_on_gpu: bool = True, timeout: float = 300) -> list[dict]:
     """(n_ubatch, load mode, patched build's environment) cases; mmap: host weights in pageable memory (the
     patched build stages them); OVERLAP=1: the opt-in upload ring of patch 0019; OVERLAP=2: patch 0024's early
     uploads inside the compute buffer; PREFETCH (0029) with upload-all off, so that every expert op gathers, and
-    PREFETCH=2 (0030: up and down two splits early, the copies in three lanes), then with the copy engine's
-    prefetches (PYLLAMA_PP_GATHER_DMA).
+    PREFETCH=2 (0030: up and down two splits early, the copies in three lanes).
     `timeout`: seconds a worker may take (a hang costs no more)."""
     rows = []
     refs: dict = {}   # baseline and all-on-GPU logits per (name, n_ubatch, load mode): the cases share them
@@ -139,7 +136,6 @@ OVERLAP2 = {"OVERLAP": 2, "PREFETCH": 0}   # OVERLAP=2 as runs 16-29 measured it
 PREFETCH_ON = {**OVERLAP2, "PREFETCH": 1}   # patch 0029 acts with OVERLAP=2 only
 ONE_SWITCH = {"OVERLAP": 2}   # since run 31: with PREFETCH (default on) and 16-block gathers (BESIDE)
 PREFETCH2 = {"OVERLAP": 2, "PREFETCH": 2}   # patch 0030 (opt-in): up prefetched, up's rest and down two splits early
-DMA = {"PYLLAMA_PP_GATHER_DMA": "1"}   # the CUDA gather's prefetches on the copy engine (opt-in, experimental)
 SKEWED_LOW = [(4096, 512, PP4096), (4096, 256, PP4096)]   # 37% / 34% coverage
 DECODE_LONG = {"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]}   # tg128 @ d2048
 DECODE_LONG_ONE_GPU = {**DECODE_LONG, "name": "decode-long-one-gpu", "devices": "cuda:0", "est": 110}
@@ -342,15 +338,12 @@ SWEEPS = {
                   skewed_patched("overlap2-low-control", 40, ext=ONE_SWITCH),
                   {"name": "uniform-prefetch2", "est": 45, "ext": PREFETCH2, "variants": ["patched"],
                    "configs": [(4096, 512, PP4096)]}],
-    # the copy engine for the prefetches (PYLLAMA_PP_GATHER_DMA; the kernels read at 48-51 GB/s, the copy engine
-    # 55): PREFETCH=2 at ub1024 against upstream with the timeline, then without DMA as the same-call control;
-    # OVERLAP=2 alone (PREFETCH=1) at ub512 / ub256 with and without it; OVERLAP=2 alone at ub1024 with it
-    "dma": [{**skewed_patched("prefetch2-dma-ub1024-tl", 90, [(16384, 1024, PP16K)], ext=PREFETCH2, env=DMA,
-                              timeline=True), "variants": bench.VARIANTS},
-            skewed_patched("prefetch2-ub1024-control", 40, [(16384, 1024, PP16K)], ext=PREFETCH2),
-            skewed_patched("overlap2-dma-low", 40, ext=ONE_SWITCH, env=DMA),
-            skewed_patched("overlap2-low-control-2", 40, ext=ONE_SWITCH),
-            skewed_patched("overlap2-dma-ub1024", 40, [(16384, 1024, PP16K)], ext=ONE_SWITCH, env=DMA)],
+    # PREFETCH=2 against OVERLAP=2 alone (PREFETCH=1) at ub1024, low coverage, twice each, interleaved (runs 34-35
+    # measured them in different calls and orders)
+    "prefetch2-ub1024": [skewed_patched("overlap2-ub1024-a", 45, [(16384, 1024, PP16K)], ext=ONE_SWITCH),
+                         skewed_patched("prefetch2-ub1024-a", 45, [(16384, 1024, PP16K)], ext=PREFETCH2),
+                         skewed_patched("overlap2-ub1024-b", 45, [(16384, 1024, PP16K)], ext=ONE_SWITCH),
+                         skewed_patched("prefetch2-ub1024-b", 45, [(16384, 1024, PP16K)], ext=PREFETCH2)],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],
@@ -386,7 +379,7 @@ def main() -> int:
     ap.add_argument("--link-gbps", type=float, default=55.0,
                     help="host->GPU bandwidth per link for the rows' bound (pinned, measured: 54.9 / 55.1 GB/s on the "
                          "2xH200 box, bench/cuda_queue.py, 2026-11-30)")
-    ap.add_argument("--skip", default="", help="comma-separated steps to skip: correctness,synth,correctness-direct,correctness-gather,correctness-prefetch,correctness-prefetch2,correctness-dma,"
+    ap.add_argument("--skip", default="", help="comma-separated steps to skip: correctness,synth,correctness-direct,correctness-gather,correctness-prefetch,correctness-prefetch2,"
                                                 "sweep")
     ap.add_argument("--sweep", default="main", help="comma-separated: " + ", ".join(SWEEPS))
     args = ap.parse_args()
@@ -447,10 +440,6 @@ def main() -> int:
         # copies in three lanes; then PREFETCH=1 (OVERLAP=2 alone)
         correctness_30b("correctness_prefetch2", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2"},
                         {"GGML_SCHED_PP_PREFETCH": "1"})
-    if "dma" in sweeps:
-        # the copy engine's prefetches on the 30B preset, upload-all off, PREFETCH=2; then without them
-        correctness_30b("correctness_dma", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2",
-                                            **DMA}, {"PYLLAMA_PP_GATHER_DMA": "0"})
     if "final-overlap2" in sweeps:
         # OVERLAP=2 alone on the 30B preset, upload-all off (every expert op but one gathers; PREFETCH and 16-block
         # gathers come with it - in run 33 one kernel a gather, since reverted), then the same without PREFETCH

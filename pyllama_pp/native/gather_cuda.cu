@@ -49,13 +49,6 @@ struct gather_stream {
     // (n_expert flags each on the device, zeroed when made; a few hundred per model)
     std::unordered_map<const void *, int *> last;
     std::unordered_map<const void *, int *> pref;
-    // PYLLAMA_PP_GATHER_DMA: each weight's last used set lives in mapped host memory instead (`last` holds the
-    // device's pointer, last_host the host's), and a prefetch is the copy engine's: the host reads the set and
-    // queues one copy per run of experts; the set it copies goes to the device through a ring of pinned slots
-    std::unordered_map<const void *, const volatile int *> last_host;
-    int *       stage_host = nullptr;             // kStage slots of kMaxExperts flags (pinned)
-    cudaEvent_t stage_done[64] = {};              // behind each slot's upload (nullptr: not recorded yet)
-    size_t      stage_n    = 0;
     // the bytes each ggml device's gathers read over the link, counted by the kernels into host memory mapped into
     // the device (kMaxCounted slots; pp_gather_cuda_counted reads them)
     unsigned long long * counted_host = nullptr;
@@ -69,7 +62,6 @@ struct gather_stream {
     size_t                   tl_n    = 0;
 };
 constexpr int    kMaxCounted = 64;
-constexpr size_t kStage      = 64;   // gather_stream::stage_done's size
 constexpr size_t kTimeline   = 1 << 16;
 
 // n zeroed bytes of pinned host memory mapped into the current device: the host pointer, with the device's in
@@ -141,18 +133,6 @@ const char * timeline_prefix() {
     return p;
 }
 
-// PYLLAMA_PP_GATHER_DMA=1 (opt-in, experimental): a prefetch (no ids) copies with the copy engine, from the set
-// the device last wrote to mapped host memory (the kernels read pinned host memory at 48-51 GB/s, the copy engine
-// at 55; RESULTS 2i). The host reads the set when it queues the prefetch - maybe an older ubatch's: that costs
-// only bytes, as the rest after it leaves out exactly what was copied.
-bool dma_prefetch() {
-    static const bool on = [] {
-        const char * v = getenv("PYLLAMA_PP_GATHER_DMA");
-        return v != nullptr && atoi(v) != 0;
-    }();
-    return on;
-}
-
 std::vector<std::string>                 g_weight_names;   // under g_mutex
 std::unordered_map<const void *, int>    g_weight_ids;
 
@@ -189,24 +169,13 @@ using namespace pp_gather_abi;   // the modes of ggml_backend_pp_gather_t (gathe
 constexpr size_t kMaxFlagSets   = 4096;   // per GPU and kind: weights x copies stay far below
 
 // the flag set of `key` in `sets` (n_expert ints, zeroed on the stream when made); nullptr: the cap is reached or
-// the device has no memory (then the caller declines). With `host` (DMA): in zeroed mapped host memory, the host's
-// pointer kept in *host
-int * flag_set(std::unordered_map<const void *, int *> & sets, const void * key, cudaStream_t stream,
-               std::unordered_map<const void *, const volatile int *> * host = nullptr) {
+// the device has no memory (then the caller declines)
+int * flag_set(std::unordered_map<const void *, int *> & sets, const void * key, cudaStream_t stream) {
     auto it = sets.find(key);
     if (it != sets.end()) {
         return it->second;
     }
     int * p = nullptr;
-    if (host != nullptr) {
-        void * dev_ptr = nullptr;
-        const int * h = sets.size() < kMaxFlagSets ? (const int *) mapped_zeroed(kMaxExperts * sizeof(int), &dev_ptr) : nullptr;
-        if (h == nullptr) {
-            return nullptr;
-        }
-        (*host)[key] = h;
-        return sets[key] = (int *) dev_ptr;
-    }
     if (sets.size() >= kMaxFlagSets || cudaMalloc((void **) &p, kMaxExperts * sizeof(int)) != cudaSuccess) {
         (void) cudaGetLastError();
         return nullptr;
@@ -303,70 +272,6 @@ gather_stream * stream_for(int device, ggml_backend_dev_t dev) {
     return g;
 }
 
-// DMA: the next pinned slot of g's ring for a prefetch's set, once the upload from it the ring's size ago is done
-// (g->mutex held); nullptr where no pinned memory can be had
-int * stage_slot(gather_stream * g) {
-    if (g->stage_host == nullptr &&
-        cudaHostAlloc((void **) &g->stage_host, kStage * kMaxExperts * sizeof(int), cudaHostAllocDefault) != cudaSuccess) {
-        (void) cudaGetLastError();
-        g->stage_host = nullptr;
-        return nullptr;
-    }
-    const size_t k = g->stage_n % kStage;
-    if (g->stage_done[k] == nullptr && cudaEventCreateWithFlags(&g->stage_done[k], cudaEventDisableTiming) != cudaSuccess) {
-        (void) cudaGetLastError();
-        g->stage_done[k] = nullptr;
-        return nullptr;
-    }
-    if (g->stage_n >= kStage && cudaEventSynchronize(g->stage_done[k]) != cudaSuccess) {
-        (void) cudaGetLastError();
-        return nullptr;
-    }
-    return g->stage_host + k * kMaxExperts;
-}
-
-// DMA: queue a prefetch on g's stream with the copy engine - the set the host reads from the weight's last used
-// set (mapped; last_dev: the device's pointer to it) goes into `stage`, then to the device as the copy's set
-// (`pref`, which the rest after it reads), counted there; then one copy per run of consecutive experts, with the
-// tail after the run (gather_cuda_kernels.cuh's expert_span). false: a copy could not be queued (what was queued
-// stays ordered on the stream; the scheduler then waits for nothing it did not get)
-bool dma_prefetch_queue(gather_stream * g, ggml_tensor * dst, const ggml_tensor * src, int n_expert, const int * last_dev,
-                        int * pref, int * stage, unsigned long long * counted, gather_stream::record * rec) {
-    auto it = g->last_host.find(src->data);
-    if (it == g->last_host.end() || g->last.count(src->data) == 0 || g->last.at(src->data) != last_dev) {
-        return false;
-    }
-    const volatile int * last = it->second;
-    for (int i = 0; i < n_expert; i++) {
-        stage[i] = last[i] != 0;
-    }
-    const size_t k = g->stage_n++ % kStage;
-    if (cudaMemcpyAsync(pref, stage, n_expert * sizeof(int), cudaMemcpyHostToDevice, g->stream) != cudaSuccess ||
-        cudaEventRecord(g->stage_done[k], g->stream) != cudaSuccess) {
-        return false;
-    }
-    copy_flags<<<1, 1024, 0, g->stream>>>(pref, pref, n_expert, src->nb[2], counted, rec != nullptr ? &rec->bytes : nullptr);
-    const size_t expert = src->nb[2];
-    const size_t tail   = expert < (size_t) kTail ? expert : (size_t) kTail;
-    for (int e = 0; e < n_expert; e++) {
-        if (!stage[e]) {
-            continue;
-        }
-        int e1 = e;
-        while (e1 + 1 < n_expert && stage[e1 + 1]) {
-            e1++;
-        }
-        const size_t begin = (size_t) e * expert;
-        const size_t bytes = (size_t) (e1 - e + 1) * expert + (e1 < n_expert - 1 ? tail : 0);
-        if (cudaMemcpyAsync((char *) dst->data + begin, (const char *) src->data + begin, bytes, cudaMemcpyHostToDevice,
-                            g->stream) != cudaSuccess) {
-            return false;
-        }
-        e = e1;
-    }
-    return true;
-}
-
 }  // namespace
 
 // The contract (ggml-backend-pp.h): false only with nothing queued; once the copy is queued, true - if the event
@@ -427,18 +332,13 @@ bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const s
         // the flag sets first (nothing queued yet if they cannot be had)
         int * last = nullptr, * pref = nullptr, * need = g->used;
         bool ready = true;
-        const bool dma = dma_prefetch();
-        int * stage = nullptr;   // DMA prefetch: the pinned slot its set goes to the device from
         if (prefetch) {
             auto it = g->last.find(src->data);
             last = it != g->last.end() ? it->second : nullptr;
             pref = last != nullptr ? flag_set(g->pref, dst->data, g->stream) : nullptr;
-            if (dma && pref != nullptr) {
-                stage = stage_slot(g);
-            }
-            ready = pref != nullptr && (!dma || stage != nullptr);
+            ready = pref != nullptr;
         } else {
-            last = flag_set(g->last, src->data, g->stream, dma ? &g->last_host : nullptr);   // (none: the gather goes on without recording)
+            last = flag_set(g->last, src->data, g->stream);   // (none: the gather goes on without recording)
             if (mode == kRest) {
                 auto it = g->pref.find(dst->data);
                 pref = it != g->pref.end() ? it->second : nullptr;   // (none: every used expert)
@@ -457,13 +357,7 @@ bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const s
                     stamp<<<1, 1, 0, g->stream>>>(&rec->t0);
                 }
                 // the flags (a prefetch: its set; a gather: the used experts it still needs), then the copy
-                if (stage != nullptr) {
-                    queued = dma_prefetch_queue(g, dst, src, n_expert, last, pref, stage, counted, rec);
-                    if (rec != nullptr) {
-                        stamp<<<1, 1, 0, g->stream>>>(&rec->t1);
-                    }
-                    queued = queued && cudaGetLastError() == cudaSuccess;
-                } else if (prefetch) {
+                if (prefetch) {
                     copy_flags<<<1, 1024, 0, g->stream>>>(pref, last, n_expert, src->nb[2], counted,
                                                           rec != nullptr ? &rec->bytes : nullptr);
                 } else {
@@ -472,7 +366,7 @@ bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const s
                                                                                src->nb[2], counted,
                                                                                rec != nullptr ? &rec->bytes : nullptr);
                 }
-                if (stage == nullptr && cudaGetLastError() == cudaSuccess) {
+                if (cudaGetLastError() == cudaSuccess) {
                     launch_copy(prefetch ? kBesideBlocks : copy_blocks(beside), g->stream, (char *) dst->data,
                                 (const char *) src->data, src->nb[2], n_expert, prefetch ? pref : need);
                     if (rec != nullptr) {
