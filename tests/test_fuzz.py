@@ -1,8 +1,10 @@
 """Random combinations of the patched scheduler's switches, device shapes, batch sizes, routing and load modes on
 VDEVs: the logits must match the baseline's for the same placement (NMSE <= 1e-6). 16 cases in CI; for a long run:
-PP_FUZZ_CASES=600 PP_FUZZ_SEED=1 python -m pytest -q tests/test_fuzz.py (2-core machine: ~0.7 s a case)."""
+PP_FUZZ_CASES=600 PP_FUZZ_SEED=1 python -m pytest -q tests/test_fuzz.py (2-core machine: ~0.7 s a case);
+PP_FUZZ_FORCE (JSON) sets switches in every case."""
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -12,6 +14,8 @@ from pyllama_pp import synth
 
 N_CASES = int(os.environ.get("PP_FUZZ_CASES", "16"))
 SEED = int(os.environ.get("PP_FUZZ_SEED", "0"))
+# switches set in every case, e.g. PP_FUZZ_FORCE='{"GGML_SCHED_PP_OVERLAP": 2, "GGML_SCHED_PP_PREFETCH": 2}'
+FORCE = json.loads(os.environ.get("PP_FUZZ_FORCE", "{}"))
 SWITCHES = {"OVERLAP": [0, 1, 2], "DIRECT": [-1, 0, 1, 2], "DIRECT_FIRST": [0, 1], "PLANS": [0, 1, 4],
             "COPIES": [0, 2, 4], "UPLOAD_ALL": [0, 1], "SHARED_INPUTS": [0, 1], "EARLY_INPUTS": [0, 1],
             "STAGING": [0, 1], "OFFLOAD_TAIL": [0, 1], "OVERLAP_POOL": [0, 1], "GATHER": [-1, 0], "PREFETCH": [0, 1, 2]}
@@ -31,6 +35,9 @@ def _case(i: int) -> dict:
                                                   {"link_gbps": link, "link_group": 0, "row_pad": pad},
                                                   {"link_gbps": link, "row_pad": pad}]}}[shape]
     env = {f"GGML_SCHED_PP_{k}": rng.choice(v) for k, v in SWITCHES.items() if rng.random() < 0.5}
+    if env.get("GGML_SCHED_PP_PREFETCH") == 2:   # (the fuzz's ubatches are below PREFETCH=2's default 1024 tokens)
+        env["GGML_SCHED_PP_PREFETCH2_MIN_TOKENS"] = rng.choice([1, 1024])
+    env.update(FORCE)
     placement = {"host_experts": rng.choice(["all", "all", 3])}
     if rng.random() < 0.2:
         placement["load_mode"] = "mmap"

@@ -551,9 +551,11 @@ def test_prefetch2_moves_up_and_down_two_splits_early(runner, tiny_cfg, assert_l
     two splits early; each split waits only for its own copies, a prefetch only for the last split that used its
     memory. Same logits as the baseline on slow links and a slow second device; every expert op still gathered
     once (a rest counts as its op's gather), about twice PREFETCH=1's prefetches, more of the gathers on the
-    second stream; three expert copies in lanes of their own instead of two in the compute buffer."""
+    second stream; three expert copies in lanes of their own instead of two in the compute buffer. Graphs below
+    PREFETCH2_MIN_TOKENS go up as with PREFETCH=1, their copies in the same lanes."""
     env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_OVERLAP": 2, "GGML_SCHED_PP_PREFETCH": 1}
-    b, one, two = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, env, {"GGML_SCHED_PP_PREFETCH": 2})
+    b, one, two = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, env,
+                                   {"GGML_SCHED_PP_PREFETCH": 2, "GGML_SCHED_PP_PREFETCH2_MIN_TOKENS": ub})
     assert two["schedule"]["pipeline_parallel"] is True and two["ext"]["params"]["PREFETCH"] == 2
     assert_logits_match(two["logits"], b["logits"], f"PREFETCH=2 ub{ub}")
     assert_logits_match(one["logits"], b["logits"], f"PREFETCH=1 ub{ub}")
@@ -577,6 +579,15 @@ def test_prefetch2_moves_up_and_down_two_splits_early(runner, tiny_cfg, assert_l
         assert lanes == 3 * one_expert_tensor and _ext_backend(e1, name)["ring_bytes"] == 0, (name, lanes)
         c1, c2 = compute(one)[name], compute(two)[name]
         assert c2 <= c1 and c1 + one_expert_tensor <= c2 + lanes, (name, c1, c2, lanes)
+    # below PREFETCH2_MIN_TOKENS (default 1024) the graph goes up as with PREFETCH=1 - the same prefetches and early
+    # uploads - with the copies still in the lanes (the same compute buffers as where PREFETCH=2 acts)
+    *_, small = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, env, {"GGML_SCHED_PP_PREFETCH": 2})
+    assert_logits_match(small["logits"], b["logits"], f"PREFETCH=2 below its tokens ub{ub}")
+    e3 = small["ext"]
+    assert e3["params"]["PREFETCH2_MIN_TOKENS"] == 1024 > ub and e3["prefetch"] == e1["prefetch"], (e3, e1)
+    assert early(e3) == early(e1) and e3["gather"] == e1["gather"], (early(e3), early(e1))
+    assert compute(small) == compute(two), (compute(small), compute(two))
+    assert all(_ext_backend(e3, n)["ring_bytes"] == 3 * one_expert_tensor for n in ("VDEV0", "VDEV1")), e3
 
 
 def test_vdev_charges_direct_reads_at_their_share_of_the_link(runner):
