@@ -66,7 +66,8 @@ def correctness(model: str, devices: str, out: Path,
                 cases=((64, "none", {}), (512, "none", {}), (512, "mmap", {}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "1"}),
                        (64, "none", {"GGML_SCHED_PP_OVERLAP": "2"}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "2"}),
                        (64, "none", {"GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "1", **NO_UPLOAD_ALL}),
-                       (64, "none", {"GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2", **NO_UPLOAD_ALL})),
+                       (64, "none", {"GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2",
+                                     "GGML_SCHED_PP_PREFETCH2_MIN_TOKENS": "1", **NO_UPLOAD_ALL})),
                 n_tokens: int = 512, all_on_gpu: bool = True, timeout: float = 300) -> list[dict]:
     """(n_ubatch, load mode, patched build's environment) cases; mmap: host weights in pageable memory (the
     patched build stages them); OVERLAP=1: the opt-in upload ring of patch 0019; OVERLAP=2: patch 0024's early
@@ -344,6 +345,12 @@ SWEEPS = {
                          skewed_patched("prefetch2-ub1024-a", 45, [(16384, 1024, PP16K)], ext=PREFETCH2),
                          skewed_patched("overlap2-ub1024-b", 45, [(16384, 1024, PP16K)], ext=ONE_SWITCH),
                          skewed_patched("prefetch2-ub1024-b", 45, [(16384, 1024, PP16K)], ext=PREFETCH2)],
+    # patch 0030 as it ends session 10 (lanes set up with the upload ring's code, PREFETCH2_MIN_TOKENS 1024): ub1024
+    # with PREFETCH=2, then ub512 / ub256 where it now goes up as PREFETCH=1 (its copies in the lanes) and the same
+    # with OVERLAP=2 alone
+    "prefetch2-final": [skewed_patched("prefetch2-final-ub1024", 40, [(16384, 1024, PP16K)], ext=PREFETCH2),
+                        skewed_patched("prefetch2-final-low", 40, ext=PREFETCH2),
+                        skewed_patched("overlap2-final-low", 40, ext=ONE_SWITCH)],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],
@@ -435,10 +442,12 @@ def main() -> int:
         correctness_30b("correctness_prefetch", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "1",
                                                  **GRID_BLOCKS},
                         FEW_BLOCKS)
-    if "prefetch2" in sweeps:
+    if "prefetch2" in sweeps or "prefetch2-final" in sweeps:
         # patch 0030 on the 30B preset, upload-all off: gate and up prefetched, their rests and down gathered, the
         # copies in three lanes; then PREFETCH=1 (OVERLAP=2 alone)
-        correctness_30b("correctness_prefetch2", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2"},
+        # (PREFETCH2_MIN_TOKENS=1: at ub256 PREFETCH=2 would act as PREFETCH=1 by default)
+        correctness_30b("correctness_prefetch2", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2",
+                                                  "GGML_SCHED_PP_PREFETCH2_MIN_TOKENS": "1"},
                         {"GGML_SCHED_PP_PREFETCH": "1"})
     if "final-overlap2" in sweeps:
         # OVERLAP=2 alone on the 30B preset, upload-all off (every expert op but one gathers; PREFETCH and 16-block
