@@ -67,7 +67,8 @@ def correctness(model: str, devices: str, out: Path,
                        (64, "none", {"GGML_SCHED_PP_OVERLAP": "2"}), (512, "none", {"GGML_SCHED_PP_OVERLAP": "2"}),
                        (64, "none", {"GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "1", **NO_UPLOAD_ALL}),
                        (64, "none", {"GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2",
-                                     "GGML_SCHED_PP_PREFETCH2_MIN_TOKENS": "1", **NO_UPLOAD_ALL})),
+                                     "GGML_SCHED_PP_PREFETCH2_MIN_TOKENS": "1", **NO_UPLOAD_ALL}),
+                       (64, "none", {"GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2", **NO_UPLOAD_ALL})),
                 n_tokens: int = 512, all_on_gpu: bool = True, timeout: float = 300) -> list[dict]:
     """(n_ubatch, load mode, patched build's environment) cases; mmap: host weights in pageable memory (the
     patched build stages them); OVERLAP=1: the opt-in upload ring of patch 0019; OVERLAP=2: patch 0024's early
@@ -351,6 +352,10 @@ SWEEPS = {
     "prefetch2-final": [skewed_patched("prefetch2-final-ub1024", 40, [(16384, 1024, PP16K)], ext=PREFETCH2),
                         skewed_patched("prefetch2-final-low", 40, ext=PREFETCH2),
                         skewed_patched("overlap2-final-low", 40, ext=ONE_SWITCH)],
+    # the last fix of session 10 (PREFETCH=2's copies placed two splits early by the setting, below
+    # PREFETCH2_MIN_TOKENS uploaded one split early): ub512 / ub256, then OVERLAP=2 alone
+    "prefetch2-small": [skewed_patched("prefetch2-small-low", 40, ext=PREFETCH2),
+                        skewed_patched("overlap2-small-low", 40, ext=ONE_SWITCH)],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],

@@ -588,6 +588,15 @@ def test_prefetch2_moves_up_and_down_two_splits_early(runner, tiny_cfg, assert_l
     assert early(e3) == early(e1) and e3["gather"] == e1["gather"], (early(e3), early(e1))
     assert compute(small) == compute(two), (compute(small), compute(two))
     assert all(_ext_backend(e3, n)["ring_bytes"] == 3 * one_expert_tensor for n in ("VDEV0", "VDEV1")), e3
+    # a prompt whose last ubatch is below the threshold keeps the layout of those above it: no more
+    # re-reservations (each drains the pipeline) than with PREFETCH=1
+    kw = {"devices": "vdev:2x0@0.5,speed=1:3", "placement": HOST_ALL,
+          "ctx": {"n_ctx": 512, "n_batch": 4 * ub, "n_ubatch": ub}, "n_tokens": 3 * ub + ub // 2}
+    part1 = runner.logits("patched", env=env, **kw)
+    part2 = runner.logits("patched", env={**env, "GGML_SCHED_PP_PREFETCH": 2, "GGML_SCHED_PP_PREFETCH2_MIN_TOKENS": ub}, **kw)
+    assert_logits_match(part2["logits"], part1["logits"], f"PREFETCH=2, a partial last ubatch, ub{ub}")
+    assert part2["ext"]["prefetch"] > part1["ext"]["prefetch"], (part2["ext"]["prefetch"], part1["ext"]["prefetch"])
+    assert part2["ext"]["reallocs"] == part1["ext"]["reallocs"], (part2["ext"].get("last_realloc"), part1["ext"]["reallocs"])
 
 
 def test_vdev_charges_direct_reads_at_their_share_of_the_link(runner):
