@@ -15,7 +15,10 @@ from pyllama_pp import synth
 N_CASES = int(os.environ.get("PP_FUZZ_CASES", "16"))
 SEED = int(os.environ.get("PP_FUZZ_SEED", "0"))
 # switches set in every case, e.g. PP_FUZZ_FORCE='{"GGML_SCHED_PP_OVERLAP": 2, "GGML_SCHED_PP_PREFETCH": 2}'
-FORCE = json.loads(os.environ.get("PP_FUZZ_FORCE", "{}"))
+try:
+    FORCE = dict(json.loads(os.environ.get("PP_FUZZ_FORCE", "{}")))
+except (ValueError, TypeError) as e:
+    pytest.exit(f"PP_FUZZ_FORCE must be a JSON object of switches, e.g. '{{\"GGML_SCHED_PP_OVERLAP\": 2}}': {e}", returncode=4)
 SWITCHES = {"OVERLAP": [0, 1, 2], "DIRECT": [-1, 0, 1, 2], "DIRECT_FIRST": [0, 1], "PLANS": [0, 1, 4],
             "COPIES": [0, 2, 4], "UPLOAD_ALL": [0, 1], "SHARED_INPUTS": [0, 1], "EARLY_INPUTS": [0, 1],
             "STAGING": [0, 1], "OFFLOAD_TAIL": [0, 1], "OVERLAP_POOL": [0, 1], "GATHER": [-1, 0], "PREFETCH": [0, 1, 2]}

@@ -42,6 +42,26 @@ def _ext_backend(ext: dict, name: str) -> dict:
     raise AssertionError(f"no backend {name} in ext counters: {[b['name'] for b in ext['backends']]}")
 
 
+def _h2d_by_device(r: dict) -> dict:
+    """Bytes each VDEV's link moved host -> device in a job's result."""
+    return {d["device"]: d["h2d_bytes"] for d in r["counters"]["devices"]}
+
+
+def _compute_bytes(r: dict) -> dict:
+    """Compute buffer bytes per buffer type in a job's schedule."""
+    return {m["buft"]: m["compute_bytes"] for m in r["schedule"]["memory"]}
+
+
+def _vdev_compute_buffers(r: dict) -> dict:
+    """Each VDEV backend's compute buffer bytes in a job's schedule."""
+    return {x["name"]: x["compute_buffer_bytes"] for x in r["schedule"]["backends"] if x["name"].startswith("VDEV")}
+
+
+def _early_uploads(ext: dict) -> int:
+    """Uploads the scheduler queued on a second stream (OVERLAP) over all backends."""
+    return sum(x["overlap_uploads"] for x in ext["backends"])
+
+
 def layers_per_device(model_path: str, schedule: dict, host_layers=None) -> dict[str, int]:
     """How many layers each VDEV owns, from the model bytes the schedule reports on it.
 
@@ -235,12 +255,11 @@ def test_memory_bound_with_the_issue_geometry(runner, tiny_cfg, ub):
     one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
     placement = {**HOST_ALL, "tensor_split": [3, 5]}
     ctx = {"n_ctx": 2304, "n_batch": 16 * ub, "n_ubatch": ub}
-    bufs = lambda r: {x["name"]: x["compute_buffer_bytes"] for x in r["schedule"]["backends"] if x["name"].startswith("VDEV")}
-    b = bufs(runner.schedule("baseline", devices=DEVS, placement=placement, ctx=ctx))
+    b = _vdev_compute_buffers(runner.schedule("baseline", devices=DEVS, placement=placement, ctx=ctx))
     p = runner.schedule("patched", devices=DEVS, placement=placement, ctx=ctx)
-    unshared = bufs(runner.schedule("patched", devices=DEVS, placement=placement, ctx=ctx, env=_off("SHARED_INPUTS")))
+    unshared = _vdev_compute_buffers(runner.schedule("patched", devices=DEVS, placement=placement, ctx=ctx, env=_off("SHARED_INPUTS")))
     assert p["schedule"]["pipeline_parallel"] is True and len(b) == 2
-    for name, x in bufs(p).items():
+    for name, x in _vdev_compute_buffers(p).items():
         assert x <= b[name] + 2 * one_expert_tensor, (name, x, b[name], one_expert_tensor)
         assert x < unshared[name], (name, x, unshared[name])   # the per-graph input copies are gone
 
@@ -303,10 +322,9 @@ def test_overlap_in_the_compute_buffer_keeps_the_memory_bound(runner, tiny_cfg, 
     one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
     placement = {**HOST_ALL, "tensor_split": [3, 5]}
     ctx = {"n_ctx": 2304, "n_batch": 16 * ub, "n_ubatch": ub}
-    bufs = lambda r: {x["name"]: x["compute_buffer_bytes"] for x in r["schedule"]["backends"] if x["name"].startswith("VDEV")}
-    b = bufs(runner.schedule("baseline", devices=DEVS, placement=placement, ctx=ctx))
-    plain = bufs(runner.schedule("patched", devices=DEVS, placement=placement, ctx=ctx, env=OVERLAP_OFF))
-    p = bufs(runner.schedule("patched", devices=DEVS, placement=placement, ctx=ctx, env={"GGML_SCHED_PP_OVERLAP": 2}))
+    b = _vdev_compute_buffers(runner.schedule("baseline", devices=DEVS, placement=placement, ctx=ctx))
+    plain = _vdev_compute_buffers(runner.schedule("patched", devices=DEVS, placement=placement, ctx=ctx, env=OVERLAP_OFF))
+    p = _vdev_compute_buffers(runner.schedule("patched", devices=DEVS, placement=placement, ctx=ctx, env={"GGML_SCHED_PP_OVERLAP": 2}))
     for name, x in p.items():
         assert x <= b[name] + 2 * one_expert_tensor, (name, x, b[name], one_expert_tensor)
         assert x >= plain[name], (name, x, plain[name])   # the early copies live one split longer
@@ -334,8 +352,7 @@ def test_overlap_pools_the_expert_copies(tmp_path_factory, assert_logits_match, 
     one_copy = synth.expert_bytes_per_layer(cfg) // 3 + 512   # + CUDA's padding step
     job = {"kind": "schedule", "model": model, "devices": "vdev:2x0@0,pad=512", "placement": HOST_ALL,
            "ctx": {"n_ctx": 1024, "n_batch": 1024, "n_ubatch": 512}}
-    bufs = lambda env: {x["name"]: x["compute_buffer_bytes"] for x in runner.run("patched", job, env=env)["schedule"]["backends"]
-                        if x["name"].startswith("VDEV")}
+    bufs = lambda env: _vdev_compute_buffers(runner.run("patched", job, env=env))
     off, pooled = bufs(OVERLAP_OFF), bufs({"GGML_SCHED_PP_OVERLAP": 2})
     unpooled = bufs({"GGML_SCHED_PP_OVERLAP": 2, "GGML_SCHED_PP_OVERLAP_POOL": 0})
     for name in off:
@@ -455,9 +472,8 @@ def test_direct_reads_replace_the_readbacks(runner, tiny_cfg, assert_logits_matc
     measures = 1 if ub * tiny_cfg.n_expert_used >= 2 * tiny_cfg.n_expert else 0
     assert e["id_readbacks"] == measures and e["selective"] == measures, e
     assert e["direct"] == s["selective"] - measures, (e["direct"], s["selective"])
-    h2d = lambda r: {d["device"]: d["h2d_bytes"] for d in r["counters"]["devices"]}
-    for name, x in h2d(on).items():
-        assert 0.6 * h2d(sel)[name] < x <= h2d(sel)[name], (name, x, h2d(sel)[name])
+    for name, x in _h2d_by_device(on).items():
+        assert 0.6 * _h2d_by_device(sel)[name] < x <= _h2d_by_device(sel)[name], (name, x, _h2d_by_device(sel)[name])
         assert _ext_backend(e, name)["direct_bytes_est"] > 0
 
 
@@ -479,8 +495,7 @@ def test_gather_copies_what_the_selective_copy_does_without_readbacks(runner, ti
     measures = 1 if ub * tiny_cfg.n_expert_used >= 2 * tiny_cfg.n_expert else 0
     assert e["id_readbacks"] == measures and e["selective"] == 3 * measures and e["direct"] == 0, e
     assert e["gather"] == s["selective"] - 3 * measures > 0, (e["gather"], s["selective"])
-    h2d = lambda r: {d["device"]: d["h2d_bytes"] for d in r["counters"]["devices"]}
-    assert h2d(on) == h2d(sel), (h2d(on), h2d(sel))
+    assert _h2d_by_device(on) == _h2d_by_device(sel), (_h2d_by_device(on), _h2d_by_device(sel))
     for name in ("VDEV0", "VDEV1"):
         x, y = _ext_backend(e, name), _ext_backend(s, name)
         assert x["gather_bytes_est"] > 0 and x["weight_bytes"] < y["weight_bytes"], (x, y)
@@ -498,7 +513,7 @@ def test_gather_with_overlap_goes_up_on_the_second_stream(runner, assert_logits_
     assert_logits_match(on["logits"], b["logits"], "GATHER, OVERLAP=2")
     e_on, e_off = on["ext"], off["ext"]
     assert e_on["id_readbacks"] == e_off["id_readbacks"] == 0 and e_on["gather"] == e_off["gather"] > 0, (e_on, e_off)
-    early = sum(x["overlap_uploads"] for x in e_on["backends"])
+    early = _early_uploads(e_on)
     assert 3 * early == 2 * e_on["gather"], (early, e_on["gather"])
     assert all(x["overlap_uploads"] == 0 for x in e_off["backends"])
     # with OVERLAP=2 the scheduler flags every gather BESIDE (compute runs beside it: the CUDA gather then copies
@@ -528,20 +543,17 @@ def test_prefetch_brings_last_used_experts_a_split_early(runner, tiny_cfg, asser
     assert e_off["prefetch"] == 0 and e_on["gather"] == e_off["gather"] > 0, (e_on, e_off)
     # every gate but the first ubatch's (no last used set yet) of the 6 layers
     assert 0 < e_on["prefetch"] <= e_on["gather"] // 3 - tiny_cfg.n_layer, e_on
-    early = lambda e: sum(x["overlap_uploads"] for x in e["backends"])
-    assert early(e_on) == early(e_off) + e_on["prefetch"], (early(e_on), early(e_off), e_on["prefetch"])
+    assert _early_uploads(e_on) == _early_uploads(e_off) + e_on["prefetch"], (_early_uploads(e_on), _early_uploads(e_off), e_on["prefetch"])
     one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
-    h2d = lambda r: {d["device"]: d["h2d_bytes"] for d in r["counters"]["devices"]}
-    extra = sum(h2d(on).values()) - sum(h2d(off).values())
-    assert all(h2d(on)[d] >= h2d(off)[d] for d in h2d(off)), (h2d(on), h2d(off))
+    extra = sum(_h2d_by_device(on).values()) - sum(_h2d_by_device(off).values())
+    assert all(_h2d_by_device(on)[d] >= _h2d_by_device(off)[d] for d in _h2d_by_device(off)), (_h2d_by_device(on), _h2d_by_device(off))
     assert extra <= e_on["prefetch"] * one_expert_tensor, (extra, e_on["prefetch"])
     # and the rest leaves out what the prefetch brought: a prefetch moves about an average op's bytes (the last
     # used set); had the rest copied every used expert again, all of them would be extra (tiny, ub32: 40% of that)
-    per_op = sum(h2d(off).values()) / e_off["gather"]
+    per_op = sum(_h2d_by_device(off).values()) / e_off["gather"]
     assert extra < 0.75 * e_on["prefetch"] * per_op, (extra, e_on["prefetch"], per_op)
     # the gate copy placed early is alive while down's is: no more compute memory than OVERLAP=2 without it
-    compute = lambda r: {m["buft"]: m["compute_bytes"] for m in r["schedule"]["memory"]}
-    assert compute(on) == compute(off), (compute(on), compute(off))
+    assert _compute_bytes(on) == _compute_bytes(off), (_compute_bytes(on), _compute_bytes(off))
 
 
 @pytest.mark.parametrize("ub", [32, 128])
@@ -565,19 +577,16 @@ def test_prefetch2_moves_up_and_down_two_splits_early(runner, tiny_cfg, assert_l
     # of a graph's measuring op (ub128: its layer's gate and up read back or follow the readback)
     assert 2 * e1["prefetch"] - 2 <= e2["prefetch"] <= 2 * e1["prefetch"] and e1["prefetch"] > 0, (e1["prefetch"], e2["prefetch"])
     # the extra prefetches go up on the second stream; up's rest there instead of its gather, down's gather too
-    early = lambda e: sum(x["overlap_uploads"] for x in e["backends"])
-    assert early(e2) - early(e1) == e2["prefetch"] - e1["prefetch"], (early(e1), early(e2), e1["prefetch"], e2["prefetch"])
-    h2d = lambda r: {d["device"]: d["h2d_bytes"] for d in r["counters"]["devices"]}
-    assert all(h2d(two)[d] >= h2d(one)[d] for d in h2d(one)), (h2d(one), h2d(two))
+    assert _early_uploads(e2) - _early_uploads(e1) == e2["prefetch"] - e1["prefetch"], (_early_uploads(e1), _early_uploads(e2), e1["prefetch"], e2["prefetch"])
+    assert all(_h2d_by_device(two)[d] >= _h2d_by_device(one)[d] for d in _h2d_by_device(one)), (_h2d_by_device(one), _h2d_by_device(two))
     # the copies live in three lanes of their own (gate, up, down in turn), outside the compute buffer, which never
     # grows: at least one expert copy more than PREFETCH=1's two; more where other tensors shared the copies' blocks
     # in PREFETCH=1's compute buffer (the output logits on the last device at ub128)
     one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
-    compute = lambda r: {m["buft"]: m["compute_bytes"] for m in r["schedule"]["memory"]}
     for name in ("VDEV0", "VDEV1"):
         lanes = _ext_backend(e2, name)["ring_bytes"]
         assert lanes == 3 * one_expert_tensor and _ext_backend(e1, name)["ring_bytes"] == 0, (name, lanes)
-        c1, c2 = compute(one)[name], compute(two)[name]
+        c1, c2 = _compute_bytes(one)[name], _compute_bytes(two)[name]
         assert c2 <= c1 and c1 + one_expert_tensor <= c2 + lanes, (name, c1, c2, lanes)
     # below PREFETCH2_MIN_TOKENS (default 1024) the graph goes up as with PREFETCH=1 - the same prefetches and early
     # uploads - with the copies still in the lanes (the same compute buffers as where PREFETCH=2 acts)
@@ -585,8 +594,8 @@ def test_prefetch2_moves_up_and_down_two_splits_early(runner, tiny_cfg, assert_l
     assert_logits_match(small["logits"], b["logits"], f"PREFETCH=2 below its tokens ub{ub}")
     e3 = small["ext"]
     assert e3["params"]["PREFETCH2_MIN_TOKENS"] == 1024 > ub and e3["prefetch"] == e1["prefetch"], (e3, e1)
-    assert early(e3) == early(e1) and e3["gather"] == e1["gather"], (early(e3), early(e1))
-    assert compute(small) == compute(two), (compute(small), compute(two))
+    assert _early_uploads(e3) == _early_uploads(e1) and e3["gather"] == e1["gather"], (_early_uploads(e3), _early_uploads(e1))
+    assert _compute_bytes(small) == _compute_bytes(two), (_compute_bytes(small), _compute_bytes(two))
     assert all(_ext_backend(e3, n)["ring_bytes"] == 3 * one_expert_tensor for n in ("VDEV0", "VDEV1")), e3
     # a prompt whose last ubatch is below the threshold keeps the layout of those above it: no more
     # re-reservations (each drains the pipeline) than with PREFETCH=1
@@ -679,8 +688,7 @@ def test_direct_with_overlap(runner, assert_logits_match):
                                    {"GGML_SCHED_PP_DIRECT": 1})
     assert_logits_match(both["logits"], b["logits"], "DIRECT=1 OVERLAP=1")
     assert both["ext"]["direct"] > 0 and ov["ext"]["direct"] == 0
-    ups = lambda r: sum(x["overlap_uploads"] for x in r["ext"]["backends"])
-    assert 0 <= ups(both) < ups(ov), (ups(both), ups(ov))   # only the measuring op's copy goes through the ring
+    assert 0 <= _early_uploads(both["ext"]) < _early_uploads(ov["ext"]), (_early_uploads(both["ext"]), _early_uploads(ov["ext"]))   # only the measuring op's copy goes through the ring
 
 
 def test_direct_leaves_upload_alls_refresh_to_a_readback(runner):
