@@ -97,7 +97,7 @@ def correctness(model: str, devices: str, out: Path,
             got[name] = refs[(name, ub, mode)]
         arr, res = logits("patched", "patched", "all", ub, mode, penv)
         got["patched"] = (arr, res["schedule"])
-        ext = {k: (res.get("ext") or {}).get(k) for k in ("id_readbacks", "selective", "upload_all", "direct", "gather", "prefetch")}
+        ext = {k: (res.get("ext") or {}).get(k) for k in ("id_readbacks", "selective", "upload_all", "direct", "gather", "prefetch", "chained")}
         b, p = got["baseline"][0], got["patched"][0]
         g = got["all_on_gpu"][0] if all_on_gpu else None
         rows.append({"model": Path(model).name, "devices": devices, "n_ubatch": ub, "load_mode": mode, "patched_env": penv,
@@ -356,6 +356,13 @@ SWEEPS = {
     # PREFETCH2_MIN_TOKENS uploaded one split early): ub512 / ub256, then OVERLAP=2 alone
     "prefetch2-small": [skewed_patched("prefetch2-small-low", 40, ext=PREFETCH2),
                         skewed_patched("overlap2-small-low", 40, ext=ONE_SWITCH)],
+    # patch 0031 (CHAIN, on by default): PREFETCH=2 at ub1024, low coverage, with a gather timeline, then CHAIN=0
+    # against CHAIN=1 twice, interleaved
+    "chain": [skewed_patched("chain-ub1024-tl", 50, [(16384, 1024, PP16K)], ext=PREFETCH2, timeline=True),
+              skewed_patched("chain0-ub1024-a", 45, [(16384, 1024, PP16K)], ext={**PREFETCH2, "CHAIN": 0}),
+              skewed_patched("chain-ub1024-a", 45, [(16384, 1024, PP16K)], ext=PREFETCH2),
+              skewed_patched("chain0-ub1024-b", 45, [(16384, 1024, PP16K)], ext={**PREFETCH2, "CHAIN": 0}),
+              skewed_patched("chain-ub1024-b", 45, [(16384, 1024, PP16K)], ext=PREFETCH2)],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],
@@ -454,6 +461,11 @@ def main() -> int:
         correctness_30b("correctness_prefetch2", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2",
                                                   "GGML_SCHED_PP_PREFETCH2_MIN_TOKENS": "1"},
                         {"GGML_SCHED_PP_PREFETCH": "1"})
+    if "chain" in sweeps:
+        # patch 0031 on the 30B preset: PREFETCH=2 acting (upload-all off), its gathers chained, then CHAIN=0
+        correctness_30b("correctness_chain", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2",
+                                              "GGML_SCHED_PP_PREFETCH2_MIN_TOKENS": "1"},
+                        {"GGML_SCHED_PP_CHAIN": "0"})
     if "final-overlap2" in sweeps:
         # OVERLAP=2 alone on the 30B preset, upload-all off (every expert op but one gathers; PREFETCH and 16-block
         # gathers come with it - in run 33 one kernel a gather, since reverted), then the same without PREFETCH

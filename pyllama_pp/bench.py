@@ -29,7 +29,7 @@ ROW_FIELDS = [
     "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen", "n_depth",
     "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "speedup", "pipeline_parallel", "n_copies", "n_splits",
     "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac", "bound_pipe_ts", "bound_pipe_frac",
-    "host_syncs", "id_readbacks", "upload_all", "direct_reads", "gathers", "prefetches", "re_reservations", "plan_switches", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "gather_bytes_est_per_device", "compute_buffer_bytes", "ring_bytes_per_device", "label", "env",
+    "host_syncs", "id_readbacks", "upload_all", "direct_reads", "gathers", "prefetches", "chained", "re_reservations", "plan_switches", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "gather_bytes_est_per_device", "compute_buffer_bytes", "ring_bytes_per_device", "label", "env",
     "ext_params", "error", "build", "machine", "date",
 ]
 
@@ -214,6 +214,7 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             "direct_reads": int(ext["direct"] / reps) if "direct" in ext else None,
             "gathers": int(ext["gather"] / reps) if "gather" in ext else None,
             "prefetches": int(ext["prefetch"] / reps) if "prefetch" in ext else None,
+            "chained": int(ext["chained"] / reps) if "chained" in ext else None,
             "re_reservations": int(ext["reallocs"] / reps) if "reallocs" in ext else None,
             "plan_switches": int(ext["plan_switches"] / reps) if "plan_switches" in ext else None,
             "realloc_reason": ext.get("last_realloc") if ext.get("reallocs") else None,

@@ -202,7 +202,7 @@ class EvalResult:
 
 COUNTER_FIELDS = ("h2d_bytes", "d2h_bytes", "d2d_bytes", "h2d_copies", "d2h_copies", "d2d_copies", "graph_computes",
                   "host_syncs", "event_records", "event_waits", "alloc_bytes", "peak_alloc_bytes", "failed_allocs",
-                  "link_busy_s", "compute_s", "gathers", "beside_gathers")
+                  "link_busy_s", "compute_s", "gathers", "beside_gathers", "chained_gathers")
 # device counters that are levels (bytes allocated now, the peak), not counts: deltas keep the later value
 LEVEL_FIELDS = ("alloc_bytes", "peak_alloc_bytes")
 

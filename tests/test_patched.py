@@ -608,6 +608,35 @@ def test_prefetch2_moves_up_and_down_two_splits_early(runner, tiny_cfg, assert_l
     assert part2["ext"]["reallocs"] == part1["ext"]["reallocs"], (part2["ext"].get("last_realloc"), part1["ext"]["reallocs"])
 
 
+@pytest.mark.parametrize("ub", [32, 128])
+def test_chain_queues_gathers_behind_the_one_before(runner, assert_logits_match, ub):
+    """CHAIN (patch 0031, on by default): with PREFETCH=2, a gather whose inputs an earlier gather of the device in
+    the graph already waited for is flagged CHAINED and goes right behind that gather, not after a wait for the
+    second stream - up's prefetch (the gate's waits for its memory's last user too), up's rest and down's gather,
+    about three a layer. VDEV runs a CHAINED gather once the device's gathers queued before it are done (a device
+    with one gather stream orders it so); a VDEV that ignored the flag gave NMSE 6e-6 at ub32 here (the scheduler no
+    longer makes the second stream wait for the router), so the logits check the scheduler's bookkeeping. CHAIN=0:
+    nothing flagged, the same copies."""
+    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_OVERLAP": 2, "GGML_SCHED_PP_PREFETCH": 2,
+           "GGML_SCHED_PP_PREFETCH2_MIN_TOKENS": ub}
+    b, off, on = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", ub, {**env, "GGML_SCHED_PP_CHAIN": 0},
+                                  {"GGML_SCHED_PP_CHAIN": 1})
+    assert_logits_match(on["logits"], b["logits"], f"CHAIN ub{ub}")
+    assert_logits_match(off["logits"], b["logits"], f"CHAIN=0 ub{ub}")
+    e0, e1 = off["ext"], on["ext"]
+    assert e1["params"]["CHAIN"] == 1 and e0["params"]["CHAIN"] == 0
+    assert (e1["gather"], e1["prefetch"]) == (e0["gather"], e0["prefetch"]) and e1["prefetch"] > 0, (e0, e1)
+    assert _h2d_by_device(on) == _h2d_by_device(off), (_h2d_by_device(on), _h2d_by_device(off))
+    flagged = [d["chained_gathers"] for d in on["counters"]["devices"]]
+    assert e0["chained"] == 0 and all(d["chained_gathers"] == 0 for d in off["counters"]["devices"]), e0
+    assert e1["chained"] == sum(flagged) and all(f > 0 for f in flagged), (e1["chained"], flagged)
+    # a layer's three expert ops gather once each (a rest counts), its gate and up are prefetched (once there is a
+    # last used set); the gate's prefetch and its own gather wait (for its lane's last user, for the router), the
+    # rest may chain: up's prefetch, up's rest and down's gather - at least 1.5 a prefetched layer (2 prefetches)
+    ops, gate_prefetches = e1["gather"], e1["prefetch"] // 2
+    assert e1["prefetch"] <= e1["chained"] <= ops + e1["prefetch"] - ops // 3 - gate_prefetches, (e1["chained"], ops, e1["prefetch"])
+
+
 def test_vdev_charges_direct_reads_at_their_share_of_the_link(runner):
     """VDEV's `direct` option: a kernel's reads of pinned host memory move at that share of the link's rate (the
     same bytes take longer over the link than a copy's)."""

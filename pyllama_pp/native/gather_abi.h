@@ -9,6 +9,7 @@ constexpr int kUsed     = 0;   // GGML_BACKEND_PP_GATHER_USED: the experts the i
 constexpr int kPrefetch = 1;   // GGML_BACKEND_PP_GATHER_PREFETCH: no ids; the weight's last used set
 constexpr int kRest     = 2;   // GGML_BACKEND_PP_GATHER_REST: the used experts the last prefetch did not bring
 constexpr int kBeside   = 16;  // GGML_BACKEND_PP_GATHER_BESIDE, a flag: compute may run beside the copy (OVERLAP=2)
+constexpr int kChained  = 32;  // GGML_BACKEND_PP_GATHER_CHAINED, a flag: queue it right behind the device's gather before
 constexpr int kTail     = 512; // GGML_BACKEND_PP_GATHER_TAIL: bytes after an expert that must be numbers
 
 }  // namespace pp_gather_abi

@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <mutex>
 #include <string>
 #include <unistd.h>
@@ -54,14 +55,23 @@ struct gather_stream {
     unsigned long long * counted_host = nullptr;
     unsigned long long * counted_dev  = nullptr;
     // PYLLAMA_PP_GATHER_TIMELINE: a ring of kTimeline records in mapped host memory (the kernels write them), with
-    // each record's mode and weight on the host; nullptr: not recorded
+    // each record's mode, weight and host time of queueing (CLOCK_REALTIME, ns: the GPUs' global timer runs on the
+    // same clock here, so t0 - queued tells whether the host queued the gather ahead of the GPU or just in time);
+    // nullptr: not recorded
     struct record { unsigned long long t0, t1, bytes; };
     record *                 tl_host = nullptr;
     record *                 tl_dev  = nullptr;
     std::vector<int>         tl_mode, tl_weight;
+    std::vector<unsigned long long> tl_queued;
     size_t                   tl_n    = 0;
 };
 constexpr int    kMaxCounted = 64;
+
+unsigned long long realtime_ns() {
+    timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (unsigned long long) ts.tv_sec * 1000000000ull + (unsigned long long) ts.tv_nsec;
+}
 constexpr size_t kTimeline   = 1 << 16;
 
 // n zeroed bytes of pinned host memory mapped into the current device: the host pointer, with the device's in
@@ -160,6 +170,7 @@ void timeline_setup(gather_stream * g) {
     g->tl_dev = (gather_stream::record *) dev_ptr;
     g->tl_mode.assign(kTimeline, -1);
     g->tl_weight.assign(kTimeline, -1);
+    g->tl_queued.assign(kTimeline, 0);
     static std::once_flag once;
     std::call_once(once, [] { atexit(write_timeline); });
 }
@@ -282,8 +293,9 @@ gather_stream * stream_for(int device, ggml_backend_dev_t dev) {
 extern "C" __attribute__((visibility("default")))
 bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const struct ggml_tensor * src,
                        const struct ggml_tensor * ids, int mode) {
-    const bool beside = (mode & kBeside) != 0;
-    mode &= ~kBeside;
+    const bool beside  = (mode & kBeside) != 0;
+    const bool chained = (mode & kChained) != 0;   // (the gathers of a device run in order on its one stream)
+    mode &= ~(kBeside | kChained);
     const bool prefetch = mode == kPrefetch;
     if ((mode != kUsed && mode != kPrefetch && mode != kRest) || (ids == nullptr) != prefetch ||
         (ids != nullptr && (ids->data == nullptr || ids->type != GGML_TYPE_I32 || ids->ne[2] != 1 || ids->ne[3] != 1))) {
@@ -325,6 +337,7 @@ bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const s
     }
     unsigned long long * counted = counted_for(g, dev);   // (before g->mutex: counted_for and weight_id take g_mutex)
     const int weight = g->tl_dev != nullptr ? weight_id(src) : -1;
+    const unsigned long long queued_at = g->tl_dev != nullptr ? realtime_ns() : 0;
     std::lock_guard<std::mutex> lock(g->mutex);
     bool queued = false;
     const int n_expert = (int) src->ne[2];
@@ -345,14 +358,17 @@ bool pp_gather_cuda_v4(ggml_backend_t backend, struct ggml_tensor * dst, const s
             }
         }
         if (ready) {
-            ggml_backend_event_record(g->before, backend);
-            if (cudaStreamWaitEvent(g->stream, (cudaEvent_t) g->before->context, 0) == cudaSuccess) {
+            if (!chained) {
+                ggml_backend_event_record(g->before, backend);
+            }
+            if (chained || cudaStreamWaitEvent(g->stream, (cudaEvent_t) g->before->context, 0) == cudaSuccess) {
                 gather_stream::record * rec = nullptr;   // (the timeline's; where recorded)
                 if (g->tl_dev != nullptr) {
                     const size_t i = g->tl_n++ % kTimeline;
                     g->tl_host[i] = {0, 0, 0};
                     g->tl_mode[i]   = mode;
                     g->tl_weight[i] = weight;
+                    g->tl_queued[i] = queued_at;
                     rec = g->tl_dev + i;
                     stamp<<<1, 1, 0, g->stream>>>(&rec->t0);
                 }
@@ -408,7 +424,8 @@ long long pp_gather_cuda_counted(const char * dev_name) {
 namespace {
 
 // at exit (PYLLAMA_PP_GATHER_TIMELINE=PREFIX): every recorded gather, oldest first, to PREFIX.<pid>.csv - its GPU,
-// order, mode (gather_abi.h), weight, start and end (ns, the GPU's global timer; 0: not reached) and bytes read
+// order, mode (gather_abi.h), weight, start and end (ns, the GPU's global timer; 0: not reached), bytes read and
+// when the host queued it (ns, CLOCK_REALTIME)
 void write_timeline() {
     std::lock_guard<std::mutex> lock(g_mutex);
     const std::string path = std::string(timeline_prefix()) + "." + std::to_string(getpid()) + ".csv";
@@ -417,7 +434,7 @@ void write_timeline() {
         fprintf(stderr, "pyllama_pp: PYLLAMA_PP_GATHER_TIMELINE: cannot write %s\n", path.c_str());
         return;
     }
-    fprintf(f, "gpu,seq,mode,weight,t0_ns,t1_ns,bytes\n");
+    fprintf(f, "gpu,seq,mode,weight,t0_ns,t1_ns,bytes,queued_ns\n");
     for (const auto & [device, g] : g_streams) {
         if (g->tl_host == nullptr) {
             continue;
@@ -431,8 +448,9 @@ void write_timeline() {
             const size_t i = n % kTimeline;
             const volatile gather_stream::record & r = g->tl_host[i];
             const int w = g->tl_weight[i];
-            fprintf(f, "%d,%zu,%d,%s,%llu,%llu,%llu\n", device, n, g->tl_mode[i],
-                    w >= 0 && w < (int) g_weight_names.size() ? g_weight_names[w].c_str() : "?", r.t0, r.t1, r.bytes);
+            fprintf(f, "%d,%zu,%d,%s,%llu,%llu,%llu,%llu\n", device, n, g->tl_mode[i],
+                    w >= 0 && w < (int) g_weight_names.size() ? g_weight_names[w].c_str() : "?", r.t0, r.t1, r.bytes,
+                    g->tl_queued[i]);
         }
     }
     fclose(f);

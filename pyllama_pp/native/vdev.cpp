@@ -38,6 +38,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -74,6 +75,7 @@ struct vdev_counters_atomic {
     std::atomic<uint64_t> host_syncs{0};
     std::atomic<uint64_t> gathers{0};
     std::atomic<uint64_t> beside_gathers{0};
+    std::atomic<uint64_t> chained_gathers{0};
     std::atomic<uint64_t> event_records{0}, event_waits{0};
     std::atomic<uint64_t> alloc_bytes{0}, peak_alloc_bytes{0}, failed_allocs{0};
     std::atomic<uint64_t> link_busy_ns{0};
@@ -1249,6 +1251,12 @@ struct vdev_gather_state {   // per device; written on the queues in their order
     std::unordered_map<const void *, std::vector<bool>>     last;   // src data -> experts its last gather used
     std::unordered_map<const void *, std::vector<bool>>     pref;   // dst data -> experts the last prefetch brought
     std::unordered_set<const void *>                        known;  // host side: src data with a gather queued
+    // CHAIN: the device's gathers in the order they were queued (tickets 1, 2, ...); a CHAINED one starts once every
+    // gather queued before it is done, as a device that runs its gathers on one stream of their own orders it
+    uint64_t                                                tickets = 0;   // host side: the last one handed out
+    uint64_t                                                done_upto = 0; // every ticket up to this one is done
+    std::set<uint64_t>                                      done_later;    // done, with an earlier one still running
+    std::condition_variable                                 cv;
 };
 vdev_gather_state g_gather_state[PP_VDEV_MAX];
 constexpr size_t kMaxGatherSets = 16384;   // per device: weights and copies of the models loaded so far
@@ -1279,8 +1287,9 @@ void gather_runs(vdev_device * d, char * out, const char * in, size_t expert, in
 
 bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor * src, const ggml_tensor * ids, int mode) {
     using namespace pp_gather_abi;
-    const bool beside = (mode & kBeside) != 0;   // (counted; VDEV copies alike either way)
-    mode &= ~kBeside;
+    const bool beside  = (mode & kBeside) != 0;    // (counted; VDEV copies alike either way)
+    const bool chained = (mode & kChained) != 0;   // (counted; VDEV's gathers run on `backend`'s queue either way)
+    mode &= ~(kBeside | kChained);
     const bool prefetch = mode == kPrefetch;
     if (!backend_is_vdev(backend) || dst == nullptr || src == nullptr || (ids == nullptr) != prefetch ||
         (mode != kUsed && mode != kPrefetch && mode != kRest) ||
@@ -1320,7 +1329,16 @@ bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor
     const int64_t  n_expert = src->ne[2];
     const int64_t  n_col = ids != nullptr ? ids->ne[0] : 0, n_row = ids != nullptr ? ids->ne[1] : 0;
     const size_t   nb0 = ids != nullptr ? ids->nb[0] : 0, nb1 = ids != nullptr ? ids->nb[1] : 0;
+    uint64_t ticket;
+    {
+        std::lock_guard<std::mutex> lk(st.mtx);
+        ticket = ++st.tickets;
+    }
     b->enqueue([=, &st]() {
+        if (chained) {
+            std::unique_lock<std::mutex> lk(st.mtx);
+            st.cv.wait(lk, [&]() { return st.done_upto >= ticket - 1; });
+        }
         std::vector<bool> sel;
         if (prefetch) {
             std::lock_guard<std::mutex> lk(st.mtx);
@@ -1339,9 +1357,19 @@ bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor
             }
         }
         gather_runs(d, out, in, expert, n_expert, sel);
+        {
+            std::lock_guard<std::mutex> lk(st.mtx);
+            st.done_later.insert(ticket);
+            while (!st.done_later.empty() && *st.done_later.begin() == st.done_upto + 1) {
+                st.done_later.erase(st.done_later.begin());
+                st.done_upto++;
+            }
+        }
+        st.cv.notify_all();
     });
     d->c.gathers += 1;
     d->c.beside_gathers += beside ? 1 : 0;
+    d->c.chained_gathers += chained ? 1 : 0;
     return true;
 }
 
@@ -1511,6 +1539,7 @@ PP_VDEV_EXPORT int pp_vdev_get_counters(int i, struct pp_vdev_counters * out) {
     out->compute_s        = (double) c.compute_ns.load() * 1e-9;
     out->gathers          = c.gathers.load();
     out->beside_gathers   = c.beside_gathers.load();
+    out->chained_gathers  = c.chained_gathers.load();
     return 0;
 }
 
@@ -1525,7 +1554,7 @@ PP_VDEV_EXPORT void pp_vdev_reset_counters(void) {
         c.h2d_copies = 0; c.d2h_copies = 0; c.d2d_copies = 0;
         c.graph_computes = 0;
         c.host_syncs = 0;
-        c.gathers = 0; c.beside_gathers = 0;
+        c.gathers = 0; c.beside_gathers = 0; c.chained_gathers = 0;
         c.event_records = 0; c.event_waits = 0;
         c.failed_allocs = 0;
         c.peak_alloc_bytes = c.alloc_bytes.load();

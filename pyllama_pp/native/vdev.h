@@ -32,6 +32,7 @@ struct pp_vdev_counters {
     double   compute_s;                            // seconds spent computing (including the slow-down)
     uint64_t gathers;                              // GATHER hook calls taken (gathers and prefetches)
     uint64_t beside_gathers;                       // of those, flagged BESIDE by the scheduler (OVERLAP=2)
+    uint64_t chained_gathers;                      // of those, flagged CHAINED by the scheduler (CHAIN)
 };
 // Register n (1..PP_VDEV_MAX) virtual devices "VDEV0".."VDEV{n-1}" with ggml's backend registry.
 // Once per process: a second call with the same n only reconfigures; with another n it fails. Returns 0, or -1 with a message in err.
