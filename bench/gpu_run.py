@@ -363,6 +363,13 @@ SWEEPS = {
               skewed_patched("chain-ub1024-a", 45, [(16384, 1024, PP16K)], ext=PREFETCH2),
               skewed_patched("chain0-ub1024-b", 45, [(16384, 1024, PP16K)], ext={**PREFETCH2, "CHAIN": 0}),
               skewed_patched("chain-ub1024-b", 45, [(16384, 1024, PP16K)], ext=PREFETCH2)],
+    # CHAIN at ub512 / ub256, low coverage: OVERLAP=2 alone (PREFETCH=1) with and without CHAIN, and PREFETCH=2
+    # acting there (PREFETCH2_MIN_TOKENS=1: -3% / -4% in run 34, before CHAIN), interleaved
+    "chain-low": [skewed_patched("chain-low-overlap2-a", 40, ext=ONE_SWITCH),
+                  skewed_patched("chain-low-prefetch2-a", 40, ext={**PREFETCH2, "PREFETCH2_MIN_TOKENS": 1}),
+                  skewed_patched("chain0-low-overlap2", 40, ext={**ONE_SWITCH, "CHAIN": 0}),
+                  skewed_patched("chain-low-overlap2-b", 40, ext=ONE_SWITCH),
+                  skewed_patched("chain-low-prefetch2-b", 40, ext={**PREFETCH2, "PREFETCH2_MIN_TOKENS": 1})],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],
