@@ -370,6 +370,13 @@ SWEEPS = {
                   skewed_patched("chain0-low-overlap2", 40, ext={**ONE_SWITCH, "CHAIN": 0}),
                   skewed_patched("chain-low-overlap2-b", 40, ext=ONE_SWITCH),
                   skewed_patched("chain-low-prefetch2-b", 40, ext={**PREFETCH2, "PREFETCH2_MIN_TOKENS": 1})],
+    # the series as session 11 ends (patches 0001-0031), against upstream in the same call: low coverage at ub1024
+    # with OVERLAP=2 + PREFETCH=2 (CHAIN on) and with the defaults, near-uniform at ub1024 with OVERLAP=2 + PREFETCH=2
+    "final-chain": [{**skewed_patched("final-chain-low-ub1024", 90, [(16384, 1024, PP16K)], ext=PREFETCH2),
+                     "variants": bench.VARIANTS},
+                    skewed_patched("final-defaults-low-ub1024", 40, [(16384, 1024, PP16K)]),
+                    {"name": "final-chain-uniform-ub1024", "est": 100, "ext": PREFETCH2,
+                     "configs": [(16384, 1024, PP16K)]}],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],
