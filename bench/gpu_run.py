@@ -377,6 +377,11 @@ SWEEPS = {
                     skewed_patched("final-defaults-low-ub1024", 40, [(16384, 1024, PP16K)]),
                     {"name": "final-chain-uniform-ub1024", "est": 100, "ext": PREFETCH2,
                      "configs": [(16384, 1024, PP16K)]}],
+    # near-uniform at ub1024: OVERLAP=2 alone against OVERLAP=2 + PREFETCH=2 in one call (run 41: 3049.4 t/s, 91.6%
+    # of the bound, with PREFETCH=2; run 21, OVERLAP=2 alone, 3321.1 - another call and build)
+    "uniform-prefetch2-ub1024": [
+        {"name": f"uniform-{n}-ub1024", "est": 55, "ext": ext, "variants": ["patched"], "configs": [(16384, 1024, PP16K)]}
+        for n, ext in (("overlap2-a", ONE_SWITCH), ("prefetch2", PREFETCH2), ("overlap2-b", ONE_SWITCH))],
     # 2 GPUs vs 1 GPU in decode in one call (runs 19-20 compared them across calls: 35.7 vs 37.3 t/s patched)
     "decode-same-call": [DECODE_LONG, DECODE_LONG_ONE_GPU],
     "decode-long-one-gpu": [DECODE_LONG_ONE_GPU],
