@@ -1259,6 +1259,19 @@ struct vdev_gather_state {   // per device; written on the queues in their order
     std::condition_variable                                 cv;
 };
 vdev_gather_state g_gather_state[PP_VDEV_MAX];
+
+// CHAIN: ticket `t` of the device's gathers is done (in any order: done_upto moves over every run of done tickets)
+void gather_ticket_done(vdev_gather_state & st, uint64_t t) {
+    {
+        std::lock_guard<std::mutex> lk(st.mtx);
+        st.done_later.insert(t);
+        while (!st.done_later.empty() && *st.done_later.begin() == st.done_upto + 1) {
+            st.done_later.erase(st.done_later.begin());
+            st.done_upto++;
+        }
+    }
+    st.cv.notify_all();
+}
 constexpr size_t kMaxGatherSets = 16384;   // per device: weights and copies of the models loaded so far
 
 // copy the selected experts of `in` (and the tail after each run of them) into `out`, charged to d's link
@@ -1329,12 +1342,14 @@ bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor
     const int64_t  n_expert = src->ne[2];
     const int64_t  n_col = ids != nullptr ? ids->ne[0] : 0, n_row = ids != nullptr ? ids->ne[1] : 0;
     const size_t   nb0 = ids != nullptr ? ids->nb[0] : 0, nb1 = ids != nullptr ? ids->nb[1] : 0;
-    uint64_t ticket;
-    {
-        std::lock_guard<std::mutex> lk(st.mtx);
-        ticket = ++st.tickets;
-    }
-    b->enqueue([=, &st]() {
+    // the job: a CHAINED gather first waits for the device's gathers queued before it; every gather marks its ticket
+    // done however it ends (a job that throws is skipped by the worker: later chained gathers must not hang)
+    auto job = [=, &st](uint64_t ticket) {
+        struct ticket_guard {
+            vdev_gather_state & st;
+            uint64_t            ticket;
+            ~ticket_guard() { gather_ticket_done(st, ticket); }
+        } guard{ st, ticket };
         if (chained) {
             std::unique_lock<std::mutex> lk(st.mtx);
             st.cv.wait(lk, [&]() { return st.done_upto >= ticket - 1; });
@@ -1357,16 +1372,19 @@ bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor
             }
         }
         gather_runs(d, out, in, expert, n_expert, sel);
-        {
-            std::lock_guard<std::mutex> lk(st.mtx);
-            st.done_later.insert(ticket);
-            while (!st.done_later.empty() && *st.done_later.begin() == st.done_upto + 1) {
-                st.done_later.erase(st.done_later.begin());
-                st.done_upto++;
-            }
+    };
+    {
+        // tickets in the order the jobs are queued (the workers' queues are locked inside: jobs run unlocked)
+        std::unique_lock<std::mutex> lk(st.mtx);
+        const uint64_t ticket = ++st.tickets;
+        try {
+            b->enqueue([job, ticket]() { job(ticket); });
+        } catch (...) {
+            lk.unlock();
+            gather_ticket_done(st, ticket);   // nothing queued
+            return false;
         }
-        st.cv.notify_all();
-    });
+    }
     d->c.gathers += 1;
     d->c.beside_gathers += beside ? 1 : 0;
     d->c.chained_gathers += chained ? 1 : 0;
