@@ -338,3 +338,15 @@ def test_gather_timeline_puts_each_idle_gap_on_the_gather_that_ends_it(tmp_path,
     cut = tmp_path / "cut.1.csv"
     cut.write_text(lines[0] + "\n0,0,0,blk.0.ffn_up_exps.weight\n")
     assert gt.main([str(cut)]) == 2 and "not a gather timeline" in capsys.readouterr().err
+    # the median gap before each kind, and (files with queued_ns) how long before its start the host queued each
+    # gather: here 5, 1, 3 ms, so p10 1 ms and p50 3 ms; a file without the column has no host lead
+    assert first["kinds"]["rest:gate"]["gap_p50_us"] == pytest.approx(1000) and first["host_lead_ms_p50"] is None
+    queued = tmp_path / "q.1.csv"
+    queued.write_text("gpu,seq,mode,weight,t0_ns,t1_ns,bytes,queued_ns\n"
+                      f"0,0,0,blk.0.ffn_up_exps.weight,{T + 10 * ms},{T + 11 * ms},10,{T + 5 * ms}\n"
+                      f"0,1,0,blk.0.ffn_down_exps.weight,{T + 12 * ms},{T + 13 * ms},10,{T + 11 * ms}\n"
+                      f"0,2,1,blk.1.ffn_gate_exps.weight,{T + 13 * ms},{T + 14 * ms},10,{T + 10 * ms}\n")
+    q = gt.summarize(gt.read([queued]), min_gathers=1)[0]
+    assert q["host_lead_ms_p10"] == pytest.approx(1) and q["host_lead_ms_p50"] == pytest.approx(3), q
+    assert q["kinds"]["used:down"]["gap_p50_us"] == pytest.approx(1000) and q["kinds"]["used:up"]["gap_p50_us"] is None
+    assert gt.main([str(queued), "--min-gathers", "1"]) == 0 and "| 1.0 / 3.0 |" in capsys.readouterr().out
