@@ -613,9 +613,9 @@ def test_chain_queues_gathers_behind_the_one_before(runner, assert_logits_match,
     """CHAIN (patch 0031, on by default): with PREFETCH=2, a gather whose inputs an earlier gather of the device in
     the graph already waited for is flagged CHAINED and goes right behind that gather, not after a wait for the
     second stream - up's prefetch (the gate's waits for its memory's last user too), up's rest and down's gather,
-    about three a layer. VDEV runs a CHAINED gather once the device's gathers queued before it are done (a device
-    with one gather stream orders it so); a VDEV that ignored the flag gave NMSE 6e-6 at ub32 here (the scheduler no
-    longer makes the second stream wait for the router), so the logits check the scheduler's bookkeeping. CHAIN=0:
+    about three a layer. VDEV runs a device's gathers on a queue of their own, as CUDA on one stream per GPU: each
+    waits for its calling queue to get there, a CHAINED one only for the gathers before it. With every gather run
+    as CHAINED there, the logits were off by NMSE 3-6e-5 here, so they check the scheduler's bookkeeping. CHAIN=0:
     nothing flagged, the same copies."""
     env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_OVERLAP": 2, "GGML_SCHED_PP_PREFETCH": 2,
            "GGML_SCHED_PP_PREFETCH2_MIN_TOKENS": ub}

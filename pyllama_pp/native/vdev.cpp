@@ -38,7 +38,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -1251,27 +1250,12 @@ struct vdev_gather_state {   // per device; written on the queues in their order
     std::unordered_map<const void *, std::vector<bool>>     last;   // src data -> experts its last gather used
     std::unordered_map<const void *, std::vector<bool>>     pref;   // dst data -> experts the last prefetch brought
     std::unordered_set<const void *>                        known;  // host side: src data with a gather queued
-    // CHAIN: the device's gathers in the order they were queued (tickets 1, 2, ...); a CHAINED one starts once every
-    // gather queued before it is done, as a device that runs its gathers on one stream of their own orders it
-    uint64_t                                                tickets = 0;   // host side: the last one handed out
-    uint64_t                                                done_upto = 0; // every ticket up to this one is done
-    std::set<uint64_t>                                      done_later;    // done, with an earlier one still running
-    std::condition_variable                                 cv;
+    // the device's gathers run in order on a queue of their own, as CUDA's on one stream per GPU: each waits for the
+    // calling backend's queue to get to it (not a CHAINED one: only for the gathers before it), and the calling
+    // backend's queue waits for it (created with the device's first gather; never freed, as the devices)
+    vdev_backend *                                          worker = nullptr;
 };
 vdev_gather_state g_gather_state[PP_VDEV_MAX];
-
-// CHAIN: ticket `t` of the device's gathers is done (in any order: done_upto moves over every run of done tickets)
-void gather_ticket_done(vdev_gather_state & st, uint64_t t) {
-    {
-        std::lock_guard<std::mutex> lk(st.mtx);
-        st.done_later.insert(t);
-        while (!st.done_later.empty() && *st.done_later.begin() == st.done_upto + 1) {
-            st.done_later.erase(st.done_later.begin());
-            st.done_upto++;
-        }
-    }
-    st.cv.notify_all();
-}
 constexpr size_t kMaxGatherSets = 16384;   // per device: weights and copies of the models loaded so far
 
 // copy the selected experts of `in` (and the tail after each run of them) into `out`, charged to d's link
@@ -1342,17 +1326,17 @@ bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor
     const int64_t  n_expert = src->ne[2];
     const int64_t  n_col = ids != nullptr ? ids->ne[0] : 0, n_row = ids != nullptr ? ids->ne[1] : 0;
     const size_t   nb0 = ids != nullptr ? ids->nb[0] : 0, nb1 = ids != nullptr ? ids->nb[1] : 0;
-    // the job: a CHAINED gather first waits for the device's gathers queued before it; every gather marks its ticket
-    // done however it ends (a job that throws is skipped by the worker: later chained gathers must not hang)
-    auto job = [=, &st](uint64_t ticket) {
-        struct ticket_guard {
-            vdev_gather_state & st;
-            uint64_t            ticket;
-            ~ticket_guard() { gather_ticket_done(st, ticket); }
-        } guard{ st, ticket };
-        if (chained) {
-            std::unique_lock<std::mutex> lk(st.mtx);
-            st.cv.wait(lk, [&]() { return st.done_upto >= ticket - 1; });
+    // on the device's gather queue: after the calling backend's queue got here (a CHAINED gather: after the gathers
+    // before it only), and the calling backend's queue after the copy, however the job ends (a job that throws is
+    // skipped by its worker: the backend must not wait forever)
+    auto before = std::make_shared<vdev_marker>(), after = std::make_shared<vdev_marker>();
+    auto job = [=, &st]() {
+        struct signal_guard {
+            vdev_marker * m;
+            ~signal_guard() { m->signal(); }
+        } guard{ after.get() };
+        if (!chained) {
+            before->wait();
         }
         std::vector<bool> sel;
         if (prefetch) {
@@ -1374,15 +1358,35 @@ bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor
         gather_runs(d, out, in, expert, n_expert, sel);
     };
     {
-        // tickets in the order the jobs are queued (the workers' queues are locked inside: jobs run unlocked)
-        std::unique_lock<std::mutex> lk(st.mtx);
-        const uint64_t ticket = ++st.tickets;
+        // (one host thread at a time: the gather queue gets the jobs in the order the calling queues get their marks)
+        std::lock_guard<std::mutex> lk(st.mtx);
+        if (st.worker == nullptr) {
+            auto * w = new (std::nothrow) vdev_backend();
+            if (w == nullptr) {
+                return false;
+            }
+            w->dev  = d;
+            w->name = d->name + "-gather";
+            try {
+                w->worker = std::thread([w]() { w->run(); });
+            } catch (const std::exception &) {
+                delete w;
+                return false;   // nothing queued
+            }
+            st.worker = w;
+        }
         try {
-            b->enqueue([job, ticket]() { job(ticket); });
+            st.worker->enqueue(job);
         } catch (...) {
-            lk.unlock();
-            gather_ticket_done(st, ticket);   // nothing queued
-            return false;
+            return false;   // nothing queued
+        }
+        // (a mark the backend cannot queue: the gather goes on at once, and the backend waits for it here)
+        try {
+            b->enqueue([before]() { before->signal(); });
+            b->enqueue([after]() { after->wait(); });
+        } catch (...) {
+            before->signal();
+            after->wait();
         }
     }
     d->c.gathers += 1;
