@@ -66,12 +66,6 @@ struct gather_stream {
     size_t                   tl_n    = 0;
 };
 constexpr int    kMaxCounted = 64;
-
-unsigned long long realtime_ns() {
-    timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (unsigned long long) ts.tv_sec * 1000000000ull + (unsigned long long) ts.tv_nsec;
-}
 constexpr size_t kTimeline   = 1 << 16;
 
 // n zeroed bytes of pinned host memory mapped into the current device: the host pointer, with the device's in
@@ -141,6 +135,13 @@ const char * timeline_prefix() {
         return v != nullptr && *v != '\0' ? v : nullptr;
     }();
     return p;
+}
+
+// the host's clock for the timeline's queued_ns (CLOCK_REALTIME, ns)
+unsigned long long realtime_ns() {
+    timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (unsigned long long) ts.tv_sec * 1000000000ull + (unsigned long long) ts.tv_nsec;
 }
 
 std::vector<std::string>                 g_weight_names;   // under g_mutex

@@ -1285,7 +1285,7 @@ void gather_runs(vdev_device * d, char * out, const char * in, size_t expert, in
 bool vdev_pp_gather(ggml_backend_t backend, ggml_tensor * dst, const ggml_tensor * src, const ggml_tensor * ids, int mode) {
     using namespace pp_gather_abi;
     const bool beside  = (mode & kBeside) != 0;    // (counted; VDEV copies alike either way)
-    const bool chained = (mode & kChained) != 0;   // (counted; VDEV's gathers run on `backend`'s queue either way)
+    const bool chained = (mode & kChained) != 0;   // (counted; on the gather queue: waits for no calling queue)
     mode &= ~(kBeside | kChained);
     const bool prefetch = mode == kPrefetch;
     if (!backend_is_vdev(backend) || dst == nullptr || src == nullptr || (ids == nullptr) != prefetch ||
