@@ -25,6 +25,7 @@ FETCH_PY = ROOT / "vendor" / "llama.cpp" / "fetch.py"
 def _load_fetch():
     spec = importlib.util.spec_from_file_location("pyllama_pp_fetch_under_test", FETCH_PY)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -295,3 +296,209 @@ def test_script_wrong_archive_exits_2(fake, tmp_path):
     assert "Fix:" in res.stderr and res.stdout.strip() == ""
     assert "Traceback" not in res.stderr
     assert not list((tmp_path / "cache").glob("upstream/*/.complete"))
+
+
+# --- the download, as build front-ends run it: no pip, the user's index settings, sha256 checked ------------
+
+class _Index:
+    """A local package index on 127.0.0.1 (PEP 503 pages and files); records what was asked and with which auth."""
+
+    def __init__(self, root: Path, auth: str | None = None):
+        import http.server
+        import threading
+
+        self.requests: list[tuple[str, str | None]] = []
+        index = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                index.requests.append((self.path, self.headers.get("Authorization")))
+                if auth and self.headers.get("Authorization") != auth:
+                    self.send_response(401)
+                    self.end_headers()
+                    return
+                f = root / self.path.lstrip("/").split("?")[0]
+                if f.is_dir():
+                    f = f / "index.html"
+                if not f.is_file():
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                body = f.read_bytes()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html" if f.suffix == ".html" else "application/octet-stream")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _simple_index(root: Path, project: str, files: dict[str, bytes]) -> Path:
+    """A PEP 503 index in root/simple: one project page linking files kept in root/files."""
+    (root / "files").mkdir(parents=True, exist_ok=True)
+    page = root / "simple" / project
+    page.mkdir(parents=True, exist_ok=True)
+    links = []
+    for name, data in files.items():
+        (root / "files" / name).write_bytes(data)
+        links.append(f'<a href="../../files/{name}#sha256={_sha(data)}">{name}</a><br/>')
+    (page / "index.html").write_text("<!DOCTYPE html><html><body>\n" + "\n".join(links) + "\n</body></html>\n")
+    return root / "simple"
+
+
+@pytest.fixture
+def no_pip_python(tmp_path_factory):
+    """An interpreter without pip, as inside pip's isolated build environment."""
+    venv = tmp_path_factory.mktemp("nopip") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    assert subprocess.run([str(py), "-c", "import pip"], capture_output=True).returncode != 0, "pip is importable"
+    return py
+
+
+def _clean_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment without the machine's own pip settings (config files, PIP_* and UV_* variables)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "UV_", "PYLLAMA_PP_"))}
+    env.update(PIP_CONFIG_FILE=os.devnull, PYLLAMA_PP_CACHE=str(tmp_path / "cache"), **extra)
+    return env
+
+
+_DOWNLOAD = """
+import importlib.util, json, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("fetch", sys.argv[1]); m = importlib.util.module_from_spec(spec)
+sys.modules["fetch"] = m; spec.loader.exec_module(m)
+try:
+    print(m.download_sdist(json.loads(sys.argv[2]), Path(sys.argv[3])))
+except m.FetchError as e:
+    print(e, file=sys.stderr); sys.exit(2)
+"""
+
+
+def _download_without_pip(py: Path, pin: dict, dest: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([str(py), "-c", _DOWNLOAD, str(FETCH_PY), json.dumps(pin), str(dest)], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_download_without_pip_from_the_users_index(fake, tmp_path, no_pip_python):
+    """Today's bug: the build ran `python -m pip download` where pip is not importable. The download must need no
+    pip, go to the index PIP_INDEX_URL names (here a local one), and verify the sha256."""
+    archive, pin = fake
+    _simple_index(tmp_path / "idx", "fakepkg", {archive.name: archive.read_bytes()})
+    index = _Index(tmp_path / "idx")
+    try:
+        env = _clean_env(tmp_path, PIP_INDEX_URL=index.url + "/simple")
+        res = _download_without_pip(no_pip_python, pin, tmp_path / "dl", env)
+    finally:
+        index.close()
+    assert res.returncode == 0, res.stderr
+    got = Path(res.stdout.strip())
+    assert got == tmp_path / "dl" / archive.name and fetch.sha256_file(got) == pin["sha256"]
+    assert [r[0] for r in index.requests] == ["/simple/fakepkg/", f"/files/{archive.name}"], index.requests
+    assert not list((tmp_path / "dl").glob("*.partial*")), "a partial file was left behind"
+
+
+def test_download_with_credentials_in_the_index_url(fake, tmp_path):
+    archive, pin = fake
+    _simple_index(tmp_path / "idx", "fakepkg", {archive.name: archive.read_bytes()})
+    import base64
+    want = "Basic " + base64.b64encode(b"me:s3cret").decode()
+    index = _Index(tmp_path / "idx", auth=want)
+    try:
+        url = index.url.replace("http://", "http://me:s3cret@") + "/simple"
+        settings = fetch.IndexSettings(index_urls=[url])
+        got = fetch.download_sdist(pin, tmp_path / "dl", settings)
+    finally:
+        index.close()
+    assert fetch.sha256_file(got) == pin["sha256"]
+    assert all(a == want for _, a in index.requests), index.requests
+    assert len(index.requests) == 2, index.requests
+
+
+def test_download_from_file_url_index_and_find_links(fake, tmp_path):
+    archive, pin = fake
+    simple = _simple_index(tmp_path / "idx", "fakepkg", {archive.name: archive.read_bytes()})
+    got = fetch.download_sdist(pin, tmp_path / "dl1", fetch.IndexSettings(index_urls=[simple.as_uri()]))
+    assert fetch.sha256_file(got) == pin["sha256"]
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / archive.name).write_bytes(archive.read_bytes())
+    # find-links is searched even with no index at all (an air-gapped machine's wheelhouse)
+    got = fetch.download_sdist(pin, tmp_path / "dl2", fetch.IndexSettings(find_links=[str(links)], no_index=True))
+    assert fetch.sha256_file(got) == pin["sha256"]
+
+
+def test_download_refuses_a_file_that_is_not_the_pinned_one(fake, tmp_path):
+    """The index serves a file of the right name with other bytes: nothing is kept, the error says why and how."""
+    archive, pin = fake
+    simple = _simple_index(tmp_path / "idx", "fakepkg", {archive.name: b"not the sdist"})
+    with pytest.raises(fetch.FetchError) as ei:
+        fetch.download_sdist(pin, tmp_path / "dl", fetch.IndexSettings(index_urls=[simple.as_uri()]))
+    msg = str(ei.value)
+    assert "is not the pinned" in msg and pin["sha256"] in msg and _sha(b"not the sdist") in msg, msg
+    assert "PYLLAMA_PP_UPSTREAM_ARCHIVE" in msg, msg
+    assert list((tmp_path / "dl").iterdir()) == [], "a file that failed its check was kept"
+
+
+def test_script_offline_says_which_file_how_to_get_it_and_where_to_point(tmp_path, no_pip_python):
+    """The real pin, run as the build runs it (no pip), against an index that has nothing: exit 2 and a message
+    naming the sdist, its sha256, the command for a connected machine and the variable."""
+    index = _Index(tmp_path / "empty")
+    try:
+        env = _clean_env(tmp_path, PIP_INDEX_URL=index.url + "/simple")
+        res = subprocess.run([str(no_pip_python), str(FETCH_PY)], env=env, capture_output=True, text=True,
+                             timeout=120)
+    finally:
+        index.close()
+    pin = fetch.read_pin()
+    assert res.returncode == 2 and res.stdout.strip() == "", (res.returncode, res.stdout, res.stderr)
+    assert [r[0] for r in index.requests] == ["/simple/llama-cpp-python/"], index.requests
+    err = res.stderr
+    for must in (pin["sdist"], pin["sha256"], "HTTP 404", f"pip download --no-deps --no-binary {pin['package']}",
+                 "fetch.py --download DIR", "PYLLAMA_PP_UPSTREAM_ARCHIVE=", "PIP_FIND_LINKS"):
+        assert must in err, f"{must!r} missing from:\n{err}"
+    assert "Traceback" not in err and "No module named pip" not in err
+
+
+def test_index_settings_follow_pip_config_then_environment(tmp_path):
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nindex-url = https://mirror.example/simple\nextra-index-url =\n"
+                    "    https://a.example/simple\n    https://b.example/simple\nfind-links = /wheels\n"
+                    "timeout = 12\n[install]\ncert = /ca.pem\n")
+    base = {"HOME": str(tmp_path / "home"), "XDG_CONFIG_DIRS": str(tmp_path / "none"), "PIP_CONFIG_FILE": str(conf)}
+    s = fetch.index_settings(base)
+    assert s.index_urls == ["https://mirror.example/simple", "https://a.example/simple", "https://b.example/simple"]
+    assert s.find_links == ["/wheels"] and s.cert == "/ca.pem" and s.timeout == 12.0 and not s.no_index
+    assert str(conf) in s.sources
+    s = fetch.index_settings(dict(base, PIP_INDEX_URL="https://env.example/simple", PIP_EXTRA_INDEX_URL="",
+                                  PIP_NO_INDEX="1"))
+    assert s.index_urls == ["https://env.example/simple"] and s.no_index
+    # no configuration at all: PyPI; uv's variables are read too
+    none = {"HOME": str(tmp_path / "home"), "PIP_CONFIG_FILE": os.devnull}
+    assert fetch.index_settings(none).index_urls == [fetch.PYPI_SIMPLE]
+    s = fetch.index_settings(dict(none, UV_DEFAULT_INDEX="https://uv.example/simple",
+                                  UV_INDEX="internal=https://i.example/simple"))
+    assert s.index_urls == ["https://uv.example/simple", "https://i.example/simple"]
+
+
+def test_archive_env_takes_a_folder_or_a_file_url(fake, cache, monkeypatch, tmp_path):
+    archive, pin = fake
+    monkeypatch.setenv("PYLLAMA_PP_UPSTREAM_ARCHIVE", str(archive.parent))
+    root = fetch.ensure_tree(pin)
+    assert _tree_files(root) == WANTED
+    assert fetch._archive_from_env(archive.as_uri(), pin) == archive
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(fetch.FetchError, match=f"folder without {pin['sdist']}"):
+        fetch._archive_from_env(str(empty), pin)
