@@ -238,6 +238,12 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
     return rows
 
 
+def error_text(e: BaseException) -> str:
+    """One line for a row's `error`: the worker's error class and message (ModelError: model file not found: ...)."""
+    kind = getattr(e, "error_type", None) or type(e).__name__
+    return f"{kind}: {e}"
+
+
 def error_rows(cfg: BenchConfig, variant: str, err: str, meta: dict) -> list[dict]:
     return [{"variant": variant, "model": Path(cfg.model).name, "devices": cfg.devices, "n_batch": cfg.n_batch,
              "n_ubatch": cfg.n_ubatch, "tensor_buft_overrides": f"host_experts={cfg.host_experts}",
@@ -329,7 +335,8 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
     if progress:
         try:
             from tqdm import tqdm
-            bar = tqdm(total=len(configs) * len(variants), desc="A/B", unit="run", dynamic_ncols=True)
+            bar = tqdm(total=len(configs) * len(variants), desc="A/B" if len(variants) > 1 else variants[0],
+                       unit="run", dynamic_ncols=True)
         except ImportError:
             bar = None
     all_rows: list[dict] = []
@@ -357,7 +364,7 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
                                          rows_from_result(cfg, v, {"model": res["model"], **run}, metas[k]))
                 except WorkerError as e:
                     for k, (_, cfg) in enumerate(grp):
-                        per_cfg[k][v] = error_rows(cfg, v, str(e), metas[k])
+                        per_cfg[k][v] = error_rows(cfg, v, error_text(e), metas[k])
                 if bar:
                     bar.update(len(grp))
             for k, (ci, _) in enumerate(grp):
@@ -425,7 +432,7 @@ def mixed_workload(cfg: BenchConfig, variants: Sequence[str] = VARIANTS, rounds:
             res = run_job(vjob, v, timeout=timeout, env=cfg.env)
         except WorkerError as e:
             rows.append({"variant": v, "devices": cfg.devices, "test": "workload", "avg_ts": float("nan"),
-                         "error": str(e)[:2000], **meta})
+                         "error": error_text(e)[:2000], **meta})
             continue
         for st in res["steps"]:
             rows.append({

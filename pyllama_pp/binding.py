@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import (BuildError, DecodeError, DeviceSpecError, ModelError, OutOfMemoryError, PyllamaError,
-                     UnsupportedError, VariantError)
+                     UnsupportedError, VariantError, one_statement)
 
 VARIANTS = ("baseline", "patched")
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -72,7 +72,7 @@ def error_for(lib, rc: int, msg: str) -> PyllamaError:
         lib.PP_ERR_DEVICE: DeviceSpecError,
         lib.PP_ERR_DECODE: DecodeError,
         lib.PP_ERR_UNSUPPORTED: UnsupportedError,
-    }.get(rc, PyllamaError)(msg or f"error {rc}")
+    }.get(rc, PyllamaError)(one_statement(msg) if msg else f"error {rc}")
 
 
 def installed_json(name: str, default: dict) -> dict:

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Optional
 
 from . import __version__
-from .errors import PyllamaError
+from .devices import FORMS
+from .errors import ConfigError, DeviceSpecError, PyllamaError
 
 # The main job (`pyllama-pp ab` with no model): the tiny preset with 7 layers on 2 virtual devices whose links are
 # throttled so that transfers dominate; ts 3,5 gives each device 3 MoE layers (the last layer of a ubatch
@@ -130,6 +131,57 @@ def _config_kwargs(args) -> dict:
             "n_gpu_layers": args.ngl, "n_ctx": args.ctx, "ext_params": ext, "env": env}
 
 
+def _check_args(args, model: Optional[str], variants: list[str]) -> None:
+    """Usage errors found before any worker starts, each a ConfigError / ModelError / DeviceSpecError that names
+    what is wrong and how to fix it."""
+    from . import devices as devspec
+    from .session import Placement, check_model_path
+    if model is not None:
+        check_model_path(model)
+    for spec in args.devices:
+        devspec.parse(spec)
+    for flag, values, lowest in (("-b/--batch", args.batch, 1), ("-ub/--ubatch", args.ubatch, 1),
+                                 ("-p/--pp", args.pp, 1), ("-n/--tg", args.tg, 1), ("-d/--n-depth", args.depth, 0)):
+        bad = [v for v in values or [] if not lowest <= v <= 2**31 - 1]
+        if bad:
+            raise ConfigError(f"{flag} takes whole numbers >= {lowest}, got {', '.join(map(str, bad))}")
+    pairs = [(b, ub) for b in args.batch for ub in args.ubatch]
+    if not any(ub <= b for b, ub in pairs):
+        raise ConfigError(f"n_ubatch ({','.join(map(str, args.ubatch))}) is larger than n_batch "
+                          f"({','.join(map(str, args.batch))}) in every pair: nothing would run. Fix: -ub <= -b")
+    skipped = [f"-b {b} -ub {ub}" for b, ub in pairs if ub > b]
+    if skipped:
+        print(f"pyllama-pp: note: skipping {', '.join(skipped)} (n_ubatch > n_batch)", file=sys.stderr)
+    if args.ctx < 0:
+        raise ConfigError(f"-c/--ctx takes a context size >= 0 (0: what the tests need), got {args.ctx}")
+    if args.ngl < -1:
+        raise ConfigError(f"-ngl takes -1 (every layer) or a layer count >= 0, got {args.ngl}")
+    if args.tensor_split is not None and (min(args.tensor_split) < 0 or sum(args.tensor_split) <= 0):
+        raise ConfigError(f"-ts takes non-negative proportions with a positive sum (e.g. 3,5), got {args.tensor_split}")
+    for he in args.host_experts:
+        Placement(host_experts=he)
+    if args.switch:
+        _check_switches(args.switch, variants)
+
+
+def _check_switches(switches: list[str], variants: list[str]) -> None:
+    """--switch NAME=VALUE: well formed, for a run that has the patched build, and a name its table knows."""
+    import difflib
+
+    from .worker import run_job
+    if "patched" not in variants:
+        raise ConfigError("--switch sets the patched build's scheduler switches; --variant baseline has none. "
+                          "Fix: drop --switch, or run --variant patched (or ab)")
+    names = [kv.partition("=")[0].upper() for kv in switches]
+    known = {sw["name"] for sw in run_job({"kind": "info"}, "patched", timeout=120).get("switches", [])}
+    for name in names:
+        if name not in known:
+            near = difflib.get_close_matches(name, sorted(known), n=3)
+            raise ConfigError(f"--switch {name}: the patched build has no such switch"
+                              + (f" (did you mean {', '.join(near)}?)" if near else "")
+                              + "; `pyllama-pp info` lists them")
+
+
 def models_dir() -> Path:
     """Where synthetic models are cached (PYLLAMA_PP_CACHE or ~/.cache/pyllama_pp, then models/)."""
     return _cache_dir() / "models"
@@ -148,10 +200,10 @@ def _default_model() -> str:
 
 
 def _print_rows(df) -> str:
-    cols = ["variant", "devices", "n_batch", "n_ubatch", "test", "avg_ts", "stddev_ts", "speedup", "pipeline_parallel",
-            "coverage", "h2d_bytes", "error"]
+    cols = ["variant", "devices", "n_batch", "n_ubatch", "test", "avg_ts", "stddev_ts", "pipeline_parallel",
+            "coverage", "h2d_bytes"]
     cols = [c for c in cols if c in df.columns]
-    return df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}")
+    return df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}") + _error_lines(df)
 
 
 def _fill_defaults(args, defaults: dict) -> None:
@@ -165,6 +217,24 @@ def _failed(df) -> bool:
     return "error" in df and bool(df["error"].fillna("").astype(str).str.len().gt(0).any())
 
 
+def _check_measured(df) -> None:
+    if df.empty:
+        raise ConfigError("nothing was measured: no test matched the options (check -p/-n/-b/-ub)")
+
+
+def _error_lines(df) -> str:
+    """Each distinct error once, under the table: which run, and the worker's one-line message."""
+    if "error" not in df:
+        return ""
+    seen, lines = set(), []
+    for r in df[df["error"].fillna("").astype(str).str.len() > 0].to_dict("records"):
+        key = (r.get("variant"), r.get("devices"), r.get("n_ubatch"), r["error"])
+        if key not in seen:
+            seen.add(key)
+            lines.append(f"  {r.get('variant')} {r.get('devices')} ub={r.get('n_ubatch')}: {r['error']}")
+    return ("\nerrors:\n" + "\n".join(lines)) if lines else ""
+
+
 def _workload(args, model: str, variants) -> int:
     """--workload mixed: bench.MIXED_WORKLOAD in one context per variant, -r rounds, on every device spec."""
     import pandas as pd
@@ -172,23 +242,26 @@ def _workload(args, model: str, variants) -> int:
     from . import bench
     dfs = [bench.mixed_workload(cfg, variants=variants, rounds=args.reps) for cfg in _configs(args, model)]
     df = pd.concat(dfs, ignore_index=True) if dfs else pd.DataFrame()
+    _check_measured(df)
     cols = [c for c in ("variant", "devices", "test", "avg_ts", "speedup", "re_reservations", "plan_switches",
-                        "host_syncs", "error") if c in df.columns]
+                        "host_syncs") if c in df.columns]
     rows = json.loads(df.to_json(orient="records"))
     if args.out:
         bench.RowWriter(Path(args.out)).write(rows)
     _emit(args, {"rows": rows},
-          df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}") if not df.empty else "(no rows)")
+          df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}") + _error_lines(df))
     return 1 if _failed(df) else 0
 
 
 def cmd_run(args) -> int:
     from . import bench
     _fill_defaults(args, PLAIN)
+    _check_args(args, args.model, [args.variant])
     if args.workload:
         return _workload(args, args.model, [args.variant])
     cfgs = _configs(args, args.model)
     df = bench.ab(cfgs, variants=[args.variant], out_dir=args.out, progress=not args.json)
+    _check_measured(df)
     _emit(args, {"rows": json.loads(df.to_json(orient="records"))}, _print_rows(df))
     return 1 if _failed(df) else 0
 
@@ -200,80 +273,118 @@ def cmd_ab(args) -> int:
     if default and args.devices == ["cpu"]:
         args.devices = [DEFAULT_DEVICES]
     _fill_defaults(args, MAIN_JOB if default else PLAIN)
+    _check_args(args, args.model, list(bench.VARIANTS))
     if args.workload:
         return _workload(args, model, list(bench.VARIANTS))
     cfgs = _configs(args, model)
     out = Path(args.out or Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S"))
     df = bench.ab(cfgs, out_dir=out, progress=not args.json)
+    _check_measured(df)
     md = bench.markdown(df)
     (out / "results.md").write_text(md)
     png = bench.plot(df, out / "ab.png", title=f"{Path(model).name}: baseline vs patched")
     files = {"jsonl": str(out / "results.jsonl"), "csv": str(out / "results.csv"), "markdown": str(out / "results.md"),
              "plot": str(png) if png else None}
     _emit(args, {"rows": json.loads(df.to_json(orient="records")), "files": files},
-          md + "\n" + "\n".join(f"{k}: {v}" for k, v in files.items() if v))
+          md + _error_lines(df) + "\n" + "\n".join(f"{k}: {v}" for k, v in files.items() if v))
     return 1 if _failed(df) else 0
 
 
 # ---------------------------------------------------------------------------------------------------------
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Wrapped option help, an epilog kept as written (the device spec forms)."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=30)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .synth import PRESETS, ROUTING_MODES
     ap = argparse.ArgumentParser(prog="pyllama-pp", description=__doc__)
     ap.add_argument("--version", action="version", version=f"pyllama_pp {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    json_help = "print one JSON document on stdout instead of the table (errors too, as {\"error\": ...})"
 
-    p = sub.add_parser("info", help="upstream commit, variants and their patches, backends, build options")
-    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p = sub.add_parser("info", help="upstream commit, variants and their patches, switches, backends, devices",
+                       formatter_class=_HelpFormatter)
+    p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("synth", help="write a random-weight qwen3moe GGUF")
-    p.add_argument("out", type=Path)
-    p.add_argument("--preset", default="tiny", help="tiny, small or qwen3-30b-a3b")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--type", default="q8_0", choices=["q8_0", "f16"])
-    p.add_argument("--routing", choices=["uniform", "skewed", "natural"])
-    p.add_argument("--skew", type=float)
-    for dim in ("n_layer", "n_embd", "n_expert", "n_expert_used", "n_ff_exp", "n_vocab"):
-        p.add_argument("--" + dim.replace("_", "-"), dest=dim, type=int)
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("synth", help="write a random-weight qwen3moe GGUF (with a routing control)",
+                       formatter_class=_HelpFormatter)
+    p.add_argument("out", type=Path, help="the .gguf file to write")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                   help="model shape (default: tiny, the CI model; qwen3-30b-a3b is 29.8 GiB in Q8_0)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default: 0)")
+    p.add_argument("--type", default="q8_0", choices=["q8_0", "f16"], help="weight type (default: q8_0)")
+    p.add_argument("--routing", choices=list(ROUTING_MODES),
+                   help="uniform: every expert used about equally; skewed: some experts far more (real models' "
+                        "coverage); natural: plain random weights (default: the preset's, uniform)")
+    p.add_argument("--skew", type=float, help="with --routing skewed: how strongly (default: 1.0; 0 = uniform)")
+    for dim, what in (("n_layer", "layers"), ("n_embd", "embedding width"), ("n_expert", "experts per layer"),
+                      ("n_expert_used", "experts used per token"), ("n_ff_exp", "expert FFN width"),
+                      ("n_vocab", "vocabulary size")):
+        p.add_argument("--" + dim.replace("_", "-"), dest=dim, type=int, metavar="N",
+                       help=f"{what} (default: the preset's)")
+    p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(func=cmd_synth)
 
     def common(p, model_required: bool):
         if model_required:
             p.add_argument("model", help="GGUF model file")
         else:
-            p.add_argument("model", nargs="?", help="GGUF model file (default: a tiny synthetic MoE on 2 VDEVs)")
+            p.add_argument("model", nargs="?", help="GGUF model file (default: the main job, a tiny synthetic MoE "
+                                                     f"with every expert in host RAM on {DEFAULT_DEVICES})")
         p.add_argument("--devices", type=lambda s: [x for x in s.split(";") if x], default=["cpu"],
-                       help="device spec(s), ';'-separated (cpu, cuda, cuda:0,1, vdev:2x768MiB@4GBps[,shared], JSON)")
+                       help="device spec; several ';'-separated are swept (default: cpu; the main job: "
+                            f"{DEFAULT_DEVICES}; forms below)")
         p.add_argument("--host-experts", type=lambda s: s.split(","), default=["all"],
-                       help="all, none or N (the first N layers' experts in host RAM); comma-separated to sweep")
-        p.add_argument("-b", "--batch", type=_ints, default=None, help="n_batch (comma-separated; default 512)")
-        p.add_argument("-ub", "--ubatch", type=_ints, default=None, help="n_ubatch (comma-separated; default 32)")
-        p.add_argument("-c", "--ctx", type=int, default=0, help="n_ctx (0: fits the tests)")
-        p.add_argument("-ngl", "--ngl", type=int, default=-1)
+                       help="experts in host RAM: all, none or N (the first N layers, like --n-cpu-moe); "
+                            "comma-separated to sweep (default: all)")
+        p.add_argument("-b", "--batch", type=_ints, default=None, metavar="N[,N]",
+                       help="n_batch, comma-separated to sweep (default: 512; the main job: 2048)")
+        p.add_argument("-ub", "--ubatch", type=_ints, default=None, metavar="N[,N]",
+                       help="n_ubatch, comma-separated to sweep (default: 32; the main job: 128)")
+        p.add_argument("-c", "--ctx", type=int, default=0, metavar="N",
+                       help="n_ctx (default: 0, just what the tests need)")
+        p.add_argument("-ngl", "--ngl", type=int, default=-1, metavar="N",
+                       help="layers on the devices (default: -1, every layer)")
         p.add_argument("-ts", "--tensor-split", type=lambda s: [float(x) for x in s.split(",")], default=None,
-                       help="layer proportions per device, e.g. 3,5 (llama's -ts)")
-        p.add_argument("-p", "--pp", type=_ints, default=None, help="prompt lengths (pp tests; default 512)")
-        p.add_argument("-n", "--tg", type=_ints, default=[16], help="generation lengths (tg tests); 0 for none")
-        p.add_argument("-d", "--n-depth", dest="depth", type=_ints, default=[0],
-                       help="tokens already in the context before each test (llama-bench's -d; comma-separated)")
-        p.add_argument("-r", "--reps", type=_positive, default=3, help="repetitions (with --workload: rounds)")
+                       metavar="A,B", help="layer proportions per device, like llama's -ts (default: even; "
+                                           "the main job: 3,5)")
+        p.add_argument("-p", "--pp", type=_ints, default=None, metavar="N[,N]",
+                       help="prompt lengths of pp tests (default: 512; the main job: 2048)")
+        p.add_argument("-n", "--tg", type=_ints, default=[16], metavar="N[,N]",
+                       help="generation lengths of tg tests, 0 for none (default: 16)")
+        p.add_argument("-d", "--n-depth", dest="depth", type=_ints, default=[0], metavar="N[,N]",
+                       help="tokens already in the context before each test, like llama-bench's -d (default: 0)")
+        p.add_argument("-r", "--reps", type=_positive, default=3, metavar="N",
+                       help="repetitions per test; with --workload, rounds (default: 3)")
         p.add_argument("--workload", choices=["mixed"],
                        help="mixed: prompts pp64, pp512, pp128, pp2048 from an empty cache, then tg16, in one context "
                             "per variant, -r rounds (re-reservations and plan switches per step); -p/-n/-d are ignored")
         p.add_argument("--load-mode", default="none", choices=["none", "mmap"],
-                       help="none (default): no mmap, host weights pinned where possible - upstream's fastest")
-        p.add_argument("--offload-min-batch", type=int, help="GGML_OP_OFFLOAD_MIN_BATCH for both variants")
+                       help="none: no mmap, host weights pinned where possible - upstream's fastest (default: none)")
+        p.add_argument("--offload-min-batch", type=int, metavar="N",
+                       help="GGML_OP_OFFLOAD_MIN_BATCH for both variants (default: llama.cpp's, 32)")
         p.add_argument("--switch", action="append", metavar="NAME=VALUE",
-                       help="patched scheduler switch, e.g. UPLOAD_ALL=0 (repeatable)")
-        p.add_argument("-o", "--out", type=Path, help="output folder for rows (jsonl/csv), table and plot")
-        p.add_argument("--json", action="store_true")
+                       help="a patched scheduler switch, e.g. UPLOAD_ALL=0, repeatable (default: none; "
+                            "`pyllama-pp info` lists them)")
+        p.add_argument("-o", "--out", type=Path, metavar="DIR",
+                       help="folder for the rows (jsonl, csv), the table and the plot "
+                            "(default: run writes none; ab: pyllama_pp_out/ab-DATE-TIME)")
+        p.add_argument("--json", action="store_true", help=json_help)
 
-    p = sub.add_parser("run", help="run one variant (in a worker process): llama-bench-like rows and counters")
+    epilog = "device specs (--devices):" + FORMS
+    p = sub.add_parser("run", help="run one variant (in a worker process): llama-bench-like rows and counters",
+                       formatter_class=_HelpFormatter, epilog=epilog)
     common(p, True)
-    p.add_argument("--variant", default="patched", choices=["patched", "baseline"])
+    p.add_argument("--variant", default="patched", choices=["patched", "baseline"],
+                   help="which build runs (default: patched)")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("ab", help="baseline vs patched on the same model, placement and batch sizes")
+    p = sub.add_parser("ab", help="baseline vs patched on the same model, placement and batch sizes",
+                       formatter_class=_HelpFormatter, epilog=epilog)
     common(p, False)
     p.set_defaults(func=cmd_ab)
     return ap
@@ -285,16 +396,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.tg = []
     try:
         return args.func(args)
-    except PyllamaError as e:
-        msg = f"pyllama-pp: error: {e}"
+    except (PyllamaError, ValueError, OSError) as e:
+        kind = getattr(e, "error_type", None) or type(e).__name__
         if getattr(args, "json", False):
-            print(json.dumps({"error": str(e), "type": type(e).__name__}))
-        print(msg, file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as e:
-        if getattr(args, "json", False):
-            print(json.dumps({"error": str(e), "type": type(e).__name__}))
-        print(f"pyllama-pp: error: {e}", file=sys.stderr)
+            print(json.dumps({"error": str(e), "type": kind, "details": getattr(e, "details", "") or None}))
+        # one statement on stderr: what is wrong and how to fix it (--json adds the worker's traceback or stderr;
+        # a device spec's list of accepted forms is in --help)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else kind
+        if isinstance(e, DeviceSpecError) and "\n" in str(e).strip():
+            first += f" See `pyllama-pp {getattr(args, 'cmd', 'run')} --help` for the accepted forms."
+        print(f"pyllama-pp: error: {first}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("pyllama-pp: interrupted (rows written so far are kept)", file=sys.stderr)

@@ -18,6 +18,10 @@ class DeviceSpecError(PyllamaError, ValueError):
     """A device spec that cannot be parsed or cannot be satisfied by this machine."""
 
 
+class ConfigError(PyllamaError, ValueError):
+    """A parameter out of its range or of the wrong kind (batch sizes, context, placement, switches)."""
+
+
 class ModelError(PyllamaError):
     """A model file that is missing, unreadable or not a GGUF this build can load."""
 
@@ -35,4 +39,43 @@ class UnsupportedError(PyllamaError):
 
 
 class WorkerError(PyllamaError):
-    """A worker process failed or died; its message and exit code are attached."""
+    """A worker process failed or died.
+
+    `error_type` names the error the worker raised (ModelError, DecodeError, ...; the raised object is an instance
+    of that class too, so `except ModelError` works across the process boundary), `exit_code` is the worker's exit
+    status (3: an expected error, 4: a bug, negative: killed by a signal) and `details` its traceback or the tail of
+    its stderr. The message itself is one statement of what went wrong.
+    """
+
+    error_type: str = "WorkerError"
+    exit_code: "int | None" = None
+    details: str = ""
+
+
+_WORKER_CLASSES: dict = {}
+
+
+def worker_error(type_name: str, message: str, exit_code: "int | None" = None, details: str = "") -> WorkerError:
+    """The error a worker reported, as an instance of both WorkerError and the worker's own error class."""
+    base = globals().get(type_name)
+    if isinstance(base, type) and issubclass(base, PyllamaError) and base is not WorkerError:
+        cls = _WORKER_CLASSES.get(type_name)
+        if cls is None:
+            cls = _WORKER_CLASSES[type_name] = type(type_name, (WorkerError, base),
+                                                    {"__module__": __name__, "__doc__": base.__doc__})
+    else:
+        cls = WorkerError
+    err = cls(message)
+    err.error_type, err.exit_code, err.details = (type_name or "WorkerError"), exit_code, details
+    return err
+
+
+def one_statement(msg: str) -> str:
+    """A native message (the shim's first line, then llama.cpp's log lines) as one statement: the first line and
+    the log line that says why (llama.cpp's 'error loading model: ...', else its last line)."""
+    lines = [ln.strip() for ln in (msg or "").strip().splitlines() if ln.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else "llama.cpp gave no reason"
+    why = next((ln.split("error loading model:", 1)[1].strip() for ln in lines[1:] if "error loading model:" in ln),
+               lines[-1].removeprefix("llama.cpp:").strip())
+    return f"{lines[0]}: {why}"

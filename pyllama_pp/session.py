@@ -17,7 +17,7 @@ from typing import Iterable, Optional, Sequence, Union
 import numpy as np
 
 from . import binding, devices as devspec
-from .errors import DecodeError, DeviceSpecError, ModelError, OutOfMemoryError, UnsupportedError
+from .errors import ConfigError, DecodeError, DeviceSpecError, ModelError, OutOfMemoryError, UnsupportedError, one_statement
 
 # upstream's patterns for expert tensors (common/fit.cpp LAYER_FRACTION_MOE)
 EXPERT_TENSORS = r"ffn_(up|down|gate|gate_up)_(ch)?exps"
@@ -36,10 +36,15 @@ def host_expert_overrides(host_experts: Union[str, int, Sequence[int], None], n_
         if host_experts.isdigit():
             host_experts = int(host_experts)
         else:
-            raise ValueError(f"host_experts must be 'all', 'none', a count or a list of layers, not {host_experts!r}")
-    layers = list(range(host_experts)) if isinstance(host_experts, int) else sorted(set(int(i) for i in host_experts))
+            raise ConfigError(f"host_experts must be 'all', 'none', a count or a list of layers, not {host_experts!r}")
+    if isinstance(host_experts, int) and host_experts < 0:
+        raise ConfigError(f"host_experts takes a count >= 0 (the first N layers), not {host_experts}")
+    try:
+        layers = list(range(host_experts)) if isinstance(host_experts, int) else sorted(set(int(i) for i in host_experts))
+    except (TypeError, ValueError):
+        raise ConfigError(f"host_experts must be 'all', 'none', a count or a list of layers, not {host_experts!r}") from None
     if n_layer is not None and layers and (layers[0] < 0 or layers[-1] >= n_layer):
-        raise ValueError(f"host-expert layers {layers} outside the model's 0..{n_layer - 1}")
+        raise ConfigError(f"host-expert layers {layers} outside the model's 0..{n_layer - 1}")
     return [rf"blk\.({'|'.join(map(str, layers))})\.{EXPERT_TENSORS}=CPU"] if layers else []
 
 
@@ -56,6 +61,14 @@ class Placement:
     load_mode: str = "none"
     no_host: bool = False
     main_gpu: int = 0
+
+    def __post_init__(self):
+        host_expert_overrides(self.host_experts)  # raises ConfigError for a value it cannot place
+        if self.load_mode not in LOAD_MODES:
+            raise ConfigError(f"load_mode must be one of {sorted(LOAD_MODES)}, not {self.load_mode!r}")
+        if self.split_mode not in SPLIT_MODES:
+            raise ConfigError(f"split_mode must be one of {sorted(SPLIT_MODES)}, not {self.split_mode!r}")
+        _check_int("n_gpu_layers", self.n_gpu_layers, -1)
 
     def all_overrides(self, n_layer: Optional[int] = None) -> list[str]:
         return host_expert_overrides(self.host_experts, n_layer) + list(self.overrides)
@@ -76,8 +89,25 @@ class ContextParams:
     op_offload: bool = True
     offload_kqv: bool = True
 
+    def __post_init__(self):
+        _check_int("n_ctx", self.n_ctx, 0)
+        _check_int("n_batch", self.n_batch, 1)
+        _check_int("n_ubatch", self.n_ubatch, 1)
+        _check_int("n_threads", self.n_threads, 0)
+        if self.n_ubatch > self.n_batch:
+            raise ConfigError(f"n_ubatch ({self.n_ubatch}) cannot exceed n_batch ({self.n_batch}): "
+                              "lower n_ubatch or raise n_batch")
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _check_int(name: str, value, lowest: int) -> None:
+    """A whole number in [lowest, 2**31 - 1] (llama.cpp's int32 fields), else a ConfigError that says so."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"{name} must be a whole number, not {value!r}")
+    if not lowest <= value <= 2**31 - 1:
+        raise ConfigError(f"{name} must be between {lowest} and {2**31 - 1}, not {value}")
 
 
 @dataclass
@@ -207,9 +237,13 @@ COUNTER_FIELDS = ("h2d_bytes", "d2h_bytes", "d2d_bytes", "h2d_copies", "d2h_copi
 LEVEL_FIELDS = ("alloc_bytes", "peak_alloc_bytes")
 
 
-def _check_gguf(path: Path) -> None:
+def check_model_path(path: Union[str, Path]) -> None:
+    """A clear ModelError for a model path that is missing, a folder, unreadable or not a GGUF file."""
+    path = Path(path)
+    if path.is_dir():
+        raise ModelError(f"{path} is a folder, not a model file: give the .gguf file inside it")
     if not path.is_file():
-        raise ModelError(f"model file not found: {path}")
+        raise ModelError(f"model file not found: {path} (write a synthetic one with `pyllama-pp synth OUT.gguf`)")
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -231,7 +265,7 @@ class Session:
                  placement: Optional[Placement] = None, ctx: Optional[ContextParams] = None,
                  variant: str = "patched", ext_params: Optional[dict] = None):
         self.path = Path(model)
-        _check_gguf(self.path)
+        check_model_path(self.path)
         self.spec = devspec.parse(devices)
         self.placement = placement or Placement()
         self.ctx_params = ctx or ContextParams()
@@ -293,9 +327,9 @@ class Session:
         lib, ffi = self.native.lib, self.native.ffi
         pl = self.placement
         if pl.load_mode not in LOAD_MODES:
-            raise ValueError(f"load_mode must be one of {sorted(LOAD_MODES)}")
+            raise ConfigError(f"load_mode must be one of {sorted(LOAD_MODES)}, not {pl.load_mode!r}")
         if pl.split_mode not in SPLIT_MODES:
-            raise ValueError(f"split_mode must be one of {sorted(SPLIT_MODES)}")
+            raise ConfigError(f"split_mode must be one of {sorted(SPLIT_MODES)}, not {pl.split_mode!r}")
         keep = []
 
         def cstr(s: str):
@@ -318,12 +352,12 @@ class Session:
         p.use_extra_bufts = 0
         m = lib.pp_model_load(p)
         if m == ffi.NULL:
-            msg = self.native.last_error()
+            msg = one_statement(self.native.last_error())
             low = msg.lower()
             if "failed to allocate" in low or "out of memory" in low or "unable to allocate" in low:
-                raise OutOfMemoryError(msg + "\nFix: put fewer layers on the devices (--ngl), keep experts in host "
+                raise OutOfMemoryError(msg + ". Fix: put fewer layers on the devices (--ngl), keep experts in host "
                                              "RAM (--host-experts all), or give the devices more memory")
-            raise ModelError(msg + "\n(not a valid GGUF for this build? check the file, or write one with "
+            raise ModelError(msg + " (not a valid GGUF for this build? check the file, or write one with "
                                    "`pyllama-pp synth`)")
         self._model = m
         info = ffi.new("pp_model_info *")
@@ -336,7 +370,7 @@ class Session:
     @staticmethod
     def _check_ctx(c: "ContextParams") -> None:
         if c.n_ubatch > c.n_batch:
-            raise ValueError(f"n_ubatch ({c.n_ubatch}) cannot exceed n_batch ({c.n_batch})")
+            raise ConfigError(f"n_ubatch ({c.n_ubatch}) cannot exceed n_batch ({c.n_batch}): lower n_ubatch or raise n_batch")
 
     def _new_context(self, coverage: bool):
         lib, ffi = self.native.lib, self.native.ffi

@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import PyllamaError, WorkerError
+from .errors import PyllamaError, WorkerError, worker_error
 
 
 def _signal_name(signum: int) -> str:
@@ -42,7 +42,7 @@ def run_job(job: dict, variant: str, timeout: Optional[float] = None, env: Optio
     except subprocess.TimeoutExpired as e:
         err = e.stderr or ""
         tail = (err.decode(errors="replace") if isinstance(err, bytes) else err)[-2000:]
-        raise WorkerError(f"{variant} worker timed out after {timeout:.0f} s; stderr tail:\n{tail}") from None
+        raise worker_error("WorkerError", f"{variant} worker timed out after {timeout:.0f} s", None, tail) from None
     out = proc.stdout.strip().splitlines()
     result = None
     if out:
@@ -50,13 +50,21 @@ def run_job(job: dict, variant: str, timeout: Optional[float] = None, env: Optio
             result = json.loads(out[-1])
         except json.JSONDecodeError:
             result = None
+    if isinstance(result, dict) and "error" in result:
+        # the worker said what went wrong: its error class and its one message, here too
+        kind = str(result.get("type") or "WorkerError")
+        msg = str(result["error"])
+        if msg.startswith(kind + ": "):
+            msg = msg[len(kind) + 2:]
+        if proc.returncode == 4:
+            msg = f"{variant} worker hit an unexpected error (a bug in pyllama_pp, please report it): {msg}"
+        raise worker_error(kind, msg, proc.returncode, result.get("traceback") or proc.stderr[-2000:])
     if proc.returncode != 0 or result is None:
         how = f"killed by signal {_signal_name(-proc.returncode)}" if proc.returncode < 0 else f"exit code {proc.returncode}"
-        msg = result.get("error") if isinstance(result, dict) else None
-        raise WorkerError(f"{variant} worker failed ({how}): {msg or 'no result'}\nstderr tail:\n"
-                          f"{proc.stderr[-2000:]}")
-    if "error" in result:
-        raise WorkerError(f"{variant} worker: {result['error']}")
+        last = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.strip()), "")
+        raise worker_error("WorkerError", f"{variant} worker died ({how}) without a result"
+                           + (f"; its last words: {last.strip()[:300]}" if last else ""), proc.returncode,
+                           proc.stderr[-2000:])
     return result
 
 
@@ -305,10 +313,11 @@ def _main() -> int:
             raise PyllamaError(f"unknown job kind {kind!r}")
         result = handlers[kind](job)
     except PyllamaError as e:
-        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        print(json.dumps({"error": f"{type(e).__name__}: {e}", "type": type(e).__name__}))
         return 3
     except Exception as e:  # a bug: report it with its traceback rather than dying silently
-        print(json.dumps({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}))
+        print(json.dumps({"error": f"{type(e).__name__}: {e}", "type": "WorkerError",
+                          "traceback": traceback.format_exc()}))
         return 4
     sys.stdout.flush()
     print(json.dumps(result, default=float))

@@ -16,10 +16,14 @@ VARIANTS = ("baseline", "patched")
 def _worker_error(runner, variant: str, job: dict) -> str:
     with pytest.raises(WorkerError) as ei:
         runner.run(variant, job, cache=False)
-    msg = str(ei.value)
+    e = ei.value
+    msg = f"{e.error_type}: {e} (exit code {e.exit_code})"
     assert "killed by signal" not in msg and "timed out" not in msg, f"the worker crashed:\n{msg}"
     # exit code 3: a PyllamaError with its message; 4 would be an unexpected exception (a bug)
     assert "(exit code 3)" in msg, f"not a clean error:\n{msg}"
+    # the parent raises the worker's own class (ModelError, ...) too, with the worker's one-line message
+    assert type(e).__name__ == e.error_type and isinstance(e, getattr(pyllama_pp.errors, e.error_type)), type(e).__mro__
+    assert "\n" not in str(e) and "stderr" not in str(e), f"not one statement: {str(e)!r}"
     return msg
 
 

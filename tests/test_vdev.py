@@ -106,7 +106,7 @@ def test_memory_budget_too_small_is_an_error_not_a_crash(runner, variant, placem
     with pytest.raises(WorkerError) as ei:
         runner.logits(variant, devices="vdev:2x1MiB@0", placement={"host_experts": placement}, ctx=CTX,
                       n_tokens=N_TOKENS)
-    msg = str(ei.value)
+    msg = f"{ei.value.error_type}: {ei.value} (exit code {ei.value.exit_code})"
     assert "killed by signal" not in msg and "exit code 3" in msg, f"the worker crashed:\n{msg}"
     assert "OutOfMemoryError" in msg or "ModelError" in msg, msg
     assert "memory" in msg.lower() or "alloc" in msg.lower(), msg

@@ -1,0 +1,102 @@
+"""`pyllama-pp` with bad input: one line on stderr that says what is wrong and how to fix it, a non-zero exit, and
+no worker started where the problem can be seen up front."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyllama_pp import ConfigError, cli, worker
+from pyllama_pp.session import ContextParams, Placement
+
+
+@pytest.fixture
+def no_worker(monkeypatch):
+    """Fails the test if a worker would start (the check must happen before)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker was started for input that could be checked up front")
+    monkeypatch.setattr(worker, "run_job", refuse)
+
+
+def _usage_error(capsys, argv: list[str]) -> str:
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2, (rc, out, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("pyllama-pp: error: "), f"not one line on stderr:\n{err}"
+    assert "Traceback" not in err and "\\n" not in err and "stderr tail" not in err, err
+    return lines[0]
+
+
+def test_missing_folder_and_non_gguf_models(capsys, no_worker, tmp_path):
+    assert "model file not found" in _usage_error(capsys, ["run", str(tmp_path / "none.gguf")])
+    assert "is a folder, not a model file" in _usage_error(capsys, ["run", str(tmp_path)])
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model")
+    assert "not a GGUF file" in _usage_error(capsys, ["ab", str(text)])
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["-b", "-5"], "-b/--batch takes whole numbers >= 1, got -5"),
+    (["-ub", "0"], "-ub/--ubatch takes whole numbers >= 1, got 0"),
+    (["-ub", "512", "-b", "64"], "larger than n_batch"),
+    (["-p", "0"], "-p/--pp"),
+    (["-n", "-3"], "-n/--tg"),
+    (["-c", "-1"], "-c/--ctx"),
+    (["-ngl", "-7"], "-ngl"),
+    (["-ts", "0,0"], "-ts"),
+    (["--host-experts", "lots"], "host_experts must be 'all', 'none', a count or a list of layers, not 'lots'"),
+    (["--devices", "vdev:bogus"], "bad device spec 'vdev:bogus'"),
+    (["--variant", "baseline", "--switch", "NOSUCH=1"], "--variant baseline has none"),
+])
+def test_bad_run_options_are_refused_before_a_worker_starts(capsys, no_worker, tiny_model, argv, words):
+    line = _usage_error(capsys, ["run", tiny_model, *argv])
+    assert words in line, line
+
+
+def test_bad_ab_options_write_no_files(capsys, no_worker, tiny_model, tmp_path):
+    out = tmp_path / "out"
+    assert "-b/--batch" in _usage_error(capsys, ["ab", tiny_model, "-b", "-5", "-o", str(out)])
+    assert not out.exists(), "an A/B run that measured nothing left files behind"
+
+
+def test_unknown_switch_names_its_near_misses(capsys, tiny_model):
+    """The patched build's own table decides (one info job, no measurement)."""
+    line = _usage_error(capsys, ["run", tiny_model, "--switch", "UPLOAD_AL=0"])
+    assert "no such switch" in line and "UPLOAD_ALL" in line and "pyllama-pp info" in line, line
+
+
+def test_worker_errors_keep_their_class_and_one_line(tiny_model, tmp_path):
+    """An error raised inside a worker reaches the caller as the same class (and WorkerError), one statement."""
+    from pyllama_pp import ModelError, WorkerError
+    with pytest.raises(ModelError) as ei:
+        worker.run_job({"kind": "schedule", "model": str(tmp_path / "gone.gguf")}, "baseline", timeout=120)
+    e = ei.value
+    assert isinstance(e, WorkerError) and e.exit_code == 3 and e.error_type == "ModelError"
+    assert str(e).startswith("model file not found") and "\n" not in str(e), str(e)
+
+
+def test_context_and_placement_params_are_checked_when_made():
+    for kwargs, words in (({"n_ubatch": -1}, "n_ubatch must be between 1"), ({"n_batch": 0}, "n_batch"),
+                          ({"n_ctx": 2**40}, "n_ctx must be between 0"), ({"n_batch": 64, "n_ubatch": 128},
+                                                                         "cannot exceed n_batch"),
+                          ({"n_threads": 1.5}, "whole number")):
+        with pytest.raises(ConfigError, match=words):
+            ContextParams(**kwargs)
+    for kwargs in ({"host_experts": "lots"}, {"host_experts": -2}, {"load_mode": "swap"}, {"split_mode": "diag"}):
+        with pytest.raises(ConfigError):
+            Placement(**kwargs)
+    assert ContextParams(n_batch=64, n_ubatch=64).n_ubatch == 64 and Placement(host_experts="3").host_experts == "3"
+
+
+def test_console_script_reports_a_usage_error_in_one_line(tmp_path):
+    """End to end through the installed `pyllama-pp` script: exit 2, one line on stderr, nothing on stdout."""
+    exe = shutil.which("pyllama-pp") or str(Path(sys.executable).with_name("pyllama-pp"))
+    res = subprocess.run([exe, "run", str(tmp_path / "none.gguf")], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ), cwd=tmp_path)
+    assert res.returncode == 2 and res.stdout == "", (res.returncode, res.stdout, res.stderr)
+    assert res.stderr.strip().count("\n") == 0 and "model file not found" in res.stderr, res.stderr
