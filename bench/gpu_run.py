@@ -40,7 +40,7 @@ def log(msg: str) -> None:
     print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
-# patch 0021 at every expert op but the one that measures coverage: upload-all off, DIRECT=2 (the 30B preset's rows,
+# patch 0008 at every expert op but the one that measures coverage: upload-all off, DIRECT=2 (the 30B preset's rows,
 # 2048 and 768 values, are whole steps of CUDA's MMQ; the tiny preset's are not, see the patch)
 DIRECT_ONLY = {"GGML_SCHED_PP_DIRECT": "2", "GGML_SCHED_PP_UPLOAD_ALL": "0", "GGML_SCHED_PP_GATHER": "0"}
 NO_UPLOAD_ALL = {"GGML_SCHED_PP_UPLOAD_ALL": "0"}
@@ -71,9 +71,9 @@ def correctness(model: str, devices: str, out: Path,
                        (64, "none", {"GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2", **NO_UPLOAD_ALL})),
                 n_tokens: int = 512, all_on_gpu: bool = True, timeout: float = 300) -> list[dict]:
     """(n_ubatch, load mode, patched build's environment) cases; mmap: host weights in pageable memory (the
-    patched build stages them); OVERLAP=1: the opt-in upload ring of patch 0019; OVERLAP=2: patch 0024's early
-    uploads inside the compute buffer; PREFETCH (0029) with upload-all off, so that every expert op gathers, and
-    PREFETCH=2 (0030: up and down two splits early, the copies in three lanes).
+    patched build stages them); OVERLAP=1: the opt-in upload ring of patch 0009; OVERLAP=2: patch 0009's early
+    uploads inside the compute buffer; PREFETCH (0010) with upload-all off, so that every expert op gathers, and
+    PREFETCH=2 (0010: up and down two splits early, the copies in three lanes).
     `timeout`: seconds a worker may take (a hang costs no more)."""
     rows = []
     refs: dict = {}   # baseline and all-on-GPU logits per (name, n_ubatch, load mode): the cases share them
@@ -116,7 +116,7 @@ PP16K = [["pp", 16384]]
 PP512 = [["pp", 512]]
 # Blocks of configs that share one loaded model per variant (bench.ab groups them); in priority order, each
 # skipped when the budget left is below its estimate (seconds, both variants, model loads included; measured
-# on 2xH200 on 2026-11-30 before patch 0011, so with the re-reservations: faster runs will take less).
+# on 2xH200 on 2026-11-30 before STABLE_DEPS (patch 0007), so with the re-reservations: faster runs will take less).
 UNIFORM = {"name": "uniform", "est": 185, "configs": [(4096, 512, PP4096 + [["tg", 32]]), (16384, 1024, PP16K)]}
 ONE_GPU = {"name": "one-gpu", "devices": "cuda:0", "est": 90, "configs": [(4096, 512, PP4096 + [["tg", 32]])]}
 ONE_H200_AS_TWO = {"name": "one-h200-as-two", "devices": "cuda", "est": 85,
@@ -135,9 +135,9 @@ DECODE_DEPTH = [{"name": "decode-depth", "est": 75, "reps": 6, "configs": TG32_D
                  "configs": TG32_D2048},
                 {**DECODE_ONE_GPU, "name": "decode-depth-one-gpu", "est": 75, "configs": TG32_D2048}]
 OVERLAP2 = {"OVERLAP": 2, "PREFETCH": 0}   # OVERLAP=2 as runs 16-29 measured it (before PREFETCH, on since run 31)
-PREFETCH_ON = {**OVERLAP2, "PREFETCH": 1}   # patch 0029 acts with OVERLAP=2 only
+PREFETCH_ON = {**OVERLAP2, "PREFETCH": 1}   # patch 0010 acts with OVERLAP=2 only
 ONE_SWITCH = {"OVERLAP": 2}   # since run 31: with PREFETCH (default on) and 16-block gathers (BESIDE)
-PREFETCH2 = {"OVERLAP": 2, "PREFETCH": 2}   # patch 0030 (opt-in): up prefetched, up's rest and down two splits early
+PREFETCH2 = {"OVERLAP": 2, "PREFETCH": 2}   # patch 0010 (opt-in): up prefetched, up's rest and down two splits early
 SKEWED_LOW = [(4096, 512, PP4096), (4096, 256, PP4096)]   # 37% / 34% coverage
 DECODE_LONG = {"name": "decode-long", "est": 130, "reps": 5, "configs": [(4096, 512, [["tg", 128, 2048]])]}   # tg128 @ d2048
 DECODE_LONG_ONE_GPU = {**DECODE_LONG, "name": "decode-long-one-gpu", "devices": "cuda:0", "est": 110}
@@ -148,7 +148,7 @@ SWEEPS = {
     ],
     "more": [ONE_GPU, ONE_H200_AS_TWO, SKEWED, MMAP],
     "quick": [{**UNIFORM, "est": 95, "configs": [(4096, 512, PP4096)]}],
-    # patch 0014's default keeps one graph in flight per GPU; upstream's count for comparison
+    # patch 0004's default keeps one graph in flight per GPU; upstream's count for comparison
     "copies": [{"name": "copies4", "est": 45, "ext": {"COPIES": 4}, "variants": ["patched"],
                 "configs": [(4096, 512, PP4096)]}],
     # single blocks, to combine in one call: --sweep mmap,skewed,quick
@@ -156,15 +156,15 @@ SWEEPS = {
     "skewed": [SKEWED],
     "one-gpu": [ONE_GPU],
     "one-h200-as-two": [ONE_H200_AS_TWO],
-    # patch 0019 (OVERLAP, opt-in): the same configs as uniform-best and uniform, patched only, ring on
+    # patch 0009 (OVERLAP, opt-in): the same configs as uniform-best and uniform, patched only, ring on
     "overlap": [{"name": "overlap", "est": 110, "ext": {"OVERLAP": 1}, "variants": ["patched"],
                  "configs": [(16384, 4096, PP16K), (4096, 512, PP4096), (16384, 1024, PP16K)]}],
-    # patch 0020: coverage in real models' band (skew 1.0: 58% at ub512): the auto bar (55%) vs the old 85%
+    # patch 0005: coverage in real models' band (skew 1.0: 58% at ub512): the auto bar (55%) vs the old 85%
     "band": [{"name": "band", "model": "skewed", "skew": 1.0, "est": 120,
               "configs": [(4096, 512, PP4096), (16384, 1024, PP16K)]},
              {"name": "band-bar85", "model": "skewed", "skew": 1.0, "est": 60, "ext": {"UPLOAD_ALL_MIN_COV": 85},
               "variants": ["patched"], "configs": [(4096, 512, PP4096), (16384, 1024, PP16K)]}],
-    # patch 0021 (DIRECT, opt-in): below the coverage bar the GPU reads the used experts from pinned host memory
+    # patch 0008 (DIRECT, opt-in): below the coverage bar the GPU reads the used experts from pinned host memory
     # itself (no readback per layer): the skewed A/B (37% coverage), then the same configs with DIRECT=2, and at
     # 100% coverage with upload-all off (the kernel's read rate vs the copy engine's)
     "direct": [{**SKEWED, "est": 130, "configs": SKEWED["configs"][:2]},
@@ -172,21 +172,21 @@ SWEEPS = {
                 "configs": SKEWED["configs"][:2]},
                {"name": "direct-uniform", "est": 45, "ext": {"DIRECT": 2, "UPLOAD_ALL": 0}, "variants": ["patched"],
                 "configs": [(4096, 512, PP4096)]}],
-    # patch 0021 after its review (DIRECT_MAX_TOKENS: ub1024 at 40% coverage should fall back to the selective copy),
+    # patch 0008 after its review (DIRECT_MAX_TOKENS: ub1024 at 40% coverage should fall back to the selective copy),
     # with ub256 (about 50 tokens per used expert) added; both variants, then patched with DIRECT=2
     "direct-again": [{**SKEWED, "est": 150, "configs": SKEWED["configs"][:2] + [(4096, 256, PP4096)]},
                      {"name": "direct-skewed", "model": "skewed", "est": 70, "ext": {"DIRECT": 2}, "variants": ["patched"],
                       "configs": SKEWED["configs"][:2] + [(4096, 256, PP4096)]},
                      {"name": "direct-not-first", "model": "skewed", "est": 50, "ext": {"DIRECT": 2, "DIRECT_FIRST": 0},
                       "variants": ["patched"], "configs": SKEWED_LOW}],
-    # patches 0022 (PLANS) and 0023 (DIRECT by default, not on the first GPU): the skewed A/B with the defaults
+    # patches 0007 (PLANS) and 0008 (DIRECT by default, not on the first GPU): the skewed A/B with the defaults
     # (run 12 has ub512/ub256 selective, DIRECT_FIRST=1 and =0), a small batch, one shared link, and a near-uniform
     # check (above the coverage bar: upload-all, unchanged); with PP_Q6=1 for the mixed workload
     "defaults": [{**SKEWED, "name": "skewed-defaults", "est": 150,
                   "configs": [(4096, 512, PP4096), (4096, 256, PP4096), (512, 128, PP512)]},
                  {**SKEWED_ONE_LINK, "est": 90},
                  {**UNIFORM, "name": "uniform-defaults", "est": 95, "configs": [(4096, 512, PP4096)]}],
-    # patch 0023 after run 13: DIRECT's default (auto) stays off on one shared link; the mixed workload's decode and
+    # patch 0008 after run 13: DIRECT's default (auto) stays off on one shared link; the mixed workload's decode and
     # the decode rows once more (with PP_Q6=1 PP_Q6_ROUNDS=3)
     "defaults-again": [{**SKEWED_ONE_LINK, "est": 75}] + DECODE_AGAIN,
     # decode right after a filled context (llama-bench's -d; the mixed workload's tg16 after pp2048 swung 0.66-1.32x
@@ -198,7 +198,7 @@ SWEEPS = {
     # and became the slower stage at ub512 (run 13): fewer layers for it (llama's -ts), both variants alike
     "skewed-balance": [{**SKEWED, "name": f"skewed-ts{a}-{b}", "est": 100, "tensor_split": [a, b],
                         "configs": SKEWED_LOW} for a, b in ((28, 20), (32, 16))],
-    # patch 0024 (OVERLAP=2, opt-in): the uploads overlap compute inside the compute buffer, within issue 4's memory
+    # patch 0009 (OVERLAP=2, opt-in): the uploads overlap compute inside the compute buffer, within issue 4's memory
     # bound - the candidate default if it matches OVERLAP=1's rows (run 8: 1567.9 / 3279.1 / 9310.7 t/s); both
     # variants, near-uniform routing; the correctness step checks it on the tiny preset (ub64, ub512)
     "overlap2": [{"name": "overlap2", "est": 200, "ext": OVERLAP2,
@@ -212,7 +212,7 @@ SWEEPS = {
     "overlap2-low": [{**SKEWED, "name": "skewed-overlap2", "est": 130, "ext": OVERLAP2, "configs": SKEWED_LOW},
                      {"name": "skewed-overlap0", "model": "skewed", "est": 50, "ext": {"OVERLAP": 0}, "variants": ["patched"],
                       "configs": SKEWED_LOW}],
-    # OVERLAP=2 by default (patch 0027): what runs 16-17 did not cover - near-uniform ub256 (the 85% target starts
+    # OVERLAP=2 by default (patch 0009): what runs 16-17 did not cover - near-uniform ub256 (the 85% target starts
     # there), mmap (pageable weights: staged, not early), one shared link, and a small batch at low coverage
     # (run 18 ran it while OVERLAP=2 was the default; the ext makes it measure the same now that it is not)
     "overlap2-default": [{**UNIFORM, "name": "uniform-ub256", "est": 70, "ext": OVERLAP2, "configs": [(4096, 256, PP4096)]},
@@ -220,7 +220,7 @@ SWEEPS = {
                          {**ONE_H200_AS_TWO, "est": 85, "ext": OVERLAP2},
                          {**SKEWED, "name": "skewed-small", "est": 45, "ext": OVERLAP2,
                           "configs": [(512, 128, PP512)]}],
-    # patch 0027 (OVERLAP_POOL) on CUDA: OVERLAP=2's compute buffers should drop from 648.3 / 732.5 / 1670.1 MiB per
+    # patch 0009 (OVERLAP_POOL) on CUDA: OVERLAP=2's compute buffers should drop from 648.3 / 732.5 / 1670.1 MiB per
     # GPU (runs 16 and 18) to about the default's plus one expert copy (VDEVs with CUDA's padding: 484.8 at ub512,
     # 1118.1 at ub4096) at the same speed (1503.7 / 3159.8 / 9434.9 t/s); then unpooled at ub512 as the control
     "overlap2-pool": [{"name": "overlap2-pooled", "est": 170, "ext": OVERLAP2,
@@ -230,7 +230,7 @@ SWEEPS = {
     # decode after a filled context with more tokens per sample (tg16/tg32 single samples swung 0.66-1.32x): tg128
     # at depth 2048, 5 reps, both variant orders, 2 GPUs
     "decode-long": [DECODE_LONG, {**DECODE_LONG, "name": "decode-long-patched-first", "variants": ["patched", "baseline"]}],
-    # patch 0028 (GATHER, on by default where pyllama_pp's CUDA gather library loads): low coverage, where the
+    # patch 0010 (GATHER, on by default where pyllama_pp's CUDA gather library loads): low coverage, where the
     # selective copy's readbacks (first GPU) and DIRECT's slow kernel reads (second GPU) gave 62% / 75% of the bound
     # (runs 13, 17): the A/B with the defaults, then patched with OVERLAP=2 (up and down gathered on the second
     # stream while the op before computes), then patched with GATHER=0 (the old defaults) in the same call
@@ -278,7 +278,7 @@ SWEEPS = {
     "gather-final": [skewed_patched("skewed-gather-final", 35, [(4096, 512, PP4096)]),
                      skewed_patched("skewed-gather-final-few-overlap2", 35, [(4096, 512, PP4096)], ext=OVERLAP2,
                                     env=FEW_BLOCKS)],
-    # patch 0029 (PREFETCH, opt-in, experimental): with OVERLAP=2 and 16-block gathers (run 27's best: 3314.1 /
+    # patch 0010 (PREFETCH, opt-in, experimental): with OVERLAP=2 and 16-block gathers (run 27's best: 3314.1 /
     # 1929.1 t/s), the gate copies prefetched by the last used set a split early; low coverage at ub512 / ub256 and
     # ub1024, patched, then the same without PREFETCH as the same-call control. The correctness step checks it
     "prefetch": [skewed_patched("skewed-prefetch", 40, ext=PREFETCH_ON, env=FEW_BLOCKS),
@@ -330,7 +330,7 @@ SWEEPS = {
                        skewed_patched("overlap2-final-ub1024", 35, [(16384, 1024, PP16K)], ext=ONE_SWITCH),
                        {"name": "uniform-overlap2", "est": 95, "ext": ONE_SWITCH,
                         "configs": [(4096, 512, PP4096 + [["tg", 32]])]}],
-    # patch 0030 (PREFETCH=2, opt-in): low coverage at ub1024 - the one row OVERLAP=2 left below 85% of the bound
+    # patch 0010 (PREFETCH=2, opt-in): low coverage at ub1024 - the one row OVERLAP=2 left below 85% of the bound
     # (run 30: 80.5%) - against upstream with the gather timeline, then OVERLAP=2 alone (PREFETCH=1) as the
     # same-call control; ub512 / ub256 with each; near-uniform (upload-all: whole copies two splits early) with it
     "prefetch2": [{**skewed_patched("prefetch2-ub1024-tl", 90, [(16384, 1024, PP16K)], ext=PREFETCH2, timeline=True),
@@ -346,7 +346,7 @@ SWEEPS = {
                          skewed_patched("prefetch2-ub1024-a", 45, [(16384, 1024, PP16K)], ext=PREFETCH2),
                          skewed_patched("overlap2-ub1024-b", 45, [(16384, 1024, PP16K)], ext=ONE_SWITCH),
                          skewed_patched("prefetch2-ub1024-b", 45, [(16384, 1024, PP16K)], ext=PREFETCH2)],
-    # patch 0030 as it ends session 10 (lanes set up with the upload ring's code, PREFETCH2_MIN_TOKENS 1024): ub1024
+    # patch 0010 as it ends session 10 (lanes set up with the upload ring's code, PREFETCH2_MIN_TOKENS 1024): ub1024
     # with PREFETCH=2, then ub512 / ub256 where it now goes up as PREFETCH=1 (its copies in the lanes) and the same
     # with OVERLAP=2 alone
     "prefetch2-final": [skewed_patched("prefetch2-final-ub1024", 40, [(16384, 1024, PP16K)], ext=PREFETCH2),
@@ -356,7 +356,7 @@ SWEEPS = {
     # PREFETCH2_MIN_TOKENS uploaded one split early): ub512 / ub256, then OVERLAP=2 alone
     "prefetch2-small": [skewed_patched("prefetch2-small-low", 40, ext=PREFETCH2),
                         skewed_patched("overlap2-small-low", 40, ext=ONE_SWITCH)],
-    # patch 0031 (CHAIN, on by default): PREFETCH=2 at ub1024, low coverage, with a gather timeline, then CHAIN=0
+    # patch 0010 (CHAIN, on by default): PREFETCH=2 at ub1024, low coverage, with a gather timeline, then CHAIN=0
     # against CHAIN=1 twice, interleaved
     "chain": [skewed_patched("chain-ub1024-tl", 50, [(16384, 1024, PP16K)], ext=PREFETCH2, timeline=True),
               skewed_patched("chain0-ub1024-a", 45, [(16384, 1024, PP16K)], ext={**PREFETCH2, "CHAIN": 0}),
@@ -370,7 +370,7 @@ SWEEPS = {
                   skewed_patched("chain0-low-overlap2", 40, ext={**ONE_SWITCH, "CHAIN": 0}),
                   skewed_patched("chain-low-overlap2-b", 40, ext=ONE_SWITCH),
                   skewed_patched("chain-low-prefetch2-b", 40, ext={**PREFETCH2, "PREFETCH2_MIN_TOKENS": 1})],
-    # the series as session 11 ends (patches 0001-0031), against upstream in the same call: low coverage at ub1024
+    # the series as session 11 ends (the whole series), against upstream in the same call: low coverage at ub1024
     # with OVERLAP=2 + PREFETCH=2 (CHAIN on) and with the defaults, near-uniform at ub1024 with OVERLAP=2 + PREFETCH=2
     "final-chain": [{**skewed_patched("final-chain-low-ub1024", 90, [(16384, 1024, PP16K)], ext=PREFETCH2),
                      "variants": bench.VARIANTS},
@@ -468,20 +468,20 @@ def main() -> int:
         save()
 
     if "prefetch" in sweeps:
-        # patch 0029 on the 30B preset: every gate but the first ubatch's prefetched, the rest gathered (grid), then
+        # patch 0010 on the 30B preset: every gate but the first ubatch's prefetched, the rest gathered (grid), then
         # with 16-block gathers
         correctness_30b("correctness_prefetch", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "1",
                                                  **GRID_BLOCKS},
                         FEW_BLOCKS)
     if "prefetch2" in sweeps or "prefetch2-final" in sweeps:
-        # patch 0030 on the 30B preset, upload-all off: gate and up prefetched, their rests and down gathered, the
+        # patch 0010 on the 30B preset, upload-all off: gate and up prefetched, their rests and down gathered, the
         # copies in three lanes; then PREFETCH=1 (OVERLAP=2 alone)
         # (PREFETCH2_MIN_TOKENS=1: at ub256 PREFETCH=2 would act as PREFETCH=1 by default)
         correctness_30b("correctness_prefetch2", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2",
                                                   "GGML_SCHED_PP_PREFETCH2_MIN_TOKENS": "1"},
                         {"GGML_SCHED_PP_PREFETCH": "1"})
     if "chain" in sweeps:
-        # patch 0031 on the 30B preset: PREFETCH=2 acting (upload-all off), its gathers chained, then CHAIN=0
+        # patch 0010 on the 30B preset: PREFETCH=2 acting (upload-all off), its gathers chained, then CHAIN=0
         correctness_30b("correctness_chain", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2", "GGML_SCHED_PP_PREFETCH": "2",
                                               "GGML_SCHED_PP_PREFETCH2_MIN_TOKENS": "1"},
                         {"GGML_SCHED_PP_CHAIN": "0"})
@@ -491,11 +491,11 @@ def main() -> int:
         correctness_30b("correctness_overlap2", {**NO_UPLOAD_ALL, "GGML_SCHED_PP_OVERLAP": "2"},
                         {"GGML_SCHED_PP_PREFETCH": "0"})
     if any(n.startswith("gather") for n in sweeps):
-        # patch 0028: upload-all off, so every expert op but the one that measures coverage gathers (the tiny
+        # patch 0010: upload-all off, so every expert op but the one that measures coverage gathers (the tiny
         # preset's ub64 case above covers a few); then with OVERLAP=2's early gathers on the second stream
         correctness_30b("correctness_gather", NO_UPLOAD_ALL, {"GGML_SCHED_PP_OVERLAP": "2"})
     if any(n.startswith("direct") for n in sweeps):
-        # patch 0021 on the model it is measured with, upload-all off; then with the first GPU keeping the
+        # patch 0008 on the model it is measured with, upload-all off; then with the first GPU keeping the
         # selective copy (DIRECT_FIRST=0)
         correctness_30b("correctness_direct", DIRECT_ONLY, {"GGML_SCHED_PP_DIRECT_FIRST": "0"})
 

@@ -10,7 +10,7 @@ Reported per step: throughput, host syncs, bytes moved, and as a proxy for re-re
 re-allocated) the VDEV allocation counters: a step "re-allocates" when a device's allocated bytes after the
 step differ from before it or its peak during the step exceeds the starting level; plus the scheduler's compute
 buffer sizes before/after. The patched build also reports its own count of re-reservations and of graphs it
-allocated from a kept plan instead (patch 0022, PLANS), with how many of those had graphs in flight.
+allocated from a kept plan instead (patch 0007, PLANS), with how many of those had graphs in flight.
 """
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def main() -> int:
                             "rb": statistics.fmean((s.get("ext") or {}).get("id_readbacks", 0) for s in sts),
                             # the scheduler's own count of re-reservations (patched build only)
                             "rr": sum((s.get("ext") or {}).get("reallocs", 0) for s in sts),
-                            # graphs allocated from a kept plan instead (patch 0022), and of those with graphs in flight
+                            # graphs allocated from a kept plan instead (patch 0007), and of those with graphs in flight
                             "ps": sum((s.get("ext") or {}).get("plan_switches", 0) for s in sts),
                             "pd": sum((s.get("ext") or {}).get("plan_switch_drains", 0) for s in sts)}
             b, p = cells.get("baseline"), cells.get("patched")

@@ -21,7 +21,8 @@ def _cfgs(model, **kw):
 
 
 def test_killed_worker_leaves_error_row_and_finished_rows(tiny_model, tmp_path):
-    df = bench.ab(_cfgs(str(tiny_model)), out_dir=tmp_path, progress=False, timeout=10)
+    # 4 s: the quick config needs well under one, the killed one far more (two variants: 8 s in all)
+    df = bench.ab(_cfgs(str(tiny_model)), out_dir=tmp_path, progress=False, timeout=4)
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     quick = [r for r in rows if r["label"] == "quick"]
     killed = [r for r in rows if r["label"] == "killed"]
@@ -240,7 +241,7 @@ def test_depth_positions_and_clears():
 
 def test_mixed_workload_rows(tiny_model):
     """bench.mixed_workload (`pyllama-pp run/ab --workload mixed`): a row per variant and step of each round, the
-    patched build's re-reservations (0: kept plans, patch 0022) and plan switches (the decode steps), speedups."""
+    patched build's re-reservations (0: kept plans, patch 0007) and plan switches (the decode steps), speedups."""
     cfg = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32)
     df = bench.mixed_workload(cfg, rounds=2, workload=[["pp", 64], ["tg", 2]], timeout=120)
     assert list(df[df.variant == "patched"]["test"]) == ["r1 pp64", "r1 tg2", "r2 pp64", "r2 tg2"]

@@ -26,9 +26,9 @@ def _off(name: str) -> dict:
     return {f"GGML_SCHED_PP_{name}": 0}
 
 
-# the device's own gather of the used experts (patch 0028, on by default wherever a gather exists: VDEVs have one)
+# the device's own gather of the used experts (patch 0010, on by default wherever a gather exists: VDEVs have one)
 NO_GATHER = _off("GATHER")
-# the selective copy on every device (patch 0023 makes DIRECT the default on every GPU but the first, 0028 GATHER on
+# the selective copy on every device (patch 0008 makes DIRECT the default on every GPU but the first, 0010 GATHER on
 # every device with a gather): for tests of the transient-copy machinery itself
 NO_DIRECT = {**_off("DIRECT"), **NO_GATHER}
 # uploads on the split's own stream (the default; pinned so the OVERLAP tests keep their control if it changes)
@@ -107,7 +107,7 @@ def baseline_all(runner):
 
 def test_pipeline_stays_on_with_host_experts(patched_all):
     s = patched_all["schedule"]
-    # one graph in flight per device (two VDEVs), not upstream's 4 (patch 0014, GGML_SCHED_PP_COPIES=0)
+    # one graph in flight per device (two VDEVs), not upstream's 4 (patch 0004, GGML_SCHED_PP_COPIES=0)
     assert s["pipeline_parallel"] is True and s["n_copies"] == 2, (s["pipeline_parallel"], s["n_copies"])
     ext = patched_all["ext"]
     assert ext is not None and ext["n_copies"] == 2 and ext["params"]["COPIES"] == 0
@@ -121,7 +121,7 @@ def test_pipeline_stays_on_with_host_experts(patched_all):
 def test_both_devices_get_their_own_layers_experts(runner, tiny_model, tensor_split, direct):
     """Each device receives the expert bytes of the MoE layers it owns (logits "all": every layer, the last
     one included, processes every token): over its link (VDEV's h2d count, which includes what the devices'
-    gathers copy - GATHER, on by default, patch 0028) and, with GATHER and DIRECT off, as the scheduler's own
+    gathers copy - GATHER, on by default, patch 0010) and, with GATHER and DIRECT off, as the scheduler's own
     transient uploads."""
     r = runner.logits("patched", devices=DEVS, placement={**HOST_ALL, "tensor_split": tensor_split}, ctx=CTX,
                       n_tokens=N_TOKENS, env=None if direct is None else NO_DIRECT)
@@ -250,7 +250,7 @@ def test_device_compute_buffers_stay_small_at_larger_ubatch(runner, tiny_cfg):
 def test_memory_bound_with_the_issue_geometry(runner, tiny_cfg, ub):
     """Issue 4's must-show as bench/memory_ab.py measures it (ts 3,5, n_ctx 2304, n_batch = 16 x n_ubatch): each
     device's compute buffer <= baseline + 2 x the largest expert tensor. At n_ubatch 128 the second device needs
-    one device copy of the user inputs (SHARED_INPUTS, patch 0018): a copy per graph in flight (mostly the KQ
+    one device copy of the user inputs (SHARED_INPUTS, patch 0004): a copy per graph in flight (mostly the KQ
     mask) takes it over."""
     one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
     placement = {**HOST_ALL, "tensor_split": [3, 5]}
@@ -275,7 +275,7 @@ def _baseline_off_on(runner, devs: str, ub: int, env: dict, switch: dict):
 @pytest.mark.parametrize("ub, env", [(32, {}), (128, {}), (128, FORCE_UPLOAD_ALL), (64, {"GGML_SCHED_PP_COPIES": 4})],
                          ids=["ub32", "ub128", "ub128-all", "ub64-copies4"])
 def test_overlap_uploads_on_a_second_stream(runner, tiny_cfg, assert_logits_match, ub, env):
-    """Patch 0019 (OVERLAP=1, opt-in; against OVERLAP off): transient host weights go into a two-slot ring per device, uploaded on
+    """Patch 0009 (OVERLAP=1, opt-in; against OVERLAP off): transient host weights go into a two-slot ring per device, uploaded on
     a second backend of the same device while the split before computes. Same logits as the baseline, on slow
     links with a slow device too (events order the slots); the ring holds two expert tensors (one split's
     transient inputs per slot: one expert tensor here); every transient upload went through it. (DIRECT off:
@@ -296,7 +296,7 @@ def test_overlap_uploads_on_a_second_stream(runner, tiny_cfg, assert_logits_matc
 @pytest.mark.parametrize("ub, env", [(128, {}), (64, FORCE_UPLOAD_ALL), (32, NO_GATHER), (64, {"GGML_SCHED_PP_COPIES": 4})],
                          ids=["ub128", "ub64-all", "ub32-selective", "ub64-copies4"])
 def test_overlap_in_the_compute_buffer(runner, tiny_cfg, assert_logits_match, ub, env):
-    """Patch 0024 (OVERLAP=2, opt-in; against OVERLAP off): the next split's expert copy goes up on a second
+    """Patch 0009 (OVERLAP=2, opt-in; against OVERLAP off): the next split's expert copy goes up on a second
     stream while the split before computes, into memory ggml-alloc placed one split early in the compute buffer -
     no ring: a whole upload, or a selective copy whose ids the split before already read back (up and down after
     gate). Same logits as the
@@ -331,7 +331,7 @@ def test_overlap_in_the_compute_buffer_keeps_the_memory_bound(runner, tiny_cfg, 
 
 
 def test_overlap_in_the_compute_buffer_with_direct_and_kept_plans(runner, assert_logits_match):
-    """OVERLAP=2 together with the defaults below the upload-all bar (GATHER on VDEVs since patch 0028, DIRECT
+    """OVERLAP=2 together with the defaults below the upload-all bar (GATHER on VDEVs since patch 0010, DIRECT
     before it) and kept plans, in the mixed workload: the same logits as the baseline, no re-reservation."""
     b = _mixed(runner, "baseline", None)
     p = _mixed(runner, "patched", {"GGML_SCHED_PP_OVERLAP": 2})
@@ -396,7 +396,7 @@ def test_bench_reports_the_overlap_ring(runner, tiny_cfg):
 
 
 def test_overlap_leaves_pageable_weights_to_staging(runner, assert_logits_match):
-    """OVERLAP's ring takes pinned host weights only: with an mmap-ed model the uploads are staged (0016) as
+    """OVERLAP's ring takes pinned host weights only: with an mmap-ed model the uploads are staged (0006) as
     without it, no ring is made, and the logits still match the baseline."""
     pl = {**HOST_ALL, "load_mode": "mmap"}
     ctx = {"n_ctx": 512, "n_batch": 256, "n_ubatch": 64}
@@ -456,7 +456,7 @@ def test_upload_all_skips_the_readbacks(runner, tiny_cfg):
 
 @pytest.mark.parametrize("ub", [32, 128])
 def test_direct_reads_replace_the_readbacks(runner, tiny_cfg, assert_logits_match, ub):
-    """Patch 0021 (DIRECT; 0023 makes it the default on every GPU but the first): below the upload-all bar the device reads the used experts from pinned
+    """Patch 0008 (DIRECT, the default on every GPU but the first): below the upload-all bar the device reads the used experts from pinned
     host memory itself - no routing-id readback and no copy - except at the first expert op of a graph that starts
     idle, which measures the coverage where a measurement counts (a selection of at least 2 x n_expert: ub128 of the
     tiny preset's 2-of-64 routing, not ub32). Same logits as the baseline; the bytes over the links are the experts the
@@ -479,7 +479,7 @@ def test_direct_reads_replace_the_readbacks(runner, tiny_cfg, assert_logits_matc
 
 @pytest.mark.parametrize("ub", [32, 128])
 def test_gather_copies_what_the_selective_copy_does_without_readbacks(runner, tiny_cfg, assert_logits_match, ub):
-    """Patch 0028 (GATHER, on by default where a device has a gather: VDEVs, and CUDA with pyllama_pp's library):
+    """Patch 0010 (GATHER, on by default where a device has a gather: VDEVs, and CUDA with pyllama_pp's library):
     below the upload-all bar the device copies the experts its routing ids select itself, so the host reads no
     ids back - except at the first expert op of a graph that starts idle, which measures the coverage (ub128, not
     ub32: as DIRECT), and whose up and down ops then take the selective copy with those ids. The same logits as
@@ -527,7 +527,7 @@ def test_gather_with_overlap_goes_up_on_the_second_stream(runner, assert_logits_
 
 @pytest.mark.parametrize("ub", [32, 128])
 def test_prefetch_brings_last_used_experts_a_split_early(runner, tiny_cfg, assert_logits_match, ub):
-    """PREFETCH (patch 0029, on by default, acting with OVERLAP=2 and GATHER): a layer's first expert op (gate)
+    """PREFETCH (patch 0010, on by default, acting with OVERLAP=2 and GATHER): a layer's first expert op (gate)
     cannot gather a split early - its ids are computed in the split before - so its copy is placed early too and the
     device fills it on the second stream with the experts the same weight used at its last gather; the op's own
     split then gathers only the rest (ub128: not the gate that reads its ids back to measure the coverage, the
@@ -610,7 +610,7 @@ def test_prefetch2_moves_up_and_down_two_splits_early(runner, tiny_cfg, assert_l
 
 @pytest.mark.parametrize("ub", [32, 128])
 def test_chain_queues_gathers_behind_the_one_before(runner, assert_logits_match, ub):
-    """CHAIN (patch 0031, on by default): with PREFETCH=2, a gather whose inputs an earlier gather of the device in
+    """CHAIN (patch 0010, on by default): with PREFETCH=2, a gather whose inputs an earlier gather of the device in
     the graph already waited for is flagged CHAINED and goes right behind that gather, not after a wait for the
     second stream - up's prefetch (the gate's waits for its memory's last user too), up's rest and down's gather,
     about three a layer. VDEV runs a device's gathers on a queue of their own, as CUDA on one stream per GPU: each
@@ -662,7 +662,7 @@ def test_direct_stops_above_its_tokens_per_expert_limit(runner):
 
 
 def test_direct_first_off_keeps_the_selective_copy_on_the_first_gpu(runner, assert_logits_match):
-    """DIRECT_FIRST=0 (the default since patch 0023): the first GPU keeps the selective copy (readbacks there only
+    """DIRECT_FIRST=0 (the default since patch 0008): the first GPU keeps the selective copy (readbacks there only
     block while the later stages have work queued); the others read directly."""
     b, on, first_off = _baseline_off_on(runner, DEVS, 64, {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 1,
                                                            "GGML_SCHED_PP_DIRECT_FIRST": 1, **NO_GATHER},
@@ -676,7 +676,7 @@ def test_direct_first_off_keeps_the_selective_copy_on_the_first_gpu(runner, asse
 
 
 def test_direct_by_default_only_on_links_of_their_own(runner, assert_logits_match):
-    """Patch 0023: DIRECT=-1 (the default) reads directly only where the GPUs have host links of their own; on
+    """Patch 0008: DIRECT=-1 (the default) reads directly only where the GPUs have host links of their own; on
     one shared link the kernels' slow reads would take link time from the other stage's copies (one H200 as two:
     0.91x upstream), so the selective copy stays. Logits match the baseline either way. (GATHER off: DIRECT's
     default is for devices without a gather.)"""
@@ -784,7 +784,7 @@ def test_one_row_output_layer_does_not_pull_the_coverage_estimate_down(runner):
 
 
 def test_coverage_bar_follows_the_number_of_links(runner, tmp_path_factory):
-    """Patch 0020: with two GPUs on links of their own the default coverage bar is 55% (110 / 2), not 85%: at ~65%
+    """Patch 0005: with two GPUs on links of their own the default coverage bar is 55% (110 / 2), not 85%: at ~65%
     coverage the patched build uploads whole expert tensors (the stages overlap) where the old bar copied used
     experts after a readback per layer; at ~30% it still copies only the used ones. On one shared link (VDEVs of
     one link group report one bus id, as virtual CUDA devices of one GPU do), or with LINKS=1, the bar stays 85%."""
@@ -841,10 +841,10 @@ def test_partial_host_experts_stream_to_the_layer_owner(runner, tiny_model, asse
 
 
 def test_prompt_batches_do_not_re_reserve_and_host_waits_are_timed(runner):
-    """Patch 0010: the output rows of a prompt's last ubatch stay on their layer's device, so node backends
+    """Patch 0003: the output rows of a prompt's last ubatch stay on their layer's device, so node backends
     match the reserved graph and no re-reservation (a full drain) happens; with the switch off (and one plan,
-    PLANS=0), the last ubatch re-reserves and the timed host waits show it (patch 0009). With kept plans
-    (0022) the last ubatch switches to its own plan instead, but still drains: the graphs before it are in flight."""
+    PLANS=0), the last ubatch re-reserves and the timed host waits show it (patch 0001). With kept plans
+    (0007) the last ubatch switches to its own plan instead, but still drains: the graphs before it are in flight."""
     on = _bench(runner, None)["ext"]
     off = _bench(runner, {**_off("OFFLOAD_TAIL"), **_off("PLANS")})["ext"]
     kept = _bench(runner, _off("OFFLOAD_TAIL"))["ext"]
@@ -878,7 +878,7 @@ def _mixed(runner, variant: str, env: Optional[dict]) -> dict:
 
 
 def test_decode_after_a_prompt_allocates_from_a_kept_plan(runner, assert_logits_match):
-    """Patch 0022 (PLANS): prompts, then decode, twice, in one context (bench/q6's pattern). The decode graph keeps
+    """Patch 0007 (PLANS): prompts, then decode, twice, in one context (bench/q6's pattern). The decode graph keeps
     its expert ops on the CPU, so its node backends differ from the prompt layout: with one plan the first decode
     token re-reserves in every round. With kept plans (llama reserves the decode graph when the context is made)
     every step allocates from a plan that fits it: no re-reservation and, with nothing in flight between
@@ -905,7 +905,7 @@ def test_decode_after_a_prompt_allocates_from_a_kept_plan(runner, assert_logits_
 
 
 def test_a_plan_switch_with_graphs_in_flight_drains_first(runner, assert_logits_match):
-    """Patch 0022: with OFFLOAD_TAIL=0 a prompt's last ubatch runs its MoE tail on the CPU, a layout of its own.
+    """Patch 0007: with OFFLOAD_TAIL=0 a prompt's last ubatch runs its MoE tail on the CPU, a layout of its own.
     Its first occurrence re-reserves; later ones switch to the kept plan while the ubatches before are still in
     flight, so the scheduler synchronizes first (counted as drains). Logits match the baseline."""
     env = _off("OFFLOAD_TAIL")
@@ -919,7 +919,7 @@ def test_a_plan_switch_with_graphs_in_flight_drains_first(runner, assert_logits_
 
 
 def test_fewer_kept_plans_than_layouts_evict_the_oldest(runner, assert_logits_match):
-    """Patch 0022 with one kept plan (PLANS=1) and three layouts in play (prompt, a prompt's CPU-tail last ubatch
+    """Patch 0007 with one kept plan (PLANS=1) and three layouts in play (prompt, a prompt's CPU-tail last ubatch
     with OFFLOAD_TAIL=0, decode): the live plan and one kept plan cannot hold all three, so the least recently
     used one is dropped and re-reserved again later - more re-reservations than with 4 kept plans, the same logits."""
     env = _off("OFFLOAD_TAIL")
@@ -934,7 +934,7 @@ def test_fewer_kept_plans_than_layouts_evict_the_oldest(runner, assert_logits_ma
 
 
 def test_allocation_dependency_nodes_keep_the_reserved_node_count(runner):
-    """Patch 0011: VDEV, like CUDA, asks for an allocation-dependency node after each non-empty top-k routing;
+    """Patch 0007: VDEV, like CUDA, asks for an allocation-dependency node after each non-empty top-k routing;
     the empty last layer of a ubatch without outputs gets none, so its graph has fewer nodes than the reserved
     one. Padding keeps the count; without it (and one plan, PLANS=0) the graph re-reserves and the reason names
     the node count."""
@@ -949,7 +949,7 @@ def test_allocation_dependency_nodes_keep_the_reserved_node_count(runner):
 
 @pytest.mark.parametrize("how, pageable_buft", [({"no_host": True}, "CPU"), ({"load_mode": "mmap"}, "CPU_Mapped")])
 def test_pageable_host_weights_go_through_pinned_staging(runner, assert_logits_match, how, pageable_buft):
-    """Patches 0012 and 0016: a device copies from pageable memory (no host buffer, or an mmap-ed model)
+    """Patch 0006 (the pinned-memory gate and STAGING): a device copies from pageable memory (no host buffer, or an mmap-ed model)
     synchronously. The patched build stages those uploads through pinned slots (STAGING) and pipelines; with
     STAGING=0 it keeps pipelining off, as upstream, unless GATE=3 asks for it. VDEV copies from pageable memory
     block the host, as CUDA's do."""
@@ -989,7 +989,7 @@ def test_pageable_host_weights_go_through_pinned_staging(runner, assert_logits_m
 
 
 def test_decode_records_one_event_per_device_and_waits_on_none(runner):
-    """Patch 0013: in decode (nothing in flight, experts on the CPU) each device records one event per token
+    """Patch 0004: in decode (nothing in flight, experts on the CPU) each device records one event per token
     (after its last split) instead of one per split, and no split waits on an event; numerics unchanged."""
     def tg(env):
         r = runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL,
@@ -1010,7 +1010,7 @@ def test_decode_records_one_event_per_device_and_waits_on_none(runner):
 
 @pytest.mark.parametrize("copies, want", [(4, 4), (3, 3), (1, 2), (9, 4)])
 def test_copies_switch_sets_graphs_in_flight_and_memory(runner, copies, want, patched_all, assert_logits_match):
-    """Patch 0014: COPIES sets the copies of each split input (clamped to 2..4); more copies, more device
+    """Patch 0004: COPIES sets the copies of each split input (clamped to 2..4); more copies, more device
     memory; the logits do not change."""
     r = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
                       env={"GGML_SCHED_PP_COPIES": copies})

@@ -37,7 +37,7 @@ def test_info(variant):
     assert info["variant"] == variant
     if variant == "patched":
         assert info["ext_version"] >= 1
-        # every switch, with its value and meaning (patch 0015)
+        # every switch, with its value and meaning (patch 0001)
         sw = {s["name"]: s for s in info["switches"]}
         for name in ("GATE", "TRANSIENT", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL", "REBUILD", "STABLE_RESERVE",
                      "OFFLOAD_TAIL", "STABLE_DEPS", "LAST_EVENTS", "COPIES"):
