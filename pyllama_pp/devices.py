@@ -56,7 +56,7 @@ def parse_rate(text: Union[str, int, float]) -> float:
 
 
 # kernels reading pinned host memory (patch 0008's DIRECT) get this share of a VDEV's link: about what the
-# 2xH200 box showed (24-34 of 55 GB/s, docs/RESULTS.md section 2d)
+# 2xH200 box showed (24-34 of 55 GB/s, docs/results/history-2026-11.md section 2d)
 DEFAULT_DIRECT_READ = 0.5
 
 
