@@ -100,3 +100,38 @@ def test_console_script_reports_a_usage_error_in_one_line(tmp_path):
                          env=dict(os.environ), cwd=tmp_path)
     assert res.returncode == 2 and res.stdout == "", (res.returncode, res.stdout, res.stderr)
     assert res.stderr.strip().count("\n") == 0 and "model file not found" in res.stderr, res.stderr
+
+
+def _script() -> str:
+    return shutil.which("pyllama-pp") or str(Path(sys.executable).with_name("pyllama-pp"))
+
+
+def _json_run(args: list[str], cwd: Path) -> dict:
+    import json
+    res = subprocess.run([_script(), *args, "--json"], capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert res.returncode == 0, (args, res.returncode, res.stderr[-2000:])
+    return json.loads(res.stdout)
+
+
+def test_every_subcommand_end_to_end_through_the_console_script(tmp_path):
+    """info, synth, run and ab as a user runs them: the installed script, --json, a model it wrote itself."""
+    info = _json_run(["info"], tmp_path)
+    assert {v["name"] for v in info["variants"] if v["built"]} == {"baseline", "patched"}
+    assert info["upstream"]["commit"] and info["variants"][1]["switches"], info["upstream"]
+
+    model = tmp_path / "t.gguf"
+    s = _json_run(["synth", str(model), "--preset", "tiny", "--n-layer", "3", "--seed", "5"], tmp_path)
+    assert model.stat().st_size == s["bytes"] > 0 and s["n_tensors"] > 0
+
+    common = ["--devices", "vdev:2x0@0", "-p", "64", "-n", "4", "-b", "64", "-ub", "32", "-r", "1"]
+    run = _json_run(["run", str(model), "--variant", "baseline", *common], tmp_path)["rows"]
+    assert {r["test"] for r in run} == {"pp64", "tg4"} and all(r["avg_ts"] > 0 for r in run), run
+    assert all(r["variant"] == "baseline" and not r.get("error") for r in run)
+
+    out = tmp_path / "ab"
+    ab = _json_run(["ab", str(model), *common, "-o", str(out)], tmp_path)
+    rows = ab["rows"]
+    assert {(r["variant"], r["test"]) for r in rows} == {(v, t) for v in ("baseline", "patched") for t in ("pp64", "tg4")}
+    assert all(r["speedup"] > 0 for r in rows if r["variant"] == "patched"), rows
+    for kind in ("jsonl", "csv", "markdown", "plot"):
+        assert Path(ab["files"][kind]).is_file(), (kind, ab["files"])
