@@ -1,4 +1,4 @@
-"""Synthetic random-weight qwen3moe GGUF files (stdlib + numpy only).
+"""Synthetic random-weight qwen3moe GGUF files (gguf-py for the format, numpy for the weights).
 
 ``write_gguf(path, cfg)`` streams a valid GGUF v3 file that the pinned llama.cpp loads as
 architecture ``qwen3moe`` with the ``"test"`` tokenizer.  The weights are random but deterministic
@@ -71,12 +71,14 @@ import math
 import os
 import struct
 import sys
+import tempfile
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 
+import gguf
 import numpy as np
 
 __all__ = [
@@ -329,26 +331,31 @@ def _plan(cfg: SynthConfig) -> List[_Tensor]:
         t.fresh = always_fresh or t.n_elements <= TILE_MIN_ELEMENTS
         return t
 
+    T = gguf.MODEL_TENSOR
+
+    def name(kind, bid=None) -> str:   # the format's own tensor names (gguf-py), e.g. blk.3.ffn_up_exps.weight
+        assert kind in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.QWEN3MOE], kind
+        return gguf.TENSOR_NAMES[kind].format(bid=bid) + ".weight"
+
     ts = [
-        mat("token_embd.weight", (E, V), s["embd_scale"], always_fresh=True),
-        _Tensor("output_norm.weight", (E,), GGML_F32, "ones"),
-        mat("output.weight", (E, V), s["output_scale"]),
+        mat(name(T.TOKEN_EMBD), (E, V), s["embd_scale"], always_fresh=True),
+        _Tensor(name(T.OUTPUT_NORM), (E,), GGML_F32, "ones"),
+        mat(name(T.OUTPUT), (E, V), s["output_scale"]),
     ]
     for i in range(cfg.n_layer):
-        p = f"blk.{i}."
         ts += [
-            _Tensor(p + "attn_norm.weight", (E,), GGML_F32, "ones", layer=i),
-            mat(p + "attn_q.weight", (E, q_dim), s["attn_scale"], i),
-            mat(p + "attn_k.weight", (E, kv_dim), s["attn_scale"], i),
-            mat(p + "attn_v.weight", (E, kv_dim), s["attn_scale"], i),
-            mat(p + "attn_output.weight", (q_dim, E), s["attn_out_scale"], i),
-            _Tensor(p + "attn_q_norm.weight", (cfg.head_dim,), GGML_F32, "ones", layer=i),
-            _Tensor(p + "attn_k_norm.weight", (cfg.head_dim,), GGML_F32, "ones", layer=i),
-            _Tensor(p + "ffn_norm.weight", (E,), GGML_F32, "ones", layer=i),
-            _Tensor(p + "ffn_gate_inp.weight", (E, D), GGML_F32, "router", s["router_scale"], layer=i),
-            mat(p + "ffn_gate_exps.weight", (E, F, D), s["ffn_scale"], i),
-            mat(p + "ffn_up_exps.weight", (E, F, D), s["ffn_scale"], i),
-            mat(p + "ffn_down_exps.weight", (F, E, D), s["down_scale"], i),
+            _Tensor(name(T.ATTN_NORM, i), (E,), GGML_F32, "ones", layer=i),
+            mat(name(T.ATTN_Q, i), (E, q_dim), s["attn_scale"], i),
+            mat(name(T.ATTN_K, i), (E, kv_dim), s["attn_scale"], i),
+            mat(name(T.ATTN_V, i), (E, kv_dim), s["attn_scale"], i),
+            mat(name(T.ATTN_OUT, i), (q_dim, E), s["attn_out_scale"], i),
+            _Tensor(name(T.ATTN_Q_NORM, i), (cfg.head_dim,), GGML_F32, "ones", layer=i),
+            _Tensor(name(T.ATTN_K_NORM, i), (cfg.head_dim,), GGML_F32, "ones", layer=i),
+            _Tensor(name(T.FFN_NORM, i), (E,), GGML_F32, "ones", layer=i),
+            _Tensor(name(T.FFN_GATE_INP, i), (E, D), GGML_F32, "router", s["router_scale"], layer=i),
+            mat(name(T.FFN_GATE_EXP, i), (E, F, D), s["ffn_scale"], i),
+            mat(name(T.FFN_UP_EXP, i), (E, F, D), s["ffn_scale"], i),
+            mat(name(T.FFN_DOWN_EXP, i), (F, E, D), s["down_scale"], i),
         ]
     off = 0
     for t in ts:
@@ -368,89 +375,63 @@ def expert_bytes_per_layer(cfg: SynthConfig) -> int:
 # metadata
 
 
-def _kv_list(cfg: SynthConfig) -> List[Tuple[str, int, Any]]:
-    """(key, gguf type, value); arrays are (key, GGUF_ARRAY, (element type, values))."""
-    a = ARCH
-    U, F, S, B = GGUF_UINT32, GGUF_FLOAT32, GGUF_STRING, GGUF_BOOL
-    kv: List[Tuple[str, int, Any]] = [
-        ("general.architecture", S, a),
-        ("general.name", S, f"pyllama_pp synth {a} {cfg.preset}"),
-        ("general.file_type", U, _FILE_TYPE[cfg.type]),
-    ]
+def _writer(cfg: SynthConfig, tensors: List[_Tensor]) -> "gguf.GGUFWriter":
+    """A gguf-py writer holding the file's metadata and tensor table (the data is streamed by write_gguf)."""
+    w = gguf.GGUFWriter(None, ARCH)   # general.architecture first
+    w.add_name(f"pyllama_pp synth {ARCH} {cfg.preset}")
+    w.add_file_type(_FILE_TYPE[cfg.type])
     if cfg.type == "q8_0":
-        kv.append(("general.quantization_version", U, 2))
-    kv += [
-        (f"{a}.block_count", U, cfg.n_layer),
-        (f"{a}.context_length", U, cfg.n_ctx_train),
-        (f"{a}.embedding_length", U, cfg.n_embd),
-        # dense FFN width is unused by qwen3moe; Qwen3-30B-A3B stores 6144 = 768 * 8
-        (f"{a}.feed_forward_length", U, cfg.n_ff_exp * cfg.n_expert_used),
-        (f"{a}.attention.head_count", U, cfg.n_head),
-        (f"{a}.attention.head_count_kv", U, cfg.n_head_kv),
-        (f"{a}.attention.key_length", U, cfg.head_dim),
-        (f"{a}.attention.value_length", U, cfg.head_dim),
-        (f"{a}.attention.layer_norm_rms_epsilon", F, cfg.rms_eps),
-        (f"{a}.rope.freq_base", F, cfg.rope_freq_base),
-        (f"{a}.expert_count", U, cfg.n_expert),
-        (f"{a}.expert_used_count", U, cfg.n_expert_used),
-        (f"{a}.expert_feed_forward_length", U, cfg.n_ff_exp),
-        # TEST vocab: tokenizer.ggml.tokens is mandatory (n_vocab = its length, entries unique and
-        # non-empty); we name each token by its hex id, which is what the TEST vocab prints for it.
-        # token_type NORMAL (1) for all: no control tokens, so no special-token parsing; no
-        # BOS/EOS (TEST defaults to none) and add_bos/add_eos false.
-        ("tokenizer.ggml.model", S, "test"),
-        ("tokenizer.ggml.tokens", GGUF_ARRAY, (S, [format(i, "x") for i in range(cfg.n_vocab)])),
-        ("tokenizer.ggml.token_type", GGUF_ARRAY, (GGUF_INT32, np.ones(cfg.n_vocab, "<i4"))),
-        ("tokenizer.ggml.add_bos_token", B, False),
-        ("tokenizer.ggml.add_eos_token", B, False),
-        # ours: how this file was made
-        ("pyllama_pp.synth.version", U, SYNTH_FORMAT_VERSION),
-        ("pyllama_pp.synth.preset", S, cfg.preset),
-        ("pyllama_pp.synth.type", S, cfg.type),
-        ("pyllama_pp.synth.routing", S, cfg.routing),
-        ("pyllama_pp.synth.skew", F, float(cfg.skew)),
-        ("pyllama_pp.synth.seed", GGUF_UINT64, int(cfg.seed)),
-        ("pyllama_pp.synth.tile_min_elements", GGUF_UINT64, TILE_MIN_ELEMENTS),
-    ]
-    for name in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_expert",
-                 "n_expert_used", "n_ff_exp", "n_vocab", "n_ctx_train"):
-        kv.append((f"pyllama_pp.synth.{name}", U, int(getattr(cfg, name))))
-    for name, v in cfg.resolved_scales().items():
-        kv.append((f"pyllama_pp.synth.{name}", F, v))
-    return kv
-
-
-def _pack_str(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return struct.pack("<Q", len(b)) + b
-
-
-def _pack_value(gtype: int, value: Any) -> bytes:
-    if gtype == GGUF_STRING:
-        return _pack_str(value)
-    if gtype == GGUF_ARRAY:
-        etype, vals = value
-        head = struct.pack("<IQ", etype, len(vals))
-        if etype == GGUF_STRING:
-            return head + b"".join(_pack_str(v) for v in vals)
-        return head + np.asarray(vals, dtype=_SCALAR_NP[etype]).tobytes()
-    return struct.pack(_SCALAR_FMT[gtype], value)
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_block_count(cfg.n_layer)
+    w.add_context_length(cfg.n_ctx_train)
+    w.add_embedding_length(cfg.n_embd)
+    w.add_feed_forward_length(cfg.n_ff_exp * cfg.n_expert_used)   # unused by qwen3moe; Qwen3-30B-A3B stores 768 * 8
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(cfg.n_head_kv)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    w.add_rope_freq_base(cfg.rope_freq_base)
+    w.add_expert_count(cfg.n_expert)
+    w.add_expert_used_count(cfg.n_expert_used)
+    w.add_expert_feed_forward_length(cfg.n_ff_exp)
+    # the "test" vocab: token i is named by its hex id (what the test vocab prints for it), all NORMAL, no BOS/EOS
+    w.add_tokenizer_model("test")
+    w.add_token_list([format(i, "x") for i in range(cfg.n_vocab)])
+    w.add_token_types([gguf.TokenType.NORMAL] * cfg.n_vocab)
+    w.add_add_bos_token(False)
+    w.add_add_eos_token(False)
+    # ours: how this file was made
+    w.add_uint32("pyllama_pp.synth.version", SYNTH_FORMAT_VERSION)
+    w.add_string("pyllama_pp.synth.preset", cfg.preset)
+    w.add_string("pyllama_pp.synth.type", cfg.type)
+    w.add_string("pyllama_pp.synth.routing", cfg.routing)
+    w.add_float32("pyllama_pp.synth.skew", float(cfg.skew))
+    w.add_uint64("pyllama_pp.synth.seed", int(cfg.seed))
+    w.add_uint64("pyllama_pp.synth.tile_min_elements", TILE_MIN_ELEMENTS)
+    for field in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_expert",
+                  "n_expert_used", "n_ff_exp", "n_vocab", "n_ctx_train"):
+        w.add_uint32(f"pyllama_pp.synth.{field}", int(getattr(cfg, field)))
+    for field, v in cfg.resolved_scales().items():
+        w.add_float32(f"pyllama_pp.synth.{field}", v)
+    for t in tensors:   # gguf-py takes numpy's order of dimensions: the reverse of ggml's ne
+        w.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.nbytes,
+                          raw_dtype=gguf.GGMLQuantizationType(t.gtype))
+    return w
 
 
 def _header_bytes(cfg: SynthConfig, tensors: List[_Tensor]) -> bytes:
-    kvs = _kv_list(cfg)
-    parts = [GGUF_MAGIC, struct.pack("<Iqq", GGUF_VERSION, len(tensors), len(kvs))]
-    for key, gtype, value in kvs:
-        parts.append(_pack_str(key))
-        parts.append(struct.pack("<I", gtype))
-        parts.append(_pack_value(gtype, value))
-    for t in tensors:
-        parts.append(_pack_str(t.name))
-        parts.append(struct.pack("<I", len(t.ne)))
-        parts.append(struct.pack(f"<{len(t.ne)}q", *t.ne))
-        parts.append(struct.pack("<IQ", t.gtype, t.offset))
-    head = b"".join(parts)
-    return head + b"\0" * (_pad(len(head)) - len(head))
+    """Header, metadata and tensor table, padded to the data alignment, as gguf-py writes them."""
+    w = _writer(cfg, tensors)
+    with tempfile.TemporaryDirectory(prefix="pyllama_pp_synth_") as d:
+        head = Path(d) / "header.gguf"
+        w.write_header_to_file(head)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        fout = w.fout[0]
+        w.write_padding(fout, fout.tell())
+        w.close()
+        return head.read_bytes()
 
 
 def estimate_file_bytes(cfg: SynthConfig) -> int:

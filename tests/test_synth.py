@@ -326,3 +326,26 @@ def test_cached_model_never_hands_out_a_file_of_another_config(tmp_path, monkeyp
     assert skewed.name == f"tiny-L{written[0].n_layer}-skewed2-s1.gguf" and len(written) == 3
     near = synth.cached_model(tmp_path, "tiny", seed=1, routing="skewed", skew=2.0000001)   # the name rounds it
     assert near != skewed and len(written) == 4
+
+
+def test_gguf_py_reads_back_what_synth_wrote(tmp_path):
+    """The format's own library (gguf-py) reads the file back: architecture, shapes, types, offsets and metadata."""
+    import gguf
+
+    cfg = synth.preset("tiny", n_layer=2, seed=4, routing="skewed", skew=1.5)
+    path = tmp_path / "t.gguf"
+    synth.write_gguf(path, cfg)
+    r = gguf.GGUFReader(path)
+    kv = {f.name: f.contents() for f in r.fields.values()}
+    assert kv["general.architecture"] == "qwen3moe" and kv["qwen3moe.block_count"] == 2
+    assert kv["qwen3moe.expert_count"] == cfg.n_expert and kv["tokenizer.ggml.model"] == "test"
+    assert len(kv["tokenizer.ggml.tokens"]) == cfg.n_vocab and kv["pyllama_pp.synth.routing"] == "skewed"
+    got = {t.name: (tuple(int(x) for x in t.shape), t.tensor_type.name) for t in r.tensors}
+    names = [t.name for t in r.tensors]
+    assert names[:3] == ["token_embd.weight", "output_norm.weight", "output.weight"], names[:3]
+    assert got["blk.1.ffn_up_exps.weight"] == ((cfg.n_embd, cfg.n_ff_exp, cfg.n_expert), "Q8_0")
+    assert got["blk.0.ffn_gate_inp.weight"] == ((cfg.n_embd, cfg.n_expert), "F32")
+    assert len(names) == 3 + 12 * cfg.n_layer
+    # the data section ends where the file ends (the last tensor padded to the alignment)
+    last = r.tensors[-1]
+    assert last.data_offset + last.n_bytes <= path.stat().st_size < last.data_offset + last.n_bytes + 32
