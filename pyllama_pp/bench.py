@@ -8,6 +8,7 @@ that dies becomes an error row.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import itertools
 import json
 import math
@@ -22,6 +23,8 @@ from typing import Iterable, Optional, Sequence, Union
 from . import devices as devspec
 from .binding import VARIANTS, backend_modules, build_info
 from .errors import WorkerError
+from .jobs import BenchJob, WorkloadJob
+from .session import ContextParams, Placement
 from .worker import run_job, depth_of
 
 ROW_FIELDS = [
@@ -67,14 +70,15 @@ class BenchConfig:
                 raise ValueError(f"link_gbps: every rate must be > 0, got {self.link_gbps!r}")
             self.link_gbps = rates
 
-    def job(self) -> dict:
+    def job(self) -> BenchJob:
+        """The worker job that runs this config (the patched build's switches are added per variant)."""
         longest = max(int(t[1]) + depth_of(t) for t in self.tests) + 8
         n_ctx = ctx_for(longest, self.n_ctx)
-        return {"kind": "bench", "model": self.model, "devices": self.devices, "tests": self.tests, "reps": self.reps,
-                "placement": {"host_experts": self.host_experts, "load_mode": self.load_mode,
-                              "n_gpu_layers": self.n_gpu_layers, "tensor_split": self.tensor_split},
-                "ctx": {"n_ctx": n_ctx, "n_batch": self.n_batch, "n_ubatch": min(self.n_ubatch, self.n_batch),
-                        "flash_attn": self.flash_attn}}
+        return BenchJob(model=self.model, devices=self.devices, tests=[list(t) for t in self.tests], reps=self.reps,
+                        placement=Placement(host_experts=self.host_experts, load_mode=self.load_mode,
+                                            n_gpu_layers=self.n_gpu_layers, tensor_split=self.tensor_split),
+                        ctx=ContextParams(n_ctx=n_ctx, n_batch=self.n_batch, n_ubatch=min(self.n_ubatch, self.n_batch),
+                                          flash_attn=self.flash_attn))
 
 
 def expand(model: str, devices: Sequence[str] = ("cpu",), n_batch: Sequence[int] = (512,),
@@ -198,7 +202,7 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             "devices": cfg.devices, "n_gpu_layers": cfg.n_gpu_layers, "split_mode": "layer",
             "tensor_split": cfg.tensor_split,
             "tensor_buft_overrides": f"host_experts={cfg.host_experts}", "load_mode": cfg.load_mode,
-            "n_ctx": cfg.job()["ctx"]["n_ctx"], "n_batch": cfg.n_batch, "n_ubatch": min(cfg.n_ubatch, cfg.n_batch),
+            "n_ctx": cfg.job().ctx.n_ctx, "n_batch": cfg.n_batch, "n_ubatch": min(cfg.n_ubatch, cfg.n_batch),
             "test": _test_name(t["kind"], n_tok, t.get("depth", 0)), "n_prompt": n_tok if t["kind"] == "pp" else 0,
             "n_gen": n_tok if t["kind"] == "tg" else 0, "n_depth": t.get("depth", 0), "avg_ts": avg,
             "stddev_ts": statistics.stdev(ts) if len(ts) > 1 else 0.0, "samples_ts": ts,
@@ -290,7 +294,7 @@ def _meta(cfg: BenchConfig) -> dict:
 
 def _load_key(cfg: BenchConfig) -> str:
     """Configs with the same key can share one loaded model (they differ only in context and tests)."""
-    job = {k: v for k, v in cfg.job().items() if k not in ("ctx", "tests")}
+    job = {k: v for k, v in cfg.job().to_dict().items() if k not in ("ctx", "tests")}
     return json.dumps([job, cfg.env, cfg.ext_params], sort_keys=True, default=str)
 
 
@@ -348,13 +352,12 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
             for vi, v in enumerate(variants):
                 if bar:
                     bar.set_postfix_str(f"{v} {lead.devices} ub={','.join(str(c.n_ubatch) for _, c in grp)}")
-                job = lead.job()
-                if v == "patched" and lead.ext_params:
-                    job["ext_params"] = lead.ext_params
-                # coverage is a property of model, tokens and ubatch, not of the variant: measure it once
-                job["coverage"] = vi == 0
-                if len(grp) > 1:
-                    job["ctx_list"] = [{"ctx": cfg.job()["ctx"], "tests": cfg.tests} for _, cfg in grp]
+                # the switches are the patched build's; coverage is a property of model, tokens and ubatch, not of
+                # the variant: measure it once
+                job = dataclasses.replace(
+                    lead.job(), ext_params=dict(lead.ext_params) if v == "patched" else {}, coverage=vi == 0,
+                    ctx_list=[{"ctx": cfg.job().ctx.to_dict(), "tests": cfg.tests} for _, cfg in grp]
+                    if len(grp) > 1 else None)
                 try:
                     res = run_job(job, v, timeout=timeout, env=lead.env)
                     runs = res["runs"] if len(grp) > 1 else [res]
@@ -421,13 +424,14 @@ def mixed_workload(cfg: BenchConfig, variants: Sequence[str] = VARIANTS, rounds:
     if not workload or bad:
         raise ValueError(f"a workload is a non-empty list of steps [\"pp\" or \"tg\", tokens >= 1], such as "
                          f"{MIXED_WORKLOAD}; got {bad[0] if bad else workload!r}")
-    job = {**cfg.job(), "kind": "workload", "workload": workload, "rounds": rounds}
-    job.pop("tests", None)
-    job["ctx"] = {**job["ctx"], "n_ctx": workload_ctx(workload, cfg.n_ctx)}
+    bj = cfg.job()
+    job = WorkloadJob(model=bj.model, devices=bj.devices, placement=bj.placement,
+                      ctx=dataclasses.replace(bj.ctx, n_ctx=workload_ctx(workload, cfg.n_ctx)),
+                      workload=[list(st) for st in workload], rounds=rounds)
     meta = _meta(cfg)
     rows: list[dict] = []
     for v in variants:
-        vjob = {**job, "ext_params": cfg.ext_params} if v == "patched" and cfg.ext_params else job
+        vjob = dataclasses.replace(job, ext_params=dict(cfg.ext_params) if v == "patched" else {})
         try:
             res = run_job(vjob, v, timeout=timeout, env=cfg.env)
         except WorkerError as e:
@@ -436,7 +440,7 @@ def mixed_workload(cfg: BenchConfig, variants: Sequence[str] = VARIANTS, rounds:
             continue
         for st in res["steps"]:
             rows.append({
-                "variant": v, "model": Path(cfg.model).name, "devices": cfg.devices, "n_ctx": job["ctx"]["n_ctx"],
+                "variant": v, "model": Path(cfg.model).name, "devices": cfg.devices, "n_ctx": job.ctx.n_ctx,
                 "n_batch": cfg.n_batch, "n_ubatch": min(cfg.n_ubatch, cfg.n_batch), **workload_step_row(st, res),
                 "seconds": st["seconds"], "ext_params": cfg.ext_params if v == "patched" else {}, **meta})
     df = pd.DataFrame(rows)

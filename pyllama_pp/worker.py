@@ -16,11 +16,12 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
-from .errors import PyllamaError, WorkerError, worker_error
+from .errors import ConfigError, PyllamaError, WorkerError, worker_error
+from .jobs import BenchJob, InfoJob, Job, LogitsJob, ScheduleJob, WorkloadJob, as_job
 
 
 def _signal_name(signum: int) -> str:
@@ -30,12 +31,13 @@ def _signal_name(signum: int) -> str:
         return str(signum)
 
 
-def run_job(job: dict, variant: str, timeout: Optional[float] = None, env: Optional[dict] = None) -> dict:
-    """Run `job` in a fresh worker process for `variant`; returns the worker's result dict."""
+def run_job(job: Union[Job, dict], variant: str, timeout: Optional[float] = None, env: Optional[dict] = None) -> dict:
+    """Run `job` (a jobs.Job, or a dict that describes one) in a fresh worker process for `variant`; returns the
+    worker's result dict."""
+    payload = as_job(job, variant).to_json()   # a malformed job fails here, before a worker starts
     full_env = dict(os.environ)
     full_env.update({k: str(v) for k, v in (env or {}).items()})
     full_env.setdefault("PYLLAMA_PP_LOG", "1")
-    payload = json.dumps({"variant": variant, **job})
     try:
         proc = subprocess.run([sys.executable, "-m", "pyllama_pp.worker"], input=payload, capture_output=True,
                               text=True, timeout=timeout, env=full_env)
@@ -71,21 +73,22 @@ def run_job(job: dict, variant: str, timeout: Optional[float] = None, env: Optio
 # ---------------------------------------------------------------------------------------------------------
 # inside the worker
 
-def _session(job: dict):
-    from .session import ContextParams, Placement, Session
-    return Session(job["model"], devices=job.get("devices", "cpu"), placement=Placement(**job.get("placement", {})),
-                   ctx=ContextParams(**job.get("ctx", {})), variant=job["variant"],
-                   ext_params=job.get("ext_params") or None)
+def _session(job: Job):
+    from .session import Session
+    if not job.model:
+        raise ConfigError(f"a {job.kind} job needs a model")
+    return Session(job.model, devices=job.devices, placement=job.placement, ctx=job.ctx, variant=job.variant,
+                   ext_params=job.ext_params or None)
 
 
 def _tokens(n: int, n_vocab: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, n_vocab, n, dtype=np.int64)
 
 
-def _do_info(job: dict) -> dict:
+def _do_info(job: InfoJob) -> dict:
     from . import binding
     from .session import list_devices
-    native = binding.load(job["variant"])
+    native = binding.load(job.variant)
     switches = []
     if native.lib.pp_ext_version() > 0:
         name, desc, val = native.ffi.new("char[64]"), native.ffi.new("char[512]"), native.ffi.new("int64_t *")
@@ -97,17 +100,19 @@ def _do_info(job: dict) -> dict:
             "system_info": native.str(native.lib.pp_system_info()), "devices": list_devices()}
 
 
-def _do_schedule(job: dict) -> dict:
+def _do_schedule(job: ScheduleJob) -> dict:
     with _session(job) as s:
-        sched = s.schedule_detail() if job.get("detail") else s.schedule()
+        sched = s.schedule_detail() if job.detail else s.schedule()
         return {"model": s.info.to_dict(), "schedule": sched.to_dict()}
 
 
-def _do_logits(job: dict) -> dict:
+def _do_logits(job: LogitsJob) -> dict:
+    if not job.out:
+        raise ConfigError("a logits job needs `out`, the .npy file for the logits")
     with _session(job) as s:
-        toks = job.get("tokens") or _tokens(job.get("n_tokens", 64), s.info.n_vocab, job.get("seed", 0)).tolist()
-        r = s.eval(toks, logits=job.get("logits", "all"))
-        np.save(job["out"], r.logits)
+        toks = job.tokens or _tokens(job.n_tokens, s.info.n_vocab, job.seed).tolist()
+        r = s.eval(toks, logits=job.logits)
+        np.save(job.out, r.logits)
         return {"shape": list(r.logits.shape), "seconds": r.seconds, "schedule": s.schedule().to_dict(),
                 "counters": r.counters, "ext": r.ext}
 
@@ -216,23 +221,21 @@ def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
     return results
 
 
-def _do_bench(job: dict) -> dict:
+def _do_bench(job: BenchJob) -> dict:
     """Run llama-bench-like tests: ("pp", n) decodes n prompt tokens in n_batch chunks; ("tg", n) decodes n
     tokens one by one. Each test: one warm-up, then `reps` timed runs.
 
     With "ctx_list" (a list of {"ctx": {...}, "tests": [...]}) the model is loaded once and each entry gets a
     fresh context: the result then has "runs", one {"schedule", "tests"} (or {"error"}) per entry."""
     from .session import ContextParams
-    reps = int(job.get("reps", 3))
-    seed = int(job.get("seed", 0))
-    coverage = bool(job.get("coverage", True))
+    reps, seed, coverage = int(job.reps), int(job.seed), bool(job.coverage)
     with _session(job) as s:
-        if "ctx_list" not in job:
+        if job.ctx_list is None:
             sched = s.schedule().to_dict()
             return {"model": s.info.to_dict(), "schedule": sched,
-                    "tests": _run_tests(s, job.get("tests", [["pp", 512]]), reps, seed, coverage)}
+                    "tests": _run_tests(s, job.tests, reps, seed, coverage)}
         runs = []
-        for i, entry in enumerate(job["ctx_list"]):
+        for i, entry in enumerate(job.ctx_list):
             try:
                 if i > 0:
                     s.set_context(ContextParams(**entry["ctx"]))
@@ -243,21 +246,21 @@ def _do_bench(job: dict) -> dict:
         return {"model": s.info.to_dict(), "runs": runs}
 
 
-def _do_workload(job: dict) -> dict:
+def _do_workload(job: WorkloadJob) -> dict:
     """A mixed workload in ONE session (one context, as a server would): per step its time, bytes moved, host
     syncs, VDEV allocation counters, compute buffers before/after and the patched counters (bench/q6). With
     "out", the logits of every step's last token (and of each decoded token) are saved there, in order."""
     s = _session(job)
-    keep = bool(job.get("out"))
+    keep = bool(job.out)
     last_logits: list[np.ndarray] = []
     try:
         sched0 = s.schedule()
         cb0 = [b.compute_buffer_bytes for b in sched0.backends]
-        rng = np.random.default_rng(int(job.get("seed", 0)))
+        rng = np.random.default_rng(int(job.seed))
         steps = []
-        for rnd in range(int(job.get("rounds", 2))):
+        for rnd in range(int(job.rounds)):
             pos = 0
-            for kind, n in job["workload"]:
+            for kind, n in job.workload:
                 s.native.check(s.native.lib.pp_synchronize(s._ctx))
                 before = s.device_counters()
                 s.reset_counters()        # peak_alloc_bytes := alloc_bytes
@@ -296,22 +299,21 @@ def _do_workload(job: dict) -> dict:
                     "compute_buffer_before": cb_before, "compute_buffer_after": cb_after,
                     "ext": _ext_delta(e0, s.ext_stats())})
         if keep:
-            np.save(job["out"], np.stack(last_logits))
+            np.save(job.out, np.stack(last_logits))
         return {"model": s.info.to_dict(), "schedule": sched0.to_dict(), "compute_buffer_at_creation": cb0,
                 "backend_names": [b.name for b in sched0.backends], "steps": steps}
     finally:
         s.close()
 
 
+HANDLERS = {"info": _do_info, "schedule": _do_schedule, "logits": _do_logits, "bench": _do_bench,
+            "workload": _do_workload}
+
+
 def _main() -> int:
-    job = json.loads(sys.stdin.read())
-    handlers = {"info": _do_info, "schedule": _do_schedule, "logits": _do_logits, "bench": _do_bench,
-                "workload": _do_workload}
-    kind = job.get("kind", "bench")
     try:
-        if kind not in handlers:
-            raise PyllamaError(f"unknown job kind {kind!r}")
-        result = handlers[kind](job)
+        job = Job.from_dict(json.loads(sys.stdin.read()))
+        result = HANDLERS[job.kind](job)
     except PyllamaError as e:
         print(json.dumps({"error": f"{type(e).__name__}: {e}", "type": type(e).__name__}))
         return 3

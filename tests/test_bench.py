@@ -67,7 +67,7 @@ def test_grouped_configs_share_one_worker_and_match_separate_runs(tiny_model, tm
     real = bench.run_job
 
     def counting(job, variant, **kw):
-        calls.append((variant, len(job.get("ctx_list", [None]))))
+        calls.append((variant, len(job.ctx_list or [None])))
         return real(job, variant, **kw)
 
     monkeypatch.setattr(bench, "run_job", counting)
@@ -187,7 +187,7 @@ def test_tests_at_a_depth_start_after_a_filled_context(tiny_model, tmp_path):
     token uploads more bytes than at depth 0."""
     cfg = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32,
                             tests=[["tg", 4], ["tg", 4, 300], ["pp", 32, 300]], reps=1)
-    assert cfg.job()["ctx"]["n_ctx"] >= 332   # room for the depth
+    assert cfg.job().ctx.n_ctx >= 332   # room for the depth
     df = bench.ab([cfg], out_dir=tmp_path, progress=False, timeout=120, variants=["patched"])
     r = df.set_index("test")
     assert list(r.index) == ["tg4", "tg4 @ d300", "pp32 @ d300"], list(r.index)

@@ -164,9 +164,15 @@ def test_unknown_switch_is_refused(runner):
     assert "BOGUS" in msg, msg
 
 
-def test_unknown_job_kind(runner):
-    msg = _worker_error(runner, "baseline", {"kind": "frobnicate"})
-    assert "frobnicate" in msg and "exit code 3" in msg, msg
+def test_malformed_jobs_are_refused_before_a_worker_starts(runner):
+    """The job contract (pyllama_pp.jobs): an unknown kind or a misspelled field is a ConfigError in the parent."""
+    from pyllama_pp import ConfigError
+    with pytest.raises(ConfigError, match="unknown job kind 'frobnicate'"):
+        runner.run("baseline", {"kind": "frobnicate"}, cache=False)
+    with pytest.raises(ConfigError, match="a logits job has no field.*n_token\\b"):
+        runner.run("baseline", {"kind": "logits", "n_token": 4}, cache=False)
+    with pytest.raises(ConfigError, match="n_ubatch"):
+        runner.run("baseline", {"kind": "schedule", "ctx": {"n_ubatch": -1}}, cache=False)
 
 
 def test_worker_survives_errors(runner, tmp_path):

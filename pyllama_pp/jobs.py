@@ -1,0 +1,120 @@
+"""The contract between the parent and a worker process: one dataclass per kind of job.
+
+A job names the variant that runs it, the model, the devices, the placement and the context, plus what the kind
+needs (tests and repetitions for `bench`, tokens for `logits`, steps for `workload`). The parent builds a job (or
+passes a dict, as scripts and tests do: `Job.from_dict` checks it), `run_job` sends it as JSON, and the worker turns
+it back into the same dataclass before it runs. Unknown kinds and unknown fields are refused on both sides, so a
+misspelled field is an error, not a silently ignored key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional, Union
+
+from .errors import ConfigError
+from .session import ContextParams, Placement
+
+Test = list   # ["pp", n] or ["tg", n] or [kind, n, depth] (llama-bench's -d)
+
+
+@dataclass
+class Job:
+    """Fields every job has. `model` is a GGUF path (not needed by `info`)."""
+
+    kind: ClassVar[str] = ""
+    variant: str = "patched"
+    model: Optional[str] = None
+    devices: str = "cpu"
+    placement: Placement = field(default_factory=Placement)
+    ctx: ContextParams = field(default_factory=ContextParams)
+    ext_params: dict = field(default_factory=dict)   # the patched build's switches, NAME -> value
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["kind"] = self.kind
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @staticmethod
+    def from_dict(d: Union[dict, "Job"], variant: Optional[str] = None) -> "Job":
+        """The job a dict describes ({"kind": ..., fields}); `variant` fills in or overrides its variant."""
+        if isinstance(d, Job):
+            return dataclasses.replace(d, variant=variant) if variant else d
+        d = dict(d)
+        kind = d.pop("kind", "bench")
+        cls = KINDS.get(kind)
+        if cls is None:
+            raise ConfigError(f"unknown job kind {kind!r}; kinds: {', '.join(KINDS)}")
+        if variant:
+            d["variant"] = variant
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"a {kind} job has no field(s) {', '.join(unknown)}; its fields: {', '.join(sorted(names))}")
+        if isinstance(d.get("placement"), dict):
+            d["placement"] = Placement(**d["placement"])
+        if isinstance(d.get("ctx"), dict):
+            d["ctx"] = ContextParams(**d["ctx"])
+        return cls(**d)
+
+
+@dataclass
+class InfoJob(Job):
+    """The variant's extension version, switch table, system info and devices (no model)."""
+
+    kind: ClassVar[str] = "info"
+
+
+@dataclass
+class ScheduleJob(Job):
+    """Load, create the context and report the schedule (pipeline_parallel, copies, splits, buffers)."""
+
+    kind: ClassVar[str] = "schedule"
+    detail: bool = False
+
+
+@dataclass
+class LogitsJob(Job):
+    """Decode `tokens` (or `n_tokens` random ones from `seed`) and save the logits to `out` (.npy)."""
+
+    kind: ClassVar[str] = "logits"
+    tokens: Optional[list] = None
+    n_tokens: int = 64
+    seed: int = 0
+    logits: str = "all"
+    out: Optional[str] = None
+
+
+@dataclass
+class BenchJob(Job):
+    """llama-bench-like tests, each one warm-up then `reps` timed runs. With `ctx_list` ([{"ctx", "tests"}]) the
+    model is loaded once and each entry gets a fresh context."""
+
+    kind: ClassVar[str] = "bench"
+    tests: list = field(default_factory=lambda: [["pp", 512]])
+    reps: int = 3
+    seed: int = 0
+    coverage: bool = True
+    ctx_list: Optional[list] = None
+
+
+@dataclass
+class WorkloadJob(Job):
+    """A mixed workload in one context: `rounds` times the `workload` steps ([kind, n]); `out` saves logits."""
+
+    kind: ClassVar[str] = "workload"
+    workload: list = field(default_factory=list)
+    rounds: int = 2
+    seed: int = 0
+    out: Optional[str] = None
+
+
+KINDS: dict[str, type] = {c.kind: c for c in (InfoJob, ScheduleJob, LogitsJob, BenchJob, WorkloadJob)}
+
+
+def as_job(job: Union[Job, dict, Any], variant: Optional[str] = None) -> Job:
+    return Job.from_dict(job, variant)
