@@ -12,20 +12,30 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 san=${1:-address,undefined}
 tag=$(echo "$san" | tr ',' '-')
-venv=${PP_SAN_VENV:-/tmp/pp-san-$tag}
-[ -x "$venv/bin/python" ] || python3 -m venv --system-site-packages "$venv"
+# PP_SAN_PYTHON: install into that interpreter instead of a venv of its own (the GPU machine's python3)
+if [ -n "${PP_SAN_PYTHON:-}" ]; then
+    py=$PP_SAN_PYTHON
+else
+    venv=/tmp/pp-san-$tag
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    py=$venv/bin/python
+fi
+rt() {   # the sanitizer runtime gcc links against (a bare name back means this gcc has none)
+    local f; f=$(gcc -print-file-name="$1")
+    [ -f "$f" ] || { echo "sanitize: gcc has no $1 (install its sanitizer runtime, e.g. libasan8 / libtsan2)" >&2; exit 2; }
+    echo "$f"
+}
+if [ "$san" = thread ]; then preload=$(rt libtsan.so); else preload=$(rt libasan.so):$(rt libubsan.so); fi
 t0=$(date +%s)
-CMAKE_ARGS="-DPP_SANITIZE=$san ${CMAKE_ARGS:-}" "$venv/bin/python" -m pip install -q ${PP_SAN_PIP_ARGS:-} \
+CMAKE_ARGS="-DPP_SANITIZE=$san ${CMAKE_ARGS:-}" "$py" -m pip install -q ${PP_SAN_PIP_ARGS:-} \
     -C build-dir="build/san-$tag" ".[test]"
 echo "sanitize: $san build $(( $(date +%s) - t0 )) s"
 
-rt() { gcc -print-file-name="$1"; }
+export LD_PRELOAD=$preload
 if [ "$san" = thread ]; then
-    export LD_PRELOAD=$(rt libtsan.so)
     export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 report_signal_unsafe=0"
     tests=(tests/test_vdev.py tests/test_patched.py -k "overlap or prefetch or pipelin or early or gather")
 else
-    export LD_PRELOAD=$(rt libasan.so):$(rt libubsan.so)
     # Python itself is not instrumented: its allocations are not leaks of ours
     export ASAN_OPTIONS="detect_leaks=0 abort_on_error=1 halt_on_error=1"
     export UBSAN_OPTIONS="print_stacktrace=1 halt_on_error=1"
@@ -33,10 +43,10 @@ else
 fi
 t0=$(date +%s)
 status=0
-(cd /tmp && "$venv/bin/python" -m pytest -q -p no:cacheprovider --rootdir="$OLDPWD" "${tests[@]/#tests/$OLDPWD/tests}") || status=$?
+(cd /tmp && "$py" -m pytest -q -p no:cacheprovider --rootdir="$OLDPWD" "${tests[@]/#tests/$OLDPWD/tests}") || status=$?
 echo "sanitize: $san tests $(( $(date +%s) - t0 )) s, exit $status"
 t0=$(date +%s)
 (cd /tmp && PP_FUZZ_CASES=${PP_SAN_FUZZ:-60} PP_FUZZ_SEED=${PP_SAN_SEED:-50} \
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider --rootdir="$OLDPWD" "$OLDPWD/tests/test_fuzz.py") || status=$?
+    "$py" -m pytest -q -p no:cacheprovider --rootdir="$OLDPWD" "$OLDPWD/tests/test_fuzz.py") || status=$?
 echo "sanitize: $san fuzz $(( $(date +%s) - t0 )) s, exit $status"
 exit $status
