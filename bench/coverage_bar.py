@@ -7,7 +7,7 @@ per ubatch of 64), two VDEVs with dedicated 0.1 GB/s links (the main job's devic
 the patched build with the default (auto) bar, the old 85% bar and coverage ignored (always upload all), each
 against its own baseline run. Rows into docs/results/vdev/coverage_bar/ (results.jsonl, results.md).
   python bench/coverage_bar.py [--reps N] [--devices SPEC --out DIR]   (e.g. one shared link: "vdev:2x256MiB@0.1GBps,shared")
---direct adds patch 0008 (DIRECT=1: below the bar the devices read the used experts from pinned host memory, no
+--direct adds patch 0008 (DIRECT=2: below the bar the devices read the used experts from pinned host memory, no
 readbacks); its rows go to docs/results/vdev/coverage_bar_direct/ unless --out says otherwise.
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", type=Path, default=C.REPO / "docs" / "results" / "vdev" / "coverage_bar")
     ap.add_argument("--devices", default=C.DEFAULT_DEVICES)
-    ap.add_argument("--direct", action="store_true", help="also the auto bar with DIRECT=1 (patch 0008)")
+    ap.add_argument("--direct", action="store_true", help="also the auto bar with DIRECT=2 (patch 0008)")
     args = ap.parse_args()
-    settings = SETTINGS + ((("auto bar + DIRECT=1", {"DIRECT": 1}),) if args.direct else ())
+    settings = SETTINGS + ((("auto bar + DIRECT=2", {"DIRECT": 2}),) if args.direct else ())
     if args.direct and args.out == ap.get_default("out"):
         args.out = args.out.parent / "coverage_bar_direct"
     args.out.mkdir(parents=True, exist_ok=True)

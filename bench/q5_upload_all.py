@@ -5,7 +5,7 @@ Patched-only switch sweep (ext_params, i.e. GGML_SCHED_PP_*), the baseline build
   selective  UPLOAD_ALL=0                                   always read the ids back, copy used experts
   default    thresholds: tokens x used >= 4 x n_expert (2x while a graph is in flight) and measured
              coverage >= the auto bar (110 / host links %: 55 % with two, 85 % on one shared link; patch 0005 - it was 85 %)
-  forced     UPLOAD_ALL_MIN=1, UPLOAD_ALL_MIN_INFLIGHT=1, UPLOAD_ALL_MIN_COV=0: always upload every expert
+  forced     UPLOAD_ALL_MIN=1, UPLOAD_ALL_MIN_COV=0: always upload every expert
 at n_ubatch 32 (low coverage; n_batch = pp = 512) and 128 (high coverage; n_batch = pp = 2048), for the
 near-uniform model and a skewed-routing one (synth routing="skewed", skew=1.5). Speedup = over the baseline
 row of the same model and batch sizes.
@@ -20,7 +20,7 @@ import _common as C
 from pyllama_pp import bench
 
 SETTINGS = [("selective", {"UPLOAD_ALL": 0}), ("default", {}),
-            ("forced", {"UPLOAD_ALL_MIN": 1, "UPLOAD_ALL_MIN_INFLIGHT": 1, "UPLOAD_ALL_MIN_COV": 0})]
+            ("forced", {"UPLOAD_ALL_MIN": 1, "UPLOAD_ALL_MIN_COV": 0})]
 UBATCHES = (32, 128)
 
 

@@ -236,7 +236,7 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             # GATHER's estimate beside the count the bytes above take where the device counts them (CUDA)
             "gather_bytes_est_per_device": _per_gpu(ext, "gather_bytes_est", reps),
             "compute_buffer_bytes": [b["compute_buffer_bytes"] for b in sched["backends"]],
-            # OVERLAP's upload ring per device (patch 0009; VRAM outside the compute buffers; a level, not a delta)
+            # PREFETCH=2's lanes per device (patch 0010; VRAM outside the compute buffers; a level, not a delta)
             "ring_bytes_per_device": _per_gpu({"backends": t.get("ext_ring")}, "ring_bytes"),
             "label": cfg.label, "ext_params": cfg.ext_params if variant == "patched" else {}, **meta})
     return rows

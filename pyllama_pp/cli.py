@@ -11,7 +11,7 @@ from typing import Optional
 
 from . import __version__
 from .devices import FORMS
-from .errors import ConfigError, DeviceSpecError, PyllamaError
+from .errors import ConfigError, DeviceSpecError, PyllamaError, UnsupportedError
 
 # The main job (`pyllama-pp ab` with no model): the tiny preset with 7 layers on 2 virtual devices whose links are
 # throttled so that transfers dominate; ts 3,5 gives each device 3 MoE layers (the last layer of a ubatch
@@ -51,9 +51,34 @@ def _positive(s: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
+def accepted_values(sw: dict) -> str:
+    """What a switch of the patched build's table accepts, as a user writes it: "0/1", "-1..100", "0, 2"."""
+    if sw.get("values"):
+        return ", ".join(str(v) for v in sw["values"])
+    if sw.get("type") == "bool":
+        return "0/1"
+    return f"{sw['min']}..{sw['max']}"
+
+
+def switches_markdown(switches: list[dict]) -> str:
+    """The README's switch section (between <!-- switches:begin --> and <!-- switches:end -->), made from the
+    patched library's table (`pyllama-pp info --markdown-switches` prints it)."""
+    lines = ["| switch (`GGML_SCHED_PP_<NAME>`, `--switch NAME=V`) | type | default | accepted | meaning |",
+             "| --- | --- | --- | --- | --- |"]
+    for sw in switches:
+        meaning = sw["meaning"].replace("|", "\\|")
+        lines.append(f"| `{sw['name']}` | {sw['type']} | {sw['default']} | {accepted_values(sw)} | {meaning} |")
+    return "\n".join(lines)
+
+
 def cmd_info(args) -> int:
     from .binding import VARIANTS, available_variants, build_info
     from .worker import run_job
+    if getattr(args, "markdown_switches", False):
+        if "patched" not in available_variants():
+            raise UnsupportedError("--markdown-switches reads the patched build's switch table; it is not built")
+        print(switches_markdown(run_job({"kind": "info"}, "patched", timeout=120).get("switches", [])))
+        return 0
     from . import _pin
     pin = _pin.PIN
     variants = []
@@ -85,7 +110,8 @@ def cmd_info(args) -> int:
         if e.get("switches"):
             lines.append("  switches (GGML_SCHED_PP_<NAME>=V, --switch NAME=V):")
             for sw in e["switches"]:
-                lines.append(f"    {sw['name']}={sw['value']}: {sw['description']}")
+                lines.append(f"    {sw['name']}={sw['value']} ({sw.get('type', 'int')}, default {sw.get('default')}, "
+                             f"{accepted_values(sw) if 'min' in sw else '?'}): {sw['description']}")
         for d in e.get("devices", []):
             lines.append(f"  device {d['name']} ({d['backend']}): {d['description']}, "
                          f"{d['memory_total'] / 2**30:.1f} GiB")
@@ -172,14 +198,23 @@ def _check_switches(switches: list[str], variants: list[str]) -> None:
     if "patched" not in variants:
         raise ConfigError("--switch sets the patched build's scheduler switches; --variant baseline has none. "
                           "Fix: drop --switch, or run --variant patched (or ab)")
-    names = [kv.partition("=")[0].upper() for kv in switches]
-    known = {sw["name"] for sw in run_job({"kind": "info"}, "patched", timeout=120).get("switches", [])}
-    for name in names:
+    known = {sw["name"]: sw for sw in run_job({"kind": "info"}, "patched", timeout=120).get("switches", [])}
+    for kv in switches:
+        name, _, v = kv.partition("=")
+        name = name.upper()
         if name not in known:
             near = difflib.get_close_matches(name, sorted(known), n=3)
             raise ConfigError(f"--switch {name}: the patched build has no such switch"
                               + (f" (did you mean {', '.join(near)}?)" if near else "")
                               + "; `pyllama-pp info` lists them")
+        sw = known[name]
+        try:
+            x = int(v)
+        except ValueError:
+            continue   # (reported by _config_kwargs)
+        if "min" in sw and (not sw["min"] <= x <= sw["max"] or (sw.get("values") and x not in sw["values"])):
+            raise ConfigError(f"--switch {name}={x}: out of range; {name} accepts {accepted_values(sw)} "
+                              f"(default {sw['default']}): {sw['meaning']}")
 
 
 def models_dir() -> Path:
@@ -308,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="upstream commit, variants and their patches, switches, backends, devices",
                        formatter_class=_HelpFormatter)
     p.add_argument("--json", action="store_true", help=json_help)
+    p.add_argument("--markdown-switches", action="store_true",
+                   help="print the patched build's switch table as the README's Markdown section, nothing else")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("synth", help="write a random-weight qwen3moe GGUF (with a routing control)",

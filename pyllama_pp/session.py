@@ -17,7 +17,8 @@ from typing import Iterable, Optional, Sequence, Union
 import numpy as np
 
 from . import binding, devices as devspec
-from .errors import ConfigError, DecodeError, DeviceSpecError, ModelError, OutOfMemoryError, UnsupportedError, one_statement
+from .errors import (ConfigError, DecodeError, DeviceSpecError, ModelError, OutOfMemoryError, PyllamaError, UnsupportedError,
+                     one_statement)
 
 # upstream's patterns for expert tensors (common/fit.cpp LAYER_FRACTION_MOE)
 EXPERT_TENSORS = r"ffn_(up|down|gate|gate_up)_(ch)?exps"
@@ -273,19 +274,41 @@ class Session:
         self.variant = variant
         self._model = None
         self._ctx = None
+        self._check_switch_env()
         self._apply_ext_params(ext_params or {})
         dev_names = self._setup_devices()
         self._load_model(dev_names)
         self._ctx = self._new_context(coverage=False)
 
     # -- setup -------------------------------------------------------------------------------------------
+    def _check_switch_env(self) -> None:
+        """The patched build: GGML_SCHED_PP_* variables its switch table does not accept are an error here (the
+        library would log them and use the defaults). The baseline has no table and reads none of them."""
+        lib = self.native.lib
+        if lib.pp_ext_version() <= 0:
+            return
+        buf = self.native.ffi.new("char[8192]")
+        n = lib.pp_ext_env_problems(buf, 8192)
+        if n == lib.PP_ERR_UNSUPPORTED:
+            return
+        self.native.check(n)
+        if n > 0:
+            problems = [line for line in self.native.str(buf).splitlines() if line]
+            raise ConfigError("the patched scheduler does not accept " + "; ".join(problems) +
+                              ". Fix: unset or correct the variable (pyllama-pp info lists the switches)")
+
     def _apply_ext_params(self, params: dict) -> None:
         if not params:
             return
         if self.native.lib.pp_ext_version() <= 0:
             raise UnsupportedError(f"the {self.variant} build has no scheduler switches ({sorted(params)})")
         for k, v in params.items():
-            self.native.check(self.native.lib.pp_ext_set_param(k.upper().encode(), int(v)))
+            try:
+                self.native.check(self.native.lib.pp_ext_set_param(k.upper().encode(), int(v)))
+            except UnsupportedError:
+                raise
+            except PyllamaError as e:
+                raise ConfigError(str(e)) from None
 
     def _setup_devices(self) -> str:
         lib, ffi = self.native.lib, self.native.ffi

@@ -91,11 +91,17 @@ def _do_info(job: InfoJob) -> dict:
     native = binding.load(job.variant)
     switches = []
     if native.lib.pp_ext_version() > 0:
-        name, desc, val = native.ffi.new("char[64]"), native.ffi.new("char[512]"), native.ffi.new("int64_t *")
+        ffi = native.ffi
+        name, desc, val = ffi.new("char[64]"), ffi.new("char[512]"), ffi.new("int64_t *")
+        typ, values, lo, hi, dflt = ffi.new("char[16]"), ffi.new("char[64]"), ffi.new("int64_t *"), ffi.new("int64_t *"), ffi.new("int64_t *")
         for i in range(64):
             if native.lib.pp_ext_param_info(i, name, 64, val, desc, 512) != 0:
                 break
-            switches.append({"name": native.str(name), "value": int(val[0]), "description": native.str(desc)})
+            native.check(native.lib.pp_ext_param_spec(i, typ, 16, dflt, lo, hi, values, 64))
+            accepted = [int(v) for v in native.str(values).split(",") if v]
+            switches.append({"name": native.str(name), "type": native.str(typ), "default": int(dflt[0]),
+                             "min": int(lo[0]), "max": int(hi[0]), "values": accepted or None,
+                             "meaning": native.str(desc), "value": int(val[0]), "description": native.str(desc)})
     return {"variant": native.variant, "ext_version": native.lib.pp_ext_version(), "switches": switches,
             "system_info": native.str(native.lib.pp_system_info()), "devices": list_devices()}
 
@@ -213,7 +219,7 @@ def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
             times.append(dt)
             devs.append(dev)
             ext = _ext_add(ext, _ext_delta(e0, e1))  # the timed window of each rep only
-        # OVERLAP's ring per backend is a level (in the deltas above it subtracts to 0): as it stands after the last rep
+        # PREFETCH=2's lanes per backend are a level (in the deltas above it subtracts to 0): as it stands after the last rep
         ring = [{"name": b["name"], "ring_bytes": b["ring_bytes"]} for b in e1["backends"]] \
             if e1 and e1.get("backends") and "ring_bytes" in e1["backends"][0] else None
         results.append({"kind": kind, "n": n, "depth": depth, "seconds": times, "devices": _sum_devices(devs),

@@ -140,7 +140,7 @@ def test_link_bound_for_devices_that_do_not_know_their_links(tiny_model):
 
 def test_cuda_rows_count_direct_reads_and_the_overlap_ring(tiny_model):
     """On CUDA (no device counters) a row's bytes are the scheduler's uploads plus its estimate of DIRECT's reads;
-    the direct-read count and OVERLAP's ring (a level, CPU left out) are per row."""
+    the direct-read count and PREFETCH=2's lanes (a level, CPU left out) are per row."""
     cfg = bench.BenchConfig(model=str(tiny_model), devices="cuda", n_batch=4096, n_ubatch=512, link_gbps=[55.0, 55.0])
     backends = [{"name": "CUDA0", "weight_bytes": 2_000, "direct_bytes_est": 6_000},
                 {"name": "CUDA1", "weight_bytes": 4_000, "direct_bytes_est": 0}, {"name": "CPU", "weight_bytes": 0}]

@@ -70,6 +70,12 @@ def test_unknown_switch_names_its_near_misses(capsys, tiny_model):
     assert "no such switch" in line and "UPLOAD_ALL" in line and "pyllama-pp info" in line, line
 
 
+def test_switch_value_out_of_range_is_refused(capsys, tiny_model):
+    """The patched build's table gives each switch its range: a value outside it is refused up front."""
+    line = _usage_error(capsys, ["run", tiny_model, "--switch", "OVERLAP=1"])
+    assert "OVERLAP=1" in line and "out of range" in line and "0, 2" in line, line
+
+
 def test_worker_errors_keep_their_class_and_one_line(tiny_model, tmp_path):
     """An error raised inside a worker reaches the caller as the same class (and WorkerError), one statement."""
     from pyllama_pp import ModelError, WorkerError

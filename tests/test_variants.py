@@ -1,6 +1,9 @@
 """Both variants in worker processes: info, CPU numerics, and errors that must come back as exceptions."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -11,6 +14,9 @@ from pyllama_pp.worker import run_job
 JOB_TIMEOUT = 120.0
 
 VARIANTS = ("baseline", "patched")
+# the patched build's switch table, in order (one off-switch per mechanism and the tuning knobs)
+SWITCH_NAMES = ["GATE", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL", "UPLOAD_ALL_MIN", "UPLOAD_ALL_MIN_COV", "LINKS",
+                "STAGING", "STABLE_RESERVE", "DIRECT", "OVERLAP", "GATHER", "PREFETCH", "PREFETCH2_MIN_TOKENS"]
 
 
 def _worker_error(runner, variant: str, job: dict) -> str:
@@ -37,16 +43,20 @@ def test_info(variant):
     assert info["variant"] == variant
     if variant == "patched":
         assert info["ext_version"] >= 1
-        # every switch, with its value and meaning (patch 0001)
+        # the typed switch table (patch 0001; each mechanism's patch adds its rows): one off-switch per mechanism
+        # and the tuning knobs, each with type, default, range, meaning and current value (the default here)
         sw = {s["name"]: s for s in info["switches"]}
-        for name in ("GATE", "TRANSIENT", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL", "REBUILD", "STABLE_RESERVE",
-                     "OFFLOAD_TAIL", "STABLE_DEPS", "LAST_EVENTS", "COPIES"):
-            assert name in sw and sw[name]["description"], name
-        assert sw["TRANSIENT"]["value"] == 1 and sw["COPIES"]["value"] == 0
+        assert list(sw) == SWITCH_NAMES, list(sw)
+        for s in sw.values():
+            assert s["type"] in ("bool", "int") and s["meaning"] and s["min"] <= s["default"] <= s["max"], s
+            assert s["value"] == s["default"], s
+            assert s["type"] != "bool" or (s["min"], s["max"]) == (0, 1), s
+            assert not s["values"] or s["default"] in s["values"], s
         # the defaults README and docs/DEVELOPING.md state
-        documented = {"OVERLAP": 0, "DIRECT": -1, "DIRECT_FIRST": 0, "DIRECT_MAX_TOKENS": 128, "PLANS": 4,
-                      "STAGING": 1, "SHARED_INPUTS": 1, "LINKS": 0}
+        documented = {"GATE": 1, "OVERLAP": 0, "DIRECT": -1, "GATHER": -1, "PREFETCH": 1, "PREFETCH2_MIN_TOKENS": 1024,
+                      "STAGING": 1, "LINKS": 0, "UPLOAD_ALL_MIN": -1, "UPLOAD_ALL_MIN_COV": -1}
         assert {k: sw[k]["value"] for k in documented} == documented
+        assert sw["OVERLAP"]["values"] == [0, 2] and sw["DIRECT"]["values"] == [-1, 0, 2]
     else:
         assert info["ext_version"] == 0 and info["switches"] == []
     assert any(d["backend"] == "CPU" for d in info["devices"]), info["devices"]
@@ -160,8 +170,55 @@ def test_ext_params_need_the_patched_build(runner):
 
 
 def test_unknown_switch_is_refused(runner):
+    """ggml_backend_sched_pp_set_param with a name the table does not know returns an error: a ConfigError."""
     msg = _worker_error(runner, "patched", {"kind": "schedule", "devices": "cpu", "ext_params": {"BOGUS": 1}})
-    assert "BOGUS" in msg, msg
+    assert msg.startswith("ConfigError") and "BOGUS" in msg, msg
+
+
+def test_switch_value_out_of_range_is_refused(runner):
+    """set_param with a value the switch does not accept (OVERLAP's retired ring, 1) is an error naming the range."""
+    msg = _worker_error(runner, "patched", {"kind": "schedule", "devices": "cpu", "ext_params": {"OVERLAP": 1}})
+    assert msg.startswith("ConfigError") and "OVERLAP=1" in msg and "0,2" in msg, msg
+    msg = _worker_error(runner, "patched", {"kind": "schedule", "devices": "cpu", "ext_params": {"UPLOAD_ALL_MIN_COV": 101}})
+    assert msg.startswith("ConfigError") and "UPLOAD_ALL_MIN_COV=101" in msg and "-1..100" in msg, msg
+
+
+@pytest.mark.parametrize("env, words", [({"GGML_SCHED_PP_BOGUS": "1"}, ["GGML_SCHED_PP_BOGUS=1", "no such switch", "OVERLAP"]),
+                                        ({"GGML_SCHED_PP_OVRELAP": "2"}, ["GGML_SCHED_PP_OVRELAP=2", "no such switch"]),
+                                        ({"GGML_SCHED_PP_TRANSIENT": "0"}, ["GGML_SCHED_PP_TRANSIENT=0", "no such switch"]),
+                                        ({"GGML_SCHED_PP_OVERLAP": "1"}, ["GGML_SCHED_PP_OVERLAP=1", "out of range", "0,2"]),
+                                        ({"GGML_SCHED_PP_GATE": "2"}, ["GGML_SCHED_PP_GATE=2", "out of range", "0 or 1"]),
+                                        ({"GGML_SCHED_PP_UPLOAD_ALL": "yes"}, ["GGML_SCHED_PP_UPLOAD_ALL=yes", "not an integer"])],
+                         ids=["unknown", "misspelled", "retired", "out-of-range", "bool", "not-an-integer"])
+def test_switch_environment_problems_are_config_errors(runner, env, words):
+    """A GGML_SCHED_PP_* variable the patched build's table does not accept (a name it does not know, a value out
+    of range or not an integer) is a ConfigError at Session creation that names the variable and what is accepted
+    (the library alone would log it and use the default)."""
+    with pytest.raises(WorkerError) as ei:
+        runner.run("patched", {"kind": "schedule", "devices": "cpu"}, env=env, cache=False)
+    msg = str(ei.value)
+    assert ei.value.error_type == "ConfigError", (ei.value.error_type, msg)
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_the_baseline_reads_no_switches(runner):
+    """The baseline has no switch table: GGML_SCHED_PP_* variables are not read there (the CLI refuses --switch
+    for a baseline-only run)."""
+    r = runner.run("baseline", {"kind": "schedule", "devices": "cpu"}, env={"GGML_SCHED_PP_BOGUS": "1"}, cache=False)
+    assert r["schedule"]["n_splits"] >= 1
+
+
+def test_readme_switch_section_is_the_librarys_table():
+    """The README's switch section is generated from the patched library's table (pyllama-pp info
+    --markdown-switches): they agree."""
+    from pyllama_pp.cli import switches_markdown
+    info = run_job({"kind": "info"}, "patched", timeout=JOB_TIMEOUT)
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    m = re.search(r"<!-- switches:begin -->\n(.*?)\n<!-- switches:end -->", text, re.S)
+    assert m, "README.md has no <!-- switches:begin --> ... <!-- switches:end --> section"
+    assert m.group(1).strip() == switches_markdown(info["switches"]).strip(), \
+        "README's switch section is stale: regenerate it with `pyllama-pp info --markdown-switches`"
 
 
 def test_malformed_jobs_are_refused_before_a_worker_starts(runner):

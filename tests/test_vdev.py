@@ -29,7 +29,7 @@ def cpu_ref(runner):
 def test_experts_on_device_pipeline_and_logits(runner, variant, cpu_ref, assert_logits_match):
     r = runner.logits(variant, devices="vdev:2x0@0", placement={"host_experts": "none"}, ctx=CTX, n_tokens=N_TOKENS)
     s = r["schedule"]
-    # upstream keeps 4 graphs in flight; the patched build one per device (GGML_SCHED_PP_COPIES=0)
+    # upstream keeps 4 graphs in flight; the patched build one per device (patch 0004)
     want = 4 if variant == "baseline" else 2
     assert s["pipeline_parallel"] is True and s["n_copies"] == want, (s["pipeline_parallel"], s["n_copies"])
     assert [b["name"] for b in s["backends"]][:2] == ["VDEV0", "VDEV1"]

@@ -120,6 +120,8 @@ struct ext_api {
     size_t (*stats_json)(ggml_backend_sched_t, char *, size_t) = nullptr;
     void (*reset_stats)(ggml_backend_sched_t) = nullptr;
     const char * (*param_info)(int, int64_t *, const char **) = nullptr;
+    const char * (*param_spec)(int, const char **, int64_t *, int64_t *, int64_t *, const char **) = nullptr;
+    int (*env_problems)(char *, size_t) = nullptr;
     void (*set_gather)(const char *, void *) = nullptr;
 };
 
@@ -134,6 +136,9 @@ const ext_api & ext() {
             a.stats_json  = (size_t (*)(ggml_backend_sched_t, char *, size_t)) dlsym(h, "ggml_backend_sched_pp_stats_json");
             a.reset_stats = (void (*)(ggml_backend_sched_t)) dlsym(h, "ggml_backend_sched_pp_reset_stats");
             a.param_info  = (const char * (*)(int, int64_t *, const char **)) dlsym(h, "ggml_backend_sched_pp_param_info");
+            a.param_spec  = (const char * (*)(int, const char **, int64_t *, int64_t *, int64_t *, const char **))
+                            dlsym(h, "ggml_backend_sched_pp_param_spec");
+            a.env_problems = (int (*)(char *, size_t)) dlsym(h, "ggml_backend_sched_pp_env_problems");
             a.set_gather  = (void (*)(const char *, void *)) dlsym(h, "ggml_backend_sched_pp_set_gather");
         }
         return a;
@@ -688,7 +693,51 @@ PP_EXPORT int pp_ext_set_param(const char * name, int64_t value) {
     if (!ext().set_param) {
         return fail(PP_ERR_UNSUPPORTED, std::string("the ") + PP_VARIANT + " build has no scheduler extension");
     }
-    return ext().set_param(name, value) == 0 ? PP_OK : fail(PP_ERR_ARG, std::string("unknown parameter ") + (name ? name : "(null)"));
+    const int rc = ext().set_param(name, value);
+    if (rc == -2) {
+        std::string accepted = "see pyllama-pp info";
+        for (int i = 0; ext().param_spec != nullptr; i++) {
+            const char * t = nullptr;
+            const char * v = nullptr;
+            int64_t d = 0, lo = 0, hi = 0;
+            const char * n = ext().param_spec(i, &t, &d, &lo, &hi, &v);
+            if (n == nullptr) {
+                break;
+            }
+            if (strcmp(n, name) == 0) {
+                accepted = v ? std::string("one of ") + v : std::to_string(lo) + ".." + std::to_string(hi);
+                break;
+            }
+        }
+        return fail(PP_ERR_ARG, std::string("switch ") + name + "=" + std::to_string(value) + " is out of range; accepted: " + accepted);
+    }
+    return rc == 0 ? PP_OK : fail(PP_ERR_ARG, std::string("unknown switch ") + (name ? name : "(null)"));
+}
+
+PP_EXPORT int pp_ext_param_spec(int i, char * type, size_t type_size, int64_t * def, int64_t * min, int64_t * max,
+                                char * values, size_t values_size) {
+    if (!ext().param_spec) {
+        return fail(PP_ERR_UNSUPPORTED, std::string("the ") + PP_VARIANT + " build has no typed switch table");
+    }
+    const char * t = nullptr;
+    const char * v = nullptr;
+    if (!ext().param_spec(i, &t, def, min, max, &v)) {
+        return fail(PP_ERR_ARG, "no switch with index " + std::to_string(i));
+    }
+    if (type && type_size) {
+        snprintf(type, type_size, "%s", t ? t : "");
+    }
+    if (values && values_size) {
+        snprintf(values, values_size, "%s", v ? v : "");
+    }
+    return PP_OK;
+}
+
+PP_EXPORT int pp_ext_env_problems(char * buf, size_t buf_size) {
+    if (!ext().env_problems) {
+        return fail(PP_ERR_UNSUPPORTED, std::string("the ") + PP_VARIANT + " build has no switch table");
+    }
+    return ext().env_problems(buf, buf_size);
 }
 
 PP_EXPORT int pp_ext_param_info(int i, char * name, size_t name_size, int64_t * value, char * desc, size_t desc_size) {

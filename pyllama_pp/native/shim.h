@@ -157,6 +157,13 @@ int pp_ext_set_param(const char * name, int64_t value);
 int pp_ext_get_param(const char * name, int64_t * value);
 // the i-th switch (0-based): name, current value, meaning; PP_ERR_ARG past the last one
 int pp_ext_param_info(int i, char * name, size_t name_size, int64_t * value, char * desc, size_t desc_size);
+// ... its type ("bool" or "int"), default and accepted range [min, max]; `values` gets the accepted values where not
+// every value in the range is accepted ("0,2"), else ""
+int pp_ext_param_spec(int i, char * type, size_t type_size, int64_t * def, int64_t * min, int64_t * max,
+                      char * values, size_t values_size);
+// GGML_SCHED_PP_* environment variables the switch table does not accept (a name it does not know, a value that is
+// not an integer or out of range): how many (0: none), one line each into buf; PP_ERR_UNSUPPORTED without the table
+int pp_ext_env_problems(char * buf, size_t buf_size);
 // The bytes the gathers of ggml device `dev_name` ("CUDA0", ...) read over its host link so far, prefetches
 // included, as counted by pyllama_pp's CUDA gather library on the device; -1 where nothing is counted (no such
 // library, a device it never gathered for, or not CUDA).
