@@ -60,6 +60,7 @@ class BenchConfig:
     # bound; shared_link: all devices share one link (one GPU split in two)
     link_gbps: Optional[list] = None
     shared_link: bool = False
+    plans: dict = field(default_factory=dict)        # variant -> placement from a fit plan (run/ab --plan, --fit)
 
     def __post_init__(self):
         if self.link_gbps is not None:
@@ -75,7 +76,9 @@ class BenchConfig:
         longest = max(int(t[1]) + depth_of(t) for t in self.tests) + 8
         n_ctx = ctx_for(longest, self.n_ctx)
         return BenchJob(model=self.model, devices=self.devices, tests=[list(t) for t in self.tests], reps=self.reps,
-                        placement=Placement(host_experts=self.host_experts, load_mode=self.load_mode,
+                        # ("plan" / "fit": a label; each variant's placement then comes from self.plans)
+                        placement=Placement(host_experts="none" if self.plans else self.host_experts,
+                                            load_mode=self.load_mode,
                                             n_gpu_layers=self.n_gpu_layers, tensor_split=self.tensor_split),
                         ctx=ContextParams(n_ctx=n_ctx, n_batch=self.n_batch, n_ubatch=min(self.n_ubatch, self.n_batch),
                                           flash_attn=self.flash_attn))
@@ -295,7 +298,7 @@ def _meta(cfg: BenchConfig) -> dict:
 def _load_key(cfg: BenchConfig) -> str:
     """Configs with the same key can share one loaded model (they differ only in context and tests)."""
     job = {k: v for k, v in cfg.job().to_dict().items() if k not in ("ctx", "tests")}
-    return json.dumps([job, cfg.env, cfg.ext_params], sort_keys=True, default=str)
+    return json.dumps([job, cfg.env, cfg.ext_params, cfg.plans], sort_keys=True, default=str)
 
 
 def _groups(configs: list[BenchConfig], group: bool) -> list[list[tuple[int, BenchConfig]]]:
@@ -358,6 +361,8 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
                     lead.job(), ext_params=dict(lead.ext_params) if v == "patched" else {}, coverage=vi == 0,
                     ctx_list=[{"ctx": cfg.job().ctx.to_dict(), "tests": cfg.tests} for _, cfg in grp]
                     if len(grp) > 1 else None)
+                if v in lead.plans:   # --plan / --fit: the variant's own placement
+                    job = dataclasses.replace(job, placement=Placement(**{**lead.plans[v], "load_mode": lead.load_mode}))
                 try:
                     res = run_job(job, v, timeout=timeout, env=lead.env)
                     runs = res["runs"] if len(grp) > 1 else [res]

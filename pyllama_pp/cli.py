@@ -1,4 +1,4 @@
-"""`pyllama-pp`: info, synth, run, ab. Every subcommand takes --json (one JSON document on stdout)."""
+"""`pyllama-pp`: info, synth, fit, run, ab. Every subcommand takes --json (one JSON document on stdout)."""
 from __future__ import annotations
 
 import argparse
@@ -272,6 +272,8 @@ def _error_lines(df) -> str:
 
 def _workload(args, model: str, variants) -> int:
     """--workload mixed: bench.MIXED_WORKLOAD in one context per variant, -r rounds, on every device spec."""
+    if args.plan or args.fit:
+        raise ConfigError("--workload takes no --plan or --fit yet: run it with --host-experts / -ts")
     import pandas as pd
 
     from . import bench
@@ -295,6 +297,7 @@ def cmd_run(args) -> int:
     if args.workload:
         return _workload(args, args.model, [args.variant])
     cfgs = _configs(args, args.model)
+    _apply_plans(args, args.model, cfgs, [args.variant])
     df = bench.ab(cfgs, variants=[args.variant], out_dir=args.out, progress=not args.json)
     _check_measured(df)
     _emit(args, {"rows": json.loads(df.to_json(orient="records"))}, _print_rows(df))
@@ -312,6 +315,7 @@ def cmd_ab(args) -> int:
     if args.workload:
         return _workload(args, model, list(bench.VARIANTS))
     cfgs = _configs(args, model)
+    _apply_plans(args, model, cfgs, list(bench.VARIANTS))
     out = Path(args.out or Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S"))
     df = bench.ab(cfgs, out_dir=out, progress=not args.json)
     _check_measured(df)
@@ -323,6 +327,57 @@ def cmd_ab(args) -> int:
     _emit(args, {"rows": json.loads(df.to_json(orient="records")), "files": files},
           md + _error_lines(df) + "\n" + "\n".join(f"{k}: {v}" for k, v in files.items() if v))
     return 1 if _failed(df) else 0
+
+
+def cmd_fit(args) -> int:
+    from .fit import fit
+    from .session import ContextParams
+    if args.batch < args.ubatch:
+        raise ConfigError(f"-ub/--ubatch ({args.ubatch}) is larger than -b/--batch ({args.batch}). Fix: -ub <= -b")
+    ctx = ContextParams(n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.ubatch, op_offload=not args.no_op_offload,
+                        offload_kqv=not args.no_kv_offload)
+    plan = fit(args.model, devices=args.devices, ctx=ctx, variant=args.variant, margin=args.margin,
+               split_mode=args.split_mode, check=not args.no_check)
+    if args.out:
+        plan.save(args.out)
+    _emit(args, {"pyllama_pp_plan": 1, **plan.to_dict()},
+          str(plan) + (f"\nplan written to {args.out}" if args.out else ""))
+    return 0
+
+
+def _margin_arg(s: str) -> list[str]:
+    return [x for x in s.split(",") if x]
+
+
+def _apply_plans(args, model: str, cfgs: list, variants: list[str]) -> None:
+    """--plan PLAN.json (one plan for every variant) or --fit (each variant's own fit for each config): the
+    placement of each variant's run, in place of --host-experts / -ts / -ngl."""
+    from .fit import Plan, fit
+    from .session import ContextParams
+    if not (args.plan or args.fit):
+        return
+    if args.plan and args.fit:
+        raise ConfigError("give --plan PLAN.json or --fit, not both")
+    plan = Plan.load(args.plan) if args.plan else None
+    for cfg in cfgs:
+        if plan is not None:
+            plan.check(model, None if cfg.devices == "cpu" else cfg.devices)
+            if cfg.devices == "cpu":
+                spec = plan.devices_spec
+                cfg.devices = spec.get("text") if spec.get("text") and not str(spec.get("text")).endswith(".json") \
+                    else json.dumps({k: v for k, v in spec.items() if k != "text"})
+            cfg.plans = {v: plan.placement_dict() for v in variants}
+            cfg.host_experts, cfg.tensor_split = "plan", None
+            continue
+        n_ctx = cfg.job().ctx.n_ctx
+        ctx = ContextParams(n_ctx=n_ctx, n_batch=cfg.n_batch, n_ubatch=min(cfg.n_ubatch, cfg.n_batch))
+        cfg.plans = {}
+        for v in variants:
+            p = fit(model, devices=cfg.devices, ctx=ctx, variant=v, margin=args.margin, env=cfg.env or None)
+            if not args.json:
+                print(p, file=sys.stderr)
+            cfg.plans[v] = p.placement_dict()
+        cfg.host_experts, cfg.tensor_split = "fit", None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -410,6 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-o", "--out", type=Path, metavar="DIR",
                        help="folder for the rows (jsonl, csv), the table and the plot "
                             "(default: run writes none; ab: pyllama_pp_out/ab-DATE-TIME)")
+        p.add_argument("--plan", metavar="PLAN.json",
+                       help="run with a fit plan (`pyllama-pp fit ... -o PLAN.json`) instead of --host-experts/-ts/-ngl; "
+                            "--devices defaults to the plan's")
+        p.add_argument("--fit", action="store_true",
+                       help="plan each config with each variant's own fit first, then run with that plan")
+        p.add_argument("--margin", type=_margin_arg, default=None, metavar="SIZE[,SIZE]",
+                       help="with --fit: memory to leave free per device (default: 1GiB on CUDA, 0 on VDEVs)")
         p.add_argument("--json", action="store_true", help=json_help)
 
     epilog = "device specs (--devices):" + FORMS
@@ -419,6 +481,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", default="patched", choices=["patched", "baseline"],
                    help="which build runs (default: patched)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("fit", help="plan layers and host experts on the devices with a variant's fit (common/fit.cpp)",
+                       formatter_class=_HelpFormatter, epilog=epilog)
+    p.add_argument("model", help="GGUF model file")
+    p.add_argument("--devices", required=True, help="device spec (forms below); fit needs devices with memory")
+    p.add_argument("--variant", default="patched", choices=["patched", "baseline"],
+                   help="whose fit: patched spreads host experts over the devices (patch 0011), baseline is "
+                        "upstream's (default: patched)")
+    p.add_argument("-c", "--ctx", type=int, default=4096, metavar="N",
+                   help="n_ctx to plan for; 0: fit chooses it (default: 4096)")
+    p.add_argument("-b", "--batch", type=_positive, default=2048, metavar="N", help="n_batch (default: 2048)")
+    p.add_argument("-ub", "--ubatch", type=_positive, default=512, metavar="N", help="n_ubatch (default: 512)")
+    p.add_argument("--margin", type=_margin_arg, default=None, metavar="SIZE[,SIZE]",
+                   help="memory to leave free on each device, one value or one per device "
+                        "(default: upstream's 1GiB on CUDA, 0 on VDEVs, whose budgets are exact)")
+    p.add_argument("--split-mode", default="layer", choices=["layer", "none", "row"],
+                   help="llama's split mode (default: layer; fit's spread path needs it)")
+    p.add_argument("--no-op-offload", action="store_true", help="plan without op offload (upstream's path then)")
+    p.add_argument("--no-kv-offload", action="store_true", help="plan with the KV cache in host memory")
+    p.add_argument("--no-check", action="store_true",
+                   help="take fit's plan as it is, even one that leaves whole layers on the CPU or a device over its "
+                        "target (default: an error that says so)")
+    p.add_argument("-o", "--out", type=Path, metavar="PLAN.json", help="save the plan there (for run/ab --plan)")
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.set_defaults(func=cmd_fit)
 
     p = sub.add_parser("ab", help="baseline vs patched on the same model, placement and batch sizes",
                        formatter_class=_HelpFormatter, epilog=epilog)

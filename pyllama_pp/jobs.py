@@ -26,10 +26,11 @@ class Job:
     kind: ClassVar[str] = ""
     variant: str = "patched"
     model: Optional[str] = None
-    devices: str = "cpu"
+    devices: Union[str, dict] = "cpu"                 # a device spec, or its dict form (devices.DeviceSpec.to_dict)
     placement: Placement = field(default_factory=Placement)
     ctx: ContextParams = field(default_factory=ContextParams)
     ext_params: dict = field(default_factory=dict)   # the patched build's switches, NAME -> value
+    plan: Optional[dict] = None                       # a fit plan (fit.Plan.to_dict()): devices, placement, context
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -113,7 +114,17 @@ class WorkloadJob(Job):
     out: Optional[str] = None
 
 
-KINDS: dict[str, type] = {c.kind: c for c in (InfoJob, ScheduleJob, LogitsJob, BenchJob, WorkloadJob)}
+@dataclass
+class FitJob(Job):
+    """Run the variant's fit (common/fit.cpp) for the model on the devices; per-device margins in bytes."""
+
+    kind: ClassVar[str] = "fit"
+    split_mode: str = "layer"
+    margins: list = field(default_factory=list)
+    n_ctx_min: int = 0
+
+
+KINDS: dict[str, type] = {c.kind: c for c in (InfoJob, ScheduleJob, LogitsJob, BenchJob, WorkloadJob, FitJob)}
 
 
 def as_job(job: Union[Job, dict, Any], variant: Optional[str] = None) -> Job:

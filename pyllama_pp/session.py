@@ -264,9 +264,19 @@ class Session:
 
     def __init__(self, model: Union[str, os.PathLike], devices: Union[str, dict, devspec.DeviceSpec, None] = "cpu",
                  placement: Optional[Placement] = None, ctx: Optional[ContextParams] = None,
-                 variant: str = "patched", ext_params: Optional[dict] = None):
+                 variant: str = "patched", ext_params: Optional[dict] = None, plan=None):
         self.path = Path(model)
         check_model_path(self.path)
+        if plan is not None:
+            # a fit plan (pyllama_pp.fit.Plan, or its file): its devices, placement and context, for this model only
+            from .fit import Plan
+            plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+            if placement is not None:
+                raise ConfigError("give a plan or a placement, not both")
+            plan.check(self.path, None if devices in (None, "cpu") else devices)
+            devices, placement = plan.devices_spec, plan.placement()
+            ctx = ctx or plan.context_params()
+        self.plan = plan
         self.spec = devspec.parse(devices)
         self.placement = placement or Placement()
         self.ctx_params = ctx or ContextParams()
@@ -311,40 +321,7 @@ class Session:
                 raise ConfigError(str(e)) from None
 
     def _setup_devices(self) -> str:
-        lib, ffi = self.native.lib, self.native.ffi
-        if self.spec.kind == "cpu":
-            return "none"
-        if self.spec.kind == "vdev":
-            n = len(self.spec.vdevs)
-            have = lib.pp_vdev_count()
-            if have and have != n:
-                raise DeviceSpecError(f"this process already has {have} virtual devices; {n} were asked for. "
-                                      "Use one device count per process (workers do this for you).")
-            cfg = ffi.new("struct pp_vdev_config[]", n)
-            for i, v in enumerate(self.spec.vdevs):
-                cfg[i].memory_bytes = v.memory
-                cfg[i].link_gbps = v.link_gbps
-                cfg[i].link_group = v.link_group
-                cfg[i].compute_factor = v.speed
-                cfg[i].n_threads = v.threads
-                cfg[i].d2d_gbps = v.d2d_gbps
-                cfg[i].direct_read = v.direct_read
-                cfg[i].row_pad = v.row_pad
-            err = ffi.new("char[512]")
-            if lib.pp_vdev_register(cfg, n, err, 512) != 0:
-                raise DeviceSpecError(f"cannot set up the virtual devices: {ffi.string(err).decode()}")
-            return ",".join(f"VDEV{i}" for i in range(n))
-        # cuda
-        cuda = [d for d in list_devices() if d["backend"] == "CUDA"]
-        if not cuda:
-            raise DeviceSpecError("no CUDA device found: this build has no CUDA backend or the machine has no GPU. "
-                                  "Rebuild with CMAKE_ARGS='-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90' or use "
-                                  "--devices cpu / vdev:2x768MiB@4GBps")
-        ids = self.spec.cuda_ids or list(range(len(cuda)))
-        bad = [i for i in ids if i >= len(cuda)]
-        if bad:
-            raise DeviceSpecError(f"CUDA device(s) {bad} do not exist; this machine has {len(cuda)}")
-        return ",".join(cuda[i]["name"] for i in ids)
+        return register_devices(self.native, self.spec)
 
     def _load_model(self, dev_names: str) -> None:
         lib, ffi = self.native.lib, self.native.ffi
@@ -606,6 +583,45 @@ class Session:
             self.close()
         except Exception:
             pass
+
+
+def register_devices(native, spec: "devspec.DeviceSpec") -> str:
+    """Set up the devices of `spec` in this process (VDEVs are registered once per process); returns the device
+    names for pp_model_params.devices ("none": CPU only)."""
+    lib, ffi = native.lib, native.ffi
+    if spec.kind == "cpu":
+        return "none"
+    if spec.kind == "vdev":
+        n = len(spec.vdevs)
+        have = lib.pp_vdev_count()
+        if have and have != n:
+            raise DeviceSpecError(f"this process already has {have} virtual devices; {n} were asked for. "
+                                  "Use one device count per process (workers do this for you).")
+        cfg = ffi.new("struct pp_vdev_config[]", n)
+        for i, v in enumerate(spec.vdevs):
+            cfg[i].memory_bytes = v.memory
+            cfg[i].link_gbps = v.link_gbps
+            cfg[i].link_group = v.link_group
+            cfg[i].compute_factor = v.speed
+            cfg[i].n_threads = v.threads
+            cfg[i].d2d_gbps = v.d2d_gbps
+            cfg[i].direct_read = v.direct_read
+            cfg[i].row_pad = v.row_pad
+        err = ffi.new("char[512]")
+        if lib.pp_vdev_register(cfg, n, err, 512) != 0:
+            raise DeviceSpecError(f"cannot set up the virtual devices: {ffi.string(err).decode()}")
+        return ",".join(f"VDEV{i}" for i in range(n))
+    # cuda
+    cuda = [d for d in list_devices() if d["backend"] == "CUDA"]
+    if not cuda:
+        raise DeviceSpecError("no CUDA device found: this build has no CUDA backend or the machine has no GPU. "
+                              "Rebuild with CMAKE_ARGS='-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90' or use "
+                              "--devices cpu / vdev:2x768MiB@4GBps")
+    ids = spec.cuda_ids or list(range(len(cuda)))
+    bad = [i for i in ids if i >= len(cuda)]
+    if bad:
+        raise DeviceSpecError(f"CUDA device(s) {bad} do not exist; this machine has {len(cuda)}")
+    return ",".join(cuda[i]["name"] for i in ids)
 
 
 def list_devices(variant: Optional[str] = None) -> list[dict]:

@@ -5,7 +5,7 @@ JSON document back. A worker that crashes, is killed or times out raises WorkerE
 and the end of its stderr); the caller decides whether that becomes an error row.
 
 Job kinds: "info", "schedule", "logits" (writes an .npy), "bench" (llama-bench-like pp/tg tests),
-"workload" (a mixed sequence in one context, bench/q6).
+"workload" (a mixed sequence in one context, bench/q6), "fit" (pyllama_pp.fit).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Optional, Union
 import numpy as np
 
 from .errors import ConfigError, PyllamaError, WorkerError, worker_error
-from .jobs import BenchJob, InfoJob, Job, LogitsJob, ScheduleJob, WorkloadJob, as_job
+from .jobs import BenchJob, FitJob, InfoJob, Job, LogitsJob, ScheduleJob, WorkloadJob, as_job
 
 
 def _signal_name(signum: int) -> str:
@@ -77,6 +77,10 @@ def _session(job: Job):
     from .session import Session
     if not job.model:
         raise ConfigError(f"a {job.kind} job needs a model")
+    if job.plan:   # a fit plan (Plan.to_dict()): its devices, placement and context
+        from .fit import Plan
+        return Session(job.model, plan=Plan.from_dict(job.plan), variant=job.variant,
+                       ext_params=job.ext_params or None)
     return Session(job.model, devices=job.devices, placement=job.placement, ctx=job.ctx, variant=job.variant,
                    ext_params=job.ext_params or None)
 
@@ -312,8 +316,13 @@ def _do_workload(job: WorkloadJob) -> dict:
         s.close()
 
 
+def _do_fit(job: FitJob) -> dict:
+    from .fit import do_fit_job
+    return do_fit_job(job)
+
+
 HANDLERS = {"info": _do_info, "schedule": _do_schedule, "logits": _do_logits, "bench": _do_bench,
-            "workload": _do_workload}
+            "workload": _do_workload, "fit": _do_fit}
 
 
 def _main() -> int:

@@ -7,6 +7,8 @@
 #include "llama.h"
 #include "llama-context.h"   // llama_context::get_sched (exported C++ member; no policy taken from it)
 #include "llama-ext.h"       // llama_get_memory_breakdown
+#include "fit.h"             // common/fit.h of this variant
+#include "fit_log.h"
 
 #include <dlfcn.h>
 #include <sys/stat.h>
@@ -666,6 +668,133 @@ PP_EXPORT void pp_coverage_enable(pp_context * c, int32_t on) {
     if (c) {
         c->coverage_on = on;
     }
+}
+
+// ---- fit -------------------------------------------------------------------------------------------------
+
+static void fill_fit_memory(pp_fit_memory & m, const char * name, const common_device_memory_data & d) {
+    copy_str(m.name, sizeof(m.name), name);
+    m.model_bytes   = d.model;
+    m.context_bytes = d.context;
+    m.compute_bytes = d.compute;
+    m.free_bytes    = d.free;
+    m.total_bytes   = d.total;
+}
+
+PP_EXPORT int pp_fit(const pp_fit_params * p, const pp_context_params * cx, pp_fit_result * out) {
+    if (!p || !p->path || !cx || !out) {
+        return fail(PP_ERR_ARG, "null fit argument");
+    }
+    return guarded([&] {
+        memset(out, 0, sizeof(*out));
+        struct stat st;
+        if (stat(p->path, &st) != 0 || !S_ISREG(st.st_mode)) {
+            return fail(PP_ERR_MODEL, std::string("model file not found: ") + p->path);
+        }
+        std::vector<ggml_backend_dev_t> devices;
+        for (const auto & name : split(p->devices ? p->devices : "", ',')) {
+            ggml_backend_dev_t dev = ggml_backend_dev_by_name(name.c_str());
+            if (!dev) {
+                return fail(PP_ERR_DEVICE, "unknown device '" + name + "'");
+            }
+            devices.push_back(dev);
+        }
+        if (devices.empty() || devices.size() > PP_MAX_DEVICES) {
+            return fail(PP_ERR_DEVICE, "fit needs 1.." + std::to_string(PP_MAX_DEVICES) + " devices");
+        }
+        devices.push_back(nullptr);
+
+        llama_model_params mp = llama_model_default_params();
+        mp.devices    = devices.data();
+        mp.split_mode = (enum llama_split_mode) p->split_mode;
+        const llama_model_params mp0 = mp;
+
+        llama_context_params cp = llama_context_default_params();
+        cp.n_ctx     = cx->n_ctx;
+        cp.n_batch   = cx->n_batch;
+        cp.n_ubatch  = cx->n_ubatch;
+        cp.n_seq_max = cx->n_seq_max > 0 ? cx->n_seq_max : 1;
+        if (cx->n_threads > 0) {
+            cp.n_threads = cp.n_threads_batch = cx->n_threads;
+        }
+        cp.flash_attn_type = (enum llama_flash_attn_type) cx->flash_attn;
+        cp.op_offload  = cx->op_offload != 0;
+        cp.offload_kqv = cx->offload_kqv != 0;
+        const llama_context_params cp0 = cp;
+
+        std::vector<float> tensor_split(llama_max_devices(), 0.0f);
+        std::vector<llama_model_tensor_buft_override> tbo(llama_max_tensor_buft_overrides(), { nullptr, nullptr });
+        std::vector<size_t> margins(llama_max_devices(), 0);
+        for (size_t i = 0; i + 1 < devices.size(); i++) {
+            margins[i] = p->margins[i];
+        }
+
+        pp_fit_log_begin();
+        common_params_fit_status status;
+        try {
+            status = common_fit_params(p->path, &mp, &cp, tensor_split.data(), tbo.data(), margins.data(),
+                                       p->n_ctx_min > 0 ? p->n_ctx_min : 4096, nullptr, GGML_LOG_LEVEL_ERROR);
+        } catch (...) {
+            pp_fit_log_end();
+            throw;
+        }
+        pp_fit_log log = pp_fit_log_end();
+
+        out->status = status;
+        copy_str(out->message, sizeof(out->message), status == COMMON_PARAMS_FIT_STATUS_SUCCESS ? "" : log.last_warning.c_str());
+        std::string report = "[";
+        for (const auto & [type, json] : log.records) {
+            report += (report.size() > 1 ? ",{\"type\":\"" : "{\"type\":\"") + type + "\",\"data\":" + json + "}";
+        }
+        report += "]";
+        if (report.size() >= sizeof(out->report)) {
+            report = "[]";
+        }
+        copy_str(out->report, sizeof(out->report), report.c_str());
+        if (status == COMMON_PARAMS_FIT_STATUS_ERROR && log.last_warning.find("failed to load model") != std::string::npos) {
+            return fail(PP_ERR_MODEL, std::string("llama.cpp could not load ") + p->path + " for fit");
+        }
+
+        // the memory of the fitted parameters (or, after a failure, of the defaults) per device
+        const bool ok = status == COMMON_PARAMS_FIT_STATUS_SUCCESS;
+        std::vector<ggml_backend_dev_t> devs;
+        uint32_t hp_ngl = 0, hp_nct = 0, hp_nex = 0;
+        common_device_memory_data_vec mem;
+        try {
+            mem = common_get_device_memory_data(p->path, ok ? &mp : &mp0, ok ? &cp : &cp0, devs, hp_ngl, hp_nct, hp_nex,
+                                                GGML_LOG_LEVEL_ERROR);
+        } catch (const std::exception & e) {
+            if (ok) {
+                return fail(PP_ERR_INTERNAL, std::string("could not measure the fitted parameters: ") + e.what());
+            }
+        }
+        out->n_gpu_layers = ok ? mp.n_gpu_layers : -1;
+        out->n_ctx        = ok ? cp.n_ctx : cx->n_ctx;
+        out->n_devices    = (int32_t) devices.size() - 1;
+        out->n_layer      = (int32_t) hp_ngl;
+        out->n_expert     = (int32_t) hp_nex;
+        for (int i = 0; i < out->n_devices; i++) {
+            out->tensor_split[i] = ok && mp.tensor_split ? mp.tensor_split[i] : 0.0f;
+        }
+        if (mem.size() == devs.size() + 1) {
+            for (size_t i = 0; i < devs.size() && i < PP_MAX_DEVICES; i++) {
+                fill_fit_memory(out->devices[i], ggml_backend_dev_name(devs[i]), mem[i]);
+            }
+            fill_fit_memory(out->host, "host", mem.back());
+        }
+        std::string ov;
+        int n_ov = 0;
+        for (const llama_model_tensor_buft_override * o = ok ? mp.tensor_buft_overrides : nullptr; o && o->pattern; o++) {
+            ov += std::string(o->pattern) + "=" + (o->buft == ggml_backend_cpu_buffer_type() ? "CPU" : ggml_backend_buft_name(o->buft)) + "\n";
+            n_ov++;
+        }
+        if (ov.size() >= sizeof(out->overrides)) {
+            return fail(PP_ERR_INTERNAL, "fit emitted more tensor overrides than pp_fit_result holds");
+        }
+        copy_str(out->overrides, sizeof(out->overrides), ov.c_str());
+        out->n_overrides = n_ov;
+        return PP_OK;
+    });
 }
 
 // ---- extension -------------------------------------------------------------------------------------------

@@ -148,6 +148,44 @@ int  pp_coverage_get(pp_context * ctx, pp_coverage_row * rows, int32_t max_rows)
 void pp_coverage_reset(pp_context * ctx);
 void pp_coverage_enable(pp_context * ctx, int32_t on);
 
+// ---- fit (upstream's common_fit_params, the variant's own common/fit.cpp) -----------------------------------
+#define PP_FIT_OVERRIDES_LEN 65536
+#define PP_FIT_REPORT_LEN    8192
+
+typedef struct {
+    const char * path;
+    const char * devices;                      // comma-separated device names in order (as pp_model_params.devices)
+    int32_t      split_mode;                   // enum llama_split_mode
+    uint64_t     margins[PP_MAX_DEVICES];      // bytes to leave free on each device (fit's target = free - margin)
+    uint32_t     n_ctx_min;                    // the smallest context fit may reduce an automatic n_ctx (0) to
+} pp_fit_params;
+
+typedef struct {
+    char     name[PP_NAME_LEN];                // device name; "host" for the last entry
+    uint64_t model_bytes, context_bytes, compute_bytes;
+    int64_t  free_bytes, total_bytes;
+} pp_fit_memory;
+
+typedef struct {
+    int32_t       status;                      // enum common_params_fit_status: 0 success, 1 failure, 2 error
+    int32_t       n_gpu_layers;
+    uint32_t      n_ctx;
+    int32_t       n_devices;
+    int32_t       n_layer, n_expert;           // the model's repeating layers and experts
+    float         tensor_split[PP_MAX_DEVICES];
+    pp_fit_memory devices[PP_MAX_DEVICES];     // common_get_device_memory_data for the fitted parameters
+    pp_fit_memory host;
+    int32_t       n_overrides;
+    char          overrides[PP_FIT_OVERRIDES_LEN];   // "PATTERN=BUFT" lines separated by newlines
+    char          message[512];                // why fit failed (its last warning), else empty
+    char          report[PP_FIT_REPORT_LEN];   // JSON array of fit's own records (patched: "fit_placement")
+} pp_fit_result;
+
+// Runs common_fit_params for the model at params->path on the listed devices with the context parameters ctx
+// (n_ctx 0: fit chooses it), then measures the fitted parameters' memory per device. Returns PP_OK with
+// out->status telling whether fit found a placement; PP_ERR_MODEL when the model cannot be loaded at all.
+int pp_fit(const pp_fit_params * params, const pp_context_params * ctx, pp_fit_result * out);
+
 // ---- patched-build extension (discovered at run time) ------------------------------------------------
 // Returns the extension's version (> 0) or 0 when this build has none (the baseline).
 int pp_ext_version(void);

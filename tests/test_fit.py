@@ -1,0 +1,231 @@
+"""fit: the variant's own common/fit.cpp through the shim (pp_fit), the Plan around it, and patch 0011's spread path.
+
+Budgets are chosen so that about half of the experts of a 12-layer tiny model must stay in host RAM; each fit runs
+in a worker process (both variants share library names).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pyllama_pp import synth
+from pyllama_pp.cli import main as cli_main
+from pyllama_pp.errors import DeviceSpecError, ModelError, OutOfMemoryError
+from pyllama_pp.fit import Plan, PlanError, fit
+from pyllama_pp.session import ContextParams
+from pyllama_pp.worker import run_job
+
+MiB = 1024**2
+N_LAYER = 12
+CTX = ContextParams(n_ctx=512, n_batch=512, n_ubatch=128)
+# measured on the 12-layer tiny model at CTX: each device holds its share of the dense-only layers and a few full
+# layers, about half of all experts stay in host RAM
+MEM = 8
+TWO_EQUAL = f"vdev:2x{MEM}MiB@4GBps"
+THREE_EQUAL = f"vdev:3x{MEM - 2}MiB@4GBps"
+TWO_TO_ONE = json.dumps({"kind": "vdev", "devices": [{"memory": f"{2 * MEM - 4}MiB", "link_gbps": 4},
+                                                     {"memory": f"{MEM - 2}MiB", "link_gbps": 4}]})
+SLACK = 64 * MiB   # measured memory within the plan's expectation + 5% + 64 MiB
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(synth.cached_model(tmp_path_factory.mktemp("fit"), "tiny", seed=1, n_layer=N_LAYER))
+
+
+@pytest.fixture(scope="module")
+def plans(model):
+    """(variant, spec) -> Plan, each fitted once."""
+    cache: dict = {}
+
+    def get(variant: str, spec: str, **kw) -> Plan:
+        key = (variant, spec, json.dumps(kw, sort_keys=True, default=str))
+        if key not in cache:
+            cache[key] = fit(model, devices=spec, ctx=kw.pop("ctx", CTX), variant=variant, timeout=120, **kw)
+        return cache[key]
+    return get
+
+
+def _share_ok(plan: Plan) -> None:
+    host = plan.host_expert_layers
+    share = sum(host) / len(host)
+    assert all(abs(h - share) <= 1 for h in host), f"host-expert layers {host} are not within 1 of {share:.2f}"
+
+
+def _within_targets(plan: Plan) -> None:
+    for d in plan.devices:
+        assert d.expected_bytes <= d.target_bytes, f"{d.name}: {d.expected_bytes} > target {d.target_bytes}"
+
+
+def _covers_model(plan: Plan) -> None:
+    """Contiguous slices [first, end) that cover every repeating layer, full + host = the slice."""
+    assert plan.n_gpu_layers == N_LAYER + 1
+    assert plan.devices[0].layers[0] == 0 and plan.devices[-1].layers[1] == N_LAYER
+    for a, b in zip(plan.devices, plan.devices[1:]):
+        assert a.layers[1] == b.layers[0]
+    for d in plan.devices:
+        assert d.full_layers + d.host_expert_layers == d.layers[1] - d.layers[0]
+
+
+@pytest.mark.parametrize("spec", [TWO_EQUAL, THREE_EQUAL, TWO_TO_ONE], ids=["2-equal", "3-equal", "2-to-1"])
+def test_patched_spreads_host_experts(plans, spec):
+    p = plans("patched", spec)
+    assert p.status == "success" and p.path == "spread", (p.path, p.reasons)
+    assert p.reasons == []
+    _covers_model(p)
+    _share_ok(p)
+    _within_targets(p)
+    n_host = sum(p.host_expert_layers)
+    assert N_LAYER // 4 <= n_host <= 3 * N_LAYER // 4, f"{n_host} host-expert layers: the budget does not force ~half"
+    # the overrides keep exactly those layers' experts in host RAM, whole: no partial layers
+    assert len(p.tensor_overrides) == n_host + (1 if p.devices[-1].host_expert_layers else 0)
+    assert [d.partial_layers for d in p.devices] == [0] * len(p.devices)
+
+
+@pytest.mark.parametrize("spec", [TWO_EQUAL, THREE_EQUAL, TWO_TO_ONE], ids=["2-equal", "3-equal", "2-to-1"])
+def test_baseline_plan_beside_the_patched_one(plans, spec):
+    """Upstream fills devices back to front: its host experts sit on the trailing devices (never fewer there than
+    on the first), and it keeps at least as many layers full as the spread plan does (it is not constrained)."""
+    b, p = plans("baseline", spec), plans("patched", spec)
+    assert b.status == "success" and b.path == "upstream"
+    assert b.reasons == ["the baseline build has upstream's fit only"]
+    _covers_model(b)
+    _within_targets(b)
+    hb, hp = b.host_expert_layers, p.host_expert_layers
+    # upstream's overflow of part of a layer (not just its experts) shows as a partial layer, one per such override
+    n_part = sum(1 for o in b.tensor_overrides if "exps" not in o.rpartition("=")[0])
+    assert sum(d.partial_layers for d in b.devices) == n_part
+    assert hb[-1] >= hb[0], hb
+    assert sum(hb) <= sum(hp) + len(hp), (hb, hp)
+    if max(hb) - min(hb) > 1:
+        # where they differ: upstream piles the host experts up, the patched plan spreads them
+        assert hb.index(max(hb)) > 0 and max(hp) - min(hp) <= 1, (hb, hp)
+
+
+def test_two_to_one_gives_the_big_device_more_full_layers(plans):
+    p = plans("patched", TWO_TO_ONE)
+    assert p.devices[0].full_layers > p.devices[1].full_layers, p.to_frame()
+
+
+@pytest.mark.parametrize("spec,kw,reason", [
+    (f"vdev:1x{MEM}MiB@4GBps", {}, "only one device"),
+    (TWO_EQUAL, {"ctx": ContextParams(n_ctx=512, n_batch=512, n_ubatch=128, op_offload=False)}, "op offload is off"),
+    (TWO_EQUAL, {"ctx": ContextParams(n_ctx=512, n_batch=512, n_ubatch=128, offload_kqv=False)}, "K/Q/V offload is off"),
+    (TWO_EQUAL, {"split_mode": "none"}, "split mode is not layer"),
+    (TWO_EQUAL, {"env": {"LLAMA_FIT_SPREAD": "0"}}, "LLAMA_FIT_SPREAD=0"),
+], ids=["one-device", "no-op-offload", "no-kqv-offload", "split-none", "switched-off"])
+def test_false_precondition_takes_upstreams_path(plans, spec, kw, reason):
+    p = plans("patched", spec, check=False, **kw)
+    assert p.path == "upstream" and reason in p.reasons, (p.path, p.reasons)
+
+
+def test_switched_off_patched_fit_piles_host_experts_as_upstream(plans):
+    """LLAMA_FIT_SPREAD=0: upstream's steps 3 and 4 on the patched build's own memory figures (its pipeline keeps
+    other buffers than the baseline's, so the split itself may differ): host experts on the trailing device."""
+    off = plans("patched", TWO_EQUAL, check=False, env={"LLAMA_FIT_SPREAD": "0"})
+    on = plans("patched", TWO_EQUAL)
+    h_off, h_on = off.host_expert_layers, on.host_expert_layers
+    assert off.status == "success" and h_off[0] < h_off[-1] and max(h_off) - min(h_off) > 1, h_off
+    assert max(h_on) - min(h_on) <= 1, h_on
+    _within_targets(off)
+
+
+def test_split_mode_row_is_refused(model):
+    """Upstream's fit refuses row split (not implemented); VDEVs cannot hold split buffers at all: said up front."""
+    with pytest.raises(DeviceSpecError, match="split mode row"):
+        fit(model, devices=TWO_EQUAL, ctx=CTX, variant="patched", split_mode="row", timeout=120)
+
+
+@pytest.mark.parametrize("variant", ["patched", "baseline"])
+def test_session_from_a_plan_stays_within_it(plans, model, tmp_path, variant):
+    p = plans(variant, TWO_EQUAL)
+    res = run_job({"kind": "logits", "model": model, "plan": p.to_dict(), "n_tokens": 256, "logits": "last",
+                   "out": str(tmp_path / "l.npy")}, variant, timeout=120)
+    logits = np.load(tmp_path / "l.npy")
+    assert logits.shape[0] == 1 and np.all(np.isfinite(logits))
+    assert res["schedule"]["pipeline_parallel"] is (variant == "patched")
+    devs = res["counters"]["devices"]
+    assert len(devs) == 2
+    for d, want in zip(devs, p.devices):
+        assert d["failed_allocs"] == 0
+        assert 0.9 * want.expected_bytes <= d["peak_alloc_bytes"] <= want.expected_bytes * 1.05 + SLACK, (d, want)
+        assert d["peak_alloc_bytes"] <= want.free_bytes
+
+
+def test_plan_json_round_trip(plans, tmp_path):
+    p = plans("patched", TWO_TO_ONE)
+    q = Plan.load(p.save(tmp_path / "plan.json"))
+    assert q == p and q.to_dict() == p.to_dict()
+    assert q.placement_dict()["overrides"] == p.tensor_overrides
+    df = q.to_frame()
+    assert list(df["host_expert_layers"]) == p.host_expert_layers
+    assert "spread" in str(q)
+
+
+def test_a_plan_for_another_model_or_devices_is_refused(plans, model, tmp_path):
+    p = plans("patched", TWO_EQUAL)
+    other = synth.cached_model(tmp_path, "tiny", seed=2, n_layer=N_LAYER + 1)
+    with pytest.raises(PlanError, match="another model"):
+        p.check(other)
+    with pytest.raises(PlanError, match="other devices"):
+        p.check(model, f"vdev:2x{MEM + 1}MiB@4GBps")
+    p.check(model, TWO_EQUAL)
+    path = p.save(tmp_path / "plan.json")
+    assert cli_main(["run", str(other), "--plan", str(path), "-p", "64", "-n", "0", "--json"]) == 2
+    with pytest.raises(PlanError, match="not a pyllama_pp plan"):
+        Plan.load(tmp_path / "x.json") if (tmp_path / "x.json").write_text("{}") else None
+
+
+def test_errors_a_user_can_act_on(model):
+    with pytest.raises(DeviceSpecError, match="has none"):
+        fit(model, devices="cpu")
+    with pytest.raises(DeviceSpecError, match="memory budget"):
+        fit(model, devices="vdev:2x0@0")
+    with pytest.raises(OutOfMemoryError, match="even with every expert in host RAM"):
+        fit(model, devices="vdev:2x1MiB@4GBps", ctx=CTX, timeout=120)
+
+
+def test_cli_fit_json_and_run_with_the_plan(model, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    # (a margin: the run also measures expert coverage in a second context beside the timed one)
+    assert cli_main(["fit", model, "--devices", TWO_EQUAL, "-c", "512", "-b", "512", "-ub", "128", "-o", str(out),
+                     "--margin", "3MiB", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["path"] == "spread" and doc["pyllama_pp_plan"] == 1
+    assert Plan.load(out).host_expert_layers == [d["host_expert_layers"] for d in doc["devices"]]
+    assert cli_main(["run", model, "--plan", str(out), "-p", "128", "-n", "0", "-b", "512", "-ub", "128", "-r", "1",
+                     "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows and all(r.get("pipeline_parallel") for r in rows) and not any(r.get("error") for r in rows)
+
+
+def test_a_plan_over_its_target_is_an_error(tmp_path_factory):
+    """7 layers on 2 x 5.5 MiB at the main job's batch sizes: the last device cannot hold an equal share of the
+    dense-only layers, so the patched fit takes upstream's steps, which measure that device while the first is
+    still empty (no pipeline, so no pipeline copies) and end over its target once both hold layers."""
+    m7 = str(synth.cached_model(tmp_path_factory.mktemp("fit7"), "tiny", seed=1, n_layer=7))
+    ctx = ContextParams(n_ctx=2304, n_batch=2048, n_ubatch=128)
+    spec = "vdev:2x5.5MiB@0.1GBps"
+    with pytest.raises(OutOfMemoryError, match="over its target"):
+        fit(m7, devices=spec, ctx=ctx, variant="patched", timeout=120)
+    p = fit(m7, devices=spec, ctx=ctx, variant="patched", check=False, timeout=120)
+    assert p.path == "upstream" and p.reasons == ["device VDEV1 cannot hold its share of the dense-only layers"]
+    assert p.devices[1].expected_bytes > p.devices[1].target_bytes
+
+
+def test_a_broken_gguf_is_a_model_error(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    with pytest.raises(ModelError):
+        fit(bad, devices=TWO_EQUAL, ctx=CTX, timeout=120)
+
+
+def test_cli_run_with_fit(model, capsys):
+    """run --fit: the variant's own plan for the run's batch sizes, then the run (pipelined, without errors)."""
+    assert cli_main(["run", model, "--fit", "--devices", TWO_EQUAL, "--margin", "3MiB", "-p", "128", "-n", "0",
+                     "-b", "512", "-ub", "128", "-r", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows and all(r.get("pipeline_parallel") for r in rows) and not any(r.get("error") for r in rows)
+    assert all(r["tensor_buft_overrides"] == "host_experts=fit" for r in rows)
