@@ -152,7 +152,9 @@ def _config_kwargs(args) -> dict:
             ext[k.upper()] = int(v)
         except ValueError:
             raise PyllamaError(f"--switch {kv!r}: the value must be an integer (e.g. UPLOAD_ALL=0)") from None
-    return {"tests": tests or [["pp", 512]], "reps": args.reps, "load_mode": args.load_mode,
+    if not tests:
+        raise ConfigError("-p 0 and -n 0 leave nothing to measure: give prompt (-p) or generation (-n) lengths")
+    return {"tests": tests, "reps": args.reps, "load_mode": args.load_mode,
             "tensor_split": args.tensor_split,
             "n_gpu_layers": args.ngl, "n_ctx": args.ctx, "ext_params": ext, "env": env}
 
@@ -445,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="A,B", help="layer proportions per device, like llama's -ts (default: even; "
                                            "the main job: 3,5)")
         p.add_argument("-p", "--pp", type=_ints, default=None, metavar="N[,N]",
-                       help="prompt lengths of pp tests (default: 512; the main job: 2048)")
+                       help="prompt lengths of pp tests, 0 for none (default: 512; the main job: 2048)")
         p.add_argument("-n", "--tg", type=_ints, default=[16], metavar="N[,N]",
                        help="generation lengths of tg tests, 0 for none (default: 16)")
         p.add_argument("-d", "--n-depth", dest="depth", type=_ints, default=[0], metavar="N[,N]",
@@ -516,8 +518,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    # llama-bench's -p 0 / -n 0: no prompt / no generation tests
     if getattr(args, "tg", None) == [0]:
         args.tg = []
+    if getattr(args, "pp", None) == [0]:
+        args.pp = []
     try:
         return args.func(args)
     except (PyllamaError, ValueError, OSError) as e:
