@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 from .binding import available_variants, build_info, load
 from .devices import DeviceSpec, parse as parse_devices
-from .errors import (BuildError, ConfigError, DecodeError, DeviceSpecError, ModelError, OutOfMemoryError, PyllamaError,
+from .errors import (BuildError, ConfigError, DecodeError, DeviceError, DeviceSpecError, ModelError, OutOfMemoryError, PyllamaError,
                      UnsupportedError, VariantError, WorkerError)
 from .session import ContextParams, EvalResult, Placement, Schedule, Session, list_devices
 from .fit import DevicePlan, Plan, PlanError, fit
@@ -17,6 +17,6 @@ from .fit import DevicePlan, Plan, PlanError, fit
 __all__ = [
     "__version__", "load", "available_variants", "build_info", "DeviceSpec", "parse_devices", "Session",
     "Placement", "ContextParams", "Schedule", "EvalResult", "list_devices", "PyllamaError", "BuildError", "ConfigError",
-    "VariantError", "DeviceSpecError", "ModelError", "OutOfMemoryError", "DecodeError", "UnsupportedError",
-    "WorkerError", "fit", "Plan", "DevicePlan", "PlanError",
+    "VariantError", "DeviceSpecError", "DeviceError", "ModelError", "OutOfMemoryError", "DecodeError",
+    "UnsupportedError", "WorkerError", "fit", "Plan", "DevicePlan", "PlanError",
 ]

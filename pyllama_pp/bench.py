@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +34,7 @@ ROW_FIELDS = [
     "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen", "n_depth",
     "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "speedup", "pipeline_parallel", "n_copies", "n_splits",
     "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac", "bound_pipe_ts", "bound_pipe_frac",
-    "host_syncs", "id_readbacks", "upload_all", "direct_reads", "gathers", "prefetches", "chained", "re_reservations", "plan_switches", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "gather_bytes_est_per_device", "compute_buffer_bytes", "ring_bytes_per_device", "label", "env",
+    "host_syncs", "id_readbacks", "upload_all", "direct_reads", "gathers", "prefetches", "chained", "re_reservations", "plan_switches", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "gather_bytes_est_per_device", "compute_buffer_bytes", "ring_bytes_per_device", "label", "config_key", "env",
     "ext_params", "error", "build", "machine", "date",
 ]
 
@@ -82,6 +84,13 @@ class BenchConfig:
                                             n_gpu_layers=self.n_gpu_layers, tensor_split=self.tensor_split),
                         ctx=ContextParams(n_ctx=n_ctx, n_batch=self.n_batch, n_ubatch=min(self.n_ubatch, self.n_batch),
                                           flash_attn=self.flash_attn))
+
+
+def config_key(cfg: BenchConfig) -> str:
+    """What a config measures (model, devices, placement, batch sizes, tests, reps, switches, environment, label) as a
+    short hash: rows with the same key and variant measure the same thing (`ab(..., resume=True)` reuses them)."""
+    what = [cfg.job(), cfg.ext_params, cfg.env, cfg.label]
+    return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def expand(model: str, devices: Sequence[str] = ("cpu",), n_batch: Sequence[int] = (512,),
@@ -241,7 +250,8 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             "compute_buffer_bytes": [b["compute_buffer_bytes"] for b in sched["backends"]],
             # PREFETCH=2's lanes per device (patch 0010; VRAM outside the compute buffers; a level, not a delta)
             "ring_bytes_per_device": _per_gpu({"backends": t.get("ext_ring")}, "ring_bytes"),
-            "label": cfg.label, "ext_params": cfg.ext_params if variant == "patched" else {}, **meta})
+            "label": cfg.label, "config_key": config_key(cfg),
+            "ext_params": cfg.ext_params if variant == "patched" else {}, **meta})
     return rows
 
 
@@ -255,7 +265,8 @@ def error_rows(cfg: BenchConfig, variant: str, err: str, meta: dict) -> list[dic
     return [{"variant": variant, "model": Path(cfg.model).name, "devices": cfg.devices, "n_batch": cfg.n_batch,
              "n_ubatch": cfg.n_ubatch, "tensor_buft_overrides": f"host_experts={cfg.host_experts}",
              "load_mode": cfg.load_mode, "test": _test_name(t[0], int(t[1]), depth_of(t)), "n_depth": depth_of(t),
-             "avg_ts": float("nan"), "label": cfg.label, "error": err[:2000], **meta} for t in cfg.tests]
+             "avg_ts": float("nan"), "label": cfg.label, "config_key": config_key(cfg), "error": err[:2000], **meta}
+            for t in cfg.tests]
 
 
 class RowWriter:
@@ -284,6 +295,77 @@ class RowWriter:
                 self._csv_started = True
             for r in rows:
                 w.writerow({k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in r.items()})
+
+    def rewrite(self, rows: list[dict]) -> None:
+        """Replace results.jsonl and results.csv with `rows` (a resumed sweep's final set), each file at once."""
+        if not self.out_dir:
+            return
+        for f in (self.jsonl, self.csv):
+            tmp = f.with_name(f.name + ".tmp")
+            tmp.unlink(missing_ok=True)
+        part = RowWriter(None)
+        part.out_dir, part.jsonl, part.csv, part._csv_started = (self.out_dir, self.jsonl.with_name("results.jsonl.tmp"),
+                                                                 self.csv.with_name("results.csv.tmp"), False)
+        part.write(rows)
+        os.replace(part.jsonl, self.jsonl)
+        os.replace(part.csv, self.csv)
+        self._csv_started = True
+
+
+SWEEP_FILE = "sweep.json"
+
+
+def read_rows(out_dir: Union[str, Path]) -> list[dict]:
+    """The rows of a sweep's results.jsonl (a line torn by a crash mid-write is left out)."""
+    path = Path(out_dir) / "results.jsonl"
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(r, dict):
+                rows.append(r)
+    return rows
+
+
+def save_sweep(out_dir: Union[str, Path], configs: list[BenchConfig], variants: Sequence[str]) -> None:
+    """DIR/sweep.json: the configs and variants of a sweep, so that `--resume DIR` can finish it."""
+    path = Path(out_dir) / SWEEP_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"variants": list(variants), "configs": [dataclasses.asdict(c) for c in configs]},
+                               indent=1, default=str))
+
+
+def load_sweep(out_dir: Union[str, Path]) -> tuple[list[BenchConfig], list[str]]:
+    """The configs and variants saved by save_sweep (a ConfigError when DIR holds no sweep)."""
+    from .errors import ConfigError
+    path = Path(out_dir) / SWEEP_FILE
+    if not Path(out_dir).is_dir():
+        raise ConfigError(f"--resume {out_dir}: no such folder (give the -o folder of the sweep to continue)")
+    try:
+        data = json.loads(path.read_text())
+        names = {f.name for f in dataclasses.fields(BenchConfig)}
+        configs = [BenchConfig(**{k: v for k, v in c.items() if k in names}) for c in data["configs"]]
+        variants = [v for v in data["variants"] if v in VARIANTS]
+    except OSError:
+        raise ConfigError(f"--resume {out_dir}: the folder has no {SWEEP_FILE} (only sweeps written by `pyllama-pp "
+                          "run/ab -o DIR` can be resumed)") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--resume {out_dir}: {path.name} is damaged ({e}); start the sweep again") from None
+    if not configs or not variants:
+        raise ConfigError(f"--resume {out_dir}: {path.name} lists no configs or variants; start the sweep again")
+    return configs, variants
+
+
+def _reusable(prev: dict, cfg: BenchConfig, variant: str) -> Optional[list[dict]]:
+    """A config's rows for `variant` from an earlier run of the sweep when every test has one without an error."""
+    got = prev.get((config_key(cfg), variant), {})
+    names = [_test_name(t[0], int(t[1]), depth_of(t)) for t in cfg.tests]
+    if not all(n in got for n in names):
+        return None
+    return [dict(got[n]) for n in names]
 
 
 def _meta(cfg: BenchConfig) -> dict:
@@ -328,16 +410,28 @@ def _finish_config(per_variant: dict[str, list[dict]]) -> None:
 
 
 def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_dir: Optional[Union[str, Path]] = None,
-       progress: bool = True, timeout: Optional[float] = None, group: bool = True):
+       progress: bool = True, timeout: Optional[float] = None, group: bool = True, resume: bool = False):
     """Run every config on every variant (each in its own worker); return a pandas DataFrame of rows with
     `speedup` = patched avg_ts / baseline avg_ts for the same config and test.
 
     With `group` (default), consecutive configs that differ only in batch sizes and tests share one worker
-    per variant, which loads the model once (a 30 GB model takes longer to load than to benchmark)."""
+    per variant, which loads the model once (a 30 GB model takes longer to load than to benchmark).
+
+    Rows go to out_dir's results.jsonl/csv as each variant finishes (a crash or Ctrl-C keeps them); a worker that
+    dies becomes error rows and the sweep carries on. With `resume`, a config whose rows for a variant are all in
+    out_dir's results.jsonl without an error is not measured again (error rows are), and the files are rewritten
+    at the end with each row once."""
     import pandas as pd
 
     configs = list(configs)
     writer = RowWriter(Path(out_dir) if out_dir else None)
+    prev_rows = read_rows(out_dir) if (resume and out_dir) else []
+    prev: dict = {}
+    for r in prev_rows:
+        if r.get("config_key") and not r.get("error"):
+            prev.setdefault((r["config_key"], r.get("variant")), {})[r.get("test")] = r
+    if out_dir:
+        save_sweep(out_dir, configs, variants)
     bar = None
     if progress:
         try:
@@ -349,42 +443,62 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
     all_rows: list[dict] = []
     try:
         for grp in _groups(configs, group):
-            lead = grp[0][1]
             metas = [_meta(cfg) for _, cfg in grp]
             per_cfg: list[dict[str, list[dict]]] = [{} for _ in grp]
             for vi, v in enumerate(variants):
-                if bar:
-                    bar.set_postfix_str(f"{v} {lead.devices} ub={','.join(str(c.n_ubatch) for _, c in grp)}")
-                # the switches are the patched build's; coverage is a property of model, tokens and ubatch, not of
-                # the variant: measure it once
-                job = dataclasses.replace(
-                    lead.job(), ext_params=dict(lead.ext_params) if v == "patched" else {}, coverage=vi == 0,
-                    ctx_list=[{"ctx": cfg.job().ctx.to_dict(), "tests": cfg.tests} for _, cfg in grp]
-                    if len(grp) > 1 else None)
-                if v in lead.plans:   # --plan / --fit: the variant's own placement
-                    job = dataclasses.replace(job, placement=Placement(**{**lead.plans[v], "load_mode": lead.load_mode}))
-                try:
-                    res = run_job(job, v, timeout=timeout, env=lead.env)
-                    runs = res["runs"] if len(grp) > 1 else [res]
-                    for k, (_, cfg) in enumerate(grp):
-                        run = runs[k]
-                        per_cfg[k][v] = (error_rows(cfg, v, run["error"], metas[k]) if "error" in run else
-                                         rows_from_result(cfg, v, {"model": res["model"], **run}, metas[k]))
-                except WorkerError as e:
-                    for k, (_, cfg) in enumerate(grp):
-                        per_cfg[k][v] = error_rows(cfg, v, error_text(e), metas[k])
+                todo = []
+                for k, (_, cfg) in enumerate(grp):
+                    old = _reusable(prev, cfg, v)
+                    if old is None:
+                        todo.append(k)
+                    else:
+                        per_cfg[k][v] = old
+                if todo:
+                    sub = [grp[k] for k in todo]
+                    lead = sub[0][1]
+                    if bar:
+                        bar.set_postfix_str(f"{v} {lead.devices} ub={','.join(str(c.n_ubatch) for _, c in sub)}")
+                    # the switches are the patched build's; coverage is a property of model, tokens and ubatch,
+                    # not of the variant: measure it once
+                    job = dataclasses.replace(
+                        lead.job(), ext_params=dict(lead.ext_params) if v == "patched" else {},
+                        coverage=not any(per_cfg[k] for k in todo),
+                        ctx_list=[{"ctx": cfg.job().ctx.to_dict(), "tests": cfg.tests} for _, cfg in sub]
+                        if len(sub) > 1 else None)
+                    if v in lead.plans:   # --plan / --fit: the variant's own placement
+                        job = dataclasses.replace(
+                            job, placement=Placement(**{**lead.plans[v], "load_mode": lead.load_mode}))
+                    try:
+                        res = run_job(job, v, timeout=timeout, env=lead.env)
+                        runs = res["runs"] if len(sub) > 1 else [res]
+                        for j, k in enumerate(todo):
+                            cfg, run = grp[k][1], runs[j]
+                            per_cfg[k][v] = (error_rows(cfg, v, run["error"], metas[k]) if "error" in run else
+                                             rows_from_result(cfg, v, {"model": res["model"], **run}, metas[k]))
+                    except WorkerError as e:
+                        if progress and (e.exit_code is None or e.exit_code < 0):
+                            print(f"\npyllama-pp: warning: {error_text(e)}; carrying on with the next run",
+                                  file=sys.stderr)
+                        for k in todo:
+                            per_cfg[k][v] = error_rows(grp[k][1], v, error_text(e), metas[k])
                 if bar:
                     bar.update(len(grp))
-            for k, (ci, _) in enumerate(grp):
-                _finish_config(per_cfg[k])
-                for rows in per_cfg[k].values():
-                    for r in rows:
+                for k, (ci, _) in enumerate(grp):
+                    _finish_config(per_cfg[k])
+                    for r in per_cfg[k][v]:
                         r["config"] = ci
-                    writer.write(rows)
+                    if k in todo:
+                        writer.write(per_cfg[k][v])   # as soon as measured: Ctrl-C in the next variant keeps them
+            for k in range(len(grp)):
+                for rows in per_cfg[k].values():
                     all_rows.extend(rows)
     finally:
         if bar:
             bar.close()
+    if resume and prev_rows:
+        # each row once: this sweep's rows (reused or new), then earlier rows of configs no longer in it
+        keys = {config_key(cfg) for cfg in configs}
+        writer.rewrite(all_rows + [r for r in prev_rows if r.get("config_key") not in keys])
     df = pd.DataFrame(all_rows)
     for col in ROW_FIELDS:
         if col not in df.columns:

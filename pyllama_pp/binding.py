@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import (BuildError, DecodeError, DeviceSpecError, ModelError, OutOfMemoryError, PyllamaError,
-                     UnsupportedError, VariantError, one_statement)
+from .errors import (BuildError, DecodeError, DeviceError, DeviceSpecError, ModelError, OutOfMemoryError, PyllamaError,
+                     UnsupportedError, VariantError, is_device_fault, one_statement)
 
 VARIANTS = ("baseline", "patched")
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -65,6 +65,8 @@ class Native:
 
 
 def error_for(lib, rc: int, msg: str) -> PyllamaError:
+    if is_device_fault(msg):
+        return DeviceError(one_statement(msg))
     return {
         lib.PP_ERR_ARG: DeviceSpecError if "device" in msg else DecodeError if "token" in msg else PyllamaError,
         lib.PP_ERR_MODEL: ModelError,

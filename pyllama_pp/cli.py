@@ -123,6 +123,10 @@ def cmd_synth(args) -> int:
     from . import synth
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_embd", "n_expert", "n_expert_used", "n_ff_exp", "n_vocab",
                                                "routing", "skew") if getattr(args, k, None) is not None}
+    if not Path(args.out).parent.is_dir():
+        raise ConfigError(f"cannot write {args.out}: the folder {Path(args.out).parent} does not exist")
+    if Path(args.out).is_dir():
+        raise ConfigError(f"cannot write {args.out}: it is a folder; give a file name such as {Path(args.out) / 'm.gguf'}")
     cfg = synth.preset(args.preset, seed=args.seed, type=args.type, **overrides)
     summary = synth.write_gguf(args.out, cfg, progress=not args.json and sys.stderr.isatty())
     _emit(args, summary, f"wrote {args.out}: {summary['bytes'] / 1e6:.1f} MB, {summary['n_tensors']} tensors, "
@@ -163,11 +167,17 @@ def _check_args(args, model: Optional[str], variants: list[str]) -> None:
     """Usage errors found before any worker starts, each a ConfigError / ModelError / DeviceSpecError that names
     what is wrong and how to fix it."""
     from . import devices as devspec
+    from .binding import backend_modules
     from .session import Placement, check_model_path
     if model is not None:
         check_model_path(model)
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ConfigError(f"-o/--out {args.out} is a file, not a folder: give a folder for the rows")
     for spec in args.devices:
-        devspec.parse(spec)
+        if devspec.parse(spec).kind == "cuda" and "CUDA" not in backend_modules():
+            raise DeviceSpecError(f"--devices {spec}: this build has no CUDA backend. Rebuild with CMAKE_ARGS="
+                                  "'-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90', or use --devices cpu / "
+                                  "vdev:2x768MiB@4GBps")
     for flag, values, lowest in (("-b/--batch", args.batch, 1), ("-ub/--ubatch", args.ubatch, 1),
                                  ("-p/--pp", args.pp, 1), ("-n/--tg", args.tg, 1), ("-d/--n-depth", args.depth, 0)):
         bad = [v for v in values or [] if not lowest <= v <= 2**31 - 1]
@@ -182,6 +192,12 @@ def _check_args(args, model: Optional[str], variants: list[str]) -> None:
         print(f"pyllama-pp: note: skipping {', '.join(skipped)} (n_ubatch > n_batch)", file=sys.stderr)
     if args.ctx < 0:
         raise ConfigError(f"-c/--ctx takes a context size >= 0 (0: what the tests need), got {args.ctx}")
+    if args.ctx > 0 and not args.workload:
+        need = max(n + d for d in (args.depth or [0]) for n in (args.pp or []) + (args.tg or [])) + 8 \
+            if (args.pp or args.tg) else 0
+        if args.ctx < need:
+            raise ConfigError(f"-c/--ctx {args.ctx} is too small for the tests: the longest needs {need} positions "
+                              f"(tokens, depth and 8 spare). Fix: -c 0 (what the tests need) or -c {need}")
     if args.ngl < -1:
         raise ConfigError(f"-ngl takes -1 (every layer) or a layer count >= 0, got {args.ngl}")
     if args.tensor_split is not None and (min(args.tensor_split) < 0 or sum(args.tensor_split) <= 0):
@@ -197,6 +213,14 @@ def _check_switches(switches: list[str], variants: list[str]) -> None:
     import difflib
 
     from .worker import run_job
+    for kv in switches:
+        name, _, value = kv.partition("=")
+        if not name or not value:
+            raise ConfigError(f"--switch takes NAME=VALUE (e.g. UPLOAD_ALL=0), not {kv!r}")
+        try:
+            int(value)
+        except ValueError:
+            raise ConfigError(f"--switch {kv!r}: the value must be an integer (e.g. UPLOAD_ALL=0)") from None
     if "patched" not in variants:
         raise ConfigError("--switch sets the patched build's scheduler switches; --variant baseline has none. "
                           "Fix: drop --switch, or run --variant patched (or ab)")
@@ -292,15 +316,51 @@ def _workload(args, model: str, variants) -> int:
     return 1 if _failed(df) else 0
 
 
+def _resumed(args) -> tuple[list, list[str]]:
+    """--resume DIR: the sweep's own configs and variants (DIR/sweep.json); other measurement options are refused
+    (the sweep keeps the options it started with)."""
+    from . import bench
+    plain = build_parser().parse_args([args.cmd, "--resume", str(args.resume)])
+    given = [k for k, v in vars(plain).items() if k not in ("json", "resume", "func") and getattr(args, k, v) != v]
+    if given:
+        flags = ", ".join("MODEL" if k == "model" else "--" + k.replace("_", "-") for k in given)
+        raise ConfigError(f"--resume continues a sweep with the options it started with ({args.resume}/"
+                          f"{bench.SWEEP_FILE}); drop {flags}")
+    args.out = args.resume
+    return bench.load_sweep(args.resume)
+
+
+def _interrupted(out: Optional[Path], cmd: str) -> int:
+    """Ctrl-C during a sweep: what is kept and how to go on (exit 130, as a shell reports SIGINT)."""
+    if out is not None and (Path(out) / "results.jsonl").exists():
+        from . import bench
+        n = len(bench.read_rows(out))
+        print(f"pyllama-pp: interrupted; the {n} row{'' if n == 1 else 's'} measured so far "
+              f"{'is' if n == 1 else 'are'} in {Path(out) / 'results.jsonl'}; "
+              f"continue with `pyllama-pp {cmd} --resume {out}`", file=sys.stderr)
+    else:
+        print("pyllama-pp: interrupted (" + ("nothing was measured yet" if out else "rows stay on disk only with -o DIR")
+              + ")", file=sys.stderr)
+    return 130
+
+
 def cmd_run(args) -> int:
     from . import bench
-    _fill_defaults(args, PLAIN)
-    _check_args(args, args.model, [args.variant])
-    if args.workload:
-        return _workload(args, args.model, [args.variant])
-    cfgs = _configs(args, args.model)
-    _apply_plans(args, args.model, cfgs, [args.variant])
-    df = bench.ab(cfgs, variants=[args.variant], out_dir=args.out, progress=not args.json)
+    if args.resume:
+        cfgs, variants = _resumed(args)
+    else:
+        if args.model is None:
+            raise ConfigError("run needs a MODEL (a .gguf file), or --resume DIR to continue a sweep")
+        _fill_defaults(args, PLAIN)
+        _check_args(args, args.model, [args.variant])
+        if args.workload:
+            return _workload(args, args.model, [args.variant])
+        cfgs, variants = _configs(args, args.model), [args.variant]
+        _apply_plans(args, args.model, cfgs, variants)
+    try:
+        df = bench.ab(cfgs, variants=variants, out_dir=args.out, progress=not args.json, resume=bool(args.resume))
+    except KeyboardInterrupt:
+        return _interrupted(args.out, "run")
     _check_measured(df)
     _emit(args, {"rows": json.loads(df.to_json(orient="records"))}, _print_rows(df))
     return 1 if _failed(df) else 0
@@ -308,18 +368,25 @@ def cmd_run(args) -> int:
 
 def cmd_ab(args) -> int:
     from . import bench
-    default = args.model is None
-    model = args.model or _default_model()
-    if default and args.devices == ["cpu"]:
-        args.devices = [DEFAULT_DEVICES]
-    _fill_defaults(args, MAIN_JOB if default else PLAIN)
-    _check_args(args, args.model, list(bench.VARIANTS))
-    if args.workload:
-        return _workload(args, model, list(bench.VARIANTS))
-    cfgs = _configs(args, model)
-    _apply_plans(args, model, cfgs, list(bench.VARIANTS))
+    if args.resume:
+        cfgs, variants = _resumed(args)
+        model = cfgs[0].model
+    else:
+        default = args.model is None
+        model = args.model or _default_model()
+        if default and args.devices == ["cpu"]:
+            args.devices = [DEFAULT_DEVICES]
+        _fill_defaults(args, MAIN_JOB if default else PLAIN)
+        _check_args(args, args.model, list(bench.VARIANTS))
+        if args.workload:
+            return _workload(args, model, list(bench.VARIANTS))
+        cfgs, variants = _configs(args, model), list(bench.VARIANTS)
+        _apply_plans(args, model, cfgs, variants)
     out = Path(args.out or Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S"))
-    df = bench.ab(cfgs, out_dir=out, progress=not args.json)
+    try:
+        df = bench.ab(cfgs, variants=variants, out_dir=out, progress=not args.json, resume=bool(args.resume))
+    except KeyboardInterrupt:
+        return _interrupted(out, "ab")
     _check_measured(df)
     md = bench.markdown(df)
     (out / "results.md").write_text(md)
@@ -425,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p, model_required: bool):
         if model_required:
-            p.add_argument("model", help="GGUF model file")
+            p.add_argument("model", nargs="?", help="GGUF model file (required unless --resume)")
         else:
             p.add_argument("model", nargs="?", help="GGUF model file (default: the main job, a tiny synthetic MoE "
                                                      f"with every expert in host RAM on {DEFAULT_DEVICES})")
@@ -474,6 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="plan each config with each variant's own fit first, then run with that plan")
         p.add_argument("--margin", type=_margin_arg, default=None, metavar="SIZE[,SIZE]",
                        help="with --fit: memory to leave free per device (default: 1GiB on CUDA, 0 on VDEVs)")
+        p.add_argument("--resume", type=Path, metavar="DIR",
+                       help="continue the sweep whose rows are in DIR (its -o folder) with its own options: configs "
+                            "whose rows are all there without an error are not measured again")
         p.add_argument("--json", action="store_true", help=json_help)
 
     epilog = "device specs (--devices):" + FORMS

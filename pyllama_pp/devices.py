@@ -11,8 +11,16 @@ Accepted forms:
                                    (the default: about what the 2xH200 box shows; 1 = the copy engine's rate)
   vdev:2x0@0,pad=512               ... quantized tensors get CUDA's row padding in their alloc size (VRAM as on CUDA)
   vdev:2x0@0                       2 unthrottled VDEVs without a memory limit
+  vdev:2x0@0,fail_alloc_after=N    injected fault: each device's buffer allocations after its first N fail
+                                   (0: at model load; a full device from then on; tests of the error paths)
+  vdev:2x0@0,fail_copy_after=N     injected fault: each device's host<->device copy after its first N fails;
+                                   ggml cannot report a failed copy, so (as on CUDA) it aborts: pyllama_pp's
+                                   abort callback makes that an error (DeviceError)
+  vdev:2x0@0,fail_copy_after=N,abort  ... and the failed copy aborts the process itself (SIGABRT: the worker dies)
   a JSON file or dict: {"kind": "vdev", "devices": [{"memory": "768MiB", "link_gbps": 4, "link_group": 0,
-                         "speed": 1.0, "threads": 1, "direct_read": 0.5, "row_pad": 0}, ...]}
+                         "speed": 1.0, "threads": 1, "direct_read": 0.5, "row_pad": 0,
+                         "fail_alloc_after": -1, "fail_copy_after": -1, "fault_abort": false}, ...]}
+                                   (-1: no fault)
 """
 from __future__ import annotations
 
@@ -72,6 +80,9 @@ class VDevConfig:
     d2d_gbps: float = 0.0
     direct_read: float = DEFAULT_DIRECT_READ   # share of the link for kernels reading pinned host memory (DIRECT)
     row_pad: int = 0              # CUDA's row padding of quantized tensors (512 there): alloc sizes as on CUDA; 0 = none
+    fail_alloc_after: int = -1    # injected fault: buffer allocations after the first N fail (-1: none)
+    fail_copy_after: int = -1     # injected fault: the host<->device copy after the first N fails (-1: none)
+    fault_abort: bool = False     # ... and aborts the process itself (SIGABRT) instead of through ggml's abort callback
 
 
 @dataclass
@@ -120,6 +131,27 @@ def _row_pad(val: Any, spec: Any, what: str = "pad") -> int:
     return n
 
 
+def _fault_count(val: Any, spec: Any, what: str) -> int:
+    """-1 (no fault) or a count >= 0 of operations that succeed first."""
+    n = None
+    if not isinstance(val, bool):
+        try:
+            f = float(val)
+            if f.is_integer():
+                n = int(f)
+        except (TypeError, ValueError, OverflowError):
+            pass
+    if n is None or n < -1 or n > 2**62:
+        raise _bad(spec, f"{what} takes a count >= 0 of operations that succeed first (-1: no fault), not {val!r}")
+    return n
+
+
+def _flag(val: Any, spec: Any, what: str) -> bool:
+    if not isinstance(val, bool):
+        raise _bad(spec, f"{what} takes true or false, not {val!r}")
+    return val
+
+
 def _bad(spec: Any, why: str) -> DeviceSpecError:
     err = DeviceSpecError(f"bad device spec {spec!r}: {why}.\nAccepted forms:{FORMS}")
     err.complete = True   # names the spec and lists the accepted forms: parse() passes it on as it is
@@ -142,7 +174,7 @@ def _from_dict(d: dict, text: str) -> DeviceSpec:
         if not isinstance(dd, dict):
             raise _bad(text, f"device {i} is not an object")
         unknown = set(dd) - {"memory", "link_gbps", "link", "link_group", "speed", "threads", "d2d_gbps", "direct_read",
-                             "row_pad"}
+                             "row_pad", "fail_alloc_after", "fail_copy_after", "fault_abort"}
         if unknown:
             raise _bad(text, f"device {i} has unknown keys {sorted(unknown)}")
         v = VDevConfig(memory=parse_size(dd.get("memory", 0)),
@@ -150,7 +182,10 @@ def _from_dict(d: dict, text: str) -> DeviceSpec:
                        link_group=int(dd.get("link_group", -1)), speed=float(dd.get("speed", 1.0)),
                        threads=int(dd.get("threads", 1)), d2d_gbps=parse_rate(dd.get("d2d_gbps", 0)),
                        direct_read=_direct_read(dd.get("direct_read", DEFAULT_DIRECT_READ), text, f"device {i}: direct_read"),
-                       row_pad=_row_pad(dd.get("row_pad", 0), text, f"device {i}: row_pad"))
+                       row_pad=_row_pad(dd.get("row_pad", 0), text, f"device {i}: row_pad"),
+                       fail_alloc_after=_fault_count(dd.get("fail_alloc_after", -1), text, f"device {i}: fail_alloc_after"),
+                       fail_copy_after=_fault_count(dd.get("fail_copy_after", -1), text, f"device {i}: fail_copy_after"),
+                       fault_abort=_flag(dd.get("fault_abort", False), text, f"device {i}: fault_abort"))
         if v.speed < 1.0:
             raise _bad(text, f"device {i}: speed is a slow-down factor and must be >= 1")
         out.append(v)
@@ -211,6 +246,7 @@ def _parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
     mem = parse_size(m.group(2))
     rate = parse_rate(m.group(3) or 0)
     shared, speeds, threads, direct, pad = False, [1.0] * n, 1, DEFAULT_DIRECT_READ, 0
+    faults: dict = {"fail_alloc_after": -1, "fail_copy_after": -1, "fault_abort": False}
     for opt in filter(None, (m.group(4) or "").split(",")):
         key, _, val = opt.partition("=")
         if key == "shared" and not val:
@@ -228,8 +264,13 @@ def _parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
             direct = _direct_read(val, text)
         elif key == "pad" and val:
             pad = _row_pad(val, text)
+        elif key in ("fail_alloc_after", "fail_copy_after") and val:
+            faults[key] = _fault_count(val, text, key)
+        elif key == "abort" and not val:
+            faults["fault_abort"] = True
         else:
-            raise _bad(text, f"unknown option {opt!r} (options: shared, speed=A:B, threads=N, direct=F, pad=N)")
+            raise _bad(text, f"unknown option {opt!r} (options: shared, speed=A:B, threads=N, direct=F, pad=N, "
+                             "fail_alloc_after=N, fail_copy_after=N, abort)")
     devs = [VDevConfig(memory=mem, link_gbps=rate, link_group=0 if shared else -1, speed=speeds[i], threads=threads,
-                       direct_read=direct, row_pad=pad) for i in range(n)]
+                       direct_read=direct, row_pad=pad, **faults) for i in range(n)]
     return DeviceSpec("vdev", vdevs=devs, text=text)

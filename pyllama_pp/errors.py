@@ -1,6 +1,8 @@
 """One exception hierarchy: everything pyllama_pp raises derives from PyllamaError."""
 from __future__ import annotations
 
+import re
+
 
 class PyllamaError(RuntimeError):
     """Base class of pyllama_pp's errors."""
@@ -28,6 +30,11 @@ class ModelError(PyllamaError):
 
 class OutOfMemoryError(PyllamaError, MemoryError):
     """An allocation failed: too little device (or host) memory for the placement."""
+
+
+class DeviceError(PyllamaError):
+    """A device failed while in use: a host<->device copy or a kernel that ggml could only abort on (the shim turns
+    ggml's abort into this error; VDEV's injected faults end here)."""
 
 
 class DecodeError(PyllamaError):
@@ -70,12 +77,24 @@ def worker_error(type_name: str, message: str, exit_code: "int | None" = None, d
     return err
 
 
+_ABORT_PREFIX = re.compile(r"ggml abort: \S+?:\d+: ")
+
+
+def is_device_fault(msg: str) -> bool:
+    """A message of a device that failed in use (a failed VDEV stream job, an injected copy fault), not of the model
+    (an allocation that fails is an OutOfMemoryError, injected or not)."""
+    return "VDEV stream job failed" in msg or ("injected fault" in msg and " copy #" in msg)
+
+
 def one_statement(msg: str) -> str:
     """A native message (the shim's first line, then llama.cpp's log lines) as one statement: the first line and
-    the log line that says why (llama.cpp's 'error loading model: ...', else its last line)."""
-    lines = [ln.strip() for ln in (msg or "").strip().splitlines() if ln.strip()]
+    the log line that says why (an injected fault, llama.cpp's 'error loading model: ...', a line saying what failed,
+    else its last line). ggml's abort prefixes (file:line) are left out."""
+    lines = [_ABORT_PREFIX.sub("", ln.strip()) for ln in (msg or "").strip().splitlines() if ln.strip()]
     if len(lines) <= 1:
         return lines[0] if lines else "llama.cpp gave no reason"
-    why = next((ln.split("error loading model:", 1)[1].strip() for ln in lines[1:] if "error loading model:" in ln),
-               lines[-1].removeprefix("llama.cpp:").strip())
+    rest = [ln.removeprefix("llama.cpp:").strip() for ln in lines[1:]]
+    why = next((ln for ln in rest if "injected fault" in ln), None) or \
+        next((ln.split("error loading model:", 1)[1].strip() for ln in rest if "error loading model:" in ln), None) or \
+        next((ln for ln in rest if "failed" in ln), None) or rest[-1]
     return f"{lines[0]}: {why}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,8 +18,8 @@ from typing import Iterable, Optional, Sequence, Union
 import numpy as np
 
 from . import binding, devices as devspec
-from .errors import (ConfigError, DecodeError, DeviceSpecError, ModelError, OutOfMemoryError, PyllamaError, UnsupportedError,
-                     one_statement)
+from .errors import (ConfigError, DecodeError, DeviceError, DeviceSpecError, ModelError, OutOfMemoryError,
+                     PyllamaError, UnsupportedError, is_device_fault, one_statement)
 
 # upstream's patterns for expert tensors (common/fit.cpp LAYER_FRACTION_MOE)
 EXPERT_TENSORS = r"ffn_(up|down|gate|gate_up)_(ch)?exps"
@@ -233,9 +234,11 @@ class EvalResult:
 
 COUNTER_FIELDS = ("h2d_bytes", "d2h_bytes", "d2d_bytes", "h2d_copies", "d2h_copies", "d2d_copies", "graph_computes",
                   "host_syncs", "event_records", "event_waits", "alloc_bytes", "peak_alloc_bytes", "failed_allocs",
-                  "link_busy_s", "compute_s", "gathers", "beside_gathers", "chained_gathers")
-# device counters that are levels (bytes allocated now, the peak), not counts: deltas keep the later value
-LEVEL_FIELDS = ("alloc_bytes", "peak_alloc_bytes")
+                  "link_busy_s", "compute_s", "gathers", "beside_gathers", "chained_gathers", "buffer_allocs",
+                  "hd_copies")
+# device counters that are levels (bytes allocated now, the peak, counts since the devices were made), not counts
+# per eval: deltas keep the later value
+LEVEL_FIELDS = ("alloc_bytes", "peak_alloc_bytes", "buffer_allocs", "hd_copies")
 
 
 def check_model_path(path: Union[str, Path]) -> None:
@@ -253,6 +256,22 @@ def check_model_path(path: Union[str, Path]) -> None:
     if magic != b"GGUF":
         raise ModelError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
                          "write one with `pyllama-pp synth` or convert your model with llama.cpp's tools")
+    if os.environ.get("PYLLAMA_PP_GGUF_CHECK", "1") != "0":
+        check_gguf_layout(path)
+
+
+def check_gguf_layout(path: Union[str, Path]) -> None:
+    """Read the GGUF's header, metadata and tensor table (not the data) and refuse a damaged one with the reason:
+    a count, length or dimension that cannot fit in the file, a bad type, alignment or offset, a truncated file.
+    llama.cpp checks these too, but says only "failed to load model"; this names what is wrong.
+    (PYLLAMA_PP_GGUF_CHECK=0 leaves it to llama.cpp alone, as bench/fuzz_gguf.py --no-check does.)"""
+    from .synth import read_gguf_header
+    try:
+        read_gguf_header(path)
+    except (ValueError, struct.error, OverflowError, MemoryError, UnicodeError) as e:
+        why = str(e).removeprefix(f"{path}: ").removeprefix("not a valid GGUF file: ")
+        raise ModelError(f"{path} is not a valid GGUF file: {why} (a damaged or truncated file? write one with "
+                         "`pyllama-pp synth` or convert your model with llama.cpp's tools)") from None
 
 
 class Session:
@@ -352,9 +371,13 @@ class Session:
         p.use_extra_bufts = 0
         m = lib.pp_model_load(p)
         if m == ffi.NULL:
-            msg = one_statement(self.native.last_error())
+            raw = self.native.last_error()
+            msg = one_statement(raw)
             low = msg.lower()
-            if "failed to allocate" in low or "out of memory" in low or "unable to allocate" in low:
+            if is_device_fault(raw):
+                raise DeviceError(msg)
+            if "failed to allocate" in low or "out of memory" in low or "unable to allocate" in low or \
+                    "out of (virtual) memory" in low:
                 raise OutOfMemoryError(msg + ". Fix: put fewer layers on the devices (--ngl), keep experts in host "
                                              "RAM (--host-experts all), or give the devices more memory")
             raise ModelError(msg + " (not a valid GGUF for this build? check the file, or write one with "
@@ -386,7 +409,8 @@ class Session:
         p.coverage = int(coverage)
         ctx = lib.pp_context_new(self._model, p)
         if ctx == ffi.NULL:
-            raise OutOfMemoryError(self.native.last_error())
+            raw = self.native.last_error()
+            raise (DeviceError if is_device_fault(raw) else OutOfMemoryError)(one_statement(raw))
         return ctx
 
     def set_context(self, ctx: ContextParams) -> None:
@@ -607,6 +631,9 @@ def register_devices(native, spec: "devspec.DeviceSpec") -> str:
             cfg[i].d2d_gbps = v.d2d_gbps
             cfg[i].direct_read = v.direct_read
             cfg[i].row_pad = v.row_pad
+            cfg[i].fail_alloc_at = v.fail_alloc_after + 1 if v.fail_alloc_after >= 0 else 0
+            cfg[i].fail_copy_at = v.fail_copy_after + 1 if v.fail_copy_after >= 0 else 0
+            cfg[i].fault_abort = int(v.fault_abort)
         err = ffi.new("char[512]")
         if lib.pp_vdev_register(cfg, n, err, 512) != 0:
             raise DeviceSpecError(f"cannot set up the virtual devices: {ffi.string(err).decode()}")

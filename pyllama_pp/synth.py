@@ -123,13 +123,17 @@ _SCALAR_NP = {
 
 # ggml tensor types: id -> (name, block size, bytes per block)
 GGML_F32, GGML_F16, GGML_Q8_0 = 0, 1, 8
+# every type the pinned ggml reads from a GGUF (ggml.h; 4, 5, 31-33 and 36-38 were removed)
 _GGML_TYPES: Dict[int, Tuple[str, int, int]] = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
     6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
     10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
     24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
-    28: ("F64", 1, 8), 30: ("BF16", 1, 2),
+    28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18), 42: ("Q2_0", 64, 18),
 }
 
 # llama_ftype values (include/llama.h)
@@ -694,7 +698,9 @@ def read_gguf_header(path) -> Dict[str, Any]:
     Returns ``{"path", "version", "alignment", "n_kv", "n_tensors", "kv": {key: value},
     "kv_types": {key: gguf type id}, "tensors": [{"name", "shape" (ggml order, ne[0] first),
     "type" (ggml type id), "type_name", "offset" (relative to the data section), "file_offset",
-    "nbytes"}], "data_offset", "file_size"}``.  Arrays come back as lists.
+    "nbytes", "info_offset" (where its tensor info starts)}], "data_offset", "file_size",
+    "kv_offsets": {key: (where its entry starts, where its type id is)}, "ti_offset" (where the tensor infos
+    start)}``.  Arrays come back as lists.
 
     Raises ValueError (message names the file) for a non-GGUF, malformed or truncated file.
     """
@@ -711,26 +717,36 @@ def read_gguf_header(path) -> Dict[str, Any]:
         version = r.unpack("<I")
         if version not in (2, 3):
             raise r.fail(f"unsupported version {version}")
-        n_tensors = r.unpack("<q")
-        n_kv = r.unpack("<q")
-        if n_tensors < 0 or n_kv < 0 or n_tensors > size or n_kv > size:
-            raise r.fail(f"implausible counts (n_tensors={n_tensors}, n_kv={n_kv})")
+        n_tensors = r.unpack("<Q")   # (uint64 in the format)
+        n_kv = r.unpack("<Q")
+        # (the smallest entries: a 1-byte key, a type and a 1-byte value; a 1-byte name, 1 dimension, type, offset)
+        if n_tensors < 0 or n_kv < 0 or 24 + 14 * n_kv + 30 * n_tensors > size:
+            raise r.fail(f"implausible counts (n_tensors={n_tensors}, n_kv={n_kv}: more than a file of {size} "
+                         "bytes can hold)")
         kv: Dict[str, Any] = {}
         kv_types: Dict[str, int] = {}
+        kv_offsets: Dict[str, Tuple[int, int]] = {}
         for _ in range(n_kv):
+            at = f.tell()
             key = r.string()
             if not key:
                 raise r.fail("empty key")
             if key in kv:
                 raise r.fail(f"duplicate key {key!r}")
+            type_at = f.tell()
             gtype = r.unpack("<I")
             kv[key] = r.value(gtype)
             kv_types[key] = gtype
+            kv_offsets[key] = (at, type_at)
         alignment = kv.get("general.alignment", ALIGNMENT)
+        if "general.alignment" in kv and kv_types["general.alignment"] != GGUF_UINT32:
+            raise r.fail(f"general.alignment must be a uint32, not of gguf type {kv_types['general.alignment']}")
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise r.fail(f"bad general.alignment {alignment!r}")
         tensors = []
+        ti_offset = f.tell()
         for _ in range(n_tensors):
+            info_at = f.tell()
             name = r.string()
             n_dims = r.unpack("<I")
             if n_dims < 1 or n_dims > 4:
@@ -741,6 +757,8 @@ def read_gguf_header(path) -> Dict[str, Any]:
             gtype = r.unpack("<I")
             offset = r.unpack("<Q")
             info = _GGML_TYPES.get(gtype)
+            if info is None:
+                raise r.fail(f"tensor {name!r} has an unknown tensor type {gtype}")
             nbytes = None
             if info is not None:
                 if shape[0] % info[1]:
@@ -748,7 +766,7 @@ def read_gguf_header(path) -> Dict[str, Any]:
                 nbytes = _nbytes(tuple(shape), gtype)
             tensors.append({"name": name, "shape": shape, "type": gtype,
                             "type_name": info[0] if info else f"type{gtype}",
-                            "offset": offset, "nbytes": nbytes})
+                            "offset": offset, "nbytes": nbytes, "info_offset": info_at})
         data_offset = _pad(f.tell(), alignment) if n_tensors else f.tell()
     expected: Optional[int] = 0  # None once a tensor of unknown type size was seen
     for t in tensors:
@@ -772,4 +790,6 @@ def read_gguf_header(path) -> Dict[str, Any]:
         "path": path, "version": version, "alignment": alignment, "n_kv": n_kv,
         "n_tensors": n_tensors, "kv": kv, "kv_types": kv_types, "tensors": tensors,
         "data_offset": data_offset, "file_size": size,
+        # where each part starts in the file (bench/fuzz_gguf.py aims its corruptions with these)
+        "kv_offsets": kv_offsets, "ti_offset": ti_offset,
     }

@@ -31,21 +31,60 @@ def _signal_name(signum: int) -> str:
         return str(signum)
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill a worker and reap it: no worker outlives the call that started it (Ctrl-C, a timeout, any error)."""
+    try:
+        proc.kill()
+    except OSError:
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:   # (SIGKILL cannot be ignored: only a process stuck in the kernel gets here)
+        pass
+
+
+def _last_words(stderr: str) -> str:
+    """The line of a dead worker's stderr that says why: ggml's abort message or an error line, else its last line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    why = [ln for ln in lines if "GGML_ASSERT" in ln or "ggml abort" in ln or "error" in ln.lower() or "fault" in ln]
+    return (why or lines or [""])[-1]
+
+
 def run_job(job: Union[Job, dict], variant: str, timeout: Optional[float] = None, env: Optional[dict] = None) -> dict:
     """Run `job` (a jobs.Job, or a dict that describes one) in a fresh worker process for `variant`; returns the
-    worker's result dict."""
+    worker's result dict.
+
+    The worker dies with its caller (Linux: PR_SET_PDEATHSIG), does not take SIGINT itself, and a caller
+    interrupted while it waits (Ctrl-C) kills and reaps it before the KeyboardInterrupt goes on."""
     payload = as_job(job, variant).to_json()   # a malformed job fails here, before a worker starts
     full_env = dict(os.environ)
     full_env.update({k: str(v) for k, v in (env or {}).items()})
     full_env.setdefault("PYLLAMA_PP_LOG", "1")
+    # an abort's own message ends the worker's stderr (its last words), not a debugger's backtrace of it
+    full_env.setdefault("GGML_NO_BACKTRACE", "1")
+    full_env["PYLLAMA_PP_PARENT_PID"] = str(os.getpid())
+    # SIGINT stays blocked while the worker is made, so that a Ctrl-C cannot land between its fork and the `try`
+    # that kills it; the worker keeps it blocked (the caller decides what a Ctrl-C does: it kills the worker)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    proc = None
     try:
-        proc = subprocess.run([sys.executable, "-m", "pyllama_pp.worker"], input=payload, capture_output=True,
-                              text=True, timeout=timeout, env=full_env)
-    except subprocess.TimeoutExpired as e:
-        err = e.stderr or ""
-        tail = (err.decode(errors="replace") if isinstance(err, bytes) else err)[-2000:]
-        raise worker_error("WorkerError", f"{variant} worker timed out after {timeout:.0f} s", None, tail) from None
-    out = proc.stdout.strip().splitlines()
+        proc = subprocess.Popen([sys.executable, "-m", "pyllama_pp.worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env,
+                                # (llama.cpp logs what it read from a file: a damaged GGUF's bytes must not crash this)
+                                encoding="utf-8", errors="replace")
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)   # a Ctrl-C that came meanwhile is raised here
+        try:
+            stdout, stderr = proc.communicate(payload, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            stdout, stderr = proc.communicate()
+            raise worker_error("WorkerError", f"{variant} worker timed out after {timeout:.0f} s (killed)", None,
+                               (stderr or "")[-2000:]) from None
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if proc is not None and proc.returncode is None:
+            _stop(proc)
+    out = stdout.strip().splitlines()
     result = None
     if out:
         try:
@@ -60,14 +99,25 @@ def run_job(job: Union[Job, dict], variant: str, timeout: Optional[float] = None
             msg = msg[len(kind) + 2:]
         if proc.returncode == 4:
             msg = f"{variant} worker hit an unexpected error (a bug in pyllama_pp, please report it): {msg}"
-        raise worker_error(kind, msg, proc.returncode, result.get("traceback") or proc.stderr[-2000:])
-    if proc.returncode != 0 or result is None:
+        raise worker_error(kind, msg, proc.returncode, result.get("traceback") or stderr[-2000:])
+    if proc.returncode != 0 or not isinstance(result, dict):
         how = f"killed by signal {_signal_name(-proc.returncode)}" if proc.returncode < 0 else f"exit code {proc.returncode}"
-        last = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.strip()), "")
+        last = _last_words(stderr)
         raise worker_error("WorkerError", f"{variant} worker died ({how}) without a result"
-                           + (f"; its last words: {last.strip()[:300]}" if last else ""), proc.returncode,
-                           proc.stderr[-2000:])
+                           + (f"; its last words: {last[:300]}" if last else ""), proc.returncode, stderr[-2000:])
     return result
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when the process that started it dies (no orphan keeps running)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    parent = os.environ.get("PYLLAMA_PP_PARENT_PID")
+    if parent and parent.isdigit() and os.getppid() != int(parent):
+        os._exit(137)   # the parent died before the line above
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -140,6 +190,8 @@ def _sum_devices(per_eval: list[list[dict]]) -> list[dict]:
                     out[i][k] += v
                 elif k == "peak_alloc_bytes":
                     out[i][k] = max(out[i][k], v)
+                elif k in LEVEL_FIELDS:
+                    out[i][k] = v      # a level: as it stands after the last eval
     return out
 
 
@@ -326,12 +378,19 @@ HANDLERS = {"info": _do_info, "schedule": _do_schedule, "logits": _do_logits, "b
 
 
 def _main() -> int:
+    _die_with_parent()
     try:
-        job = Job.from_dict(json.loads(sys.stdin.read()))
+        raw = sys.stdin.read()
+    except KeyboardInterrupt:
+        return 130
+    try:
+        job = Job.from_dict(json.loads(raw))
         result = HANDLERS[job.kind](job)
     except PyllamaError as e:
         print(json.dumps({"error": f"{type(e).__name__}: {e}", "type": type(e).__name__}))
         return 3
+    except KeyboardInterrupt:   # Ctrl-C reaches the whole process group: the caller reports it
+        return 130
     except Exception as e:  # a bug: report it with its traceback rather than dying silently
         print(json.dumps({"error": f"{type(e).__name__}: {e}", "type": "WorkerError",
                           "traceback": traceback.format_exc()}))

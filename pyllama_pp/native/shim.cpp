@@ -482,6 +482,12 @@ PP_EXPORT pp_context * pp_context_new(pp_model * m, const pp_context_params * p)
 
 PP_EXPORT void pp_context_free(pp_context * c) {
     if (c) {
+        // a device error not reported yet (a VDEV stream's) would be raised by the synchronize in llama_context's
+        // destructor, where an exception ends the process: report (and drop) it here first, keeping the last error
+        const std::string keep = g_last_error;
+        for (int i = 0; i < 64 && guarded([&] { llama_synchronize(c->ctx); return 0; }) != 0; i++) {
+        }
+        g_last_error = keep;
         llama_free(c->ctx);
         delete c;
     }

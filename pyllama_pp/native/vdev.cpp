@@ -79,6 +79,8 @@ struct vdev_counters_atomic {
     std::atomic<uint64_t> alloc_bytes{0}, peak_alloc_bytes{0}, failed_allocs{0};
     std::atomic<uint64_t> link_busy_ns{0};
     std::atomic<uint64_t> compute_ns{0};
+    std::atomic<uint64_t> buffer_allocs{0};   // since registration (injected faults count these); never reset
+    std::atomic<uint64_t> hd_copies{0};
 };
 
 struct vdev_device {
@@ -149,6 +151,12 @@ pp_vdev_config sanitize_cfg(const pp_vdev_config & in) {
     }
     if (c.row_pad < 0) {
         c.row_pad = 0;
+    }
+    if (c.fail_alloc_at < 0) {
+        c.fail_alloc_at = 0;
+    }
+    if (c.fail_copy_at < 0) {
+        c.fail_copy_at = 0;
     }
     return c;
 }
@@ -232,13 +240,32 @@ void charge_h2d(vdev_device * d, double gbps, size_t size, const std::function<v
     d->c.link_busy_ns += secs_to_ns(secs);
 }
 
+// injected fault (fail_copy_at): a host<->device copy that fails. ggml's copy calls return nothing and CUDA's
+// backend aborts on a failed cudaMemcpy (CUDA_CHECK), so this does what a GPU build would do: abort the process
+void count_hd_copy(vdev_device * d, const pp_vdev_config & cfg, const char * dir, size_t size) {
+    const uint64_t n = ++d->c.hd_copies;
+    if (cfg.fail_copy_at > 0 && n == (uint64_t) cfg.fail_copy_at) {
+        if (cfg.fault_abort) {
+            fprintf(stderr, "pyllama_pp vdev %s: injected fault: %s copy #%llu (%zu bytes) failed (fail_copy_after=%lld): "
+                "aborting the process\n", d->name.c_str(), dir, (unsigned long long) n, size, (long long) cfg.fail_copy_at - 1);
+            fflush(stderr);
+            abort();
+        }
+        GGML_ABORT("pyllama_pp vdev %s: injected fault: %s copy #%llu (%zu bytes) failed (fail_copy_after=%lld)",
+            d->name.c_str(), dir, (unsigned long long) n, size, (long long) cfg.fail_copy_at - 1);
+    }
+}
+
 // host<->device transfer charged to device d
 void h2d_transfer(vdev_device * d, void * dst, const void * src, size_t size) {
-    charge_h2d(d, d->get_cfg().link_gbps, size, [&]() { memcpy(dst, src, size); }, 1);
+    const pp_vdev_config cfg = d->get_cfg();
+    count_hd_copy(d, cfg, "host->device", size);
+    charge_h2d(d, cfg.link_gbps, size, [&]() { memcpy(dst, src, size); }, 1);
 }
 
 void d2h_transfer(vdev_device * d, void * dst, const void * src, size_t size) {
     const pp_vdev_config cfg = d->get_cfg();
+    count_hd_copy(d, cfg, "device->host", size);
     const double secs = link_transfer(d->link.load(), cfg.link_gbps, size, [&]() { memcpy(dst, src, size); });
     d->c.d2h_bytes  += size;
     d->c.d2h_copies += 1;
@@ -357,7 +384,18 @@ const char * vdev_buft_get_name(ggml_backend_buffer_type_t buft) {
 
 ggml_backend_buffer_t vdev_buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size) {
     auto * d = (vdev_device *) buft->context;
-    const uint64_t budget = d->get_cfg().memory_bytes;
+    const pp_vdev_config cfg = d->get_cfg();
+    const uint64_t budget = cfg.memory_bytes;
+
+    // injected fault (fail_alloc_at): from this allocation on the device is full
+    const uint64_t n_alloc = ++d->c.buffer_allocs;
+    if (cfg.fail_alloc_at > 0 && n_alloc >= (uint64_t) cfg.fail_alloc_at) {
+        d->c.failed_allocs += 1;
+        GGML_LOG_ERROR("%s: allocating %.2f MiB on %s failed: out of (virtual) memory (injected fault: allocation #%llu, "
+            "fail_alloc_after=%lld)\n", __func__, size / 1024.0 / 1024.0, d->name.c_str(), (unsigned long long) n_alloc,
+            (long long) cfg.fail_alloc_at - 1);
+        return nullptr;
+    }
 
     // reserve against the budget first
     uint64_t cur = d->c.alloc_bytes.load();
@@ -441,11 +479,25 @@ bool vdev_buft_is_host(ggml_backend_buffer_type_t buft) {
 // events
 // ---------------------------------------------------------------------------------------------
 
+// a stream job that failed and has not been reported yet (like CUDA's sticky errors): the host's next synchronize or
+// graph compute on that stream, or its next event synchronize on an event the stream recorded after it, reports it
+// A stream stays failed after that (as a CUDA context does): its later copies and computes are skipped, so none of
+// them writes into memory that the host frees while it unwinds from the error; markers and events still run.
+struct vdev_backend;
+
+struct vdev_stream_error {
+    std::mutex        mtx;
+    std::string       msg;
+    std::atomic<bool> failed{false};
+    vdev_backend *    owner = nullptr;   // its stream (nullptr once freed): drained when the error is reported
+};
+
 struct vdev_event_state {
     std::mutex              mtx;
     std::condition_variable cv;
     uint64_t                recorded = 0;   // last generation handed out by a record
     uint64_t                done     = 0;   // highest generation reached on its stream
+    std::shared_ptr<vdev_stream_error> stream_error;   // the recording stream's (set when a record is reached)
 };
 
 using vdev_event_ptr = std::shared_ptr<vdev_event_state>;
@@ -492,15 +544,19 @@ struct vdev_backend {
     std::mutex                          mtx;
     std::condition_variable             cv_job;
     std::condition_variable             cv_done;
-    std::deque<std::function<void()>>   queue;
+    std::deque<std::pair<std::function<void()>, bool>> queue;   // (job, is work: a copy or a compute)
     uint64_t                            submitted = 0;
     uint64_t                            completed = 0;
     bool                                stop = false;
+    std::shared_ptr<vdev_stream_error>  error = std::make_shared<vdev_stream_error>();
 
-    void enqueue(std::function<void()> job) {
+    vdev_backend() { error->owner = this; }
+
+    // work: a copy or a compute, skipped once the stream has failed (markers and event records always run)
+    void enqueue(std::function<void()> job, bool work = false) {
         {
             std::lock_guard<std::mutex> lk(mtx);
-            queue.push_back(std::move(job));
+            queue.emplace_back(std::move(job), work);
             submitted++;
         }
         cv_job.notify_one();
@@ -515,21 +571,36 @@ struct vdev_backend {
     void run() {
         for (;;) {
             std::function<void()> job;
+            bool work = false;
             {
                 std::unique_lock<std::mutex> lk(mtx);
                 cv_job.wait(lk, [&]() { return stop || !queue.empty(); });
                 if (queue.empty()) {
                     return; // stop requested and drained
                 }
-                job = std::move(queue.front());
+                job  = std::move(queue.front().first);
+                work = queue.front().second;
                 queue.pop_front();
             }
+            // a job that fails (a GGML_ABORT that an abort callback turned into an exception, as pyllama_pp's shim
+            // does, or any exception) must not pass silently: its copy or compute did not happen. Keep the first
+            // message for the host, which reports it at its next synchronize or graph compute on this stream.
+            std::string failed;
             try {
-                job();
+                if (!(work && error->failed.load())) {
+                    job();
+                }
             } catch (const std::exception & e) {
-                fprintf(stderr, "pyllama_pp vdev %s: job failed: %s (skipped)\n", name.c_str(), e.what());
+                failed = e.what();
             } catch (...) {
-                fprintf(stderr, "pyllama_pp vdev %s: job failed (skipped)\n", name.c_str());
+                failed = "unknown exception";
+            }
+            if (!failed.empty()) {
+                fprintf(stderr, "pyllama_pp vdev %s: stream job failed: %s\n", name.c_str(), failed.c_str());
+                std::lock_guard<std::mutex> lk(error->mtx);
+                if (!error->failed.exchange(true)) {
+                    error->msg = failed;
+                }
             }
             {
                 std::lock_guard<std::mutex> lk(mtx);
@@ -563,6 +634,10 @@ void vdev_backend_free(ggml_backend_t backend) {
         }
         if (b->cpu != nullptr) {
             ggml_backend_free(b->cpu);
+        }
+        {
+            std::lock_guard<std::mutex> lk(b->error->mtx);   // events may outlive their stream
+            b->error->owner = nullptr;
         }
         delete b;
     }
@@ -652,7 +727,7 @@ void vdev_backend_set_tensor_async(ggml_backend_t backend, ggml_tensor * tensor,
     }
     vdev_device * d   = buffer_device(buf);
     char *        dst = (char *) tensor->data + offset;
-    b->enqueue([d, dst, data, size]() { h2d_transfer(d, dst, data, size); });
+    b->enqueue([d, dst, data, size]() { h2d_transfer(d, dst, data, size); }, /*work =*/ true);
     if (!host_ptr_is_pinned(data)) {
         vdev_backend_synchronize(backend); // pageable source: the host waits for the copy (cudaMemcpyAsync from pageable memory)
     }
@@ -669,7 +744,7 @@ void vdev_backend_get_tensor_async(ggml_backend_t backend, const ggml_tensor * t
     }
     vdev_device * d   = buffer_device(buf);
     const char *  src = (const char *) tensor->data + offset;
-    b->enqueue([d, data, src, size]() { d2h_transfer(d, data, src, size); });
+    b->enqueue([d, data, src, size]() { d2h_transfer(d, data, src, size); }, /*work =*/ true);
     if (!host_ptr_is_pinned(data)) {
         vdev_backend_synchronize(backend); // pageable destination: the host waits for the copy
     }
@@ -697,7 +772,7 @@ bool vdev_backend_cpy_tensor_async(ggml_backend_t backend_src, ggml_backend_t ba
     const size_t nbytes   = ggml_nbytes(dst);
 
     if (bs == bd) {
-        bs->enqueue([ds, dd, dst_data, src_data, nbytes]() { d2d_transfer(ds, dd, dst_data, src_data, nbytes); });
+        bs->enqueue([ds, dd, dst_data, src_data, nbytes]() { d2d_transfer(ds, dd, dst_data, src_data, nbytes); }, true);
         return true;
     }
 
@@ -714,10 +789,38 @@ bool vdev_backend_cpy_tensor_async(ggml_backend_t backend_src, ggml_backend_t ba
     return true;
 }
 
+// a failed stream job, reported on the host thread (once): ggml's synchronize returns nothing, so this aborts - with
+// an abort callback that throws (pyllama_pp's shim), the caller gets a clean error instead of a dead process
+// Reported once: the jobs the stream took before the host heard of the failure are skipped (drained), then the
+// stream runs again, so a caller that goes on after the error computes for real (and a destructor's synchronize,
+// llama_context's, finds nothing left to report once the shim has flushed it).
+void raise_stream_error(const std::shared_ptr<vdev_stream_error> & err) {
+    std::string    msg;
+    vdev_backend * owner = nullptr;
+    if (err) {
+        std::lock_guard<std::mutex> lk(err->mtx);
+        msg.swap(err->msg);
+        owner = err->owner;
+    }
+    if (msg.empty()) {
+        return;
+    }
+    if (owner != nullptr) {
+        owner->drain();
+    }
+    err->failed = false;
+    GGML_ABORT("a VDEV stream job failed: %s", msg.c_str());
+}
+
+void raise_stream_error(vdev_backend * b) {
+    raise_stream_error(b->error);
+}
+
 void vdev_backend_synchronize(ggml_backend_t backend) {
     auto * b = (vdev_backend *) backend->context;
     b->dev->c.host_syncs += 1;
     b->drain();
+    raise_stream_error(b);
 }
 
 // --- graph compute: deep copy of the graph's tensor structs, computed on the worker ----------
@@ -913,6 +1016,7 @@ void charge_direct_reads(vdev_device * d, const vdev_graph_job & job, bool befor
 
 ggml_status vdev_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgraph) {
     auto * b = (vdev_backend *) backend->context;
+    raise_stream_error(b);
     b->dev->c.graph_computes += 1;
     if (cgraph == nullptr || cgraph->n_nodes <= 0) {
         return GGML_STATUS_SUCCESS;
@@ -944,7 +1048,7 @@ ggml_status vdev_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgr
         charge_direct_reads(b->dev, *job, /*before =*/ false);
         const double total = std::chrono::duration<double>(clock_t_::now() - t0).count();
         b->dev->c.compute_ns += secs_to_ns(total);
-    });
+    }, /*work =*/ true);
     return GGML_STATUS_SUCCESS;
 }
 
@@ -960,10 +1064,11 @@ void vdev_backend_event_record(ggml_backend_t backend, ggml_backend_event_t even
         gen = ++ev->recorded;
     }
     b->dev->c.event_records += 1;
-    b->enqueue([ev, gen]() {
+    b->enqueue([ev, gen, err = b->error]() {
         {
             std::lock_guard<std::mutex> lk(ev->mtx);
             ev->done = std::max(ev->done, gen);
+            ev->stream_error = err;
         }
         ev->cv.notify_all();
     });
@@ -1209,9 +1314,14 @@ void vdev_dev_event_synchronize(ggml_backend_dev_t dev, ggml_backend_event_t eve
     if (!ev) {
         return;
     }
-    std::unique_lock<std::mutex> lk(ev->mtx);
-    const uint64_t target = ev->recorded;
-    ev->cv.wait(lk, [&]() { return ev->done >= target; });
+    std::shared_ptr<vdev_stream_error> err;
+    {
+        std::unique_lock<std::mutex> lk(ev->mtx);
+        const uint64_t target = ev->recorded;
+        ev->cv.wait(lk, [&]() { return ev->done >= target; });
+        err = ev->stream_error;
+    }
+    raise_stream_error(err);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1562,6 +1672,8 @@ PP_VDEV_EXPORT int pp_vdev_get_counters(int i, struct pp_vdev_counters * out) {
     out->gathers          = c.gathers.load();
     out->beside_gathers   = c.beside_gathers.load();
     out->chained_gathers  = c.chained_gathers.load();
+    out->buffer_allocs    = c.buffer_allocs.load();
+    out->hd_copies        = c.hd_copies.load();
     return 0;
 }
 

@@ -19,6 +19,14 @@ struct pp_vdev_config {
     double   direct_read;    // kernels reading pinned host memory (DIRECT) move at this fraction of link_gbps; <= 0: 1
     int32_t  row_pad;        // > 0: like CUDA's MATRIX_ROW_PADDING, a quantized tensor whose rows are not a multiple of
                              // this many values gets room for the rest of one such step past its end (alloc size); 0: none
+    // injected faults (tests of the error paths; 0 = none). The counts run from registration (never reset):
+    int64_t  fail_alloc_at;  // > 0: this buffer allocation on the device and every later one fail (a full device):
+                             // 1 = the first (at model load)
+    int64_t  fail_copy_at;   // > 0: this host<->device copy on the device fails. ggml's copy calls cannot return an
+                             // error (CUDA's backend aborts on a failed copy), so neither can VDEV: GGML_ABORT (an abort
+                             // callback that throws, as pyllama_pp's shim sets, turns it into an error)
+    int32_t  fault_abort;    // 1: the failed copy calls abort() itself, past any callback: the process dies (SIGABRT), as
+                             // it does where nothing can catch the abort (a thread of a backend's own, no callback)
 };
 struct pp_vdev_counters {
     uint64_t h2d_bytes, d2h_bytes, d2d_bytes;     // bytes moved per direction (d2d counted on the destination)
@@ -33,6 +41,9 @@ struct pp_vdev_counters {
     uint64_t gathers;                              // GATHER hook calls taken (gathers and prefetches)
     uint64_t beside_gathers;                       // of those, flagged BESIDE by the scheduler (OVERLAP=2)
     uint64_t chained_gathers;                      // of those, flagged CHAINED by the scheduler (CHAIN)
+    uint64_t buffer_allocs;                        // buffers allocated since registration (a level: never reset; the
+                                                   // count fail_alloc_at refers to, failed ones included)
+    uint64_t hd_copies;                            // host<->device copies since registration (never reset; fail_copy_at's count)
 };
 // Register n (1..PP_VDEV_MAX) virtual devices "VDEV0".."VDEV{n-1}" with ggml's backend registry.
 // Once per process: a second call with the same n only reconfigures; with another n it fails. Returns 0, or -1 with a message in err.

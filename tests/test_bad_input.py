@@ -1,0 +1,98 @@
+"""Bad input that tests/test_cli.py does not cover yet (docs/RESULTS.md section 4 lists every bad input with the test
+that checks it): output paths, argparse's own refusals (unknown variant, options not implemented), switch syntax, a
+context too small for the tests, CUDA without a CUDA build, two variants in one process, an empty token list."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pyllama_pp import DecodeError, DeviceSpecError, cli, worker
+from pyllama_pp.binding import backend_modules
+
+
+@pytest.fixture
+def no_worker(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker was started for input that could be checked up front")
+    monkeypatch.setattr(worker, "run_job", refuse)
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2, (rc, out, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("pyllama-pp: error: "), err
+    return lines[0]
+
+
+def _argparse_error(capsys, argv: list[str]) -> str:
+    """argparse's own refusal: exit 2, the usage, then one 'error:' line."""
+    with pytest.raises(SystemExit) as ei:
+        cli.main(argv)
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pyllama-pp") and err.strip().splitlines()[-1].startswith("pyllama-pp"), err
+    return err.strip().splitlines()[-1]
+
+
+def test_output_paths(capsys, no_worker, tiny_model, tmp_path):
+    f = tmp_path / "a_file"
+    f.write_text("")
+    assert "-o/--out" in _one_line_error(capsys, ["run", tiny_model, "-o", str(f)]) and "is a file" in \
+        _one_line_error(capsys, ["ab", tiny_model, "-o", str(f)])
+    assert "the folder" in _one_line_error(capsys, ["synth", str(tmp_path / "none" / "m.gguf")])
+    assert "it is a folder" in _one_line_error(capsys, ["synth", str(tmp_path)])
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["run", "{m}", "--variant", "bogus"], "invalid choice: 'bogus'"),
+    (["fit", "{m}", "--split-mode", "diag"], "invalid choice: 'diag'"),
+    (["run", "{m}", "-b", "x"], "expected comma-separated integers, got 'x'"),
+    (["run", "{m}", "-r", "0"], "expected a whole number of at least 1"),
+    (["synth", "x.gguf", "--preset", "huge"], "invalid choice: 'huge'"),
+])
+def test_argparse_refusals(capsys, no_worker, tiny_model, argv, words):
+    line = _argparse_error(capsys, [a.format(m=tiny_model) for a in argv])
+    assert words in line, line
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--switch", "UPLOAD_ALL"], "--switch takes NAME=VALUE"),
+    (["--switch", "UPLOAD_ALL=yes"], "the value must be an integer"),
+    (["-d", "-1"], "-d/--n-depth takes whole numbers >= 0, got -1"),
+    (["-c", "64", "-p", "512"], "-c/--ctx 64 is too small for the tests: the longest needs 520 positions"),
+])
+def test_bad_options_refused_up_front(capsys, no_worker, tiny_model, argv, words):
+    line = _one_line_error(capsys, ["run", tiny_model, *argv])
+    assert words in line, line
+
+
+@pytest.mark.skipif("CUDA" in backend_modules(), reason="this build has a CUDA backend")
+def test_cuda_devices_without_a_cuda_build(capsys, no_worker, tiny_model):
+    line = _one_line_error(capsys, ["run", tiny_model, "--devices", "cuda:0,1"])
+    assert "this build has no CUDA backend" in line, line
+
+
+@pytest.mark.skipif("CUDA" in backend_modules(), reason="this build has a CUDA backend")
+def test_cuda_devices_in_a_worker_without_cuda(tiny_model):
+    with pytest.raises(DeviceSpecError) as ei:
+        worker.run_job({"kind": "schedule", "model": tiny_model, "devices": "cuda"}, "baseline", timeout=120)
+    assert ei.value.exit_code == 3 and "no CUDA device found" in str(ei.value), str(ei.value)
+
+
+def test_second_variant_in_one_process():
+    code = ("import pyllama_pp as p\np.load('baseline')\ntry:\n    p.load('patched')\n"
+            "except p.VariantError as e:\n    print(str(e))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "already loaded the 'baseline' variant" in res.stdout, (res.stdout, res.stderr)
+
+
+def test_empty_token_list_is_a_decode_error(tiny_model):
+    with pytest.raises(DecodeError) as ei:
+        worker.run_job({"kind": "logits", "model": tiny_model, "devices": "cpu", "n_tokens": 0,
+                        "ctx": {"n_ctx": 64, "n_batch": 32, "n_ubatch": 32}, "out": "/nonexistent/x.npy"},
+                       "baseline", timeout=120)
+    assert ei.value.exit_code == 3 and "non-empty" in str(ei.value), str(ei.value)
