@@ -28,7 +28,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from .errors import DeviceSpecError
 
@@ -116,31 +116,28 @@ def _direct_read(val: Any, spec: Any, what: str = "direct") -> float:
     return f
 
 
+def _whole(val: Any) -> Optional[int]:
+    """`val` as a whole number (7, 7.0, "7"), else None (bools, fractions, text)."""
+    if isinstance(val, bool):
+        return None
+    try:
+        f = float(val)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return int(f) if f.is_integer() else None
+
+
 def _row_pad(val: Any, spec: Any, what: str = "pad") -> int:
     """0 or a multiple of 256 values up to 4096 (a padding step must hold whole blocks of every quantized type)."""
-    n = -1
-    if not isinstance(val, bool):
-        try:
-            f = float(val)
-            if f.is_integer():
-                n = int(f)
-        except (TypeError, ValueError, OverflowError):
-            pass
-    if n < 0 or n > 4096 or n % 256:
+    n = _whole(val)
+    if n is None or n < 0 or n > 4096 or n % 256:
         raise _bad(spec, f"{what} takes 0 or a multiple of 256 values up to 4096 (CUDA pads rows to 512), not {val!r}")
     return n
 
 
 def _fault_count(val: Any, spec: Any, what: str) -> int:
     """-1 (no fault) or a count >= 0 of operations that succeed first."""
-    n = None
-    if not isinstance(val, bool):
-        try:
-            f = float(val)
-            if f.is_integer():
-                n = int(f)
-        except (TypeError, ValueError, OverflowError):
-            pass
+    n = _whole(val)
     if n is None or n < -1 or n > 2**62:
         raise _bad(spec, f"{what} takes a count >= 0 of operations that succeed first (-1: no fault), not {val!r}")
     return n

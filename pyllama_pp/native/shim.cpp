@@ -442,6 +442,22 @@ static bool coverage_cb(struct ggml_tensor * t, bool ask, void * user) {
     return true;
 }
 
+// llama's context parameters from ours (the context and fit share them)
+static llama_context_params to_llama_context_params(const pp_context_params & p) {
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx     = p.n_ctx;
+    cp.n_batch   = p.n_batch;
+    cp.n_ubatch  = p.n_ubatch;
+    cp.n_seq_max = p.n_seq_max > 0 ? p.n_seq_max : 1;
+    if (p.n_threads > 0) {
+        cp.n_threads = cp.n_threads_batch = p.n_threads;
+    }
+    cp.flash_attn_type = (enum llama_flash_attn_type) p.flash_attn;
+    cp.op_offload  = p.op_offload != 0;
+    cp.offload_kqv = p.offload_kqv != 0;
+    return cp;
+}
+
 PP_EXPORT pp_context * pp_context_new(pp_model * m, const pp_context_params * p) {
     pp_context * result = nullptr;
     guarded([&] {
@@ -450,18 +466,8 @@ PP_EXPORT pp_context * pp_context_new(pp_model * m, const pp_context_params * p)
         }
         auto c = std::make_unique<pp_context>();
         c->model = m;
-        llama_context_params cp = llama_context_default_params();
-        cp.n_ctx     = p->n_ctx;
-        cp.n_batch   = p->n_batch;
-        cp.n_ubatch  = p->n_ubatch;
-        cp.n_seq_max = p->n_seq_max > 0 ? p->n_seq_max : 1;
-        if (p->n_threads > 0) {
-            cp.n_threads = cp.n_threads_batch = p->n_threads;
-        }
-        cp.flash_attn_type = (enum llama_flash_attn_type) p->flash_attn;
-        cp.op_offload  = p->op_offload != 0;
-        cp.offload_kqv = p->offload_kqv != 0;
-        cp.no_perf     = false;
+        llama_context_params cp = to_llama_context_params(*p);
+        cp.no_perf = false;
         if (p->coverage) {
             c->coverage_on = 1;
             cp.cb_eval = coverage_cb;
@@ -715,17 +721,7 @@ PP_EXPORT int pp_fit(const pp_fit_params * p, const pp_context_params * cx, pp_f
         mp.split_mode = (enum llama_split_mode) p->split_mode;
         const llama_model_params mp0 = mp;
 
-        llama_context_params cp = llama_context_default_params();
-        cp.n_ctx     = cx->n_ctx;
-        cp.n_batch   = cx->n_batch;
-        cp.n_ubatch  = cx->n_ubatch;
-        cp.n_seq_max = cx->n_seq_max > 0 ? cx->n_seq_max : 1;
-        if (cx->n_threads > 0) {
-            cp.n_threads = cp.n_threads_batch = cx->n_threads;
-        }
-        cp.flash_attn_type = (enum llama_flash_attn_type) cx->flash_attn;
-        cp.op_offload  = cx->op_offload != 0;
-        cp.offload_kqv = cx->offload_kqv != 0;
+        llama_context_params cp = to_llama_context_params(*cx);
         const llama_context_params cp0 = cp;
 
         std::vector<float> tensor_split(llama_max_devices(), 0.0f);
