@@ -124,7 +124,23 @@ class FitJob(Job):
     n_ctx_min: int = 0
 
 
-KINDS: dict[str, type] = {c.kind: c for c in (InfoJob, ScheduleJob, LogitsJob, BenchJob, WorkloadJob, FitJob)}
+@dataclass
+class SoakJob(Job):
+    """The soak (pyllama_pp.soak): `calls` mixed calls in one context with checkpoints every `check_every` calls
+    after `warmup` (0: auto), their logits compared with the reference's in `out` (.npz); with `reference`, only the
+    checkpoint recipes, once each, in this fresh session, their logits written to `out`."""
+
+    kind: ClassVar[str] = "soak"
+    calls: int = 1000
+    seed: int = 0
+    check_every: int = 50
+    warmup: int = 0
+    reference: bool = False
+    out: Optional[str] = None
+
+
+KINDS: dict[str, type] = {c.kind: c for c in (InfoJob, ScheduleJob, LogitsJob, BenchJob, WorkloadJob, FitJob,
+                                              SoakJob)}
 
 
 def as_job(job: Union[Job, dict, Any], variant: Optional[str] = None) -> Job:

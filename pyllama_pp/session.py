@@ -555,6 +555,33 @@ class Session:
                  for a, b in zip(after, before)]
         return EvalResult(out, dt, len(t), {"devices": delta}, self.ext_stats() if stats else None)
 
+    # -- the KV cache, edited as a server does ---------------------------------------------------------------
+    def kv_remove(self, p0: int, p1: int = -1) -> None:
+        """Drop positions [p0, p1) of the sequence from the KV cache (p1 < 0: to the end). Rewinding to p0 before an
+        eval(pos0=p0, clear=False) needs it: llama.cpp refuses positions that do not follow the last one held."""
+        self.native.check(self.native.lib.pp_memory_seq_rm(self._ctx, 0, int(p0), int(p1)))
+
+    def kv_shift(self, p0: int, p1: int, delta: int) -> None:
+        """Move positions [p0, p1) by delta (p1 < 0: to the end); the keys are rotated at the next eval."""
+        self.native.check(self.native.lib.pp_memory_seq_add(self._ctx, 0, int(p0), int(p1), int(delta)))
+
+    def kv_pos_max(self) -> int:
+        """The largest position the KV cache holds (-1: none)."""
+        ffi = self.native.ffi
+        out = ffi.new("int32_t *")
+        self.native.check(self.native.lib.pp_memory_seq_pos_max(self._ctx, 0, out))
+        return int(out[0])
+
+    def context_shift(self, n_keep: int, n_discard: int) -> int:
+        """llama.cpp's context shift (llama-cli, the server): drop positions [n_keep, n_keep + n_discard), move the
+        rest down by n_discard; returns the next position to decode at."""
+        end = self.kv_pos_max() + 1
+        if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > end:
+            raise DecodeError(f"cannot discard {n_discard} positions after {n_keep} kept: the cache holds {end}")
+        self.kv_remove(n_keep, n_keep + n_discard)
+        self.kv_shift(n_keep + n_discard, -1, -n_discard)
+        return end - n_discard
+
     def coverage(self, tokens: Iterable[int]) -> dict:
         """Experts used per MoE layer per ubatch for these tokens, measured in a separate context (the
         measurement syncs the host once per layer, so it is never part of a timed run)."""

@@ -5,7 +5,7 @@ JSON document back. A worker that crashes, is killed or times out raises WorkerE
 and the end of its stderr); the caller decides whether that becomes an error row.
 
 Job kinds: "info", "schedule", "logits" (writes an .npy), "bench" (llama-bench-like pp/tg tests),
-"workload" (a mixed sequence in one context, bench/q6), "fit" (pyllama_pp.fit).
+"workload" (a mixed sequence in one context, bench/q6), "fit" (pyllama_pp.fit), "soak" (pyllama_pp.soak).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Optional, Union
 import numpy as np
 
 from .errors import ConfigError, PyllamaError, WorkerError, worker_error
-from .jobs import BenchJob, FitJob, InfoJob, Job, LogitsJob, ScheduleJob, WorkloadJob, as_job
+from .jobs import BenchJob, FitJob, InfoJob, Job, LogitsJob, ScheduleJob, SoakJob, WorkloadJob, as_job
 
 
 def _signal_name(signum: int) -> str:
@@ -368,13 +368,25 @@ def _do_workload(job: WorkloadJob) -> dict:
         s.close()
 
 
+def _do_soak(job: SoakJob) -> dict:
+    from . import soak
+    if not job.out:
+        raise ConfigError("a soak job needs `out`, the .npz file of the reference's logits")
+    if job.calls < 1 or job.check_every < 1 or job.warmup < 0:
+        raise ConfigError("a soak job needs calls >= 1, check_every >= 1 and warmup >= 0")
+    with _session(job) as s:
+        if job.reference:
+            return soak.reference_job(s, job.out)
+        return soak.soak_job(s, job.calls, job.seed, job.check_every, job.warmup, job.out)
+
+
 def _do_fit(job: FitJob) -> dict:
     from .fit import do_fit_job
     return do_fit_job(job)
 
 
 HANDLERS = {"info": _do_info, "schedule": _do_schedule, "logits": _do_logits, "bench": _do_bench,
-            "workload": _do_workload, "fit": _do_fit}
+            "workload": _do_workload, "fit": _do_fit, "soak": _do_soak}
 
 
 def _main() -> int:

@@ -509,6 +509,42 @@ PP_EXPORT int pp_memory_clear(pp_context * c) {
     });
 }
 
+PP_EXPORT int pp_memory_seq_rm(pp_context * c, int32_t seq, int32_t p0, int32_t p1) {
+    if (!c || seq < 0 || p0 < 0) {
+        return fail(PP_ERR_ARG, "bad sequence removal arguments");
+    }
+    return guarded([&] {
+        if (!llama_memory_seq_rm(llama_get_memory(c->ctx), seq, p0, p1 < 0 ? -1 : p1)) {
+            return fail(PP_ERR_UNSUPPORTED, "this model's memory cannot remove part of a sequence");
+        }
+        return PP_OK;
+    });
+}
+
+PP_EXPORT int pp_memory_seq_add(pp_context * c, int32_t seq, int32_t p0, int32_t p1, int32_t delta) {
+    if (!c || seq < 0 || p0 < 0) {
+        return fail(PP_ERR_ARG, "bad sequence shift arguments");
+    }
+    return guarded([&] {
+        llama_memory_t mem = llama_get_memory(c->ctx);
+        if (!llama_memory_can_shift(mem)) {
+            return fail(PP_ERR_UNSUPPORTED, "this model's memory cannot shift positions");
+        }
+        llama_memory_seq_add(mem, seq, p0, p1 < 0 ? -1 : p1, delta);
+        return PP_OK;
+    });
+}
+
+PP_EXPORT int pp_memory_seq_pos_max(pp_context * c, int32_t seq, int32_t * pos_max) {
+    if (!c || seq < 0 || !pos_max) {
+        return fail(PP_ERR_ARG, "null argument");
+    }
+    return guarded([&] {
+        *pos_max = llama_memory_seq_pos_max(llama_get_memory(c->ctx), seq);
+        return PP_OK;
+    });
+}
+
 PP_EXPORT int pp_synchronize(pp_context * c) {
     if (!c) {
         return fail(PP_ERR_ARG, "null context");

@@ -98,6 +98,13 @@ pp_context * pp_context_new(pp_model * model, const pp_context_params * params);
 void         pp_context_free(pp_context * ctx);
 int          pp_memory_clear(pp_context * ctx);
 int          pp_synchronize(pp_context * ctx);
+// The KV cache of sequence seq, as a server edits it: remove positions [p0, p1) (p1 < 0: to the end; rewinding
+// to p0 before decoding there again), shift positions [p0, p1) by delta (a context shift: the K rotation runs at the
+// next decode), the largest position held (-1: none). pp_memory_seq_rm: PP_ERR_UNSUPPORTED where the memory cannot
+// remove part of a sequence; pp_memory_seq_add: PP_ERR_UNSUPPORTED where it cannot shift (llama_memory_can_shift).
+int          pp_memory_seq_rm(pp_context * ctx, int32_t seq, int32_t p0, int32_t p1);
+int          pp_memory_seq_add(pp_context * ctx, int32_t seq, int32_t p0, int32_t p1, int32_t delta);
+int          pp_memory_seq_pos_max(pp_context * ctx, int32_t seq, int32_t * pos_max);
 
 // Decode n_tokens tokens of sequence seq at positions pos0..pos0+n_tokens-1, in batches of n_batch.
 // Logits are requested for positions listed in out_idx (indices into tokens, ascending) and copied to
