@@ -559,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="GGUF model file")
     p.add_argument("--devices", required=True, help="device spec (forms below); fit needs devices with memory")
     p.add_argument("--variant", default="patched", choices=["patched", "baseline"],
-                   help="whose fit: patched spreads host experts over the devices (patch 0011), baseline is "
+                   help="whose fit: patched spreads host experts over the devices (patch 0010), baseline is "
                         "upstream's (default: patched)")
     p.add_argument("-c", "--ctx", type=int, default=4096, metavar="N",
                    help="n_ctx to plan for; 0: fit chooses it (default: 4096)")

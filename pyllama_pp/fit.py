@@ -1,7 +1,7 @@
 """`fit`: plan where a model's layers and experts go on a device spec, with the variant's own common/fit.cpp.
 
 The baseline's plan is upstream's (its steps 3 and 4: host experts piled onto the trailing devices, or its refusal
-and why); the patched build's patch 0011 spreads the host-expert layers evenly over the devices when pipeline
+and why); the patched build's patch 0010 spreads the host-expert layers evenly over the devices when pipeline
 parallelism can use them (path "spread"), else it takes upstream's steps and says why (path "upstream").
 
 A `Plan` is data: shown as a table, `to_frame()`, saved and loaded as JSON (`save` / `load`), and applied with
@@ -68,7 +68,7 @@ class Plan:
     devices_spec: dict                 # DeviceSpec.to_dict()
     ctx: dict                          # the ContextParams fit planned for (n_ctx as fit chose it)
     status: str                        # success, failure, error
-    path: str                          # "spread" (patch 0011) or "upstream"
+    path: str                          # "spread" (patch 0010) or "upstream"
     reasons: list[str]
     n_gpu_layers: int
     tensor_split: list[float]

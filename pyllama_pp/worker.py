@@ -93,10 +93,7 @@ def run_job(job: Union[Job, dict], variant: str, timeout: Optional[float] = None
             result = None
     if isinstance(result, dict) and "error" in result:
         # the worker said what went wrong: its error class and its one message, here too
-        kind = str(result.get("type") or "WorkerError")
-        msg = str(result["error"])
-        if msg.startswith(kind + ": "):
-            msg = msg[len(kind) + 2:]
+        kind, msg = str(result.get("type") or "WorkerError"), str(result["error"])
         if proc.returncode == 4:
             msg = f"{variant} worker hit an unexpected error (a bug in pyllama_pp, please report it): {msg}"
         raise worker_error(kind, msg, proc.returncode, result.get("traceback") or stderr[-2000:])
@@ -399,7 +396,7 @@ def _main() -> int:
         job = Job.from_dict(json.loads(raw))
         result = HANDLERS[job.kind](job)
     except PyllamaError as e:
-        print(json.dumps({"error": f"{type(e).__name__}: {e}", "type": type(e).__name__}))
+        print(json.dumps({"error": str(e), "type": type(e).__name__}))
         return 3
     except KeyboardInterrupt:   # Ctrl-C reaches the whole process group: the caller reports it
         return 130

@@ -125,3 +125,30 @@ def nmse_fixture():
 @pytest.fixture(scope="session", name="assert_logits_match")
 def assert_logits_match_fixture():
     return assert_logits_match
+
+
+@pytest.fixture
+def no_worker(monkeypatch):
+    """Fails the test if a worker would start (the check must happen before)."""
+    from pyllama_pp import worker
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker was started for input that could be checked up front")
+    monkeypatch.setattr(worker, "run_job", refuse)
+
+
+@pytest.fixture
+def usage_error(capsys):
+    """Runs the CLI on argv and returns its one error line: exit 2, one `pyllama-pp: error:` line on stderr."""
+    from pyllama_pp import cli
+
+    def run(argv: list[str]) -> str:
+        rc = cli.main(argv)
+        out, err = capsys.readouterr()
+        assert rc == 2, (rc, out, err)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("pyllama-pp: error: "), f"not one line on stderr:\n{err}"
+        assert "Traceback" not in err and "\\n" not in err and "stderr tail" not in err, err
+        return lines[0]
+    return run
+

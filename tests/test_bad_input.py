@@ -1,5 +1,5 @@
-"""Bad input that tests/test_cli.py does not cover yet (docs/RESULTS.md section 4 lists every bad input with the test
-that checks it): output paths, argparse's own refusals (unknown variant, options not implemented), switch syntax, a
+"""Bad input that tests/test_cli.py does not cover (docs/RESULTS.md "Bad input and faults" lists every bad input with the
+test that checks it): output paths, argparse's own refusals (unknown choices), switch syntax, a
 context too small for the tests, CUDA without a CUDA build, two variants in one process, an empty token list."""
 from __future__ import annotations
 
@@ -12,20 +12,8 @@ from pyllama_pp import DecodeError, DeviceSpecError, cli, worker
 from pyllama_pp.binding import backend_modules
 
 
-@pytest.fixture
-def no_worker(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker was started for input that could be checked up front")
-    monkeypatch.setattr(worker, "run_job", refuse)
 
 
-def _one_line_error(capsys, argv: list[str]) -> str:
-    rc = cli.main(argv)
-    out, err = capsys.readouterr()
-    assert rc == 2, (rc, out, err)
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("pyllama-pp: error: "), err
-    return lines[0]
 
 
 def _argparse_error(capsys, argv: list[str]) -> str:
@@ -38,13 +26,13 @@ def _argparse_error(capsys, argv: list[str]) -> str:
     return err.strip().splitlines()[-1]
 
 
-def test_output_paths(capsys, no_worker, tiny_model, tmp_path):
+def test_output_paths(usage_error, no_worker, tiny_model, tmp_path):
     f = tmp_path / "a_file"
     f.write_text("")
-    assert "-o/--out" in _one_line_error(capsys, ["run", tiny_model, "-o", str(f)]) and "is a file" in \
-        _one_line_error(capsys, ["ab", tiny_model, "-o", str(f)])
-    assert "the folder" in _one_line_error(capsys, ["synth", str(tmp_path / "none" / "m.gguf")])
-    assert "it is a folder" in _one_line_error(capsys, ["synth", str(tmp_path)])
+    assert "-o/--out" in usage_error(["run", tiny_model, "-o", str(f)]) and "is a file" in \
+        usage_error(["ab", tiny_model, "-o", str(f)])
+    assert "the folder" in usage_error(["synth", str(tmp_path / "none" / "m.gguf")])
+    assert "it is a folder" in usage_error(["synth", str(tmp_path)])
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -65,14 +53,14 @@ def test_argparse_refusals(capsys, no_worker, tiny_model, argv, words):
     (["-d", "-1"], "-d/--n-depth takes whole numbers >= 0, got -1"),
     (["-c", "64", "-p", "512"], "-c/--ctx 64 is too small for the tests: the longest needs 520 positions"),
 ])
-def test_bad_options_refused_up_front(capsys, no_worker, tiny_model, argv, words):
-    line = _one_line_error(capsys, ["run", tiny_model, *argv])
+def test_bad_options_refused_up_front(usage_error, no_worker, tiny_model, argv, words):
+    line = usage_error(["run", tiny_model, *argv])
     assert words in line, line
 
 
 @pytest.mark.skipif("CUDA" in backend_modules(), reason="this build has a CUDA backend")
-def test_cuda_devices_without_a_cuda_build(capsys, no_worker, tiny_model):
-    line = _one_line_error(capsys, ["run", tiny_model, "--devices", "cuda:0,1"])
+def test_cuda_devices_without_a_cuda_build(usage_error, no_worker, tiny_model):
+    line = usage_error(["run", tiny_model, "--devices", "cuda:0,1"])
     assert "this build has no CUDA backend" in line, line
 
 

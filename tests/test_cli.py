@@ -10,34 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_pp import ConfigError, cli, worker
+from pyllama_pp import ConfigError, worker
 from pyllama_pp.session import ContextParams, Placement
 
 
-@pytest.fixture
-def no_worker(monkeypatch):
-    """Fails the test if a worker would start (the check must happen before)."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker was started for input that could be checked up front")
-    monkeypatch.setattr(worker, "run_job", refuse)
 
 
-def _usage_error(capsys, argv: list[str]) -> str:
-    rc = cli.main(argv)
-    out, err = capsys.readouterr()
-    assert rc == 2, (rc, out, err)
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("pyllama-pp: error: "), f"not one line on stderr:\n{err}"
-    assert "Traceback" not in err and "\\n" not in err and "stderr tail" not in err, err
-    return lines[0]
 
 
-def test_missing_folder_and_non_gguf_models(capsys, no_worker, tmp_path):
-    assert "model file not found" in _usage_error(capsys, ["run", str(tmp_path / "none.gguf")])
-    assert "is a folder, not a model file" in _usage_error(capsys, ["run", str(tmp_path)])
+def test_missing_folder_and_non_gguf_models(usage_error, no_worker, tmp_path):
+    assert "model file not found" in usage_error(["run", str(tmp_path / "none.gguf")])
+    assert "is a folder, not a model file" in usage_error(["run", str(tmp_path)])
     text = tmp_path / "notes.gguf"
     text.write_text("not a model")
-    assert "not a GGUF file" in _usage_error(capsys, ["ab", str(text)])
+    assert "not a GGUF file" in usage_error(["ab", str(text)])
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -54,26 +40,26 @@ def test_missing_folder_and_non_gguf_models(capsys, no_worker, tmp_path):
     (["--devices", "vdev:bogus"], "bad device spec 'vdev:bogus'"),
     (["--variant", "baseline", "--switch", "NOSUCH=1"], "--variant baseline has none"),
 ])
-def test_bad_run_options_are_refused_before_a_worker_starts(capsys, no_worker, tiny_model, argv, words):
-    line = _usage_error(capsys, ["run", tiny_model, *argv])
+def test_bad_run_options_are_refused_before_a_worker_starts(usage_error, no_worker, tiny_model, argv, words):
+    line = usage_error(["run", tiny_model, *argv])
     assert words in line, line
 
 
-def test_bad_ab_options_write_no_files(capsys, no_worker, tiny_model, tmp_path):
+def test_bad_ab_options_write_no_files(usage_error, no_worker, tiny_model, tmp_path):
     out = tmp_path / "out"
-    assert "-b/--batch" in _usage_error(capsys, ["ab", tiny_model, "-b", "-5", "-o", str(out)])
+    assert "-b/--batch" in usage_error(["ab", tiny_model, "-b", "-5", "-o", str(out)])
     assert not out.exists(), "an A/B run that measured nothing left files behind"
 
 
-def test_unknown_switch_names_its_near_misses(capsys, tiny_model):
+def test_unknown_switch_names_its_near_misses(usage_error, tiny_model):
     """The patched build's own table decides (one info job, no measurement)."""
-    line = _usage_error(capsys, ["run", tiny_model, "--switch", "UPLOAD_AL=0"])
+    line = usage_error(["run", tiny_model, "--switch", "UPLOAD_AL=0"])
     assert "no such switch" in line and "UPLOAD_ALL" in line and "pyllama-pp info" in line, line
 
 
-def test_switch_value_out_of_range_is_refused(capsys, tiny_model):
+def test_switch_value_out_of_range_is_refused(usage_error, tiny_model):
     """The patched build's table gives each switch its range: a value outside it is refused up front."""
-    line = _usage_error(capsys, ["run", tiny_model, "--switch", "OVERLAP=1"])
+    line = usage_error(["run", tiny_model, "--switch", "OVERLAP=1"])
     assert "OVERLAP=1" in line and "out of range" in line and "0, 2" in line, line
 
 

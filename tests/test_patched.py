@@ -24,7 +24,7 @@ def _off(name: str) -> dict:
     return {f"GGML_SCHED_PP_{name}": 0}
 
 
-# the device's own gather of the used experts (patch 0010, on by default wherever a gather exists: VDEVs have one)
+# the device's own gather of the used experts (patch 0009, on by default wherever a gather exists: VDEVs have one)
 NO_GATHER = _off("GATHER")
 # the selective copy on every device (patch 0008 makes DIRECT the default on every GPU but the first, 0010 GATHER on
 # every device with a gather): for tests of the transient-copy machinery itself
@@ -119,7 +119,7 @@ def test_pipeline_stays_on_with_host_experts(patched_all):
 def test_both_devices_get_their_own_layers_experts(runner, tiny_model, tensor_split, direct):
     """Each device receives the expert bytes of the MoE layers it owns (logits "all": every layer, the last
     one included, processes every token): over its link (VDEV's h2d count, which includes what the devices'
-    gathers copy - GATHER, on by default, patch 0010) and, with GATHER and DIRECT off, as the scheduler's own
+    gathers copy - GATHER, on by default, patch 0009) and, with GATHER and DIRECT off, as the scheduler's own
     transient uploads."""
     r = runner.logits("patched", devices=DEVS, placement={**HOST_ALL, "tensor_split": tensor_split}, ctx=CTX,
                       n_tokens=N_TOKENS, env=None if direct is None else NO_DIRECT)
@@ -308,7 +308,7 @@ def test_overlap_in_the_compute_buffer_keeps_the_memory_bound(runner, tiny_cfg, 
 
 
 def test_overlap_in_the_compute_buffer_with_direct_and_kept_plans(runner, assert_logits_match):
-    """OVERLAP=2 together with the defaults below the upload-all bar (GATHER on VDEVs since patch 0010, DIRECT
+    """OVERLAP=2 together with the defaults below the upload-all bar (GATHER on VDEVs since patch 0009, DIRECT
     before it) and kept plans, in the mixed workload: the same logits as the baseline, no re-reservation."""
     b = _mixed(runner, "baseline", None)
     p = _mixed(runner, "patched", {"GGML_SCHED_PP_OVERLAP": 2})
@@ -503,7 +503,7 @@ def test_gather_with_overlap_goes_up_on_the_second_stream(runner, assert_logits_
 
 @pytest.mark.parametrize("ub", [32, 128])
 def test_prefetch_brings_last_used_experts_a_split_early(runner, tiny_cfg, assert_logits_match, ub):
-    """PREFETCH (patch 0010, on by default, acting with OVERLAP=2 and GATHER): a layer's first expert op (gate)
+    """PREFETCH (patch 0009, on by default, acting with OVERLAP=2 and GATHER): a layer's first expert op (gate)
     cannot gather a split early - its ids are computed in the split before - so its copy is placed early too and the
     device fills it on the second stream with the experts the same weight used at its last gather; the op's own
     split then gathers only the rest (ub128: not the gate that reads its ids back to measure the coverage, the
@@ -586,7 +586,7 @@ def test_prefetch2_moves_up_and_down_two_splits_early(runner, tiny_cfg, assert_l
 
 @pytest.mark.parametrize("ub", [32, 128])
 def test_chain_queues_gathers_behind_the_one_before(runner, assert_logits_match, ub):
-    """Chaining (patch 0010; with OVERLAP=2 and a gather), here with PREFETCH=2: a gather whose inputs an earlier
+    """Chaining (patch 0009; with OVERLAP=2 and a gather), here with PREFETCH=2: a gather whose inputs an earlier
     gather of the device in the graph already waited for is flagged CHAINED and goes right behind that gather, not
     after a wait for the second stream - up's prefetch (the gate's waits for its memory's last user too), up's rest and down's gather,
     about three a layer. VDEV runs a device's gathers on a queue of their own, as CUDA on one stream per GPU: each
