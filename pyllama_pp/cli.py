@@ -436,6 +436,7 @@ def _apply_plans(args, model: str, cfgs: list, variants: list[str]) -> None:
                 cfg.devices = spec.get("text") if spec.get("text") and not str(spec.get("text")).endswith(".json") \
                     else json.dumps({k: v for k, v in spec.items() if k != "text"})
             cfg.plans = {v: plan.placement_dict() for v in variants}
+            cfg.ext_params = {**plan.ext_params(), **cfg.ext_params}   # the plan's copies (patched runs only)
             cfg.host_experts, cfg.tensor_split = "plan", None
             continue
         n_ctx = cfg.job().ctx.n_ctx
@@ -446,6 +447,8 @@ def _apply_plans(args, model: str, cfgs: list, variants: list[str]) -> None:
             if not args.json:
                 print(p, file=sys.stderr)
             cfg.plans[v] = p.placement_dict()
+            if v == "patched":
+                cfg.ext_params = {**p.ext_params(), **cfg.ext_params}
         cfg.host_experts, cfg.tensor_split = "fit", None
 
 

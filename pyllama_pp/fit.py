@@ -81,6 +81,11 @@ class Plan:
     host: dict = field(default_factory=dict)   # model / context / compute bytes in host memory
     message: str = ""                  # fit's own reason when it failed
     seconds: float = 0.0
+    # the patched scheduler's switches this plan's memory was measured with, applied with it (Session, run/ab):
+    # OVERLAP=2's early expert copies (one more expert copy per device in the compute buffers) where they fit,
+    # else OVERLAP=0; {} for the baseline. copies: which, and why, in words
+    switches: dict = field(default_factory=dict)
+    copies: str = ""
 
     # -- views -----------------------------------------------------------------------------------------------
     @property
@@ -124,6 +129,8 @@ class Plan:
                          f"{d.partial_layers:>5} "
                          f"{d.model_bytes / MiB:9.1f} {d.context_bytes / MiB:9.1f} {d.compute_bytes / MiB:9.1f} "
                          f"{d.expected_bytes / MiB:9.1f} {d.target_bytes / MiB:9.1f}")
+        if self.copies:
+            lines.append(f"  copies: {self.copies}")
         if self.message:
             lines.append(f"  fit: {self.message}")
         return "\n".join(lines)
@@ -169,6 +176,10 @@ class Plan:
         return {"n_gpu_layers": self.n_gpu_layers, "split_mode": self.ctx.get("split_mode", "layer"),
                 "tensor_split": list(self.tensor_split) if any(self.tensor_split) else None,
                 "host_experts": "none", "overrides": list(self.tensor_overrides)}
+
+    def ext_params(self) -> dict:
+        """The patched scheduler's switches this plan was measured with (none for a baseline plan)."""
+        return dict(self.switches) if self.variant == "patched" else {}
 
     def placement(self):
         from .session import Placement
@@ -285,29 +296,37 @@ def plan_from_result(res: dict, variant: str, model: str, spec: devspec.DeviceSp
 def check_plan(plan: Plan, check: bool = True) -> Plan:
     """The errors a user can act on (unless check=False): fit found no placement, not even the dense weights fit on
     the devices (whole layers left on the CPU), or the plan's own measurement puts a device over its target."""
+    problem = plan_problem(plan, check)
+    if problem is not None:
+        raise problem
+    return plan
+
+
+def plan_problem(plan: Plan, check: bool = True) -> Optional[Exception]:
+    """check_plan's error for this plan, or None."""
     if plan.status != "success" and re.search(r"already set|not implemented|did not provide", plan.message):
-        raise ConfigError(f"fit ({plan.variant}) refused: {plan.message}")
+        return ConfigError(f"fit ({plan.variant}) refused: {plan.message}")
     if plan.status != "success":
-        raise OutOfMemoryError(f"fit ({plan.variant}) found no placement for {Path(plan.model).name} on "
-                               f"{plan.devices_spec.get('text') or 'these devices'}: {plan.message or plan.reasons}")
+        return OutOfMemoryError(f"fit ({plan.variant}) found no placement for {Path(plan.model).name} on "
+                                f"{plan.devices_spec.get('text') or 'these devices'}: {plan.message or plan.reasons}")
     if not check:
-        return plan
+        return None
     where = plan.devices_spec.get("text") or "these devices"
     on_cpu = plan.n_layer + 1 - plan.n_gpu_layers if plan.n_gpu_layers >= 0 else 0
     if on_cpu > 0:
-        raise OutOfMemoryError(
+        return OutOfMemoryError(
             f"{Path(plan.model).name} does not fit on {where} even with every expert in host RAM: fit ({plan.variant}) "
             f"leaves {on_cpu} of {plan.n_layer + 1} layers on the CPU. Fix: give the devices more memory, or lower the "
             "margin, --ctx or --ubatch (or take the plan as it is: fit(..., check=False), --no-check)")
     over = [d for d in plan.devices if d.expected_bytes > d.target_bytes]
     if over:
         d = over[0]
-        raise OutOfMemoryError(
+        return OutOfMemoryError(
             f"fit ({plan.variant}) planned {d.expected_bytes / MiB:.1f} MiB on {d.name}, over its target of "
             f"{d.target_bytes / MiB:.1f} MiB (upstream's steps measure a device before the pipeline's copies exist "
             f"on it; path {plan.path}: {'; '.join(plan.reasons) or '-'}). Fix: give the devices more memory, or lower "
             "the margin, --ctx or --ubatch (or take the plan as it is: fit(..., check=False), --no-check)")
-    return plan
+    return None
 
 
 def run_fit(native, model: str, dev_names: str, split_mode: int, ctx, margins: list[int], n_ctx_min: int = 0) -> dict:
@@ -372,9 +391,50 @@ def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant:
     margins = _margins(margin, spec)
     job = {"kind": "fit", "model": str(model), "devices": {**spec.to_dict(), "ids": spec.cuda_ids}, "ctx": ctx.to_dict(),
            "split_mode": split_mode, "margins": margins, "n_ctx_min": n_ctx_min}
-    res = run_job(job, variant, timeout=timeout, env=env)
-    plan = plan_from_result(res, variant, str(model), spec, {**ctx.to_dict(), "split_mode": split_mode}, margins)
+
+    def once(extra: dict) -> Plan:
+        res = run_job(job, variant, timeout=timeout, env={**(env or {}), **extra} or None)
+        return plan_from_result(res, variant, str(model), spec, {**ctx.to_dict(), "split_mode": split_mode}, margins)
+
+    plan = once({})
+    if variant == "patched" and len(plan.devices) > 1:
+        plan = _plan_copies(plan, once, check, env)
     return check_plan(plan, check)
+
+
+OVERLAP_VAR = "GGML_SCHED_PP_OVERLAP"
+
+
+def _plan_copies(plan: Plan, once, check: bool, env: Optional[dict]) -> Plan:
+    """The patched build's dry runs measure the compute buffers with the switches in force: by default with
+    OVERLAP=2's early expert copies (one more expert copy per device). Where that plan has no room (fit fails,
+    leaves layers on the CPU, or a device over its target), plan again without them (OVERLAP=0), and say so. A
+    value the user set (env / environment) is kept as it is."""
+    forced = (env or {}).get(OVERLAP_VAR, os.environ.get(OVERLAP_VAR))
+    if forced is not None:
+        plan.switches = {"OVERLAP": int(forced)}
+        plan.copies = f"OVERLAP={int(forced)} as set by {OVERLAP_VAR}"
+        return plan
+    problem = plan_problem(plan, check)
+    compute = "/".join(f"{d.compute_bytes / MiB:.1f}" for d in plan.devices)
+    plan.switches = {"OVERLAP": 2}
+    plan.copies = (f"OVERLAP=2 (default): early expert copies planned, one more expert copy in each device's "
+                   f"compute buffer (compute {compute} MiB)")
+    if problem is None and plan.path == "spread":
+        return plan
+    # no placement with the copies, or no spread (upstream's path: often a device without room for its share of
+    # the dense-only layers beside the copies): try without them; a spread plan without copies beats one without
+    # pipelining-friendly placement, and any plan beats none
+    alt = once({OVERLAP_VAR: "0"})
+    alt_problem = plan_problem(alt, check)
+    if alt_problem is not None or (problem is None and alt.path != "spread"):
+        return plan     # no better without the copies (the same path, or no placement either way)
+    why = str(problem).split(". Fix:")[0] if problem is not None else f"path {plan.path}: {'; '.join(plan.reasons)}"
+    alt.switches = {"OVERLAP": 0}
+    alt.copies = (f"OVERLAP=0: no room for OVERLAP=2's early expert copies (with them, compute {compute} MiB and "
+                  f"{why}); planned without them")
+    alt.seconds += plan.seconds
+    return alt
 
 
 def do_fit_job(job) -> dict:

@@ -295,6 +295,8 @@ class Session:
             plan.check(self.path, None if devices in (None, "cpu") else devices)
             devices, placement = plan.devices_spec, plan.placement()
             ctx = ctx or plan.context_params()
+            if variant == "patched":   # the switches the plan's memory was measured with (yours win)
+                ext_params = {**plan.ext_params(), **(ext_params or {})}
         self.plan = plan
         self.spec = devspec.parse(devices)
         self.placement = placement or Placement()

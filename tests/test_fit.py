@@ -138,14 +138,43 @@ def test_split_mode_row_is_refused(model):
         fit(model, devices=TWO_EQUAL, ctx=CTX, variant="patched", split_mode="row", timeout=120)
 
 
-@pytest.mark.parametrize("variant", ["patched", "baseline"])
-def test_session_from_a_plan_stays_within_it(plans, model, tmp_path, variant):
-    p = plans(variant, TWO_EQUAL)
+# room for each device's share of the dense-only layers, but not for that and OVERLAP=2's early expert copies
+# (measured: with the copies fit takes upstream's path and piles the host experts on one device)
+NO_ROOM = "vdev:2x4352KiB@4GBps"
+
+
+def test_the_plan_chooses_the_copies_it_has_room_for(plans):
+    """The patched plan is measured with OVERLAP=2's early copies (the default) where they fit, and without them
+    where they do not - saying so; the baseline's plan has no switches."""
+    room, tight = plans("patched", TWO_EQUAL), plans("patched", NO_ROOM)
+    assert room.switches == {"OVERLAP": 2} and "OVERLAP=2" in room.copies and "copies" in str(room)
+    assert tight.switches == {"OVERLAP": 0} and "no room" in tight.copies, tight.copies
+    assert tight.n_gpu_layers == N_LAYER + 1 and tight.path == "spread"
+    _share_ok(tight)
+    _within_targets(tight)
+    assert plans("baseline", TWO_EQUAL).switches == {} and plans("baseline", TWO_EQUAL).ext_params() == {}
+
+
+def test_a_switch_the_user_set_is_planned_as_set(model):
+    p = fit(model, devices=TWO_EQUAL, ctx=CTX, env={"GGML_SCHED_PP_OVERLAP": "0"}, timeout=120)
+    assert p.switches == {"OVERLAP": 0} and "as set" in p.copies
+    with_copies = fit(model, devices=TWO_EQUAL, ctx=CTX, timeout=120)
+    assert sum(d.compute_bytes for d in p.devices) < sum(d.compute_bytes for d in with_copies.devices)
+
+
+@pytest.mark.parametrize("variant,spec", [("patched", TWO_EQUAL), ("baseline", TWO_EQUAL), ("patched", NO_ROOM)],
+                         ids=["patched", "baseline", "patched-no-room-for-copies"])
+def test_session_from_a_plan_stays_within_it(plans, model, tmp_path, variant, spec):
+    """Each device's measured memory is within the plan's expectation + 5% + 64 MiB, with and without room for
+    the overlap copies; the session runs with the copies the plan chose, and needs no fallback at run time."""
+    p = plans(variant, spec)
     res = run_job({"kind": "logits", "model": model, "plan": p.to_dict(), "n_tokens": 256, "logits": "last",
                    "out": str(tmp_path / "l.npy")}, variant, timeout=120)
     logits = np.load(tmp_path / "l.npy")
     assert logits.shape[0] == 1 and np.all(np.isfinite(logits))
     assert res["schedule"]["pipeline_parallel"] is (variant == "patched")
+    if variant == "patched":
+        assert res["ext"]["overlap"] == p.switches["OVERLAP"] and res["ext"]["overlap_dropped"] == 0, res["ext"]
     devs = res["counters"]["devices"]
     assert len(devs) == 2
     for d, want in zip(devs, p.devices):

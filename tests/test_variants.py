@@ -53,7 +53,7 @@ def test_info(variant):
             assert s["type"] != "bool" or (s["min"], s["max"]) == (0, 1), s
             assert not s["values"] or s["default"] in s["values"], s
         # the defaults README and docs/DEVELOPING.md state
-        documented = {"GATE": 1, "OVERLAP": 0, "DIRECT": -1, "GATHER": -1, "PREFETCH": 1, "PREFETCH2_MIN_TOKENS": 1024,
+        documented = {"GATE": 1, "OVERLAP": 2, "DIRECT": -1, "GATHER": -1, "PREFETCH": 1, "PREFETCH2_MIN_TOKENS": 1024,
                       "STAGING": 1, "LINKS": 0, "UPLOAD_ALL_MIN": -1, "UPLOAD_ALL_MIN_COV": -1}
         assert {k: sw[k]["value"] for k in documented} == documented
         assert sw["OVERLAP"]["values"] == [0, 2] and sw["DIRECT"]["values"] == [-1, 0, 2]
