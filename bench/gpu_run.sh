@@ -96,6 +96,12 @@ if [ "${PP_Q6:-0}" = 1 ]; then  # issue 6: re-reservations in a mixed workload (
 fi
 # the script's budget: what is left of the call (PP_CALL_LIMIT, default 570 s of the 600 s a call may run)
 budget=$(( ${PP_CALL_LIMIT:-570} - ($(date +%s) - t0) ))
+if [ -n "${PP_ONLY:-}" ]; then   # another bench script instead of gpu_run.py, e.g. PP_ONLY=bench/fit_gpu.py
+    name=$(basename "$PP_ONLY" .py)
+    cd /tmp && python3 "$OLDPWD/$PP_ONLY" --out /tmp/res/$name --budget $budget "$@" 2>&1 | tee /tmp/res/run.log; rc=${PIPESTATUS[0]}
+    tar czf "$OUT/results.tgz" -C /tmp/res . && ls -la "$OUT"
+    exit $rc
+fi
 cd /tmp && python3 "$OLDPWD/bench/gpu_run.py" --out /tmp/res --budget $budget "$@" 2>&1 | tee /tmp/res/run.log; rc=${PIPESTATUS[0]}
 tar czf "$OUT/results.tgz" -C /tmp/res . && ls -la "$OUT"
 exit $rc

@@ -584,20 +584,29 @@ class Session:
         self.kv_shift(n_keep + n_discard, -1, -n_discard)
         return end - n_discard
 
-    def coverage(self, tokens: Iterable[int]) -> dict:
+    def coverage(self, tokens: Iterable[int], exclusive: bool = False) -> dict:
         """Experts used per MoE layer per ubatch for these tokens, measured in a separate context (the
-        measurement syncs the host once per layer, so it is never part of a timed run)."""
+        measurement syncs the host once per layer, so it is never part of a timed run). exclusive: free the
+        session's own context meanwhile (its KV cache is lost, a fresh one follows), so that the two never hold
+        device memory at once - for sessions whose memory a fit plan sized for one context."""
         t = self._tokens(tokens)
         lib, ffi = self.native.lib, self.native.ffi
-        ctx = self._new_context(coverage=True)
+        if exclusive and self._ctx is not None:
+            lib.pp_context_free(self._ctx)
+            self._ctx = None
         try:
-            self._decode(ctx, t, 0, np.zeros(0, dtype=np.int32))
-            n = lib.pp_coverage_count(ctx)
-            rows = ffi.new("pp_coverage_row[]", max(n, 1))
-            n = self.native.check(lib.pp_coverage_get(ctx, rows, n))
-            recs = [(rows[i].layer, rows[i].n_tokens, rows[i].n_used) for i in range(n)]
+            ctx = self._new_context(coverage=True)
+            try:
+                self._decode(ctx, t, 0, np.zeros(0, dtype=np.int32))
+                n = lib.pp_coverage_count(ctx)
+                rows = ffi.new("pp_coverage_row[]", max(n, 1))
+                n = self.native.check(lib.pp_coverage_get(ctx, rows, n))
+                recs = [(rows[i].layer, rows[i].n_tokens, rows[i].n_used) for i in range(n)]
+            finally:
+                lib.pp_context_free(ctx)
         finally:
-            lib.pp_context_free(ctx)
+            if self._ctx is None:
+                self._ctx = self._new_context(coverage=False)
         # keep layers that saw the whole ubatch: the last layer of a graph runs only on the output rows
         full, ubatch = [], 0
         for layer, n_tok, used in recs:

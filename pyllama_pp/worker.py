@@ -241,7 +241,7 @@ def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
         prefix = _tokens(depth, s.info.n_vocab, seed + 1) if depth else None
         cov = None
         if kind == "pp" and coverage and s.info.n_expert > 0:
-            cov = s.coverage(toks)
+            cov = s.coverage(toks, exclusive=True)   # (never two contexts at once: a plan sized one)
         times, devs, ext = [], [], None
         for r in range(reps + 1):
             s.reset_counters()
