@@ -207,7 +207,7 @@ def _margins(margin, spec: devspec.DeviceSpec) -> list[int]:
         raise ConfigError(f"bad margin {margin!r}: {e}") from None
     if len(vals) == 1:
         vals = vals * n
-    if len(vals) != n:
+    if len(vals) != n and spec.n_devices:   # ("cuda" names no count: the devices fit finds)
         raise ConfigError(f"{len(vals)} margins for {n} devices: give one, or one per device")
     return vals
 
@@ -257,6 +257,10 @@ def plan_from_result(res: dict, variant: str, model: str, spec: devspec.DeviceSp
                      margins: list[int]) -> Plan:
     """A Plan from the worker's raw pp_fit result."""
     n_layer, ndev = res["n_layer"], len(res["devices"])
+    if len(margins) == 1:   # (a spec such as "cuda" names no device count: one margin for every device)
+        margins = margins * ndev
+    if len(margins) != ndev:
+        raise ConfigError(f"{len(margins)} margins for the {ndev} devices fit found: give one, or one per device")
     records = [r["data"] for r in res.get("report", []) if r.get("type") == "fit_placement"]
     status = FIT_STATUS.get(res["status"], str(res["status"]))
     if records:
@@ -336,7 +340,8 @@ def run_fit(native, model: str, dev_names: str, split_mode: int, ctx, margins: l
     keep = [ffi.new("char[]", str(model).encode()), ffi.new("char[]", dev_names.encode())]
     p = ffi.new("pp_fit_params *")
     p.path, p.devices, p.split_mode, p.n_ctx_min = keep[0], keep[1], split_mode, n_ctx_min
-    for i, m in enumerate(margins[:16]):
+    each = margins * 16 if len(margins) == 1 else margins   # (one margin: every device's)
+    for i, m in enumerate(each[:16]):
         p.margins[i] = int(m)
     c = ffi.new("pp_context_params *")
     c.n_ctx, c.n_batch, c.n_ubatch, c.n_seq_max = ctx.n_ctx, ctx.n_batch, ctx.n_ubatch, 1

@@ -12,7 +12,7 @@ import pytest
 
 from pyllama_pp import synth
 from pyllama_pp.cli import main as cli_main
-from pyllama_pp.errors import DeviceSpecError, ModelError, OutOfMemoryError
+from pyllama_pp.errors import ConfigError, DeviceSpecError, ModelError, OutOfMemoryError
 from pyllama_pp.fit import Plan, PlanError, fit
 from pyllama_pp.session import ContextParams
 from pyllama_pp.worker import run_job
@@ -258,3 +258,17 @@ def test_cli_run_with_fit(model, capsys):
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert rows and all(r.get("pipeline_parallel") for r in rows) and not any(r.get("error") for r in rows)
     assert all(r["tensor_buft_overrides"] == "host_experts=fit" for r in rows)
+
+
+def test_one_margin_is_every_devices_margin(plans, model):
+    """A margin for a spec that names no device count ("cuda": every GPU fit finds) applies to each device found,
+    in the plan and in what fit is given (the fit of 2026-12-02's GPU call failed on it)."""
+    from pyllama_pp import devices as devspec
+    from pyllama_pp.fit import _margins
+    assert _margins("1GiB", devspec.parse("cuda")) == [1024**3]
+    assert _margins(["1GiB", "2GiB"], devspec.parse("cuda")) == [1024**3, 2 * 1024**3]
+    with pytest.raises(ConfigError, match="3 margins for 2 devices"):
+        _margins(["1MiB"] * 3, devspec.parse(TWO_EQUAL))
+    p = fit(model, devices=TWO_EQUAL, ctx=CTX, margin="1MiB", timeout=120)
+    assert [d.free_bytes - d.target_bytes for d in p.devices] == [MiB, MiB]
+    assert all(d.expected_bytes <= d.target_bytes for d in p.devices)
