@@ -94,6 +94,14 @@ if [ "${PP_Q6:-0}" = 1 ]; then  # issue 6: re-reservations in a mixed workload (
             --order $order $([ "${PP_Q6_LOGITS:-0}" = 1 ] && echo --logits)) 2>&1 | tail -${PP_Q6_TAIL:-30}
     done
 fi
+if [ -n "${PP_SOAK:-}" ]; then  # issue 25: the soak (bench/soak.py: tiny preset, every expert in host RAM) on CUDA
+    # PP_SOAK holds its arguments, e.g. "--calls 300 --variant both" (--devices cuda: the first two CUDA devices;
+    # GGML_CUDA_DEVICES=2 CUDA_VISIBLE_DEVICES=0: one GPU as two); JSON and tables in soak/ of the archive, output
+    # in soak.log
+    left=$(( ${PP_CALL_LIMIT:-570} - ($(date +%s) - t0) - 30 ))
+    (cd /tmp && timeout $left python3 "$OLDPWD/bench/soak.py" --devices cuda $PP_SOAK --out /tmp/res/soak) 2>&1 \
+        | tee /tmp/res/soak.log | tail -${PP_SOAK_TAIL:-40}
+fi
 # the script's budget: what is left of the call (PP_CALL_LIMIT, default 570 s of the 600 s a call may run)
 budget=$(( ${PP_CALL_LIMIT:-570} - ($(date +%s) - t0) ))
 if [ -n "${PP_ONLY:-}" ]; then   # another bench script instead of gpu_run.py, e.g. PP_ONLY=bench/fit_gpu.py

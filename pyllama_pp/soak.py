@@ -12,6 +12,13 @@ their logits must agree (exact, or NMSE <= 1e-6).
 `run(...)` runs the two worker jobs (kind "soak": the reference, then the soak, which compares each checkpoint with
 the reference's logits as it goes) and `judge` applies the limits; the worker side is `soak_job`. Host RSS is read
 from /proc/self/status in the worker, which holds the session.
+
+Device memory: on VDEVs the bytes allocated (device counters), which must not move at all after the warm-up. On CUDA
+devices the memory in use as CUDA reports it (memory_total - memory_free of the ggml device, i.e. cudaMemGetInfo:
+the whole GPU, every process and the CUDA context included), which must stay within CUDA_DRIFT_MIN_BYTES or
+CUDA_DRIFT_FRAC (the larger) of the first checkpoint after the warm-up (CUDA's pool allocators move a little).
+Devices that share one GPU (GGML_CUDA_DEVICES) each report an equal share of it (ggml divides by the share count),
+so their figures are equal and each is that share of the GPU's memory in use.
 """
 from __future__ import annotations
 
@@ -25,6 +32,9 @@ import numpy as np
 NMSE_MAX = 1e-6
 RSS_GROWTH_MAX = 0.05
 OFFLOAD_MIN = 32          # VDEV's (and CUDA's) op-offload batch threshold
+MiB = 1024 * 1024
+CUDA_DRIFT_MIN_BYTES = 16 * MiB   # CUDA memory in use may move this much after the warm-up...
+CUDA_DRIFT_FRAC = 0.005           # ... or this fraction of the first checkpoint's after the warm-up, the larger
 # batch sizes: below the op-offload threshold, between it and the upload-all bar, above that bar
 SMALL = (1, 1, 1, 2, 3, 5, 8, 16, 31)
 MID = (32, 33, 40, 48, 63, 64, 100)
@@ -102,6 +112,18 @@ def run_recipe(s, steps: list[dict]) -> tuple[np.ndarray, int]:
 # ---------------------------------------------------------------------------------------------------------
 # the worker side (job kind "soak")
 
+def cuda_memory(s) -> list[dict]:
+    """The session's CUDA devices as CUDA reports them now (ggml's device memory query, cudaMemGetInfo): name,
+    description, total_bytes, used_bytes (total - free); empty for other devices."""
+    if s.spec.kind != "cuda":
+        return []
+    from .session import list_devices
+    cuda = [d for d in list_devices() if d["backend"] == "CUDA"]
+    return [{"name": cuda[i]["name"], "description": cuda[i]["description"], "total_bytes": cuda[i]["memory_total"],
+             "used_bytes": cuda[i]["memory_total"] - cuda[i]["memory_free"]}
+            for i in (s.spec.cuda_ids or range(len(cuda)))]
+
+
 def _pick(rng, table):
     names, w = zip(*table)
     return names[int(rng.choice(len(names), p=np.asarray(w) / sum(w)))]
@@ -132,6 +154,7 @@ def soak_job(s, calls: int, seed: int, check_every: int, warmup: int, ref: str) 
         reference = {k: z[k] for k in z.files}
     rss0 = rss_bytes(trim=True)
     ext0 = s.ext_stats()
+    cuda0 = cuda_memory(s)      # (empty unless the devices are CUDA's)
     pos = 0                     # the next position of the sequence in the cache
     counts: dict[str, int] = {}
     bands: dict[str, dict] = {}
@@ -157,6 +180,8 @@ def soak_job(s, calls: int, seed: int, check_every: int, warmup: int, ref: str) 
                             "alloc_bytes": [d["alloc_bytes"] for d in devs],
                             "peak_alloc_bytes": [d["peak_alloc_bytes"] for d in devs],
                             "failed_allocs": sum(d["failed_allocs"] for d in devs)})
+        if cuda0:
+            checkpoints[-1]["cuda_used_bytes"] = [d["used_bytes"] for d in cuda_memory(s)]
         return 0   # a recipe ends with its own state in the cache: the next call starts from a clear
 
     for i in range(calls):
@@ -219,9 +244,12 @@ def soak_job(s, calls: int, seed: int, check_every: int, warmup: int, ref: str) 
         ext_moved = {k: ext[k] - ext0.get(k, 0) for k in ("upload_all", "selective", "gather", "id_readbacks",
                                                            "offload_owner", "graphs", "reallocs", "plan_switches")
                      if isinstance(ext.get(k), int)}
-    return {"model": s.info.to_dict(), "calls": calls, "evals": n_eval, "shifts": n_shift, "rewinds": n_rm,
-            "clears": n_clear, "warmup": warmup, "seconds": seconds, "rss_start": rss0, "counts": counts,
-            "bands": bands, "checkpoints": checkpoints, "ext": ext_moved}
+    out = {"model": s.info.to_dict(), "calls": calls, "evals": n_eval, "shifts": n_shift, "rewinds": n_rm,
+           "clears": n_clear, "warmup": warmup, "seconds": seconds, "rss_start": rss0, "counts": counts,
+           "bands": bands, "checkpoints": checkpoints, "ext": ext_moved}
+    if cuda0:   # each device at the start (the session made, no call yet)
+        out["cuda_devices"] = cuda0
+    return out
 
 
 def reference_job(s, out: str) -> dict:
@@ -263,6 +291,10 @@ class SoakResult:
     ext: Optional[dict]
     problems: list = field(default_factory=list)
     rows: list = field(default_factory=list)   # the checkpoints, with their NMSE
+    # CUDA devices only (None otherwise): per device its name, total_bytes, used_start_bytes (the session made),
+    # warm_used_bytes (the warm-up's last checkpoint); used_bytes at each checkpoint after the warm-up (one list per
+    # checkpoint), the largest drift from the first of them (signed bytes), the tolerance, and flat
+    cuda: Optional[dict] = None
 
     @property
     def ok(self) -> bool:
@@ -270,7 +302,10 @@ class SoakResult:
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
-        return {**asdict(self), "ok": self.ok}
+        d = {**asdict(self), "ok": self.ok}
+        if d["cuda"] is None:
+            del d["cuda"]
+        return d
 
 
 def nmse(a: np.ndarray, b: np.ndarray) -> float:
@@ -278,6 +313,25 @@ def nmse(a: np.ndarray, b: np.ndarray) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     den, num = float(np.sum(b * b)), float(np.sum((a - b) ** 2))
     return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+
+
+def cuda_pair(devices: str, found: list[dict]) -> str:
+    """The soak's devices for `devices` given the devices a worker found (session.list_devices()): a bare `cuda`
+    becomes the first two CUDA devices (one where there is one): the soak checks correctness and leaks on the tiny
+    preset, and two devices are what pipelining needs; more would only spread its few layers thinner. Any other
+    spec, and `cuda` where no CUDA device was found (the worker then says why), is kept."""
+    if devices.strip().lower() != "cuda":
+        return devices
+    n = sum(d["backend"] == "CUDA" for d in found)
+    return "cuda:0,1" if n >= 2 else "cuda:0" if n == 1 else devices
+
+
+def soak_devices(devices: str, variant: str = "patched", timeout: float = 120.0, env: Optional[dict] = None) -> str:
+    """cuda_pair with the devices an info job (a worker of `variant`) finds; other specs without a worker."""
+    if devices.strip().lower() != "cuda":
+        return devices
+    from .worker import run_job
+    return cuda_pair(devices, run_job({"kind": "info"}, variant, timeout=timeout, env=env)["devices"])
 
 
 def run(model: str, variant: str = "patched", devices: str = "vdev:2x256MiB@4GBps", calls: int = 1000,
@@ -324,6 +378,7 @@ def judge(res: dict, variant: str, devices: str) -> SoakResult:
         changed = next(c for c in judged if c["alloc_bytes"] != allocs[0])
         problems.append(f"device memory moved after the warm-up: {allocs[0]} -> {changed['alloc_bytes']} bytes "
                         f"per device at call {changed['call']}")
+    cuda = judge_cuda(res, warm, judged, problems) if "cuda_used_bytes" in judged[0] else None
     rss = [c["rss_bytes"] for c in res["checkpoints"]]
     rss_warm, rss_end = warm["rss_bytes"], rss[-1]
     rss_top = max(c["rss_bytes"] for c in judged)
@@ -335,4 +390,31 @@ def judge(res: dict, variant: str, devices: str) -> SoakResult:
                       res["seconds"], res["rss_start"], rss_warm, rss_end, max(rss), growth,
                       max(c["rss_untrimmed"] for c in res["checkpoints"]), allocs,
                       len(res["checkpoints"]), matched, exact, nmse_max, res["counts"], res["bands"], res["ext"],
-                      problems, rows)
+                      problems, rows, cuda)
+
+
+def cuda_tolerance(used: int) -> int:
+    """How far CUDA memory in use may move after the warm-up from `used` bytes (the first checkpoint's)."""
+    return max(CUDA_DRIFT_MIN_BYTES, int(CUDA_DRIFT_FRAC * used))
+
+
+def judge_cuda(res: dict, warm: dict, judged: list, problems: list) -> dict:
+    """CUDA memory in use at each checkpoint after the warm-up against the first of them (within cuda_tolerance);
+    appends a problem per device that moved further, and returns SoakResult.cuda."""
+    used = [c["cuda_used_bytes"] for c in judged]
+    base = used[0]
+    devs = res.get("cuda_devices") or [{"name": f"CUDA device {k}"} for k in range(len(base))]
+    drift, tol = [], []
+    for k, b in enumerate(base):
+        moved = [(c["cuda_used_bytes"][k] - b, c) for c in judged]
+        d, at = max(moved, key=lambda m: abs(m[0]))
+        drift.append(d)
+        tol.append(cuda_tolerance(b))
+        if abs(d) > tol[-1]:
+            problems.append(f"{devs[k]['name']}: device memory in use moved after the warm-up: {b} -> "
+                            f"{at['cuda_used_bytes'][k]} bytes ({d / MiB:+.1f} MiB) at call {at['call']}, more than "
+                            f"{tol[-1] / MiB:.1f} MiB")
+    return {"devices": [d["name"] for d in devs], "total_bytes": [d.get("total_bytes") for d in devs],
+            "used_start_bytes": [d.get("used_bytes") for d in devs], "warm_used_bytes": warm.get("cuda_used_bytes"),
+            "used_bytes": used, "drift_bytes": drift, "tolerance_bytes": tol,
+            "flat": all(abs(d) <= t for d, t in zip(drift, tol))}
