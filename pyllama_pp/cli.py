@@ -13,13 +13,14 @@ from . import __version__
 from .devices import FORMS
 from .errors import ConfigError, DeviceSpecError, PyllamaError, UnsupportedError
 
-# The main job (`pyllama-pp ab` with no model): the tiny preset with 7 layers on 2 virtual devices whose links are
-# throttled so that transfers dominate; ts 3,5 gives each device 3 MoE layers (the last layer of a ubatch
-# without outputs does no expert work); n_ubatch 128 uses ~98% of the experts; n_batch = 16 x n_ubatch.
-DEFAULT_DEVICES = "vdev:2x256MiB@0.1GBps"
-MAIN_JOB = {"batch": [2048], "ubatch": [128], "pp": [2048], "tensor_split": [3.0, 5.0]}
+# The main job (`pyllama-pp ab` with no model): the tiny preset with 7 layers on 2 virtual devices of 7 MiB each,
+# too small for its 12 MiB, whose links are throttled so that transfers dominate. The patched build's fit places
+# it (6 of the 7 layers' experts in host RAM, 3 per device) and both variants run that one placement (--fit same);
+# n_ubatch 128 uses ~98% of the experts; n_batch = 16 x n_ubatch.
+DEFAULT_DEVICES = "vdev:2x7MiB@0.1GBps"
+MAIN_JOB = {"batch": [2048], "ubatch": [128], "pp": [2048], "fit": "same"}
 MAIN_JOB_N_LAYER = 7
-PLAIN = {"batch": [512], "ubatch": [32], "pp": [512], "tensor_split": None}
+PLAIN = {"batch": [512], "ubatch": [32], "pp": [512]}
 
 
 def _cache_dir() -> Path:
@@ -374,9 +375,11 @@ def cmd_ab(args) -> int:
     else:
         default = args.model is None
         model = args.model or _default_model()
-        if default and args.devices == ["cpu"]:
+        if default and args.devices == ["cpu"] and not args.plan:   # (--plan: the plan's devices)
             args.devices = [DEFAULT_DEVICES]
-        _fill_defaults(args, MAIN_JOB if default else PLAIN)
+        # (the main job places by fit unless told where: --plan, or a placement of one's own)
+        placed = args.plan or args.tensor_split is not None or args.host_experts != ["all"] or args.ngl != -1
+        _fill_defaults(args, {k: v for k, v in MAIN_JOB.items() if not (k == "fit" and placed)} if default else PLAIN)
         _check_args(args, args.model, list(bench.VARIANTS))
         if args.workload:
             return _workload(args, model, list(bench.VARIANTS))
@@ -442,14 +445,16 @@ def _apply_plans(args, model: str, cfgs: list, variants: list[str]) -> None:
         n_ctx = cfg.job().ctx.n_ctx
         ctx = ContextParams(n_ctx=n_ctx, n_batch=cfg.n_batch, n_ubatch=min(cfg.n_ubatch, cfg.n_batch))
         cfg.plans = {}
-        for v in variants:
+        for v in (["patched"] if args.fit == "same" else variants):
             p = fit(model, devices=cfg.devices, ctx=ctx, variant=v, margin=args.margin, env=cfg.env or None)
             if not args.json:
                 print(p, file=sys.stderr)
             cfg.plans[v] = p.placement_dict()
             if v == "patched":
                 cfg.ext_params = {**p.ext_params(), **cfg.ext_params}
-        cfg.host_experts, cfg.tensor_split = "fit", None
+        if args.fit == "same":
+            cfg.plans = {v: cfg.plans["patched"] for v in variants}
+        cfg.host_experts, cfg.tensor_split = "fit" if args.fit == "each" else "fit (patched)", None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -515,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="layers on the devices (default: -1, every layer)")
         p.add_argument("-ts", "--tensor-split", type=lambda s: [float(x) for x in s.split(",")], default=None,
                        metavar="A,B", help="layer proportions per device, like llama's -ts (default: even; "
-                                           "the main job: 3,5)")
+                                           "the main job: fit's)")
         p.add_argument("-p", "--pp", type=_ints, default=None, metavar="N[,N]",
                        help="prompt lengths of pp tests, 0 for none (default: 512; the main job: 2048)")
         p.add_argument("-n", "--tg", type=_ints, default=[16], metavar="N[,N]",
@@ -540,8 +545,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--plan", metavar="PLAN.json",
                        help="run with a fit plan (`pyllama-pp fit ... -o PLAN.json`) instead of --host-experts/-ts/-ngl; "
                             "--devices defaults to the plan's")
-        p.add_argument("--fit", action="store_true",
-                       help="plan each config with each variant's own fit first, then run with that plan")
+        p.add_argument("--fit", nargs="?", const="each", default=None, choices=["each", "same"],
+                       help="plan each config with fit first: each (the default value) runs each variant with its "
+                            "own variant's plan, same runs every variant with the patched build's plan (one "
+                            "placement; the main job's default)")
         p.add_argument("--margin", type=_margin_arg, default=None, metavar="SIZE[,SIZE]",
                        help="with --fit: memory to leave free per device (default: 1GiB on CUDA, 0 on VDEVs)")
         p.add_argument("--resume", type=Path, metavar="DIR",

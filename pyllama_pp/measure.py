@@ -140,12 +140,14 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
         pipe = _pipe_bound(cfg, h2d, gbps, n_tok, bound) if t["kind"] == "pp" else float("nan")
         avg = statistics.fmean(ts) if ts else float("nan")
         cov = t.get("coverage") or {}
+        plan = cfg.plans.get(variant)   # (--plan / --fit: the variant's placement, overrides as llama-bench's -ot)
         rows.append({
             "variant": variant, "model": Path(model["path"]).name, "model_size": model["size_bytes"],
             "model_n_params": model["n_params"], "n_expert": model["n_expert"], "n_expert_used": model["n_expert_used"],
-            "devices": cfg.devices, "n_gpu_layers": cfg.n_gpu_layers, "split_mode": "layer",
-            "tensor_split": cfg.tensor_split,
-            "tensor_buft_overrides": f"host_experts={cfg.host_experts}", "load_mode": cfg.load_mode,
+            "devices": cfg.devices, "n_gpu_layers": plan["n_gpu_layers"] if plan else cfg.n_gpu_layers,
+            "split_mode": "layer", "tensor_split": plan["tensor_split"] if plan else cfg.tensor_split,
+            "tensor_buft_overrides": ";".join(plan["overrides"]) if plan else f"host_experts={cfg.host_experts}",
+            "load_mode": cfg.load_mode,
             "n_ctx": cfg.job().ctx.n_ctx, "n_batch": cfg.n_batch, "n_ubatch": min(cfg.n_ubatch, cfg.n_batch),
             "test": _test_name(t["kind"], n_tok, t.get("depth", 0)), "n_prompt": n_tok if t["kind"] == "pp" else 0,
             "n_gen": n_tok if t["kind"] == "tg" else 0, "n_depth": t.get("depth", 0), "avg_ts": avg,

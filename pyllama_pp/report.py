@@ -128,8 +128,13 @@ def markdown(df) -> str:
         cov_s = f"{100 * cov:.0f}%" if isinstance(cov, float) and cov == cov else ""
         sp = p.get("speedup") if p is not None else None
         bound = "" if p is None else ", ".join(filter(None, (num(p.get("bound_ts")), num(p.get("bound_pipe_ts")))))
+        ov = str(ref.get("tensor_buft_overrides") or "")
+        # (a plan's rows carry its overrides, as llama-bench's -ot: the column shows their count; with --fit each
+        # variant's own, so the patched row's)
+        placed = ov.replace("host_experts=", "") if ov.startswith("host_experts=") else \
+            f"plan, {len(ov.split(';')) if ov else 0} overrides"
         lines.append(
-            f"| {ref['devices']} | {str(ref['tensor_buft_overrides']).replace('host_experts=', '')} | {ref['n_batch']} "
+            f"| {ref['devices']} | {placed} | {ref['n_batch']} "
             f"| {ref['n_ubatch']} | {test} | {cov_s} | {ts(b)} | {ts(p)} "
             f"| {'' if sp is None or sp != sp else f'{sp:.2f}'} | {pp(b)}/{pp(p)} | {per_dev(b)} | {per_dev(p)} "
             f"| {bound} | {blocked(p)} |")

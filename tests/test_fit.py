@@ -257,7 +257,7 @@ def test_cli_run_with_fit(model, capsys):
                      "-b", "512", "-ub", "128", "-r", "1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert rows and all(r.get("pipeline_parallel") for r in rows) and not any(r.get("error") for r in rows)
-    assert all(r["tensor_buft_overrides"] == "host_experts=fit" for r in rows)
+    assert all(r["tensor_buft_overrides"] and "exps=CPU" in r["tensor_buft_overrides"] for r in rows)   # the plan's
 
 
 def test_one_margin_is_every_devices_margin(plans, model):
@@ -272,3 +272,23 @@ def test_one_margin_is_every_devices_margin(plans, model):
     p = fit(model, devices=TWO_EQUAL, ctx=CTX, margin="1MiB", timeout=120)
     assert [d.free_bytes - d.target_bytes for d in p.devices] == [MiB, MiB]
     assert all(d.expected_bytes <= d.target_bytes for d in p.devices)
+
+
+@pytest.mark.parametrize("how", ["each", "same"])
+def test_cli_ab_with_fit_at_the_plans_own_memory(model, capsys, how):
+    """ab --fit (each variant's own plan) and --fit same (the patched plan for both) on devices with no margin: every
+    run fits the memory its plan measured (a bench job's coverage measurement holds no second context), the baseline
+    runs unpipelined, the patched build pipelined with the copies its plan chose, and with --fit same both variants
+    run the same layers and overrides."""
+    assert cli_main(["ab", model, "--fit", how, "--devices", TWO_EQUAL, "-p", "256", "-n", "0", "-b", "512",
+                     "-ub", "128", "-r", "1", "--json"]) == 0
+    rows = {r["variant"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert set(rows) == {"baseline", "patched"} and not any(r.get("error") for r in rows.values()), rows
+    assert rows["patched"]["pipeline_parallel"] and not rows["baseline"]["pipeline_parallel"]
+    assert rows["patched"]["ext_params"] == {"OVERLAP": 2}, rows["patched"]["ext_params"]   # the plan's copies
+    placement = lambda r: (r["n_gpu_layers"], r["tensor_split"], r["tensor_buft_overrides"])
+    assert all("exps=CPU" in r["tensor_buft_overrides"] for r in rows.values())
+    if how == "same":
+        assert placement(rows["baseline"]) == placement(rows["patched"])
+    else:               # upstream's plan piles the host experts on the last device: not the patched one's placement
+        assert placement(rows["baseline"]) != placement(rows["patched"])
