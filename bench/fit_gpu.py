@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from pyllama_pp import bench, synth
-from pyllama_pp.fit import Plan, fit
+from pyllama_pp.fit import Plan, fit, fit_ubatch
 from pyllama_pp.session import ContextParams
 
 T0 = time.time()
@@ -85,6 +85,9 @@ def main() -> int:
     ap.add_argument("--vdevs", default="vdev:2x9GiB@55GBps", help="VDEV spec of step 1 (fit time)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--budget", type=float, default=480)
+    ap.add_argument("--steps", default="vdev,plans,memory,ab",
+                    help="of vdev, plans, memory, ab, auto (fit --ubatch auto with the first config's margins, then "
+                         "the patched build on its plan: predicted against measured)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--measure-memory", nargs=2, metavar=("PLAN", "VARIANT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -105,9 +108,10 @@ def main() -> int:
     dense = model.stat().st_size - experts
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
 
+    steps = set(args.steps.split(","))
     # 1. fit time on VDEVs
     shared = os.environ.get("GGML_CUDA_DEVICES") is not None   # one GPU split in two: one link
-    for v in ("patched", "baseline"):
+    for v in ("patched", "baseline") if "vdev" in steps else ():
         ctx = ContextParams(n_ctx=configs[0][0] + 256, n_batch=configs[0][0], n_ubatch=configs[0][1])
         t = time.time()
         p = fit(model, devices=args.vdevs, ctx=ctx, variant=v, check=False)
@@ -123,15 +127,20 @@ def main() -> int:
                                  reps=args.reps, label=f"fit b{nb} ub{ub}",
                                  link_gbps=[55] * 16 if args.devices.startswith("cuda") else None, shared_link=shared)
 
-    for nb, ub in configs:
-        # (the n_ctx the runs of step 4 use, as `ab --fit` plans)
-        ctx = ContextParams(n_ctx=bench_config(nb, ub).job().ctx.n_ctx, n_batch=nb, n_ubatch=ub)
+    margins_first = None
+
+    def target_margins(ctx) -> list:
+        """Margins that leave each device its share of the dense weights and of (1 - host_share) of the experts,
+        plus its KV cache and compute (measured by a fit with no margin)."""
         probe = fit(model, devices=args.devices, ctx=ctx, variant="patched", margin=0, check=False)
         n = len(probe.devices)
-        margins = []
-        for d in probe.devices:
-            want = (dense + (1 - args.host_share) * experts) / n + d.context_bytes + d.compute_bytes
-            margins.append(max(0, int(d.free_bytes - want)))
+        return [max(0, int(d.free_bytes - ((dense + (1 - args.host_share) * experts) / n + d.context_bytes
+                                           + d.compute_bytes))) for d in probe.devices]
+
+    for nb, ub in configs if steps & {"plans", "memory", "ab"} else ():
+        # (the n_ctx the runs of step 4 use, as `ab --fit` plans)
+        ctx = ContextParams(n_ctx=bench_config(nb, ub).job().ctx.n_ctx, n_batch=nb, n_ubatch=ub)
+        margins = target_margins(ctx)
         for v in ("patched", "baseline"):
             t = time.time()
             p = fit(model, devices=args.devices, ctx=ctx, variant=v, margin=margins, check=False)
@@ -144,7 +153,7 @@ def main() -> int:
     # 3. plan against measured memory (the first config: one session per variant)
     mem: dict = {}
     nb, ub = configs[0]
-    for v in ("patched", "baseline"):
+    for v in ("patched", "baseline") if "memory" in steps else ():
         if time.time() - T0 > args.budget - 120:
             log("skip the memory step: no time left")
             break
@@ -162,7 +171,7 @@ def main() -> int:
     save()
 
     # 4. each variant with its own plan
-    for nb, ub in configs:
+    for nb, ub in configs if "ab" in steps else ():
         left = args.budget - (time.time() - T0)
         if left < 120:
             log(f"skip ab b{nb} ub{ub}: {left:.0f} s left")
@@ -176,6 +185,35 @@ def main() -> int:
         log(f"ab --fit {key}\n{bench.markdown(df)}")
         summary["steps"].setdefault("ab", []).append(json.loads(df.to_json(orient="records")))
         save()
+
+    # 5. --ubatch auto: the plan the bytes bound predicts fastest, then the patched build on it
+    if "auto" in steps:
+        nb, ub = configs[0]
+        n_ctx = max(nb for nb, _ in configs) + 256
+        margins = target_margins(ContextParams(n_ctx=n_ctx, n_batch=nb, n_ubatch=ub))
+        t = time.time()
+        p = fit_ubatch(model, devices=args.devices, ctx=ContextParams(n_ctx=n_ctx, n_batch=nb, n_ubatch=ub),
+                       margin=margins, shared_link=shared, check=False)
+        p.save(args.out / "plan-auto.json")
+        log(f"fit --ubatch auto ({time.time() - t:.1f} s, margins {[m // MiB for m in margins]} MiB)\n{p}")
+        summary["steps"]["auto"] = {"plan": p.to_dict(), "seconds": time.time() - t}
+        save()
+        c = bench.BenchConfig(model=str(model), devices=args.devices, n_batch=p.ctx["n_batch"],
+                              n_ubatch=p.ctx["n_ubatch"], tests=[["pp", p.ctx["n_batch"]]], reps=args.reps,
+                              label="ubatch auto", link_gbps=[55] * 16 if args.devices.startswith("cuda") else None,
+                              shared_link=shared)
+        c.plans = {"patched": p.placement_dict()}
+        c.ext_params = p.ext_params()
+        c.host_experts = "fit"
+        left = args.budget - (time.time() - T0)
+        if left > 60:
+            df = bench.ab([c], variants=["patched"], out_dir=args.out / "ab-auto", progress=False,
+                          timeout=max(60, left - 15))
+            got = float(df["avg_ts"].iloc[0]) if len(df) else float("nan")
+            log(f"ubatch auto: n_ubatch {p.ctx['n_ubatch']}, n_batch {p.ctx['n_batch']}: predicted "
+                f"{p.predicted_ts or float('nan'):.1f} t/s, measured {got:.1f}\n{bench.markdown(df)}")
+            summary["steps"]["auto"]["measured_ts"] = got
+            save()
     return 0
 
 

@@ -12,11 +12,11 @@ from .devices import DeviceSpec, parse as parse_devices
 from .errors import (BuildError, ConfigError, DecodeError, DeviceError, DeviceSpecError, ModelError, OutOfMemoryError, PyllamaError,
                      UnsupportedError, VariantError, WorkerError)
 from .session import ContextParams, EvalResult, Placement, Schedule, Session, list_devices
-from .fit import DevicePlan, Plan, PlanError, fit
+from .fit import DevicePlan, Plan, PlanError, fit, fit_ubatch
 
 __all__ = [
     "__version__", "load", "available_variants", "build_info", "DeviceSpec", "parse_devices", "Session",
     "Placement", "ContextParams", "Schedule", "EvalResult", "list_devices", "PyllamaError", "BuildError", "ConfigError",
     "VariantError", "DeviceSpecError", "DeviceError", "ModelError", "OutOfMemoryError", "DecodeError",
-    "UnsupportedError", "WorkerError", "fit", "Plan", "DevicePlan", "PlanError",
+    "UnsupportedError", "WorkerError", "fit", "fit_ubatch", "Plan", "DevicePlan", "PlanError",
 ]

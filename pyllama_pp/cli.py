@@ -402,14 +402,20 @@ def cmd_ab(args) -> int:
 
 
 def cmd_fit(args) -> int:
-    from .fit import fit
+    from .fit import fit, fit_ubatch
     from .session import ContextParams
-    if args.batch < args.ubatch:
+    auto = args.ubatch == "auto"
+    if not auto and args.batch < args.ubatch:
         raise ConfigError(f"-ub/--ubatch ({args.ubatch}) is larger than -b/--batch ({args.batch}). Fix: -ub <= -b")
-    ctx = ContextParams(n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.ubatch, op_offload=not args.no_op_offload,
-                        offload_kqv=not args.no_kv_offload)
-    plan = fit(args.model, devices=args.devices, ctx=ctx, variant=args.variant, margin=args.margin,
-               split_mode=args.split_mode, check=not args.no_check)
+    ctx = ContextParams(n_ctx=args.ctx, n_batch=args.batch, n_ubatch=min(args.batch, 512) if auto else args.ubatch,
+                        op_offload=not args.no_op_offload, offload_kqv=not args.no_kv_offload)
+    spread = args.spread if args.spread in ("equal", "links") else args.spread.split(",")
+    kw = dict(devices=args.devices, ctx=ctx, variant=args.variant, margin=args.margin, split_mode=args.split_mode,
+              check=not args.no_check, spread=spread, link_gbps=args.link_gbps)
+    if auto:
+        plan = fit_ubatch(args.model, shared_link=args.shared_link, **kw)
+    else:
+        plan = fit(args.model, **kw)
     if args.out:
         plan.save(args.out)
     _emit(args, {"pyllama_pp_plan": 1, **plan.to_dict()},
@@ -574,10 +580,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx", type=int, default=4096, metavar="N",
                    help="n_ctx to plan for; 0: fit chooses it (default: 4096)")
     p.add_argument("-b", "--batch", type=_positive, default=2048, metavar="N", help="n_batch (default: 2048)")
-    p.add_argument("-ub", "--ubatch", type=_positive, default=512, metavar="N", help="n_ubatch (default: 512)")
+    p.add_argument("-ub", "--ubatch", type=lambda x: x if x == "auto" else _positive(x), default=512,
+                   metavar="N|auto", help="n_ubatch; auto: the n_ubatch (64-4096, and an n_batch of 8 of them) whose "
+                                          "plan the bytes bound predicts fastest (default: 512)")
     p.add_argument("--margin", type=_margin_arg, default=None, metavar="SIZE[,SIZE]",
                    help="memory to leave free on each device, one value or one per device "
                         "(default: upstream's 1GiB on CUDA, 0 on VDEVs, whose budgets are exact)")
+    p.add_argument("--spread", default="equal", metavar="equal|links|W0,W1",
+                   help="the patched fit's shares of host-expert layers: equal, links (by each device's host link "
+                        "rate: a VDEV's own, on CUDA --link-gbps) or one weight per device (default: equal)")
+    p.add_argument("--link-gbps", type=lambda x: [float(v) for v in x.split(",")], default=None, metavar="R0,R1",
+                   help="each device's host link in GB/s, for --spread links and --ubatch auto (default: a VDEV's "
+                        "own; CUDA 55, a PCIe 5 x16 link)")
+    p.add_argument("--shared-link", action="store_true",
+                   help="the devices share one host link (one GPU split in two): --ubatch auto predicts so")
     p.add_argument("--split-mode", default="layer", choices=["layer", "none", "row"],
                    help="llama's split mode (default: layer; fit's spread path needs it)")
     p.add_argument("--no-op-offload", action="store_true", help="plan without op offload (upstream's path then)")

@@ -86,6 +86,10 @@ class Plan:
     # else OVERLAP=0; {} for the baseline. copies: which, and why, in words
     switches: dict = field(default_factory=dict)
     copies: str = ""
+    spread_weights: list = field(default_factory=list)   # spread="links" or weights: the patched fit's weights
+    # fit_ubatch: the throughput the bytes bound predicts for this plan (prompt t/s), and every n_ubatch it tried
+    predicted_ts: Optional[float] = None
+    ubatch_auto: list = field(default_factory=list)
 
     # -- views -----------------------------------------------------------------------------------------------
     @property
@@ -131,6 +135,12 @@ class Plan:
                          f"{d.expected_bytes / MiB:9.1f} {d.target_bytes / MiB:9.1f}")
         if self.copies:
             lines.append(f"  copies: {self.copies}")
+        if self.spread_weights:
+            lines.append(f"  spread: host-expert layers weighted {', '.join(f'{w:g}' for w in self.spread_weights)}")
+        if self.ubatch_auto:
+            lines.append("  --ubatch auto: " + "; ".join(
+                f"ub{c['n_ubatch']}: " + (f"{c['predicted_ts']:.0f} t/s" if c.get("predicted_ts") else c.get("why", "-"))
+                for c in self.ubatch_auto) + f" -> n_ubatch {self.ctx.get('n_ubatch')}, n_batch {self.ctx.get('n_batch')}")
         if self.message:
             lines.append(f"  fit: {self.message}")
         return "\n".join(lines)
@@ -367,16 +377,52 @@ def run_fit(native, model: str, dev_names: str, split_mode: int, ctx, margins: l
             "report": report, "seconds": dt}
 
 
+def spread_weights(spread, spec: devspec.DeviceSpec, link_gbps=None) -> list:
+    """The patched fit's share weights (LLAMA_FIT_SPREAD_WEIGHTS): [] for equal shares; "links": each device's host
+    link rate (a VDEV's own, split among the devices of a link group; on CUDA the rates given as link_gbps), so that
+    every stage streams its host experts in about the same time; or the weights given."""
+    if spread in (None, "equal"):
+        return []
+    if spread == "links":
+        if link_gbps is not None:
+            rates = [devspec.parse_rate(x) for x in link_gbps]
+        elif spec.kind == "vdev":
+            groups: dict = {}
+            for v in spec.vdevs:
+                if v.link_group >= 0:
+                    groups[v.link_group] = groups.get(v.link_group, 0) + 1
+            rates = [v.link_gbps / groups.get(v.link_group, 1) if v.link_group >= 0 else v.link_gbps for v in spec.vdevs]
+            if any(r <= 0 for r in rates):
+                raise ConfigError(f"spread='links' weighs each device by its host link, and {spec} has an unthrottled "
+                                  "VDEV link (0): give every device a rate, e.g. vdev:2x8MiB@4GBps")
+        else:
+            raise ConfigError("spread='links' on CUDA needs each GPU's host link rate: link_gbps=[55, 25] "
+                              "(CLI: --link-gbps 55,25; nvidia-smi shows each link's generation and width)")
+        if spec.n_devices and len(rates) != spec.n_devices:
+            raise ConfigError(f"{len(rates)} link rates for {spec.n_devices} devices: give one per device")
+        return [float(r) for r in rates]
+    if isinstance(spread, (list, tuple)):
+        try:
+            w = [float(x) for x in spread]
+        except (TypeError, ValueError):
+            w = []
+        if w and all(x > 0 for x in w) and (not spec.n_devices or len(w) == spec.n_devices):
+            return w
+        raise ConfigError(f"spread takes 'equal', 'links' or one positive weight per device, not {spread!r}")
+    raise ConfigError(f"spread takes 'equal', 'links' or one positive weight per device, not {spread!r}")
+
+
 def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant: str = "patched",
         margin=None, split_mode: str = "layer", n_ctx_min: int = 0, check: bool = True,
-        env: Optional[dict] = None, timeout: Optional[float] = 600) -> Plan:
+        env: Optional[dict] = None, timeout: Optional[float] = 600, spread="equal", link_gbps=None) -> Plan:
     """Plan the placement of `model` on `devices` with `variant`'s fit (run in a worker process).
 
     ctx: ContextParams (n_ctx 0: fit chooses it, down to n_ctx_min); margin: bytes (or "256MiB") to leave free on
     each device, one value or one per device (default: upstream's 1 GiB on CUDA, none on VDEVs, whose budgets are
-    exact). Raises OutOfMemoryError when fit finds no placement, or (unless check=False) leaves whole layers on the
-    CPU or plans a device over its target; DeviceSpecError for a spec fit cannot place layers on, ModelError for a
-    bad model."""
+    exact); spread (patched): "equal" shares of the host-expert layers, "links" (shares by each device's host link
+    rate: a VDEV's own, on CUDA link_gbps=[...]) or one weight per device. Raises OutOfMemoryError when fit finds no
+    placement, or (unless check=False) leaves whole layers on the CPU or plans a device over its target;
+    DeviceSpecError for a spec fit cannot place layers on, ModelError for a bad model, ConfigError for a bad spread."""
     from .session import SPLIT_MODES, ContextParams, check_model_path
     from .worker import run_job
     check_model_path(model)
@@ -394,6 +440,9 @@ def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant:
                               "split buffers (and upstream's fit does not place layers in that mode): use layer")
     ctx = ctx or ContextParams()
     margins = _margins(margin, spec)
+    weights = spread_weights(spread, spec, link_gbps)
+    if weights:
+        env = {**(env or {}), "LLAMA_FIT_SPREAD_WEIGHTS": ",".join(f"{w:g}" for w in weights)}
     job = {"kind": "fit", "model": str(model), "devices": {**spec.to_dict(), "ids": spec.cuda_ids}, "ctx": ctx.to_dict(),
            "split_mode": split_mode, "margins": margins, "n_ctx_min": n_ctx_min}
 
@@ -404,7 +453,82 @@ def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant:
     plan = once({})
     if variant == "patched" and len(plan.devices) > 1:
         plan = _plan_copies(plan, once, check, env)
+    if variant == "patched":
+        plan.spread_weights = weights
     return check_plan(plan, check)
+
+
+DEFAULT_CUDA_LINK_GBPS = 55.0   # a PCIe 5 x16 link's measured host -> device rate (docs/RESULTS.md)
+UBATCH_CANDIDATES = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def expert_bytes_per_layer(model: Union[str, os.PathLike]) -> float:
+    """Bytes of a MoE layer's expert tensors (gate, up, down), the mean over the layers (gguf-py reads the index)."""
+    import gguf
+    per_layer: dict = {}
+    for t in gguf.GGUFReader(str(model)).tensors:
+        m = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight", t.name)
+        if m:
+            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + int(t.n_bytes)
+    return sum(per_layer.values()) / len(per_layer) if per_layer else 0.0
+
+
+def predicted_ts(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool = False) -> Optional[float]:
+    """Prompt tokens/s the bytes bound allows this plan: every host-expert layer moves its experts once per ubatch
+    (near-full coverage) over its device's link; pipelined stages (the patched build) overlap, so the slowest sets
+    the pace, with the pipeline's fill (n_batch / n_ubatch ubatches through n_devices stages); the baseline's stages
+    run one after the other. None when nothing moves (no host experts: compute binds)."""
+    secs = [d.host_expert_layers * expert_bytes / (r * 1e9) for d, r in zip(plan.devices, link_gbps)]
+    if not any(secs):
+        return None
+    ub, nb, nd = plan.ctx["n_ubatch"], plan.ctx["n_batch"], len(plan.devices)
+    if plan.variant == "patched" and not shared_link:
+        n_ub = max(1, nb // ub)
+        return ub / max(secs) * n_ub / (n_ub + nd - 1)
+    return ub / sum(secs)
+
+
+def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant: str = "patched",
+               candidates: Sequence[int] = UBATCH_CANDIDATES, link_gbps=None, shared_link: bool = False,
+               **kw) -> Plan:
+    """fit with n_ubatch chosen: each candidate (up to n_ctx) is planned with n_batch = 8 x n_ubatch (at most n_ctx,
+    at least ctx.n_batch, a multiple of n_ubatch), so that a batch keeps the pipeline full; a candidate whose compute buffers leave no
+    placement is out; of the rest the plan with the highest predicted_ts wins (ties: the larger n_ubatch). The plan
+    carries every candidate's prediction (Plan.ubatch_auto). link_gbps: each device's host link rate (default: a
+    VDEV's own; CUDA 55 GB/s, a PCIe 5 x16 link); shared_link: the devices share one link (one GPU split in two)."""
+    from .session import ContextParams
+    ctx = ctx or ContextParams()
+    spec = devspec.parse(devices)
+    n_ctx = ctx.n_ctx or 4096
+    expert_bytes = expert_bytes_per_layer(model)
+    tried, best = [], None
+    kw.pop("check", None)   # (a candidate that leaves layers on the CPU or a device over its target is out)
+    for ub in [c for c in candidates if c <= n_ctx]:
+        nb = min(n_ctx, max(ctx.n_batch, 8 * ub)) // ub * ub
+        c = ContextParams(**{**ctx.to_dict(), "n_ctx": n_ctx, "n_batch": nb, "n_ubatch": ub})
+        row = {"n_ubatch": ub, "n_batch": nb}
+        try:
+            plan = fit(model, devices=devices, ctx=c, variant=variant, link_gbps=link_gbps, check=True, **kw)
+        except OutOfMemoryError as e:
+            m = re.search(r"leaves \d+ of \d+ layers on the CPU|over its target", str(e))
+            tried.append({**row, "why": f"no placement ({m.group(0) if m else str(e).split('. Fix:')[0][-80:]})"})
+            continue
+        rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else \
+            [v.link_gbps for v in spec.vdevs] if spec.kind == "vdev" else [DEFAULT_CUDA_LINK_GBPS] * len(plan.devices)
+        if any(r <= 0 for r in rates):
+            raise ConfigError(f"--ubatch auto predicts from each device's host link, and {spec} has an unthrottled "
+                              "VDEV link (0): give every device a rate, e.g. vdev:2x8MiB@4GBps")
+        plan.predicted_ts = predicted_ts(plan, expert_bytes, rates, shared_link)
+        tried.append({**row, "host_expert_layers": plan.host_expert_layers, "predicted_ts": plan.predicted_ts,
+                      "why": "" if plan.predicted_ts else "no host experts: compute binds"})
+        score = plan.predicted_ts if plan.predicted_ts is not None else float("inf")
+        if best is None or score >= (best.predicted_ts if best.predicted_ts is not None else float("inf")):
+            best = plan
+    if best is None:
+        raise OutOfMemoryError(f"--ubatch auto: no n_ubatch of {list(candidates)} up to n_ctx {n_ctx} has a placement "
+                               f"for {Path(model).name} on {spec}: " + "; ".join(t["why"] for t in tried))
+    best.ubatch_auto = tried
+    return best
 
 
 OVERLAP_VAR = "GGML_SCHED_PP_OVERLAP"
@@ -455,4 +579,4 @@ def do_fit_job(job) -> dict:
                    int(job.n_ctx_min))
 
 
-__all__ = ["fit", "Plan", "DevicePlan", "PlanError"]
+__all__ = ["fit", "fit_ubatch", "Plan", "DevicePlan", "PlanError", "spread_weights", "predicted_ts"]

@@ -292,3 +292,58 @@ def test_cli_ab_with_fit_at_the_plans_own_memory(model, capsys, how):
         assert placement(rows["baseline"]) == placement(rows["patched"])
     else:               # upstream's plan piles the host experts on the last device: not the patched one's placement
         assert placement(rows["baseline"]) != placement(rows["patched"])
+
+
+# two 8 MiB VDEVs whose host links run 3:1
+LINKS_3_TO_1 = json.dumps({"kind": "vdev", "devices": [{"memory": f"{MEM}MiB", "link_gbps": 3},
+                                                        {"memory": f"{MEM}MiB", "link_gbps": 1}]})
+
+
+def test_spread_by_links_weighs_the_shares(plans):
+    """spread="links": each device's share of the host-expert layers follows its host link (3:1 here), within one
+    layer, every device within its target; equal shares on the same devices by default; weights given directly."""
+    by_links = plans("patched", LINKS_3_TO_1, spread="links")
+    equal = plans("patched", LINKS_3_TO_1)
+    assert by_links.path == "spread" and by_links.spread_weights == [3.0, 1.0]
+    host = by_links.host_expert_layers
+    assert all(abs(h - sum(host) * w / 4) <= 1 for h, w in zip(host, (3, 1))), host
+    assert host[0] > host[1] + 1, host
+    _within_targets(by_links)
+    _covers_model(by_links)
+    assert equal.spread_weights == [] and abs(equal.host_expert_layers[0] - equal.host_expert_layers[1]) <= 1
+    given = plans("patched", TWO_EQUAL, spread=[1, 3])
+    assert given.host_expert_layers[1] > given.host_expert_layers[0] + 1, given.host_expert_layers
+
+
+def test_bad_spreads_are_config_errors(model):
+    for spread, kw, what in [("wide", {}, "spread takes"), ([1, 0], {}, "spread takes"), ([1, 2, 3], {}, "spread takes"),
+                             ("links", {"devices": "vdev:2x8MiB@0"}, "unthrottled"),
+                             ("links", {"devices": "cuda"}, "link_gbps")]:
+        with pytest.raises(ConfigError, match=what):
+            fit(model, **{"devices": TWO_EQUAL, **kw}, ctx=CTX, spread=spread, timeout=60)
+
+
+def test_ubatch_auto_picks_the_fastest_plan_the_bytes_bound_predicts(model):
+    """fit_ubatch plans every n_ubatch up to n_ctx (n_batch = 8 of them, within n_ctx); one without a placement is
+    out; the one chosen has the highest predicted t/s, and its prediction is the bytes bound of its plan."""
+    from pyllama_pp.fit import expert_bytes_per_layer, fit_ubatch, predicted_ts
+    ctx = ContextParams(n_ctx=1024, n_batch=256, n_ubatch=128)
+    p = fit_ubatch(model, devices=TWO_EQUAL, ctx=ctx, timeout=120)
+    tried = {c["n_ubatch"]: c for c in p.ubatch_auto}
+    assert sorted(tried) == [64, 128, 256, 512, 1024]
+    assert all(c["n_batch"] == min(1024, max(256, 8 * u)) // u * u for u, c in tried.items())
+    ok = {u: c["predicted_ts"] for u, c in tried.items() if c.get("predicted_ts")}
+    assert ok and p.ctx["n_ubatch"] == max(ok, key=lambda u: (ok[u], u)), tried
+    assert any("no placement" in c["why"] for c in tried.values()), tried   # 8 MiB: the largest ubatches do not fit
+    assert p.predicted_ts == pytest.approx(predicted_ts(p, expert_bytes_per_layer(model), [4.0, 4.0]))
+    # by hand: the slowest stage's host experts once per ubatch over 4 GB/s, with the pipeline's fill
+    ub, n_ub = p.ctx["n_ubatch"], p.ctx["n_batch"] // p.ctx["n_ubatch"]
+    slowest = max(p.host_expert_layers) * expert_bytes_per_layer(model) / 4e9
+    assert p.predicted_ts == pytest.approx(ub / slowest * n_ub / (n_ub + 1))
+    assert "--ubatch auto" in str(p)
+
+
+def test_cli_fit_ubatch_auto_json(model, capsys):
+    assert cli_main(["fit", model, "--devices", TWO_EQUAL, "-c", "512", "-b", "512", "-ub", "auto", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["ubatch_auto"] and d["predicted_ts"] > 0 and d["ctx"]["n_ubatch"] in [c["n_ubatch"] for c in d["ubatch_auto"]]
