@@ -927,3 +927,33 @@ def test_decode_records_one_event_per_device_and_waits_on_none(runner):
         assert d_on["event_waits"] == 0, d_on
 
 
+
+
+# -- one device (issue 23): upstream never pipelines one device; with host weights the patched build does ---------
+ONE = "vdev:1x0@0.2"
+
+
+@pytest.mark.parametrize("ub, load_mode", [(1, "none"), (32, "none"), (128, "none"), (128, "mmap")],
+                         ids=["decode", "ub32", "ub128", "ub128-mmap"])
+def test_one_device_pipelines_its_graphs_with_host_experts(runner, assert_logits_match, ub, load_mode):
+    """Patch 0002: one device holding every layer, its experts in host RAM: the patched build pipelines its graphs
+    (two in flight, host weights as transient copies), so the copies beside compute act on one device too - early
+    uploads on the second stream (OVERLAP), the device's gather and prefetch below the upload-all bar, staging for
+    pageable (mmap) weights - with the baseline's logits; GATE=0 is upstream's single device again, same logits."""
+    kw = {"devices": ONE, "placement": {**HOST_ALL, "load_mode": load_mode},
+          "ctx": {"n_ctx": 1024, "n_batch": max(ub, 256), "n_ubatch": ub}, "n_tokens": 32 if ub == 1 else 512}
+    b = runner.logits("baseline", **kw)
+    p = runner.logits("patched", **kw)
+    off = runner.logits("patched", env={"GGML_SCHED_PP_GATE": 0}, **kw)
+    assert b["schedule"]["pipeline_parallel"] is False and off["schedule"]["pipeline_parallel"] is False
+    assert p["schedule"]["pipeline_parallel"] is True and p["schedule"]["n_copies"] == 2
+    assert_logits_match(p["logits"], b["logits"], f"one device, ub{ub}, {load_mode}")
+    assert_logits_match(off["logits"], b["logits"], f"one device, GATE=0, ub{ub}, {load_mode}")
+    e, dev = p["ext"], _ext_backend(p["ext"], "VDEV0")
+    if ub == 1:      # decode: below the op-offload threshold the experts are used where they are (the CPU)
+        assert dev["weight_bytes"] == 0 and e["gather"] == 0, e
+    elif load_mode == "mmap":
+        assert dev["staged_bytes"] == dev["weight_bytes"] > 0, dev
+    else:
+        assert dev["overlap_uploads"] > 0, dev
+        assert (e["gather"] > 0 and e["prefetch"] > 0) if ub == 32 else e["upload_all"] > 0, e
