@@ -22,7 +22,6 @@ import tarfile
 import time
 from pathlib import Path
 
-import _common as C  # noqa: F401  (puts this checkout on sys.path)
 import numpy as np
 
 from pyllama_pp.errors import PyllamaError
