@@ -145,15 +145,42 @@ def run_pair(model: Path, devices: str, ub: int, n_tokens: int, tmp: Path) -> di
     return row
 
 
+def speed(rows: list[dict], models: list[Path], devices: str, out: Path) -> None:
+    """--ab: each model that ran in both variants, as a prompt A/B on slow links (pp256 / ub32, 2 reps), into its
+    row: speedup, the patched fraction of the links' bound with the pipeline's fill, coverage."""
+    from pyllama_pp import bench
+    by_name = {m.name: m for m in models}
+    for r in rows:
+        if "nmse" not in r:
+            continue
+        n = r["n_tokens"] * 4
+        c = bench.BenchConfig(model=str(by_name[r["model"]]), devices=devices, n_batch=n, n_ubatch=r["n_ubatch"],
+                              tests=[["pp", n]], reps=2, tensor_split=r["tensor_split"], label=r["arch"])
+        df = bench.ab([c], out_dir=out / "ab" / r["arch"], progress=False, timeout=300)
+        p = df[df["variant"] == "patched"]
+        if len(p) and not p["error"].fillna("").astype(str).str.len().gt(0).any():
+            x = p.iloc[0]
+            r.update({"ab_devices": devices, "ab_test": f"pp{n} / ub{r['n_ubatch']}", "speedup": float(x["speedup"]),
+                      "bound_frac": float(x["bound_pipe_frac"]) if x["bound_pipe_frac"] == x["bound_pipe_frac"] else None,
+                      "coverage": float(x["coverage"]) if x["coverage"] == x["coverage"] else None})
+        print(f"  {r['arch']}: speedup {r.get('speedup', float('nan')):.2f}", flush=True)
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| architecture | status | pipelined (patched) | NMSE | max abs | ub / tokens | upload-all / gather / selective | "
-             "host->device per VDEV (patched) |", "| --- | --- | --- | ---: | ---: | --- | --- | --- |"]
+    lines = ["| architecture | layers | status | pipelined (patched) | NMSE | max abs | ub / tokens | "
+             "upload-all / gather / selective | host->device per VDEV (patched) | speedup (VDEV A/B) | of bound | coverage |",
+             "| --- | ---: | --- | --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |"]
+    pct = lambda x: f"{100 * x:.0f}%" if isinstance(x, float) else ""
     for r in rows:
         err = r.get("baseline_error") or r.get("patched_error")
-        lines.append(f"| {r['arch']} | {r['status']}{': ' + err if err else ''}{' (' + r['note'] + ')' if r.get('note') else ''} "
+        sp = f"{r['speedup']:.2f}x" if "speedup" in r else ""
+        lines.append(f"| {r['arch']} | {r.get('n_layer', '')} | {r['status']}{': ' + err if err else ''}"
+                     f"{' (' + r['note'] + ')' if r.get('note') else ''} "
                      f"| {r.get('pipelined', '')} | {r.get('nmse', float('nan')):.1e} | {r.get('max_abs', float('nan')):.1e} "
                      f"| {r['n_ubatch']} / {r['n_tokens']} | {r.get('upload_all', '')} / {r.get('gather', '')} / "
-                     f"{r.get('selective', '')} | {' / '.join(f'{b / 2**20:.1f} MiB' for b in r.get('h2d_bytes', []))} |")
+                     f"{r.get('selective', '')} | {' / '.join(f'{b / 2**20:.1f} MiB' for b in r.get('h2d_bytes', []))} "
+                     f"| {sp} "
+                     f"| {pct(r.get('bound_frac'))} | {pct(r.get('coverage'))} |")
     return "\n".join(lines)
 
 
@@ -166,6 +193,8 @@ def main() -> int:
     ap.add_argument("--ubatch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--ab", metavar="DEVICES", nargs="?", const="vdev:2x0@0.1GBps",
+                    help="also a prompt A/B of each model on these devices (default vdev:2x0@0.1GBps: slow links)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -184,6 +213,8 @@ def main() -> int:
         rows.append(run_pair(m, args.devices, args.ubatch, args.tokens, args.out))
         r = rows[-1]
         print(f"[{i + 1}/{len(models)} {time.time() - t0:5.0f}s] {r['arch']}: {r['status']}", flush=True)
+    if args.ab:
+        speed(rows, models, args.ab, args.out)
     (args.out / "archs.json").write_text(json.dumps(rows, indent=1))
     md = table(rows)
     (args.out / "archs.md").write_text(md + "\n")
