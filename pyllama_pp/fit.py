@@ -451,7 +451,7 @@ def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant:
         return plan_from_result(res, variant, str(model), spec, {**ctx.to_dict(), "split_mode": split_mode}, margins)
 
     plan = once({})
-    if variant == "patched" and len(plan.devices) > 1:
+    if variant == "patched" and plan.devices:   # (one device is pipelined too: patch 0002)
         plan = _plan_copies(plan, once, check, env)
     if variant == "patched":
         plan.spread_weights = weights
@@ -549,7 +549,7 @@ def _plan_copies(plan: Plan, once, check: bool, env: Optional[dict]) -> Plan:
     plan.switches = {"OVERLAP": 2}
     plan.copies = (f"OVERLAP=2 (default): early expert copies planned, one more expert copy in each device's "
                    f"compute buffer (compute {compute} MiB)")
-    if problem is None and plan.path == "spread":
+    if problem is None and (plan.path == "spread" or len(plan.devices) == 1):   # (one device: no spread to lose)
         return plan
     # no placement with the copies, or no spread (upstream's path: often a device without room for its share of
     # the dense-only layers beside the copies): try without them; a spread plan without copies beats one without

@@ -347,3 +347,17 @@ def test_cli_fit_ubatch_auto_json(model, capsys):
     assert cli_main(["fit", model, "--devices", TWO_EQUAL, "-c", "512", "-b", "512", "-ub", "auto", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["ubatch_auto"] and d["predicted_ts"] > 0 and d["ctx"]["n_ubatch"] in [c["n_ubatch"] for c in d["ubatch_auto"]]
+
+
+def test_one_device_plan_includes_its_copies(plans, model, tmp_path):
+    """One device is pipelined too (patch 0002): its plan is measured with OVERLAP=2's copy, and a session from it
+    runs pipelined with the copy, allocating what the plan expected (VDEV budgets are exact)."""
+    p = plans("patched", "vdev:1x9MiB@4GBps")
+    assert p.switches == {"OVERLAP": 2} and p.host_expert_layers[0] > 0
+    res = run_job({"kind": "logits", "model": model, "plan": p.to_dict(), "n_tokens": 256, "logits": "last",
+                   "out": str(tmp_path / "l.npy")}, "patched", timeout=120)
+    assert res["schedule"]["pipeline_parallel"] is True
+    assert res["ext"]["overlap"] == 2 and res["ext"]["overlap_dropped"] == 0
+    (dev,) = res["counters"]["devices"]
+    assert dev["failed_allocs"] == 0 and dev["peak_alloc_bytes"] <= p.devices[0].expected_bytes * 1.05 + SLACK
+    assert dev["peak_alloc_bytes"] <= p.devices[0].free_bytes
