@@ -101,6 +101,8 @@ SYNTH_FORMAT_VERSION = 1
 TILE_MIN_ELEMENTS = 1 << 24
 
 ARCH = "qwen3moe"
+# the families synth writes: gguf-py's architecture for each (tensor names and metadata keys come from it)
+ARCHS = {"qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "llama": gguf.MODEL_ARCH.LLAMA, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE}
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3
 ALIGNMENT = 32
@@ -188,6 +190,10 @@ class SynthConfig:
     preset: str = "custom"
     rms_eps: float = 1e-6
     rope_freq_base: float = 1e6
+    # the family: qwen3moe (q/k norms), llama (Mixtral-style: no shared expert), qwen2moe (a shared expert with its own
+    # gate, n_ff_shexp wide); llama and qwen2moe need n_head * head_dim == n_embd
+    arch: str = "qwen3moe"
+    n_ff_shexp: int = 0
     embd_scale: Optional[float] = None
     attn_scale: Optional[float] = None
     attn_out_scale: Optional[float] = None
@@ -223,6 +229,12 @@ class SynthConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"SynthConfig.{name} must be a positive integer, got {v!r}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"SynthConfig.arch must be one of {sorted(ARCHS)}, got {self.arch!r}")
+        if self.arch != "qwen3moe" and self.n_head * self.head_dim != self.n_embd:
+            raise ValueError(f"{self.arch} needs n_head * head_dim == n_embd ({self.n_head} * {self.head_dim} != {self.n_embd})")
+        if (self.arch == "qwen2moe") != (self.n_ff_shexp > 0):
+            raise ValueError("n_ff_shexp (the shared expert's width) is for qwen2moe, and qwen2moe needs one > 0")
         if self.type not in _WEIGHT_TYPE:
             raise ValueError(f"SynthConfig.type must be one of {sorted(_WEIGHT_TYPE)}, got {self.type!r}")
         if self.routing not in ROUTING_MODES:
@@ -264,6 +276,20 @@ PRESETS: Dict[str, SynthConfig] = {
     "qwen3-30b-a3b": SynthConfig(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
                                  n_expert=128, n_expert_used=8, n_ff_exp=768, n_vocab=32768,
                                  preset="qwen3-30b-a3b"),
+    # Mixtral-style (llama with experts: 8, top-2, no shared expert), tiny and shaped like Mixtral-8x7B (~49.6 GB Q8_0)
+    "mixtral-tiny": SynthConfig(n_layer=6, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_expert=8,
+                                n_expert_used=2, n_ff_exp=256, n_vocab=4096, rope_freq_base=1e6, arch="llama",
+                                preset="mixtral-tiny"),
+    "mixtral-8x7b": SynthConfig(n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_expert=8,
+                                n_expert_used=2, n_ff_exp=14336, n_vocab=32000, rope_freq_base=1e6, arch="llama",
+                                preset="mixtral-8x7b"),
+    # Qwen2-MoE (60 experts, top-4, a shared expert with its own gate), tiny and shaped like Qwen1.5-MoE-A2.7B (~15 GB)
+    "qwen2moe-tiny": SynthConfig(n_layer=6, n_embd=128, n_head=4, n_head_kv=4, head_dim=32, n_expert=60,
+                                 n_expert_used=4, n_ff_exp=64, n_ff_shexp=256, n_vocab=4096, arch="qwen2moe",
+                                 preset="qwen2moe-tiny"),
+    "qwen2moe-a2.7b": SynthConfig(n_layer=24, n_embd=2048, n_head=16, n_head_kv=16, head_dim=128, n_expert=60,
+                                  n_expert_used=4, n_ff_exp=1408, n_ff_shexp=5632, n_vocab=32768, arch="qwen2moe",
+                                  preset="qwen2moe-a2.7b"),
 }
 
 
@@ -338,7 +364,7 @@ def _plan(cfg: SynthConfig) -> List[_Tensor]:
     T = gguf.MODEL_TENSOR
 
     def name(kind, bid=None) -> str:   # the format's own tensor names (gguf-py), e.g. blk.3.ffn_up_exps.weight
-        assert kind in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.QWEN3MOE], kind
+        assert kind in gguf.MODEL_TENSORS[ARCHS[cfg.arch]], (cfg.arch, kind)
         return gguf.TENSOR_NAMES[kind].format(bid=bid) + ".weight"
 
     ts = [
@@ -353,14 +379,23 @@ def _plan(cfg: SynthConfig) -> List[_Tensor]:
             mat(name(T.ATTN_K, i), (E, kv_dim), s["attn_scale"], i),
             mat(name(T.ATTN_V, i), (E, kv_dim), s["attn_scale"], i),
             mat(name(T.ATTN_OUT, i), (q_dim, E), s["attn_out_scale"], i),
-            _Tensor(name(T.ATTN_Q_NORM, i), (cfg.head_dim,), GGML_F32, "ones", layer=i),
-            _Tensor(name(T.ATTN_K_NORM, i), (cfg.head_dim,), GGML_F32, "ones", layer=i),
+        ]
+        if cfg.arch == "qwen3moe":
+            ts += [_Tensor(name(T.ATTN_Q_NORM, i), (cfg.head_dim,), GGML_F32, "ones", layer=i),
+                   _Tensor(name(T.ATTN_K_NORM, i), (cfg.head_dim,), GGML_F32, "ones", layer=i)]
+        ts += [
             _Tensor(name(T.FFN_NORM, i), (E,), GGML_F32, "ones", layer=i),
             _Tensor(name(T.FFN_GATE_INP, i), (E, D), GGML_F32, "router", s["router_scale"], layer=i),
             mat(name(T.FFN_GATE_EXP, i), (E, F, D), s["ffn_scale"], i),
             mat(name(T.FFN_UP_EXP, i), (E, F, D), s["ffn_scale"], i),
             mat(name(T.FFN_DOWN_EXP, i), (F, E, D), s["down_scale"], i),
         ]
+        if cfg.arch == "qwen2moe":   # the shared expert stays with its layer's device (host_experts moves *_exps)
+            S = cfg.n_ff_shexp
+            ts += [mat(name(T.FFN_GATE_INP_SHEXP, i), (E,), s["router_scale"], i),
+                   mat(name(T.FFN_GATE_SHEXP, i), (E, S), s["ffn_scale"], i),
+                   mat(name(T.FFN_UP_SHEXP, i), (E, S), s["ffn_scale"], i),
+                   mat(name(T.FFN_DOWN_SHEXP, i), (S, E), s["down_scale"], i)]
     off = 0
     for t in ts:
         t.nbytes = _nbytes(t.ne, t.gtype)
@@ -381,15 +416,16 @@ def expert_bytes_per_layer(cfg: SynthConfig) -> int:
 
 def _writer(cfg: SynthConfig, tensors: List[_Tensor]) -> "gguf.GGUFWriter":
     """A gguf-py writer holding the file's metadata and tensor table (the data is streamed by write_gguf)."""
-    w = gguf.GGUFWriter(None, ARCH)   # general.architecture first
-    w.add_name(f"pyllama_pp synth {ARCH} {cfg.preset}")
+    w = gguf.GGUFWriter(None, cfg.arch)   # general.architecture first; gguf-py prefixes the keys with it
+    w.add_name(f"pyllama_pp synth {cfg.arch} {cfg.preset}")
     w.add_file_type(_FILE_TYPE[cfg.type])
     if cfg.type == "q8_0":
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_block_count(cfg.n_layer)
     w.add_context_length(cfg.n_ctx_train)
     w.add_embedding_length(cfg.n_embd)
-    w.add_feed_forward_length(cfg.n_ff_exp * cfg.n_expert_used)   # unused by qwen3moe; Qwen3-30B-A3B stores 768 * 8
+    # unused by qwen3moe (Qwen3-30B-A3B stores 768 * 8); llama reads its experts' width from it (Mixtral: 14336)
+    w.add_feed_forward_length(cfg.n_ff_exp if cfg.arch == "llama" else cfg.n_ff_exp * cfg.n_expert_used)
     w.add_head_count(cfg.n_head)
     w.add_head_count_kv(cfg.n_head_kv)
     w.add_key_length(cfg.head_dim)
@@ -399,6 +435,8 @@ def _writer(cfg: SynthConfig, tensors: List[_Tensor]) -> "gguf.GGUFWriter":
     w.add_expert_count(cfg.n_expert)
     w.add_expert_used_count(cfg.n_expert_used)
     w.add_expert_feed_forward_length(cfg.n_ff_exp)
+    if cfg.n_ff_shexp:
+        w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
     # the "test" vocab: token i is named by its hex id (what the test vocab prints for it), all NORMAL, no BOS/EOS
     w.add_tokenizer_model("test")
     w.add_token_list([format(i, "x") for i in range(cfg.n_vocab)])
@@ -416,6 +454,9 @@ def _writer(cfg: SynthConfig, tensors: List[_Tensor]) -> "gguf.GGUFWriter":
     for field in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_expert",
                   "n_expert_used", "n_ff_exp", "n_vocab", "n_ctx_train"):
         w.add_uint32(f"pyllama_pp.synth.{field}", int(getattr(cfg, field)))
+    if cfg.arch != "qwen3moe":   # (qwen3moe files stay as they were)
+        w.add_string("pyllama_pp.synth.arch", cfg.arch)
+        w.add_uint32("pyllama_pp.synth.n_ff_shexp", int(cfg.n_ff_shexp))
     for field, v in cfg.resolved_scales().items():
         w.add_float32(f"pyllama_pp.synth.{field}", v)
     for t in tensors:   # gguf-py takes numpy's order of dimensions: the reverse of ggml's ne
