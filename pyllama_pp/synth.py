@@ -102,7 +102,8 @@ TILE_MIN_ELEMENTS = 1 << 24
 
 ARCH = "qwen3moe"
 # the families synth writes: gguf-py's architecture for each (tensor names and metadata keys come from it)
-ARCHS = {"qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "llama": gguf.MODEL_ARCH.LLAMA, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE}
+ARCHS = {"qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "llama": gguf.MODEL_ARCH.LLAMA, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
+         "glm4moe": gguf.MODEL_ARCH.GLM4_MOE}
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3
 ALIGNMENT = 32
@@ -194,6 +195,11 @@ class SynthConfig:
     # gate, n_ff_shexp wide); llama and qwen2moe need n_head * head_dim == n_embd
     arch: str = "qwen3moe"
     n_ff_shexp: int = 0
+    # glm4moe (GLM-4.5-style): shared experts of n_ff_exp each, the first n_layer_dense_lead layers dense (n_ff wide),
+    # sigmoid gating with a selection bias (exp_probs_b)
+    n_expert_shared: int = 0
+    n_layer_dense_lead: int = 0
+    n_ff: int = 0
     embd_scale: Optional[float] = None
     attn_scale: Optional[float] = None
     attn_out_scale: Optional[float] = None
@@ -231,10 +237,15 @@ class SynthConfig:
                 raise ValueError(f"SynthConfig.{name} must be a positive integer, got {v!r}")
         if self.arch not in ARCHS:
             raise ValueError(f"SynthConfig.arch must be one of {sorted(ARCHS)}, got {self.arch!r}")
-        if self.arch != "qwen3moe" and self.n_head * self.head_dim != self.n_embd:
+        if self.arch in ("llama", "qwen2moe") and self.n_head * self.head_dim != self.n_embd:
             raise ValueError(f"{self.arch} needs n_head * head_dim == n_embd ({self.n_head} * {self.head_dim} != {self.n_embd})")
         if (self.arch == "qwen2moe") != (self.n_ff_shexp > 0):
             raise ValueError("n_ff_shexp (the shared expert's width) is for qwen2moe, and qwen2moe needs one > 0")
+        if (self.n_expert_shared or self.n_layer_dense_lead or self.n_ff) and self.arch != "glm4moe":
+            raise ValueError("n_expert_shared, n_layer_dense_lead and n_ff are glm4moe's")
+        if self.n_layer_dense_lead >= self.n_layer or (self.n_layer_dense_lead > 0) != (self.n_ff > 0):
+            raise ValueError(f"n_layer_dense_lead ({self.n_layer_dense_lead}) must be below n_layer ({self.n_layer}), "
+                             f"with n_ff (the dense layers' width) > 0 exactly when there are dense layers")
         if self.type not in _WEIGHT_TYPE:
             raise ValueError(f"SynthConfig.type must be one of {sorted(_WEIGHT_TYPE)}, got {self.type!r}")
         if self.routing not in ROUTING_MODES:
@@ -287,6 +298,14 @@ PRESETS: Dict[str, SynthConfig] = {
     "qwen2moe-tiny": SynthConfig(n_layer=6, n_embd=128, n_head=4, n_head_kv=4, head_dim=32, n_expert=60,
                                  n_expert_used=4, n_ff_exp=64, n_ff_shexp=256, n_vocab=4096, arch="qwen2moe",
                                  preset="qwen2moe-tiny"),
+    # GLM-4.5-style (glm4moe: one shared expert, the first layer dense, sigmoid gating), tiny and shaped like
+    # GLM-4.5-Air cut to 24 of its 46 layers (~57 GB as Q8_0: the whole model would not fit the GPU machine's RAM)
+    "glm4moe-tiny": SynthConfig(n_layer=6, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_expert=32,
+                                n_expert_used=4, n_ff_exp=64, n_expert_shared=1, n_layer_dense_lead=1, n_ff=256,
+                                n_vocab=4096, arch="glm4moe", preset="glm4moe-tiny"),
+    "glm4.5-air-l24": SynthConfig(n_layer=24, n_embd=4096, n_head=96, n_head_kv=8, head_dim=128, n_expert=128,
+                                  n_expert_used=8, n_ff_exp=1408, n_expert_shared=1, n_layer_dense_lead=1, n_ff=10944,
+                                  n_vocab=32768, arch="glm4moe", preset="glm4.5-air-l24"),
     "qwen2moe-a2.7b": SynthConfig(n_layer=24, n_embd=2048, n_head=16, n_head_kv=16, head_dim=128, n_expert=60,
                                   n_expert_used=4, n_ff_exp=1408, n_ff_shexp=5632, n_vocab=32768, arch="qwen2moe",
                                   preset="qwen2moe-a2.7b"),
@@ -363,9 +382,9 @@ def _plan(cfg: SynthConfig) -> List[_Tensor]:
 
     T = gguf.MODEL_TENSOR
 
-    def name(kind, bid=None) -> str:   # the format's own tensor names (gguf-py), e.g. blk.3.ffn_up_exps.weight
+    def name(kind, bid=None, suffix="weight") -> str:   # the format's own names (gguf-py): blk.3.ffn_up_exps.weight
         assert kind in gguf.MODEL_TENSORS[ARCHS[cfg.arch]], (cfg.arch, kind)
-        return gguf.TENSOR_NAMES[kind].format(bid=bid) + ".weight"
+        return gguf.TENSOR_NAMES[kind].format(bid=bid) + "." + suffix
 
     ts = [
         mat(name(T.TOKEN_EMBD), (E, V), s["embd_scale"], always_fresh=True),
@@ -383,13 +402,27 @@ def _plan(cfg: SynthConfig) -> List[_Tensor]:
         if cfg.arch == "qwen3moe":
             ts += [_Tensor(name(T.ATTN_Q_NORM, i), (cfg.head_dim,), GGML_F32, "ones", layer=i),
                    _Tensor(name(T.ATTN_K_NORM, i), (cfg.head_dim,), GGML_F32, "ones", layer=i)]
+        # (GLM calls the FFN's input norm post_attention_norm)
+        ts.append(_Tensor(name(T.ATTN_POST_NORM if cfg.arch == "glm4moe" else T.FFN_NORM, i), (E,), GGML_F32, "ones",
+                          layer=i))
+        if i < cfg.n_layer_dense_lead:   # a dense layer: no experts, nothing for host_experts to move
+            N = cfg.n_ff
+            ts += [mat(name(T.FFN_GATE, i), (E, N), s["ffn_scale"], i), mat(name(T.FFN_UP, i), (E, N), s["ffn_scale"], i),
+                   mat(name(T.FFN_DOWN, i), (N, E), s["down_scale"], i)]
+            continue
         ts += [
-            _Tensor(name(T.FFN_NORM, i), (E,), GGML_F32, "ones", layer=i),
             _Tensor(name(T.FFN_GATE_INP, i), (E, D), GGML_F32, "router", s["router_scale"], layer=i),
             mat(name(T.FFN_GATE_EXP, i), (E, F, D), s["ffn_scale"], i),
             mat(name(T.FFN_UP_EXP, i), (E, F, D), s["ffn_scale"], i),
             mat(name(T.FFN_DOWN_EXP, i), (F, E, D), s["down_scale"], i),
         ]
+        if cfg.arch == "glm4moe":    # a selection bias (the same for every expert: routing stays the router's)
+            ts.append(_Tensor(name(T.FFN_EXP_PROBS_B, i, "bias"), (D,), GGML_F32, "ones", layer=i))
+            if cfg.n_expert_shared:
+                S = cfg.n_ff_exp * cfg.n_expert_shared
+                ts += [mat(name(T.FFN_GATE_SHEXP, i), (E, S), s["ffn_scale"], i),
+                       mat(name(T.FFN_UP_SHEXP, i), (E, S), s["ffn_scale"], i),
+                       mat(name(T.FFN_DOWN_SHEXP, i), (S, E), s["down_scale"], i)]
         if cfg.arch == "qwen2moe":   # the shared expert stays with its layer's device (host_experts moves *_exps)
             S = cfg.n_ff_shexp
             ts += [mat(name(T.FFN_GATE_INP_SHEXP, i), (E,), s["router_scale"], i),
@@ -425,7 +458,7 @@ def _writer(cfg: SynthConfig, tensors: List[_Tensor]) -> "gguf.GGUFWriter":
     w.add_context_length(cfg.n_ctx_train)
     w.add_embedding_length(cfg.n_embd)
     # unused by qwen3moe (Qwen3-30B-A3B stores 768 * 8); llama reads its experts' width from it (Mixtral: 14336)
-    w.add_feed_forward_length(cfg.n_ff_exp if cfg.arch == "llama" else cfg.n_ff_exp * cfg.n_expert_used)
+    w.add_feed_forward_length(cfg.n_ff or (cfg.n_ff_exp if cfg.arch == "llama" else cfg.n_ff_exp * cfg.n_expert_used))
     w.add_head_count(cfg.n_head)
     w.add_head_count_kv(cfg.n_head_kv)
     w.add_key_length(cfg.head_dim)
@@ -437,6 +470,12 @@ def _writer(cfg: SynthConfig, tensors: List[_Tensor]) -> "gguf.GGUFWriter":
     w.add_expert_feed_forward_length(cfg.n_ff_exp)
     if cfg.n_ff_shexp:
         w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
+    if cfg.arch == "glm4moe":   # GLM-4.5: sigmoid gating, top-k weights normalised
+        w.add_expert_shared_count(cfg.n_expert_shared)
+        w.add_leading_dense_block_count(cfg.n_layer_dense_lead)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_norm(True)
+        w.add_expert_weights_scale(1.0)
     # the "test" vocab: token i is named by its hex id (what the test vocab prints for it), all NORMAL, no BOS/EOS
     w.add_tokenizer_model("test")
     w.add_token_list([format(i, "x") for i in range(cfg.n_vocab)])
@@ -456,7 +495,8 @@ def _writer(cfg: SynthConfig, tensors: List[_Tensor]) -> "gguf.GGUFWriter":
         w.add_uint32(f"pyllama_pp.synth.{field}", int(getattr(cfg, field)))
     if cfg.arch != "qwen3moe":   # (qwen3moe files stay as they were)
         w.add_string("pyllama_pp.synth.arch", cfg.arch)
-        w.add_uint32("pyllama_pp.synth.n_ff_shexp", int(cfg.n_ff_shexp))
+        for field in ("n_ff_shexp", "n_expert_shared", "n_layer_dense_lead", "n_ff"):
+            w.add_uint32(f"pyllama_pp.synth.{field}", int(getattr(cfg, field)))
     for field, v in cfg.resolved_scales().items():
         w.add_float32(f"pyllama_pp.synth.{field}", v)
     for t in tensors:   # gguf-py takes numpy's order of dimensions: the reverse of ggml's ne

@@ -351,7 +351,8 @@ def test_gguf_py_reads_back_what_synth_wrote(tmp_path):
     assert last.data_offset + last.n_bytes <= path.stat().st_size < last.data_offset + last.n_bytes + 32
 
 
-@pytest.mark.parametrize("name, arch", [("mixtral-tiny", "llama"), ("qwen2moe-tiny", "qwen2moe")])
+@pytest.mark.parametrize("name, arch", [("mixtral-tiny", "llama"), ("qwen2moe-tiny", "qwen2moe"),
+                                       ("glm4moe-tiny", "glm4moe")])
 def test_more_families_load_and_match_the_baseline(tmp_path_factory, name, arch):
     """Mixtral-style (llama with experts) and Qwen2-MoE (a shared expert with its own gate), written with gguf-py's
     names and keys for their architecture: both variants load them; with every expert in host RAM on 2 VDEVs the
@@ -364,7 +365,9 @@ def test_more_families_load_and_match_the_baseline(tmp_path_factory, name, arch)
     assert header["kv"]["general.architecture"] == arch and cfg.arch == arch
     assert header["kv"][f"{arch}.expert_count"] == cfg.n_expert
     names = {t["name"] for t in header["tensors"]}
-    assert ("blk.0.ffn_up_shexp.weight" in names) == (arch == "qwen2moe")
+    shared_in = "blk.1.ffn_up_shexp.weight"   # (glm4moe's layer 0 is dense)
+    assert (shared_in in names) == (arch in ("qwen2moe", "glm4moe"))
+    assert ("blk.0.ffn_up.weight" in names and "blk.0.ffn_up_exps.weight" not in names) == (arch == "glm4moe")
     assert ("blk.0.attn_q_norm.weight" in names) is False
     out = tmp_path_factory.mktemp(name + "-logits")
     kw = {"kind": "logits", "model": str(path), "devices": "vdev:2x0@0.5", "placement": {"host_experts": "all"},
@@ -387,8 +390,13 @@ def test_family_configs_are_checked():
         synth.preset("tiny", arch="mamba")
     with pytest.raises(ValueError, match="n_ff_shexp"):
         synth.preset("qwen2moe-tiny", n_ff_shexp=0)
+    with pytest.raises(ValueError, match="glm4moe's"):
+        synth.preset("tiny", n_expert_shared=1)
+    with pytest.raises(ValueError, match="n_layer_dense_lead"):
+        synth.preset("glm4moe-tiny", n_ff=0)
     with pytest.raises(ValueError, match="n_head \\* head_dim == n_embd"):
         synth.preset("mixtral-tiny", head_dim=64)
     big = synth.preset("mixtral-8x7b")
     assert 46 <= synth.estimate_file_bytes(big) / 1e9 <= 51   # Mixtral-8x7B as Q8_0
     assert 13 <= synth.estimate_file_bytes(synth.preset("qwen2moe-a2.7b")) / 1e9 <= 17
+    assert 50 <= synth.estimate_file_bytes(synth.preset("glm4.5-air-l24")) / 1e9 <= 64   # fits 128 GB of host RAM
