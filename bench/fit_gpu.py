@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from pyllama_pp import bench, synth
 from pyllama_pp.fit import Plan, fit, fit_ubatch
@@ -122,12 +123,18 @@ def main() -> int:
 
     # 2. each variant's fit per config, with a target forcing host_share of the experts to host
     plans: dict = {}
-    def bench_config(nb: int, ub: int) -> bench.BenchConfig:
-        return bench.BenchConfig(model=str(model), devices=args.devices, n_batch=nb, n_ubatch=ub, tests=[["pp", nb]],
-                                 reps=args.reps, label=f"fit b{nb} ub{ub}",
-                                 link_gbps=[55] * 16 if args.devices.startswith("cuda") else None, shared_link=shared)
 
-    margins_first = None
+    def bench_config(nb: int, ub: int, plans_by_variant: Optional[dict] = None) -> bench.BenchConfig:
+        """The A/B config of steps 4 and 5; with plans, each variant runs its plan (the patched one's switches)."""
+        c = bench.BenchConfig(model=str(model), devices=args.devices, n_batch=nb, n_ubatch=ub, tests=[["pp", nb]],
+                              reps=args.reps, label=f"fit b{nb} ub{ub}",
+                              link_gbps=[55] * 16 if args.devices.startswith("cuda") else None, shared_link=shared)
+        if plans_by_variant:
+            c.plans = {v: p.placement_dict() for v, p in plans_by_variant.items()}
+            c.ext_params = plans_by_variant["patched"].ext_params()
+            c.host_experts = "fit"   # (a label: each variant's placement comes from c.plans)
+        return c
+
 
     def target_margins(ctx) -> list:
         """Margins that leave each device its share of the dense weights and of (1 - host_share) of the experts,
@@ -177,10 +184,7 @@ def main() -> int:
             log(f"skip ab b{nb} ub{ub}: {left:.0f} s left")
             continue
         key = f"b{nb} ub{ub}"
-        c = bench_config(nb, ub)
-        c.plans = {v: plans[(key, v)].placement_dict() for v in ("patched", "baseline")}
-        c.ext_params = plans[(key, "patched")].ext_params()
-        c.host_experts = "fit"   # (a label: each variant's placement comes from c.plans)
+        c = bench_config(nb, ub, {v: plans[(key, v)] for v in ("patched", "baseline")})
         df = bench.ab([c], out_dir=args.out / "ab", progress=False, timeout=max(60, left - 20))
         log(f"ab --fit {key}\n{bench.markdown(df)}")
         summary["steps"].setdefault("ab", []).append(json.loads(df.to_json(orient="records")))
@@ -198,13 +202,8 @@ def main() -> int:
         log(f"fit --ubatch auto ({time.time() - t:.1f} s, margins {[m // MiB for m in margins]} MiB)\n{p}")
         summary["steps"]["auto"] = {"plan": p.to_dict(), "seconds": time.time() - t}
         save()
-        c = bench.BenchConfig(model=str(model), devices=args.devices, n_batch=p.ctx["n_batch"],
-                              n_ubatch=p.ctx["n_ubatch"], tests=[["pp", p.ctx["n_batch"]]], reps=args.reps,
-                              label="ubatch auto", link_gbps=[55] * 16 if args.devices.startswith("cuda") else None,
-                              shared_link=shared)
-        c.plans = {"patched": p.placement_dict()}
-        c.ext_params = p.ext_params()
-        c.host_experts = "fit"
+        c = bench_config(p.ctx["n_batch"], p.ctx["n_ubatch"], {"patched": p})
+        c.label = "ubatch auto"
         left = args.budget - (time.time() - T0)
         if left > 60:
             df = bench.ab([c], variants=["patched"], out_dir=args.out / "ab-auto", progress=False,

@@ -501,7 +501,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
     spec = devspec.parse(devices)
     n_ctx = ctx.n_ctx or 4096
     expert_bytes = expert_bytes_per_layer(model)
-    tried, best = [], None
+    tried, best, rates = [], None, None
     kw.pop("check", None)   # (a candidate that leaves layers on the CPU or a device over its target is out)
     for ub in [c for c in candidates if c <= n_ctx]:
         nb = min(n_ctx, max(ctx.n_batch, 8 * ub)) // ub * ub
@@ -513,8 +513,9 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
             m = re.search(r"leaves \d+ of \d+ layers on the CPU|over its target", str(e))
             tried.append({**row, "why": f"no placement ({m.group(0) if m else str(e).split('. Fix:')[0][-80:]})"})
             continue
-        rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else \
-            [v.link_gbps for v in spec.vdevs] if spec.kind == "vdev" else [DEFAULT_CUDA_LINK_GBPS] * len(plan.devices)
+        if rates is None:   # (the devices' links: known from the spec, or once the first plan counts the GPUs)
+            rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else \
+                [v.link_gbps for v in spec.vdevs] if spec.kind == "vdev" else [DEFAULT_CUDA_LINK_GBPS] * len(plan.devices)
         if any(r <= 0 for r in rates):
             raise ConfigError(f"--ubatch auto predicts from each device's host link, and {spec} has an unthrottled "
                               "VDEV link (0): give every device a rate, e.g. vdev:2x8MiB@4GBps")
