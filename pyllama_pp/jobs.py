@@ -92,12 +92,13 @@ class LogitsJob(Job):
 
 @dataclass
 class BenchJob(Job):
-    """llama-bench-like tests, each one warm-up then `reps` timed runs. With `ctx_list` ([{"ctx", "tests"}]) the
-    model is loaded once and each entry gets a fresh context."""
+    """llama-bench-like tests, each `warmup` untimed runs then `reps` timed runs. With `ctx_list` ([{"ctx", "tests"}])
+    the model is loaded once and each entry gets a fresh context."""
 
     kind: ClassVar[str] = "bench"
     tests: list = field(default_factory=lambda: [["pp", 512]])
     reps: int = 3
+    warmup: int = 1      # untimed runs of each test first (0: a paired round of bench.interleaved, warmed up before)
     seed: int = 0
     coverage: bool = True
     ctx_list: Optional[list] = None

@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 def config_key(cfg: BenchConfig) -> str:
     """What a config measures (model, devices, placement, batch sizes, tests, reps, switches, environment, label) as a
     short hash: rows with the same key and variant measure the same thing (`ab(..., resume=True)` reuses them)."""
-    what = [cfg.job().to_dict(), cfg.ext_params, cfg.env, cfg.label]
+    job = cfg.job().to_dict()
+    job.pop("warmup", None)   # (always 1 here; left out so that sweeps written before the field keep their keys)
+    what = [job, cfg.ext_params, cfg.env, cfg.label]
     return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -4,16 +4,24 @@
 JSON document back. A worker that crashes, is killed or times out raises WorkerError (with its exit status
 and the end of its stderr); the caller decides whether that becomes an error row.
 
+`ServingWorker(variant)` starts `python -m pyllama_pp.worker --serve`, which answers one JSON line per job line
+and keeps a bench job's loaded session for the next bench job on the same model, devices, placement and switches
+(a 30 GB model loads in ~25 s: bench.interleaved alternates the variants round by round without loading again).
+Its environment, and the patched build's switches, are fixed for as long as it runs.
+
 Job kinds: "info", "schedule", "logits" (writes an .npy), "bench" (llama-bench-like pp/tg tests),
 "workload" (a mixed sequence in one context, bench/q6), "fit" (pyllama_pp.fit), "soak" (pyllama_pp.soak).
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from typing import Optional, Union
@@ -50,6 +58,23 @@ def _last_words(stderr: str) -> str:
     return (why or lines or [""])[-1]
 
 
+def _worker_env(env: Optional[dict]) -> dict:
+    full_env = dict(os.environ)
+    full_env.update({k: str(v) for k, v in (env or {}).items()})
+    full_env.setdefault("PYLLAMA_PP_LOG", "1")
+    # an abort's own message ends the worker's stderr (its last words), not a debugger's backtrace of it
+    full_env.setdefault("GGML_NO_BACKTRACE", "1")
+    full_env["PYLLAMA_PP_PARENT_PID"] = str(os.getpid())
+    return full_env
+
+
+def _died(variant: str, returncode: int, stderr: str) -> WorkerError:
+    how = f"killed by signal {_signal_name(-returncode)}" if returncode < 0 else f"exit code {returncode}"
+    last = _last_words(stderr)
+    return worker_error("WorkerError", f"{variant} worker died ({how}) without a result"
+                        + (f"; its last words: {last[:300]}" if last else ""), returncode, stderr[-2000:])
+
+
 def run_job(job: Union[Job, dict], variant: str, timeout: Optional[float] = None, env: Optional[dict] = None) -> dict:
     """Run `job` (a jobs.Job, or a dict that describes one) in a fresh worker process for `variant`; returns the
     worker's result dict.
@@ -57,12 +82,7 @@ def run_job(job: Union[Job, dict], variant: str, timeout: Optional[float] = None
     The worker dies with its caller (Linux: PR_SET_PDEATHSIG), does not take SIGINT itself, and a caller
     interrupted while it waits (Ctrl-C) kills and reaps it before the KeyboardInterrupt goes on."""
     payload = as_job(job, variant).to_json()   # a malformed job fails here, before a worker starts
-    full_env = dict(os.environ)
-    full_env.update({k: str(v) for k, v in (env or {}).items()})
-    full_env.setdefault("PYLLAMA_PP_LOG", "1")
-    # an abort's own message ends the worker's stderr (its last words), not a debugger's backtrace of it
-    full_env.setdefault("GGML_NO_BACKTRACE", "1")
-    full_env["PYLLAMA_PP_PARENT_PID"] = str(os.getpid())
+    full_env = _worker_env(env)
     # SIGINT stays blocked while the worker is made, so that a Ctrl-C cannot land between its fork and the `try`
     # that kills it; the worker keeps it blocked (the caller decides what a Ctrl-C does: it kills the worker)
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -98,11 +118,147 @@ def run_job(job: Union[Job, dict], variant: str, timeout: Optional[float] = None
             msg = f"{variant} worker hit an unexpected error (a bug in pyllama_pp, please report it): {msg}"
         raise worker_error(kind, msg, proc.returncode, result.get("traceback") or stderr[-2000:])
     if proc.returncode != 0 or not isinstance(result, dict):
-        how = f"killed by signal {_signal_name(-proc.returncode)}" if proc.returncode < 0 else f"exit code {proc.returncode}"
-        last = _last_words(stderr)
-        raise worker_error("WorkerError", f"{variant} worker died ({how}) without a result"
-                           + (f"; its last words: {last[:300]}" if last else ""), proc.returncode, stderr[-2000:])
+        raise _died(variant, proc.returncode, stderr)
     return result
+
+
+class ServingWorker:
+    """A worker process that runs many jobs: `python -m pyllama_pp.worker --serve`, one JSON line per job each
+    way. Bench jobs on the same model, devices, placement and switches share one loaded session (a job with another
+    context gets a fresh context on it); any other job drops it first.
+
+    >>> with ServingWorker("patched", env={"GGML_CUDA_DISABLE_GRAPHS": "1"}) as w:
+    ...     first = w.run(job, timeout=300)      # loads the model
+    ...     again = w.run(job, timeout=60)       # the same session: again["served"]["reused"] is True
+
+    The errors are run_job's: an error the worker answers (the job failed; the worker serves the next one) is raised
+    as that class with WorkerError (exit_code 3, or 4 for a bug); a worker that dies, or does not answer within
+    `timeout` (it is killed then), raises WorkerError and serves no more. `env` and the switches (ext_params) of its
+    first job are fixed for the process: a job with other switches is refused (start another worker). The worker
+    dies with the thread that started it (PR_SET_PDEATHSIG)."""
+
+    def __init__(self, variant: str, env: Optional[dict] = None):
+        self.variant = variant
+        self.env = {k: str(v) for k, v in (env or {}).items()}
+        self._proc: Optional[subprocess.Popen] = None
+        self._lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        self._stderr: collections.deque = collections.deque(maxlen=400)
+        self._threads: list = []
+
+    # -- lifetime
+    def start(self) -> "ServingWorker":
+        if self._proc is not None:
+            raise WorkerError(f"this {self.variant} worker was started already")
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})   # (as in run_job: see there)
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", "pyllama_pp.worker", "--serve"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          env=_worker_env(self.env), encoding="utf-8", errors="replace", bufsize=1)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        # both pipes are drained all the time (llama.cpp's log must never fill the stderr pipe and stall the worker)
+        for target in (self._read_stdout, self._read_stderr):
+            t = threading.Thread(target=target, daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def _read_stdout(self) -> None:
+        for line in self._proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _read_stderr(self) -> None:
+        for line in self._proc.stderr:
+            self._stderr.append(line)
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stderr_tail(self, n: int = 2000) -> str:
+        return "".join(self._stderr)[-n:]
+
+    def kill(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            _stop(self._proc)
+
+    def close(self, timeout: float = 30) -> Optional[int]:
+        """End of input: the worker frees its session and exits (killed after `timeout` s); its exit status."""
+        if self._proc is None:
+            return None
+        try:
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(self._proc)
+        for t in self._threads:
+            t.join(timeout=5)
+        return self._proc.returncode
+
+    def __enter__(self) -> "ServingWorker":
+        return self.start() if self._proc is None else self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:   # (Ctrl-C, an error: no waiting for a job in progress)
+            self.kill()
+        self.close()
+
+    # -- jobs
+    def send(self, job: Union[Job, dict]) -> None:
+        """Send one job (checked here first, as run_job does); its answer comes from result()."""
+        payload = as_job(job, self.variant).to_json()
+        if self._proc is None:
+            self.start()
+        try:
+            self._proc.stdin.write(payload + "\n")
+            self._proc.stdin.flush()
+        except (OSError, ValueError):   # (a closed pipe: the worker is gone; result() says how it died)
+            pass
+
+    def result(self, timeout: Optional[float] = None) -> dict:
+        """The answer to the oldest job sent and not yet answered."""
+        if self._proc is None:
+            raise WorkerError(f"this {self.variant} worker was not started")
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            _stop(self._proc)
+            raise worker_error("WorkerError", f"{self.variant} worker timed out after {timeout:.0f} s (killed)",
+                               None, self.stderr_tail()) from None
+        if line is None:   # EOF: the worker is gone
+            self._lines.put(None)   # (for every later call too)
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                _stop(self._proc)
+            self._threads[1].join(timeout=5)
+            raise _died(self.variant, self._proc.returncode, self.stderr_tail(100_000))
+        try:
+            result = json.loads(line)
+        except json.JSONDecodeError:
+            result = None
+        if not isinstance(result, dict):
+            raise worker_error("WorkerError", f"{self.variant} worker answered something other than a result: "
+                               f"{line.strip()[:200]!r}", None, self.stderr_tail())
+        if "error" in result:
+            kind, msg, code = str(result.get("type") or "WorkerError"), str(result["error"]), result.get("code", 3)
+            if code == 4:
+                msg = f"{self.variant} worker hit an unexpected error (a bug in pyllama_pp, please report it): {msg}"
+            raise worker_error(kind, msg, code, result.get("traceback") or self.stderr_tail())
+        return result
+
+    def run(self, job: Union[Job, dict], timeout: Optional[float] = None) -> dict:
+        """send() then result()."""
+        self.send(job)
+        return self.result(timeout)
 
 
 def _die_with_parent() -> None:
@@ -230,9 +386,10 @@ def depth_of(test) -> int:
     return int(test[2]) if len(test) > 2 else 0
 
 
-def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
+def _run_tests(s, tests, reps: int, seed: int, coverage: bool, warmup: int = 1) -> list[dict]:
     """Each test is [kind, n] or [kind, n, depth] (llama-bench's -d: the context first holds `depth` prompt
-    tokens, untimed; tg then decodes right after them, its first token included)."""
+    tokens, untimed; tg then decodes right after them, its first token included); `warmup` untimed runs, then
+    `reps` timed ones."""
     results = []
     for test in tests:
         kind, n = test[0], int(test[1])
@@ -243,7 +400,7 @@ def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
         if kind == "pp" and coverage and s.info.n_expert > 0:
             cov = s.coverage(toks, exclusive=True)   # (never two contexts at once: a plan sized one)
         times, devs, ext = [], [], None
-        for r in range(reps + 1):
+        for r in range(warmup + reps):
             s.reset_counters()
             if depth:
                 s.eval(prefix, logits="last", stats=False)   # the context's depth (not timed, not counted)
@@ -267,8 +424,8 @@ def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
                 dt = time.perf_counter() - t0
                 dev = _sum_devices(per)
             e1 = s.ext_stats()
-            if r == 0:
-                continue  # warm-up
+            if r < warmup:
+                continue
             times.append(dt)
             devs.append(dev)
             ext = _ext_add(ext, _ext_delta(e0, e1))  # the timed window of each rep only
@@ -282,27 +439,33 @@ def _run_tests(s, tests, reps: int, seed: int, coverage: bool) -> list[dict]:
 
 def _do_bench(job: BenchJob) -> dict:
     """Run llama-bench-like tests: ("pp", n) decodes n prompt tokens in n_batch chunks; ("tg", n) decodes n
-    tokens one by one. Each test: one warm-up, then `reps` timed runs.
+    tokens one by one. Each test: `warmup` untimed runs (default one), then `reps` timed runs.
 
     With "ctx_list" (a list of {"ctx": {...}, "tests": [...]}) the model is loaded once and each entry gets a
     fresh context: the result then has "runs", one {"schedule", "tests"} (or {"error"}) per entry."""
-    from .session import ContextParams
-    reps, seed, coverage = int(job.reps), int(job.seed), bool(job.coverage)
     with _session(job) as s:
-        if job.ctx_list is None:
-            sched = s.schedule().to_dict()
-            return {"model": s.info.to_dict(), "schedule": sched,
-                    "tests": _run_tests(s, job.tests, reps, seed, coverage)}
-        runs = []
-        for i, entry in enumerate(job.ctx_list):
-            try:
-                if i > 0:
-                    s.set_context(ContextParams(**entry["ctx"]))
-                runs.append({"schedule": s.schedule().to_dict(),
-                             "tests": _run_tests(s, entry["tests"], reps, seed, coverage)})
-            except PyllamaError as e:
-                runs.append({"error": f"{type(e).__name__}: {e}"})
-        return {"model": s.info.to_dict(), "runs": runs}
+        return _bench(s, job)
+
+
+def _bench(s, job: BenchJob) -> dict:
+    from .session import ContextParams
+    reps, seed, coverage, warmup = int(job.reps), int(job.seed), bool(job.coverage), int(job.warmup)
+    if reps < 1 or warmup < 0:
+        raise ConfigError(f"a bench job needs reps >= 1 and warmup >= 0, got reps={job.reps}, warmup={job.warmup}")
+    if job.ctx_list is None:
+        sched = s.schedule().to_dict()
+        return {"model": s.info.to_dict(), "schedule": sched,
+                "tests": _run_tests(s, job.tests, reps, seed, coverage, warmup)}
+    runs = []
+    for i, entry in enumerate(job.ctx_list):
+        try:
+            if i > 0:
+                s.set_context(ContextParams(**entry["ctx"]))
+            runs.append({"schedule": s.schedule().to_dict(),
+                         "tests": _run_tests(s, entry["tests"], reps, seed, coverage, warmup)})
+        except PyllamaError as e:
+            runs.append({"error": f"{type(e).__name__}: {e}"})
+    return {"model": s.info.to_dict(), "runs": runs}
 
 
 def _do_workload(job: WorkloadJob) -> dict:
@@ -386,8 +549,99 @@ HANDLERS = {"info": _do_info, "schedule": _do_schedule, "logits": _do_logits, "b
             "workload": _do_workload, "fit": _do_fit, "soak": _do_soak}
 
 
+class _Server:
+    """Inside `--serve`: one job at a time; the session of the last bench job stays loaded for the next one."""
+
+    def __init__(self):
+        self.session = None
+        self.key: Optional[str] = None
+        self.loads = 0
+        self.ext_params: Optional[dict] = None   # the switches of the first job (a process-wide setting)
+
+    def drop(self) -> None:
+        if self.session is not None:
+            s, self.session, self.key = self.session, None, None
+            s.close()
+
+    @staticmethod
+    def _load_key(job: Job) -> str:
+        d = job.to_dict()
+        return json.dumps([d[k] for k in ("variant", "model", "devices", "placement", "plan", "ext_params")],
+                          sort_keys=True, default=str)
+
+    def bench(self, job: BenchJob) -> dict:
+        key = self._load_key(job)
+        reused = self.session is not None and key == self.key
+        t0 = time.perf_counter()
+        if reused:
+            if not job.plan and job.ctx != self.session.ctx_params:   # (a plan's context is the plan's)
+                self.session.set_context(job.ctx)
+        else:
+            self.drop()
+            self.session, self.key = _session(job), key
+            self.loads += 1
+        load_s = time.perf_counter() - t0
+        result = _bench(self.session, job)
+        result["served"] = {"pid": os.getpid(), "loads": self.loads, "reused": reused,
+                            "load_seconds": 0.0 if reused else load_s}
+        return result
+
+    def run(self, job: Job) -> dict:
+        if job.kind != "info":
+            if self.ext_params is None:
+                self.ext_params = dict(job.ext_params)
+            elif dict(job.ext_params) != self.ext_params:
+                raise ConfigError(f"this serving worker runs with the switches {self.ext_params} (its first job's: "
+                                  f"they hold for the process), not {dict(job.ext_params)}: start another worker")
+        if job.kind == "bench":
+            return self.bench(job)
+        if job.kind != "info":
+            self.drop()   # (never two models at once)
+        return HANDLERS[job.kind](job)
+
+    def answer(self, line: str) -> dict:
+        try:
+            try:
+                raw = json.loads(line)
+            except ValueError as e:
+                raise ConfigError(f"a job line must be one JSON object: {e}") from None
+            if not isinstance(raw, dict):
+                raise ConfigError(f"a job line must be one JSON object, not {type(raw).__name__}")
+            return self.run(Job.from_dict(raw))
+        except PyllamaError as e:
+            self.drop()   # (a failed job may leave its session half-used: the next one loads afresh)
+            return {"error": str(e), "type": type(e).__name__, "code": 3}
+        except Exception as e:  # a bug: answered with its traceback; the worker serves on
+            self.drop()
+            return {"error": f"{type(e).__name__}: {e}", "type": "WorkerError", "code": 4,
+                    "traceback": traceback.format_exc()}
+
+
+def _serve() -> int:
+    """`--serve`: a job per line on stdin, an answer per line (a result, or {"error", "type", "code"}); EOF ends it."""
+    # the answers get the stdout pipe to themselves: anything else written to stdout (native code) goes to stderr
+    answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    server = _Server()
+    try:
+        while True:
+            line = sys.stdin.readline()
+            if not line:
+                return 0
+            if not line.strip():
+                continue
+            answers.write(json.dumps(server.answer(line), default=float) + "\n")
+            answers.flush()
+    except KeyboardInterrupt:   # (SIGINT stays blocked, as in a one-job worker; the caller kills it)
+        return 130
+    finally:
+        server.drop()
+
+
 def _main() -> int:
     _die_with_parent()
+    if "--serve" in sys.argv[1:]:
+        return _serve()
     try:
         raw = sys.stdin.read()
     except KeyboardInterrupt:
