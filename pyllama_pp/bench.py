@@ -4,6 +4,10 @@ Configurations are crossed like llama-bench's comma-separated values; every conf
 fresh worker process per variant (same model, placement, batch sizes and load mode for both), rows are
 appended to JSONL/CSV as they come (a crash or Ctrl-C loses nothing already measured), and a worker
 that dies becomes an error row.
+
+`interleaved` runs the variants round by round instead (one serving worker each, the model loaded once, ABBA
+order): drift over time then hits both alike, and each round's ratio gives a paired speedup with a confidence
+interval.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from .session import ContextParams, Placement
 from .measure import (ROW_FIELDS, _link_bound, _meta, config_key, _per_gpu, _pipe_bound, _test_name, ctx_for, error_rows,   # noqa: F401
                       error_text, nmse, rows_from_result, workload_step_row)
 from .report import RowWriter, fmt_bytes, markdown, num, plot, read_rows   # noqa: F401  (bench.markdown etc. as before)
-from .worker import run_job, depth_of
+from .worker import ServingWorker, _ext_add, _sum_devices, depth_of, run_job
 
 
 @dataclass
@@ -157,6 +161,14 @@ def _finish_config(per_variant: dict[str, list[dict]]) -> None:
                 r["speedup"] = r["avg_ts"] / b["avg_ts"]
 
 
+def _variant_job(cfg: BenchConfig, variant: str, **fields) -> BenchJob:
+    """cfg's job as `variant` runs it: the switches are the patched build's; --plan / --fit: its own placement."""
+    job = dataclasses.replace(cfg.job(), ext_params=dict(cfg.ext_params) if variant == "patched" else {}, **fields)
+    if variant in cfg.plans:
+        job = dataclasses.replace(job, placement=Placement(**{**cfg.plans[variant], "load_mode": cfg.load_mode}))
+    return job
+
+
 def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_dir: Optional[Union[str, Path]] = None,
        progress: bool = True, timeout: Optional[float] = None, group: bool = True, resume: bool = False):
     """Run every config on every variant (each in its own worker); return a pandas DataFrame of rows with
@@ -208,14 +220,10 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
                         bar.set_postfix_str(f"{v} {lead.devices} ub={','.join(str(c.n_ubatch) for _, c in sub)}")
                     # the switches are the patched build's; coverage is a property of model, tokens and ubatch,
                     # not of the variant: measure it once
-                    job = dataclasses.replace(
-                        lead.job(), ext_params=dict(lead.ext_params) if v == "patched" else {},
-                        coverage=not any(per_cfg[k] for k in todo),
+                    job = _variant_job(
+                        lead, v, coverage=not any(per_cfg[k] for k in todo),
                         ctx_list=[{"ctx": cfg.job().ctx.to_dict(), "tests": cfg.tests} for _, cfg in sub]
                         if len(sub) > 1 else None)
-                    if v in lead.plans:   # --plan / --fit: the variant's own placement
-                        job = dataclasses.replace(
-                            job, placement=Placement(**{**lead.plans[v], "load_mode": lead.load_mode}))
                     try:
                         res = run_job(job, v, timeout=timeout, env=lead.env)
                         runs = res["runs"] if len(sub) > 1 else [res]
@@ -251,6 +259,161 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
     for col in ROW_FIELDS:
         if col not in df.columns:
             df[col] = None
+    return df
+
+
+def paired_ci(ratios: Sequence[float], level: float = 0.95, n_boot: int = 10_000, seed: int = 0) -> tuple:
+    """The median of per-round ratios and its bootstrap confidence interval (percentile method, `n_boot`
+    resamples of the rounds with a fixed seed): (median, lo, hi); NaN for no ratios."""
+    import numpy as np
+    x = np.asarray([r for r in ratios if r == r], dtype=np.float64)
+    if x.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    meds = np.median(x[rng.integers(0, x.size, (n_boot, x.size))], axis=1)
+    lo, hi = np.quantile(meds, [(1 - level) / 2, (1 + level) / 2])
+    return float(np.median(x)), float(lo), float(hi)
+
+
+def _merge_rounds(results: list[dict], coverage: Optional[list] = None) -> dict:
+    """One variant's round results (bench jobs of one rep each) as one result of len(results) reps: times in round
+    order, counters added up (rows divide them by the reps), levels as after the last round."""
+    last = results[-1]
+    tests = []
+    for i, t in enumerate(last["tests"]):
+        per = [r["tests"][i] for r in results]
+        ext = None
+        for p in per:
+            ext = _ext_add(ext, p.get("ext"))
+        tests.append({**t, "seconds": [x for p in per for x in p["seconds"]],
+                      "devices": _sum_devices([p["devices"] for p in per]), "ext": ext, "reps": len(results),
+                      "coverage": (coverage[i] if coverage else None) or t.get("coverage")})
+    return {"model": last["model"], "schedule": last["schedule"], "tests": tests}
+
+
+def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Sequence[str] = VARIANTS,
+                rounds: int = 20, out_dir: Optional[Union[str, Path]] = None, progress: bool = True,
+                timeout: Optional[float] = None, seed: int = 0, warmup: int = 0):
+    """A/B in paired rounds: per variant one serving worker (the model loaded once), one warm-up, then `rounds`
+    rounds, each one rep of every test per variant, the order alternating ABBA (round r: `variants` in order when
+    r is even, reversed when odd). Drift over time (clocks, heat, the machine's other load) then falls on both
+    variants alike.
+
+    Returns `ab`'s rows (samples_ts: one sample per round, in order; avg_ts, stddev_ts, speedup = ratio of the
+    averages) plus `rounds`, and on each variant's rows other than the baseline's the paired statistics of its
+    tests: `ratios` (per round, variant t/s over baseline t/s), `speedup_median` and its bootstrap 95% interval
+    `speedup_ci_lo` / `speedup_ci_hi` (paired_ci, `seed`). df.attrs["order"] lists the runs as they happened,
+    [config, round, variant] (round -1: the warm-up). `reps` of the configs is not used; `timeout` holds for each
+    job (the first of a worker includes its model load). A worker that fails gives its variant error rows for that
+    config; the others go on.
+
+    In a round each test follows the one before it (the last round's last test for the first): with several tests,
+    `warmup` untimed runs of each test before its timed one give each the state llama-bench's warm-up gives it (a
+    plan switch of the patched build, say), for that many times the time."""
+    import pandas as pd
+
+    cfgs = [configs] if isinstance(configs, BenchConfig) else list(configs)
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a whole number of at least 1, got {rounds!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a whole number of at least 0, got {warmup!r}")
+    variants = list(variants)
+    if not variants or len(set(variants)) != len(variants) or not set(variants) <= set(VARIANTS):
+        raise ValueError(f"variants must be distinct names of {list(VARIANTS)}, got {variants!r}")
+    writer = RowWriter(Path(out_dir) if out_dir else None)
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=len(cfgs) * (rounds + 1), desc="paired A/B", unit="round", dynamic_ncols=True)
+        except ImportError:
+            bar = None
+    servers: dict[str, tuple[str, ServingWorker]] = {}
+    order: list[list] = []
+    all_rows: list[dict] = []
+    done = False
+
+    def server(cfg: BenchConfig, v: str) -> ServingWorker:
+        """The variant's worker for cfg: the one running, when its environment and switches are cfg's."""
+        key = json.dumps([cfg.env, cfg.ext_params if v == "patched" else {}], sort_keys=True, default=str)
+        old = servers.get(v)
+        if old and old[0] == key and old[1].alive:
+            return old[1]
+        if old:
+            old[1].close()
+        servers[v] = (key, ServingWorker(v, env=cfg.env).start())
+        return servers[v][1]
+
+    try:
+        for ci, cfg in enumerate(cfgs):
+            meta = _meta(cfg)
+            failed: dict[str, str] = {}
+            got: dict[str, list[dict]] = {v: [] for v in variants}
+            coverage = None
+
+            def run(v: str, r: int, job: BenchJob) -> Optional[dict]:
+                if v in failed:
+                    return None
+                try:
+                    res = server(cfg, v).run(job, timeout=timeout)
+                except WorkerError as e:
+                    failed[v] = error_text(e)
+                    if progress and (e.exit_code is None or e.exit_code < 0):
+                        print(f"\npyllama-pp: warning: {error_text(e)}; carrying on without {v}", file=sys.stderr)
+                    return None
+                order.append([ci, r, v])
+                return res
+
+            for vi, v in enumerate(variants):   # the warm-up (and the model load); coverage measured once
+                res = run(v, -1, _variant_job(cfg, v, reps=1, warmup=1, coverage=coverage is None))
+                if res is not None and coverage is None:
+                    coverage = [t.get("coverage") for t in res["tests"]]
+            if bar:
+                bar.update(1)
+            for r in range(rounds):
+                for v in (variants if r % 2 == 0 else variants[::-1]):
+                    res = run(v, r, _variant_job(cfg, v, reps=1, warmup=warmup, coverage=False))
+                    if res is not None:
+                        got[v].append(res)
+                if bar:
+                    bar.update(1)
+                if len(failed) == len(variants):
+                    break
+            per_v: dict[str, list[dict]] = {}
+            for v in variants:
+                per_v[v] = error_rows(cfg, v, failed[v], meta) if v in failed else \
+                    rows_from_result(cfg, v, _merge_rounds(got[v], coverage), meta)
+            _finish_config(per_v)
+            base = {r["test"]: r for r in per_v.get("baseline", []) if not r.get("error")}
+            for v, rows in per_v.items():
+                for i, row in enumerate(rows):
+                    row["config"] = ci
+                    if row.get("error"):
+                        continue
+                    row["rounds"] = len(got[v])
+                    if v == "baseline" or row["test"] not in base:
+                        continue
+                    sb = [s for res in got["baseline"] for s in res["tests"][i]["seconds"]]
+                    sv = [s for res in got[v] for s in res["tests"][i]["seconds"]]
+                    ratios = [x / y if y > 0 else float("nan") for x, y in zip(sb, sv)]   # (t/s: n/y over n/x)
+                    med, lo, hi = paired_ci(ratios, seed=seed)
+                    row.update({"ratios": ratios, "speedup_median": med, "speedup_ci_lo": lo, "speedup_ci_hi": hi})
+            for v in variants:
+                writer.write(per_v[v])
+                all_rows.extend(per_v[v])
+        done = True
+    finally:
+        for _, w in servers.values():
+            if not done:   # (Ctrl-C, an error: no waiting for a job in progress)
+                w.kill()
+            w.close()
+        if bar:
+            bar.close()
+    df = pd.DataFrame(all_rows)
+    for col in ROW_FIELDS:
+        if col not in df.columns:
+            df[col] = None
+    df.attrs["order"] = order
     return df
 
 

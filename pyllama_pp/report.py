@@ -127,6 +127,10 @@ def markdown(df) -> str:
         cov = ref.get("coverage")
         cov_s = f"{100 * cov:.0f}%" if isinstance(cov, float) and cov == cov else ""
         sp = p.get("speedup") if p is not None else None
+        sp_s = "" if sp is None or sp != sp else f"{sp:.2f}"
+        lo = p.get("speedup_ci_lo") if p is not None else None
+        if sp_s and isinstance(lo, float) and lo == lo:   # bench.interleaved: the paired median, its 95% interval
+            sp_s += f" (paired {p['speedup_median']:.3f} [{lo:.3f}, {p['speedup_ci_hi']:.3f}], {p['rounds']:.0f} rounds)"
         bound = "" if p is None else ", ".join(filter(None, (num(p.get("bound_ts")), num(p.get("bound_pipe_ts")))))
         ov = str(ref.get("tensor_buft_overrides") or "")
         # (a plan's rows carry its overrides, as llama-bench's -ot: the column shows their count; with --fit each
@@ -136,7 +140,7 @@ def markdown(df) -> str:
         lines.append(
             f"| {ref['devices']} | {placed} | {ref['n_batch']} "
             f"| {ref['n_ubatch']} | {test} | {cov_s} | {ts(b)} | {ts(p)} "
-            f"| {'' if sp is None or sp != sp else f'{sp:.2f}'} | {pp(b)}/{pp(p)} | {per_dev(b)} | {per_dev(p)} "
+            f"| {sp_s} | {pp(b)}/{pp(p)} | {per_dev(b)} | {per_dev(p)} "
             f"| {bound} | {blocked(p)} |")
     return "\n".join(lines) + "\n"
 

@@ -1,11 +1,13 @@
 """Paired A/B: the serving worker (`python -m pyllama_pp.worker --serve`) keeps its session between jobs and answers a
-broken job without dying."""
+broken job without dying; bench.interleaved runs the variants in ABBA rounds and gives the paired speedup's interval."""
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
+from pyllama_pp import bench
 from pyllama_pp.errors import ConfigError, ModelError, WorkerError
 from pyllama_pp.worker import ServingWorker
 
@@ -63,4 +65,92 @@ def test_serving_worker_answers_a_broken_job_and_serves_the_next(tiny_model, tmp
             slow.result(timeout=5)
     finally:
         slow.close()
+
+
+def test_paired_ci_numbers():
+    assert bench.paired_ci([1.0] * 7) == (1.0, 1.0, 1.0)
+    med, lo, hi = bench.paired_ci([0.9, 1.1, 1.0, 1.3, 0.95])
+    assert med == 1.0 and lo <= med <= hi and lo >= 0.9 and hi <= 1.3
+    assert bench.paired_ci([0.9, 1.1, 1.0, 1.3, 0.95]) == (med, lo, hi)   # a fixed seed
+    # 40 rounds of a 3% gain with 1% noise per round: the interval excludes 1.00 and is well under 2% wide
+    r = 1.03 + 0.01 * np.random.default_rng(5).standard_normal(40)
+    med, lo, hi = bench.paired_ci(r)
+    assert 1.0 < lo <= med <= hi and hi - lo < 0.02
+    assert all(x != x for x in bench.paired_ci([]))
+
+
+def test_interleaved_runs_abba_rounds_and_pairs_them(tiny_model, tmp_path, monkeypatch):
+    """One warm-up per variant, then rounds in ABBA order (the order recorded at each job sent); every row has one
+    sample per round, and the patched rows' ratios are the per-round t/s ratios with a CI around their median."""
+    sent = []
+    real = ServingWorker.run
+
+    def recording(self, job, timeout=None):
+        sent.append((self.variant, job.warmup, job.coverage))
+        return real(self, job, timeout=timeout)
+
+    monkeypatch.setattr(ServingWorker, "run", recording)
+    cfg = bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32,
+                            tests=[["pp", 64], ["tg", 4]], reps=9, label="paired")
+    df = bench.interleaved(cfg, rounds=5, out_dir=tmp_path, progress=False, timeout=60)
+    b, p = ("baseline", 0, False), ("patched", 0, False)
+    assert sent == [("baseline", 1, True), ("patched", 1, False), b, p, p, b, b, p, p, b, b, p]
+    assert df.attrs["order"] == [[0, -1, "baseline"], [0, -1, "patched"]] + [
+        [0, r, v] for r in range(5) for v in (("baseline", "patched") if r % 2 == 0 else ("patched", "baseline"))]
+    assert len(df) == 4 and df.error.isna().all() and (df["rounds"] == 5).all()
+    assert all(len(s) == 5 for s in df.samples_ts)                       # rounds, not the config's 9 reps
+    rows = {(r.variant, r.test): r for r in df.itertuples()}
+    for test in ("pp64", "tg4"):
+        bs, ps = rows["baseline", test], rows["patched", test]
+        want = [x / y for x, y in zip(ps.samples_ts, bs.samples_ts)]
+        assert ps.ratios == pytest.approx(want)
+        assert ps.speedup_median == pytest.approx(float(np.median(want)))
+        assert ps.speedup_ci_lo <= ps.speedup_median <= ps.speedup_ci_hi
+        assert ps.speedup == pytest.approx(ps.avg_ts / bs.avg_ts) and bs.speedup_ci_lo != bs.speedup_ci_lo
+        assert bs.avg_ts == pytest.approx(np.mean(bs.samples_ts))
+    # coverage measured once (the baseline's warm-up) is on every pp row; the rows on disk are these
+    assert rows["baseline", "pp64"].coverage == rows["patched", "pp64"].coverage > 0
+    disk = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["variant"], r["test"], len(r["samples_ts"])) for r in disk] == \
+        [("baseline", "pp64", 5), ("baseline", "tg4", 5), ("patched", "pp64", 5), ("patched", "tg4", 5)]
+    assert "paired" in bench.markdown(df) and "5 rounds" in bench.markdown(df)
+
+
+def test_interleaved_order_reversed_variants_and_a_failing_variant(tiny_model):
+    """variants=("patched", "baseline"): round 0 starts with patched. A variant whose worker refuses the job (an
+    unknown switch) gets error rows; the other's rounds still run and keep their rows, without a paired ratio."""
+    cfg = bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["tg", 2]],
+                            ext_params={"NO_SUCH_SWITCH": 1})
+    df = bench.interleaved(cfg, variants=("patched", "baseline"), rounds=3, progress=False, timeout=60)
+    assert df.attrs["order"] == [[0, -1, "baseline"], [0, 0, "baseline"], [0, 1, "baseline"], [0, 2, "baseline"]]
+    rows = df.set_index("variant")
+    assert "NO_SUCH_SWITCH" in rows.loc["patched", "error"]
+    assert rows.loc["baseline", "rounds"] == 3 and len(rows.loc["baseline", "samples_ts"]) == 3
+    ok = bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["tg", 2]])
+    df = bench.interleaved(ok, variants=("patched", "baseline"), rounds=2, progress=False, timeout=60)
+    assert df.attrs["order"] == [[0, -1, "patched"], [0, -1, "baseline"], [0, 0, "patched"], [0, 0, "baseline"],
+                                 [0, 1, "baseline"], [0, 1, "patched"]]
+    with pytest.raises(ValueError, match="rounds"):
+        bench.interleaved(ok, rounds=0)
+    with pytest.raises(ValueError, match="variants"):
+        bench.interleaved(ok, variants=("patched", "patched"))
+
+
+def test_interleaved_configs_share_the_workers(tiny_model, monkeypatch):
+    """Configs with the same environment and switches run in the same two workers; a config that differs only in
+    batch sizes reuses the loaded model (a fresh context)."""
+    started = []
+    real = ServingWorker.start
+
+    def counting(self):
+        started.append(self.variant)
+        return real(self)
+
+    monkeypatch.setattr(ServingWorker, "start", counting)
+    cfgs = [bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=ub, tests=[["pp", 64]])
+            for ub in (16, 64)]
+    df = bench.interleaved(cfgs, rounds=2, progress=False, timeout=60)
+    assert started == ["baseline", "patched"]
+    assert sorted(df.n_ubatch) == [16, 16, 64, 64] and df.error.isna().all()
+    assert list(df.config) == [0, 0, 1, 1]
 
