@@ -208,10 +208,15 @@ def main() -> int:
                                       shared_link=shared)
                     for nb, ub, tests in block["configs"]]
             t = time.time()
-            df = bench.ab(cfgs, variants=block.get("variants", bench.VARIANTS), out_dir=args.out / "ab",
-                          # (a worker: at most three times its block's estimate, so that a hang leaves the
-                          # blocks after it their time)
-                          progress=False, timeout=max(60, min(left(args.budget) - 10, 3 * block["est"])))
+            # (a worker's job: at most three times its block's estimate, so that a hang leaves the blocks after it
+            # their time)
+            timeout = max(60, min(left(args.budget) - 10, 3 * block["est"]))
+            if block.get("interleave"):   # paired rounds, ABBA, in one serving worker per variant
+                df = bench.interleaved(cfgs, variants=block.get("variants", bench.VARIANTS), rounds=block["interleave"],
+                                       out_dir=args.out / "ab", progress=False, timeout=timeout)
+            else:
+                df = bench.ab(cfgs, variants=block.get("variants", bench.VARIANTS), out_dir=args.out / "ab",
+                              progress=False, timeout=timeout)
             log(f"{block['name']}: {time.time() - t:.0f} s (estimated {block['est']})\n{bench.markdown(df)}")
             files = sorted(timeline.parent.glob(timeline.name + ".*.csv")) if block.get("timeline") else []
             if files:

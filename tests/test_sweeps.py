@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_KEYS = {"name", "est", "configs", "model", "skew", "devices", "env", "ext", "variants", "reps", "load_mode",
-              "host_experts", "tensor_split", "timeline"}
+              "host_experts", "tensor_split", "timeline", "interleave"}
 
 
 def _gpu_run():
@@ -33,6 +33,8 @@ def test_sweeps_are_well_formed_and_use_live_switches(runner):
             assert set(b) <= BLOCK_KEYS and {"name", "est", "configs"} <= set(b), f"{where}: keys {sorted(b)}"
             names.add(b["name"])
             assert b["est"] > 0 and b["configs"], where
+            rounds = b.get("interleave", 1)
+            assert isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1, f"{where}: {rounds!r}"
             for nb, ub, tests in b["configs"]:
                 assert 1 <= ub <= nb, f"{where}: n_ubatch {ub} > n_batch {nb}"
                 assert tests and all(t[0] in ("pp", "tg") and t[1] >= 1 for t in tests), f"{where}: {tests}"
