@@ -381,13 +381,19 @@ def cmd_ab(args) -> int:
         placed = args.plan or args.tensor_split is not None or args.host_experts != ["all"] or args.ngl != -1
         _fill_defaults(args, {k: v for k, v in MAIN_JOB.items() if not (k == "fit" and placed)} if default else PLAIN)
         _check_args(args, args.model, list(bench.VARIANTS))
+        if args.workload and args.paired:
+            raise ConfigError("--paired runs the tests (-p/-n) in rounds; --workload has rounds of its own (-r). "
+                              "Fix: drop one of them")
         if args.workload:
             return _workload(args, model, list(bench.VARIANTS))
         cfgs, variants = _configs(args, model), list(bench.VARIANTS)
         _apply_plans(args, model, cfgs, variants)
     out = Path(args.out or Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S"))
     try:
-        df = bench.ab(cfgs, variants=variants, out_dir=out, progress=not args.json, resume=bool(args.resume))
+        if args.paired:
+            df = bench.interleaved(cfgs, variants=variants, rounds=args.paired, out_dir=out, progress=not args.json)
+        else:
+            df = bench.ab(cfgs, variants=variants, out_dir=out, progress=not args.json, resume=bool(args.resume))
     except KeyboardInterrupt:
         return _interrupted(out, "ab")
     _check_measured(df)
@@ -608,6 +614,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ab", help="baseline vs patched on the same model, placement and batch sizes",
                        formatter_class=_HelpFormatter, epilog=epilog)
     common(p, False)
+    p.add_argument("--paired", type=_positive, metavar="N",
+                   help="N paired rounds instead of -r reps: one worker per variant loads the model once, then each "
+                        "round runs every test once per variant, the order alternating (ABBA); rows get the median "
+                        "per-round speedup and its 95%% interval (speedup_ci_lo/hi). For decode, whose drift over "
+                        "time is larger than small gaps")
     p.set_defaults(func=cmd_ab)
     return ap
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from pyllama_pp import bench
+from pyllama_pp import bench, cli
 from pyllama_pp.errors import ConfigError, ModelError, WorkerError
 from pyllama_pp.worker import ServingWorker
 
@@ -154,3 +154,13 @@ def test_interleaved_configs_share_the_workers(tiny_model, monkeypatch):
     assert sorted(df.n_ubatch) == [16, 16, 64, 64] and df.error.isna().all()
     assert list(df.config) == [0, 0, 1, 1]
 
+
+def test_cli_ab_paired(tiny_model, tmp_path, capsys, usage_error, no_worker):
+    rc = cli.main(["ab", tiny_model, "--devices", "vdev:2x0@0", "-b", "64", "-ub", "32", "-p", "0", "-n", "2",
+                   "--paired", "3", "-o", str(tmp_path / "out"), "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["variant"], r["rounds"], len(r["samples_ts"])) for r in rows] == [("baseline", 3, 3), ("patched", 3, 3)]
+    assert rows[1]["speedup_ci_lo"] <= rows[1]["speedup_median"] <= rows[1]["speedup_ci_hi"]
+    assert "--workload has rounds" in usage_error(["ab", tiny_model, "--workload", "mixed", "--paired", "3"])
+    assert "drop --paired" in usage_error(["ab", "--resume", str(tmp_path / "out"), "--paired", "3"])
