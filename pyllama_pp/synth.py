@@ -1,10 +1,13 @@
-"""Synthetic random-weight qwen3moe GGUF files (gguf-py for the format, numpy for the weights).
+"""Synthetic random-weight MoE GGUF files (gguf-py for the format, numpy for the weights).
 
 ``write_gguf(path, cfg)`` streams a valid GGUF v3 file that the pinned llama.cpp loads as
-architecture ``qwen3moe`` with the ``"test"`` tokenizer.  The weights are random but deterministic
+architecture ``cfg.arch`` (qwen3moe, llama (Mixtral-style), qwen2moe, glm4moe, deepseek2 (MLA
+attention) or gpt-oss) with the ``"test"`` tokenizer.  The weights are random but deterministic
 for a given :class:`SynthConfig` (same config and seed -> byte-identical file, within one numpy
 version).  Weights are written as Q8_0 (random int8 quants with fp16 block scales, written
-directly: no float quantization) or F16; norm weights and the router (``ffn_gate_inp``) are F32.
+directly: no float quantization), F16 or BF16; the routed experts may have a type of their own
+(``expert_type``: also Q4_K or MXFP4, as real models ship them, the quants drawn directly too);
+norm weights, biases, attention sinks and the router (``ffn_gate_inp``) are F32.
 
 Routing control
 ---------------
@@ -50,8 +53,9 @@ deviation of the weights; Q8_0 quants are uniform int8, so the block scale is ``
 Speed
 -----
 Tensors of at most ``TILE_MIN_ELEMENTS`` elements, the token embeddings and all F32 tensors are
-drawn fresh from the random generator (Q8_0: random int8 quants; F16: random 16-bit indices into a per-chunk table of
-65536 normal samples).  Larger tensors (the expert tensors and the output matrix
+drawn fresh from the random generator (Q8_0: random int8 quants; F16 and BF16: random 16-bit indices into a per-chunk
+table of 65536 normal samples; Q4_K and MXFP4: random 4-bit quants under block scales drawn for the requested
+standard deviation).  Larger tensors (the expert tensors and the output matrix
 of big models) are tiled from a pool of about 16 MiB of random blocks made once per (type, scale)
 and reused with a random start offset per tensor (the pool length is a prime number of units, so
 repeats do not line up with rows or experts).  Writing is then bounded by the disk, not by the
@@ -83,6 +87,9 @@ import numpy as np
 
 __all__ = [
     "SynthConfig",
+    "ARCHS",
+    "WEIGHT_TYPES",
+    "EXPERT_TYPES",
     "cached_model",
     "PRESETS",
     "preset",
@@ -103,7 +110,7 @@ TILE_MIN_ELEMENTS = 1 << 24
 ARCH = "qwen3moe"
 # the families synth writes: gguf-py's architecture for each (tensor names and metadata keys come from it)
 ARCHS = {"qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "llama": gguf.MODEL_ARCH.LLAMA, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
-         "glm4moe": gguf.MODEL_ARCH.GLM4_MOE}
+         "glm4moe": gguf.MODEL_ARCH.GLM4_MOE, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS}
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3
 ALIGNMENT = 32
@@ -125,7 +132,7 @@ _SCALAR_NP = {
 }
 
 # ggml tensor types: id -> (name, block size, bytes per block)
-GGML_F32, GGML_F16, GGML_Q8_0 = 0, 1, 8
+GGML_F32, GGML_F16, GGML_Q8_0, GGML_Q4_K, GGML_BF16, GGML_MXFP4 = 0, 1, 8, 12, 30, 39
 # every type the pinned ggml reads from a GGUF (ggml.h; 4, 5, 31-33 and 36-38 were removed)
 _GGML_TYPES: Dict[int, Tuple[str, int, int]] = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
@@ -139,9 +146,18 @@ _GGML_TYPES: Dict[int, Tuple[str, int, int]] = {
     39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18), 42: ("Q2_0", 64, 18),
 }
 
-# llama_ftype values (include/llama.h)
-_FILE_TYPE = {"q8_0": 7, "f16": 1}
-_WEIGHT_TYPE = {"q8_0": GGML_Q8_0, "f16": GGML_F16}
+# llama_ftype values (include/llama.h): the file's type is its experts' (most of its bytes), as llama-quantize names
+# a Q4_K_M or MXFP4_MOE file whose other tensors are Q8_0 or F16
+_FILE_TYPE = {"q8_0": 7, "f16": 1, "bf16": 32, "q4_k": 15, "mxfp4": 38}
+# the types of everything but the routed experts (type), and of the routed experts (expert_type)
+_WEIGHT_TYPE = {"q8_0": GGML_Q8_0, "f16": GGML_F16, "bf16": GGML_BF16}
+_EXPERT_TYPE = {**_WEIGHT_TYPE, "q4_k": GGML_Q4_K, "mxfp4": GGML_MXFP4}
+WEIGHT_TYPES, EXPERT_TYPES = tuple(_WEIGHT_TYPE), tuple(_EXPERT_TYPE)
+# deepseek2's router: "softmax" (DeepSeek-V2, llama.cpp's default for deepseek2) or "sigmoid" (V3: a selection bias,
+# top-k weights normalised)
+GATINGS = ("softmax", "sigmoid")
+# deepseek2 files llama.cpp reads as "lite" (no query latent: attn_q instead of attn_q_a/attn_q_b): n_layer 26 or 27
+_DEEPSEEK2_LITE_LAYERS = (26, 27)
 
 ROUTING_MODES = ("uniform", "skewed", "natural")
 DEFAULT_SKEW = 1.0   # routing="skewed" without a skew (preset(), the CLI): about real models' concentration
@@ -149,19 +165,26 @@ DEFAULT_SKEW = 1.0   # routing="skewed" without a skew (preset(), the CLI): abou
 # std of a uniform int8 in [-128, 127]
 _INT8_STD = math.sqrt((256.0 ** 2 - 1.0) / 12.0)
 
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "rope_dim", "v_head_dim")
+# fields added after files were cached: left out of cached_model's config hash while at their defaults (so that a
+# cached file keeps its name)
+_LATER_FIELDS = _MLA_FIELDS + ("gating", "n_swa", "expert_type")
+
 _SCALE_FIELDS = ("embd_scale", "attn_scale", "attn_out_scale", "ffn_scale", "down_scale",
                  "router_scale", "output_scale")
 
 
 @dataclass
 class SynthConfig:
-    """Shape, weight type, routing regime and seed of a synthetic qwen3moe model.
+    """Shape, family, weight types, routing regime and seed of a synthetic MoE model.
 
     Scales (``*_scale``) are weight standard deviations; ``None`` takes the routing mode's default
     (see :meth:`resolved_scales`):
 
     - ``embd_scale``: token embeddings (uniform/skewed 1.0, natural 0.02)
-    - ``attn_scale``: attn_q / attn_k / attn_v (1/sqrt(n_embd); q and k are RMS-normed anyway)
+    - ``attn_scale``: attn_q / attn_k / attn_v (1/sqrt(n_embd); q and k are RMS-normed anyway); deepseek2's
+      latent projections (attn_q_b, attn_k_b, attn_v_b) take ``attn_scale * sqrt(n_embd / fan_in)``; gpt-oss's
+      q/k/v biases ``attn_scale`` and its attention sinks 1.0
     - ``attn_out_scale``: attn_output (uniform/skewed 0.0005, natural 1/sqrt(n_head*head_dim))
     - ``ffn_scale``: ffn_gate_exps / ffn_up_exps (1/sqrt(n_embd))
     - ``down_scale``: ffn_down_exps (uniform/skewed 0.0005, natural 1/sqrt(n_ff_exp))
@@ -169,6 +192,10 @@ class SynthConfig:
       mode every router row is normalised to exactly ``router_scale * sqrt(n_embd)`` (times the
       skew profile) so that no expert is favoured by chance
     - ``output_scale``: output matrix (1/sqrt(n_embd): logits of std ~1)
+
+    gpt-oss's expert biases take ``ffn_scale`` (gate, up) and ``down_scale`` (down), its attn_output bias
+    ``attn_out_scale``; its router bias is zero and the selection biases (exp_probs_b) are ones, so that routing
+    stays the router rows'.
 
     ``skew`` (only for ``routing="skewed"``): exponent of the Zipf-like profile of router row
     norms, ``(rank + 1) ** -skew``; 0 = none, ~1 = like real models, 2 = strongly concentrated.
@@ -195,11 +222,24 @@ class SynthConfig:
     # gate, n_ff_shexp wide); llama and qwen2moe need n_head * head_dim == n_embd
     arch: str = "qwen3moe"
     n_ff_shexp: int = 0
-    # glm4moe (GLM-4.5-style): shared experts of n_ff_exp each, the first n_layer_dense_lead layers dense (n_ff wide),
-    # sigmoid gating with a selection bias (exp_probs_b)
+    # glm4moe (GLM-4.5-style) and deepseek2: shared experts of n_ff_exp each, the first n_layer_dense_lead layers dense
+    # (n_ff wide); glm4moe: sigmoid gating with a selection bias (exp_probs_b)
     n_expert_shared: int = 0
     n_layer_dense_lead: int = 0
     n_ff: int = 0
+    # deepseek2 (MLA attention, the split attn_k_b / attn_v_b form): head_dim is a query/key head (qk_nope + rope_dim),
+    # v_head_dim a value head; keys and values come from a latent of kv_lora_rank (+ rope_dim), queries from one of
+    # q_lora_rank (0: attn_q directly; what llama.cpp requires for 26 or 27 layers, its "lite" models); n_head_kv is 1
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    v_head_dim: int = 0
+    # deepseek2's gating (GATINGS): None = softmax (V2); "sigmoid" (V3) adds a selection bias (exp_probs_b)
+    gating: Optional[str] = None
+    # gpt-oss: the sliding window of its sliding-window layers (every other layer, llama.cpp's default pattern)
+    n_swa: int = 0
+    # the routed experts' type (_EXPERT_TYPE): None = type; shared experts and dense layers take type
+    expert_type: Optional[str] = None
     embd_scale: Optional[float] = None
     attn_scale: Optional[float] = None
     attn_out_scale: Optional[float] = None
@@ -211,7 +251,7 @@ class SynthConfig:
     def resolved_scales(self) -> Dict[str, float]:
         """The scale of every weight group, defaults filled in for the routing mode."""
         natural = self.routing == "natural"
-        q_dim = self.n_head * self.head_dim
+        q_dim = self.n_head * (self.v_head_dim or self.head_dim)   # attn_output's fan-in
         defaults = {
             "embd_scale": 0.02 if natural else 1.0,
             "attn_scale": 1.0 / math.sqrt(self.n_embd),
@@ -235,19 +275,37 @@ class SynthConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"SynthConfig.{name} must be a positive integer, got {v!r}")
+        for name in ("n_ff_shexp", "n_expert_shared", "n_layer_dense_lead", "n_ff") + _MLA_FIELDS + ("n_swa",):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"SynthConfig.{name} must be an integer >= 0, got {v!r}")
         if self.arch not in ARCHS:
             raise ValueError(f"SynthConfig.arch must be one of {sorted(ARCHS)}, got {self.arch!r}")
         if self.arch in ("llama", "qwen2moe") and self.n_head * self.head_dim != self.n_embd:
             raise ValueError(f"{self.arch} needs n_head * head_dim == n_embd ({self.n_head} * {self.head_dim} != {self.n_embd})")
         if (self.arch == "qwen2moe") != (self.n_ff_shexp > 0):
             raise ValueError("n_ff_shexp (the shared expert's width) is for qwen2moe, and qwen2moe needs one > 0")
-        if (self.n_expert_shared or self.n_layer_dense_lead or self.n_ff) and self.arch != "glm4moe":
-            raise ValueError("n_expert_shared, n_layer_dense_lead and n_ff are glm4moe's")
+        if (self.n_expert_shared or self.n_layer_dense_lead or self.n_ff) and self.arch not in ("glm4moe", "deepseek2"):
+            raise ValueError("n_expert_shared, n_layer_dense_lead and n_ff are glm4moe's and deepseek2's")
         if self.n_layer_dense_lead >= self.n_layer or (self.n_layer_dense_lead > 0) != (self.n_ff > 0):
             raise ValueError(f"n_layer_dense_lead ({self.n_layer_dense_lead}) must be below n_layer ({self.n_layer}), "
                              f"with n_ff (the dense layers' width) > 0 exactly when there are dense layers")
+        if self.arch == "deepseek2":
+            self._validate_mla()
+        elif any(getattr(self, f) for f in _MLA_FIELDS):
+            raise ValueError(f"{', '.join(_MLA_FIELDS)} are deepseek2's (MLA attention); {self.arch} has none")
+        if self.gating is not None and self.arch != "deepseek2":
+            raise ValueError(f"gating is deepseek2's choice ({self.arch}'s is fixed): leave it None")
+        if self.gating is not None and self.gating not in GATINGS:
+            raise ValueError(f"SynthConfig.gating must be None or one of {list(GATINGS)}, got {self.gating!r}")
+        if (self.arch == "gpt-oss") != (self.n_swa > 0):
+            raise ValueError("n_swa (the sliding window) is for gpt-oss, and gpt-oss needs one > 0 (gpt-oss-20b: 128)")
         if self.type not in _WEIGHT_TYPE:
-            raise ValueError(f"SynthConfig.type must be one of {sorted(_WEIGHT_TYPE)}, got {self.type!r}")
+            raise ValueError(f"SynthConfig.type must be one of {sorted(_WEIGHT_TYPE)}, got {self.type!r} "
+                             f"(q4_k and mxfp4 are for the routed experts: expert_type)")
+        if self.expert_type is not None and self.expert_type not in _EXPERT_TYPE:
+            raise ValueError(f"SynthConfig.expert_type must be None (= type) or one of {sorted(_EXPERT_TYPE)}, "
+                             f"got {self.expert_type!r}")
         if self.routing not in ROUTING_MODES:
             raise ValueError(f"SynthConfig.routing must be one of {list(ROUTING_MODES)}, got {self.routing!r}")
         if not (self.skew >= 0.0 and math.isfinite(self.skew)):
@@ -264,17 +322,71 @@ class SynthConfig:
             raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_head_kv ({self.n_head_kv})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even (RoPE)")
-        if self.type == "q8_0":
-            for what, n in (("n_embd", self.n_embd), ("n_ff_exp", self.n_ff_exp),
-                            ("n_head*head_dim", self.n_head * self.head_dim)):
-                if n % 32:
-                    raise ValueError(f"Q8_0 needs row lengths that are multiples of 32: {what} = {n}")
+        self._validate_rows()
         for name in _SCALE_FIELDS:
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"SynthConfig.{name} must be finite and >= 0, got {v!r}")
         return self
 
+    def _validate_mla(self) -> None:
+        for name in ("kv_lora_rank", "rope_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"deepseek2 needs SynthConfig.{name} > 0 (DeepSeek-V2-Lite: kv_lora_rank 512, "
+                                 f"rope_dim 64, v_head_dim 128)")
+        if self.rope_dim % 2 or self.rope_dim >= self.head_dim:
+            raise ValueError(f"deepseek2's rope_dim ({self.rope_dim}) must be even and below head_dim "
+                             f"({self.head_dim} = the unroped part + rope_dim)")
+        if self.n_head_kv != 1:
+            raise ValueError(f"deepseek2's MLA attention has one latent key/value head: n_head_kv must be 1, "
+                             f"not {self.n_head_kv}")
+        if self.n_expert_shared < 1:
+            raise ValueError("deepseek2 needs n_expert_shared >= 1 (llama.cpp loads its shared-expert tensors)")
+        if self.is_deepseek2_lite() and self.q_lora_rank:
+            raise ValueError(f"llama.cpp reads a deepseek2 of {self.n_layer} layers as a lite model without a query "
+                             f"latent: set q_lora_rank=0 (attn_q), or choose another n_layer")
+
+    def is_deepseek2_lite(self) -> bool:
+        """Whether llama.cpp's deepseek2 loader takes this shape for a lite model (it then ignores q_lora_rank)."""
+        return self.n_layer in _DEEPSEEK2_LITE_LAYERS or (self.n_layer == 48 and self.n_vocab == 128256)
+
+    def row_lengths(self) -> Tuple[List[Tuple[str, int]], List[Tuple[str, int]]]:
+        """The row lengths (ggml's ne[0]) of the weight matrices: (what, length) of those of ``type`` and of the routed
+        experts (``expert_type``); a quantized type needs multiples of its block size."""
+        dense = [("n_embd", self.n_embd)]
+        if self.arch == "deepseek2":
+            dense += [("n_head*v_head_dim (attn_output)", self.n_head * self.v_head_dim),
+                      ("kv_lora_rank (attn_v_b)", self.kv_lora_rank),
+                      ("head_dim-rope_dim (attn_k_b)", self.head_dim - self.rope_dim)]
+            if self.q_lora_rank:
+                dense.append(("q_lora_rank (attn_q_b)", self.q_lora_rank))
+        else:
+            dense.append(("n_head*head_dim", self.n_head * self.head_dim))
+        if self.n_ff:
+            dense.append(("n_ff (the dense layers' ffn_down)", self.n_ff))
+        if self.n_ff_shexp:
+            dense.append(("n_ff_shexp (ffn_down_shexp)", self.n_ff_shexp))
+        if self.n_expert_shared:
+            dense.append(("n_ff_exp*n_expert_shared (ffn_down_shexp)", self.n_ff_exp * self.n_expert_shared))
+        experts = [("n_embd (ffn_gate_exps, ffn_up_exps)", self.n_embd), ("n_ff_exp (ffn_down_exps)", self.n_ff_exp)]
+        if self.expert_type is None:   # (one type: the messages name the rows as before)
+            dense.append(("n_ff_exp", self.n_ff_exp))
+            return dense, []
+        return dense, experts
+
+    def _validate_rows(self) -> None:
+        dense, experts = self.row_lengths()
+        for field, tname, rows in (("type", self.type, dense), ("expert_type", self.expert_type, experts)):
+            name, blck, _ = _GGML_TYPES[_EXPERT_TYPE[tname]] if tname else ("", 1, 0)
+            for what, n in rows:
+                if n % blck:
+                    fit = sorted(t for t, g in (_EXPERT_TYPE if field == "expert_type" else _WEIGHT_TYPE).items()
+                                 if n % _GGML_TYPES[g][1] == 0)
+                    raise ValueError(f"{name} needs row lengths that are multiples of {blck}: {what} = {n}; choose a "
+                                     f"multiple of {blck} there, or {field} one of {fit}")
+
+
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SynthConfig)}
 
 PRESETS: Dict[str, SynthConfig] = {
     # ~11.7 MB as Q8_0; 64 experts, 2 used: a 32-token ubatch leaves about a third unused
@@ -309,6 +421,26 @@ PRESETS: Dict[str, SynthConfig] = {
     "qwen2moe-a2.7b": SynthConfig(n_layer=24, n_embd=2048, n_head=16, n_head_kv=16, head_dim=128, n_expert=60,
                                   n_expert_used=4, n_ff_exp=1408, n_ff_shexp=5632, n_vocab=32768, arch="qwen2moe",
                                   preset="qwen2moe-a2.7b"),
+    # deepseek2 (MLA attention with a query latent, 2 shared experts, the first layer dense, V3's sigmoid gating with a
+    # selection bias), tiny, and shaped like DeepSeek-V2-Lite (27 layers: llama.cpp's lite form, no query latent;
+    # softmax gating; ~16.5 GB as Q8_0 with a 32768-token vocabulary)
+    "deepseek2-tiny": SynthConfig(n_layer=6, n_embd=128, n_head=4, n_head_kv=1, head_dim=48, rope_dim=16, v_head_dim=32,
+                                  q_lora_rank=64, kv_lora_rank=64, n_expert=32, n_expert_used=4, n_ff_exp=64,
+                                  n_expert_shared=2, n_layer_dense_lead=1, n_ff=256, gating="sigmoid", n_vocab=4096,
+                                  rope_freq_base=1e4, arch="deepseek2", preset="deepseek2-tiny"),
+    "deepseek-v2-lite": SynthConfig(n_layer=27, n_embd=2048, n_head=16, n_head_kv=1, head_dim=192, rope_dim=64,
+                                    v_head_dim=128, q_lora_rank=0, kv_lora_rank=512, n_expert=64, n_expert_used=6,
+                                    n_ff_exp=1408, n_expert_shared=2, n_layer_dense_lead=1, n_ff=10944, n_vocab=32768,
+                                    rope_freq_base=1e4, arch="deepseek2", preset="deepseek-v2-lite"),
+    # gpt-oss (attention with biases and sinks, sliding-window attention on every other layer, experts with biases,
+    # a router bias), experts in MXFP4 as gpt-oss ships them; tiny, and shaped like gpt-oss-20b (~11 GB with a
+    # 32768-token vocabulary and Q8_0 elsewhere; the real file, with its 201088 tokens, is ~12.1 GB)
+    "gptoss-tiny": SynthConfig(n_layer=6, n_embd=128, n_head=8, n_head_kv=2, head_dim=32, n_expert=32, n_expert_used=4,
+                               n_ff_exp=128, n_vocab=4096, n_swa=64, rope_freq_base=1.5e5, rms_eps=1e-5,
+                               expert_type="mxfp4", arch="gpt-oss", preset="gptoss-tiny"),
+    "gpt-oss-20b": SynthConfig(n_layer=24, n_embd=2880, n_head=64, n_head_kv=8, head_dim=64, n_expert=32,
+                               n_expert_used=4, n_ff_exp=2880, n_vocab=32768, n_swa=128, rope_freq_base=1.5e5,
+                               rms_eps=1e-5, expert_type="mxfp4", arch="gpt-oss", preset="gpt-oss-20b"),
 }
 
 
@@ -353,7 +485,7 @@ class _Tensor:
     name: str
     ne: Tuple[int, ...]  # ggml order: ne[0] is the row length
     gtype: int
-    kind: str  # "ones" | "router" | "matrix"
+    kind: str  # "ones" | "zeros" | "normal" (F32 biases, sinks) | "router" | "matrix"
     scale: float = 0.0
     fresh: bool = True
     layer: int = -1
@@ -371,14 +503,18 @@ class _Tensor:
 def _plan(cfg: SynthConfig) -> List[_Tensor]:
     s = cfg.resolved_scales()
     wt = _WEIGHT_TYPE[cfg.type]
+    et = _EXPERT_TYPE[cfg.expert_type or cfg.type]
     E, D, F, V = cfg.n_embd, cfg.n_expert, cfg.n_ff_exp, cfg.n_vocab
     q_dim = cfg.n_head * cfg.head_dim
     kv_dim = cfg.n_head_kv * cfg.head_dim
 
-    def mat(name, ne, scale, layer=-1, always_fresh=False):
-        t = _Tensor(name, tuple(ne), wt, "matrix", scale, layer=layer)
+    def mat(name, ne, scale, layer=-1, always_fresh=False, gtype=wt):
+        t = _Tensor(name, tuple(ne), gtype, "matrix", scale, layer=layer)
         t.fresh = always_fresh or t.n_elements <= TILE_MIN_ELEMENTS
         return t
+
+    def f32(name, ne, kind, layer, scale=0.0):   # norms ("ones"), biases and sinks ("normal", "zeros")
+        return _Tensor(name, tuple(ne), GGML_F32, kind, scale, layer=layer)
 
     T = gguf.MODEL_TENSOR
 
@@ -386,25 +522,48 @@ def _plan(cfg: SynthConfig) -> List[_Tensor]:
         assert kind in gguf.MODEL_TENSORS[ARCHS[cfg.arch]], (cfg.arch, kind)
         return gguf.TENSOR_NAMES[kind].format(bid=bid) + "." + suffix
 
+    def latent(fan_in):   # deepseek2's projections from a latent: attn_scale as if their input were n_embd wide
+        return s["attn_scale"] * math.sqrt(E / fan_in)
+
     ts = [
         mat(name(T.TOKEN_EMBD), (E, V), s["embd_scale"], always_fresh=True),
         _Tensor(name(T.OUTPUT_NORM), (E,), GGML_F32, "ones"),
         mat(name(T.OUTPUT), (E, V), s["output_scale"]),
     ]
     for i in range(cfg.n_layer):
-        ts += [
-            _Tensor(name(T.ATTN_NORM, i), (E,), GGML_F32, "ones", layer=i),
-            mat(name(T.ATTN_Q, i), (E, q_dim), s["attn_scale"], i),
-            mat(name(T.ATTN_K, i), (E, kv_dim), s["attn_scale"], i),
-            mat(name(T.ATTN_V, i), (E, kv_dim), s["attn_scale"], i),
-            mat(name(T.ATTN_OUT, i), (q_dim, E), s["attn_out_scale"], i),
-        ]
+        ts.append(_Tensor(name(T.ATTN_NORM, i), (E,), GGML_F32, "ones", layer=i))
+        if cfg.arch == "deepseek2":   # MLA, as llama.cpp loads it with is_mla(): attn_k_b / attn_v_b split
+            Q, KV, R, H = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.rope_dim, cfg.n_head
+            if Q:
+                ts += [f32(name(T.ATTN_Q_A_NORM, i), (Q,), "ones", i), mat(name(T.ATTN_Q_A, i), (E, Q), s["attn_scale"], i),
+                       mat(name(T.ATTN_Q_B, i), (Q, q_dim), latent(Q), i)]
+            else:
+                ts.append(mat(name(T.ATTN_Q, i), (E, q_dim), s["attn_scale"], i))
+            nope = cfg.head_dim - R
+            ts += [f32(name(T.ATTN_KV_A_NORM, i), (KV,), "ones", i),
+                   mat(name(T.ATTN_KV_A_MQA, i), (E, KV + R), s["attn_scale"], i),
+                   mat(name(T.ATTN_K_B, i), (nope, KV, H), latent(nope), i),
+                   mat(name(T.ATTN_V_B, i), (KV, cfg.v_head_dim, H), latent(KV), i),
+                   mat(name(T.ATTN_OUT, i), (H * cfg.v_head_dim, E), s["attn_out_scale"], i)]
+        else:
+            ts += [
+                mat(name(T.ATTN_Q, i), (E, q_dim), s["attn_scale"], i),
+                mat(name(T.ATTN_K, i), (E, kv_dim), s["attn_scale"], i),
+                mat(name(T.ATTN_V, i), (E, kv_dim), s["attn_scale"], i),
+                mat(name(T.ATTN_OUT, i), (q_dim, E), s["attn_out_scale"], i),
+            ]
         if cfg.arch == "qwen3moe":
             ts += [_Tensor(name(T.ATTN_Q_NORM, i), (cfg.head_dim,), GGML_F32, "ones", layer=i),
                    _Tensor(name(T.ATTN_K_NORM, i), (cfg.head_dim,), GGML_F32, "ones", layer=i)]
-        # (GLM calls the FFN's input norm post_attention_norm)
-        ts.append(_Tensor(name(T.ATTN_POST_NORM if cfg.arch == "glm4moe" else T.FFN_NORM, i), (E,), GGML_F32, "ones",
-                          layer=i))
+        if cfg.arch == "gpt-oss":    # biases on q, k, v and the output; a sink logit per head
+            ts += [f32(name(T.ATTN_Q, i, "bias"), (q_dim,), "normal", i, s["attn_scale"]),
+                   f32(name(T.ATTN_K, i, "bias"), (kv_dim,), "normal", i, s["attn_scale"]),
+                   f32(name(T.ATTN_V, i, "bias"), (kv_dim,), "normal", i, s["attn_scale"]),
+                   f32(name(T.ATTN_OUT, i, "bias"), (E,), "normal", i, s["attn_out_scale"]),
+                   f32(name(T.ATTN_SINKS, i), (cfg.n_head,), "normal", i, 1.0)]
+        # (GLM and gpt-oss call the FFN's input norm post_attention_norm)
+        ts.append(_Tensor(name(T.ATTN_POST_NORM if cfg.arch in ("glm4moe", "gpt-oss") else T.FFN_NORM, i), (E,),
+                          GGML_F32, "ones", layer=i))
         if i < cfg.n_layer_dense_lead:   # a dense layer: no experts, nothing for host_experts to move
             N = cfg.n_ff
             ts += [mat(name(T.FFN_GATE, i), (E, N), s["ffn_scale"], i), mat(name(T.FFN_UP, i), (E, N), s["ffn_scale"], i),
@@ -412,17 +571,23 @@ def _plan(cfg: SynthConfig) -> List[_Tensor]:
             continue
         ts += [
             _Tensor(name(T.FFN_GATE_INP, i), (E, D), GGML_F32, "router", s["router_scale"], layer=i),
-            mat(name(T.FFN_GATE_EXP, i), (E, F, D), s["ffn_scale"], i),
-            mat(name(T.FFN_UP_EXP, i), (E, F, D), s["ffn_scale"], i),
-            mat(name(T.FFN_DOWN_EXP, i), (F, E, D), s["down_scale"], i),
+            mat(name(T.FFN_GATE_EXP, i), (E, F, D), s["ffn_scale"], i, gtype=et),
+            mat(name(T.FFN_UP_EXP, i), (E, F, D), s["ffn_scale"], i, gtype=et),
+            mat(name(T.FFN_DOWN_EXP, i), (F, E, D), s["down_scale"], i, gtype=et),
         ]
-        if cfg.arch == "glm4moe":    # a selection bias (the same for every expert: routing stays the router's)
+        if cfg.arch == "gpt-oss":    # the router's bias (zero: routing stays the router rows'), the experts' biases
+            ts += [f32(name(T.FFN_GATE_INP, i, "bias"), (D,), "zeros", i),
+                   f32(name(T.FFN_GATE_EXP, i, "bias"), (F, D), "normal", i, s["ffn_scale"]),
+                   f32(name(T.FFN_UP_EXP, i, "bias"), (F, D), "normal", i, s["ffn_scale"]),
+                   f32(name(T.FFN_DOWN_EXP, i, "bias"), (E, D), "normal", i, s["down_scale"])]
+        if cfg.arch == "glm4moe" or (cfg.arch == "deepseek2" and cfg.gating == "sigmoid"):
+            # a selection bias (the same for every expert: routing stays the router's)
             ts.append(_Tensor(name(T.FFN_EXP_PROBS_B, i, "bias"), (D,), GGML_F32, "ones", layer=i))
-            if cfg.n_expert_shared:
-                S = cfg.n_ff_exp * cfg.n_expert_shared
-                ts += [mat(name(T.FFN_GATE_SHEXP, i), (E, S), s["ffn_scale"], i),
-                       mat(name(T.FFN_UP_SHEXP, i), (E, S), s["ffn_scale"], i),
-                       mat(name(T.FFN_DOWN_SHEXP, i), (S, E), s["down_scale"], i)]
+        if cfg.n_expert_shared:
+            S = cfg.n_ff_exp * cfg.n_expert_shared
+            ts += [mat(name(T.FFN_GATE_SHEXP, i), (E, S), s["ffn_scale"], i),
+                   mat(name(T.FFN_UP_SHEXP, i), (E, S), s["ffn_scale"], i),
+                   mat(name(T.FFN_DOWN_SHEXP, i), (S, E), s["down_scale"], i)]
         if cfg.arch == "qwen2moe":   # the shared expert stays with its layer's device (host_experts moves *_exps)
             S = cfg.n_ff_shexp
             ts += [mat(name(T.FFN_GATE_INP_SHEXP, i), (E,), s["router_scale"], i),
@@ -438,9 +603,9 @@ def _plan(cfg: SynthConfig) -> List[_Tensor]:
 
 
 def expert_bytes_per_layer(cfg: SynthConfig) -> int:
-    """Bytes of ffn_gate_exps + ffn_up_exps + ffn_down_exps of one layer (unpadded)."""
-    wt = _WEIGHT_TYPE[cfg.type]
-    return 3 * _nbytes((cfg.n_embd, cfg.n_ff_exp, cfg.n_expert), wt)
+    """Bytes of ffn_gate_exps + ffn_up_exps + ffn_down_exps of one MoE layer (unpadded; weights, not biases)."""
+    et = _EXPERT_TYPE[cfg.expert_type or cfg.type]
+    return 3 * _nbytes((cfg.n_embd, cfg.n_ff_exp, cfg.n_expert), et)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,18 +616,31 @@ def _writer(cfg: SynthConfig, tensors: List[_Tensor]) -> "gguf.GGUFWriter":
     """A gguf-py writer holding the file's metadata and tensor table (the data is streamed by write_gguf)."""
     w = gguf.GGUFWriter(None, cfg.arch)   # general.architecture first; gguf-py prefixes the keys with it
     w.add_name(f"pyllama_pp synth {cfg.arch} {cfg.preset}")
-    w.add_file_type(_FILE_TYPE[cfg.type])
-    if cfg.type == "q8_0":
+    w.add_file_type(_FILE_TYPE[cfg.expert_type or cfg.type])
+    if cfg.type == "q8_0" or cfg.expert_type in ("q8_0", "q4_k", "mxfp4"):
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_block_count(cfg.n_layer)
     w.add_context_length(cfg.n_ctx_train)
     w.add_embedding_length(cfg.n_embd)
-    # unused by qwen3moe (Qwen3-30B-A3B stores 768 * 8); llama reads its experts' width from it (Mixtral: 14336)
-    w.add_feed_forward_length(cfg.n_ff or (cfg.n_ff_exp if cfg.arch == "llama" else cfg.n_ff_exp * cfg.n_expert_used))
+    # unused by qwen3moe (Qwen3-30B-A3B stores 768 * 8); llama reads its experts' width from it (Mixtral: 14336);
+    # gpt-oss-20b stores its experts' width
+    w.add_feed_forward_length(cfg.n_ff or (cfg.n_ff_exp if cfg.arch in ("llama", "gpt-oss")
+                                           else cfg.n_ff_exp * cfg.n_expert_used))
     w.add_head_count(cfg.n_head)
     w.add_head_count_kv(cfg.n_head_kv)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    if cfg.arch == "deepseek2":
+        # MLA as the converter writes it: the cache holds one latent head (kv_lora_rank + rope_dim keys,
+        # kv_lora_rank values); the *_mla lengths are the heads after attn_k_b / attn_v_b (llama.cpp's is_mla())
+        w.add_key_length(cfg.kv_lora_rank + cfg.rope_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_key_length_mla(cfg.head_dim)
+        w.add_value_length_mla(cfg.v_head_dim)
+        w.add_rope_dimension_count(cfg.rope_dim)
+        w.add_q_lora_rank(cfg.q_lora_rank)   # (read unless the model is lite; 0 = attn_q)
+        w.add_kv_lora_rank(cfg.kv_lora_rank)
+    else:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     w.add_rope_freq_base(cfg.rope_freq_base)
     w.add_expert_count(cfg.n_expert)
@@ -476,6 +654,15 @@ def _writer(cfg: SynthConfig, tensors: List[_Tensor]) -> "gguf.GGUFWriter":
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_norm(True)
         w.add_expert_weights_scale(1.0)
+    if cfg.arch == "deepseek2":   # V2: softmax, top-k weights as they are; V3: sigmoid, normalised
+        sigmoid = cfg.gating == "sigmoid"
+        w.add_expert_shared_count(cfg.n_expert_shared)
+        w.add_leading_dense_block_count(cfg.n_layer_dense_lead)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+        w.add_expert_weights_norm(sigmoid)
+        w.add_expert_weights_scale(1.0)
+    if cfg.arch == "gpt-oss":     # (its gating is fixed: softmax over the top-k logits; SWA on every other layer)
+        w.add_sliding_window(cfg.n_swa)
     # the "test" vocab: token i is named by its hex id (what the test vocab prints for it), all NORMAL, no BOS/EOS
     w.add_tokenizer_model("test")
     w.add_token_list([format(i, "x") for i in range(cfg.n_vocab)])
@@ -497,6 +684,14 @@ def _writer(cfg: SynthConfig, tensors: List[_Tensor]) -> "gguf.GGUFWriter":
         w.add_string("pyllama_pp.synth.arch", cfg.arch)
         for field in ("n_ff_shexp", "n_expert_shared", "n_layer_dense_lead", "n_ff"):
             w.add_uint32(f"pyllama_pp.synth.{field}", int(getattr(cfg, field)))
+    if cfg.arch == "deepseek2":
+        for field in _MLA_FIELDS:
+            w.add_uint32(f"pyllama_pp.synth.{field}", int(getattr(cfg, field)))
+        w.add_string("pyllama_pp.synth.gating", cfg.gating or "softmax")
+    if cfg.arch == "gpt-oss":
+        w.add_uint32("pyllama_pp.synth.n_swa", cfg.n_swa)
+    if cfg.expert_type is not None:   # (files of one type stay as they were)
+        w.add_string("pyllama_pp.synth.expert_type", cfg.expert_type)
     for field, v in cfg.resolved_scales().items():
         w.add_float32(f"pyllama_pp.synth.{field}", v)
     for t in tensors:   # gguf-py takes numpy's order of dimensions: the reverse of ggml's ne
@@ -571,8 +766,80 @@ def _f16_values(g: np.random.Generator, n: int, scale: float) -> np.ndarray:
     return table[idx]
 
 
+def _bf16_values(g: np.random.Generator, n: int, scale: float) -> np.ndarray:
+    """n BF16 values (as uint16), normally distributed with std ``scale``: as _f16_values, the table rounded to
+    BF16 (to nearest even, as ggml does)."""
+    bits = (g.standard_normal(1 << 16, dtype=np.float32) * np.float32(scale)).view(np.uint32).astype(np.uint64)
+    table = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+    idx = g.bit_generator.random_raw((n + 3) // 4).view("<u2")[:n]
+    return table[idx]
+
+
+def _random_bytes(g: np.random.Generator, n: int) -> np.ndarray:
+    return g.bit_generator.random_raw((n + 7) // 8).view(np.uint8)[:n]
+
+
+# std of a uniform 4-bit quant (0..15)
+_U4_STD = math.sqrt((16.0 ** 2 - 1.0) / 12.0)
+
+
+def _q4k_blocks(g: np.random.Generator, nb: int, scale: float) -> np.ndarray:
+    """nb random Q4_K blocks (fp16 d and dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of 4-bit quants)
+    whose 256 values have std ~ scale and mean ~ 0.
+
+    A value is ``d * sc * q - dmin * m`` (8 sub-blocks of 32, each with its scale sc and min m). With m = sc and
+    dmin = 7.5 d it is ``d * sc * (q - 7.5)``: symmetric about 0 for uniform quants q. The sub-block scales are random
+    in [32, 63], d makes the block's std ``scale`` times a per-block factor in [0.75, 1.25), as for Q8_0."""
+    out = np.empty((nb, 144), dtype=np.uint8)
+    sc = g.integers(32, 64, size=(nb, 8), dtype=np.uint8)
+    rms = np.sqrt((sc.astype(np.float32) ** 2).mean(axis=1))
+    d = (np.float32(scale / _U4_STD) * (0.75 + 0.5 * g.random(nb, dtype=np.float32)) / rms).astype("<f2")
+    out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+    out[:, 2:4] = (d.astype(np.float32) * np.float32(7.5)).astype("<f2").view(np.uint8).reshape(nb, 2)
+    lo, hi = sc[:, :4], sc[:, 4:]       # (ggml's get_scale_min_k4: sub-blocks 4-7 split over two places)
+    out[:, 4:8] = (lo & 63) | ((hi >> 4) << 6)      # scales 0-3, and the top bits of scales 4-7
+    out[:, 8:12] = (lo & 63) | ((hi >> 4) << 6)     # mins 0-3 (= the scales), and the top bits of mins 4-7
+    out[:, 12:16] = (hi & 15) | ((hi & 15) << 4)    # the low bits of scales 4-7 and of mins 4-7
+    out[:, 16:] = _random_bytes(g, nb * 128).reshape(nb, 128)
+    return out
+
+
+# std of a uniform E2M1 quant, in units of an E8M0 block scale's half (ggml's doubled kvalues: 0, +-1, ..., +-12)
+_E2M1_STD = math.sqrt(2 * sum(k * k for k in (0, 1, 2, 3, 4, 6, 8, 12)) / 16)
+
+
+def _mxfp4_blocks(g: np.random.Generator, nb: int, scale: float) -> np.ndarray:
+    """nb random MXFP4 blocks (one E8M0 exponent byte e, 16 bytes of E2M1 nibbles) whose 32 values have std ~ scale
+    and mean ~ 0.
+
+    A value is ``2**(e - 128) * k`` (k a doubled E2M1 value). Uniform nibbles give std ``2**(e - 128) * 5.85``; the
+    exponent is a power of two, so each block takes the one below or above the target (the target is ``scale``
+    times a per-block factor in [0.75, 1.25), as for Q8_0), with odds that give the target's variance on average."""
+    out = np.empty((nb, 17), dtype=np.uint8)
+    out[:, 1:] = _random_bytes(g, nb * 16).reshape(nb, 16)
+    if scale <= 0:   # (all zero: e = 0 with zero nibbles)
+        out[:] = 0
+        return out
+    target = np.float64(scale / _E2M1_STD) * (0.75 + 0.5 * g.random(nb))
+    lo = np.floor(np.log2(target))
+    p_hi = (target ** 2 / 4.0 ** lo - 1.0) / 3.0     # variance 4**lo (1 - p) + 4**(lo + 1) p = target**2
+    e = lo + 128 + (g.random(nb) < p_hi)
+    out[:, 0] = np.clip(e, 2, 254).astype(np.uint8)   # (e < 2 is a subnormal half-scale in ggml)
+    return out
+
+
+# per type: (elements per unit, bytes per unit, generator of n units): the unit of fresh chunks and pools is a block
+_UNITS = {
+    GGML_Q8_0: (32, 34, _q8_blocks),
+    GGML_F16: (1, 2, _f16_values),
+    GGML_BF16: (1, 2, _bf16_values),
+    GGML_Q4_K: (256, 144, _q4k_blocks),
+    GGML_MXFP4: (32, 17, _mxfp4_blocks),
+}
+
+
 class _Pools:
-    """One pool of random units (Q8_0 blocks or F16 values) per (type, scale), made on demand."""
+    """One pool of random units (blocks of a quantized type, F16 or BF16 values) per (type, scale), made on demand."""
 
     def __init__(self, seed: int):
         self.seed = seed
@@ -582,29 +849,22 @@ class _Pools:
         key = (gtype, float(scale))
         if key not in self.pools:
             g = _rng(self.seed, 0x9001, gtype, int(np.float64(scale).view(np.uint64)))
-            if gtype == GGML_Q8_0:
-                unit = 34
-                n = _prev_prime(_POOL_BYTES // unit)
-                data = _q8_blocks(g, n, scale)
-            else:
-                unit = 2
-                n = _prev_prime(_POOL_BYTES // unit)
-                data = _f16_values(g, n, scale)
+            _, unit, make = _UNITS[gtype]
+            n = _prev_prime(_POOL_BYTES // unit)
+            data = make(g, n, scale)
             self.pools[key] = (memoryview(data.tobytes()), unit, n)
         return self.pools[key]
 
 
 def _write_matrix(f: BinaryIO, t: _Tensor, cfg: SynthConfig, pools: _Pools) -> None:
     g = _rng(cfg.seed, 0x7E50, _name_key(t.name))
-    q8 = t.gtype == GGML_Q8_0
-    unit_elems = 32 if q8 else 1
+    unit_elems, _, make = _UNITS[t.gtype]
     n_units = t.n_elements // unit_elems
     if t.fresh:
         step = max(1, _CHUNK_ELEMS // unit_elems)
         for start in range(0, n_units, step):
             n = min(step, n_units - start)
-            arr = _q8_blocks(g, n, t.scale) if q8 else _f16_values(g, n, t.scale)
-            f.write(arr.data)
+            f.write(make(g, n, t.scale).data)
         return
     pool, unit, pn = pools.get(t.gtype, t.scale)
     pos = int(g.integers(0, pn))
@@ -635,6 +895,11 @@ def _router_weights(t: _Tensor, cfg: SynthConfig) -> np.ndarray:
 def _write_tensor(f: BinaryIO, t: _Tensor, cfg: SynthConfig, pools: _Pools) -> None:
     if t.kind == "ones":
         f.write(np.ones(t.n_elements, dtype="<f4").tobytes())
+    elif t.kind == "zeros":
+        f.write(np.zeros(t.n_elements, dtype="<f4").tobytes())
+    elif t.kind == "normal":   # F32 biases and sinks (small: drawn whole)
+        g = _rng(cfg.seed, 0xB1A5, _name_key(t.name))
+        f.write((g.standard_normal(t.n_elements, dtype=np.float32) * np.float32(t.scale)).astype("<f4").tobytes())
     elif t.kind == "router":
         f.write(_router_weights(t, cfg).astype("<f4").tobytes())
     else:
@@ -657,8 +922,10 @@ def cached_model(directory, preset_name: str = "tiny", **overrides: Any) -> Path
     tag = cfg.routing if cfg.routing != "skewed" else f"skewed{cfg.skew:g}"
     # (skew as the name writes it: a skew the name rounds gets the hash too)
     named = {"n_layer": cfg.n_layer, "routing": cfg.routing, "skew": float(f"{cfg.skew:g}"), "seed": cfg.seed}
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k not in _LATER_FIELDS or v != _FIELD_DEFAULTS[k]}   # (hashes of files cached before they came)
     other = "" if cfg == preset(preset_name, **named) else "-" + hashlib.sha1(
-        json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:8]
+        json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:8]
     path = Path(directory) / f"{preset_name}-L{cfg.n_layer}-{tag}-s{cfg.seed}{other}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -671,8 +938,8 @@ def write_gguf(path, cfg: SynthConfig, progress: bool = False) -> Dict[str, Any]
     """Write ``cfg`` as a GGUF file at ``path`` (streamed; atomically renamed into place).
 
     Returns a summary: ``path``, ``bytes`` (file size), ``n_params``, ``n_tensors``,
-    ``expert_bytes_per_layer``, ``expert_bytes`` (all layers), ``seconds``, ``mb_per_s``, and the
-    config's ``preset``, ``type``, ``routing``, ``skew``, ``seed``.
+    ``expert_bytes_per_layer``, ``expert_bytes`` (all MoE layers), ``seconds``, ``mb_per_s``, and the
+    config's ``preset``, ``type``, ``expert_type`` (the experts' type), ``routing``, ``skew``, ``seed``.
     """
     cfg.validate()
     path = os.fspath(path)
@@ -715,11 +982,12 @@ def write_gguf(path, cfg: SynthConfig, progress: bool = False) -> Dict[str, Any]
         "n_params": sum(t.n_elements for t in tensors),
         "n_tensors": len(tensors),
         "expert_bytes_per_layer": epl,
-        "expert_bytes": epl * cfg.n_layer,
+        "expert_bytes": epl * (cfg.n_layer - cfg.n_layer_dense_lead),
         "seconds": dt,
         "mb_per_s": total / 1e6 / max(dt, 1e-9),
         "preset": cfg.preset,
         "type": cfg.type,
+        "expert_type": cfg.expert_type or cfg.type,
         "routing": cfg.routing,
         "skew": cfg.skew,
         "seed": cfg.seed,

@@ -351,37 +351,63 @@ def test_gguf_py_reads_back_what_synth_wrote(tmp_path):
     assert last.data_offset + last.n_bytes <= path.stat().st_size < last.data_offset + last.n_bytes + 32
 
 
-@pytest.mark.parametrize("name, arch", [("mixtral-tiny", "llama"), ("qwen2moe-tiny", "qwen2moe"),
-                                       ("glm4moe-tiny", "glm4moe")])
-def test_more_families_load_and_match_the_baseline(tmp_path_factory, name, arch):
-    """Mixtral-style (llama with experts) and Qwen2-MoE (a shared expert with its own gate), written with gguf-py's
-    names and keys for their architecture: both variants load them; with every expert in host RAM on 2 VDEVs the
-    patched build pipelines, uploads the routed experts only (the shared expert stays on its layer's device) and
-    gives the baseline's logits."""
+# (name, arch, overrides): every family, and routed experts of the types real models ship them in
+FAMILY_CASES = [
+    ("mixtral-tiny", "llama", {}), ("qwen2moe-tiny", "qwen2moe", {}), ("glm4moe-tiny", "glm4moe", {}),
+    ("deepseek2-tiny", "deepseek2", {}),                                  # a query latent, sigmoid gating (V3)
+    ("deepseek2-tiny", "deepseek2", {"q_lora_rank": 0, "gating": "softmax"}),   # attn_q, softmax gating (V2)
+    ("gptoss-tiny", "gpt-oss", {}),                                       # MXFP4 experts with biases, sinks, SWA
+    ("mixtral-tiny", "llama", {"n_embd": 256, "head_dim": 64, "expert_type": "q4_k"}),   # (Q4_K: rows of 256)
+    ("qwen2moe-tiny", "qwen2moe", {"expert_type": "bf16"}),
+    ("glm4moe-tiny", "glm4moe", {"expert_type": "mxfp4"}),
+]
+
+
+@pytest.mark.parametrize("name, arch, overrides", FAMILY_CASES,
+                         ids=[n + "".join(f"-{v}" for v in o.values()) for n, _, o in FAMILY_CASES])
+def test_more_families_load_and_match_the_baseline(tmp_path_factory, name, arch, overrides):
+    """Every family, written with gguf-py's names and keys for its architecture, and routed experts in other types
+    than the rest: both variants load them; with every expert in host RAM on 2 VDEVs the patched build pipelines,
+    uploads the routed experts only (shared experts, dense layers, routers and attention stay on their layer's device:
+    the host holds exactly the *_exps tensors and the token embeddings) and gives the baseline's logits."""
+    import re
+    from pyllama_pp.session import EXPERT_TENSORS
     from pyllama_pp.worker import run_job
-    cfg = synth.preset(name, seed=1)
-    path = synth.cached_model(tmp_path_factory.mktemp(name), name, seed=1)
+    cfg = synth.preset(name, seed=1, **overrides)
+    path = synth.cached_model(tmp_path_factory.mktemp(name), name, seed=1, **overrides)
     header = synth.read_gguf_header(path)
     assert header["kv"]["general.architecture"] == arch and cfg.arch == arch
     assert header["kv"][f"{arch}.expert_count"] == cfg.n_expert
-    names = {t["name"] for t in header["tensors"]}
-    shared_in = "blk.1.ffn_up_shexp.weight"   # (glm4moe's layer 0 is dense)
-    assert (shared_in in names) == (arch in ("qwen2moe", "glm4moe"))
-    assert ("blk.0.ffn_up.weight" in names and "blk.0.ffn_up_exps.weight" not in names) == (arch == "glm4moe")
-    assert ("blk.0.attn_q_norm.weight" in names) is False
+    t = {x["name"]: x for x in header["tensors"]}
+    shared_in = "blk.1.ffn_up_shexp.weight"   # (glm4moe's and deepseek2's layer 0 is dense)
+    assert (shared_in in t) == (arch in ("qwen2moe", "glm4moe", "deepseek2"))
+    assert ("blk.0.ffn_up.weight" in t and "blk.0.ffn_up_exps.weight" not in t) == (arch in ("glm4moe", "deepseek2"))
+    assert ("blk.0.attn_q_norm.weight" in t) is False
+    assert ("blk.1.attn_k_b.weight" in t) == ("blk.1.attn_kv_a_mqa.weight" in t) == (arch == "deepseek2")
+    assert ("blk.1.attn_q_a.weight" in t) == (arch == "deepseek2" and cfg.q_lora_rank > 0)
+    assert ("blk.1.ffn_down_exps.bias" in t) == ("blk.1.attn_sinks.weight" in t) == (arch == "gpt-oss")
+    etype = {"q4_k": "Q4_K", "bf16": "BF16", "mxfp4": "MXFP4", None: "Q8_0"}[cfg.expert_type]
+    assert {x["type_name"] for n, x in t.items() if re.search(r"_exps\.weight$", n)} == {etype}
+    assert t["blk.1.attn_output.weight"]["type_name"] == "Q8_0"
     out = tmp_path_factory.mktemp(name + "-logits")
     kw = {"kind": "logits", "model": str(path), "devices": "vdev:2x0@0.5", "placement": {"host_experts": "all"},
           "ctx": {"n_ctx": 512, "n_batch": 256, "n_ubatch": 32}, "n_tokens": 256, "logits": "all"}
     b = run_job({**kw, "out": str(out / "b.npy")}, "baseline", timeout=120)
     p = run_job({**kw, "out": str(out / "p.npy")}, "patched", timeout=120)
     lb, lp = np.load(out / "b.npy"), np.load(out / "p.npy")
-    assert lb.shape == lp.shape == (256, cfg.n_vocab)
+    assert lb.shape == lp.shape == (256, cfg.n_vocab) and np.isfinite(lb).all()
     assert float(((lb - lp) ** 2).sum() / (lb ** 2).sum()) <= 1e-6
     assert p["schedule"]["pipeline_parallel"] is True and b["schedule"]["pipeline_parallel"] is False
+    # what stays in host RAM: the routed experts (with gpt-oss's expert biases) and the token embeddings, nothing else
+    host = sum(x["nbytes"] for n, x in t.items() if re.search(EXPERT_TENSORS, n) or n == "token_embd.weight")
+    mem = {m["buft"]: m["model_bytes"] for m in p["schedule"]["memory"]}
+    assert mem["VDEV_Host"] == host, (mem, host)
+    rest = sum(x["nbytes"] for x in t.values()) - host
+    assert rest <= mem["VDEV0"] + mem["VDEV1"] <= rest + 256 * len(t), (mem, rest)   # (tensors padded in buffers)
     # every host-weight upload is a routed expert tensor: whole ones are multiples of one expert tensor's bytes
     one = synth.expert_bytes_per_layer(cfg) // 3
     moved = sum(x["weight_bytes"] for x in p["ext"]["backends"])
-    assert moved > 0 and p["ext"]["upload_all"] > 0
+    assert moved > 0 and p["ext"]["upload_all"] + p["ext"]["gather"] > 0
     assert p["ext"]["selective"] + p["ext"]["gather"] > 0 or moved % one == 0, (moved, one)
 
 
@@ -400,3 +426,192 @@ def test_family_configs_are_checked():
     assert 46 <= synth.estimate_file_bytes(big) / 1e9 <= 51   # Mixtral-8x7B as Q8_0
     assert 13 <= synth.estimate_file_bytes(synth.preset("qwen2moe-a2.7b")) / 1e9 <= 17
     assert 50 <= synth.estimate_file_bytes(synth.preset("glm4.5-air-l24")) / 1e9 <= 64   # fits 128 GB of host RAM
+    assert 15.5 <= synth.estimate_file_bytes(synth.preset("deepseek-v2-lite")) / 1e9 <= 17.5
+    assert 10.5 <= synth.estimate_file_bytes(synth.preset("gpt-oss-20b")) / 1e9 <= 12.5   # (real: 12.1, 201088 tokens)
+    lite = synth.preset("deepseek-v2-lite")
+    assert (lite.n_layer, lite.n_embd, lite.n_head, lite.kv_lora_rank, lite.q_lora_rank) == (27, 2048, 16, 512, 0)
+    assert (lite.rope_dim, lite.head_dim - lite.rope_dim, lite.v_head_dim) == (64, 128, 128)
+    assert (lite.n_expert, lite.n_expert_used, lite.n_expert_shared, lite.n_ff_exp, lite.n_ff) == (64, 6, 2, 1408, 10944)
+    oss = synth.preset("gpt-oss-20b")
+    assert (oss.n_layer, oss.n_embd, oss.n_head, oss.head_dim, oss.n_head_kv) == (24, 2880, 64, 64, 8)
+    assert (oss.n_expert, oss.n_expert_used, oss.n_ff_exp, oss.expert_type) == (32, 4, 2880, "mxfp4")
+    # deepseek2's MLA and its lite form
+    with pytest.raises(ValueError, match="lite model without a query latent: set q_lora_rank=0"):
+        synth.preset("deepseek2-tiny", n_layer=27)
+    assert synth.preset("deepseek2-tiny", n_layer=27, q_lora_rank=0).is_deepseek2_lite()
+    with pytest.raises(ValueError, match="n_head_kv must be 1"):
+        synth.preset("deepseek2-tiny", n_head_kv=2)
+    with pytest.raises(ValueError, match="rope_dim \\(48\\) must be even and below head_dim"):
+        synth.preset("deepseek2-tiny", rope_dim=48)
+    with pytest.raises(ValueError, match="deepseek2 needs SynthConfig.kv_lora_rank > 0"):
+        synth.preset("deepseek2-tiny", kv_lora_rank=0)
+    with pytest.raises(ValueError, match="n_expert_shared >= 1"):
+        synth.preset("deepseek2-tiny", n_expert_shared=0)
+    with pytest.raises(ValueError, match="are deepseek2's \\(MLA attention\\); qwen3moe has none"):
+        synth.preset("tiny", kv_lora_rank=64)
+    with pytest.raises(ValueError, match="gating is deepseek2's choice"):
+        synth.preset("glm4moe-tiny", gating="softmax")
+    with pytest.raises(ValueError, match="gating must be None or one of"):
+        synth.preset("deepseek2-tiny", gating="relu")
+    with pytest.raises(ValueError, match="Q8_0 needs row lengths that are multiples of 32: q_lora_rank \\(attn_q_b\\)"):
+        synth.preset("deepseek2-tiny", q_lora_rank=48)
+    # gpt-oss's sliding window
+    with pytest.raises(ValueError, match="gpt-oss needs one > 0"):
+        synth.preset("gptoss-tiny", n_swa=0)
+    with pytest.raises(ValueError, match="n_swa \\(the sliding window\\) is for gpt-oss"):
+        synth.preset("tiny", n_swa=64)
+    # expert types: what, and how to fix it
+    with pytest.raises(ValueError, match="type must be one of .* \\(q4_k and mxfp4 are for the routed experts"):
+        synth.preset("tiny", type="q4_k")
+    with pytest.raises(ValueError, match="expert_type must be None \\(= type\\) or one of"):
+        synth.preset("tiny", expert_type="q2_k")
+    with pytest.raises(ValueError, match="Q4_K needs row lengths that are multiples of 256: n_embd \\(ffn_gate_exps, "
+                                         "ffn_up_exps\\) = 128; .* or expert_type one of \\['bf16', 'f16', 'mxfp4', "
+                                         "'q8_0'\\]"):
+        synth.preset("tiny", expert_type="q4_k")
+    with pytest.raises(ValueError, match="n_ff_exp \\(ffn_down_exps\\) = 1408"):
+        synth.preset("deepseek-v2-lite", expert_type="q4_k")   # (1408 = 5.5 x 256)
+    with pytest.raises(ValueError, match="MXFP4 needs row lengths that are multiples of 32: n_ff_exp \\(ffn_down_exps\\) = 48"):
+        synth.preset("tiny", n_ff_exp=48, expert_type="mxfp4")
+    synth.preset("tiny", n_ff_exp=48, type="f16", expert_type="bf16")   # fine: BF16 has no blocks
+    assert synth.preset("qwen3-30b-a3b", expert_type="q4_k").expert_type == "q4_k"   # (768 and 2048 rows)
+
+
+# values of each expert type: (gguf-py's name, bytes per block of 256 values)
+EXPERT_TYPES = {"q4_k": ("Q4_K", 144), "mxfp4": ("MXFP4", 8 * 17), "bf16": ("BF16", 512), "f16": ("F16", 512),
+                "q8_0": ("Q8_0", 8 * 34)}
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["fresh", "tiled"])
+@pytest.mark.parametrize("etype", sorted(EXPERT_TYPES))
+def test_expert_types_dequantize_to_the_requested_scale(tmp_path, monkeypatch, etype, tiled):
+    """Each expert type's random data, read back by gguf-py's own dequantization, has the standard deviation asked
+    for (within 10%; the ffn scale and uniform routing's 0.0005 down scale) and a mean near 0, drawn fresh or tiled
+    from a pool (whose unit is a block); the file's size is the estimate and its file_type llama.cpp's for it."""
+    import gguf
+    if tiled:
+        monkeypatch.setattr(synth, "TILE_MIN_ELEMENTS", 1 << 12)
+        monkeypatch.setattr(synth, "_POOL_BYTES", 1 << 18)
+    cfg = synth.preset("mixtral-tiny", n_layer=2, n_embd=256, head_dim=64, n_vocab=256, expert_type=etype)
+    path = tmp_path / f"{etype}.gguf"
+    summary = synth.write_gguf(path, cfg)
+    h = synth.read_gguf_header(path)
+    assert summary["bytes"] == h["file_size"] == synth.estimate_file_bytes(cfg)
+    assert summary["expert_type"] == etype and h["kv"]["pyllama_pp.synth.expert_type"] == etype
+    assert h["kv"]["general.file_type"] == {"q4_k": 15, "mxfp4": 38, "bf16": 32, "f16": 1, "q8_0": 7}[etype]
+    qname, per256 = EXPERT_TYPES[etype]
+    t = {x["name"]: x for x in h["tensors"]}
+    assert t["blk.0.attn_q.weight"]["type_name"] == "Q8_0"   # the rest keeps type
+    scales = cfg.resolved_scales()
+    for name, scale in (("ffn_gate_exps", scales["ffn_scale"]), ("ffn_down_exps", scales["down_scale"])):
+        info = t[f"blk.1.{name}.weight"]
+        assert info["type_name"] == qname
+        n = int(np.prod(info["shape"]))
+        assert info["nbytes"] == n // 256 * per256
+        raw = np.frombuffer(tensor_bytes(path, info), dtype=np.uint8).reshape(-1, info["nbytes"] // info["shape"][2])
+        v = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qname]).astype(np.float64).ravel()
+        assert v.size == n and np.isfinite(v).all()
+        assert abs(v.std() / scale - 1) < 0.1, (name, v.std(), scale)
+        assert abs(v.mean()) < 0.02 * scale, (name, v.mean(), scale)
+    gate, up = (tensor_bytes(path, t[f"blk.1.ffn_{w}_exps.weight"]) for w in ("gate", "up"))
+    assert gate != up
+
+
+def test_one_type_files_stay_as_they_were(tmp_path):
+    """expert_type None (the default) is type: no key of its own, and naming the same type changes the metadata only
+    (the tensor data, table and file type are the same bytes)."""
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    synth.write_gguf(a, synth.preset("tiny", n_layer=2))
+    synth.write_gguf(b, synth.preset("tiny", n_layer=2, expert_type="q8_0"))
+    ha, hb = synth.read_gguf_header(a), synth.read_gguf_header(b)
+    assert "pyllama_pp.synth.expert_type" not in ha["kv"] and hb["kv"]["pyllama_pp.synth.expert_type"] == "q8_0"
+    assert ha["kv"]["general.file_type"] == hb["kv"]["general.file_type"] == 7
+    assert [(x["name"], x["shape"], x["type"], x["offset"]) for x in ha["tensors"]] == \
+           [(x["name"], x["shape"], x["type"], x["offset"]) for x in hb["tensors"]]
+    assert a.read_bytes()[ha["data_offset"]:] == b.read_bytes()[hb["data_offset"]:]
+
+
+def test_deepseek2_is_written_as_llama_cpp_loads_mla(tmp_path):
+    """deepseek2's keys and shapes as the pinned loader reads them (is_mla(): the split attn_k_b / attn_v_b form):
+    the cache's one latent head (kv_lora_rank + rope_dim keys, kv_lora_rank values), the heads after the latent
+    projections (*_mla), the query latent, shared experts, the dense first layer, sigmoid gating with its bias."""
+    cfg = synth.preset("deepseek2-tiny", n_layer=3, n_vocab=256)
+    path = tmp_path / "ds.gguf"
+    synth.write_gguf(path, cfg)
+    h = synth.read_gguf_header(path)
+    kv, a = h["kv"], "deepseek2."
+    nope = cfg.head_dim - cfg.rope_dim
+    assert (kv[a + "attention.key_length"], kv[a + "attention.value_length"]) == (cfg.kv_lora_rank + cfg.rope_dim,
+                                                                                 cfg.kv_lora_rank)
+    assert (kv[a + "attention.key_length_mla"], kv[a + "attention.value_length_mla"]) == (cfg.head_dim, cfg.v_head_dim)
+    assert kv[a + "rope.dimension_count"] == cfg.rope_dim and kv[a + "attention.head_count_kv"] == 1
+    assert (kv[a + "attention.q_lora_rank"], kv[a + "attention.kv_lora_rank"]) == (cfg.q_lora_rank, cfg.kv_lora_rank)
+    assert (kv[a + "expert_shared_count"], kv[a + "leading_dense_block_count"]) == (2, 1)
+    assert kv[a + "expert_gating_func"] == 2 and kv[a + "expert_weights_norm"] is True   # sigmoid (V3)
+    assert kv[a + "feed_forward_length"] == cfg.n_ff
+    t = {x["name"]: (x["shape"], x["type_name"]) for x in h["tensors"]}
+    H, E, S = cfg.n_head, cfg.n_embd, cfg.n_ff_exp * cfg.n_expert_shared
+    for name, shape in [("attn_q_a", [E, cfg.q_lora_rank]), ("attn_q_a_norm", [cfg.q_lora_rank]),
+                        ("attn_q_b", [cfg.q_lora_rank, H * cfg.head_dim]), ("attn_kv_a_norm", [cfg.kv_lora_rank]),
+                        ("attn_kv_a_mqa", [E, cfg.kv_lora_rank + cfg.rope_dim]), ("attn_k_b", [nope, cfg.kv_lora_rank, H]),
+                        ("attn_v_b", [cfg.kv_lora_rank, cfg.v_head_dim, H]), ("attn_output", [H * cfg.v_head_dim, E]),
+                        ("ffn_gate_shexp", [E, S]), ("ffn_down_shexp", [S, E]), ("ffn_gate_inp", [E, cfg.n_expert])]:
+        assert t[f"blk.1.{name}.weight"][0] == shape, name
+    assert t["blk.1.exp_probs_b.bias"] == ([cfg.n_expert], "F32")
+    assert t["blk.0.ffn_up.weight"][0] == [E, cfg.n_ff] and "blk.0.ffn_gate_inp.weight" not in t
+    assert not any(".attn_q.weight" in n or ".attn_k.weight" in n or "attn_kv_b" in n for n in t)
+    v2 = synth.preset("deepseek2-tiny", n_layer=3, n_vocab=256, q_lora_rank=0, gating="softmax")
+    synth.write_gguf(path, v2)
+    h = synth.read_gguf_header(path)
+    names = {x["name"] for x in h["tensors"]}
+    assert "blk.1.attn_q.weight" in names and "blk.1.attn_q_a.weight" not in names and "blk.1.exp_probs_b.bias" not in names
+    assert h["kv"][a + "expert_gating_func"] == 1 and h["kv"][a + "expert_weights_norm"] is False   # softmax (V2)
+
+
+def test_gptoss_is_written_as_llama_cpp_loads_it(tmp_path):
+    """gpt-oss: the sliding window, attention biases and sinks, a zero router bias (routing stays the router rows'),
+    expert biases beside MXFP4 experts, and MXFP4_MOE as the file type."""
+    cfg = synth.preset("gptoss-tiny", n_layer=2, n_vocab=256)
+    path = tmp_path / "oss.gguf"
+    summary = synth.write_gguf(path, cfg)
+    h = synth.read_gguf_header(path)
+    kv, a = h["kv"], "gpt-oss."
+    assert kv["general.architecture"] == "gpt-oss" and kv[a + "attention.sliding_window"] == cfg.n_swa
+    assert kv["general.file_type"] == 38 and kv[a + "expert_feed_forward_length"] == cfg.n_ff_exp
+    assert summary["expert_bytes_per_layer"] == 3 * cfg.n_embd * cfg.n_ff_exp * cfg.n_expert * 17 // 32
+    t = {x["name"]: x for x in h["tensors"]}
+    E, F, D, q = cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, cfg.n_head * cfg.head_dim
+    for name, shape in [("attn_q.bias", [q]), ("attn_k.bias", [cfg.n_head_kv * cfg.head_dim]), ("attn_output.bias", [E]),
+                        ("attn_sinks.weight", [cfg.n_head]), ("ffn_gate_inp.bias", [D]), ("ffn_gate_exps.bias", [F, D]),
+                        ("ffn_up_exps.bias", [F, D]), ("ffn_down_exps.bias", [E, D]), ("post_attention_norm.weight", [E])]:
+        assert (t[f"blk.1.{name}"]["shape"], t[f"blk.1.{name}"]["type_name"]) == (shape, "F32"), name
+    assert t["blk.1.ffn_up_exps.weight"]["type_name"] == "MXFP4" and t["blk.1.attn_q.weight"]["type_name"] == "Q8_0"
+    assert np.all(dequant(path, t["blk.1.ffn_gate_inp.bias"]) == 0)
+    s = cfg.resolved_scales()
+    for name, scale in (("ffn_gate_exps.bias", s["ffn_scale"]), ("ffn_down_exps.bias", s["down_scale"])):
+        v = dequant(path, t[f"blk.1.{name}"])
+        assert 0.9 * scale < v.std() < 1.1 * scale, name
+    sinks = dequant(path, t["blk.1.attn_sinks.weight"])   # (8 of them, std 1)
+    assert len(np.unique(sinks)) == cfg.n_head and np.abs(sinks).max() < 5
+
+
+@pytest.mark.parametrize("name", ["deepseek2-tiny", "gptoss-tiny"])
+def test_routing_control_reaches_the_new_families(tmp_path_factory, name):
+    """deepseek2's selection bias and gpt-oss's router bias are constant, so routing is the router rows': uniform
+    routing uses about E (1 - (1 - k/E)^T) experts per layer and 32-token ubatch (measured by the baseline build), a
+    skew of 2 far fewer."""
+    from pyllama_pp.worker import run_job
+    d = tmp_path_factory.mktemp(name + "-routing")
+    cfg = synth.preset(name)
+    used = {}
+    for routing, skew in (("uniform", 0.0), ("skewed", 2.0)):
+        path = synth.cached_model(d, name, seed=1, routing=routing, skew=skew)
+        h = synth.read_gguf_header(path)
+        bias = next(x for x in h["tensors"] if x["name"] in ("blk.1.exp_probs_b.bias", "blk.1.ffn_gate_inp.bias"))
+        assert len(np.unique(dequant(path, bias))) == 1
+        r = run_job({"kind": "bench", "model": str(path), "devices": "vdev:2x0@0", "tests": [["pp", 256]], "reps": 1,
+                     "warmup": 0, "ctx": {"n_ctx": 512, "n_batch": 256, "n_ubatch": 32}}, "baseline", timeout=120)
+        used[routing] = r["tests"][0]["coverage"]["experts_used_per_layer_ubatch"]
+    E, k = cfg.n_expert, cfg.n_expert_used
+    assert used["uniform"] >= 0.95 * E * (1 - (1 - k / E) ** 32), used
+    assert used["skewed"] <= 0.7 * used["uniform"], used
