@@ -361,3 +361,30 @@ def test_one_device_plan_includes_its_copies(plans, model, tmp_path):
     (dev,) = res["counters"]["devices"]
     assert dev["failed_allocs"] == 0 and dev["peak_alloc_bytes"] <= p.devices[0].expected_bytes * 1.05 + SLACK
     assert dev["peak_alloc_bytes"] <= p.devices[0].free_bytes
+
+
+# each family's tiny preset (6 layers) and a budget per VDEV that holds its attention, routers, shared experts and
+# dense layers and the experts of only some layers (measured at FAMILY_CTX: spread, host experts on both devices)
+FAMILY_BUDGETS = {"tiny": "5MiB", "mixtral-tiny": "3MiB", "qwen2moe-tiny": "5MiB", "glm4moe-tiny": "3.5MiB",
+                  "deepseek2-tiny": "3.5MiB", "gptoss-tiny": "3.5MiB"}
+FAMILY_CTX = ContextParams(n_ctx=512, n_batch=256, n_ubatch=64)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_BUDGETS))
+def test_fit_places_every_synth_family(tmp_path_factory, name):
+    """fit plans each family's tiny preset on 2 VDEVs too small for all its experts: the patched plan spreads the
+    host-expert layers over both devices, keeps some MoE layers full, and a session from the plan runs pipelined
+    within each device's memory."""
+    cfg = synth.preset(name, seed=1)
+    model = str(synth.cached_model(tmp_path_factory.mktemp("fit-" + name), name, seed=1))
+    p = fit(model, devices=f"vdev:2x{FAMILY_BUDGETS[name]}@0.1GBps", ctx=FAMILY_CTX, variant="patched", timeout=60)
+    assert p.status == "success" and p.path == "spread", (p.path, p.reasons)
+    assert p.n_layer == cfg.n_layer and p.n_gpu_layers == cfg.n_layer + 1
+    host, moe = p.host_expert_layers, cfg.n_layer - cfg.n_layer_dense_lead
+    assert all(h > 0 for h in host) and sum(host) < moe, (host, moe)
+    assert all("exps" in o for o in p.tensor_overrides), p.tensor_overrides
+    res = run_job({"kind": "logits", "model": model, "plan": p.to_dict(), "n_tokens": 128, "logits": "last",
+                   "out": str(tmp_path_factory.mktemp("fit-" + name + "-run") / "l.npy")}, "patched", timeout=60)
+    assert res["schedule"]["pipeline_parallel"] is True
+    for d, want in zip(res["counters"]["devices"], p.devices):
+        assert d["failed_allocs"] == 0 and d["peak_alloc_bytes"] <= want.free_bytes, (d, want)
