@@ -128,10 +128,10 @@ def cmd_synth(args) -> int:
         raise ConfigError(f"cannot write {args.out}: the folder {Path(args.out).parent} does not exist")
     if Path(args.out).is_dir():
         raise ConfigError(f"cannot write {args.out}: it is a folder; give a file name such as {Path(args.out) / 'm.gguf'}")
-    cfg = synth.preset(args.preset, seed=args.seed, type=args.type, **overrides)
+    cfg = synth.preset(args.preset, seed=args.seed, type=args.type, expert_type=args.expert_type, **overrides)
     summary = synth.write_gguf(args.out, cfg, progress=not args.json and sys.stderr.isatty())
     _emit(args, summary, f"wrote {args.out}: {summary['bytes'] / 1e6:.1f} MB, {summary['n_tensors']} tensors, "
-                         f"{summary['expert_bytes_per_layer'] / 1e6:.2f} MB of experts a layer, "
+                         f"{summary['expert_bytes_per_layer'] / 1e6:.2f} MB of {summary['expert_type']} experts a layer, "
                          f"routing {summary['routing']}, {summary['seconds']:.1f} s")
     return 0
 
@@ -478,7 +478,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .synth import PRESETS, ROUTING_MODES
+    from .synth import EXPERT_TYPES, PRESETS, ROUTING_MODES, WEIGHT_TYPES
     ap = argparse.ArgumentParser(prog="pyllama-pp", description=__doc__)
     ap.add_argument("--version", action="version", version=f"pyllama_pp {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -491,13 +491,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the patched build's switch table as the README's Markdown section, nothing else")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("synth", help="write a random-weight qwen3moe GGUF (with a routing control)",
+    p = sub.add_parser("synth", help="write a random-weight MoE GGUF (with a routing control)",
                        formatter_class=_HelpFormatter)
     p.add_argument("out", type=Path, help="the .gguf file to write")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                   help="model shape (default: tiny, the CI model; qwen3-30b-a3b is 29.8 GiB in Q8_0)")
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                   help="model shape and family (default: tiny, the CI model, qwen3moe; qwen3-30b-a3b is 29.8 GiB in "
+                        "Q8_0); mixtral-* (llama), qwen2moe-*, glm4moe-tiny/glm4.5-air-l24, "
+                        "deepseek2-tiny/deepseek-v2-lite (MLA), gptoss-tiny/gpt-oss-20b (MXFP4 experts)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default: 0)")
-    p.add_argument("--type", default="q8_0", choices=["q8_0", "f16"], help="weight type (default: q8_0)")
+    p.add_argument("--type", default="q8_0", choices=list(WEIGHT_TYPES), help="weight type (default: q8_0)")
+    p.add_argument("--expert-type", dest="expert_type", choices=list(EXPERT_TYPES),
+                   help="the routed experts' type (default: the preset's: --type, mxfp4 for gpt-oss; q4_k needs rows "
+                        "of multiples of 256)")
     p.add_argument("--routing", choices=list(ROUTING_MODES),
                    help="uniform: every expert used about equally; skewed: some experts far more (real models' "
                         "coverage); natural: plain random weights (default: the preset's, uniform)")
