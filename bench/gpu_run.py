@@ -8,7 +8,8 @@ run still returns what it measured.
   1. devices and build facts
   2. correctness on the tiny preset: patched vs baseline logits, same placement (2 GPUs, experts in host
      RAM), and each vs all weights on the GPUs (NMSE, max abs diff); on the 30B preset for the sweeps that ask
-  3. the qwen3-30b-a3b preset (near-uniform routing; skewed when a block asks) written to local disk
+  3. the qwen3-30b-a3b preset (near-uniform routing; skewed when a block asks) written to local disk; a block
+     with `preset` (and `synth` overrides) writes that preset instead
   4. the named sweeps (both variants unless a block says, pinned host weights, every expert in host RAM, layer
      split); `--preset tiny --devices vdev:2x0@0` runs the same on a CPU machine as a smoke test
 """
@@ -149,8 +150,27 @@ def main() -> int:
             summary["steps"]["correctness_tiny"] = {"error": str(e)}
         save()
 
+    for name, check in CHECKS.items():   # tiny presets of other families (issue 24): one case each
+        if "presets" not in check or "correctness" in skip or name in skip or not wanted(check):
+            continue
+        rows = []
+        for pname in check["presets"]:
+            if left(args.budget) < 60:
+                break
+            try:
+                path = synth.cached_model(args.model_dir, pname, seed=1)
+                rows += correctness(str(path), args.devices, args.out,
+                                    [(ub, mode, switch_env(ext)) for ub, mode, ext in check["cases"]], timeout=120)
+            except PyllamaError as e:
+                rows.append({"model": pname, "error": str(e)})
+        summary["steps"][f"correctness_{name}"] = rows
+        save()
+
     big = args.model_dir / f"{args.preset}-uniform.gguf"
-    if "synth" not in skip and not big.exists() and left(args.budget) > 30:  # ~20 s on the H200 box
+    blocks = [b for n in sweeps for b in SWEEPS[n]]
+    needs_big = any("preset" not in b for b in blocks) or any(
+        "presets" not in c and c.get("n_ubatch") and wanted(c) for c in CHECKS.values())
+    if "synth" not in skip and needs_big and not big.exists() and left(args.budget) > 30:  # ~20 s on the H200 box
         t = time.time()
         s = synth.write_gguf(big, synth.preset(args.preset, seed=1, routing="uniform"))
         summary["steps"]["synth"] = {k: s[k] for k in ("bytes", "expert_bytes_per_layer", "seconds")}
@@ -160,7 +180,7 @@ def main() -> int:
     for name, check in CHECKS.items():
         # the 30B preset: patched with `env`, then with `env` + `then` (~60 s a case: two loads; a worker loads the
         # 32 GB preset in about 25 s and runs in a few more: 150 s each, so that a hang does not take the call)
-        if name == "tiny" or "correctness" in skip or name in skip or not wanted(check) or not big.exists() \
+        if name == "tiny" or "presets" in check or "correctness" in skip or name in skip or not wanted(check) or not big.exists() \
                 or left(args.budget) <= 150:
             continue
         env, then = switch_env(check["env"]), switch_env(check.get("then", {}))
@@ -174,8 +194,21 @@ def main() -> int:
         save()
 
     if "sweep" not in skip:   # (each block checks its own model: a skewed-only call may skip the uniform one)
-        for block in [b for n in sweeps for b in SWEEPS[n]]:
-            if block.get("model") == "skewed":
+        written = []   # other families' models: removed once no later block needs them (the disk holds ~64 GB)
+        for i, block in enumerate(blocks):
+            nxt = blocks[i + 1] if i + 1 < len(blocks) else {}
+            if "preset" in block:   # another family's preset (issue 24), `synth` overrides, written once
+                routing = {"routing": "skewed", "skew": float(block.get("skew", 2.0))} \
+                    if block.get("model") == "skewed" else {"routing": "uniform"}
+                cfg = synth.preset(block["preset"], seed=1, **routing, **block.get("synth", {}))
+                if left(args.budget) < block["est"] + 20:
+                    log(f"skip {block['name']}: {left(args.budget):.0f} s left, needs ~{block['est']} and its model")
+                    continue
+                t = time.time()
+                model = synth.cached_model(args.model_dir, block["preset"], seed=1, **routing, **block.get("synth", {}))
+                written.append(model)
+                log(f"{model.name}: {synth.estimate_file_bytes(cfg) / 1e9:.1f} GB, ready in {time.time() - t:.0f} s")
+            elif block.get("model") == "skewed":
                 # skew 2.0: ~47 of 128 experts a layer at ub512 (37%); 1.0: ~74 (58%, like real models' 56-74%)
                 skew = float(block.get("skew", 2.0))
                 model = args.model_dir / f"{args.preset}-skew{skew:g}.gguf"
@@ -228,6 +261,10 @@ def main() -> int:
                     log(f"{block['name']}: the gather timeline could not be read: {e!r}")
             summary["steps"].setdefault("sweeps", []).append(json.loads(df.to_json(orient="records")))
             save()
+            if written and (nxt.get("preset"), nxt.get("synth")) != (block.get("preset"), block.get("synth")):
+                for m in written:
+                    m.unlink(missing_ok=True)
+                written.clear()
     md = args.out / "ab" / "results.jsonl"
     if md.exists():
         import pandas as pd

@@ -5,9 +5,11 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from pyllama_pp import synth
+
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_KEYS = {"name", "est", "configs", "model", "skew", "devices", "env", "ext", "variants", "reps", "load_mode",
-              "host_experts", "tensor_split", "timeline", "interleave"}
+              "host_experts", "tensor_split", "timeline", "interleave", "preset", "synth"}
 
 
 def _gpu_run():
@@ -42,8 +44,12 @@ def test_sweeps_are_well_formed_and_use_live_switches(runner):
             assert not unknown, f"{where}: switches the patched build does not have: {sorted(unknown)}"
             assert set(b.get("variants", ["baseline", "patched"])) <= {"baseline", "patched"}, where
             assert b.get("model", "uniform") in ("uniform", "skewed"), where
+            if "preset" in b:   # another family's preset: its overrides must make a valid config
+                synth.preset(b["preset"], **b.get("synth", {}))
     for name, check in data["correctness"].items():
         assert all(w == "*" or w in data["sweeps"] for w in check["when"]), f"correctness {name}: {check['when']}"
         exts = [c[2] for c in check.get("cases", [])] + [check.get("env", {}), check.get("then", {})]
         unknown = set().union(*map(set, exts)) - switches
         assert not unknown, f"correctness {name}: unknown switches {sorted(unknown)}"
+        for pname in check.get("presets", []):
+            assert pname in synth.PRESETS, f"correctness {name}: unknown preset {pname}"
