@@ -411,17 +411,42 @@ def test_more_families_load_and_match_the_baseline(tmp_path_factory, name, arch,
     assert p["ext"]["selective"] + p["ext"]["gather"] > 0 or moved % one == 0, (moved, one)
 
 
-def test_family_configs_are_checked():
-    with pytest.raises(ValueError, match="arch must be one of"):
-        synth.preset("tiny", arch="mamba")
-    with pytest.raises(ValueError, match="n_ff_shexp"):
-        synth.preset("qwen2moe-tiny", n_ff_shexp=0)
-    with pytest.raises(ValueError, match="glm4moe's"):
-        synth.preset("tiny", n_expert_shared=1)
-    with pytest.raises(ValueError, match="n_layer_dense_lead"):
-        synth.preset("glm4moe-tiny", n_ff=0)
-    with pytest.raises(ValueError, match="n_head \\* head_dim == n_embd"):
-        synth.preset("mixtral-tiny", head_dim=64)
+# bad family configs: the preset(...) call and what its error must say (what, and how to fix it)
+BAD_CONFIGS = [
+    ("tiny", dict(arch="mamba"), "arch must be one of"),
+    ("qwen2moe-tiny", dict(n_ff_shexp=0), "n_ff_shexp"),
+    ("tiny", dict(n_expert_shared=1), "glm4moe's"),
+    ("glm4moe-tiny", dict(n_ff=0), "n_layer_dense_lead"),
+    ("mixtral-tiny", dict(head_dim=64), "n_head \\* head_dim == n_embd"),
+    ("deepseek2-tiny", dict(n_layer=27), "lite model without a query latent: set q_lora_rank=0"),
+    ("deepseek2-tiny", dict(n_head_kv=2), "n_head_kv must be 1"),
+    ("deepseek2-tiny", dict(rope_dim=48), "rope_dim \\(48\\) must be even and below head_dim"),
+    ("deepseek2-tiny", dict(kv_lora_rank=0), "deepseek2 needs SynthConfig.kv_lora_rank > 0"),
+    ("deepseek2-tiny", dict(n_expert_shared=0), "n_expert_shared >= 1"),
+    ("tiny", dict(kv_lora_rank=64), "are deepseek2's \\(MLA attention\\); qwen3moe has none"),
+    ("glm4moe-tiny", dict(gating="softmax"), "gating is deepseek2's choice"),
+    ("deepseek2-tiny", dict(gating="relu"), "gating must be None or one of"),
+    ("deepseek2-tiny", dict(q_lora_rank=48),
+     "Q8_0 needs row lengths that are multiples of 32: q_lora_rank \\(attn_q_b\\)"),
+    ("gptoss-tiny", dict(n_swa=0), "gpt-oss needs one > 0"),
+    ("tiny", dict(n_swa=64), "n_swa \\(the sliding window\\) is for gpt-oss"),
+    ("tiny", dict(type="q4_k"), "type must be one of .* \\(q4_k and mxfp4 are for the routed experts"),
+    ("tiny", dict(expert_type="q2_k"), "expert_type must be None \\(= type\\) or one of"),
+    ("tiny", dict(expert_type="q4_k"), "Q4_K needs row lengths that are multiples of 256: n_embd \\(ffn_gate_exps, "
+                                       "ffn_up_exps\\) = 128; .* or expert_type one of \\['bf16', 'f16', 'mxfp4', 'q8_0'\\]"),
+    ("deepseek-v2-lite", dict(expert_type="q4_k"), "n_ff_exp \\(ffn_down_exps\\) = 1408"),  # (1408 = 5.5 x 256)
+    ("tiny", dict(n_ff_exp=48, expert_type="mxfp4"),
+     "MXFP4 needs row lengths that are multiples of 32: n_ff_exp \\(ffn_down_exps\\) = 48"),
+]
+
+
+@pytest.mark.parametrize("name, overrides, says", BAD_CONFIGS)
+def test_bad_family_configs_say_what_to_fix(name, overrides, says):
+    with pytest.raises(ValueError, match=says):
+        synth.preset(name, **overrides)
+
+
+def test_family_presets_have_their_models_shapes():
     big = synth.preset("mixtral-8x7b")
     assert 46 <= synth.estimate_file_bytes(big) / 1e9 <= 51   # Mixtral-8x7B as Q8_0
     assert 13 <= synth.estimate_file_bytes(synth.preset("qwen2moe-a2.7b")) / 1e9 <= 17
@@ -435,44 +460,7 @@ def test_family_configs_are_checked():
     oss = synth.preset("gpt-oss-20b")
     assert (oss.n_layer, oss.n_embd, oss.n_head, oss.head_dim, oss.n_head_kv) == (24, 2880, 64, 64, 8)
     assert (oss.n_expert, oss.n_expert_used, oss.n_ff_exp, oss.expert_type) == (32, 4, 2880, "mxfp4")
-    # deepseek2's MLA and its lite form
-    with pytest.raises(ValueError, match="lite model without a query latent: set q_lora_rank=0"):
-        synth.preset("deepseek2-tiny", n_layer=27)
-    assert synth.preset("deepseek2-tiny", n_layer=27, q_lora_rank=0).is_deepseek2_lite()
-    with pytest.raises(ValueError, match="n_head_kv must be 1"):
-        synth.preset("deepseek2-tiny", n_head_kv=2)
-    with pytest.raises(ValueError, match="rope_dim \\(48\\) must be even and below head_dim"):
-        synth.preset("deepseek2-tiny", rope_dim=48)
-    with pytest.raises(ValueError, match="deepseek2 needs SynthConfig.kv_lora_rank > 0"):
-        synth.preset("deepseek2-tiny", kv_lora_rank=0)
-    with pytest.raises(ValueError, match="n_expert_shared >= 1"):
-        synth.preset("deepseek2-tiny", n_expert_shared=0)
-    with pytest.raises(ValueError, match="are deepseek2's \\(MLA attention\\); qwen3moe has none"):
-        synth.preset("tiny", kv_lora_rank=64)
-    with pytest.raises(ValueError, match="gating is deepseek2's choice"):
-        synth.preset("glm4moe-tiny", gating="softmax")
-    with pytest.raises(ValueError, match="gating must be None or one of"):
-        synth.preset("deepseek2-tiny", gating="relu")
-    with pytest.raises(ValueError, match="Q8_0 needs row lengths that are multiples of 32: q_lora_rank \\(attn_q_b\\)"):
-        synth.preset("deepseek2-tiny", q_lora_rank=48)
-    # gpt-oss's sliding window
-    with pytest.raises(ValueError, match="gpt-oss needs one > 0"):
-        synth.preset("gptoss-tiny", n_swa=0)
-    with pytest.raises(ValueError, match="n_swa \\(the sliding window\\) is for gpt-oss"):
-        synth.preset("tiny", n_swa=64)
-    # expert types: what, and how to fix it
-    with pytest.raises(ValueError, match="type must be one of .* \\(q4_k and mxfp4 are for the routed experts"):
-        synth.preset("tiny", type="q4_k")
-    with pytest.raises(ValueError, match="expert_type must be None \\(= type\\) or one of"):
-        synth.preset("tiny", expert_type="q2_k")
-    with pytest.raises(ValueError, match="Q4_K needs row lengths that are multiples of 256: n_embd \\(ffn_gate_exps, "
-                                         "ffn_up_exps\\) = 128; .* or expert_type one of \\['bf16', 'f16', 'mxfp4', "
-                                         "'q8_0'\\]"):
-        synth.preset("tiny", expert_type="q4_k")
-    with pytest.raises(ValueError, match="n_ff_exp \\(ffn_down_exps\\) = 1408"):
-        synth.preset("deepseek-v2-lite", expert_type="q4_k")   # (1408 = 5.5 x 256)
-    with pytest.raises(ValueError, match="MXFP4 needs row lengths that are multiples of 32: n_ff_exp \\(ffn_down_exps\\) = 48"):
-        synth.preset("tiny", n_ff_exp=48, expert_type="mxfp4")
+    assert synth.preset("deepseek2-tiny", n_layer=27, q_lora_rank=0).is_deepseek2_lite()   # MLA's lite form
     synth.preset("tiny", n_ff_exp=48, type="f16", expert_type="bf16")   # fine: BF16 has no blocks
     assert synth.preset("qwen3-30b-a3b", expert_type="q4_k").expert_type == "q4_k"   # (768 and 2048 rows)
 
