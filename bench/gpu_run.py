@@ -194,9 +194,14 @@ def main() -> int:
         save()
 
     if "sweep" not in skip:   # (each block checks its own model: a skewed-only call may skip the uniform one)
-        written = []   # other families' models: removed once no later block needs them (the disk holds ~64 GB)
+        written, prev = [], {}   # other families' models: removed once no later block needs them (~64 GB of disk)
         for i, block in enumerate(blocks):
             nxt = blocks[i + 1] if i + 1 < len(blocks) else {}
+            if written and (block.get("preset"), block.get("synth")) != (prev.get("preset"), prev.get("synth")):
+                for m in written:   # (a block skipped after its model was written leaves it for this check)
+                    m.unlink(missing_ok=True)
+                written.clear()
+            prev = block
             if "preset" in block:   # another family's preset (issue 24), `synth` overrides, written once
                 routing = {"routing": "skewed", "skew": float(block.get("skew", 2.0))} \
                     if block.get("model") == "skewed" else {"routing": "uniform"}

@@ -263,10 +263,17 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
 
 
 def paired_ci(ratios: Sequence[float], level: float = 0.95, n_boot: int = 10_000, seed: int = 0) -> tuple:
-    """The median of per-round ratios and its bootstrap confidence interval (percentile method, `n_boot`
-    resamples of the rounds with a fixed seed): (median, lo, hi); NaN for no ratios."""
+    """The median speedup of ABBA rounds and its bootstrap confidence interval: (median, lo, hi).
+
+    `ratios` are per round, in round order; rounds 2k and 2k+1 ran the variants in opposite orders, so an advantage
+    of running first falls on both: each such pair counts as one sample, the geometric mean of its two ratios (an
+    unmatched last round is left out). The interval resamples those pairs (`n_boot` times, percentile method,
+    fixed seed). NaN for no complete pair."""
     import numpy as np
-    x = np.asarray([r for r in ratios if r == r], dtype=np.float64)
+    r = np.asarray(list(ratios), dtype=np.float64)
+    n = r.size // 2
+    x = np.sqrt(r[0:2 * n:2] * r[1:2 * n:2])
+    x = x[np.isfinite(x)]
     if x.size == 0:
         return float("nan"), float("nan"), float("nan")
     rng = np.random.default_rng(seed)
@@ -301,8 +308,8 @@ def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Se
 
     Returns `ab`'s rows (samples_ts: one sample per round, in order; avg_ts, stddev_ts, speedup = ratio of the
     averages) plus `rounds`, and on each variant's rows other than the baseline's the paired statistics of its
-    tests: `ratios` (per round, variant t/s over baseline t/s), `speedup_median` and its bootstrap 95% interval
-    `speedup_ci_lo` / `speedup_ci_hi` (paired_ci, `seed`). df.attrs["order"] lists the runs as they happened,
+    tests: `ratios` (per round, variant t/s over baseline t/s), `speedup_median` (over the AB / BA pairs of rounds)
+    and its bootstrap 95% interval `speedup_ci_lo` / `speedup_ci_hi` (paired_ci, `seed`). df.attrs["order"] lists the runs as they happened,
     [config, round, variant] (round -1: the warm-up). `reps` of the configs is not used; `timeout` holds for each
     job (the first of a worker includes its model load). A worker that fails gives its variant error rows for that
     config; the others go on.
@@ -313,8 +320,8 @@ def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Se
     import pandas as pd
 
     cfgs = [configs] if isinstance(configs, BenchConfig) else list(configs)
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a whole number of at least 1, got {rounds!r}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 2 or rounds % 2:
+        raise ValueError(f"rounds must be an even whole number of at least 2 (AB and BA pairs), got {rounds!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be a whole number of at least 0, got {warmup!r}")
     variants = list(variants)
@@ -341,8 +348,8 @@ def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Se
             return old[1]
         if old:
             old[1].close()
-        servers[v] = (key, ServingWorker(v, env=cfg.env).start())
-        return servers[v][1]
+        servers[v] = (key, ServingWorker(v, env=cfg.env))   # (in `servers` before it starts: a Ctrl-C kills it)
+        return servers[v][1].start()
 
     try:
         for ci, cfg in enumerate(cfgs):

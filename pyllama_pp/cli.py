@@ -51,6 +51,13 @@ def _positive(s: str) -> int:
     return n
 
 
+def _even_rounds(s: str) -> int:
+    n = _positive(s)
+    if n % 2:
+        raise argparse.ArgumentTypeError(f"expected an even number of rounds (AB and BA pairs), got {s!r}")
+    return n
+
+
 # ---------------------------------------------------------------------------------------------------------
 def accepted_values(sw: dict) -> str:
     """What a switch of the patched build's table accepts, as a user writes it: "0/1", "-1..100", "0, 2"."""
@@ -395,6 +402,10 @@ def cmd_ab(args) -> int:
         else:
             df = bench.ab(cfgs, variants=variants, out_dir=out, progress=not args.json, resume=bool(args.resume))
     except KeyboardInterrupt:
+        if args.paired:   # (rows of a paired run come whole, per config; there is no sweep to resume)
+            print(f"pyllama-pp: interrupted; the configs finished so far are in {out}; a paired run cannot be "
+                  f"resumed: run it again", file=sys.stderr)
+            return 130
         return _interrupted(out, "ab")
     _check_measured(df)
     md = bench.markdown(df)
@@ -619,11 +630,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ab", help="baseline vs patched on the same model, placement and batch sizes",
                        formatter_class=_HelpFormatter, epilog=epilog)
     common(p, False)
-    p.add_argument("--paired", type=_positive, metavar="N",
-                   help="N paired rounds instead of -r reps: one worker per variant loads the model once, then each "
-                        "round runs every test once per variant, the order alternating (ABBA); rows get the median "
-                        "per-round speedup and its 95%% interval (speedup_ci_lo/hi). For decode, whose drift over "
-                        "time is larger than small gaps")
+    p.add_argument("--paired", type=_even_rounds, metavar="N",
+                   help="N (even) paired rounds instead of -r reps: one worker per variant loads the model once, then "
+                        "each round runs every test once per variant, the order alternating (ABBA); rows get the median "
+                        "speedup over AB / BA pairs of rounds and its 95%% interval (speedup_ci_lo/hi). For decode, "
+                        "whose drift over time is larger than small gaps. Both variants stay loaded: with --fit or "
+                        "--plan on GPUs, plan for half of each device")
     p.set_defaults(func=cmd_ab)
     return ap
 

@@ -144,6 +144,7 @@ class ServingWorker:
         self._lines: "queue.Queue[Optional[str]]" = queue.Queue()
         self._stderr: collections.deque = collections.deque(maxlen=400)
         self._threads: list = []
+        self._timed_out = False
 
     # -- lifetime
     def start(self) -> "ServingWorker":
@@ -227,10 +228,14 @@ class ServingWorker:
         """The answer to the oldest job sent and not yet answered."""
         if self._proc is None:
             raise WorkerError(f"this {self.variant} worker was not started")
+        if self._timed_out:
+            self._proc.wait()
+            raise _died(self.variant, self._proc.returncode, self.stderr_tail(100_000))
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
             _stop(self._proc)
+            self._timed_out = True   # (an answer that lands now is stale: every later call says the worker died)
             raise worker_error("WorkerError", f"{self.variant} worker timed out after {timeout:.0f} s (killed)",
                                None, self.stderr_tail()) from None
         if line is None:   # EOF: the worker is gone

@@ -68,15 +68,27 @@ def test_serving_worker_answers_a_broken_job_and_serves_the_next(tiny_model, tmp
 
 
 def test_paired_ci_numbers():
-    assert bench.paired_ci([1.0] * 7) == (1.0, 1.0, 1.0)
-    med, lo, hi = bench.paired_ci([0.9, 1.1, 1.0, 1.3, 0.95])
-    assert med == 1.0 and lo <= med <= hi and lo >= 0.9 and hi <= 1.3
-    assert bench.paired_ci([0.9, 1.1, 1.0, 1.3, 0.95]) == (med, lo, hi)   # a fixed seed
+    assert bench.paired_ci([1.0] * 8) == (1.0, 1.0, 1.0)
+    # rounds pair up (AB, BA): geometric means 1.0 (0.9 * 1.111..), 1.3 (1.3 * 1.3); the unmatched fifth is left out
+    med, lo, hi = bench.paired_ci([0.9, 1 / 0.9, 1.3, 1.3, 0.5])
+    assert med == pytest.approx(1.15) and lo == pytest.approx(1.0) and hi == pytest.approx(1.3)
+    assert bench.paired_ci([0.9, 1 / 0.9, 1.3, 1.3, 0.5]) == (med, lo, hi)   # a fixed seed
     # 40 rounds of a 3% gain with 1% noise per round: the interval excludes 1.00 and is well under 2% wide
     r = 1.03 + 0.01 * np.random.default_rng(5).standard_normal(40)
     med, lo, hi = bench.paired_ci(r)
     assert 1.0 < lo <= med <= hi and hi - lo < 0.02
-    assert all(x != x for x in bench.paired_ci([]))
+    assert all(x != x for x in bench.paired_ci([])) and all(x != x for x in bench.paired_ci([1.1]))
+
+
+def test_paired_ci_cancels_an_order_effect():
+    """Whichever variant runs first in a round gains 8%: per round the ratios alternate 0.92x / 1.08x around a true
+    1.00x. Pairing each AB round with its BA round cancels that (a median of the rounds alone would not: it lands
+    on either side); an odd number of rounds does not tip it either."""
+    g = np.random.default_rng(7)
+    r = [(0.92 if k % 2 == 0 else 1 / 0.92) * (1 + 0.002 * g.standard_normal()) for k in range(41)]
+    med, lo, hi = bench.paired_ci(r)
+    assert lo <= 1.0 <= hi and hi - lo < 0.01 and abs(med - 1.0) < 0.003
+    assert abs(float(np.median(r)) - 1.0) > 0.05   # (what the per-round median would have said)
 
 
 def test_interleaved_runs_abba_rounds_and_pairs_them(tiny_model, tmp_path, monkeypatch):
@@ -92,19 +104,20 @@ def test_interleaved_runs_abba_rounds_and_pairs_them(tiny_model, tmp_path, monke
     monkeypatch.setattr(ServingWorker, "run", recording)
     cfg = bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32,
                             tests=[["pp", 64], ["tg", 4]], reps=9, label="paired")
-    df = bench.interleaved(cfg, rounds=5, out_dir=tmp_path, progress=False, timeout=60)
+    df = bench.interleaved(cfg, rounds=6, out_dir=tmp_path, progress=False, timeout=60)
     b, p = ("baseline", 0, False), ("patched", 0, False)
-    assert sent == [("baseline", 1, True), ("patched", 1, False), b, p, p, b, b, p, p, b, b, p]
+    assert sent == [("baseline", 1, True), ("patched", 1, False), b, p, p, b, b, p, p, b, b, p, p, b]
     assert df.attrs["order"] == [[0, -1, "baseline"], [0, -1, "patched"]] + [
-        [0, r, v] for r in range(5) for v in (("baseline", "patched") if r % 2 == 0 else ("patched", "baseline"))]
-    assert len(df) == 4 and df.error.isna().all() and (df["rounds"] == 5).all()
-    assert all(len(s) == 5 for s in df.samples_ts)                       # rounds, not the config's 9 reps
+        [0, r, v] for r in range(6) for v in (("baseline", "patched") if r % 2 == 0 else ("patched", "baseline"))]
+    assert len(df) == 4 and df.error.isna().all() and (df["rounds"] == 6).all()
+    assert all(len(s) == 6 for s in df.samples_ts)                       # rounds, not the config's 9 reps
     rows = {(r.variant, r.test): r for r in df.itertuples()}
     for test in ("pp64", "tg4"):
         bs, ps = rows["baseline", test], rows["patched", test]
         want = [x / y for x, y in zip(ps.samples_ts, bs.samples_ts)]
         assert ps.ratios == pytest.approx(want)
-        assert ps.speedup_median == pytest.approx(float(np.median(want)))
+        pairs = np.sqrt(np.array(want[0::2]) * np.array(want[1::2]))   # (AB with BA)
+        assert ps.speedup_median == pytest.approx(float(np.median(pairs)))
         assert ps.speedup_ci_lo <= ps.speedup_median <= ps.speedup_ci_hi
         assert ps.speedup == pytest.approx(ps.avg_ts / bs.avg_ts) and bs.speedup_ci_lo != bs.speedup_ci_lo
         assert bs.avg_ts == pytest.approx(np.mean(bs.samples_ts))
@@ -112,8 +125,8 @@ def test_interleaved_runs_abba_rounds_and_pairs_them(tiny_model, tmp_path, monke
     assert rows["baseline", "pp64"].coverage == rows["patched", "pp64"].coverage > 0
     disk = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [(r["variant"], r["test"], len(r["samples_ts"])) for r in disk] == \
-        [("baseline", "pp64", 5), ("baseline", "tg4", 5), ("patched", "pp64", 5), ("patched", "tg4", 5)]
-    assert "paired" in bench.markdown(df) and "5 rounds" in bench.markdown(df)
+        [("baseline", "pp64", 6), ("baseline", "tg4", 6), ("patched", "pp64", 6), ("patched", "tg4", 6)]
+    assert "paired" in bench.markdown(df) and "6 rounds" in bench.markdown(df)
 
 
 def test_interleaved_order_reversed_variants_and_a_failing_variant(tiny_model):
@@ -121,17 +134,18 @@ def test_interleaved_order_reversed_variants_and_a_failing_variant(tiny_model):
     unknown switch) gets error rows; the other's rounds still run and keep their rows, without a paired ratio."""
     cfg = bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["tg", 2]],
                             ext_params={"NO_SUCH_SWITCH": 1})
-    df = bench.interleaved(cfg, variants=("patched", "baseline"), rounds=3, progress=False, timeout=60)
-    assert df.attrs["order"] == [[0, -1, "baseline"], [0, 0, "baseline"], [0, 1, "baseline"], [0, 2, "baseline"]]
+    df = bench.interleaved(cfg, variants=("patched", "baseline"), rounds=4, progress=False, timeout=60)
+    assert df.attrs["order"] == [[0, -1, "baseline"]] + [[0, r, "baseline"] for r in range(4)]
     rows = df.set_index("variant")
     assert "NO_SUCH_SWITCH" in rows.loc["patched", "error"]
-    assert rows.loc["baseline", "rounds"] == 3 and len(rows.loc["baseline", "samples_ts"]) == 3
+    assert rows.loc["baseline", "rounds"] == 4 and len(rows.loc["baseline", "samples_ts"]) == 4
     ok = bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["tg", 2]])
     df = bench.interleaved(ok, variants=("patched", "baseline"), rounds=2, progress=False, timeout=60)
     assert df.attrs["order"] == [[0, -1, "patched"], [0, -1, "baseline"], [0, 0, "patched"], [0, 0, "baseline"],
                                  [0, 1, "baseline"], [0, 1, "patched"]]
-    with pytest.raises(ValueError, match="rounds"):
-        bench.interleaved(ok, rounds=0)
+    for bad in (0, 1, 3):
+        with pytest.raises(ValueError, match="rounds must be an even whole number"):
+            bench.interleaved(ok, rounds=bad)
     with pytest.raises(ValueError, match="variants"):
         bench.interleaved(ok, variants=("patched", "patched"))
 
@@ -157,10 +171,13 @@ def test_interleaved_configs_share_the_workers(tiny_model, monkeypatch):
 
 def test_cli_ab_paired(tiny_model, tmp_path, capsys, usage_error, no_worker):
     rc = cli.main(["ab", tiny_model, "--devices", "vdev:2x0@0", "-b", "64", "-ub", "32", "-p", "0", "-n", "2",
-                   "--paired", "3", "-o", str(tmp_path / "out"), "--json"])
+                   "--paired", "4", "-o", str(tmp_path / "out"), "--json"])
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
-    assert [(r["variant"], r["rounds"], len(r["samples_ts"])) for r in rows] == [("baseline", 3, 3), ("patched", 3, 3)]
+    assert [(r["variant"], r["rounds"], len(r["samples_ts"])) for r in rows] == [("baseline", 4, 4), ("patched", 4, 4)]
     assert rows[1]["speedup_ci_lo"] <= rows[1]["speedup_median"] <= rows[1]["speedup_ci_hi"]
-    assert "--workload has rounds" in usage_error(["ab", tiny_model, "--workload", "mixed", "--paired", "3"])
-    assert "drop --paired" in usage_error(["ab", "--resume", str(tmp_path / "out"), "--paired", "3"])
+    assert "--workload has rounds" in usage_error(["ab", tiny_model, "--workload", "mixed", "--paired", "4"])
+    assert "drop --paired" in usage_error(["ab", "--resume", str(tmp_path / "out"), "--paired", "4"])
+    with pytest.raises(SystemExit) as e:   # (argparse: its usage and the error line)
+        cli.main(["ab", tiny_model, "--paired", "3"])
+    assert e.value.code == 2 and "expected an even number of rounds" in capsys.readouterr().err

@@ -35,8 +35,9 @@ def test_sweeps_are_well_formed_and_use_live_switches(runner):
             assert set(b) <= BLOCK_KEYS and {"name", "est", "configs"} <= set(b), f"{where}: keys {sorted(b)}"
             names.add(b["name"])
             assert b["est"] > 0 and b["configs"], where
-            rounds = b.get("interleave", 1)
-            assert isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1, f"{where}: {rounds!r}"
+            rounds = b.get("interleave", 2)
+            assert isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 2 and rounds % 2 == 0, \
+                f"{where}: interleave must be an even number of rounds, got {rounds!r}"
             for nb, ub, tests in b["configs"]:
                 assert 1 <= ub <= nb, f"{where}: n_ubatch {ub} > n_batch {nb}"
                 assert tests and all(t[0] in ("pp", "tg") and t[1] >= 1 for t in tests), f"{where}: {tests}"
@@ -45,6 +46,7 @@ def test_sweeps_are_well_formed_and_use_live_switches(runner):
             assert set(b.get("variants", ["baseline", "patched"])) <= {"baseline", "patched"}, where
             assert b.get("model", "uniform") in ("uniform", "skewed"), where
             if "preset" in b:   # another family's preset: its overrides must make a valid config
+                assert not {"routing", "skew", "seed"} & set(b.get("synth", {})), f"{where}: set by model / skew"
                 synth.preset(b["preset"], **b.get("synth", {}))
     for name, check in data["correctness"].items():
         assert all(w == "*" or w in data["sweeps"] for w in check["when"]), f"correctness {name}: {check['when']}"
