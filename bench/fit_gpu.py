@@ -30,7 +30,6 @@ from pyllama_pp.session import ContextParams
 
 T0 = time.time()
 MiB = 1024**2
-GiB = 1024**3
 
 
 def log(msg: str) -> None:

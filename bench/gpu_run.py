@@ -168,8 +168,11 @@ def main() -> int:
 
     big = args.model_dir / f"{args.preset}-uniform.gguf"
     blocks = [b for n in sweeps for b in SWEEPS[n]]
-    needs_big = any("preset" not in b for b in blocks) or any(
-        "presets" not in c and c.get("n_ubatch") and wanted(c) for c in CHECKS.values())
+    def big_check(name: str, check: dict) -> bool:   # a correctness check on the 30B preset this call runs
+        return name != "tiny" and "presets" not in check and wanted(check) and "correctness" not in skip \
+            and name not in skip
+
+    needs_big = any("preset" not in b for b in blocks) or any(big_check(n, c) for n, c in CHECKS.items())
     if "synth" not in skip and needs_big and not big.exists() and left(args.budget) > 30:  # ~20 s on the H200 box
         t = time.time()
         s = synth.write_gguf(big, synth.preset(args.preset, seed=1, routing="uniform"))
@@ -180,8 +183,7 @@ def main() -> int:
     for name, check in CHECKS.items():
         # the 30B preset: patched with `env`, then with `env` + `then` (~60 s a case: two loads; a worker loads the
         # 32 GB preset in about 25 s and runs in a few more: 150 s each, so that a hang does not take the call)
-        if name == "tiny" or "presets" in check or "correctness" in skip or name in skip or not wanted(check) or not big.exists() \
-                or left(args.budget) <= 150:
+        if not big_check(name, check) or not big.exists() or left(args.budget) <= 150:
             continue
         env, then = switch_env(check["env"]), switch_env(check.get("then", {}))
         ub = check.get("n_ubatch", 256)
@@ -194,28 +196,29 @@ def main() -> int:
         save()
 
     if "sweep" not in skip:   # (each block checks its own model: a skewed-only call may skip the uniform one)
+        def family(b: dict) -> tuple:
+            return b.get("preset"), b.get("synth")
+
         written, prev = [], {}   # other families' models: removed once no later block needs them (~64 GB of disk)
-        for i, block in enumerate(blocks):
-            nxt = blocks[i + 1] if i + 1 < len(blocks) else {}
-            if written and (block.get("preset"), block.get("synth")) != (prev.get("preset"), prev.get("synth")):
-                for m in written:   # (a block skipped after its model was written leaves it for this check)
+        for block in blocks:
+            if written and family(block) != family(prev):
+                for m in written:
                     m.unlink(missing_ok=True)
                 written.clear()
             prev = block
+            # skew 2.0: ~47 of 128 experts a layer at ub512 (37%); 1.0: ~74 (58%, like real models' 56-74%)
+            skew = float(block.get("skew", 2.0))
             if "preset" in block:   # another family's preset (issue 24), `synth` overrides, written once
-                routing = {"routing": "skewed", "skew": float(block.get("skew", 2.0))} \
-                    if block.get("model") == "skewed" else {"routing": "uniform"}
-                cfg = synth.preset(block["preset"], seed=1, **routing, **block.get("synth", {}))
+                skewed = block.get("model") == "skewed"
+                routing = {"routing": "skewed", "skew": skew} if skewed else {"routing": "uniform"}
                 if left(args.budget) < block["est"] + 20:
                     log(f"skip {block['name']}: {left(args.budget):.0f} s left, needs ~{block['est']} and its model")
                     continue
                 t = time.time()
                 model = synth.cached_model(args.model_dir, block["preset"], seed=1, **routing, **block.get("synth", {}))
                 written.append(model)
-                log(f"{model.name}: {synth.estimate_file_bytes(cfg) / 1e9:.1f} GB, ready in {time.time() - t:.0f} s")
+                log(f"{model.name}: {model.stat().st_size / 1e9:.1f} GB, ready in {time.time() - t:.0f} s")
             elif block.get("model") == "skewed":
-                # skew 2.0: ~47 of 128 experts a layer at ub512 (37%); 1.0: ~74 (58%, like real models' 56-74%)
-                skew = float(block.get("skew", 2.0))
                 model = args.model_dir / f"{args.preset}-skew{skew:g}.gguf"
                 if not model.exists() and left(args.budget) > block["est"] + 30:
                     t = time.time()
@@ -249,12 +252,11 @@ def main() -> int:
             # (a worker's job: at most three times its block's estimate, so that a hang leaves the blocks after it
             # their time)
             timeout = max(60, min(left(args.budget) - 10, 3 * block["est"]))
-            if block.get("interleave"):   # paired rounds, ABBA, in one serving worker per variant
-                df = bench.interleaved(cfgs, variants=block.get("variants", bench.VARIANTS), rounds=block["interleave"],
-                                       out_dir=args.out / "ab", progress=False, timeout=timeout)
-            else:
-                df = bench.ab(cfgs, variants=block.get("variants", bench.VARIANTS), out_dir=args.out / "ab",
-                              progress=False, timeout=timeout)
+            # paired rounds (ABBA, one serving worker per variant) or reps
+            run, extra = (bench.interleaved, {"rounds": block["interleave"]}) if block.get("interleave") \
+                else (bench.ab, {})
+            df = run(cfgs, variants=block.get("variants", bench.VARIANTS), out_dir=args.out / "ab", progress=False,
+                     timeout=timeout, **extra)
             log(f"{block['name']}: {time.time() - t:.0f} s (estimated {block['est']})\n{bench.markdown(df)}")
             files = sorted(timeline.parent.glob(timeline.name + ".*.csv")) if block.get("timeline") else []
             if files:
@@ -266,10 +268,8 @@ def main() -> int:
                     log(f"{block['name']}: the gather timeline could not be read: {e!r}")
             summary["steps"].setdefault("sweeps", []).append(json.loads(df.to_json(orient="records")))
             save()
-            if written and (nxt.get("preset"), nxt.get("synth")) != (block.get("preset"), block.get("synth")):
-                for m in written:
-                    m.unlink(missing_ok=True)
-                written.clear()
+        for m in written:
+            m.unlink(missing_ok=True)
     md = args.out / "ab" / "results.jsonl"
     if md.exists():
         import pandas as pd

@@ -12,6 +12,7 @@ interval.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import sys
@@ -205,7 +206,7 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
         for grp in _groups(configs, group):
             metas = [_meta(cfg) for _, cfg in grp]
             per_cfg: list[dict[str, list[dict]]] = [{} for _ in grp]
-            for vi, v in enumerate(variants):
+            for v in variants:
                 todo = []
                 for k, (_, cfg) in enumerate(grp):
                     old = _reusable(prev, cfg, v)
@@ -289,12 +290,10 @@ def _merge_rounds(results: list[dict], coverage: Optional[list] = None) -> dict:
     tests = []
     for i, t in enumerate(last["tests"]):
         per = [r["tests"][i] for r in results]
-        ext = None
-        for p in per:
-            ext = _ext_add(ext, p.get("ext"))
+        ext = functools.reduce(_ext_add, (p.get("ext") for p in per), None)
         tests.append({**t, "seconds": [x for p in per for x in p["seconds"]],
                       "devices": _sum_devices([p["devices"] for p in per]), "ext": ext, "reps": len(results),
-                      "coverage": (coverage[i] if coverage else None) or t.get("coverage")})
+                      "coverage": coverage[i] if coverage else None})
     return {"model": last["model"], "schedule": last["schedule"], "tests": tests}
 
 
@@ -309,8 +308,8 @@ def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Se
     Returns `ab`'s rows (samples_ts: one sample per round, in order; avg_ts, stddev_ts, speedup = ratio of the
     averages) plus `rounds`, and on each variant's rows other than the baseline's the paired statistics of its
     tests: `ratios` (per round, variant t/s over baseline t/s), `speedup_median` (over the AB / BA pairs of rounds)
-    and its bootstrap 95% interval `speedup_ci_lo` / `speedup_ci_hi` (paired_ci, `seed`). df.attrs["order"] lists the runs as they happened,
-    [config, round, variant] (round -1: the warm-up). `reps` of the configs is not used; `timeout` holds for each
+    and its bootstrap 95% interval `speedup_ci_lo` / `speedup_ci_hi` (paired_ci, `seed`). df.attrs["order"] lists
+    the runs as they happened, [config, round, variant] (round -1: the warm-up). `reps` of the configs is not used; `timeout` holds for each
     job (the first of a worker includes its model load). A worker that fails gives its variant error rows for that
     config; the others go on.
 
@@ -371,37 +370,35 @@ def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Se
                 order.append([ci, r, v])
                 return res
 
-            for vi, v in enumerate(variants):   # the warm-up (and the model load); coverage measured once
+            for v in variants:   # the warm-up (and the model load); coverage measured once
                 res = run(v, -1, _variant_job(cfg, v, reps=1, warmup=1, coverage=coverage is None))
                 if res is not None and coverage is None:
                     coverage = [t.get("coverage") for t in res["tests"]]
             if bar:
                 bar.update(1)
+            jobs = {v: _variant_job(cfg, v, reps=1, warmup=warmup, coverage=False) for v in variants}
             for r in range(rounds):
                 for v in (variants if r % 2 == 0 else variants[::-1]):
-                    res = run(v, r, _variant_job(cfg, v, reps=1, warmup=warmup, coverage=False))
+                    res = run(v, r, jobs[v])
                     if res is not None:
                         got[v].append(res)
                 if bar:
                     bar.update(1)
                 if len(failed) == len(variants):
                     break
-            per_v: dict[str, list[dict]] = {}
-            for v in variants:
-                per_v[v] = error_rows(cfg, v, failed[v], meta) if v in failed else \
-                    rows_from_result(cfg, v, _merge_rounds(got[v], coverage), meta)
+            merged = {v: _merge_rounds(got[v], coverage) for v in variants if v not in failed}
+            per_v = {v: rows_from_result(cfg, v, merged[v], meta) if v in merged else
+                     error_rows(cfg, v, failed[v], meta) for v in variants}
             _finish_config(per_v)
-            base = {r["test"]: r for r in per_v.get("baseline", []) if not r.get("error")}
             for v, rows in per_v.items():
                 for i, row in enumerate(rows):
                     row["config"] = ci
-                    if row.get("error"):
+                    if v not in merged:
                         continue
                     row["rounds"] = len(got[v])
-                    if v == "baseline" or row["test"] not in base:
+                    if v == "baseline" or "baseline" not in merged:
                         continue
-                    sb = [s for res in got["baseline"] for s in res["tests"][i]["seconds"]]
-                    sv = [s for res in got[v] for s in res["tests"][i]["seconds"]]
+                    sb, sv = merged["baseline"]["tests"][i]["seconds"], merged[v]["tests"][i]["seconds"]
                     ratios = [x / y if y > 0 else float("nan") for x, y in zip(sb, sv)]   # (t/s: n/y over n/x)
                     med, lo, hi = paired_ci(ratios, seed=seed)
                     row.update({"ratios": ratios, "speedup_median": med, "speedup_ci_lo": lo, "speedup_ci_hi": hi})

@@ -338,14 +338,15 @@ def _resumed(args) -> tuple[list, list[str]]:
     return bench.load_sweep(args.resume)
 
 
-def _interrupted(out: Optional[Path], cmd: str) -> int:
+def _interrupted(out: Optional[Path], cmd: str, resumable: bool = True) -> int:
     """Ctrl-C during a sweep: what is kept and how to go on (exit 130, as a shell reports SIGINT)."""
     if out is not None and (Path(out) / "results.jsonl").exists():
         from . import bench
         n = len(bench.read_rows(out))
         print(f"pyllama-pp: interrupted; the {n} row{'' if n == 1 else 's'} measured so far "
               f"{'is' if n == 1 else 'are'} in {Path(out) / 'results.jsonl'}; "
-              f"continue with `pyllama-pp {cmd} --resume {out}`", file=sys.stderr)
+              + (f"continue with `pyllama-pp {cmd} --resume {out}`" if resumable else "run the rest again (a paired run "
+                 "cannot be resumed)"), file=sys.stderr)
     else:
         print("pyllama-pp: interrupted (" + ("nothing was measured yet" if out else "rows stay on disk only with -o DIR")
               + ")", file=sys.stderr)
@@ -385,8 +386,10 @@ def cmd_ab(args) -> int:
         if default and args.devices == ["cpu"] and not args.plan:   # (--plan: the plan's devices)
             args.devices = [DEFAULT_DEVICES]
         # (the main job places by fit unless told where: --plan, or a placement of one's own)
-        placed = args.plan or args.tensor_split is not None or args.host_experts != ["all"] or args.ngl != -1
-        _fill_defaults(args, {k: v for k, v in MAIN_JOB.items() if not (k == "fit" and placed)} if default else PLAIN)
+        # (--workload takes no fit yet: it runs the main job's model on an even split)
+        placed = args.workload or args.plan or args.tensor_split is not None or args.host_experts != ["all"] \
+            or args.ngl != -1
+        _fill_defaults(args, (dict(MAIN_JOB, fit=None) if placed else MAIN_JOB) if default else PLAIN)
         _check_args(args, args.model, list(bench.VARIANTS))
         if args.workload and args.paired:
             raise ConfigError("--paired runs the tests (-p/-n) in rounds; --workload has rounds of its own (-r). "
@@ -401,12 +404,8 @@ def cmd_ab(args) -> int:
             df = bench.interleaved(cfgs, variants=variants, rounds=args.paired, out_dir=out, progress=not args.json)
         else:
             df = bench.ab(cfgs, variants=variants, out_dir=out, progress=not args.json, resume=bool(args.resume))
-    except KeyboardInterrupt:
-        if args.paired:   # (rows of a paired run come whole, per config; there is no sweep to resume)
-            print(f"pyllama-pp: interrupted; the configs finished so far are in {out}; a paired run cannot be "
-                  f"resumed: run it again", file=sys.stderr)
-            return 130
-        return _interrupted(out, "ab")
+    except KeyboardInterrupt:   # (rows of a paired run come whole, per config; there is no sweep to resume)
+        return _interrupted(out, "ab", resumable=not args.paired)
     _check_measured(df)
     md = bench.markdown(df)
     (out / "results.md").write_text(md)

@@ -408,7 +408,6 @@ def spread_weights(spread, spec: devspec.DeviceSpec, link_gbps=None) -> list:
             w = []
         if w and all(x > 0 for x in w) and (not spec.n_devices or len(w) == spec.n_devices):
             return w
-        raise ConfigError(f"spread takes 'equal', 'links' or one positive weight per device, not {spread!r}")
     raise ConfigError(f"spread takes 'equal', 'links' or one positive weight per device, not {spread!r}")
 
 
@@ -451,9 +450,9 @@ def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant:
         return plan_from_result(res, variant, str(model), spec, {**ctx.to_dict(), "split_mode": split_mode}, margins)
 
     plan = once({})
-    if variant == "patched" and plan.devices:   # (one device is pipelined too: patch 0002)
-        plan = _plan_copies(plan, once, check, env)
     if variant == "patched":
+        if plan.devices:   # (one device is pipelined too: patch 0002)
+            plan = _plan_copies(plan, once, check, env)
         plan.spread_weights = weights
     return check_plan(plan, check)
 
@@ -501,7 +500,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
     spec = devspec.parse(devices)
     n_ctx = ctx.n_ctx or 4096
     expert_bytes = expert_bytes_per_layer(model)
-    tried, best, rates = [], None, None
+    tried, best, best_score, rates = [], None, 0.0, None
     kw.pop("check", None)   # (a candidate that leaves layers on the CPU or a device over its target is out)
     for ub in [c for c in candidates if c <= n_ctx]:
         nb = min(n_ctx, max(ctx.n_batch, 8 * ub)) // ub * ub
@@ -516,15 +515,15 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
         if rates is None:   # (the devices' links: known from the spec, or once the first plan counts the GPUs)
             rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else \
                 [v.link_gbps for v in spec.vdevs] if spec.kind == "vdev" else [DEFAULT_CUDA_LINK_GBPS] * len(plan.devices)
-        if any(r <= 0 for r in rates):
-            raise ConfigError(f"--ubatch auto predicts from each device's host link, and {spec} has an unthrottled "
-                              "VDEV link (0): give every device a rate, e.g. vdev:2x8MiB@4GBps")
+            if any(r <= 0 for r in rates):
+                raise ConfigError(f"--ubatch auto predicts from each device's host link, and {spec} has an unthrottled "
+                                  "VDEV link (0): give every device a rate, e.g. vdev:2x8MiB@4GBps")
         plan.predicted_ts = predicted_ts(plan, expert_bytes, rates, shared_link)
         tried.append({**row, "host_expert_layers": plan.host_expert_layers, "predicted_ts": plan.predicted_ts,
                       "why": "" if plan.predicted_ts else "no host experts: compute binds"})
-        score = plan.predicted_ts if plan.predicted_ts is not None else float("inf")
-        if best is None or score >= (best.predicted_ts if best.predicted_ts is not None else float("inf")):
-            best = plan
+        score = plan.predicted_ts or float("inf")   # (no host experts: compute binds, the bound does not)
+        if best is None or score >= best_score:
+            best, best_score = plan, score
     if best is None:
         raise OutOfMemoryError(f"--ubatch auto: no n_ubatch of {list(candidates)} up to n_ctx {n_ctx} has a placement "
                                f"for {Path(model).name} on {spec}: " + "; ".join(t["why"] for t in tried))

@@ -107,7 +107,6 @@ SYNTH_FORMAT_VERSION = 1
 #: tensors with more elements than this (except token_embd and F32 tensors) are tiled from a pool
 TILE_MIN_ELEMENTS = 1 << 24
 
-ARCH = "qwen3moe"
 # the families synth writes: gguf-py's architecture for each (tensor names and metadata keys come from it)
 ARCHS = {"qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "llama": gguf.MODEL_ARCH.LLAMA, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
          "glm4moe": gguf.MODEL_ARCH.GLM4_MOE, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS}
@@ -247,6 +246,16 @@ class SynthConfig:
     down_scale: Optional[float] = None
     router_scale: Optional[float] = None
     output_scale: Optional[float] = None
+
+    @property
+    def experts_type(self) -> str:
+        """The routed experts' type: expert_type, or type when it is None."""
+        return self.expert_type or self.type
+
+    @property
+    def sigmoid_gating(self) -> bool:
+        """GLM-4.5 and DeepSeek-V3 style: sigmoid gating with a selection bias (exp_probs_b), top-k normalised."""
+        return self.arch == "glm4moe" or (self.arch == "deepseek2" and self.gating == "sigmoid")
 
     def resolved_scales(self) -> Dict[str, float]:
         """The scale of every weight group, defaults filled in for the routing mode."""
@@ -503,7 +512,7 @@ class _Tensor:
 def _plan(cfg: SynthConfig) -> List[_Tensor]:
     s = cfg.resolved_scales()
     wt = _WEIGHT_TYPE[cfg.type]
-    et = _EXPERT_TYPE[cfg.expert_type or cfg.type]
+    et = _EXPERT_TYPE[cfg.experts_type]
     E, D, F, V = cfg.n_embd, cfg.n_expert, cfg.n_ff_exp, cfg.n_vocab
     q_dim = cfg.n_head * cfg.head_dim
     kv_dim = cfg.n_head_kv * cfg.head_dim
@@ -580,18 +589,15 @@ def _plan(cfg: SynthConfig) -> List[_Tensor]:
                    f32(name(T.FFN_GATE_EXP, i, "bias"), (F, D), "normal", i, s["ffn_scale"]),
                    f32(name(T.FFN_UP_EXP, i, "bias"), (F, D), "normal", i, s["ffn_scale"]),
                    f32(name(T.FFN_DOWN_EXP, i, "bias"), (E, D), "normal", i, s["down_scale"])]
-        if cfg.arch == "glm4moe" or (cfg.arch == "deepseek2" and cfg.gating == "sigmoid"):
-            # a selection bias (the same for every expert: routing stays the router's)
-            ts.append(_Tensor(name(T.FFN_EXP_PROBS_B, i, "bias"), (D,), GGML_F32, "ones", layer=i))
-        if cfg.n_expert_shared:
-            S = cfg.n_ff_exp * cfg.n_expert_shared
+        if cfg.sigmoid_gating:   # a selection bias (the same for every expert: routing stays the router's)
+            ts.append(f32(name(T.FFN_EXP_PROBS_B, i, "bias"), (D,), "ones", i))
+        # shared experts stay with their layer's device (host_experts moves *_exps): n_expert_shared of n_ff_exp
+        # (glm4moe, deepseek2), or one of n_ff_shexp with its own gate (qwen2moe); the two never meet
+        S = cfg.n_ff_shexp or cfg.n_ff_exp * cfg.n_expert_shared
+        if cfg.arch == "qwen2moe":
+            ts.append(mat(name(T.FFN_GATE_INP_SHEXP, i), (E,), s["router_scale"], i))
+        if S:
             ts += [mat(name(T.FFN_GATE_SHEXP, i), (E, S), s["ffn_scale"], i),
-                   mat(name(T.FFN_UP_SHEXP, i), (E, S), s["ffn_scale"], i),
-                   mat(name(T.FFN_DOWN_SHEXP, i), (S, E), s["down_scale"], i)]
-        if cfg.arch == "qwen2moe":   # the shared expert stays with its layer's device (host_experts moves *_exps)
-            S = cfg.n_ff_shexp
-            ts += [mat(name(T.FFN_GATE_INP_SHEXP, i), (E,), s["router_scale"], i),
-                   mat(name(T.FFN_GATE_SHEXP, i), (E, S), s["ffn_scale"], i),
                    mat(name(T.FFN_UP_SHEXP, i), (E, S), s["ffn_scale"], i),
                    mat(name(T.FFN_DOWN_SHEXP, i), (S, E), s["down_scale"], i)]
     off = 0
@@ -604,7 +610,7 @@ def _plan(cfg: SynthConfig) -> List[_Tensor]:
 
 def expert_bytes_per_layer(cfg: SynthConfig) -> int:
     """Bytes of ffn_gate_exps + ffn_up_exps + ffn_down_exps of one MoE layer (unpadded; weights, not biases)."""
-    et = _EXPERT_TYPE[cfg.expert_type or cfg.type]
+    et = _EXPERT_TYPE[cfg.experts_type]
     return 3 * _nbytes((cfg.n_embd, cfg.n_ff_exp, cfg.n_expert), et)
 
 
@@ -616,7 +622,7 @@ def _writer(cfg: SynthConfig, tensors: List[_Tensor]) -> "gguf.GGUFWriter":
     """A gguf-py writer holding the file's metadata and tensor table (the data is streamed by write_gguf)."""
     w = gguf.GGUFWriter(None, cfg.arch)   # general.architecture first; gguf-py prefixes the keys with it
     w.add_name(f"pyllama_pp synth {cfg.arch} {cfg.preset}")
-    w.add_file_type(_FILE_TYPE[cfg.expert_type or cfg.type])
+    w.add_file_type(_FILE_TYPE[cfg.experts_type])
     if cfg.type == "q8_0" or cfg.expert_type in ("q8_0", "q4_k", "mxfp4"):
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_block_count(cfg.n_layer)
@@ -648,14 +654,8 @@ def _writer(cfg: SynthConfig, tensors: List[_Tensor]) -> "gguf.GGUFWriter":
     w.add_expert_feed_forward_length(cfg.n_ff_exp)
     if cfg.n_ff_shexp:
         w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
-    if cfg.arch == "glm4moe":   # GLM-4.5: sigmoid gating, top-k weights normalised
-        w.add_expert_shared_count(cfg.n_expert_shared)
-        w.add_leading_dense_block_count(cfg.n_layer_dense_lead)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-        w.add_expert_weights_norm(True)
-        w.add_expert_weights_scale(1.0)
-    if cfg.arch == "deepseek2":   # V2: softmax, top-k weights as they are; V3: sigmoid, normalised
-        sigmoid = cfg.gating == "sigmoid"
+    if cfg.arch in ("glm4moe", "deepseek2"):   # GLM-4.5, DeepSeek-V3: sigmoid, normalised; DeepSeek-V2: softmax, as is
+        sigmoid = cfg.sigmoid_gating
         w.add_expert_shared_count(cfg.n_expert_shared)
         w.add_leading_dense_block_count(cfg.n_layer_dense_lead)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
@@ -829,13 +829,9 @@ def _mxfp4_blocks(g: np.random.Generator, nb: int, scale: float) -> np.ndarray:
 
 
 # per type: (elements per unit, bytes per unit, generator of n units): the unit of fresh chunks and pools is a block
-_UNITS = {
-    GGML_Q8_0: (32, 34, _q8_blocks),
-    GGML_F16: (1, 2, _f16_values),
-    GGML_BF16: (1, 2, _bf16_values),
-    GGML_Q4_K: (256, 144, _q4k_blocks),
-    GGML_MXFP4: (32, 17, _mxfp4_blocks),
-}
+_UNITS = {g: (*_GGML_TYPES[g][1:], make) for g, make in ((GGML_Q8_0, _q8_blocks), (GGML_F16, _f16_values),
+                                                           (GGML_BF16, _bf16_values), (GGML_Q4_K, _q4k_blocks),
+                                                           (GGML_MXFP4, _mxfp4_blocks))}
 
 
 class _Pools:
@@ -987,7 +983,7 @@ def write_gguf(path, cfg: SynthConfig, progress: bool = False) -> Dict[str, Any]
         "mb_per_s": total / 1e6 / max(dt, 1e-9),
         "preset": cfg.preset,
         "type": cfg.type,
-        "expert_type": cfg.expert_type or cfg.type,
+        "expert_type": cfg.experts_type,
         "routing": cfg.routing,
         "skew": cfg.skew,
         "seed": cfg.seed,

@@ -75,6 +75,14 @@ def _died(variant: str, returncode: int, stderr: str) -> WorkerError:
                         + (f"; its last words: {last[:300]}" if last else ""), returncode, stderr[-2000:])
 
 
+def _answered_error(variant: str, result: dict, code: int, stderr: str) -> WorkerError:
+    """The error a worker answered (its class and its one message, here too); code 4: a bug in pyllama_pp."""
+    kind, msg = str(result.get("type") or "WorkerError"), str(result["error"])
+    if code == 4:
+        msg = f"{variant} worker hit an unexpected error (a bug in pyllama_pp, please report it): {msg}"
+    return worker_error(kind, msg, code, result.get("traceback") or stderr)
+
+
 def run_job(job: Union[Job, dict], variant: str, timeout: Optional[float] = None, env: Optional[dict] = None) -> dict:
     """Run `job` (a jobs.Job, or a dict that describes one) in a fresh worker process for `variant`; returns the
     worker's result dict.
@@ -112,11 +120,7 @@ def run_job(job: Union[Job, dict], variant: str, timeout: Optional[float] = None
         except json.JSONDecodeError:
             result = None
     if isinstance(result, dict) and "error" in result:
-        # the worker said what went wrong: its error class and its one message, here too
-        kind, msg = str(result.get("type") or "WorkerError"), str(result["error"])
-        if proc.returncode == 4:
-            msg = f"{variant} worker hit an unexpected error (a bug in pyllama_pp, please report it): {msg}"
-        raise worker_error(kind, msg, proc.returncode, result.get("traceback") or stderr[-2000:])
+        raise _answered_error(variant, result, proc.returncode, stderr[-2000:])
     if proc.returncode != 0 or not isinstance(result, dict):
         raise _died(variant, proc.returncode, stderr)
     return result
@@ -254,10 +258,7 @@ class ServingWorker:
             raise worker_error("WorkerError", f"{self.variant} worker answered something other than a result: "
                                f"{line.strip()[:200]!r}", None, self.stderr_tail())
         if "error" in result:
-            kind, msg, code = str(result.get("type") or "WorkerError"), str(result["error"]), result.get("code", 3)
-            if code == 4:
-                msg = f"{self.variant} worker hit an unexpected error (a bug in pyllama_pp, please report it): {msg}"
-            raise worker_error(kind, msg, code, result.get("traceback") or self.stderr_tail())
+            raise _answered_error(self.variant, result, result.get("code", 3), self.stderr_tail())
         return result
 
     def run(self, job: Union[Job, dict], timeout: Optional[float] = None) -> dict:
@@ -448,15 +449,20 @@ def _do_bench(job: BenchJob) -> dict:
 
     With "ctx_list" (a list of {"ctx": {...}, "tests": [...]}) the model is loaded once and each entry gets a
     fresh context: the result then has "runs", one {"schedule", "tests"} (or {"error"}) per entry."""
+    _check_bench(job)
     with _session(job) as s:
         return _bench(s, job)
+
+
+def _check_bench(job: BenchJob) -> None:
+    """Before any model load."""
+    if int(job.reps) < 1 or int(job.warmup) < 0:
+        raise ConfigError(f"a bench job needs reps >= 1 and warmup >= 0, got reps={job.reps}, warmup={job.warmup}")
 
 
 def _bench(s, job: BenchJob) -> dict:
     from .session import ContextParams
     reps, seed, coverage, warmup = int(job.reps), int(job.seed), bool(job.coverage), int(job.warmup)
-    if reps < 1 or warmup < 0:
-        raise ConfigError(f"a bench job needs reps >= 1 and warmup >= 0, got reps={job.reps}, warmup={job.warmup}")
     if job.ctx_list is None:
         sched = s.schedule().to_dict()
         return {"model": s.info.to_dict(), "schedule": sched,
@@ -575,6 +581,7 @@ class _Server:
                           sort_keys=True, default=str)
 
     def bench(self, job: BenchJob) -> dict:
+        _check_bench(job)
         key = self._load_key(job)
         reused = self.session is not None and key == self.key
         t0 = time.perf_counter()
@@ -592,16 +599,16 @@ class _Server:
         return result
 
     def run(self, job: Job) -> dict:
-        if job.kind != "info":
-            if self.ext_params is None:
-                self.ext_params = dict(job.ext_params)
-            elif dict(job.ext_params) != self.ext_params:
-                raise ConfigError(f"this serving worker runs with the switches {self.ext_params} (its first job's: "
-                                  f"they hold for the process), not {dict(job.ext_params)}: start another worker")
+        if job.kind == "info":
+            return HANDLERS["info"](job)
+        if self.ext_params is None:
+            self.ext_params = dict(job.ext_params)
+        elif dict(job.ext_params) != self.ext_params:
+            raise ConfigError(f"this serving worker runs with the switches {self.ext_params} (its first job's: "
+                              f"they hold for the process), not {dict(job.ext_params)}: start another worker")
         if job.kind == "bench":
             return self.bench(job)
-        if job.kind != "info":
-            self.drop()   # (never two models at once)
+        self.drop()   # (never two models at once)
         return HANDLERS[job.kind](job)
 
     def answer(self, line: str) -> dict:
@@ -613,13 +620,18 @@ class _Server:
             if not isinstance(raw, dict):
                 raise ConfigError(f"a job line must be one JSON object, not {type(raw).__name__}")
             return self.run(Job.from_dict(raw))
-        except PyllamaError as e:
+        except Exception as e:   # (a PyllamaError, or a bug: answered with its traceback) the worker serves on
             self.drop()   # (a failed job may leave its session half-used: the next one loads afresh)
-            return {"error": str(e), "type": type(e).__name__, "code": 3}
-        except Exception as e:  # a bug: answered with its traceback; the worker serves on
-            self.drop()
-            return {"error": f"{type(e).__name__}: {e}", "type": "WorkerError", "code": 4,
-                    "traceback": traceback.format_exc()}
+            answer, code = _error_answer(e)
+            return {**answer, "code": code}
+
+
+def _error_answer(e: Exception) -> tuple:
+    """A failed job's answer and exit code: 3 with the error's class for a PyllamaError, 4 with the traceback for
+    anything else (a bug)."""
+    if isinstance(e, PyllamaError):
+        return {"error": str(e), "type": type(e).__name__}, 3
+    return {"error": f"{type(e).__name__}: {e}", "type": "WorkerError", "traceback": traceback.format_exc()}, 4
 
 
 def _serve() -> int:
@@ -654,15 +666,12 @@ def _main() -> int:
     try:
         job = Job.from_dict(json.loads(raw))
         result = HANDLERS[job.kind](job)
-    except PyllamaError as e:
-        print(json.dumps({"error": str(e), "type": type(e).__name__}))
-        return 3
     except KeyboardInterrupt:   # Ctrl-C reaches the whole process group: the caller reports it
         return 130
-    except Exception as e:  # a bug: report it with its traceback rather than dying silently
-        print(json.dumps({"error": f"{type(e).__name__}: {e}", "type": "WorkerError",
-                          "traceback": traceback.format_exc()}))
-        return 4
+    except Exception as e:  # a PyllamaError, or a bug: reported with its traceback rather than dying silently
+        answer, code = _error_answer(e)
+        print(json.dumps(answer))
+        return code
     sys.stdout.flush()
     print(json.dumps(result, default=float))
     return 0
