@@ -253,8 +253,8 @@ def main() -> int:
             # their time)
             timeout = max(60, min(left(args.budget) - 10, 3 * block["est"]))
             # paired rounds (ABBA, one serving worker per variant) or reps
-            run, extra = (bench.interleaved, {"rounds": block["interleave"]}) if block.get("interleave") \
-                else (bench.ab, {})
+            run, extra = (bench.interleaved, {"rounds": block["interleave"], "loads": block.get("loads", 1)}) \
+                if block.get("interleave") else (bench.ab, {})
             df = run(cfgs, variants=block.get("variants", bench.VARIANTS), out_dir=args.out / "ab", progress=False,
                      timeout=timeout, **extra)
             log(f"{block['name']}: {time.time() - t:.0f} s (estimated {block['est']})\n{bench.markdown(df)}")

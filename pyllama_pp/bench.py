@@ -263,24 +263,44 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
     return df
 
 
-def paired_ci(ratios: Sequence[float], level: float = 0.95, n_boot: int = 10_000, seed: int = 0) -> tuple:
+def paired_ci(ratios: Sequence[float], level: float = 0.95, n_boot: int = 10_000, seed: int = 0,
+              groups: Optional[Sequence] = None) -> tuple:
     """The median speedup of ABBA rounds and its bootstrap confidence interval: (median, lo, hi).
 
     `ratios` are per round, in round order; rounds 2k and 2k+1 ran the variants in opposite orders, so an advantage
     of running first falls on both: each such pair counts as one sample, the geometric mean of its two ratios (an
     unmatched last round is left out). The interval resamples those pairs (`n_boot` times, percentile method,
-    fixed seed). NaN for no complete pair."""
+    fixed seed). NaN for no complete pair.
+
+    `groups` (one label per round, e.g. the model load the round ran in) makes the interval a cluster bootstrap:
+    each resample draws whole groups, then pairs within each drawn group, so that what differs between loads (where
+    each process's memory landed) counts once per load, not once per pair. A pair never spans two groups."""
     import numpy as np
     r = np.asarray(list(ratios), dtype=np.float64)
-    n = r.size // 2
-    x = np.sqrt(r[0:2 * n:2] * r[1:2 * n:2])
-    x = x[np.isfinite(x)]
-    if x.size == 0:
+    g = np.zeros(r.size, dtype=np.int64) if groups is None else np.unique(np.asarray(list(groups)), return_inverse=True)[1]
+    if g.size != r.size:
+        raise ValueError(f"groups must label every round: {g.size} labels for {r.size} rounds")
+    xs = []
+    for k in np.unique(g):
+        rk = r[g == k]
+        n = rk.size // 2
+        x = np.sqrt(rk[0:2 * n:2] * rk[1:2 * n:2])
+        x = x[np.isfinite(x)]
+        if x.size:
+            xs.append(x)
+    if not xs:
         return float("nan"), float("nan"), float("nan")
     rng = np.random.default_rng(seed)
-    meds = np.median(x[rng.integers(0, x.size, (n_boot, x.size))], axis=1)
+    if len(xs) == 1:
+        x = xs[0]
+        meds = np.median(x[rng.integers(0, x.size, (n_boot, x.size))], axis=1)
+    else:
+        meds = np.empty(n_boot)
+        for b in range(n_boot):
+            pick = rng.integers(0, len(xs), len(xs))
+            meds[b] = np.median(np.concatenate([xs[i][rng.integers(0, xs[i].size, xs[i].size)] for i in pick]))
     lo, hi = np.quantile(meds, [(1 - level) / 2, (1 + level) / 2])
-    return float(np.median(x)), float(lo), float(hi)
+    return float(np.median(np.concatenate(xs))), float(lo), float(hi)
 
 
 def _merge_rounds(results: list[dict], coverage: Optional[list] = None) -> dict:
@@ -299,7 +319,7 @@ def _merge_rounds(results: list[dict], coverage: Optional[list] = None) -> dict:
 
 def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Sequence[str] = VARIANTS,
                 rounds: int = 20, out_dir: Optional[Union[str, Path]] = None, progress: bool = True,
-                timeout: Optional[float] = None, seed: int = 0, warmup: int = 0):
+                timeout: Optional[float] = None, seed: int = 0, warmup: int = 0, loads: int = 1):
     """A/B in paired rounds: per variant one serving worker (the model loaded once), one warm-up, then `rounds`
     rounds, each one rep of every test per variant, the order alternating ABBA (round r: `variants` in order when
     r is even, reversed when odd). Drift over time (clocks, heat, the machine's other load) then falls on both
@@ -315,7 +335,13 @@ def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Se
 
     In a round each test follows the one before it (the last round's last test for the first): with several tests,
     `warmup` untimed runs of each test before its timed one give each the state llama-bench's warm-up gives it (a
-    plan switch of the patched build, say), for that many times the time."""
+    plan switch of the patched build, say), for that many times the time.
+
+    `loads` > 1 repeats all that with fresh workers (the model loaded again) `loads` times, the variants' order
+    (of loading, and in round 0) reversed every other load: where each process's memory lands moves decode speed by
+    a few percent on the GPU machine, more than the variants differ there. The rows then pool the rounds of every
+    load (`rounds` = loads x rounds) and the interval resamples whole loads (paired_ci's groups); `loads` is on
+    the rows."""
     import pandas as pd
 
     cfgs = [configs] if isinstance(configs, BenchConfig) else list(configs)
@@ -323,6 +349,8 @@ def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Se
         raise ValueError(f"rounds must be an even whole number of at least 2 (AB and BA pairs), got {rounds!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be a whole number of at least 0, got {warmup!r}")
+    if isinstance(loads, bool) or not isinstance(loads, int) or loads < 1:
+        raise ValueError(f"loads must be a whole number of at least 1, got {loads!r}")
     variants = list(variants)
     if not variants or len(set(variants)) != len(variants) or not set(variants) <= set(VARIANTS):
         raise ValueError(f"variants must be distinct names of {list(VARIANTS)}, got {variants!r}")
@@ -331,7 +359,7 @@ def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Se
     if progress:
         try:
             from tqdm import tqdm
-            bar = tqdm(total=len(cfgs) * (rounds + 1), desc="paired A/B", unit="round", dynamic_ncols=True)
+            bar = tqdm(total=len(cfgs) * loads * (rounds + 1), desc="paired A/B", unit="round", dynamic_ncols=True)
         except ImportError:
             bar = None
     servers: dict[str, tuple[str, ServingWorker]] = {}
@@ -370,20 +398,30 @@ def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Se
                 order.append([ci, r, v])
                 return res
 
-            for v in variants:   # the warm-up (and the model load); coverage measured once
-                res = run(v, -1, _variant_job(cfg, v, reps=1, warmup=1, coverage=coverage is None))
-                if res is not None and coverage is None:
-                    coverage = [t.get("coverage") for t in res["tests"]]
-            if bar:
-                bar.update(1)
             jobs = {v: _variant_job(cfg, v, reps=1, warmup=warmup, coverage=False) for v in variants}
-            for r in range(rounds):
-                for v in (variants if r % 2 == 0 else variants[::-1]):
-                    res = run(v, r, jobs[v])
-                    if res is not None:
-                        got[v].append(res)
+            groups: list[int] = []
+            for load in range(loads):
+                if load:   # fresh workers: the model loaded again, the other variant first
+                    for _, w in servers.values():
+                        w.close()
+                    servers.clear()
+                vs = variants if load % 2 == 0 else variants[::-1]
+                for v in vs:   # the warm-up (and the model load); coverage measured once
+                    res = run(v, -1, _variant_job(cfg, v, reps=1, warmup=1, coverage=coverage is None))
+                    if res is not None and coverage is None:
+                        coverage = [t.get("coverage") for t in res["tests"]]
                 if bar:
                     bar.update(1)
+                for r in range(rounds):
+                    for v in (vs if r % 2 == 0 else vs[::-1]):
+                        res = run(v, load * rounds + r, jobs[v])
+                        if res is not None:
+                            got[v].append(res)
+                    groups.append(load)
+                    if bar:
+                        bar.update(1)
+                    if len(failed) == len(variants):
+                        break
                 if len(failed) == len(variants):
                     break
             merged = {v: _merge_rounds(got[v], coverage) for v in variants if v not in failed}
@@ -396,11 +434,13 @@ def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Se
                     if v not in merged:
                         continue
                     row["rounds"] = len(got[v])
+                    row["loads"] = loads
                     if v == "baseline" or "baseline" not in merged:
                         continue
                     sb, sv = merged["baseline"]["tests"][i]["seconds"], merged[v]["tests"][i]["seconds"]
                     ratios = [x / y if y > 0 else float("nan") for x, y in zip(sb, sv)]   # (t/s: n/y over n/x)
-                    med, lo, hi = paired_ci(ratios, seed=seed)
+                    # (both variants ran every round while neither failed: groups line up with the ratios)
+                    med, lo, hi = paired_ci(ratios, seed=seed, groups=groups[:len(ratios)] if loads > 1 else None)
                     row.update({"ratios": ratios, "speedup_median": med, "speedup_ci_lo": lo, "speedup_ci_hi": hi})
             for v in variants:
                 writer.write(per_v[v])

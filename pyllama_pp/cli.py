@@ -394,6 +394,9 @@ def cmd_ab(args) -> int:
         if args.workload and args.paired:
             raise ConfigError("--paired runs the tests (-p/-n) in rounds; --workload has rounds of its own (-r). "
                               "Fix: drop one of them")
+        if args.loads > 1 and not args.paired:
+            raise ConfigError(f"--loads {args.loads} repeats paired rounds with fresh workers. Fix: add --paired N, "
+                              "or drop --loads")
         if args.workload:
             return _workload(args, model, list(bench.VARIANTS))
         cfgs, variants = _configs(args, model), list(bench.VARIANTS)
@@ -401,7 +404,8 @@ def cmd_ab(args) -> int:
     out = Path(args.out or Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S"))
     try:
         if args.paired:
-            df = bench.interleaved(cfgs, variants=variants, rounds=args.paired, out_dir=out, progress=not args.json)
+            df = bench.interleaved(cfgs, variants=variants, rounds=args.paired, out_dir=out, progress=not args.json,
+                                   loads=args.loads)
         else:
             df = bench.ab(cfgs, variants=variants, out_dir=out, progress=not args.json, resume=bool(args.resume))
     except KeyboardInterrupt:   # (rows of a paired run come whole, per config; there is no sweep to resume)
@@ -635,6 +639,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "speedup over AB / BA pairs of rounds and its 95%% interval (speedup_ci_lo/hi). For decode, "
                         "whose drift over time is larger than small gaps. Both variants stay loaded: with --fit or "
                         "--plan on GPUs, plan for half of each device")
+    p.add_argument("--loads", type=_positive, default=1, metavar="K",
+                   help="with --paired: K fresh loads of both workers, N rounds each, the variants' load order "
+                        "alternating; the interval then resamples whole loads (where each process's memory lands can "
+                        "move decode by more than the variants differ)")
     p.set_defaults(func=cmd_ab)
     return ap
 

@@ -46,8 +46,9 @@ ROW_FIELDS = [
     "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac", "bound_pipe_ts", "bound_pipe_frac",
     "host_syncs", "id_readbacks", "upload_all", "direct_reads", "gathers", "prefetches", "chained", "re_reservations", "plan_switches", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "gather_bytes_est_per_device", "compute_buffer_bytes", "ring_bytes_per_device", "label", "config_key", "env",
     "ext_params", "error", "build", "machine", "date",
-    # bench.interleaved: paired rounds, the per-round ratios to the baseline, their median and its 95% interval
-    "rounds", "ratios", "speedup_median", "speedup_ci_lo", "speedup_ci_hi",
+    # bench.interleaved: paired rounds (over `loads` model loads), the per-round ratios to the baseline, their median
+    # and its 95% interval
+    "rounds", "loads", "ratios", "speedup_median", "speedup_ci_lo", "speedup_ci_hi",
 ]
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import numbers
 import os
 from pathlib import Path
 from typing import Optional, Union
@@ -130,7 +131,9 @@ def markdown(df) -> str:
         sp_s = "" if sp is None or sp != sp else f"{sp:.2f}"
         lo = p.get("speedup_ci_lo") if p is not None else None
         if sp_s and isinstance(lo, float) and lo == lo:   # bench.interleaved: the paired median, its 95% interval
-            sp_s += f" (paired {p['speedup_median']:.3f} [{lo:.3f}, {p['speedup_ci_hi']:.3f}], {p['rounds']:.0f} rounds)"
+            loads = p.get("loads")
+            loads_s = f" in {loads:.0f} loads" if isinstance(loads, numbers.Real) and loads == loads and loads > 1 else ""
+            sp_s += f" (paired {p['speedup_median']:.3f} [{lo:.3f}, {p['speedup_ci_hi']:.3f}], {p['rounds']:.0f} rounds{loads_s})"
         bound = "" if p is None else ", ".join(filter(None, (num(p.get("bound_ts")), num(p.get("bound_pipe_ts")))))
         ov = str(ref.get("tensor_buft_overrides") or "")
         # (a plan's rows carry its overrides, as llama-bench's -ot: the column shows their count; with --fit each

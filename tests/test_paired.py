@@ -91,6 +91,52 @@ def test_paired_ci_cancels_an_order_effect():
     assert abs(float(np.median(r)) - 1.0) > 0.05   # (what the per-round median would have said)
 
 
+def test_paired_ci_groups_resample_whole_loads():
+    """Four loads whose memory placement shifts the ratio by -3..+3% around a true 1.00x, 0.2% noise within a load:
+    pooled as independent pairs, the interval is narrower than what separates the loads; resampling whole loads
+    widens it to cover them. A pair never spans two loads; labels must cover every round."""
+    g = np.random.default_rng(3)
+    offs = [1.03, 0.97, 1.02, 0.98]
+    r = [offs[k] * (1 + 0.002 * g.standard_normal()) for k in range(4) for _ in range(10)]
+    groups = [k for k in range(4) for _ in range(10)]
+    med, lo, hi = bench.paired_ci(r, groups=groups)
+    _, lo1, hi1 = bench.paired_ci(r)
+    assert lo <= 1.0 <= hi and hi - lo > 0.05 and hi - lo > 1.2 * (hi1 - lo1)
+    assert abs(med - 1.0) < 0.025
+    # odd rounds per load: the last of each load is left out rather than paired with the next load's first
+    assert bench.paired_ci([1.0, 1.0, 2.0, 1.0, 1.0, 2.0], groups=[0, 0, 0, 1, 1, 1]) == (1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="label every round"):
+        bench.paired_ci([1.0, 1.0], groups=[0])
+
+
+def test_interleaved_loads_start_fresh_workers_in_alternating_order(tiny_model, monkeypatch):
+    """loads=2: the workers are started twice, the second time in the other order (which also runs first in that
+    load's round 0); rows pool every load's rounds and say how many loads."""
+    started = []
+    real = ServingWorker.start
+
+    def counting(self):
+        started.append(self.variant)
+        return real(self)
+
+    monkeypatch.setattr(ServingWorker, "start", counting)
+    cfg = bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["tg", 2]])
+    df = bench.interleaved(cfg, rounds=2, loads=2, progress=False, timeout=60)
+    assert started == ["baseline", "patched", "patched", "baseline"]
+    assert df.attrs["order"] == [[0, -1, "baseline"], [0, -1, "patched"], [0, 0, "baseline"], [0, 0, "patched"],
+                                 [0, 1, "patched"], [0, 1, "baseline"],
+                                 [0, -1, "patched"], [0, -1, "baseline"], [0, 2, "patched"], [0, 2, "baseline"],
+                                 [0, 3, "baseline"], [0, 3, "patched"]]
+    rows = df.set_index("variant")
+    assert (df["rounds"] == 4).all() and (df["loads"] == 2).all()
+    assert len(rows.loc["patched", "ratios"]) == 4 and rows.loc["patched", "speedup_ci_lo"] <= \
+        rows.loc["patched", "speedup_median"] <= rows.loc["patched", "speedup_ci_hi"]
+    assert "in 2 loads" in bench.markdown(df)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="loads must be"):
+            bench.interleaved(cfg, rounds=2, loads=bad)
+
+
 def test_interleaved_runs_abba_rounds_and_pairs_them(tiny_model, tmp_path, monkeypatch):
     """One warm-up per variant, then rounds in ABBA order (the order recorded at each job sent); every row has one
     sample per round, and the patched rows' ratios are the per-round t/s ratios with a CI around their median."""
@@ -178,6 +224,7 @@ def test_cli_ab_paired(tiny_model, tmp_path, capsys, usage_error, no_worker):
     assert rows[1]["speedup_ci_lo"] <= rows[1]["speedup_median"] <= rows[1]["speedup_ci_hi"]
     assert "--workload has rounds" in usage_error(["ab", tiny_model, "--workload", "mixed", "--paired", "4"])
     assert "drop --paired" in usage_error(["ab", "--resume", str(tmp_path / "out"), "--paired", "4"])
+    assert "add --paired N" in usage_error(["ab", tiny_model, "--loads", "2"])
     with pytest.raises(SystemExit) as e:   # (argparse: its usage and the error line)
         cli.main(["ab", tiny_model, "--paired", "3"])
     assert e.value.code == 2 and "expected an even number of rounds" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from pyllama_pp import synth
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_KEYS = {"name", "est", "configs", "model", "skew", "devices", "env", "ext", "variants", "reps", "load_mode",
-              "host_experts", "tensor_split", "timeline", "interleave", "preset", "synth"}
+              "host_experts", "tensor_split", "timeline", "interleave", "loads", "preset", "synth"}
 
 
 def _gpu_run():
@@ -38,6 +38,9 @@ def test_sweeps_are_well_formed_and_use_live_switches(runner):
             rounds = b.get("interleave", 2)
             assert isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 2 and rounds % 2 == 0, \
                 f"{where}: interleave must be an even number of rounds, got {rounds!r}"
+            loads = b.get("loads", 1)
+            assert isinstance(loads, int) and not isinstance(loads, bool) and loads >= 1 and \
+                (loads == 1 or "interleave" in b), f"{where}: loads must be >= 1 and go with interleave, got {loads!r}"
             for nb, ub, tests in b["configs"]:
                 assert 1 <= ub <= nb, f"{where}: n_ubatch {ub} > n_batch {nb}"
                 assert tests and all(t[0] in ("pp", "tg") and t[1] >= 1 for t in tests), f"{where}: {tests}"

@@ -38,6 +38,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -547,6 +548,7 @@ struct vdev_backend {
     std::deque<std::pair<std::function<void()>, bool>> queue;   // (job, is work: a copy or a compute)
     uint64_t                            submitted = 0;
     uint64_t                            completed = 0;
+    std::multiset<uint64_t>             drain_targets;   // of the drain() calls waiting
     bool                                stop = false;
     std::shared_ptr<vdev_stream_error>  error = std::make_shared<vdev_stream_error>();
 
@@ -562,10 +564,18 @@ struct vdev_backend {
         cv_job.notify_one();
     }
 
+    // drain() waits until the jobs submitted before it have completed; the worker wakes a waiter only once the
+    // earliest target is reached, not after every job (a compute followed by an event record would otherwise wake
+    // the host twice, where a GPU stream wakes it once)
     void drain() {
         std::unique_lock<std::mutex> lk(mtx);
         const uint64_t target = submitted;
+        if (completed >= target) {
+            return;
+        }
+        const auto it = drain_targets.insert(target);
         cv_done.wait(lk, [&]() { return completed >= target; });
+        drain_targets.erase(it);
     }
 
     void run() {
@@ -602,11 +612,15 @@ struct vdev_backend {
                     error->msg = failed;
                 }
             }
+            bool wake;
             {
                 std::lock_guard<std::mutex> lk(mtx);
                 completed++;
+                wake = !drain_targets.empty() && completed >= *drain_targets.begin();
             }
-            cv_done.notify_all();
+            if (wake) {
+                cv_done.notify_all();
+            }
         }
     }
 };
