@@ -377,6 +377,19 @@ def run_fit(native, model: str, dev_names: str, split_mode: int, ctx, margins: l
             "report": report, "seconds": dt}
 
 
+def _checked_rates(rates: list, spec: devspec.DeviceSpec, what: str, given: bool, n_devices: int = 0) -> list:
+    """Each device's host link rate (GB/s), refused where one is 0 (an unthrottled VDEV, or a 0 given) or where there
+    are not as many rates as devices (n_devices: 0 when not known yet)."""
+    if any(r <= 0 for r in rates):
+        raise ConfigError(f"{what} weighs each device by its host link, and " +
+                          (f"link_gbps {list(rates)} has a rate of 0: give each device's rate in GB/s, e.g. 55,25"
+                           if given else f"{spec} has an unthrottled VDEV link (0): give every device a rate, "
+                                         "e.g. vdev:2x8MiB@4GBps"))
+    if n_devices and len(rates) != n_devices:
+        raise ConfigError(f"{what}: {len(rates)} link rates for {n_devices} devices: give one per device")
+    return [float(r) for r in rates]
+
+
 def spread_weights(spread, spec: devspec.DeviceSpec, link_gbps=None) -> list:
     """The patched fit's share weights (LLAMA_FIT_SPREAD_WEIGHTS): [] for equal shares; "links": each device's host
     link rate (a VDEV's own, split among the devices of a link group; on CUDA the rates given as link_gbps), so that
@@ -392,15 +405,10 @@ def spread_weights(spread, spec: devspec.DeviceSpec, link_gbps=None) -> list:
                 if v.link_group >= 0:
                     groups[v.link_group] = groups.get(v.link_group, 0) + 1
             rates = [v.link_gbps / groups.get(v.link_group, 1) if v.link_group >= 0 else v.link_gbps for v in spec.vdevs]
-            if any(r <= 0 for r in rates):
-                raise ConfigError(f"spread='links' weighs each device by its host link, and {spec} has an unthrottled "
-                                  "VDEV link (0): give every device a rate, e.g. vdev:2x8MiB@4GBps")
         else:
             raise ConfigError("spread='links' on CUDA needs each GPU's host link rate: link_gbps=[55, 25] "
                               "(CLI: --link-gbps 55,25; nvidia-smi shows each link's generation and width)")
-        if spec.n_devices and len(rates) != spec.n_devices:
-            raise ConfigError(f"{len(rates)} link rates for {spec.n_devices} devices: give one per device")
-        return [float(r) for r in rates]
+        return _checked_rates(rates, spec, "spread='links'", link_gbps is not None, spec.n_devices or 0)
     if isinstance(spread, (list, tuple)):
         try:
             w = [float(x) for x in spread]
@@ -464,9 +472,11 @@ UBATCH_CANDIDATES = (64, 128, 256, 512, 1024, 2048, 4096)
 def expert_bytes_per_layer(model: Union[str, os.PathLike]) -> float:
     """Bytes of a MoE layer's expert tensors (gate, up, down), the mean over the layers (gguf-py reads the index)."""
     import gguf
+
+    from .session import EXPERT_TENSORS
     per_layer: dict = {}
     for t in gguf.GGUFReader(str(model)).tensors:
-        m = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight", t.name)
+        m = re.fullmatch(rf"blk\.(\d+)\.{EXPERT_TENSORS}\.weight", t.name)
         if m:
             per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + int(t.n_bytes)
     return sum(per_layer.values()) / len(per_layer) if per_layer else 0.0
@@ -513,11 +523,10 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
             tried.append({**row, "why": f"no placement ({m.group(0) if m else str(e).split('. Fix:')[0][-80:]})"})
             continue
         if rates is None:   # (the devices' links: known from the spec, or once the first plan counts the GPUs)
-            rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else \
-                [v.link_gbps for v in spec.vdevs] if spec.kind == "vdev" else [DEFAULT_CUDA_LINK_GBPS] * len(plan.devices)
-            if any(r <= 0 for r in rates):
-                raise ConfigError(f"--ubatch auto predicts from each device's host link, and {spec} has an unthrottled "
-                                  "VDEV link (0): give every device a rate, e.g. vdev:2x8MiB@4GBps")
+            rates = _checked_rates([devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else
+                                   [v.link_gbps for v in spec.vdevs] if spec.kind == "vdev" else
+                                   [DEFAULT_CUDA_LINK_GBPS] * len(plan.devices),
+                                   spec, "--ubatch auto", link_gbps is not None, len(plan.devices))
         plan.predicted_ts = predicted_ts(plan, expert_bytes, rates, shared_link)
         tried.append({**row, "host_expert_layers": plan.host_expert_layers, "predicted_ts": plan.predicted_ts,
                       "why": "" if plan.predicted_ts else "no host experts: compute binds"})

@@ -312,6 +312,11 @@ class Session:
         self._ctx = self._new_context(coverage=False)
 
     # -- setup -------------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._model is None:
+            raise PyllamaError(f"this Session of {self.path.name} is closed (close(), or the end of its with-block, "
+                               "freed its model): create a new Session")
+
     def _check_switch_env(self) -> None:
         """The patched build: GGML_SCHED_PP_* variables its switch table does not accept are an error here (the
         library would log them and use the defaults). The baseline has no table and reads none of them."""
@@ -418,6 +423,7 @@ class Session:
     def set_context(self, ctx: ContextParams) -> None:
         """Replace the llama context (n_batch, n_ubatch, n_ctx, ...) and keep the loaded model: a sweep over
         batch sizes then loads a large model once."""
+        self._check_open()
         self._check_ctx(ctx)  # before the current context is freed
         old, self.ctx_params = self.ctx_params, ctx
         if self._ctx is not None:
@@ -433,6 +439,7 @@ class Session:
     # -- facts ---------------------------------------------------------------------------------------------
     def schedule(self, _ctx=None) -> Schedule:
         """Pipeline parallel on/off, copies, splits and per-backend buffers of the reserved (or last) graph."""
+        self._check_open()
         lib, ffi, s = self.native.lib, self.native.ffi, self.native.str
         ctx = _ctx if _ctx is not None else self._ctx
         si = ffi.new("pp_sched_info *")
@@ -449,6 +456,7 @@ class Session:
     def schedule_detail(self, n_tokens: Optional[int] = None) -> Schedule:
         """schedule() plus the splits of one real ubatch (device, node count, inputs by kind and size), read from
         the scheduler's own debug listing in a separate context (so timed contexts never print it)."""
+        self._check_open()
         lib, ffi = self.native.lib, self.native.ffi
         old = os.environ.get("GGML_SCHED_DEBUG")
         os.environ["GGML_SCHED_DEBUG"] = "2"      # read when the scheduler is created
@@ -480,6 +488,7 @@ class Session:
 
     def ext_stats(self) -> Optional[dict]:
         """The patched scheduler's counters (None in the baseline)."""
+        self._check_open()
         lib, ffi = self.native.lib, self.native.ffi
         if lib.pp_ext_version() <= 0:
             return None
@@ -532,6 +541,7 @@ class Session:
         """Decode tokens (in n_batch chunks) and return the requested logits: "last", "all", "none" or indices.
         stats=False skips the patched scheduler's counters (a JSON round trip): use it in per-token loops, so that
         both variants pay the same harness overhead."""
+        self._check_open()
         t = self._tokens(tokens)
         if logits == "last":
             out_idx = np.array([len(t) - 1], dtype=np.int32)
@@ -561,14 +571,17 @@ class Session:
     def kv_remove(self, p0: int, p1: int = -1) -> None:
         """Drop positions [p0, p1) of the sequence from the KV cache (p1 < 0: to the end). Rewinding to p0 before an
         eval(pos0=p0, clear=False) needs it: llama.cpp refuses positions that do not follow the last one held."""
+        self._check_open()
         self.native.check(self.native.lib.pp_memory_seq_rm(self._ctx, 0, int(p0), int(p1)))
 
     def kv_shift(self, p0: int, p1: int, delta: int) -> None:
         """Move positions [p0, p1) by delta (p1 < 0: to the end); the keys are rotated at the next eval."""
+        self._check_open()
         self.native.check(self.native.lib.pp_memory_seq_add(self._ctx, 0, int(p0), int(p1), int(delta)))
 
     def kv_pos_max(self) -> int:
         """The largest position the KV cache holds (-1: none)."""
+        self._check_open()
         ffi = self.native.ffi
         out = ffi.new("int32_t *")
         self.native.check(self.native.lib.pp_memory_seq_pos_max(self._ctx, 0, out))
@@ -589,6 +602,7 @@ class Session:
         measurement syncs the host once per layer, so it is never part of a timed run). exclusive: free the
         session's own context meanwhile (its KV cache is lost, a fresh one follows), so that the two never hold
         device memory at once - for sessions whose memory a fit plan sized for one context."""
+        self._check_open()
         t = self._tokens(tokens)
         lib, ffi = self.native.lib, self.native.ffi
         if exclusive and self._ctx is not None:

@@ -288,7 +288,7 @@ class SynthConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"SynthConfig.{name} must be an integer >= 0, got {v!r}")
-        if self.arch not in ARCHS:
+        if not isinstance(self.arch, str) or self.arch not in ARCHS:   # (a list is unhashable: TypeError, not this)
             raise ValueError(f"SynthConfig.arch must be one of {sorted(ARCHS)}, got {self.arch!r}")
         if self.arch in ("llama", "qwen2moe") and self.n_head * self.head_dim != self.n_embd:
             raise ValueError(f"{self.arch} needs n_head * head_dim == n_embd ({self.n_head} * {self.head_dim} != {self.n_embd})")

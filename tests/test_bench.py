@@ -351,3 +351,27 @@ def test_gather_timeline_puts_each_idle_gap_on_the_gather_that_ends_it(tmp_path,
     assert q["host_lead_ms_p10"] == pytest.approx(1) and q["host_lead_ms_p50"] == pytest.approx(3), q
     assert q["kinds"]["used:down"]["gap_p50_us"] == pytest.approx(1000) and q["kinds"]["used:up"]["gap_p50_us"] is None
     assert gt.main([str(queued), "--min-gathers", "1"]) == 0 and "| 1.0 / 3.0 |" in capsys.readouterr().out
+
+
+def test_a_closed_session_says_so(tiny_model):
+    """After close() every call that needs the model raises PyllamaError saying the session is closed (coverage used
+    to create a context on the freed model)."""
+    code = f"""
+from pyllama_pp.errors import PyllamaError
+from pyllama_pp.session import ContextParams, Session
+s = Session({str(tiny_model)!r}, ctx=ContextParams(n_ctx=256, n_batch=64, n_ubatch=32))
+s.close()
+calls = [lambda: s.eval([1, 2]), lambda: s.coverage([1, 2], exclusive=True), lambda: s.schedule(),
+         lambda: s.set_context(ContextParams(n_ctx=256, n_batch=64, n_ubatch=16)), lambda: s.kv_pos_max(),
+         lambda: s.ext_stats()]
+for call in calls:
+    try:
+        call()
+        raise AssertionError("a closed session answered")
+    except PyllamaError as e:
+        assert "is closed" in str(e), e
+s.close()   # (twice: nothing happens)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-2000:]

@@ -318,9 +318,32 @@ def test_spread_by_links_weighs_the_shares(plans):
 def test_bad_spreads_are_config_errors(model):
     for spread, kw, what in [("wide", {}, "spread takes"), ([1, 0], {}, "spread takes"), ([1, 2, 3], {}, "spread takes"),
                              ("links", {"devices": "vdev:2x8MiB@0"}, "unthrottled"),
-                             ("links", {"devices": "cuda"}, "link_gbps")]:
+                             ("links", {"devices": "cuda"}, "link_gbps"),
+                             ("links", {"link_gbps": [4, 0]}, "rate of 0"),
+                             ("links", {"link_gbps": [4]}, "1 link rates for 2 devices")]:
         with pytest.raises(ConfigError, match=what):
             fit(model, **{"devices": TWO_EQUAL, **kw}, ctx=CTX, spread=spread, timeout=60)
+
+
+def test_ubatch_auto_refuses_link_rates_it_cannot_use(model):
+    """--ubatch auto predicts from each device's link: a 0 rate or fewer rates than devices is a ConfigError, not a
+    division by zero or a prediction from the devices that had a rate."""
+    from pyllama_pp.fit import fit_ubatch
+    ctx = ContextParams(n_ctx=256, n_batch=256, n_ubatch=128)
+    for rates, what in (([4, 0], "rate of 0"), ([4], "1 link rates for 2 devices")):
+        with pytest.raises(ConfigError, match=what):
+            fit_ubatch(model, devices=TWO_EQUAL, ctx=ctx, link_gbps=rates, candidates=(64,), timeout=60)
+
+
+def test_expert_bytes_per_layer_counts_every_expert_tensor(tmp_path):
+    """gguf-py's names for experts include the shared-expert-channel form (`ffn_*_chexps`): counted like `_exps`."""
+    import gguf
+    from pyllama_pp.fit import expert_bytes_per_layer
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "qwen3moe")
+    for name in ("blk.0.ffn_up_exps.weight", "blk.0.ffn_down_chexps.weight", "blk.0.attn_q.weight"):
+        w.add_tensor(name, np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    assert expert_bytes_per_layer(tmp_path / "x.gguf") == 2 * 4 * 8 * 4
 
 
 def test_ubatch_auto_picks_the_fastest_plan_the_bytes_bound_predicts(model):

@@ -414,6 +414,7 @@ def test_more_families_load_and_match_the_baseline(tmp_path_factory, name, arch,
 # bad family configs: the preset(...) call and what its error must say (what, and how to fix it)
 BAD_CONFIGS = [
     ("tiny", dict(arch="mamba"), "arch must be one of"),
+    ("tiny", dict(arch=["qwen3moe"]), "arch must be one of"),
     ("qwen2moe-tiny", dict(n_ff_shexp=0), "n_ff_shexp"),
     ("tiny", dict(n_expert_shared=1), "glm4moe's"),
     ("glm4moe-tiny", dict(n_ff=0), "n_layer_dense_lead"),
