@@ -49,11 +49,10 @@ def build_writer(work: Path) -> Path:
     exe = work / "build" / "test-llama-archs"
     if exe.exists():
         return exe
-    env = os.environ.get("PYLLAMA_PP_UPSTREAM_ARCHIVE")
-    sdist = fetch._archive_from_env(env, pin) if env else fetch.download_sdist(pin, fetch.cache_dir() / "dl")
-    if fetch._is_trimmed(sdist):
-        raise SystemExit(f"{sdist} is a trimmed archive without {SOURCE}: give the sdist "
-                         f"({pin['sdist']}) in PYLLAMA_PP_UPSTREAM_ARCHIVE, or unset it to download")
+    try:
+        sdist = fetch.source_archive(pin, need_sdist=True)   # (the trimmed archive has no tests/)
+    except fetch.FetchError as e:
+        raise SystemExit(f"{SOURCE} comes from the sdist: {e}")
     src = work / "src"
     src.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdist) as tar:

@@ -26,11 +26,7 @@ import numpy as np
 from pyllama_pp import bench, synth
 from pyllama_pp.session import ContextParams, Placement, Session
 
-T0 = time.time()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+from _clock import left, log   # bench/_clock.py (this script's folder is on sys.path)
 
 
 def parse_set(text: str) -> dict:
@@ -119,7 +115,7 @@ def main() -> int:
     counters = [[] for _ in sets]
     per_round = None
     for r in range(args.rounds):
-        if args.budget and per_round and time.time() - T0 + per_round > args.budget and r % 2 == 0:
+        if args.budget and per_round and left(args.budget) < per_round and r % 2 == 0:
             log(f"budget: stopping after {r} rounds")
             break
         t_r = time.time()

@@ -28,12 +28,9 @@ from pyllama_pp import bench, synth
 from pyllama_pp.fit import Plan, fit, fit_ubatch
 from pyllama_pp.session import ContextParams
 
-T0 = time.time()
+from _clock import left, log   # bench/_clock.py (this script's folder is on sys.path)
+
 MiB = 1024**2
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
 def measure_memory(plan_file: str, variant: str) -> dict:
@@ -160,7 +157,7 @@ def main() -> int:
     mem: dict = {}
     nb, ub = configs[0]
     for v in ("patched", "baseline") if "memory" in steps else ():
-        if time.time() - T0 > args.budget - 120:
+        if left(args.budget) < 120:
             log("skip the memory step: no time left")
             break
         f = args.out / f"plan-{v}-b{nb}-ub{ub}.json"
@@ -178,13 +175,13 @@ def main() -> int:
 
     # 4. each variant with its own plan
     for nb, ub in configs if "ab" in steps else ():
-        left = args.budget - (time.time() - T0)
-        if left < 120:
-            log(f"skip ab b{nb} ub{ub}: {left:.0f} s left")
+        remaining = left(args.budget)
+        if remaining < 120:
+            log(f"skip ab b{nb} ub{ub}: {remaining:.0f} s left")
             continue
         key = f"b{nb} ub{ub}"
         c = bench_config(nb, ub, {v: plans[(key, v)] for v in ("patched", "baseline")})
-        df = bench.ab([c], out_dir=args.out / "ab", progress=False, timeout=max(60, left - 20))
+        df = bench.ab([c], out_dir=args.out / "ab", progress=False, timeout=max(60, remaining - 20))
         log(f"ab --fit {key}\n{bench.markdown(df)}")
         summary["steps"].setdefault("ab", []).append(json.loads(df.to_json(orient="records")))
         save()
@@ -203,10 +200,10 @@ def main() -> int:
         save()
         c = bench_config(p.ctx["n_batch"], p.ctx["n_ubatch"], {"patched": p})
         c.label = "ubatch auto"
-        left = args.budget - (time.time() - T0)
-        if left > 60:
+        remaining = left(args.budget)
+        if remaining > 60:
             df = bench.ab([c], variants=["patched"], out_dir=args.out / "ab-auto", progress=False,
-                          timeout=max(60, left - 15))
+                          timeout=max(60, remaining - 15))
             got = float(df["avg_ts"].iloc[0]) if len(df) else float("nan")
             log(f"ubatch auto: n_ubatch {p.ctx['n_ubatch']}, n_batch {p.ctx['n_batch']}: predicted "
                 f"{p.predicted_ts or float('nan'):.1f} t/s, measured {got:.1f}\n{bench.markdown(df)}")

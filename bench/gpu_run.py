@@ -25,21 +25,11 @@ from typing import Optional
 import numpy as np
 
 import gather_timeline   # bench/gather_timeline.py (this script's folder is on sys.path)
+from _clock import left, log
 
 from pyllama_pp import bench, synth
 from pyllama_pp.errors import PyllamaError
 from pyllama_pp.worker import run_job
-
-T0 = time.time()
-
-
-def left(budget: float) -> float:
-    return budget - (time.time() - T0)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
-
 
 SWEEPS_FILE = Path(__file__).with_name("sweeps.toml")
 

@@ -225,6 +225,19 @@ def test_trimmed_archive_round_trip(fake, cache, monkeypatch, tmp_path):
     monkeypatch.setenv("PYLLAMA_PP_UPSTREAM_ARCHIVE", str(trimmed))
     root = fetch.ensure_tree(pin)
     assert _tree_files(root) == WANTED
+    # a caller that needs the whole sdist (bench/archs.py: upstream's tests) is told to give it, not the trimmed one
+    assert fetch.source_archive(pin) == trimmed
+    with pytest.raises(fetch.FetchError, match="trimmed archive, and this needs the whole sdist"):
+        fetch.source_archive(pin, need_sdist=True)
+    monkeypatch.setenv("PYLLAMA_PP_UPSTREAM_ARCHIVE", str(archive))
+    assert fetch.source_archive(pin, need_sdist=True) == archive
+    bad = tmp_path / "bad" / pin["sdist"]   # (a readable sdist of that name, not the pinned one)
+    bad.parent.mkdir()
+    with tarfile.open(bad, "w:gz") as tar:
+        _add(tar, "fakepkg-0.1/README", b"not the pinned release\n")
+    monkeypatch.setenv("PYLLAMA_PP_UPSTREAM_ARCHIVE", str(bad))
+    with pytest.raises(fetch.FetchError, match="checksum mismatch"):
+        fetch.source_archive(pin, need_sdist=True)
 
 
 def _rewrite_trimmed(src: Path, dst: Path, change: dict[str, bytes]) -> None:

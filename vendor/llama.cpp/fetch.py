@@ -502,17 +502,30 @@ def extract(archive: Path, pin: dict[str, str], dest: Path) -> str:
     return got
 
 
+def source_archive(pin: dict[str, str], need_sdist: bool = False) -> Path:
+    """The archive the tree comes from: PYLLAMA_PP_UPSTREAM_ARCHIVE (a file, a folder or a file:// URL) or the sdist
+    downloaded into the cache. need_sdist: the whole sdist, checked against the pin (for files the trimmed archive
+    leaves out); a trimmed archive is refused then."""
+    env = os.environ.get("PYLLAMA_PP_UPSTREAM_ARCHIVE")
+    archive = _archive_from_env(env, pin) if env else download_sdist(pin, cache_dir() / "dl")
+    if need_sdist:
+        if _is_trimmed(archive):
+            raise FetchError(f"{archive} is a trimmed archive, and this needs the whole sdist. Fix: give "
+                             f"{pin['sdist']} in PYLLAMA_PP_UPSTREAM_ARCHIVE, or unset it to download.")
+        got = sha256_file(archive)
+        if got != pin["sha256"]:
+            raise FetchError(f"checksum mismatch for {archive}:\n  expected {pin['sha256']}\n  got      {got}\n"
+                             f"Fix: delete the file and fetch again, or give the genuine {pin['sdist']}.")
+    return archive
+
+
 def ensure_tree(pin: dict[str, str] | None = None) -> Path:
     """Return the path of the verified, extracted upstream tree, fetching it if needed."""
     pin = pin or read_pin()
     root = cache_dir() / "upstream" / f"{pin['commit'][:12]}-{pin.get('tree_sha256', 'unpinned')[:12]}"
     if (root / ".complete").exists():
         return root
-    archive_env = os.environ.get("PYLLAMA_PP_UPSTREAM_ARCHIVE")
-    if archive_env:
-        archive = _archive_from_env(archive_env, pin)
-    else:
-        archive = download_sdist(pin, cache_dir() / "dl")
+    archive = source_archive(pin)
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=root.parent))
     try:
@@ -559,9 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             pin = dict(pin)
             pin.pop("tree_sha256", None)
             with tempfile.TemporaryDirectory() as tmp:
-                env = os.environ.get("PYLLAMA_PP_UPSTREAM_ARCHIVE")
-                archive = _archive_from_env(env, pin) if env else download_sdist(pin, cache_dir() / "dl")
-                print(extract(archive, pin, Path(tmp)))
+                print(extract(source_archive(pin), pin, Path(tmp)))
             return 0
         tree = ensure_tree(pin)
         if args.write_trimmed:
