@@ -81,6 +81,8 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=0, help="stop starting rounds after this many seconds")
     ap.add_argument("--out", default="decode_probe")
     args = ap.parse_args()
+    if args.rounds < 2 or args.rounds % 2:
+        ap.error(f"--rounds must be an even number of at least 2 (rounds pair up), got {args.rounds}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
@@ -115,7 +117,7 @@ def main() -> int:
     counters = [[] for _ in sets]
     per_round = None
     for r in range(args.rounds):
-        if args.budget and per_round and left(args.budget) < per_round and r % 2 == 0:
+        if args.budget and per_round and left(args.budget) < 2 * per_round and r % 2 == 0:   # (a pair: two rounds)
             log(f"budget: stopping after {r} rounds")
             break
         t_r = time.time()

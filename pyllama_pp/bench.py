@@ -263,18 +263,66 @@ def ab(configs: Iterable[BenchConfig], variants: Sequence[str] = VARIANTS, out_d
     return df
 
 
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the incomplete beta function (modified Lentz)."""
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for aa in (m * (b - m) * x / ((a - 1.0 + 2 * m) * (a + 2 * m)),
+                   -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 1.0 + 2 * m))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-14:
+            break
+    return h
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile (p in (0, 1), df >= 1), by bisection on its CDF (the regularized incomplete beta
+    function): the paired interval over few loads needs it, and numpy has no t distribution."""
+    import math
+    if not 0.0 < p < 1.0 or df < 1:
+        raise ValueError(f"t_quantile needs 0 < p < 1 and df >= 1, got p={p!r}, df={df!r}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    a, b = df / 2.0, 0.5
+
+    def cdf(t: float) -> float:
+        x = df / (df + t * t)
+        front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+        ibeta = front * _betacf(a, b, x) / a if x < (a + 1.0) / (a + b + 2.0) else 1.0 - front * _betacf(b, a, 1.0 - x) / b
+        return 1.0 - 0.5 * ibeta
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
 def paired_ci(ratios: Sequence[float], level: float = 0.95, n_boot: int = 10_000, seed: int = 0,
               groups: Optional[Sequence] = None) -> tuple:
-    """The median speedup of ABBA rounds and its bootstrap confidence interval: (median, lo, hi).
+    """The median speedup of ABBA rounds and its confidence interval: (median, lo, hi).
 
     `ratios` are per round, in round order; rounds 2k and 2k+1 ran the variants in opposite orders, so an advantage
     of running first falls on both: each such pair counts as one sample, the geometric mean of its two ratios (an
     unmatched last round is left out). The interval resamples those pairs (`n_boot` times, percentile method,
     fixed seed). NaN for no complete pair.
 
-    `groups` (one label per round, e.g. the model load the round ran in) makes the interval a cluster bootstrap:
-    each resample draws whole groups, then pairs within each drawn group, so that what differs between loads (where
-    each process's memory landed) counts once per load, not once per pair. A pair never spans two groups."""
+    `groups` (one label per round, e.g. the model load the round ran in), two or more of them: what differs between
+    loads (where each process's memory landed) is shared by every pair of a load, so each load counts once: the
+    estimate is the geometric mean of the loads' medians and the interval Student's t over them (K - 1 degrees of
+    freedom; a bootstrap over 2-5 loads would be about as wide as their spread, far below its nominal level). A pair
+    never spans two groups."""
+    import math
+
     import numpy as np
     r = np.asarray(list(ratios), dtype=np.float64)
     g = np.zeros(r.size, dtype=np.int64) if groups is None else np.unique(np.asarray(list(groups)), return_inverse=True)[1]
@@ -290,17 +338,15 @@ def paired_ci(ratios: Sequence[float], level: float = 0.95, n_boot: int = 10_000
             xs.append(x)
     if not xs:
         return float("nan"), float("nan"), float("nan")
+    if len(xs) >= 2:
+        m = np.log([float(np.median(x)) for x in xs])
+        half = t_quantile((1 + level) / 2, m.size - 1) * float(m.std(ddof=1)) / math.sqrt(m.size)
+        return float(np.exp(m.mean())), float(np.exp(m.mean() - half)), float(np.exp(m.mean() + half))
+    x = xs[0]
     rng = np.random.default_rng(seed)
-    if len(xs) == 1:
-        x = xs[0]
-        meds = np.median(x[rng.integers(0, x.size, (n_boot, x.size))], axis=1)
-    else:
-        meds = np.empty(n_boot)
-        for b in range(n_boot):
-            pick = rng.integers(0, len(xs), len(xs))
-            meds[b] = np.median(np.concatenate([xs[i][rng.integers(0, xs[i].size, xs[i].size)] for i in pick]))
+    meds = np.median(x[rng.integers(0, x.size, (n_boot, x.size))], axis=1)
     lo, hi = np.quantile(meds, [(1 - level) / 2, (1 + level) / 2])
-    return float(np.median(np.concatenate(xs))), float(lo), float(hi)
+    return float(np.median(x)), float(lo), float(hi)
 
 
 def _merge_rounds(results: list[dict], coverage: Optional[list] = None) -> dict:
@@ -340,8 +386,10 @@ def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Se
     `loads` > 1 repeats all that with fresh workers (the model loaded again) `loads` times, the variants' order
     (of loading, and in round 0) reversed every other load: where each process's memory lands moves decode speed by
     a few percent on the GPU machine, more than the variants differ there. The rows then pool the rounds of every
-    load (`rounds` = loads x rounds) and the interval resamples whole loads (paired_ci's groups); `loads` is on
-    the rows."""
+    load (`rounds` = loads x rounds) and the estimate and its interval count each load once (paired_ci's groups:
+    the geometric mean of the loads' medians, Student's t over them; use 5 or more loads for an interval narrower
+    than the loads' spread); `loads` on the rows is the number of complete loads (a load that fails after the
+    first ends the run: the rows hold the loads before it)."""
     import pandas as pd
 
     cfgs = [configs] if isinstance(configs, BenchConfig) else list(configs)
@@ -400,8 +448,9 @@ def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Se
 
             jobs = {v: _variant_job(cfg, v, reps=1, warmup=warmup, coverage=False) for v in variants}
             groups: list[int] = []
+            done_loads = 0   # loads whose rounds every variant ran
             for load in range(loads):
-                if load:   # fresh workers: the model loaded again, the other variant first
+                if loads > 1 and servers:   # fresh workers for every load: the model loaded again, the other variant first
                     for _, w in servers.values():
                         w.close()
                     servers.clear()
@@ -422,8 +471,20 @@ def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Se
                         bar.update(1)
                     if len(failed) == len(variants):
                         break
-                if len(failed) == len(variants):
+                if failed and done_loads:
+                    # a later load failed (out of memory on reloading, say): keep the loads before it whole
+                    if progress:
+                        print(f"\npyllama-pp: warning: load {load + 1} of {loads} failed "
+                              f"({'; '.join(failed.values())}); the rows hold the {done_loads} loads before it",
+                              file=sys.stderr)
+                    for v in variants:
+                        got[v] = got[v][:done_loads * rounds]
+                    groups = groups[:done_loads * rounds]
+                    failed.clear()
                     break
+                if failed:   # (in the first load: the variant that failed gets error rows, the other its rounds)
+                    break
+                done_loads += 1
             merged = {v: _merge_rounds(got[v], coverage) for v in variants if v not in failed}
             per_v = {v: rows_from_result(cfg, v, merged[v], meta) if v in merged else
                      error_rows(cfg, v, failed[v], meta) for v in variants}
@@ -434,13 +495,13 @@ def interleaved(configs: Union[BenchConfig, Iterable[BenchConfig]], variants: Se
                     if v not in merged:
                         continue
                     row["rounds"] = len(got[v])
-                    row["loads"] = loads
+                    row["loads"] = max(done_loads, 1)
                     if v == "baseline" or "baseline" not in merged:
                         continue
                     sb, sv = merged["baseline"]["tests"][i]["seconds"], merged[v]["tests"][i]["seconds"]
                     ratios = [x / y if y > 0 else float("nan") for x, y in zip(sb, sv)]   # (t/s: n/y over n/x)
                     # (both variants ran every round while neither failed: groups line up with the ratios)
-                    med, lo, hi = paired_ci(ratios, seed=seed, groups=groups[:len(ratios)] if loads > 1 else None)
+                    med, lo, hi = paired_ci(ratios, seed=seed, groups=groups[:len(ratios)] if done_loads > 1 else None)
                     row.update({"ratios": ratios, "speedup_median": med, "speedup_ci_lo": lo, "speedup_ci_hi": hi})
             for v in variants:
                 writer.write(per_v[v])

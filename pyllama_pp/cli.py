@@ -394,11 +394,14 @@ def cmd_ab(args) -> int:
         if args.workload and args.paired:
             raise ConfigError("--paired runs the tests (-p/-n) in rounds; --workload has rounds of its own (-r). "
                               "Fix: drop one of them")
+        if args.workload:
+            if args.loads > 1:
+                raise ConfigError("--loads repeats paired rounds (-p/-n); --workload has rounds of its own (-r). "
+                                  "Fix: drop --loads")
+            return _workload(args, model, list(bench.VARIANTS))
         if args.loads > 1 and not args.paired:
             raise ConfigError(f"--loads {args.loads} repeats paired rounds with fresh workers. Fix: add --paired N, "
                               "or drop --loads")
-        if args.workload:
-            return _workload(args, model, list(bench.VARIANTS))
         cfgs, variants = _configs(args, model), list(bench.VARIANTS)
         _apply_plans(args, model, cfgs, variants)
     out = Path(args.out or Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S"))

@@ -403,6 +403,7 @@ class Session:
             raise ConfigError(f"n_ubatch ({c.n_ubatch}) cannot exceed n_batch ({c.n_batch}): lower n_ubatch or raise n_batch")
 
     def _new_context(self, coverage: bool):
+        self._check_open()
         lib, ffi = self.native.lib, self.native.ffi
         c = self.ctx_params
         self._check_ctx(c)

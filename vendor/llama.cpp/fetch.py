@@ -458,6 +458,16 @@ def _members_from_trimmed(archive: Path):
                 yield m.name, tar.extractfile(m).read(), m.mode
 
 
+def _check_sdist(archive: Path, pin: dict[str, str]) -> None:
+    got = sha256_file(archive)
+    if got != pin["sha256"]:
+        raise FetchError(
+            f"checksum mismatch for {archive}:\n  expected {pin['sha256']}\n  got      {got}\n"
+            "Fix: delete the file (it is corrupt or not the pinned release) and run the build again, "
+            "or point PYLLAMA_PP_UPSTREAM_ARCHIVE at the genuine " + pin["sdist"] + "."
+        )
+
+
 def _is_trimmed(archive: Path) -> bool:
     try:
         with tarfile.open(archive, "r:*") as tar:
@@ -471,13 +481,7 @@ def extract(archive: Path, pin: dict[str, str], dest: Path) -> str:
     """Extract the selected files into dest (which must not exist), verify, return the tree hash."""
     trimmed = _is_trimmed(archive)
     if not trimmed:
-        got = sha256_file(archive)
-        if got != pin["sha256"]:
-            raise FetchError(
-                f"checksum mismatch for {archive}:\n  expected {pin['sha256']}\n  got      {got}\n"
-                "Fix: delete the file (it is corrupt or not the pinned release) and run the build again, "
-                "or point PYLLAMA_PP_UPSTREAM_ARCHIVE at the genuine " + pin["sdist"] + "."
-            )
+        _check_sdist(archive, pin)
     members = _members_from_trimmed(archive) if trimmed else _members_from_sdist(archive, pin)
     files: dict[str, str] = {}
     try:
@@ -512,10 +516,7 @@ def source_archive(pin: dict[str, str], need_sdist: bool = False) -> Path:
         if _is_trimmed(archive):
             raise FetchError(f"{archive} is a trimmed archive, and this needs the whole sdist. Fix: give "
                              f"{pin['sdist']} in PYLLAMA_PP_UPSTREAM_ARCHIVE, or unset it to download.")
-        got = sha256_file(archive)
-        if got != pin["sha256"]:
-            raise FetchError(f"checksum mismatch for {archive}:\n  expected {pin['sha256']}\n  got      {got}\n"
-                             f"Fix: delete the file and fetch again, or give the genuine {pin['sdist']}.")
+        _check_sdist(archive, pin)
     return archive
 
 
