@@ -105,7 +105,7 @@ fi
 # the script's budget: what is left of the call (PP_CALL_LIMIT, default 570 s of the 600 s a call may run)
 budget=$(( ${PP_CALL_LIMIT:-570} - ($(date +%s) - t0) ))
 # another bench script instead of gpu_run.py, e.g. PP_ONLY=bench/fit_gpu.py (its results in a folder of its name)
-script=$PWD/${PP_ONLY:-bench/gpu_run.py}; res=/tmp/res
+script=${PP_ONLY:-bench/gpu_run.py}; [ "${script#/}" = "$script" ] && script=$PWD/$script; res=/tmp/res
 [ -n "${PP_ONLY:-}" ] && res=/tmp/res/$(basename "$PP_ONLY" .py)
 cd /tmp && python3 "$script" --out "$res" --budget $budget "$@" 2>&1 | tee /tmp/res/run.log; rc=${PIPESTATUS[0]}
 tar czf "$OUT/results.tgz" -C /tmp/res . && ls -la "$OUT"
