@@ -24,7 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from pyllama_pp import bench, synth
+from pyllama_pp.jobs import InfoJob
 from pyllama_pp.session import ContextParams, Placement, Session
+from pyllama_pp.worker import HANDLERS
 
 from _clock import left, log   # bench/_clock.py (this script's folder is on sys.path)
 
@@ -36,18 +38,6 @@ def parse_set(text: str) -> dict:
         if not sep:
             raise SystemExit(f"decode_probe: switch {item!r} needs NAME=VALUE")
         out[name.strip().upper()] = int(value)
-    return out
-
-
-def switch_values(s: Session) -> dict:
-    """The switches as they are now (the defaults, or what the environment set)."""
-    lib, ffi = s.native.lib, s.native.ffi
-    name, desc, val = ffi.new("char[64]"), ffi.new("char[512]"), ffi.new("int64_t *")
-    out = {}
-    for i in range(64):
-        if lib.pp_ext_param_info(i, name, 64, val, desc, 512) != 0:
-            break
-        out[s.native.str(name)] = int(val[0])
     return out
 
 
@@ -97,14 +87,13 @@ def main() -> int:
     ctxp = ContextParams(n_ctx=args.n_ctx, n_batch=512, n_ubatch=512)
     s = Session(model, devices=args.devices, placement=Placement(host_experts="all"), ctx=ctxp, variant="patched")
     log(f"loaded {model}")
-    base = switch_values(s)
+    # the switches as they are now (the defaults, or what the environment set): each set starts from them
+    base = {sw["name"]: sw["value"] for sw in HANDLERS["info"](InfoJob(variant="patched"))["switches"]}
     ctxs = []
     for sw in sets:
-        for k, v in {**base, **sw}.items():
-            s._apply_ext_params({k: v})
+        s._apply_ext_params({**base, **sw})
         ctxs.append(s._new_context(coverage=False))
-    for k, v in base.items():
-        s._apply_ext_params({k: v})
+    s._apply_ext_params(base)
     lib = s.native.lib
     lib.pp_context_free(s._ctx)
     toks = np.random.default_rng(1).integers(0, s.info.n_vocab, args.n + 1, dtype=np.int64)
@@ -134,7 +123,7 @@ def main() -> int:
     rows = []
     for i, name in enumerate(names):
         ts = np.asarray(samples[i])
-        med, lo, hi = bench.paired_ci(np.asarray(samples[i]) / np.asarray(samples[0])) if i else (1.0, 1.0, 1.0)
+        med, lo, hi = bench.paired_ci(ts / np.asarray(samples[0])) if i else (1.0, 1.0, 1.0)
         keys = sorted({k for c in counters[i] for k in c})
         per_tok = {k: float(np.mean([c.get(k, 0) for c in counters[i]])) for k in keys}
         rows.append({"set": name, "pipeline_parallel": pp[i], "avg_ts": float(ts.mean()), "stddev_ts": float(ts.std(ddof=1)),

@@ -91,6 +91,20 @@ def test_paired_ci_cancels_an_order_effect():
     assert abs(float(np.median(r)) - 1.0) > 0.05   # (what the per-round median would have said)
 
 
+@pytest.fixture
+def started(monkeypatch) -> list:
+    """The variants of the serving workers started, in order (each start still runs)."""
+    names: list = []
+    real = ServingWorker.start
+
+    def counting(self):
+        names.append(self.variant)
+        return real(self)
+
+    monkeypatch.setattr(ServingWorker, "start", counting)
+    return names
+
+
 def test_t_quantile_matches_the_tables():
     for df, want in ((1, 12.7062), (2, 4.3027), (4, 2.7764), (10, 2.2281), (30, 2.0423)):
         assert bench.t_quantile(0.975, df) == pytest.approx(want, abs=1e-4)
@@ -133,17 +147,9 @@ def test_paired_ci_over_three_loads_covers_at_its_level():
     assert 0.90 <= hits / 300 <= 0.99, hits
 
 
-def test_interleaved_loads_start_fresh_workers_in_alternating_order(tiny_model, monkeypatch):
+def test_interleaved_loads_start_fresh_workers_in_alternating_order(tiny_model, started):
     """loads=2: the workers are started for every load of every config, the second load's in the other order (which
     also runs first in that load's round 0); rows pool every load's rounds and say how many loads."""
-    started = []
-    real = ServingWorker.start
-
-    def counting(self):
-        started.append(self.variant)
-        return real(self)
-
-    monkeypatch.setattr(ServingWorker, "start", counting)
     cfg = bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["tg", 2]])
     df = bench.interleaved(cfg, rounds=2, loads=2, progress=False, timeout=60)
     assert started == ["baseline", "patched", "patched", "baseline"]
@@ -245,17 +251,9 @@ def test_interleaved_order_reversed_variants_and_a_failing_variant(tiny_model):
         bench.interleaved(ok, variants=("patched", "patched"))
 
 
-def test_interleaved_configs_share_the_workers(tiny_model, monkeypatch):
+def test_interleaved_configs_share_the_workers(tiny_model, started):
     """Configs with the same environment and switches run in the same two workers; a config that differs only in
     batch sizes reuses the loaded model (a fresh context)."""
-    started = []
-    real = ServingWorker.start
-
-    def counting(self):
-        started.append(self.variant)
-        return real(self)
-
-    monkeypatch.setattr(ServingWorker, "start", counting)
     cfgs = [bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=ub, tests=[["pp", 64]])
             for ub in (16, 64)]
     df = bench.interleaved(cfgs, rounds=2, progress=False, timeout=60)
