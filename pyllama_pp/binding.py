@@ -92,10 +92,12 @@ def backend_modules() -> set[str]:
 
 
 def build_info() -> dict:
+    """How the package was built (CUDA on or off, the compiler, ...), as the build wrote it."""
     return installed_json("build_info.json", {})
 
 
 def available_variants() -> list[str]:
+    """The variants whose native module this installation has ("baseline", "patched")."""
     return [v for v in VARIANTS if any((VARIANTS_DIR / v).glob("_native*.so"))]
 
 
@@ -107,7 +109,12 @@ def log_level_from_env() -> int:
 
 
 def load(variant: str = "patched") -> Native:
-    """Load `variant` ("patched" or "baseline") into this process; loading it again returns the same object."""
+    """Load `variant` ("patched" or "baseline") into this process; loading it again returns the same object.
+
+    Raises:
+        VariantError: for an unknown variant, or the other variant when this process holds one already.
+        BuildError: when the variant is not built.
+    """
     global _loaded
     if variant not in VARIANTS:
         raise VariantError(f"unknown variant {variant!r}: choose one of {', '.join(VARIANTS)}")

@@ -9,9 +9,24 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from . import __version__
+import difflib
+
+import pandas as pd
+
+from . import _pin, runner, synth
+from ._version import __version__
+from . import devices as devspec
+from .binding import VARIANTS, available_variants, backend_modules, build_info
+from .config import expand
 from .devices import FORMS
 from .errors import ConfigError, DeviceSpecError, PyllamaError, UnsupportedError
+from .fit import fit, fit_ubatch
+from .model_file import check_model_path
+from .params import ContextParams, Placement
+from .plan import Plan
+from .report import markdown, plot
+from .row import Row, RowWriter, read_rows
+from .worker.client import run_job
 
 # The main job (`pyllama-pp ab` with no model): the tiny preset with 7 layers on 2 virtual devices of 7 MiB each,
 # too small for its 12 MiB, whose links are throttled so that transfers dominate. The patched build's fit places
@@ -80,14 +95,11 @@ def switches_markdown(switches: list[dict]) -> str:
 
 
 def cmd_info(args) -> int:
-    from .binding import VARIANTS, available_variants, build_info
-    from .worker import run_job
     if getattr(args, "markdown_switches", False):
         if "patched" not in available_variants():
             raise UnsupportedError("--markdown-switches reads the patched build's switch table; it is not built")
         print(switches_markdown(run_job({"kind": "info"}, "patched", timeout=120).get("switches", [])))
         return 0
-    from . import _pin
     pin = _pin.PIN
     variants = []
     for v in VARIANTS:
@@ -101,7 +113,6 @@ def cmd_info(args) -> int:
                 entry["error"] = str(e)
         entry["patches"] = _pin.PATCHES if v == "patched" else []
         variants.append(entry)
-    from .binding import backend_modules
     # backend modules built for both variants (libggml-<name>.so), plus the devices' own backends (VDEV, ...)
     backends = sorted(backend_modules() | {d["backend"] for e in variants for d in e.get("devices", [])} | {"VDEV"})
     data = {"version": __version__, "upstream": {"commit": pin.get("commit"), "commit_date": pin.get("commit_date"),
@@ -128,7 +139,6 @@ def cmd_info(args) -> int:
 
 
 def cmd_synth(args) -> int:
-    from . import synth
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_embd", "n_expert", "n_expert_used", "n_ff_exp", "n_vocab",
                                                "routing", "skew") if getattr(args, k, None) is not None}
     if not Path(args.out).parent.is_dir():
@@ -155,28 +165,29 @@ def _config_kwargs(args) -> dict:
     env = {}
     if args.offload_min_batch is not None:
         env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(args.offload_min_batch)
-    ext = {}
+    switches = {}
     for kv in args.switch or []:
         k, _, v = kv.partition("=")
         if not v:
             raise PyllamaError(f"--switch takes NAME=VALUE (e.g. UPLOAD_ALL=0), not {kv!r}")
         try:
-            ext[k.upper()] = int(v)
+            switches[k.upper()] = int(v)
         except ValueError:
             raise PyllamaError(f"--switch {kv!r}: the value must be an integer (e.g. UPLOAD_ALL=0)") from None
     if not tests:
         raise ConfigError("-p 0 and -n 0 leave nothing to measure: give prompt (-p) or generation (-n) lengths")
-    return {"tests": tests, "reps": args.reps, "load_mode": args.load_mode,
-            "tensor_split": args.tensor_split,
-            "n_gpu_layers": args.ngl, "n_ctx": args.ctx, "ext_params": ext, "env": env}
+    return {"tests": tests, "reps": args.reps, "n_ctx": args.ctx, "switches": switches, "env": env}
+
+
+def _placements(args) -> list[Placement]:
+    """--host-experts (swept), -ngl, -ts and --load-mode as the Placements of the matrix."""
+    return [Placement(host_experts=he, n_gpu_layers=args.ngl, tensor_split=args.tensor_split,
+                      load_mode=args.load_mode) for he in args.host_experts]
 
 
 def _check_args(args, model: Optional[str], variants: list[str]) -> None:
     """Usage errors found before any worker starts, each a ConfigError / ModelError / DeviceSpecError that names
     what is wrong and how to fix it."""
-    from . import devices as devspec
-    from .binding import backend_modules
-    from .session import Placement, check_model_path
     if model is not None:
         check_model_path(model)
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
@@ -210,17 +221,13 @@ def _check_args(args, model: Optional[str], variants: list[str]) -> None:
         raise ConfigError(f"-ngl takes -1 (every layer) or a layer count >= 0, got {args.ngl}")
     if args.tensor_split is not None and (min(args.tensor_split) < 0 or sum(args.tensor_split) <= 0):
         raise ConfigError(f"-ts takes non-negative proportions with a positive sum (e.g. 3,5), got {args.tensor_split}")
-    for he in args.host_experts:
-        Placement(host_experts=he)
+    _placements(args)
     if args.switch:
         _check_switches(args.switch, variants)
 
 
 def _check_switches(switches: list[str], variants: list[str]) -> None:
     """--switch NAME=VALUE: well formed, for a run that has the patched build, and a name its table knows."""
-    import difflib
-
-    from .worker import run_job
     for kv in switches:
         name, _, value = kv.partition("=")
         if not name or not value:
@@ -258,13 +265,11 @@ def models_dir() -> Path:
 
 def _configs(args, model: str) -> list:
     """The A/B matrix of `run` and `ab`: devices x n_batch x n_ubatch x host experts, like llama-bench."""
-    from . import bench
-    return bench.expand(model, devices=args.devices, n_batch=args.batch, n_ubatch=args.ubatch,
-                        host_experts=args.host_experts, **_config_kwargs(args))
+    return expand(model, devices=args.devices, n_batch=args.batch, n_ubatch=args.ubatch,
+                  placements=_placements(args), **_config_kwargs(args))
 
 
 def _default_model() -> str:
-    from . import synth
     return str(synth.cached_model(models_dir(), "tiny", seed=1, n_layer=MAIN_JOB_N_LAYER))
 
 
@@ -305,20 +310,17 @@ def _error_lines(df) -> str:
 
 
 def _workload(args, model: str, variants) -> int:
-    """--workload mixed: bench.MIXED_WORKLOAD in one context per variant, -r rounds, on every device spec."""
+    """--workload mixed: runner.MIXED_WORKLOAD in one context per variant, -r rounds, on every device spec."""
     if args.plan or args.fit:
         raise ConfigError("--workload takes no --plan or --fit yet: run it with --host-experts / -ts")
-    import pandas as pd
-
-    from . import bench
-    dfs = [bench.mixed_workload(cfg, variants=variants, rounds=args.reps) for cfg in _configs(args, model)]
+    dfs = [runner.mixed_workload(cfg, variants=variants, rounds=args.reps) for cfg in _configs(args, model)]
     df = pd.concat(dfs, ignore_index=True) if dfs else pd.DataFrame()
     _check_measured(df)
     cols = [c for c in ("variant", "devices", "test", "avg_ts", "speedup", "re_reservations", "plan_switches",
                         "host_syncs") if c in df.columns]
     rows = json.loads(df.to_json(orient="records"))
     if args.out:
-        bench.RowWriter(Path(args.out)).write(rows)
+        RowWriter(Path(args.out)).write(Row.from_dict(r) for r in rows)
     _emit(args, {"rows": rows},
           df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}") + _error_lines(df))
     return 1 if _failed(df) else 0
@@ -327,22 +329,20 @@ def _workload(args, model: str, variants) -> int:
 def _resumed(args) -> tuple[list, list[str]]:
     """--resume DIR: the sweep's own configs and variants (DIR/sweep.json); other measurement options are refused
     (the sweep keeps the options it started with)."""
-    from . import bench
     plain = build_parser().parse_args([args.cmd, "--resume", str(args.resume)])
     given = [k for k, v in vars(plain).items() if k not in ("json", "resume", "func") and getattr(args, k, v) != v]
     if given:
         flags = ", ".join("MODEL" if k == "model" else "--" + k.replace("_", "-") for k in given)
         raise ConfigError(f"--resume continues a sweep with the options it started with ({args.resume}/"
-                          f"{bench.SWEEP_FILE}); drop {flags}")
+                          f"{runner.SWEEP_FILE}); drop {flags}")
     args.out = args.resume
-    return bench.load_sweep(args.resume)
+    return runner.load_sweep(args.resume)
 
 
 def _interrupted(out: Optional[Path], cmd: str, resumable: bool = True) -> int:
     """Ctrl-C during a sweep: what is kept and how to go on (exit 130, as a shell reports SIGINT)."""
     if out is not None and (Path(out) / "results.jsonl").exists():
-        from . import bench
-        n = len(bench.read_rows(out))
+        n = len(read_rows(out))
         print(f"pyllama-pp: interrupted; the {n} row{'' if n == 1 else 's'} measured so far "
               f"{'is' if n == 1 else 'are'} in {Path(out) / 'results.jsonl'}; "
               + (f"continue with `pyllama-pp {cmd} --resume {out}`" if resumable else "run the rest again (a paired run "
@@ -354,7 +354,6 @@ def _interrupted(out: Optional[Path], cmd: str, resumable: bool = True) -> int:
 
 
 def cmd_run(args) -> int:
-    from . import bench
     if args.resume:
         cfgs, variants = _resumed(args)
     else:
@@ -367,7 +366,7 @@ def cmd_run(args) -> int:
         cfgs, variants = _configs(args, args.model), [args.variant]
         _apply_plans(args, args.model, cfgs, variants)
     try:
-        df = bench.ab(cfgs, variants=variants, out_dir=args.out, progress=not args.json, resume=bool(args.resume))
+        df = runner.ab(cfgs, variants=variants, out_dir=args.out, progress=not args.json, resume=bool(args.resume))
     except KeyboardInterrupt:
         return _interrupted(args.out, "run")
     _check_measured(df)
@@ -376,7 +375,6 @@ def cmd_run(args) -> int:
 
 
 def cmd_ab(args) -> int:
-    from . import bench
     if args.resume:
         cfgs, variants = _resumed(args)
         model = cfgs[0].model
@@ -390,7 +388,7 @@ def cmd_ab(args) -> int:
         placed = args.workload or args.plan or args.tensor_split is not None or args.host_experts != ["all"] \
             or args.ngl != -1
         _fill_defaults(args, (dict(MAIN_JOB, fit=None) if placed else MAIN_JOB) if default else PLAIN)
-        _check_args(args, args.model, list(bench.VARIANTS))
+        _check_args(args, args.model, list(VARIANTS))
         if args.workload and args.paired:
             raise ConfigError("--paired runs the tests (-p/-n) in rounds; --workload has rounds of its own (-r). "
                               "Fix: drop one of them")
@@ -398,25 +396,25 @@ def cmd_ab(args) -> int:
             if args.loads > 1:
                 raise ConfigError("--loads repeats paired rounds (-p/-n); --workload has rounds of its own (-r). "
                                   "Fix: drop --loads")
-            return _workload(args, model, list(bench.VARIANTS))
+            return _workload(args, model, list(VARIANTS))
         if args.loads > 1 and not args.paired:
             raise ConfigError(f"--loads {args.loads} repeats paired rounds with fresh workers. Fix: add --paired N, "
                               "or drop --loads")
-        cfgs, variants = _configs(args, model), list(bench.VARIANTS)
+        cfgs, variants = _configs(args, model), list(VARIANTS)
         _apply_plans(args, model, cfgs, variants)
     out = Path(args.out or Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S"))
     try:
         if args.paired:
-            df = bench.interleaved(cfgs, variants=variants, rounds=args.paired, out_dir=out, progress=not args.json,
+            df = runner.interleaved(cfgs, variants=variants, rounds=args.paired, out_dir=out, progress=not args.json,
                                    loads=args.loads)
         else:
-            df = bench.ab(cfgs, variants=variants, out_dir=out, progress=not args.json, resume=bool(args.resume))
+            df = runner.ab(cfgs, variants=variants, out_dir=out, progress=not args.json, resume=bool(args.resume))
     except KeyboardInterrupt:   # (rows of a paired run come whole, per config; there is no sweep to resume)
         return _interrupted(out, "ab", resumable=not args.paired)
     _check_measured(df)
-    md = bench.markdown(df)
+    md = markdown(df)
     (out / "results.md").write_text(md)
-    png = bench.plot(df, out / "ab.png", title=f"{Path(model).name}: baseline vs patched")
+    png = plot(df, out / "ab.png", title=f"{Path(model).name}: baseline vs patched")
     files = {"jsonl": str(out / "results.jsonl"), "csv": str(out / "results.csv"), "markdown": str(out / "results.md"),
              "plot": str(png) if png else None}
     _emit(args, {"rows": json.loads(df.to_json(orient="records")), "files": files},
@@ -425,8 +423,6 @@ def cmd_ab(args) -> int:
 
 
 def cmd_fit(args) -> int:
-    from .fit import fit, fit_ubatch
-    from .session import ContextParams
     auto = args.ubatch == "auto"
     if not auto and args.batch < args.ubatch:
         raise ConfigError(f"-ub/--ubatch ({args.ubatch}) is larger than -b/--batch ({args.batch}). Fix: -ub <= -b")
@@ -453,8 +449,6 @@ def _margin_arg(s: str) -> list[str]:
 def _apply_plans(args, model: str, cfgs: list, variants: list[str]) -> None:
     """--plan PLAN.json (one plan for every variant) or --fit (each variant's own fit for each config): the
     placement of each variant's run, in place of --host-experts / -ts / -ngl."""
-    from .fit import Plan, fit
-    from .session import ContextParams
     if not (args.plan or args.fit):
         return
     if args.plan and args.fit:
@@ -467,23 +461,21 @@ def _apply_plans(args, model: str, cfgs: list, variants: list[str]) -> None:
                 spec = plan.devices_spec
                 cfg.devices = spec.get("text") if spec.get("text") and not str(spec.get("text")).endswith(".json") \
                     else json.dumps({k: v for k, v in spec.items() if k != "text"})
-            cfg.plans = {v: plan.placement_dict() for v in variants}
-            cfg.ext_params = {**plan.ext_params(), **cfg.ext_params}   # the plan's copies (patched runs only)
-            cfg.host_experts, cfg.tensor_split = "plan", None
+            cfg.plans = {v: plan.placement(args.load_mode, source="plan") for v in variants}
+            cfg.switches = {**plan.switches, **cfg.switches}   # the plan's copies (patched runs only)
             continue
-        n_ctx = cfg.job().ctx.n_ctx
+        n_ctx = cfg.context().n_ctx
         ctx = ContextParams(n_ctx=n_ctx, n_batch=cfg.n_batch, n_ubatch=min(cfg.n_ubatch, cfg.n_batch))
         cfg.plans = {}
         for v in (["patched"] if args.fit == "same" else variants):
             p = fit(model, devices=cfg.devices, ctx=ctx, variant=v, margin=args.margin, env=cfg.env or None)
             if not args.json:
                 print(p, file=sys.stderr)
-            cfg.plans[v] = p.placement_dict()
+            cfg.plans[v] = p.placement(args.load_mode, source="fit")
             if v == "patched":
-                cfg.ext_params = {**p.ext_params(), **cfg.ext_params}
+                cfg.switches = {**p.switches, **cfg.switches}
         if args.fit == "same":
             cfg.plans = {v: cfg.plans["patched"] for v in variants}
-        cfg.host_experts, cfg.tensor_split = "fit" if args.fit == "each" else "fit (patched)", None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -495,7 +487,9 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .synth import EXPERT_TYPES, PRESETS, ROUTING_MODES, WEIGHT_TYPES
+    """The `pyllama-pp` argument parser (every subcommand, with its options and defaults)."""
+    EXPERT_TYPES, PRESETS, ROUTING_MODES, WEIGHT_TYPES = (synth.EXPERT_TYPES, synth.PRESETS, synth.ROUTING_MODES,
+                                                          synth.WEIGHT_TYPES)
     ap = argparse.ArgumentParser(prog="pyllama-pp", description=__doc__)
     ap.add_argument("--version", action="version", version=f"pyllama_pp {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)

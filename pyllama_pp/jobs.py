@@ -1,8 +1,8 @@
 """The contract between the parent and a worker process: one dataclass per kind of job.
 
 A job names the variant that runs it, the model, the devices, the placement and the context, plus what the kind
-needs (tests and repetitions for `bench`, tokens for `logits`, steps for `workload`). The parent builds a job (or
-passes a dict, as scripts and tests do: `Job.from_dict` checks it), `run_job` sends it as JSON, and the worker turns
+needs (tests and repetitions for `measure`, tokens for `logits`, steps for `workload`). The parent builds a job (or
+passes a dict, as scripts and tests do: `Job.from_dict` checks it), `worker.run_job` sends it as JSON, and the worker turns
 it back into the same dataclass before it runs. Unknown kinds and unknown fields are refused on both sides, so a
 misspelled field is an error, not a silently ignored key.
 """
@@ -14,9 +14,19 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union
 
 from .errors import ConfigError
-from .session import ContextParams, Placement
+from .params import ContextParams, Placement, as_context, as_placement
 
 Test = list   # ["pp", n] or ["tg", n] or [kind, n, depth] (llama-bench's -d)
+
+
+def depth_of(test: Test) -> int:
+    """Tokens already in the context before a test ([kind, n] or [kind, n, depth], llama-bench's -d)."""
+    return int(test[2]) if len(test) > 2 else 0
+
+
+def test_name(test: Test) -> str:
+    """A test as llama-bench names it: pp512, tg32, "tg32 @ d1024"."""
+    return f"{test[0]}{int(test[1])}" + (f" @ d{depth_of(test)}" if depth_of(test) else "")
 
 
 @dataclass
@@ -29,11 +39,12 @@ class Job:
     devices: Union[str, dict] = "cpu"                 # a device spec, or its dict form (devices.DeviceSpec.to_dict)
     placement: Placement = field(default_factory=Placement)
     ctx: ContextParams = field(default_factory=ContextParams)
-    ext_params: dict = field(default_factory=dict)   # the patched build's switches, NAME -> value
+    switches: dict = field(default_factory=dict)     # the patched build's switches, NAME -> value
     plan: Optional[dict] = None                       # a fit plan (fit.Plan.to_dict()): devices, placement, context
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        d["placement"], d["ctx"] = self.placement.to_dict(), self.ctx.to_dict()
         d["kind"] = self.kind
         return d
 
@@ -46,7 +57,7 @@ class Job:
         if isinstance(d, Job):
             return dataclasses.replace(d, variant=variant) if variant else d
         d = dict(d)
-        kind = d.pop("kind", "bench")
+        kind = d.pop("kind", "measure")
         cls = KINDS.get(kind)
         if cls is None:
             raise ConfigError(f"unknown job kind {kind!r}; kinds: {', '.join(KINDS)}")
@@ -56,11 +67,18 @@ class Job:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ConfigError(f"a {kind} job has no field(s) {', '.join(unknown)}; its fields: {', '.join(sorted(names))}")
-        if isinstance(d.get("placement"), dict):
-            d["placement"] = Placement(**d["placement"])
-        if isinstance(d.get("ctx"), dict):
-            d["ctx"] = ContextParams(**d["ctx"])
+        if "placement" in d:
+            d["placement"] = as_placement(d["placement"])
+        if "ctx" in d:
+            d["ctx"] = as_context(d["ctx"])
         return cls(**d)
+
+    def load_key(self) -> str:
+        """Jobs with the same key can share one loaded model: the same variant, model, devices, placement, plan and
+        switches (they may differ in context and tests)."""
+        d = self.to_dict()
+        return json.dumps([d[k] for k in ("variant", "model", "devices", "placement", "plan", "switches")],
+                          sort_keys=True, default=str)
 
 
 @dataclass
@@ -91,14 +109,14 @@ class LogitsJob(Job):
 
 
 @dataclass
-class BenchJob(Job):
+class MeasureJob(Job):
     """llama-bench-like tests, each `warmup` untimed runs then `reps` timed runs. With `ctx_list` ([{"ctx", "tests"}])
     the model is loaded once and each entry gets a fresh context."""
 
-    kind: ClassVar[str] = "bench"
+    kind: ClassVar[str] = "measure"
     tests: list = field(default_factory=lambda: [["pp", 512]])
     reps: int = 3
-    warmup: int = 1      # untimed runs of each test first (0: a paired round of bench.interleaved, warmed up before)
+    warmup: int = 1      # untimed runs of each test first (0: a paired round of runner.interleaved, warmed up before)
     seed: int = 0
     coverage: bool = True
     ctx_list: Optional[list] = None
@@ -127,7 +145,7 @@ class FitJob(Job):
 
 @dataclass
 class SoakJob(Job):
-    """The soak (pyllama_pp.soak): `calls` mixed calls in one context with checkpoints every `check_every` calls
+    """The soak job (run by pyllama_pp.soak.run, the soak tool's API): `calls` mixed calls in one context with checkpoints every `check_every` calls
     after `warmup` (0: auto), their logits compared with the reference's in `out` (.npz); with `reference`, only the
     checkpoint recipes, once each, in this fresh session, their logits written to `out`."""
 
@@ -140,9 +158,14 @@ class SoakJob(Job):
     out: Optional[str] = None
 
 
-KINDS: dict[str, type] = {c.kind: c for c in (InfoJob, ScheduleJob, LogitsJob, BenchJob, WorkloadJob, FitJob,
+KINDS: dict[str, type] = {c.kind: c for c in (InfoJob, ScheduleJob, LogitsJob, MeasureJob, WorkloadJob, FitJob,
                                               SoakJob)}
 
 
 def as_job(job: Union[Job, dict, Any], variant: Optional[str] = None) -> Job:
+    """The job `job` describes (a Job, or its dict form), for `variant` when given.
+
+    Raises:
+        ConfigError: for an unknown kind or field, or a bad placement or context.
+    """
     return Job.from_dict(job, variant)

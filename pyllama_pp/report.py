@@ -1,14 +1,9 @@
-"""Reporting: rows on disk (JSONL and CSV, written as they come), llama-bench-like Markdown tables and the A/B plot."""
+"""Reporting: llama-bench-like Markdown tables and the A/B plot, made from a DataFrame of rows (pyllama_pp.row)."""
 from __future__ import annotations
 
-import csv
-import json
 import numbers
-import os
 from pathlib import Path
 from typing import Optional, Union
-
-from .measure import ROW_FIELDS
 
 
 def num(x, fmt: str = "{:.0f}") -> str:
@@ -27,64 +22,6 @@ def fmt_bytes(b) -> str:
         if abs(b) < 1024 or unit == "GiB":
             return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
         b /= 1024
-
-
-class RowWriter:
-    """Appends rows to results.jsonl and results.csv as they come."""
-
-    def __init__(self, out_dir: Optional[Path]):
-        self.out_dir = Path(out_dir) if out_dir else None
-        if self.out_dir:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            self.jsonl = self.out_dir / "results.jsonl"
-            self.csv = self.out_dir / "results.csv"
-            self._csv_started = self.csv.exists() and self.csv.stat().st_size > 0
-
-    def write(self, rows: list[dict]) -> None:
-        if not self.out_dir:
-            return
-        with open(self.jsonl, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r, default=float) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        with open(self.csv, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=ROW_FIELDS, extrasaction="ignore")
-            if not self._csv_started:
-                w.writeheader()
-                self._csv_started = True
-            for r in rows:
-                w.writerow({k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in r.items()})
-
-    def rewrite(self, rows: list[dict]) -> None:
-        """Replace results.jsonl and results.csv with `rows` (a resumed sweep's final set), each file at once."""
-        if not self.out_dir:
-            return
-        for f in (self.jsonl, self.csv):
-            tmp = f.with_name(f.name + ".tmp")
-            tmp.unlink(missing_ok=True)
-        part = RowWriter(None)
-        part.out_dir, part.jsonl, part.csv, part._csv_started = (self.out_dir, self.jsonl.with_name("results.jsonl.tmp"),
-                                                                 self.csv.with_name("results.csv.tmp"), False)
-        part.write(rows)
-        os.replace(part.jsonl, self.jsonl)
-        os.replace(part.csv, self.csv)
-        self._csv_started = True
-
-
-def read_rows(out_dir: Union[str, Path]) -> list[dict]:
-    """The rows of a sweep's results.jsonl (a line torn by a crash mid-write is left out)."""
-    path = Path(out_dir) / "results.jsonl"
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(r, dict):
-                rows.append(r)
-    return rows
 
 
 def markdown(df) -> str:
@@ -135,11 +72,7 @@ def markdown(df) -> str:
             loads_s = f" in {loads:.0f} loads" if isinstance(loads, numbers.Real) and loads == loads and loads > 1 else ""
             sp_s += f" (paired {p['speedup_median']:.3f} [{lo:.3f}, {p['speedup_ci_hi']:.3f}], {p['rounds']:.0f} rounds{loads_s})"
         bound = "" if p is None else ", ".join(filter(None, (num(p.get("bound_ts")), num(p.get("bound_pipe_ts")))))
-        ov = str(ref.get("tensor_buft_overrides") or "")
-        # (a plan's rows carry its overrides, as llama-bench's -ot: the column shows their count; with --fit each
-        # variant's own, so the patched row's)
-        placed = ov.replace("host_experts=", "") if ov.startswith("host_experts=") else \
-            f"plan, {len(ov.split(';')) if ov else 0} overrides"
+        placed = " / ".join(dict.fromkeys(str(r.get("host_experts") or "") for r in (b, p) if r is not None))
         lines.append(
             f"| {ref['devices']} | {placed} | {ref['n_batch']} "
             f"| {ref['n_ubatch']} | {test} | {cov_s} | {ts(b)} | {ts(p)} "
@@ -150,9 +83,9 @@ def markdown(df) -> str:
 
 def plot(df, path: Union[str, Path], title: str = "pyllama_pp A/B") -> Optional[Path]:
     """Bar chart of avg_ts per config/test for both variants (error bars = stddev), with speedups on top."""
-    import matplotlib
+    import matplotlib   # (imported here: only a plot needs it, and it takes a second to import)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # (with matplotlib, above)
 
     ok = df[df["avg_ts"].notna()] if "avg_ts" in df else df
     if ok.empty:

@@ -333,10 +333,13 @@ PP_EXPORT pp_model * pp_model_load(const pp_model_params * p) {
             m->devices.push_back(nullptr);
             mp.devices = m->devices.data();
         }
-        if (p->overrides && *p->overrides) {
-            auto items = split(p->overrides, '\n');
-            m->patterns.reserve(items.size());
-            for (const auto & item : items) {
+        if (p->n_overrides < 0 || (p->n_overrides > 0 && !p->overrides)) {
+            return fail(PP_ERR_ARG, "bad tensor overrides: n_overrides must be >= 0 with that many strings");
+        }
+        if (p->n_overrides > 0) {
+            m->patterns.reserve(p->n_overrides);
+            for (int32_t k = 0; k < p->n_overrides; k++) {
+                const std::string item = p->overrides[k] ? p->overrides[k] : "";
                 size_t eq = item.rfind('=');
                 if (eq == std::string::npos || eq == 0) {
                     return fail(PP_ERR_ARG, "bad tensor override '" + item + "': expected PATTERN=BUFFER_TYPE");

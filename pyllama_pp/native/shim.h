@@ -64,7 +64,8 @@ typedef struct {
     int32_t      main_gpu;
     float        tensor_split[PP_MAX_DEVICES]; // proportions per device (0 = even)
     const char * devices;                      // comma-separated device names in order; "none": CPU only; NULL/"": all
-    const char * overrides;                    // "regex=BUFT" lines separated by newlines; BUFT: CPU or a device name
+    const char * const * overrides;            // n_overrides tensor overrides, "PATTERN=BUFT" each (llama's -ot);
+    int32_t      n_overrides;                  // BUFT: CPU or a device name
     int32_t      load_mode;                    // enum llama_load_mode (0 none = pinned host weights, 1 mmap)
     int32_t      no_host;                      // bypass the host (pinned) buffer type
     int32_t      use_extra_bufts;              // CPU repack buffers

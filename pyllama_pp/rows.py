@@ -1,36 +1,20 @@
-"""Measuring: llama-bench-like rows from a worker's result (tests, counters, bytes per device, expert coverage),
-and the bounds the bytes moved imply.
-
-A row carries llama-bench's fields (test, avg_ts, stddev_ts, n_batch, n_ubatch, ...), the scheduler's facts and the
-machine it ran on; `bench` runs the configurations, `report` turns rows into tables and plots.
-"""
+"""Rows from a worker's result: llama-bench-like fields, the bytes moved per device, the expert coverage, the
+patched scheduler's counters, and the bounds the bytes imply; error rows for runs that failed (pyllama_pp.row owns
+the Row type)."""
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from . import devices as devspec
 from .binding import backend_modules, build_info
-from .worker import depth_of
-
-if TYPE_CHECKING:
-    from .bench import BenchConfig
-
-
-def config_key(cfg: BenchConfig) -> str:
-    """What a config measures (model, devices, placement, batch sizes, tests, reps, switches, environment, label) as a
-    short hash: rows with the same key and variant measure the same thing (`ab(..., resume=True)` reuses them)."""
-    job = cfg.job().to_dict()
-    job.pop("warmup", None)   # (always 1 here; left out so that sweeps written before the field keep their keys)
-    what = [job, cfg.ext_params, cfg.env, cfg.label]
-    return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+from .config import RunConfig, config_key
+from .jobs import depth_of, test_name
+from .row import Row
 
 
 def _env_knobs(extra: dict) -> dict:
@@ -39,20 +23,7 @@ def _env_knobs(extra: dict) -> dict:
     return env
 
 
-ROW_FIELDS = [
-    "variant", "model", "model_size", "model_n_params", "n_expert", "n_expert_used", "devices", "n_gpu_layers",
-    "split_mode", "tensor_split", "tensor_buft_overrides", "load_mode", "n_ctx", "n_batch", "n_ubatch", "test", "n_prompt", "n_gen", "n_depth",
-    "avg_ts", "stddev_ts", "samples_ts", "avg_ns", "speedup", "pipeline_parallel", "n_copies", "n_splits",
-    "experts_used", "coverage", "h2d_bytes", "h2d_bytes_per_device", "link_gbps", "bound_ts", "bound_frac", "bound_pipe_ts", "bound_pipe_frac",
-    "host_syncs", "id_readbacks", "upload_all", "direct_reads", "gathers", "prefetches", "chained", "re_reservations", "plan_switches", "realloc_reason", "realloc_log", "graph_nodes", "host_wait_s", "host_submit_s", "host_sched_s", "staged_bytes_per_device", "gather_bytes_est_per_device", "compute_buffer_bytes", "ring_bytes_per_device", "label", "config_key", "env",
-    "ext_params", "error", "build", "machine", "date",
-    # bench.interleaved: paired rounds (over `loads` model loads), the per-round ratios to the baseline, their median
-    # and its 95% interval
-    "rounds", "loads", "ratios", "speedup_median", "speedup_ci_lo", "speedup_ci_hi",
-]
-
-
-def _link_bound(cfg: BenchConfig, h2d: list[int], n_tokens: int) -> tuple[list[float], float]:
+def link_bound(cfg: RunConfig, h2d: list[int], n_tokens: int) -> tuple[list[float], float]:
     """Per-device link bandwidth (GB/s) and the tokens/s bound the bytes moved imply (links in parallel,
     a shared link carries the bytes of all its devices). VDEVs know their links; other devices take
     cfg.link_gbps (e.g. measured host->GPU bandwidth)."""
@@ -75,7 +46,7 @@ def _link_bound(cfg: BenchConfig, h2d: list[int], n_tokens: int) -> tuple[list[f
     return gbps, (n_tokens / worst if worst > 0 else float("nan"))
 
 
-def _pipe_bound(cfg: BenchConfig, h2d: list[int], gbps: list[float], n_tokens: int,
+def pipe_bound(cfg: RunConfig, h2d: list[int], gbps: list[float], n_tokens: int,
                 link_bound: Optional[float] = None) -> float:
     """The tokens/s bound of a prompt pipelined in ubatches through the devices in order, when each device's
     stage takes the time of its own uploads (bytes / link speed, spread evenly over the ubatches): the first
@@ -90,12 +61,12 @@ def _pipe_bound(cfg: BenchConfig, h2d: list[int], gbps: list[float], n_tokens: i
         return float("nan")
     fill = sum(stages) + (n_ub - 1) * max(stages)
     if link_bound is None:
-        link_bound = _link_bound(cfg, h2d, n_tokens)[1]
+        link_bound = link_bound(cfg, h2d, n_tokens)[1]
     links = n_tokens / link_bound    # busiest link, all its bytes (shared links add up)
     return n_tokens / max(fill, links)
 
 
-def _per_gpu(ext: dict, key: str, reps: int = 1, plus: tuple = ()) -> Optional[list]:
+def per_gpu(ext: dict, key: str, reps: int = 1, plus: tuple = ()) -> Optional[list]:
     """One value per device backend (the CPU left out) from the patched scheduler's per-backend stats, per rep
     (with the keys in `plus` added where the stats have them); None where they do not have `key` (baseline, older
     builds)."""
@@ -105,23 +76,8 @@ def _per_gpu(ext: dict, key: str, reps: int = 1, plus: tuple = ()) -> Optional[l
     return [int((b[key] + sum(b.get(k, 0) for k in plus)) / reps) for b in backends if b["name"] != "CPU"]
 
 
-def ctx_for(n_tokens: int, n_ctx: int = 0) -> int:
-    """n_ctx for runs of up to n_tokens positions: `n_ctx` when set, else n_tokens rounded up to 256 (at least 256)."""
-    return n_ctx or max(256, int(math.ceil(n_tokens / 256.0)) * 256)
-
-
-def nmse(a, b) -> float:
-    """Normalized mean squared error of logits `a` against the reference `b` (float64)."""
-    import numpy as np
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(((a - b) ** 2).sum() / max((b ** 2).sum(), 1e-30))
-
-
-def _test_name(kind: str, n: int, depth: int) -> str:
-    return f"{kind}{n}" + (f" @ d{depth}" if depth else "")   # llama-bench's naming
-
-
-def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> list[dict]:
+def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> list[Row]:
+    """A row per test of a measure job's result `res` for `variant` (counters per run: divided by the reps)."""
     rows = []
     model = res["model"]
     sched = res["schedule"]
@@ -139,22 +95,21 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
             # coverage x tensor bytes) is added, and GATHER's bytes as the device counted them where it does (CUDA's
             # library; prefetches included), else their estimate
             counted = any("gather_bytes" in b for b in ext["backends"])
-            h2d = _per_gpu(ext, "weight_bytes", reps,
+            h2d = per_gpu(ext, "weight_bytes", reps,
                            plus=("direct_bytes_est", "gather_bytes" if counted else "gather_bytes_est")) or []
-        gbps, bound = _link_bound(cfg, h2d, n_tok)
-        pipe = _pipe_bound(cfg, h2d, gbps, n_tok, bound) if t["kind"] == "pp" else float("nan")
+        gbps, bound = link_bound(cfg, h2d, n_tok)
+        pipe = pipe_bound(cfg, h2d, gbps, n_tok, bound) if t["kind"] == "pp" else float("nan")
         avg = statistics.fmean(ts) if ts else float("nan")
         cov = t.get("coverage") or {}
-        plan = cfg.plans.get(variant)   # (--plan / --fit: the variant's placement, overrides as llama-bench's -ot)
-        rows.append({
+        pl = cfg.placement_for(variant)
+        rows.append(Row(**{
             "variant": variant, "model": Path(model["path"]).name, "model_size": model["size_bytes"],
             "model_n_params": model["n_params"], "n_expert": model["n_expert"], "n_expert_used": model["n_expert_used"],
-            "devices": cfg.devices, "n_gpu_layers": plan["n_gpu_layers"] if plan else cfg.n_gpu_layers,
-            "split_mode": "layer", "tensor_split": plan["tensor_split"] if plan else cfg.tensor_split,
-            "tensor_buft_overrides": ";".join(plan["overrides"]) if plan else f"host_experts={cfg.host_experts}",
-            "load_mode": cfg.load_mode,
-            "n_ctx": cfg.job().ctx.n_ctx, "n_batch": cfg.n_batch, "n_ubatch": min(cfg.n_ubatch, cfg.n_batch),
-            "test": _test_name(t["kind"], n_tok, t.get("depth", 0)), "n_prompt": n_tok if t["kind"] == "pp" else 0,
+            "devices": cfg.devices, "n_gpu_layers": pl.n_gpu_layers, "split_mode": pl.split_mode,
+            "tensor_split": list(pl.tensor_split) if pl.tensor_split else None, "host_experts": pl.label,
+            "tensor_buft_overrides": ";".join(pl.all_overrides()), "load_mode": pl.load_mode,
+            "n_ctx": cfg.context().n_ctx, "n_batch": cfg.n_batch, "n_ubatch": min(cfg.n_ubatch, cfg.n_batch),
+            "test": test_name([t["kind"], n_tok, t.get("depth", 0)]), "n_prompt": n_tok if t["kind"] == "pp" else 0,
             "n_gen": n_tok if t["kind"] == "tg" else 0, "n_depth": t.get("depth", 0), "avg_ts": avg,
             "stddev_ts": statistics.stdev(ts) if len(ts) > 1 else 0.0, "samples_ts": ts,
             "avg_ns": int(statistics.fmean(secs) * 1e9) if secs else 0, "speedup": float("nan"),
@@ -183,14 +138,14 @@ def rows_from_result(cfg: BenchConfig, variant: str, res: dict, meta: dict) -> l
                                                                   "stage_wait_us") if k in ext}
                              if "compute_async_us" in ext else None),
             # host-weight bytes that went through pinned staging (pageable host weights; patch 0006)
-            "staged_bytes_per_device": _per_gpu(ext, "staged_bytes", reps),
+            "staged_bytes_per_device": per_gpu(ext, "staged_bytes", reps),
             # GATHER's estimate beside the count the bytes above take where the device counts them (CUDA)
-            "gather_bytes_est_per_device": _per_gpu(ext, "gather_bytes_est", reps),
+            "gather_bytes_est_per_device": per_gpu(ext, "gather_bytes_est", reps),
             "compute_buffer_bytes": [b["compute_buffer_bytes"] for b in sched["backends"]],
             # PREFETCH=2's lanes per device (patch 0009; VRAM outside the compute buffers; a level, not a delta)
-            "ring_bytes_per_device": _per_gpu({"backends": t.get("ext_ring")}, "ring_bytes"),
+            "ring_bytes_per_device": per_gpu({"backends": t.get("ext_ring")}, "ring_bytes"),
             "label": cfg.label, "config_key": config_key(cfg),
-            "ext_params": cfg.ext_params if variant == "patched" else {}, **meta})
+            "switches": cfg.switches if variant == "patched" else {}, **meta}))
     return rows
 
 
@@ -200,15 +155,18 @@ def error_text(e: BaseException) -> str:
     return f"{kind}: {e}"
 
 
-def error_rows(cfg: BenchConfig, variant: str, err: str, meta: dict) -> list[dict]:
-    return [{"variant": variant, "model": Path(cfg.model).name, "devices": cfg.devices, "n_batch": cfg.n_batch,
-             "n_ubatch": cfg.n_ubatch, "tensor_buft_overrides": f"host_experts={cfg.host_experts}",
-             "load_mode": cfg.load_mode, "test": _test_name(t[0], int(t[1]), depth_of(t)), "n_depth": depth_of(t),
-             "avg_ts": float("nan"), "label": cfg.label, "config_key": config_key(cfg), "error": err[:2000], **meta}
+def error_rows(cfg: RunConfig, variant: str, err: str, meta: dict) -> list[Row]:
+    """A row per test of `cfg` for a `variant` run that failed with `err`."""
+    pl = cfg.placement_for(variant)
+    return [Row(variant=variant, model=Path(cfg.model).name, devices=cfg.devices, n_batch=cfg.n_batch,
+                n_ubatch=min(cfg.n_ubatch, cfg.n_batch), host_experts=pl.label,
+                tensor_buft_overrides=";".join(pl.all_overrides()), load_mode=pl.load_mode, test=test_name(t),
+                n_depth=depth_of(t), label=cfg.label, config_key=config_key(cfg), error=err[:2000], **meta)
             for t in cfg.tests]
 
 
-def _meta(cfg: BenchConfig) -> dict:
+def meta(cfg: RunConfig) -> dict:
+    """The row fields that say where and how a config ran: environment knobs, build, machine, date."""
     info = build_info()
     # "cuda": how the package was configured; the CUDA module may also have been dropped into the backends folder
     # afterwards (bench/gpu_run.sh with a carried module): "cuda_module" says whether it is there
@@ -218,7 +176,7 @@ def _meta(cfg: BenchConfig) -> dict:
 
 
 def workload_step_row(st: dict, res: dict) -> dict:
-    """The fields of one step of a worker "workload" result (`res["steps"]`) that every workload table shows."""
+    """The Row fields of one step of a worker "workload" result (`res["steps"]`) that every workload table shows."""
     ext = st.get("ext") or {}
     return {"round": st["round"] + 1, "test": f"r{st['round'] + 1} {st['kind']}{st['n']}",
             "n_prompt": st["n"] if st["kind"] == "pp" else 0, "n_gen": st["n"] if st["kind"] == "tg" else 0,

@@ -1,0 +1,92 @@
+"""The logits check: both variants on one placement, their logits compared (`check_logits`, `pyllama-pp check`).
+
+The patched build must give the baseline's logits for the same placement and batch sizes (NMSE <= 1e-6 on CPU and
+VDEVs; CUDA's kernels are the same in both, so there too). Each variant runs in its own worker process.
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+
+from .errors import ConfigError
+from .jobs import LogitsJob
+from .params import ContextParams, Placement, as_context, as_placement
+from .stats import max_abs_diff, nmse
+from .worker.client import run_job
+
+NMSE_MAX = 1e-6
+
+
+@dataclass
+class LogitsCheck:
+    """Both variants' logits for the same tokens on one placement, compared.
+
+    Fields: the model and devices, n_tokens, nmse (patched against baseline), max_abs_diff, nmse_max (the limit),
+    ok (nmse <= nmse_max), and each variant's schedule facts (pipeline_parallel, n_splits).
+    """
+
+    model: str
+    devices: str
+    placement: str
+    n_tokens: int
+    n_ubatch: int
+    nmse: float
+    max_abs_diff: float
+    nmse_max: float
+    baseline_pipeline_parallel: bool
+    patched_pipeline_parallel: bool
+    patched_n_splits: int
+
+    @property
+    def ok(self) -> bool:
+        """Whether the patched logits match the baseline's (nmse <= nmse_max)."""
+        return self.nmse <= self.nmse_max
+
+    def to_dict(self) -> dict:
+        """The fields and ok, JSON-ready."""
+        return {**asdict(self), "ok": self.ok}
+
+
+def check_logits(model: Union[str, Path], devices: str = "vdev:2x0@0",
+                 placement: Union[Placement, dict, None] = None, ctx: Union[ContextParams, dict, None] = None,
+                 n_tokens: int = 256, seed: int = 0, switches: Optional[dict] = None,
+                 nmse_max: float = NMSE_MAX, timeout: Optional[float] = 600) -> LogitsCheck:
+    """Run both variants on one placement and compare every token's logits.
+
+    Args:
+        model: the GGUF file.
+        devices: a device spec (default: two unthrottled VDEVs).
+        placement: where the weights go (default: every expert in host RAM, the series' case).
+        ctx: the context (default: n_ctx 512, n_batch 256, n_ubatch 64: several ubatches in flight).
+        n_tokens: how many random tokens (from `seed`) are decoded, all with logits.
+        switches: the patched build's switches.
+        nmse_max: the limit on the NMSE.
+    Returns:
+        A LogitsCheck (its `ok` says whether the logits match).
+    Raises:
+        ConfigError: for n_tokens that do not fit in the context; the errors of Session (as WorkerError
+        subclasses) when a variant cannot run.
+    """
+    placement = as_placement(placement if placement is not None else Placement(host_experts="all"))
+    ctx = as_context(ctx if ctx is not None else ContextParams(n_ctx=512, n_batch=256, n_ubatch=64))
+    if not 1 <= n_tokens <= ctx.n_ctx:
+        raise ConfigError(f"n_tokens must be between 1 and n_ctx ({ctx.n_ctx}), not {n_tokens}")
+    got, facts = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in ("baseline", "patched"):
+            out = str(Path(tmp) / f"{v}.npy")
+            job = LogitsJob(variant=v, model=str(model), devices=devices, placement=placement, ctx=ctx,
+                            switches=dict(switches or {}) if v == "patched" else {}, n_tokens=n_tokens, seed=seed,
+                            logits="all", out=out)
+            facts[v] = run_job(job, v, timeout=timeout)["schedule"]
+            got[v] = np.load(out)
+    return LogitsCheck(model=str(model), devices=str(devices), placement=placement.label, n_tokens=n_tokens,
+                       n_ubatch=ctx.n_ubatch, nmse=nmse(got["patched"], got["baseline"]),
+                       max_abs_diff=max_abs_diff(got["patched"], got["baseline"]), nmse_max=nmse_max,
+                       baseline_pipeline_parallel=facts["baseline"]["pipeline_parallel"],
+                       patched_pipeline_parallel=facts["patched"]["pipeline_parallel"],
+                       patched_n_splits=facts["patched"]["n_splits"])

@@ -1,0 +1,154 @@
+"""A/B configurations: one point of the test matrix (`RunConfig`: model, devices, placement, batch sizes, tests,
+switches), crossed like llama-bench's comma-separated values (`expand`), and what decides that two configurations
+measure the same thing (`config_key`) or can share one model load (`load_key`)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from . import devices as devspec
+from .errors import ConfigError
+from .jobs import MeasureJob, depth_of
+from .params import ContextParams, Placement, as_placement, check_int
+
+TEST_KINDS = ("pp", "tg")
+
+
+def ctx_for(n_tokens: int, n_ctx: int = 0) -> int:
+    """n_ctx for runs of up to n_tokens positions: `n_ctx` when set, else n_tokens rounded up to 256 (at least 256)."""
+    return n_ctx or max(256, int(math.ceil(n_tokens / 256.0)) * 256)
+
+
+def check_tests(tests) -> list:
+    """Tests as lists [kind, n] or [kind, n, depth]: kind "pp" or "tg", n >= 1, depth >= 0.
+
+    Raises:
+        ConfigError: naming the test that is not of that form (e.g. "pp512" instead of ["pp", 512]).
+    """
+    if isinstance(tests, (str, bytes)) or not isinstance(tests, (list, tuple)) or not tests:
+        raise ConfigError(f"tests takes a non-empty list of [kind, n] or [kind, n, depth] (e.g. [['pp', 512]]), "
+                          f"not {tests!r}")
+    out = []
+    for t in tests:
+        if not isinstance(t, (list, tuple)) or len(t) not in (2, 3) or t[0] not in TEST_KINDS:
+            raise ConfigError(f"tests: {t!r} is not [kind, n] or [kind, n, depth] with kind pp or tg "
+                              "(e.g. ['pp', 512], ['tg', 32, 1024])")
+        out.append([t[0], check_int(f"tests: {t!r}: n", t[1], 1)] +
+                   ([check_int(f"tests: {t!r}: depth", t[2], 0)] if len(t) == 3 else []))
+    return out
+
+
+@dataclass
+class RunConfig:
+    """One point of the test matrix; both variants run it (the A/B runner, pyllama_pp.runner).
+
+    Args:
+        model: the GGUF file.
+        devices: a device spec (pyllama_pp.devices): "cpu", "cuda:0,1", "vdev:2x768MiB@4GBps", ...
+        n_batch, n_ubatch: llama's batch sizes (n_ubatch above n_batch runs at n_batch).
+        n_ctx: 0: enough for the longest test.
+        placement: where the weights go (default: every expert in host RAM).
+        tests: [kind, n] or [kind, n, depth] each (llama-bench's -p / -n / -d).
+        reps: timed repetitions per test (after one untimed).
+        flash_attn: llama's flash-attention mode.
+        switches: the patched build's switches (GGML_SCHED_PP_*), NAME -> value.
+        env: environment for both variants' workers (e.g. GGML_OP_OFFLOAD_MIN_BATCH).
+        label: a free-form name carried into the rows.
+        link_gbps: each device's host link in GB/s, for devices that do not say (CUDA): gives the rows a bound.
+        shared_link: all devices share one link (one GPU split in two).
+        plans: variant -> Placement from a fit plan (run/ab --plan, --fit); a variant without one runs `placement`.
+    Raises:
+        ConfigError: for tests, batch sizes or link rates out of range.
+        TypeError: for a placement or plan of the wrong type.
+    """
+
+    model: str
+    devices: str = "cpu"
+    n_batch: int = 512
+    n_ubatch: int = 32
+    n_ctx: int = 0
+    placement: Placement = field(default_factory=lambda: Placement(host_experts="all"))
+    tests: list = field(default_factory=lambda: [["pp", 512]])
+    reps: int = 3
+    flash_attn: int = 1
+    switches: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
+    label: str = ""
+    link_gbps: Optional[list] = None
+    shared_link: bool = False
+    plans: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.model = str(self.model)
+        self.devices = str(self.devices)
+        check_int("n_batch", self.n_batch, 1)
+        check_int("n_ubatch", self.n_ubatch, 1)
+        check_int("n_ctx", self.n_ctx, 0)
+        check_int("reps", self.reps, 1)
+        self.tests = check_tests(self.tests)
+        self.placement = as_placement(self.placement)
+        self.plans = {v: as_placement(p) for v, p in self.plans.items()}
+        if not isinstance(self.switches, dict) or not isinstance(self.env, dict):
+            raise ConfigError("switches and env take dicts, NAME -> value")
+        if self.link_gbps is not None:
+            if not isinstance(self.link_gbps, (list, tuple)):
+                raise ConfigError(f"link_gbps takes a list of rates, one per device (e.g. [55, 55]), not {self.link_gbps!r}")
+            rates = [devspec.parse_rate(x) for x in self.link_gbps]
+            if any(r <= 0 for r in rates):
+                raise ConfigError(f"link_gbps: every rate must be > 0, got {self.link_gbps!r}")
+            self.link_gbps = rates
+
+    def placement_for(self, variant: str) -> Placement:
+        """The placement `variant` runs: its plan's, else the configuration's."""
+        return self.plans.get(variant, self.placement)
+
+    def context(self) -> ContextParams:
+        """The context every test of this configuration runs in."""
+        longest = max(int(t[1]) + depth_of(t) for t in self.tests) + 8
+        return ContextParams(n_ctx=ctx_for(longest, self.n_ctx), n_batch=self.n_batch,
+                             n_ubatch=min(self.n_ubatch, self.n_batch), flash_attn=self.flash_attn)
+
+    def job(self, variant: str = "patched", **fields) -> MeasureJob:
+        """The worker job that runs this configuration on `variant` (the switches go to the patched build only)."""
+        return MeasureJob(variant=variant, model=self.model, devices=self.devices, placement=self.placement_for(variant),
+                          ctx=self.context(), tests=[list(t) for t in self.tests], reps=self.reps,
+                          switches=dict(self.switches) if variant == "patched" else {}, **fields)
+
+    def to_dict(self) -> dict:
+        """JSON-ready fields; RunConfig(**d) makes it again."""
+        d = dataclasses.asdict(self)
+        d["placement"] = self.placement.to_dict()
+        d["plans"] = {v: p.to_dict() for v, p in self.plans.items()}
+        return d
+
+
+def expand(model: str, devices: Sequence[str] = ("cpu",), n_batch: Sequence[int] = (512,),
+           n_ubatch: Sequence[int] = (32,), placements: Sequence[Placement] = (Placement(host_experts="all"),),
+           **common) -> list[RunConfig]:
+    """Cross the given lists like llama-bench (pairs with n_ubatch > n_batch left out); `common` goes to every
+    RunConfig."""
+    out = []
+    for dev, nb, nub, pl in itertools.product(devices, n_batch, n_ubatch, placements):
+        if nub > nb:
+            continue
+        out.append(RunConfig(model=model, devices=dev, n_batch=nb, n_ubatch=nub, placement=pl, **common))
+    return out
+
+
+def config_key(cfg: RunConfig) -> str:
+    """What a config measures (model, devices, placements, batch sizes, tests, reps, switches, environment, label) as
+    a short hash: rows with the same key and variant measure the same thing (a resumed sweep reuses them)."""
+    what = [cfg.job().to_dict(), {v: p.to_dict() for v, p in sorted(cfg.plans.items())}, cfg.switches, cfg.env,
+            cfg.label]
+    return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def load_key(cfg: RunConfig) -> str:
+    """Configs with the same key can share one loaded model per variant (they differ only in context and tests)."""
+    return json.dumps([cfg.job().load_key(), {v: p.to_dict() for v, p in sorted(cfg.plans.items())}, cfg.env],
+                      sort_keys=True, default=str)

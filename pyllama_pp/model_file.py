@@ -1,0 +1,57 @@
+"""A model file before any native code reads it: a clear ModelError for a missing, unreadable or damaged GGUF, and
+the facts fit's planner needs from its tensor index."""
+from __future__ import annotations
+
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Union
+
+import gguf
+
+from .errors import ModelError
+from .params import EXPERT_TENSORS
+from .synth import read_gguf_header
+
+
+def check_model_path(path: Union[str, Path]) -> None:
+    """A clear ModelError for a model path that is missing, a folder, unreadable or not a GGUF file."""
+    path = Path(path)
+    if path.is_dir():
+        raise ModelError(f"{path} is a folder, not a model file: give the .gguf file inside it")
+    if not path.is_file():
+        raise ModelError(f"model file not found: {path} (write a synthetic one with `pyllama-pp synth OUT.gguf`)")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelError(f"cannot read {path}: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise ModelError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
+                         "write one with `pyllama-pp synth` or convert your model with llama.cpp's tools")
+    if os.environ.get("PYLLAMA_PP_GGUF_CHECK", "1") != "0":
+        check_gguf_layout(path)
+
+
+def check_gguf_layout(path: Union[str, Path]) -> None:
+    """Read the GGUF's header, metadata and tensor table (not the data) and refuse a damaged one with the reason:
+    a count, length or dimension that cannot fit in the file, a bad type, alignment or offset, a truncated file.
+    llama.cpp checks these too, but says only "failed to load model"; this names what is wrong.
+    (PYLLAMA_PP_GGUF_CHECK=0 leaves it to llama.cpp alone, as bench/fuzz_gguf.py --no-check does.)"""
+    try:
+        read_gguf_header(path)
+    except (ValueError, struct.error, OverflowError, MemoryError, UnicodeError) as e:
+        why = str(e).removeprefix(f"{path}: ").removeprefix("not a valid GGUF file: ")
+        raise ModelError(f"{path} is not a valid GGUF file: {why} (a damaged or truncated file? write one with "
+                         "`pyllama-pp synth` or convert your model with llama.cpp's tools)") from None
+
+
+def expert_bytes_per_layer(model: Union[str, os.PathLike]) -> float:
+    """Bytes of a MoE layer's expert tensors (gate, up, down), the mean over the layers (gguf-py reads the index)."""
+    per_layer: dict = {}
+    for t in gguf.GGUFReader(str(model)).tensors:
+        m = re.fullmatch(rf"blk\.(\d+)\.{EXPERT_TENSORS}\.weight", t.name)
+        if m:
+            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + int(t.n_bytes)
+    return sum(per_layer.values()) / len(per_layer) if per_layer else 0.0

@@ -1,0 +1,257 @@
+"""The parent's side of a worker process: `run_job` (one job, one fresh process) and `ServingWorker` (many jobs, one
+process that keeps a loaded model between measure jobs).
+
+One variant per process (both variants share library names). `run_job(job, variant)` starts
+`python -m pyllama_pp.worker`, sends the job as JSON on stdin and reads one JSON document back. A worker that
+crashes, is killed or times out raises WorkerError (with its exit status and the end of its stderr); the caller
+decides whether that becomes an error row. The worker process itself is pyllama_pp.worker.loop.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from typing import Optional, Union
+
+from ..errors import WorkerError, worker_error
+from ..jobs import Job, as_job
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill a worker and reap it: no worker outlives the call that started it (Ctrl-C, a timeout, any error)."""
+    try:
+        proc.kill()
+    except OSError:
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:   # (SIGKILL cannot be ignored: only a process stuck in the kernel gets here)
+        pass
+
+
+def _last_words(stderr: str) -> str:
+    """The line of a dead worker's stderr that says why: ggml's abort message or an error line, else its last line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    why = [ln for ln in lines if "GGML_ASSERT" in ln or "ggml abort" in ln or "error" in ln.lower() or "fault" in ln]
+    return (why or lines or [""])[-1]
+
+
+def _worker_env(env: Optional[dict]) -> dict:
+    full_env = dict(os.environ)
+    full_env.update({k: str(v) for k, v in (env or {}).items()})
+    full_env.setdefault("PYLLAMA_PP_LOG", "1")
+    # an abort's own message ends the worker's stderr (its last words), not a debugger's backtrace of it
+    full_env.setdefault("GGML_NO_BACKTRACE", "1")
+    full_env["PYLLAMA_PP_PARENT_PID"] = str(os.getpid())
+    return full_env
+
+
+def _died(variant: str, returncode: int, stderr: str) -> WorkerError:
+    how = f"killed by signal {_signal_name(-returncode)}" if returncode < 0 else f"exit code {returncode}"
+    last = _last_words(stderr)
+    return worker_error("WorkerError", f"{variant} worker died ({how}) without a result"
+                        + (f"; its last words: {last[:300]}" if last else ""), returncode, stderr[-2000:])
+
+
+def _answered_error(variant: str, result: dict, code: int, stderr: str) -> WorkerError:
+    """The error a worker answered (its class and its one message, here too); code 4: a bug in pyllama_pp."""
+    kind, msg = str(result.get("type") or "WorkerError"), str(result["error"])
+    if code == 4:
+        msg = f"{variant} worker hit an unexpected error (a bug in pyllama_pp, please report it): {msg}"
+    return worker_error(kind, msg, code, result.get("traceback") or stderr)
+
+
+def run_job(job: Union[Job, dict], variant: str, timeout: Optional[float] = None, env: Optional[dict] = None) -> dict:
+    """Run `job` (a jobs.Job, or a dict that describes one) in a fresh worker process for `variant`; returns the
+    worker's result dict.
+
+    The worker dies with its caller (Linux: PR_SET_PDEATHSIG), does not take SIGINT itself, and a caller
+    interrupted while it waits (Ctrl-C) kills and reaps it before the KeyboardInterrupt goes on."""
+    payload = as_job(job, variant).to_json()   # a malformed job fails here, before a worker starts
+    full_env = _worker_env(env)
+    # SIGINT stays blocked while the worker is made, so that a Ctrl-C cannot land between its fork and the `try`
+    # that kills it; the worker keeps it blocked (the caller decides what a Ctrl-C does: it kills the worker)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    proc = None
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "pyllama_pp.worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env,
+                                # (llama.cpp logs what it read from a file: a damaged GGUF's bytes must not crash this)
+                                encoding="utf-8", errors="replace")
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)   # a Ctrl-C that came meanwhile is raised here
+        try:
+            stdout, stderr = proc.communicate(payload, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            stdout, stderr = proc.communicate()
+            raise worker_error("WorkerError", f"{variant} worker timed out after {timeout:.0f} s (killed)", None,
+                               (stderr or "")[-2000:]) from None
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if proc is not None and proc.returncode is None:
+            _stop(proc)
+    out = stdout.strip().splitlines()
+    result = None
+    if out:
+        try:
+            result = json.loads(out[-1])
+        except json.JSONDecodeError:
+            result = None
+    if isinstance(result, dict) and "error" in result:
+        raise _answered_error(variant, result, proc.returncode, stderr[-2000:])
+    if proc.returncode != 0 or not isinstance(result, dict):
+        raise _died(variant, proc.returncode, stderr)
+    return result
+
+
+class ServingWorker:
+    """A worker process that runs many jobs: `python -m pyllama_pp.worker --serve`, one JSON line per job each
+    way. Bench jobs on the same model, devices, placement and switches share one loaded session (a job with another
+    context gets a fresh context on it); any other job drops it first.
+
+    >>> with ServingWorker("patched", env={"GGML_CUDA_DISABLE_GRAPHS": "1"}) as w:
+    ...     first = w.run(job, timeout=300)      # loads the model
+    ...     again = w.run(job, timeout=60)       # the same session: again["served"]["reused"] is True
+
+    The errors are run_job's: an error the worker answers (the job failed; the worker serves the next one) is raised
+    as that class with WorkerError (exit_code 3, or 4 for a bug); a worker that dies, or does not answer within
+    `timeout` (it is killed then), raises WorkerError and serves no more. `env` and the switches (ext_params) of its
+    first job are fixed for the process: a job with other switches is refused (start another worker). The worker
+    dies with the thread that started it (PR_SET_PDEATHSIG)."""
+
+    def __init__(self, variant: str, env: Optional[dict] = None):
+        self.variant = variant
+        self.env = {k: str(v) for k, v in (env or {}).items()}
+        self._proc: Optional[subprocess.Popen] = None
+        self._lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        self._stderr: collections.deque = collections.deque(maxlen=400)
+        self._threads: list = []
+        self._timed_out = False
+
+    # -- lifetime
+    def start(self) -> "ServingWorker":
+        if self._proc is not None:
+            raise WorkerError(f"this {self.variant} worker was started already")
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})   # (as in run_job: see there)
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", "pyllama_pp.worker", "--serve"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          env=_worker_env(self.env), encoding="utf-8", errors="replace", bufsize=1)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        # both pipes are drained all the time (llama.cpp's log must never fill the stderr pipe and stall the worker)
+        for target in (self._read_stdout, self._read_stderr):
+            t = threading.Thread(target=target, daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def _read_stdout(self) -> None:
+        for line in self._proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _read_stderr(self) -> None:
+        for line in self._proc.stderr:
+            self._stderr.append(line)
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stderr_tail(self, n: int = 2000) -> str:
+        return "".join(self._stderr)[-n:]
+
+    def kill(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            _stop(self._proc)
+
+    def close(self, timeout: float = 30) -> Optional[int]:
+        """End of input: the worker frees its session and exits (killed after `timeout` s); its exit status."""
+        if self._proc is None:
+            return None
+        try:
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(self._proc)
+        for t in self._threads:
+            t.join(timeout=5)
+        return self._proc.returncode
+
+    def __enter__(self) -> "ServingWorker":
+        return self.start() if self._proc is None else self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:   # (Ctrl-C, an error: no waiting for a job in progress)
+            self.kill()
+        self.close()
+
+    # -- jobs
+    def send(self, job: Union[Job, dict]) -> None:
+        """Send one job (checked here first, as run_job does); its answer comes from result()."""
+        payload = as_job(job, self.variant).to_json()
+        if self._proc is None:
+            self.start()
+        try:
+            self._proc.stdin.write(payload + "\n")
+            self._proc.stdin.flush()
+        except (OSError, ValueError):   # (a closed pipe: the worker is gone; result() says how it died)
+            pass
+
+    def result(self, timeout: Optional[float] = None) -> dict:
+        """The answer to the oldest job sent and not yet answered."""
+        if self._proc is None:
+            raise WorkerError(f"this {self.variant} worker was not started")
+        if self._timed_out:
+            self._proc.wait()
+            raise _died(self.variant, self._proc.returncode, self.stderr_tail(100_000))
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            _stop(self._proc)
+            self._timed_out = True   # (an answer that lands now is stale: every later call says the worker died)
+            raise worker_error("WorkerError", f"{self.variant} worker timed out after {timeout:.0f} s (killed)",
+                               None, self.stderr_tail()) from None
+        if line is None:   # EOF: the worker is gone
+            self._lines.put(None)   # (for every later call too)
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                _stop(self._proc)
+            self._threads[1].join(timeout=5)
+            raise _died(self.variant, self._proc.returncode, self.stderr_tail(100_000))
+        try:
+            result = json.loads(line)
+        except json.JSONDecodeError:
+            result = None
+        if not isinstance(result, dict):
+            raise worker_error("WorkerError", f"{self.variant} worker answered something other than a result: "
+                               f"{line.strip()[:200]!r}", None, self.stderr_tail())
+        if "error" in result:
+            raise _answered_error(self.variant, result, result.get("code", 3), self.stderr_tail())
+        return result
+
+    def run(self, job: Union[Job, dict], timeout: Optional[float] = None) -> dict:
+        """send() then result()."""
+        self.send(job)
+        return self.result(timeout)

@@ -1,0 +1,60 @@
+"""Job kind "fit": the variant's common/fit.cpp in this process, its raw result (pyllama_pp.plan makes the Plan)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from ... import binding
+from ... import devices as devspec
+from ...errors import DeviceSpecError
+from ...jobs import FitJob
+from ...params import SPLIT_MODES
+from ...session import register_devices
+
+
+def handle(job: FitJob) -> dict:
+    """Set up the job's devices, run pp_fit, return the raw result.
+
+    Raises:
+        DeviceSpecError: for a spec without accelerator devices.
+    """
+    native = binding.load(job.variant)
+    names = register_devices(native, devspec.parse(job.devices))
+    if names == "none":
+        raise DeviceSpecError("fit needs accelerator devices")
+    return run_fit(native, job.model, names, SPLIT_MODES[job.split_mode], job.ctx, list(job.margins),
+                   int(job.n_ctx_min))
+
+
+def run_fit(native, model: str, dev_names: str, split_mode: int, ctx, margins: list[int], n_ctx_min: int = 0) -> dict:
+    """pp_fit in this process (devices already set up); the raw result as a dict (used by the worker)."""
+    lib, ffi, s = native.lib, native.ffi, native.str
+    keep = [ffi.new("char[]", str(model).encode()), ffi.new("char[]", dev_names.encode())]
+    p = ffi.new("pp_fit_params *")
+    p.path, p.devices, p.split_mode, p.n_ctx_min = keep[0], keep[1], split_mode, n_ctx_min
+    each = margins * 16 if len(margins) == 1 else margins   # (one margin: every device's)
+    for i, m in enumerate(each[:16]):
+        p.margins[i] = int(m)
+    c = ffi.new("pp_context_params *")
+    c.n_ctx, c.n_batch, c.n_ubatch, c.n_seq_max = ctx.n_ctx, ctx.n_batch, ctx.n_ubatch, 1
+    c.n_threads = ctx.n_threads if ctx.n_threads > 0 else max(1, os.cpu_count() or 1)
+    c.flash_attn, c.op_offload, c.offload_kqv = ctx.flash_attn, int(ctx.op_offload), int(ctx.offload_kqv)
+    out = ffi.new("pp_fit_result *")
+    t0 = time.perf_counter()
+    native.check(lib.pp_fit(p, c, out))
+    dt = time.perf_counter() - t0
+
+    def mem(m) -> dict:
+        return {"name": s(m.name), "model_bytes": m.model_bytes, "context_bytes": m.context_bytes,
+                "compute_bytes": m.compute_bytes, "free_bytes": m.free_bytes, "total_bytes": m.total_bytes}
+
+    try:
+        report = json.loads(s(out.report) or "[]")
+    except json.JSONDecodeError:
+        report = []
+    return {"status": out.status, "n_gpu_layers": out.n_gpu_layers, "n_ctx": out.n_ctx, "n_layer": out.n_layer,
+            "n_expert": out.n_expert, "tensor_split": [float(out.tensor_split[i]) for i in range(out.n_devices)],
+            "devices": [mem(out.devices[i]) for i in range(out.n_devices)], "host": mem(out.host),
+            "overrides": [x for x in s(out.overrides).split("\n") if x], "message": s(out.message).strip(),
+            "report": report, "seconds": dt}
