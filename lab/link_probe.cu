@@ -1,4 +1,4 @@
-// Probe: how fast can one GPU read a set of experts out of pinned host memory, by method? (issue 6: the gather
+// Probe: how fast can one GPU read a set of experts out of pinned host memory, by method? (The gather
 // kernels read at 48-51 GB/s while a large cudaMemcpy moves 55 GB/s over the same link; at low coverage the link
 // is the bottleneck, so that gap is the gap to 85% of the bound).
 //
@@ -12,7 +12,7 @@
 // Every method's copy is checked byte for byte against the source for the used experts. Rates are bytes / time of
 // the best of 5 (events on the stream).
 //
-//   nvcc -O3 -arch=sm_90 -std=c++17 -I pyllama_pp/native bench/link_probe.cu -o /tmp/link_probe && /tmp/link_probe [n_used] [device]
+//   nvcc -O3 -arch=sm_90 -std=c++17 -I pyllama_pp/native lab/link_probe.cu -o /tmp/link_probe && /tmp/link_probe [n_used] [device]
 
 #include "gather_cuda_kernels.cuh"
 

@@ -13,6 +13,9 @@ row of the same model and batch sizes.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))   # bench/_common.py
 
 import pandas as pd
 

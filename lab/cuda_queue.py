@@ -2,9 +2,9 @@
 """How many kernels can one host thread queue on a CUDA stream before a launch blocks? And do host->device
 copies from one pinned buffer to two GPUs overlap when one thread issues them? (PyTorch, on the GPU machine.)
 
-Used to explain why one scheduler thread cannot keep two GPUs busy (docs/RESULTS.md): if launches block once
-a stream holds Q pending kernels, a thread that feeds two GPUs in turn is tied to the slower queue.
-  python bench/cuda_queue.py [--out DIR]
+Asked to see whether one scheduler thread can keep two GPUs busy: if launches block once a stream holds Q
+pending kernels, a thread that feeds two GPUs in turn is tied to the slower queue. Writes cuda_queue.json.
+  python lab/cuda_queue.py [--out DIR]   (default bench/out/cuda_queue/)
 """
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from pathlib import Path
 
 
 def main() -> int:
-    import torch
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", type=Path, default=Path("."))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "bench" / "out" / "cuda_queue",
+                    help="output folder (default: bench/out/cuda_queue, git-ignored)")
     args = ap.parse_args()
+    import torch
     res: dict = {"devices": torch.cuda.device_count()}
     torch.cuda.set_device(0)
     s = torch.cuda.Stream(0)
@@ -58,6 +59,7 @@ def main() -> int:
             out[name] = {"GBps": len(devs) * (n // 2) / t / 1e9, "host_s": t_host, "total_s": t}
             print(name, out[name], flush=True)
         res["pinned_h2d_one_thread"] = out
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cuda_queue.json").write_text(json.dumps(res, indent=1))
     return 0
 

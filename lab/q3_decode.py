@@ -10,6 +10,9 @@ call: this is where the patched build must not cost anything.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))   # bench/_common.py
 
 import _common as C
 from pyllama_pp import bench

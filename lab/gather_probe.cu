@@ -2,7 +2,7 @@
 // run beside compute on another stream, or does it take the SMs while it waits on the link?
 //
 // One expert tensor of the 30B preset (128 experts of 2048 x 768 Q8_0: 1671168 bytes each) in pinned host memory,
-// 47 of them used (37%, the skewed rows of docs/RESULTS.md 2g), copied into device memory by
+// 47 of them used (37%, the coverage of the low-coverage rows), copied into device memory by
 //   - copy_used (the default grid: kBlocksPerExpert blocks per expert),
 //   - copy_used_few with N blocks in all (PYLLAMA_PP_GATHER_BLOCKS=N), for
 //     several N;
@@ -13,7 +13,7 @@
 // fully hidden; 0: serial) from the median. Each variant's copy is checked byte for byte (used experts and their tails; unused
 // experts stay zero past the tail of the expert before).
 //
-//   nvcc -O3 -arch=sm_90 -std=c++17 -I pyllama_pp/native bench/gather_probe.cu -o /tmp/gather_probe && /tmp/gather_probe
+//   nvcc -O3 -arch=sm_90 -std=c++17 -I pyllama_pp/native lab/gather_probe.cu -o /tmp/gather_probe && /tmp/gather_probe
 
 #include "gather_cuda_kernels.cuh"
 

@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
-"""Device memory of baseline and patched - docs/RESULTS.md, issue 4.
+"""Device memory of baseline and patched: are the patched build's compute buffers within the baseline's plus
+two expert tensors per device (the transient copies of a pipelined host weight)? Prints one table per model.
 
 Schedule jobs only (no decoding): every expert in host RAM, two unthrottled VDEVs, n_batch = 16 x n_ubatch.
-  python bench/memory_ab.py          the tiny preset with 7 layers (ts 3,5, n_ctx 2304), n_ubatch 32 and 128
-  python bench/memory_ab.py --more   also the small preset (12 layers, ts 6,7) and the qwen3-30b-a3b geometry with
-                                     2 layers (n_batch = 8 x n_ubatch; writes a 1.3 GB model into the cache)
+  python lab/memory_ab.py          the tiny preset with 7 layers (ts 3,5, n_ctx 2304), n_ubatch 32 and 128
+  python lab/memory_ab.py --more   also the small preset (12 layers, ts 6,7) and the qwen3-30b-a3b geometry with
+                                   2 layers (n_batch = 8 x n_ubatch; writes a 1.3 GB model into the cache)
 """
+import argparse
 import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))   # bench/_common.py
 import _common as C
 from pyllama_pp.worker import run_job
 from pyllama_pp import synth
 
 # (the naive change - the gate alone, a device copy of each host weight per graph in flight - and upstream's 4
-# copies were switches of earlier builds: their rows in docs/RESULTS.md were measured with those)
+# copies were switches of earlier builds: the rows in docs/results/history-2026-11.md were measured with those)
 BUILDS = [("baseline", "baseline", {}), ("patched", "patched", {}),
           ("patched, a device copy of the user inputs per graph (EARLY_INPUTS=0)", "patched",
            {"GGML_SCHED_PP_EARLY_INPUTS": "0"})]
@@ -40,10 +44,13 @@ def table(title: str, model: str, cfg, ts, cases, builds=BUILDS) -> str:
     return "\n".join(lines) + "\n"
 
 
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--more", action="store_true", help="also the small preset and the qwen3-30b-a3b geometry")
+args = ap.parse_args()
 tiny = synth.preset("tiny", seed=1, n_layer=C.N_LAYER)
 print(table(f"tiny preset, {C.N_LAYER} layers, ts 3,5", str(C.synth_model()), tiny, [3, 5],
             [(ub, 16 * ub, 2304) for ub in (32, 128)]))
-if "--more" in sys.argv[1:]:
+if args.more:
     small = synth.preset("small", seed=1)
     print(table("small preset, 12 layers, ts 6,7", str(C.synth_model(preset="small", n_layer=small.n_layer)), small,
                 [6, 7], [(ub, 16 * ub, 2304) for ub in (32, 128)]))

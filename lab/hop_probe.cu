@@ -1,5 +1,5 @@
-// Probe: what does a cross-stream event hop cost on the GPU? (issue 6: on 2x H200 the CUDA gathers of one GPU sit
-// ~55 us apart in the timeline of run 34, on both GPUs, even between two gathers with no dependency between them.
+// Probe: what does a cross-stream event hop cost on the GPU? (On 2x H200 the CUDA gathers of one GPU sat ~55 us
+// apart in the gather timeline, on both GPUs, even between two gathers with no dependency between them.
 // Each gather waits on an event recorded on the scheduler's stream (`via`), which itself waits on the gather
 // before: a round trip gather stream -> via -> gather stream.)
 //
@@ -10,7 +10,7 @@
 //   round trip           G: k1, record e1; V: wait e1, record e2; G: wait e2; k2 on G   (the gather's chain)
 // with events created with and without timing.
 //
-//   nvcc -O3 -arch=sm_90 -std=c++17 bench/hop_probe.cu -o /tmp/hop_probe && /tmp/hop_probe
+//   nvcc -O3 -arch=sm_90 -std=c++17 lab/hop_probe.cu -o /tmp/hop_probe && /tmp/hop_probe
 
 #include <cuda_runtime.h>
 
