@@ -2,7 +2,9 @@
 # Build both variants with the shared CUDA module on the GPU machine (no registry there), then run
 # bench/gpu_run.py. Carry: .upstream/upstream.tar.xz (fetch.py --write-trimmed) and .whl/ (cffi, pycparser).
 #   device run, carry [".upstream", ".whl"]:  bash bench/gpu_run.sh [gpu_run.py args]
+#   its arguments: python bench/gpu_run.py --help; PP_* variables: the comments below
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 t0=$(date +%s)
