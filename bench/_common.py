@@ -3,7 +3,8 @@ machine facts, llama-bench-like Markdown tables and bar plots.
 
 Every script runs as `python bench/qN_name.py [--devices SPEC] [--model PATH] [--out DIR] [--reps N] [--quick]`,
 defaults to virtual devices (VDEV) with throttled links, and writes results.jsonl/csv, results.md and a PNG
-into --out (default docs/results/vdev/qN/).
+into --out (default bench/out/qN/, git-ignored; results kept in docs/ are written there with an explicit --out).
+The scripts in lab/ that use these helpers put bench/ on sys.path first.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "bench" / "out"   # every bench/ and lab/ script's default output (git-ignored), never docs/
 if str(REPO) not in sys.path:  # `python bench/qN.py` from anywhere finds the package of this checkout
     sys.path.insert(0, str(REPO))
 
@@ -43,7 +45,7 @@ WORKER_TIMEOUT = 600.0
 # arguments and output folder
 
 def parser(qname: str, doc: str, reps: int) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=f"bench/{qname}.py", description=doc,
+    ap = argparse.ArgumentParser(description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", default=None,
                     help=f"device spec(s), ';'-separated (default: {DEFAULT_DEVICES} and the script's variants of it; "
@@ -54,8 +56,9 @@ def parser(qname: str, doc: str, reps: int) -> argparse.ArgumentParser:
     ap.add_argument("--ts", default=None,
                     help="tensor split, e.g. 3,5 ('' for llama.cpp's default); default 3,5 with the default model, "
                          "llama.cpp's default with --model")
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "vdev" / qname.split("_")[0],
-                    help="output folder (results.jsonl/csv/md and a PNG); old results there are replaced")
+    ap.add_argument("--out", type=Path, default=OUT / qname.split("_")[0],
+                    help=f"output folder (results.jsonl/csv/md and a PNG; default bench/out/{qname.split('_')[0]}); "
+                         "old results there are replaced")
     ap.add_argument("--reps", type=int, default=reps, help=f"timed repetitions per test (default {reps})")
     ap.add_argument("--quick", action="store_true", help="a smaller matrix and one repetition (smoke test)")
     ap.add_argument("--timeout", type=float, default=WORKER_TIMEOUT, help="seconds per worker process")

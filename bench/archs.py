@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Every MoE architecture of the pinned tree, baseline vs patched (issue 24).
+"""Every MoE architecture of the pinned tree, baseline vs patched: same logits, pipelined?
 
 Upstream's own `tests/test-llama-archs.cpp` (in the pinned sdist, not in git here) writes a tiny random model of
 every architecture with `-o DIR`. This script builds it against the pinned tree (its own CMake project, the

@@ -5,10 +5,10 @@ used ones after a routing-id readback per layer?
 Tiny preset with skewed routing (skews 0.15 / 0.3 / 0.5 / 0.8: about 79 / 65 / 46 / 32% of the experts per layer
 per ubatch of 64), two VDEVs with dedicated 0.1 GB/s links (the main job's devices), ts 3,5, pp1024 / ub64;
 the patched build with the default (auto) bar, the old 85% bar and coverage ignored (always upload all), each
-against its own baseline run. Rows into docs/results/vdev/coverage_bar/ (results.jsonl, results.md).
+against its own baseline run. Rows into bench/out/coverage_bar/ (results.jsonl, results.md) unless --out says.
   python bench/coverage_bar.py [--reps N] [--devices SPEC --out DIR]   (e.g. one shared link: "vdev:2x256MiB@0.1GBps,shared")
 --direct adds patch 0008 (DIRECT=2: below the bar the devices read the used experts from pinned host memory, no
-readbacks); its rows go to docs/results/vdev/coverage_bar_direct/ unless --out says otherwise.
+readbacks); its rows go to bench/out/coverage_bar_direct/ unless --out says otherwise.
 """
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ SETTINGS = (("auto bar (default)", {}), ("bar 85% (old)", {"UPLOAD_ALL_MIN_COV":
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=C.REPO / "docs" / "results" / "vdev" / "coverage_bar")
-    ap.add_argument("--devices", default=C.DEFAULT_DEVICES)
+    ap.add_argument("--reps", type=int, default=2, help="timed repetitions per test (default 2)")
+    ap.add_argument("--out", type=Path, default=C.OUT / "coverage_bar",
+                    help="output folder (default bench/out/coverage_bar, or bench/out/coverage_bar_direct with --direct)")
+    ap.add_argument("--devices", default=C.DEFAULT_DEVICES, help=f"device spec (default {C.DEFAULT_DEVICES})")
     ap.add_argument("--direct", action="store_true", help="also the auto bar with DIRECT=2 (patch 0008)")
     args = ap.parse_args()
     settings = SETTINGS + ((("auto bar + DIRECT=2", {"DIRECT": 2}),) if args.direct else ())

@@ -69,7 +69,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--budget", type=float, default=0, help="stop starting rounds after this many seconds")
-    ap.add_argument("--out", default="decode_probe")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "decode_probe"),
+                    help="output folder for decode_probe.json / .md (default bench/out/decode_probe, git-ignored)")
     args = ap.parse_args()
     if args.rounds < 2 or args.rounds % 2:
         ap.error(f"--rounds must be an even number of at least 2 (rounds pair up), got {args.rounds}")

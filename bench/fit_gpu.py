@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Issue 22 on the GPU machine: fit with a memory target that forces about half of the experts to host RAM.
+"""fit on the GPU machine, both variants: does each plan hold in measured memory, and how fast does it run? A memory
+target forces about half of the experts to host RAM.
 
 Steps, each written to --out as soon as it is done (a cut-off call still returns what it measured):
   1. fit time of the preset on VDEVs (patched and baseline), as a user would plan before buying GPUs

@@ -159,7 +159,7 @@ def load_in_worker(path: str, check: bool = True, timeout: float = 60.0) -> "Bas
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iterations", "-n", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-check", action="store_true", help="llama.cpp alone: skip pyllama_pp's GGUF check")

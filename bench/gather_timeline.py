@@ -10,7 +10,7 @@ sat idle - and the gather that ends a gap says what it waited for:
 - `prefetch:gate`: PREFETCH's copy of the gate's last used experts, a split early.
 
 Each gap is given as a sum and as the median gap before that kind (sums hide whether every gap is short or a few
-are long). Where the file has the `queued_ns` column (since session 11), "host lead" is how long before a gather
+are long). Where the file has the `queued_ns` column (files written since the library stamps when the host queued each gather), "host lead" is how long before a gather
 started the host had queued it (the library's CLOCK_REALTIME against the GPU's global timer, the same clock on the
 H200 machine): milliseconds mean the GPU had the work long before it ran, so its gaps were GPU-side waits; near 0
 means the host queued just in time.

@@ -94,7 +94,7 @@ def correctness(model: str, devices: str, out: Path, cases, n_tokens: int = 512,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     ap.add_argument("--budget", type=float, default=480, help="seconds for this script")
     ap.add_argument("--devices", default="cuda")
@@ -103,7 +103,7 @@ def main() -> int:
     ap.add_argument("--preset", default="qwen3-30b-a3b", help="synthetic model preset (tiny: a local smoke test)")
     ap.add_argument("--link-gbps", type=float, default=55.0,
                     help="host->GPU bandwidth per link for the rows' bound (pinned, measured: 54.9 / 55.1 GB/s on the "
-                         "2xH200 box, bench/cuda_queue.py, 2026-11-30)")
+                         "2xH200 box by lab/cuda_queue.py)")
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: correctness (all of it), synth, sweep, "
                                                 "or one correctness case by name (tiny, gather, overlap2, prefetch2)")
     ap.add_argument("--sweep", default="main", help="comma-separated sweep names of bench/sweeps.toml")
@@ -140,7 +140,7 @@ def main() -> int:
             summary["steps"]["correctness_tiny"] = {"error": str(e)}
         save()
 
-    for name, check in CHECKS.items():   # tiny presets of other families (issue 24): one case each
+    for name, check in CHECKS.items():   # tiny presets of the other MoE families: one case each
         if "presets" not in check or "correctness" in skip or name in skip or not wanted(check):
             continue
         rows = []
@@ -198,7 +198,7 @@ def main() -> int:
             prev = block
             # skew 2.0: ~47 of 128 experts a layer at ub512 (37%); 1.0: ~74 (58%, like real models' 56-74%)
             skew = float(block.get("skew", 2.0))
-            if "preset" in block:   # another family's preset (issue 24), `synth` overrides, written once
+            if "preset" in block:   # another family's preset, `synth` overrides, written once
                 skewed = block.get("model") == "skewed"
                 routing = {"routing": "skewed", "skew": skew} if skewed else {"routing": "uniform"}
                 if left(args.budget) < block["est"] + 20:

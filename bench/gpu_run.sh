@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Issue 6: build both variants with the shared CUDA module on the GPU machine (no registry there), then run
+# Build both variants with the shared CUDA module on the GPU machine (no registry there), then run
 # bench/gpu_run.py. Carry: .upstream/upstream.tar.xz (fetch.py --write-trimmed) and .whl/ (cffi, pycparser).
 #   device run, carry [".upstream", ".whl"]:  bash bench/gpu_run.sh [gpu_run.py args]
+#   its arguments: python bench/gpu_run.py --help; PP_* variables: the comments below
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 t0=$(date +%s)
@@ -69,14 +71,14 @@ rm -rf /tmp/res; mkdir -p /tmp/res; cp /tmp/build.log /tmp/gpus.csv /tmp/res/   
 echo "build: $(( $(date +%s) - t0 )) s (including the carried wheels' install), $(date -u '+%Y-%m-%d %H:%M:%S UTC')" > /tmp/res/build_time.txt
 set +e
 if [ "${PP_PROBE:-0}" = 1 ]; then  # CUDA launch-queue depth and one-thread pinned copies to two GPUs
-    (cd /tmp && timeout 90 python3 "$OLDPWD/bench/cuda_queue.py" --out /tmp/res) 2>&1 | tail -20
+    (cd /tmp && timeout 90 python3 "$OLDPWD/lab/cuda_queue.py" --out /tmp/res) 2>&1 | tail -20
 fi
-if [ "${PP_GATHER_PROBE:-0}" = 1 ]; then  # the CUDA gather's kernels beside compute, no model (bench/gather_probe.cu)
+if [ "${PP_GATHER_PROBE:-0}" = 1 ]; then  # the CUDA gather's kernels beside compute, no model (lab/gather_probe.cu)
     NVCC=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
-    "$NVCC" -O3 -arch=sm_90 -std=c++17 -I pyllama_pp/native bench/gather_probe.cu -o /tmp/gather_probe \
+    "$NVCC" -O3 -arch=sm_90 -std=c++17 -I pyllama_pp/native lab/gather_probe.cu -o /tmp/gather_probe \
         && timeout 120 /tmp/gather_probe 2>&1 | tee /tmp/res/gather_probe.txt
 fi
-if [ "${PP_Q6:-0}" = 1 ]; then  # issue 6: re-reservations in a mixed workload (bench/q6 on the GPUs, 30B model)
+if [ "${PP_Q6:-0}" = 1 ]; then  # re-reservations in a mixed workload (bench/q6_reservation.py on the GPUs, 30B model)
     M=/tmp/pp_models/qwen3-30b-a3b-uniform.gguf   # written by gpu_run.py's synth step (the sweeps' model)
     (cd /tmp && python3 "$OLDPWD/bench/gpu_run.py" --out /tmp/res/q6 --skip correctness,sweep --budget 90) | tail -2
     # PP_Q6_REPEAT=N runs it N times, the variants' order alternating (q6, q6-2, ...); PP_Q6_LOGITS=1 also compares
@@ -94,7 +96,7 @@ if [ "${PP_Q6:-0}" = 1 ]; then  # issue 6: re-reservations in a mixed workload (
             --order $order $([ "${PP_Q6_LOGITS:-0}" = 1 ] && echo --logits)) 2>&1 | tail -${PP_Q6_TAIL:-30}
     done
 fi
-if [ -n "${PP_SOAK:-}" ]; then  # issue 25: the soak (bench/soak.py: tiny preset, every expert in host RAM) on CUDA
+if [ -n "${PP_SOAK:-}" ]; then  # the soak (bench/soak.py: tiny preset, every expert in host RAM) on CUDA
     # PP_SOAK holds its arguments, e.g. "--calls 300 --variant both" (--devices cuda: the first two CUDA devices;
     # GGML_CUDA_DEVICES=2 CUDA_VISIBLE_DEVICES=0: one GPU as two); JSON and tables in soak/ of the archive, output
     # in soak.log

@@ -9,6 +9,7 @@
 #
 # The build goes to build/san-<kind> (the normal build tree is left alone) and installs into a venv of its own.
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 san=${1:-address,undefined}
 tag=$(echo "$san" | tr ',' '-')

@@ -252,7 +252,7 @@ def test_device_compute_buffers_stay_small_at_larger_ubatch(runner, tiny_cfg):
 
 @pytest.mark.parametrize("ub", [32, 128])
 def test_memory_bound_with_the_issue_geometry(runner, tiny_cfg, ub):
-    """Issue 4's must-show as bench/memory_ab.py measures it (ts 3,5, n_ctx 2304, n_batch = 16 x n_ubatch): each
+    """Issue 4's must-show as lab/memory_ab.py measures it (ts 3,5, n_ctx 2304, n_batch = 16 x n_ubatch): each
     device's compute buffer <= baseline + 2 x the largest expert tensor. At n_ubatch 128 the second device needs
     one device copy of the user inputs (EARLY_INPUTS, patch 0004): a copy per graph in flight (mostly the KQ
     mask, EARLY_INPUTS=0) takes it over."""
