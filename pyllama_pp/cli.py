@@ -17,6 +17,7 @@ from . import _pin, runner, synth
 from ._version import __version__
 from . import devices as devspec
 from .binding import VARIANTS, available_variants, backend_modules, build_info
+from .check import check_logits
 from .config import expand
 from .devices import FORMS
 from .errors import ConfigError, DeviceSpecError, PyllamaError, UnsupportedError
@@ -442,6 +443,29 @@ def cmd_fit(args) -> int:
     return 0
 
 
+def cmd_check(args) -> int:
+    """Both variants on one placement, every token's logits compared; exit 1 on a mismatch."""
+    model = args.model or _default_model()
+    check_model_path(model)
+    if args.switch:
+        _check_switches(args.switch, ["patched"])
+    switches = {kv.partition("=")[0].upper(): int(kv.partition("=")[2]) for kv in args.switch or []}
+    if args.ubatch > args.batch:
+        raise ConfigError(f"-ub/--ubatch ({args.ubatch}) is larger than -b/--batch ({args.batch}). Fix: -ub <= -b")
+    n_ctx = max(256, -(-args.tokens // 256) * 256)
+    res = check_logits(model, devices=args.devices,
+                       placement=Placement(host_experts=args.host_experts, tensor_split=args.tensor_split),
+                       ctx=ContextParams(n_ctx=n_ctx, n_batch=args.batch, n_ubatch=args.ubatch),
+                       n_tokens=args.tokens, seed=args.seed, switches=switches)
+    pp_b, pp_p = ("on" if x else "off" for x in (res.baseline_pipeline_parallel, res.patched_pipeline_parallel))
+    _emit(args, res.to_dict(),
+          f"{Path(model).name} on {res.devices}, host experts {res.placement}, {res.n_tokens} tokens, "
+          f"n_ubatch {res.n_ubatch} (pipelining baseline {pp_b}, patched {pp_p}, {res.patched_n_splits} splits):\n"
+          f"  patched vs baseline logits: NMSE {res.nmse:.3g}, max abs difference {res.max_abs_diff:.3g} -> "
+          + ("same (NMSE <= %g)" % res.nmse_max if res.ok else "MISMATCH (NMSE > %g)" % res.nmse_max))
+    return 0 if res.ok else 1
+
+
 def _margin_arg(s: str) -> list[str]:
     return [x for x in s.split(",") if x]
 
@@ -597,7 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="GGUF model file")
     p.add_argument("--devices", required=True, help="device spec (forms below); fit needs devices with memory")
     p.add_argument("--variant", default="patched", choices=["patched", "baseline"],
-                   help="whose fit: patched spreads host experts over the devices (patch 0010), baseline is "
+                   help="whose fit: patched spreads host experts over the devices (the series' fit patch), baseline is "
                         "upstream's (default: patched)")
     p.add_argument("-c", "--ctx", type=int, default=4096, metavar="N",
                    help="n_ctx to plan for; 0: fit chooses it (default: 4096)")
@@ -641,6 +665,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "alternating; the interval then resamples whole loads (where each process's memory lands can "
                         "move decode by more than the variants differ)")
     p.set_defaults(func=cmd_ab)
+
+    p = sub.add_parser("check", help="both variants on one placement: are the patched logits the baseline's?",
+                       formatter_class=_HelpFormatter, epilog=epilog)
+    p.add_argument("model", nargs="?", help="GGUF model file (default: the main job's model)")
+    p.add_argument("--devices", default="vdev:2x0@0", help="device spec (default: vdev:2x0@0, two VDEVs; forms below)")
+    p.add_argument("--host-experts", default="all",
+                   help="experts in host RAM: all, none or N (the first N layers) (default: all)")
+    p.add_argument("-ts", "--tensor-split", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                   metavar="A,B", help="layer proportions per device (default: even)")
+    p.add_argument("-b", "--batch", type=_positive, default=256, metavar="N", help="n_batch (default: 256)")
+    p.add_argument("-ub", "--ubatch", type=_positive, default=64, metavar="N", help="n_ubatch (default: 64)")
+    p.add_argument("-n", "--tokens", type=_positive, default=256, metavar="N",
+                   help="random tokens decoded, every one's logits compared (default: 256)")
+    p.add_argument("--seed", type=int, default=0, help="the tokens' seed (default: 0)")
+    p.add_argument("--switch", action="append", metavar="NAME=VALUE", help="a patched scheduler switch, repeatable")
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.set_defaults(func=cmd_check)
     return ap
 
 

@@ -63,7 +63,7 @@ def parse_rate(text: Union[str, int, float]) -> float:
     return v / 1000.0 if m.group(2) in ("mbps", "mb/s") else v
 
 
-# kernels reading pinned host memory (patch 0008's DIRECT) get this share of a VDEV's link: about what the
+# kernels reading pinned host memory (DIRECT) get this share of a VDEV's link: about what the
 # 2xH200 box showed (24-34 of 55 GB/s, docs/results/history-2026-11.md section 2d)
 DEFAULT_DIRECT_READ = 0.5
 

@@ -124,7 +124,7 @@ def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant:
 
     plan = once({})
     if variant == "patched":
-        if plan.devices:   # (one device is pipelined too: patch 0002)
+        if plan.devices:   # (one device is pipelined too, GATE)
             plan = _plan_copies(plan, once, check, env)
         plan.spread_weights = weights
     return check_plan(plan, check)

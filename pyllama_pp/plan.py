@@ -60,7 +60,7 @@ class Plan:
     devices_spec: dict                 # DeviceSpec.to_dict()
     ctx: dict                          # the ContextParams fit planned for (n_ctx as fit chose it)
     status: str                        # success, failure, error
-    path: str                          # "spread" (patch 0010) or "upstream"
+    path: str                          # "spread" (the series' fit) or "upstream"
     reasons: list[str]
     n_gpu_layers: int
     tensor_split: list[float]

@@ -91,7 +91,7 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
         ext = t.get("ext") or {}
         if not h2d and ext.get("backends"):
             # no device counters (CUDA): the patched scheduler's own count of host-weight bytes per device. DIRECT's
-            # kernel reads (patch 0008) and GATHER's device copies (0009) are not in it: DIRECT's estimate (measured
+            # kernel reads (DIRECT) and GATHER's device copies are not in it: DIRECT's estimate (measured
             # coverage x tensor bytes) is added, and GATHER's bytes as the device counted them where it does (CUDA's
             # library; prefetches included), else their estimate
             counted = any("gather_bytes" in b for b in ext["backends"])
@@ -137,12 +137,12 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
             "host_sched_s": ({k[:-3]: ext[k] / 1e6 / reps for k in ("compute_async_us", "alloc_us", "synchronize_us",
                                                                   "stage_wait_us") if k in ext}
                              if "compute_async_us" in ext else None),
-            # host-weight bytes that went through pinned staging (pageable host weights; patch 0006)
+            # host-weight bytes that went through pinned staging (pageable host weights; STAGING)
             "staged_bytes_per_device": per_gpu(ext, "staged_bytes", reps),
             # GATHER's estimate beside the count the bytes above take where the device counts them (CUDA)
             "gather_bytes_est_per_device": per_gpu(ext, "gather_bytes_est", reps),
             "compute_buffer_bytes": [b["compute_buffer_bytes"] for b in sched["backends"]],
-            # PREFETCH=2's lanes per device (patch 0009; VRAM outside the compute buffers; a level, not a delta)
+            # PREFETCH=2's lanes per device (VRAM outside the compute buffers; a level, not a delta)
             "ring_bytes_per_device": per_gpu({"backends": t.get("ext_ring")}, "ring_bytes"),
             "label": cfg.label, "config_key": config_key(cfg),
             "switches": cfg.switches if variant == "patched" else {}, **meta}))

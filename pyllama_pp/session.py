@@ -402,7 +402,7 @@ class Session:
         memory = [{"buft": s(rows[i].buft), "device": s(rows[i].device), "model_bytes": rows[i].model_bytes,
                    "context_bytes": rows[i].context_bytes, "compute_bytes": rows[i].compute_bytes} for i in range(n)]
         return Schedule(self.variant, bool(si.pipeline_parallel), si.n_copies, si.n_splits, backends, memory,
-                        self.ext_stats())
+                        self._ext_stats(ctx))
 
     def schedule_detail(self, n_tokens: Optional[int] = None) -> Schedule:
         """schedule() plus the splits of one real ubatch (device, node count, inputs by kind and size), read from
@@ -450,11 +450,14 @@ class Session:
     def ext_stats(self) -> Optional[dict]:
         """The patched scheduler's counters as a dict (None in the baseline)."""
         self._check_open()
+        return self._ext_stats(self._ctx)
+
+    def _ext_stats(self, ctx: Context) -> Optional[dict]:
         lib, ffi = self.native.lib, self.native.ffi
         if lib.pp_ext_version() <= 0:
             return None
         buf = ffi.new("char[65536]")
-        self.native.check(lib.pp_ext_get_stats_json(self._ctx.handle, buf, 65536))
+        self.native.check(lib.pp_ext_get_stats_json(ctx.handle, buf, 65536))
         stats = json.loads(ffi.string(buf).decode())
         for b in stats.get("backends", []):   # GATHER's bytes where the device counts them (CUDA's library)
             n = lib.pp_gather_counted(b["name"].encode())

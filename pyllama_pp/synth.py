@@ -13,7 +13,7 @@ Routing control
 ---------------
 Random models route most tokens to a few experts (attention averages tokens into a shared
 direction, so the router input stops depending on the token), which hides the expert traffic
-this project is about (see MEASURED.md).  ``SynthConfig.routing`` picks one of three regimes:
+this project is about (the bytes a ubatch moves follow from it).  ``SynthConfig.routing`` picks one of three regimes:
 
 ``"uniform"``  (default) token embeddings at scale 1.0, attention-output (``attn_output``) and
     expert-down (``ffn_down_exps``) weights at scale 0.0005.  Each layer then adds only a tiny
@@ -42,7 +42,7 @@ this project is about (see MEASURED.md).  ``SynthConfig.routing`` picks one of t
     ``preset(..., routing="skewed")`` without a skew uses ``DEFAULT_SKEW`` (1.0).
 ``"natural"``  plain random initialisation: embeddings at 0.02, every matrix at
     ``1/sqrt(fan_in)``.  Attention and expert outputs dominate the residual, so routing
-    concentrates on a minority of experts (the first random model of MEASURED.md).
+    concentrates on a minority of experts (as in a plain random model).
 
 Every scale can be overridden with the ``*_scale`` fields of :class:`SynthConfig` (``None`` = the
 default of the routing mode, see :meth:`SynthConfig.resolved_scales`).  "Scale" is the standard

@@ -110,12 +110,12 @@ unsigned long long * counted_for(gather_stream * g, ggml_backend_dev_t dev) {
     return g->counted_dev + used;
 }
 
-constexpr int kBesideBlocks = 16;   // a gather with compute beside it (OVERLAP=2; run 27: +4.3% / +2.0% over the grid),
+constexpr int kBesideBlocks = 16;   // a gather with compute beside it (OVERLAP=2: leaves the SMs to that compute),
                                     // and every prefetch (always beside compute, whatever PYLLAMA_PP_GATHER_BLOCKS says)
 
 // the copy kernel's blocks: by default kBesideBlocks in all (copy_used_few) where compute may run beside the copy
 // (the scheduler's BESIDE flag, OVERLAP=2), else the grid of kBlocksPerExpert blocks per expert (copy_used: 0; 1-2%
-// faster where nothing runs beside it, runs 27-28); PYLLAMA_PP_GATHER_BLOCKS=N sets N blocks in all for every
+// faster where nothing runs beside it: docs/RESULTS.md); PYLLAMA_PP_GATHER_BLOCKS=N sets N blocks in all for every
 // gather, 0 the grid (gather_cuda_kernels.cuh)
 int copy_blocks(bool beside) {
     static const int n = [] {

@@ -1,4 +1,4 @@
-// The kernels of pyllama_pp's CUDA gather (gather_cuda.cu), shared with its probe (bench/gather_probe.cu).
+// The kernels of pyllama_pp's CUDA gather (gather_cuda.cu), shared with its probe (lab/gather_probe.cu).
 #pragma once
 
 #include "gather_abi.h"
@@ -137,13 +137,11 @@ __global__ void copy_used(char * dst, const char * src, size_t expert, int n_exp
                (size_t) blockIdx.x * blockDim.x + threadIdx.x, (size_t) gridDim.x * blockDim.x);
 }
 
-// grid (N): every block walks every used expert (PYLLAMA_PP_GATHER_BLOCKS=N). copy_used's grid (about 1500 blocks of
-// 256 threads for 47 used experts) takes every SM while it waits on the link: on an H200 (bench/gather_probe.cu, run
-// 27) compute on another stream overlaps it by 0.17, and 8-264 blocks in all by 0.95-1.00 at the same 48-51 GB/s
-// (16 blocks and up). In the model that pays only where a gather has compute beside it - OVERLAP=2's early gathers
-// of up and down: 16 blocks +4.3% / +2.0% at ub512 / ub256 (run 27 against the grid in run 22). Without OVERLAP=2 a
-// gather waits for its own routing ids and its op waits for it, so nothing runs beside it on that GPU, and the grid
-// is 1-2% faster (runs 27-28); 8 blocks are 10% slower, 32 blocks 2-3% (run 27).
+// grid (N): every block walks every used expert (PYLLAMA_PP_GATHER_BLOCKS=N). copy_used's grid takes every SM while
+// it waits on the link, so compute on another stream barely overlaps it; a few blocks in all move the same bytes and
+// leave the SMs to that compute (lab/gather_probe.cu measures both). That pays only where a gather has compute beside
+// it (OVERLAP=2's early gathers of up and down); without it a gather waits for its own routing ids and its op waits
+// for it, and the grid is a little faster (the measurements: docs/results/history-2026-11.md, section 2h).
 __global__ void copy_used_few(char * dst, const char * src, size_t expert, int n_expert, const int * used) {
     const size_t t0     = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
     const size_t stride = (size_t) gridDim.x * blockDim.x;
