@@ -180,10 +180,6 @@ class Plan:
                          tensor_split=tuple(self.tensor_split) if any(self.tensor_split) else None,
                          overrides=tuple(self.tensor_overrides), load_mode=load_mode, source=source)
 
-    def ext_params(self) -> dict:
-        """The patched scheduler's switches this plan was measured with (none for a baseline plan)."""
-        return dict(self.switches) if self.variant == "patched" else {}
-
     def context_params(self) -> ContextParams:
         """The ContextParams fit planned for, with the n_ctx it chose."""
         c = {k: v for k, v in self.ctx.items() if k in ContextParams.__dataclass_fields__}

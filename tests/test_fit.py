@@ -13,8 +13,9 @@ import pytest
 from pyllama_pp import synth
 from pyllama_pp.cli import main as cli_main
 from pyllama_pp.errors import ConfigError, DeviceSpecError, ModelError, OutOfMemoryError
-from pyllama_pp.fit import Plan, PlanError, fit
-from pyllama_pp.session import ContextParams
+from pyllama_pp.fit import fit
+from pyllama_pp.params import ContextParams, Placement
+from pyllama_pp.plan import Plan, PlanError
 from pyllama_pp.worker import run_job
 
 MiB = 1024**2
@@ -152,7 +153,7 @@ def test_the_plan_chooses_the_copies_it_has_room_for(plans):
     assert tight.n_gpu_layers == N_LAYER + 1 and tight.path == "spread"
     _share_ok(tight)
     _within_targets(tight)
-    assert plans("baseline", TWO_EQUAL).switches == {} and plans("baseline", TWO_EQUAL).ext_params() == {}
+    assert plans("baseline", TWO_EQUAL).switches == {}
 
 
 def test_a_switch_the_user_set_is_planned_as_set(model):
@@ -187,7 +188,11 @@ def test_plan_json_round_trip(plans, tmp_path):
     p = plans("patched", TWO_TO_ONE)
     q = Plan.load(p.save(tmp_path / "plan.json"))
     assert q == p and q.to_dict() == p.to_dict()
-    assert q.placement_dict()["overrides"] == p.tensor_overrides
+    pl = q.placement()
+    assert isinstance(pl, Placement) and pl.overrides == tuple(p.tensor_overrides) and pl.source == "plan"
+    assert pl.n_gpu_layers == p.n_gpu_layers and pl.load_mode == "none" and pl.host_experts == "none"
+    assert pl.label == f"plan: {len(p.tensor_overrides)} overrides"
+    assert q.placement(load_mode="mmap", source="fit").label.startswith("fit: ")
     df = q.to_frame()
     assert list(df["host_expert_layers"]) == p.host_expert_layers
     assert "spread" in str(q)
@@ -228,6 +233,8 @@ def test_cli_fit_json_and_run_with_the_plan(model, tmp_path, capsys):
                      "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert rows and all(r.get("pipeline_parallel") for r in rows) and not any(r.get("error") for r in rows)
+    n_ov = len(Plan.load(out).tensor_overrides)
+    assert all(r["host_experts"] == f"plan: {n_ov} overrides" for r in rows), [r["host_experts"] for r in rows]
 
 
 def test_a_plan_over_its_target_is_an_error(tmp_path_factory):
@@ -258,11 +265,15 @@ def test_cli_run_with_fit(model, capsys):
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert rows and all(r.get("pipeline_parallel") for r in rows) and not any(r.get("error") for r in rows)
     assert all(r["tensor_buft_overrides"] and "exps=CPU" in r["tensor_buft_overrides"] for r in rows)   # the plan's
+    # the rows name the placement by where it came from and how many overrides it has
+    assert all(r["host_experts"] == f"fit: {len(r['tensor_buft_overrides'].split(';'))} overrides" for r in rows), \
+        [(r["host_experts"], r["tensor_buft_overrides"]) for r in rows]
 
 
 def test_one_margin_is_every_devices_margin(plans, model):
     """A margin for a spec that names no device count ("cuda": every GPU fit finds) applies to each device found,
-    in the plan and in what fit is given (the fit of 2026-12-02's GPU call failed on it)."""
+    in the plan and in what fit is given (checking one margin against a count of 1 would refuse every GPU found
+    beyond the first)."""
     from pyllama_pp import devices as devspec
     from pyllama_pp.fit import _margins
     assert _margins("1GiB", devspec.parse("cuda")) == [1024**3]
@@ -277,7 +288,7 @@ def test_one_margin_is_every_devices_margin(plans, model):
 @pytest.mark.parametrize("how", ["each", "same"])
 def test_cli_ab_with_fit_at_the_plans_own_memory(model, capsys, how):
     """ab --fit (each variant's own plan) and --fit same (the patched plan for both) on devices with no margin: every
-    run fits the memory its plan measured (a bench job's coverage measurement holds no second context), the baseline
+    run fits the memory its plan measured (a measure job's coverage measurement holds no second context), the baseline
     runs unpipelined, the patched build pipelined with the copies its plan chose, and with --fit same both variants
     run the same layers and overrides."""
     assert cli_main(["ab", model, "--fit", how, "--devices", TWO_EQUAL, "-p", "256", "-n", "0", "-b", "512",
@@ -285,7 +296,7 @@ def test_cli_ab_with_fit_at_the_plans_own_memory(model, capsys, how):
     rows = {r["variant"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert set(rows) == {"baseline", "patched"} and not any(r.get("error") for r in rows.values()), rows
     assert rows["patched"]["pipeline_parallel"] and not rows["baseline"]["pipeline_parallel"]
-    assert rows["patched"]["ext_params"] == {"OVERLAP": 2}, rows["patched"]["ext_params"]   # the plan's copies
+    assert rows["patched"]["switches"] == {"OVERLAP": 2}, rows["patched"]["switches"]   # the plan's copies
     placement = lambda r: (r["n_gpu_layers"], r["tensor_split"], r["tensor_buft_overrides"])
     assert all("exps=CPU" in r["tensor_buft_overrides"] for r in rows.values())
     if how == "same":
@@ -338,7 +349,7 @@ def test_ubatch_auto_refuses_link_rates_it_cannot_use(model):
 def test_expert_bytes_per_layer_counts_every_expert_tensor(tmp_path):
     """gguf-py's names for experts include the shared-expert-channel form (`ffn_*_chexps`): counted like `_exps`."""
     import gguf
-    from pyllama_pp.fit import expert_bytes_per_layer
+    from pyllama_pp.model_file import expert_bytes_per_layer
     w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "qwen3moe")
     for name in ("blk.0.ffn_up_exps.weight", "blk.0.ffn_down_chexps.weight", "blk.0.attn_q.weight"):
         w.add_tensor(name, np.zeros((4, 8), dtype=np.float32))
@@ -349,7 +360,8 @@ def test_expert_bytes_per_layer_counts_every_expert_tensor(tmp_path):
 def test_ubatch_auto_picks_the_fastest_plan_the_bytes_bound_predicts(model):
     """fit_ubatch plans every n_ubatch up to n_ctx (n_batch = 8 of them, within n_ctx); one without a placement is
     out; the one chosen has the highest predicted t/s, and its prediction is the bytes bound of its plan."""
-    from pyllama_pp.fit import expert_bytes_per_layer, fit_ubatch, predicted_ts
+    from pyllama_pp.fit import fit_ubatch, predicted_ts
+    from pyllama_pp.model_file import expert_bytes_per_layer
     ctx = ContextParams(n_ctx=1024, n_batch=256, n_ubatch=128)
     p = fit_ubatch(model, devices=TWO_EQUAL, ctx=ctx, timeout=120)
     tried = {c["n_ubatch"]: c for c in p.ubatch_auto}

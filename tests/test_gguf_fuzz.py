@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from pyllama_pp import ModelError, cli, synth, worker
-from pyllama_pp.session import check_model_path
+from pyllama_pp.model_file import check_model_path
 
 TIMEOUT = 120
 
@@ -109,7 +109,12 @@ def test_damaged_gguf_in_a_worker_and_in_the_cli(tmp_path, original, capsys, mon
 
     def refuse(*a, **k):
         raise AssertionError("a worker was started for a damaged GGUF")
-    monkeypatch.setattr(worker, "run_job", refuse)
+    # every way the CLI can start a worker: run_job where it is imported, and a serving worker's start
+    from pyllama_pp import runner
+    from pyllama_pp.worker import client
+    for mod in (worker, client, cli, runner):
+        monkeypatch.setattr(mod, "run_job", refuse)
+    monkeypatch.setattr(client.ServingWorker, "start", refuse)
     assert cli.main(["run", path]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("pyllama-pp: error: ") and "not a valid GGUF file" in err and "\n" not in err, err

@@ -1,11 +1,13 @@
-"""Pure-Python parts of pyllama_pp.session (no variant is loaded here)."""
+"""Pure-Python placement and context values (pyllama_pp.params; no variant is loaded here)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 
-from pyllama_pp.session import ContextParams, Placement, host_expert_overrides
+from pyllama_pp.errors import ConfigError
+from pyllama_pp.params import ContextParams, Placement, host_expert_overrides
 
 EXPERT_NAMES = ["blk.{i}.ffn_up_exps.weight", "blk.{i}.ffn_down_exps.weight", "blk.{i}.ffn_gate_exps.weight",
                 "blk.{i}.ffn_gate_up_exps.weight"]
@@ -43,9 +45,9 @@ def test_layer_list_does_not_match_other_layers_with_the_same_digits():
 
 
 def test_host_expert_overrides_rejects_bad_values():
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):             # (a ValueError)
         host_expert_overrides("most")
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ConfigError, match=r"up to 6, and the model has layers 0\.\.5"):
         host_expert_overrides([2, 6], n_layer=6)
 
 
@@ -56,3 +58,20 @@ def test_placement_overrides_and_dicts():
     assert _host_layers(ov[:1]) == {0, 1}
     assert Placement(**p.to_dict()) == p
     assert ContextParams(**ContextParams(n_ubatch=16).to_dict()).n_ubatch == 16
+
+
+def test_placement_and_context_are_frozen_and_normalized():
+    """Both values are checked once and cannot change afterwards: a changed copy is made with dataclasses.replace.
+    Equal choices written differently are the same Placement."""
+    p = Placement(host_experts="3", overrides=[r"blk\.5\.attn_q=CPU"], tensor_split=[1, 1])
+    assert p.host_experts == 3 and p.overrides == (r"blk\.5\.attn_q=CPU",) and p.tensor_split == (1.0, 1.0)
+    assert Placement(host_experts=[2, 0]).host_experts == (0, 2)
+    assert Placement(host_experts=0) == Placement(host_experts=None) == Placement(host_experts="none")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.host_experts = "all"
+    c = ContextParams(n_ubatch=16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.n_ubatch = 32
+    assert dataclasses.replace(c, n_ubatch=32).n_ubatch == 32 and c.n_ubatch == 16
+    with pytest.raises(ConfigError, match="cannot exceed n_batch"):
+        dataclasses.replace(c, n_ubatch=4096)

@@ -371,7 +371,7 @@ def test_more_families_load_and_match_the_baseline(tmp_path_factory, name, arch,
     uploads the routed experts only (shared experts, dense layers, routers and attention stay on their layer's device:
     the host holds exactly the *_exps tensors and the token embeddings) and gives the baseline's logits."""
     import re
-    from pyllama_pp.session import EXPERT_TENSORS
+    from pyllama_pp.params import EXPERT_TENSORS
     from pyllama_pp.worker import run_job
     cfg = synth.preset(name, seed=1, **overrides)
     path = synth.cached_model(tmp_path_factory.mktemp(name), name, seed=1, **overrides)
@@ -598,7 +598,7 @@ def test_routing_control_reaches_the_new_families(tmp_path_factory, name):
         h = synth.read_gguf_header(path)
         bias = next(x for x in h["tensors"] if x["name"] in ("blk.1.exp_probs_b.bias", "blk.1.ffn_gate_inp.bias"))
         assert len(np.unique(dequant(path, bias))) == 1
-        r = run_job({"kind": "bench", "model": str(path), "devices": "vdev:2x0@0", "tests": [["pp", 256]], "reps": 1,
+        r = run_job({"kind": "measure", "model": str(path), "devices": "vdev:2x0@0", "tests": [["pp", 256]], "reps": 1,
                      "warmup": 0, "ctx": {"n_ctx": 512, "n_batch": 256, "n_ubatch": 32}}, "baseline", timeout=120)
         used[routing] = r["tests"][0]["coverage"]["experts_used_per_layer_ubatch"]
     E, k = cfg.n_expert, cfg.n_expert_used

@@ -163,23 +163,23 @@ def test_too_many_tokens_for_the_context(runner, variant):
     assert "DecodeError" in msg and "n_ctx" in msg, msg
 
 
-def test_ext_params_need_the_patched_build(runner):
+def test_switches_need_the_patched_build(runner):
     msg = _worker_error(runner, "baseline", {"kind": "schedule", "devices": "cpu",
-                                             "ext_params": {"UPLOAD_ALL": 0}})
+                                             "switches": {"UPLOAD_ALL": 0}})
     assert "UnsupportedError" in msg and "UPLOAD_ALL" in msg, msg
 
 
 def test_unknown_switch_is_refused(runner):
     """ggml_backend_sched_pp_set_param with a name the table does not know returns an error: a ConfigError."""
-    msg = _worker_error(runner, "patched", {"kind": "schedule", "devices": "cpu", "ext_params": {"BOGUS": 1}})
+    msg = _worker_error(runner, "patched", {"kind": "schedule", "devices": "cpu", "switches": {"BOGUS": 1}})
     assert msg.startswith("ConfigError") and "BOGUS" in msg, msg
 
 
 def test_switch_value_out_of_range_is_refused(runner):
     """set_param with a value the switch does not accept (OVERLAP's retired ring, 1) is an error naming the range."""
-    msg = _worker_error(runner, "patched", {"kind": "schedule", "devices": "cpu", "ext_params": {"OVERLAP": 1}})
+    msg = _worker_error(runner, "patched", {"kind": "schedule", "devices": "cpu", "switches": {"OVERLAP": 1}})
     assert msg.startswith("ConfigError") and "OVERLAP=1" in msg and "0,2" in msg, msg
-    msg = _worker_error(runner, "patched", {"kind": "schedule", "devices": "cpu", "ext_params": {"UPLOAD_ALL_MIN_COV": 101}})
+    msg = _worker_error(runner, "patched", {"kind": "schedule", "devices": "cpu", "switches": {"UPLOAD_ALL_MIN_COV": 101}})
     assert msg.startswith("ConfigError") and "UPLOAD_ALL_MIN_COV=101" in msg and "-1..100" in msg, msg
 
 
@@ -230,6 +230,9 @@ def test_malformed_jobs_are_refused_before_a_worker_starts(runner):
         runner.run("baseline", {"kind": "logits", "n_token": 4}, cache=False)
     with pytest.raises(ConfigError, match="n_ubatch"):
         runner.run("baseline", {"kind": "schedule", "ctx": {"n_ubatch": -1}}, cache=False)
+    # the switches field is `switches`: the old name is a misspelled field like any other
+    with pytest.raises(ConfigError, match="a schedule job has no field.*ext_params"):
+        runner.run("patched", {"kind": "schedule", "ext_params": {"OVERLAP": 0}}, cache=False)
 
 
 def test_worker_survives_errors(runner, tmp_path):

@@ -127,7 +127,7 @@ class ServingWorker:
 
     The errors are run_job's: an error the worker answers (the job failed; the worker serves the next one) is raised
     as that class with WorkerError (exit_code 3, or 4 for a bug); a worker that dies, or does not answer within
-    `timeout` (it is killed then), raises WorkerError and serves no more. `env` and the switches (ext_params) of its
+    `timeout` (it is killed then), raises WorkerError and serves no more. `env` and the switches of its
     first job are fixed for the process: a job with other switches is refused (start another worker). The worker
     dies with the thread that started it (PR_SET_PDEATHSIG)."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from ...counters import ext_add, ext_delta, sum_devices
-from ...errors import PyllamaError
+from ...errors import ConfigError, PyllamaError
 from ...jobs import MeasureJob, depth_of
 from ...params import ContextParams
 from .base import open_session, random_tokens

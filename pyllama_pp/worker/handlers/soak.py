@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from ...session import list_devices
 from ...stats import nmse
 from .base import open_session
 
+OFFLOAD_MIN = 32          # VDEV's (and CUDA's) op-offload batch threshold
 MiB = 1024 * 1024
 # batch sizes: below the op-offload threshold, between it and the upload-all bar, above that bar
 SMALL = (1, 1, 1, 2, 3, 5, 8, 16, 31)
