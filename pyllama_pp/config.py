@@ -115,9 +115,10 @@ class RunConfig:
 
     def job(self, variant: str = "patched", **fields) -> MeasureJob:
         """The worker job that runs this configuration on `variant` (the switches go to the patched build only)."""
-        return MeasureJob(variant=variant, model=self.model, devices=self.devices, placement=self.placement_for(variant),
-                          ctx=self.context(), tests=[list(t) for t in self.tests], reps=self.reps,
-                          switches=dict(self.switches) if variant == "patched" else {}, **fields)
+        base = dict(variant=variant, model=self.model, devices=self.devices, placement=self.placement_for(variant),
+                    ctx=self.context(), tests=[list(t) for t in self.tests], reps=self.reps,
+                    switches=dict(self.switches) if variant == "patched" else {})
+        return MeasureJob(**{**base, **fields})
 
     def to_dict(self) -> dict:
         """JSON-ready fields; RunConfig(**d) makes it again."""

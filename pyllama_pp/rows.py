@@ -47,11 +47,11 @@ def link_bound(cfg: RunConfig, h2d: list[int], n_tokens: int) -> tuple[list[floa
 
 
 def pipe_bound(cfg: RunConfig, h2d: list[int], gbps: list[float], n_tokens: int,
-                link_bound: Optional[float] = None) -> float:
+                bound: Optional[float] = None) -> float:
     """The tokens/s bound of a prompt pipelined in ubatches through the devices in order, when each device's
     stage takes the time of its own uploads (bytes / link speed, spread evenly over the ubatches): the first
     ubatch goes through every stage, each later one adds the slowest stage (pipeline fill), and no link can
-    carry more than its bytes. Compute is not in it (see all-on-GPU rows for that). link_bound: _link_bound's
+    carry more than its bytes. Compute is not in it (see all-on-GPU rows for that). bound: link_bound's
     bound for these bytes, when the caller has it."""
     if not h2d or not gbps or min(gbps) <= 0:
         return float("nan")
@@ -60,9 +60,9 @@ def pipe_bound(cfg: RunConfig, h2d: list[int], gbps: list[float], n_tokens: int,
     if not stages:
         return float("nan")
     fill = sum(stages) + (n_ub - 1) * max(stages)
-    if link_bound is None:
-        link_bound = link_bound(cfg, h2d, n_tokens)[1]
-    links = n_tokens / link_bound    # busiest link, all its bytes (shared links add up)
+    if bound is None:
+        bound = link_bound(cfg, h2d, n_tokens)[1]
+    links = n_tokens / bound    # busiest link, all its bytes (shared links add up)
     return n_tokens / max(fill, links)
 
 

@@ -14,29 +14,20 @@ import numpy as np
 import pytest
 
 from pyllama_pp import synth
+from pyllama_pp.stats import max_abs_diff, nmse
 from pyllama_pp.worker import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT = 120.0          # seconds; a tiny-model job takes well under one
-NMSE_MAX = 1e-6              # DESIGN.md: patched vs baseline, CPU vs VDEV
-
-
-def nmse(a: np.ndarray, b: np.ndarray) -> float:
-    """Normalised mean squared error of a against the reference b: sum((a-b)^2) / sum(b^2)."""
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    assert a.shape == b.shape, f"shapes differ: {a.shape} vs {b.shape}"
-    den = float(np.sum(b * b))
-    num = float(np.sum((a - b) ** 2))
-    return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+NMSE_MAX = 1e-6              # the equivalence bound: patched vs baseline, CPU vs VDEV
 
 
 def assert_logits_match(a: np.ndarray, b: np.ndarray, what: str, limit: float = NMSE_MAX) -> None:
-    """NMSE <= limit, with the max abs difference in the message (DESIGN.md: report it)."""
+    """NMSE <= limit, with the max abs difference in the message (NMSE alone can hide one large outlier)."""
     assert a.shape == b.shape, f"{what}: logits shapes differ: {a.shape} vs {b.shape}"
     assert np.all(np.isfinite(a)) and np.all(np.isfinite(b)), f"{what}: non-finite logits"
     err = nmse(a, b)
-    maxabs = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+    maxabs = max_abs_diff(a, b)
     assert err <= limit, f"{what}: NMSE {err:.3e} > {limit:.0e} (max abs diff {maxabs:.3e})"
 
 
@@ -129,12 +120,26 @@ def assert_logits_match_fixture():
 
 @pytest.fixture
 def no_worker(monkeypatch):
-    """Fails the test if a worker would start (the check must happen before)."""
-    from pyllama_pp import worker
+    """Fails the test if a worker would start for a check (the CLI's, fit's, the soak's, the logits check's: the
+    check must happen before). The A/B runner's own measurement workers are left alone: a test may measure first and
+    then check bad input."""
+    import sys
+
+    # (loaded before the patching below: each of these holds its own run_job)
+    import pyllama_pp.check  # noqa: F401
+    import pyllama_pp.cli  # noqa: F401
+    import pyllama_pp.fit  # noqa: F401
+    import pyllama_pp.soak  # noqa: F401
+    from pyllama_pp.worker import client
 
     def refuse(*args, **kwargs):
         raise AssertionError("a worker was started for input that could be checked up front")
-    monkeypatch.setattr(worker, "run_job", refuse)
+    # each module imported run_job by name and holds its own reference to it
+    real = client.run_job
+    for name, mod in list(sys.modules.items()):
+        if (name == "pyllama_pp" or name.startswith("pyllama_pp.")) and name != "pyllama_pp.runner" \
+                and getattr(mod, "run_job", None) is real:
+            monkeypatch.setattr(mod, "run_job", refuse)
 
 
 @pytest.fixture

@@ -12,10 +12,6 @@ from pyllama_pp import DecodeError, DeviceSpecError, cli, worker
 from pyllama_pp.binding import backend_modules
 
 
-
-
-
-
 def _argparse_error(capsys, argv: list[str]) -> str:
     """argparse's own refusal: exit 2, the usage, then one 'error:' line."""
     with pytest.raises(SystemExit) as ei:

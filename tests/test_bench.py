@@ -9,20 +9,24 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pyllama_pp import bench
+from pyllama_pp import report, runner
+from pyllama_pp.config import RunConfig, expand
+from pyllama_pp.counters import ext_delta
+from pyllama_pp.params import Placement
+from pyllama_pp.rows import link_bound, pipe_bound, rows_from_result
 
 
 def _cfgs(model, **kw):
     common = dict(devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["pp", 64]], reps=1, **kw)
-    return [bench.BenchConfig(model=model, label="quick", **common),
+    return [RunConfig(model=model, label="quick", **common),
             # far too long for the timeout below: its worker is killed mid-run
-            bench.BenchConfig(model=model, label="killed", devices="vdev:2x0@0.0001GBps", n_batch=64, n_ubatch=32,
-                              tests=[["pp", 64]], reps=50)]
+            RunConfig(model=model, label="killed", devices="vdev:2x0@0.0001GBps", n_batch=64, n_ubatch=32,
+                      tests=[["pp", 64]], reps=50)]
 
 
 def test_killed_worker_leaves_error_row_and_finished_rows(tiny_model, tmp_path):
     # 4 s: the quick config needs well under one, the killed one far more (two variants: 8 s in all)
-    df = bench.ab(_cfgs(str(tiny_model)), out_dir=tmp_path, progress=False, timeout=4)
+    df = runner.ab(_cfgs(str(tiny_model)), out_dir=tmp_path, progress=False, timeout=4)
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     quick = [r for r in rows if r["label"] == "quick"]
     killed = [r for r in rows if r["label"] == "killed"]
@@ -35,16 +39,16 @@ def test_killed_worker_leaves_error_row_and_finished_rows(tiny_model, tmp_path):
 
 
 def test_speedup_markdown_and_plot(tiny_model, tmp_path):
-    cfg = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=64, n_ubatch=32,
-                            tests=[["pp", 64], ["tg", 4]], reps=1)
-    df = bench.ab([cfg], out_dir=tmp_path, progress=False, timeout=120)
+    cfg = RunConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=64, n_ubatch=32,
+                    tests=[["pp", 64], ["tg", 4]], reps=1)
+    df = runner.ab([cfg], out_dir=tmp_path, progress=False, timeout=120)
     p = df[df.variant == "patched"].set_index("test")
     b = df[df.variant == "baseline"].set_index("test")
     for test in ("pp64", "tg4"):
         assert abs(p.loc[test, "speedup"] - p.loc[test, "avg_ts"] / b.loc[test, "avg_ts"]) < 1e-9
-    md = bench.markdown(df)
+    md = report.markdown(df)
     assert md.count("\n") == 2 + 2 and "pp64" in md and "tg4" in md
-    png = bench.plot(df, tmp_path / "ab.png")
+    png = report.plot(df, tmp_path / "ab.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # llama-bench's column names are there
     for col in ("n_batch", "n_ubatch", "avg_ts", "stddev_ts", "samples_ts", "test", "model", "coverage",
@@ -53,27 +57,28 @@ def test_speedup_markdown_and_plot(tiny_model, tmp_path):
 
 
 def test_expand_crosses_like_llama_bench(tiny_model):
-    cfgs = bench.expand(str(tiny_model), devices=["cpu", "vdev:2x0@0"], n_batch=[64, 128], n_ubatch=[32, 128],
-                        host_experts=["all"])
+    cfgs = expand(str(tiny_model), devices=["cpu", "vdev:2x0@0"], n_batch=[64, 128], n_ubatch=[32, 128],
+                  placements=[Placement(host_experts="all")])
     # ubatch 128 > batch 64 is skipped, as llama-bench skips impossible combinations
     assert len(cfgs) == 2 * 3
     assert all(c.n_ubatch <= c.n_batch for c in cfgs)
+    assert all(c.placement.host_experts == "all" for c in cfgs)
 
 
 def test_grouped_configs_share_one_worker_and_match_separate_runs(tiny_model, tmp_path, monkeypatch):
     """Configs differing only in batch sizes run in one worker per variant (model loaded once); each still
     gets its own schedule, rows and speedup, and an impossible context becomes an error row of its own."""
     calls = []
-    real = bench.run_job
+    real = runner.run_job
 
     def counting(job, variant, **kw):
         calls.append((variant, len(job.ctx_list or [None])))
         return real(job, variant, **kw)
 
-    monkeypatch.setattr(bench, "run_job", counting)
-    cfgs = [bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=nb, n_ubatch=ub,
-                              tests=[["pp", 64]], reps=1, label=f"ub{ub}") for nb, ub in ((64, 16), (64, 64))]
-    df = bench.ab(cfgs, progress=False, timeout=120)
+    monkeypatch.setattr(runner, "run_job", counting)
+    cfgs = [RunConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=nb, n_ubatch=ub,
+                      tests=[["pp", 64]], reps=1, label=f"ub{ub}") for nb, ub in ((64, 16), (64, 64))]
+    df = runner.ab(cfgs, progress=False, timeout=120)
     assert calls == [("baseline", 2), ("patched", 2)]
     assert len(df) == 4 and df.error.isna().all()
     assert sorted(df[df.variant == "patched"].n_ubatch) == [16, 64]
@@ -84,7 +89,7 @@ def test_grouped_configs_share_one_worker_and_match_separate_runs(tiny_model, tm
     assert p.loc[16, "h2d_bytes"] < p.loc[64, "h2d_bytes"]
     assert pd.notna(p.loc[16, "re_reservations"]) and isinstance(p.loc[16, "host_wait_s"], dict)
     calls.clear()
-    sep = bench.ab(cfgs, progress=False, timeout=120, group=False)
+    sep = runner.ab(cfgs, progress=False, timeout=120, group=False)
     assert calls == [("baseline", 1), ("patched", 1)] * 2
     assert list(sep.n_ubatch) == list(df.n_ubatch)
 
@@ -92,7 +97,8 @@ def test_grouped_configs_share_one_worker_and_match_separate_runs(tiny_model, tm
 def test_set_context_changes_batch_sizes_and_keeps_the_model(tiny_model):
     # in its own process: the test process never loads a variant (conftest.py)
     code = f"""
-from pyllama_pp.session import ContextParams, Session
+from pyllama_pp.params import ContextParams
+from pyllama_pp.session import Session
 with Session({str(tiny_model)!r}, ctx=ContextParams(n_ctx=256, n_batch=64, n_ubatch=32), variant="patched") as s:
     a = s.eval(list(range(1, 41)), logits="all").logits
     s.set_context(ContextParams(n_ctx=256, n_batch=64, n_ubatch=8))
@@ -116,32 +122,32 @@ print("ok")
 def test_link_bound_for_devices_that_do_not_know_their_links(tiny_model):
     """CUDA rows get a bound from configured link bandwidths: two links in parallel, or one shared link."""
     h2d = [110_000_000_000, 100_000_000_000]           # bytes per run to each device
-    two = bench.BenchConfig(model=str(tiny_model), devices="cuda", link_gbps=[55.0, 55.0])
-    gbps, bound = bench._link_bound(two, h2d, 4096)
+    two = RunConfig(model=str(tiny_model), devices="cuda", link_gbps=[55.0, 55.0])
+    gbps, bound = link_bound(two, h2d, 4096)
     assert gbps == [55.0, 55.0] and bound == pytest.approx(4096 / (110 / 55.0))
-    shared = bench.BenchConfig(model=str(tiny_model), devices="cuda", link_gbps=[55.0, 55.0], shared_link=True)
-    assert bench._link_bound(shared, h2d, 4096)[1] == pytest.approx(4096 / (210 / 55.0))
-    none = bench.BenchConfig(model=str(tiny_model), devices="cuda")
+    shared = RunConfig(model=str(tiny_model), devices="cuda", link_gbps=[55.0, 55.0], shared_link=True)
+    assert link_bound(shared, h2d, 4096)[1] == pytest.approx(4096 / (210 / 55.0))
+    none = RunConfig(model=str(tiny_model), devices="cuda")
     # with pipeline fill: 8 ubatches of 512, stages of 110/8 and 100/8 GB at 55 GB/s: the first ubatch passes
     # both stages, the 7 others add the slower one
-    two_ub = bench.BenchConfig(model=str(tiny_model), devices="cuda", n_batch=4096, n_ubatch=512, link_gbps=[55.0, 55.0])
+    two_ub = RunConfig(model=str(tiny_model), devices="cuda", n_batch=4096, n_ubatch=512, link_gbps=[55.0, 55.0])
     fill = (110 / 8 + 100 / 8 + 7 * 110 / 8) / 55.0
-    assert bench._pipe_bound(two_ub, h2d, [55.0, 55.0], 4096) == pytest.approx(4096 / fill)
-    assert bench._pipe_bound(two_ub, h2d, [55.0, 55.0], 4096) < bound
+    assert pipe_bound(two_ub, h2d, [55.0, 55.0], 4096) == pytest.approx(4096 / fill)
+    assert pipe_bound(two_ub, h2d, [55.0, 55.0], 4096) < bound
     # one shared link: its 210 GB bind more than the fill does
-    shared_ub = bench.BenchConfig(model=str(tiny_model), devices="cuda", n_batch=4096, n_ubatch=512,
-                                  link_gbps=[55.0, 55.0], shared_link=True)
-    assert bench._pipe_bound(shared_ub, h2d, [55.0, 55.0], 4096) == pytest.approx(4096 / (210 / 55.0))
-    gbps, bound = bench._link_bound(none, h2d, 4096)
+    shared_ub = RunConfig(model=str(tiny_model), devices="cuda", n_batch=4096, n_ubatch=512,
+                          link_gbps=[55.0, 55.0], shared_link=True)
+    assert pipe_bound(shared_ub, h2d, [55.0, 55.0], 4096) == pytest.approx(4096 / (210 / 55.0))
+    gbps, bound = link_bound(none, h2d, 4096)
     assert gbps == [] and bound != bound   # unknown links: no bound (NaN)
-    vdev = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@1GBps")
-    assert bench._link_bound(vdev, h2d, 4096)[1] == pytest.approx(4096 / 110)
+    vdev = RunConfig(model=str(tiny_model), devices="vdev:2x0@1GBps")
+    assert link_bound(vdev, h2d, 4096)[1] == pytest.approx(4096 / 110)
 
 
 def test_cuda_rows_count_direct_reads_and_the_overlap_ring(tiny_model):
     """On CUDA (no device counters) a row's bytes are the scheduler's uploads plus its estimate of DIRECT's reads;
     the direct-read count and PREFETCH=2's lanes (a level, CPU left out) are per row."""
-    cfg = bench.BenchConfig(model=str(tiny_model), devices="cuda", n_batch=4096, n_ubatch=512, link_gbps=[55.0, 55.0])
+    cfg = RunConfig(model=str(tiny_model), devices="cuda", n_batch=4096, n_ubatch=512, link_gbps=[55.0, 55.0])
     backends = [{"name": "CUDA0", "weight_bytes": 2_000, "direct_bytes_est": 6_000},
                 {"name": "CUDA1", "weight_bytes": 4_000, "direct_bytes_est": 0}, {"name": "CPU", "weight_bytes": 0}]
     res = {"model": {"path": "m.gguf", "size_bytes": 1, "n_params": 1, "n_expert": 128, "n_expert_used": 8},
@@ -150,45 +156,44 @@ def test_cuda_rows_count_direct_reads_and_the_overlap_ring(tiny_model):
                       "ext": {"id_readbacks": 2, "upload_all": 0, "direct": 10, "backends": backends},
                       "ext_ring": [{"name": "CUDA0", "ring_bytes": 7}, {"name": "CUDA1", "ring_bytes": 7},
                                    {"name": "CPU", "ring_bytes": 0}]}]}
-    (row,) = bench.rows_from_result(cfg, "patched", res, {})
-    assert row["h2d_bytes_per_device"] == [4_000, 2_000]          # per rep: (uploads + direct estimate) / 2
-    assert row["direct_reads"] == 5 and row["ring_bytes_per_device"] == [7, 7]
+    (row,) = rows_from_result(cfg, "patched", res, {})
+    assert row.h2d_bytes_per_device == [4_000, 2_000]          # per rep: (uploads + direct estimate) / 2
+    assert row.direct_reads == 5 and row.ring_bytes_per_device == [7, 7]
     res["tests"][0].pop("ext_ring")
-    assert bench.rows_from_result(cfg, "patched", res, {})[0]["ring_bytes_per_device"] is None
+    assert rows_from_result(cfg, "patched", res, {})[0].ring_bytes_per_device is None
 
 
 def test_cuda_rows_take_the_gather_bytes_the_device_counted(tiny_model):
     """GATHER on CUDA: where the gather library counts the bytes it read (gather_bytes per backend, prefetches
     included) a row takes them instead of the scheduler's estimate; where no backend has a count, the estimate.
     The deltas between two stats snapshots keep a count that appears only in the later one (the first gather)."""
-    from pyllama_pp.worker import _ext_delta
-    cfg = bench.BenchConfig(model=str(tiny_model), devices="cuda", n_batch=4096, n_ubatch=512, link_gbps=[55.0, 55.0])
+    cfg = RunConfig(model=str(tiny_model), devices="cuda", n_batch=4096, n_ubatch=512, link_gbps=[55.0, 55.0])
     before = {"backends": [{"name": "CUDA0", "weight_bytes": 0, "gather_bytes_est": 0},
                            {"name": "CUDA1", "weight_bytes": 0, "gather_bytes_est": 0}, {"name": "CPU", "weight_bytes": 0}]}
     after = {"backends": [{"name": "CUDA0", "weight_bytes": 1_000, "gather_bytes_est": 8_000, "gather_bytes": 9_000},
                           {"name": "CUDA1", "weight_bytes": 2_000, "gather_bytes_est": 4_000, "gather_bytes": 5_000},
                           {"name": "CPU", "weight_bytes": 0}]}
-    ext = _ext_delta(before, after)
+    ext = ext_delta(before, after)
     assert ext["backends"][0]["gather_bytes"] == 9_000 and "gather_bytes" not in ext["backends"][2]
     res = {"model": {"path": "m.gguf", "size_bytes": 1, "n_params": 1, "n_expert": 128, "n_expert_used": 8},
            "schedule": {"pipeline_parallel": True, "n_copies": 2, "n_splits": 9, "backends": []},
            "tests": [{"kind": "pp", "n": 4096, "seconds": [1.0, 1.0], "devices": [], "ext": ext}]}
-    (row,) = bench.rows_from_result(cfg, "patched", res, {})
-    assert row["h2d_bytes_per_device"] == [5_000, 3_500] and row["gather_bytes_est_per_device"] == [4_000, 2_000]
+    (row,) = rows_from_result(cfg, "patched", res, {})
+    assert row.h2d_bytes_per_device == [5_000, 3_500] and row.gather_bytes_est_per_device == [4_000, 2_000]
     for b in after["backends"]:
         b.pop("gather_bytes", None)
-    res["tests"][0]["ext"] = _ext_delta(before, after)
-    assert bench.rows_from_result(cfg, "patched", res, {})[0]["h2d_bytes_per_device"] == [4_500, 3_000]
+    res["tests"][0]["ext"] = ext_delta(before, after)
+    assert rows_from_result(cfg, "patched", res, {})[0].h2d_bytes_per_device == [4_500, 3_000]
 
 
 def test_tests_at_a_depth_start_after_a_filled_context(tiny_model, tmp_path):
     """llama-bench's -d: [kind, n, depth] first fills the context with `depth` tokens (untimed), then times the test
     right after them. The rows say so (n_depth, "tg4 @ d300"); the KQ mask of a deeper context is larger, so each
     token uploads more bytes than at depth 0."""
-    cfg = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32,
-                            tests=[["tg", 4], ["tg", 4, 300], ["pp", 32, 300]], reps=1)
-    assert cfg.job().ctx.n_ctx >= 332   # room for the depth
-    df = bench.ab([cfg], out_dir=tmp_path, progress=False, timeout=120, variants=["patched"])
+    cfg = RunConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32,
+                    tests=[["tg", 4], ["tg", 4, 300], ["pp", 32, 300]], reps=1)
+    assert cfg.context().n_ctx >= 332 and cfg.job().ctx.n_ctx == cfg.context().n_ctx   # room for the depth
+    df = runner.ab([cfg], out_dir=tmp_path, progress=False, timeout=120, variants=["patched"])
     r = df.set_index("test")
     assert list(r.index) == ["tg4", "tg4 @ d300", "pp32 @ d300"], list(r.index)
     assert list(r["n_depth"]) == [0, 300, 300] and (r["avg_ts"] > 0).all()
@@ -211,7 +216,7 @@ def test_depth_positions_and_clears():
     tokens at d, d+1, ... without clearing; at depth 0, tg keeps its untimed position-0 token (as before)."""
     from types import SimpleNamespace
 
-    from pyllama_pp import worker
+    from pyllama_pp.worker.handlers.measure import run_tests
 
     calls = []
 
@@ -230,7 +235,7 @@ def test_depth_positions_and_clears():
 
     def run(test):
         calls.clear()
-        worker._run_tests(FakeSession(), [test], reps=1, seed=0, coverage=False)
+        run_tests(FakeSession(), [test], reps=1, seed=0, coverage=False)
         return calls[len(calls) // 2:]   # the timed rep (the first is the warm-up)
 
     assert run(["tg", 3, 10]) == [(10, 0, True), (1, 10, False), (1, 11, False), (1, 12, False)]
@@ -240,10 +245,11 @@ def test_depth_positions_and_clears():
 
 
 def test_mixed_workload_rows(tiny_model):
-    """bench.mixed_workload (`pyllama-pp run/ab --workload mixed`): a row per variant and step of each round, the
-    patched build's re-reservations (0: kept plans, patch 0007) and plan switches (the decode steps), speedups."""
-    cfg = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32)
-    df = bench.mixed_workload(cfg, rounds=2, workload=[["pp", 64], ["tg", 2]], timeout=120)
+    """runner.mixed_workload (`pyllama-pp run/ab --workload mixed`): a row per variant and step of each round, the
+    patched build's re-reservations (0: the patched scheduler keeps its plans) and plan switches (the decode steps),
+    speedups."""
+    cfg = RunConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32)
+    df = runner.mixed_workload(cfg, rounds=2, workload=[["pp", 64], ["tg", 2]], timeout=120)
     assert list(df[df.variant == "patched"]["test"]) == ["r1 pp64", "r1 tg2", "r2 pp64", "r2 tg2"]
     assert len(df[df.variant == "baseline"]) == 4 and (df["avg_ts"] > 0).all()
     p = df[df.variant == "patched"].set_index("test")
@@ -268,22 +274,22 @@ def test_cli_workload_option(capsys):
 def test_mixed_workload_rejects_bad_steps_before_any_run(tiny_model):
     """A custom workload or round count that cannot run is a ValueError naming the problem, raised before a
     worker starts."""
-    cfg = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32)
+    cfg = RunConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32)
     for workload, what in (([], "got []"), ([["pp", 0]], "['pp', 0]"), ([["decode", 4]], "decode"),
                            ([["pp", 64, 1]], "['pp', 64, 1]"), ([["tg", 2.5]], "2.5")):
         with pytest.raises(ValueError, match="a workload is") as e:
-            bench.mixed_workload(cfg, workload=workload)
+            runner.mixed_workload(cfg, workload=workload)
         assert what in str(e.value), (workload, str(e.value))
     for rounds in (0, -2, 1.5):
         with pytest.raises(ValueError, match="rounds must be"):
-            bench.mixed_workload(cfg, rounds=rounds, workload=[["pp", 64]])
+            runner.mixed_workload(cfg, rounds=rounds, workload=[["pp", 64]])
 
 
 def test_mixed_workload_without_a_prompt(tiny_model):
     """Decode steps alone start from an empty cache (before, the context size came from the longest prompt and a
     workload without one failed with a bare max() error)."""
-    cfg = bench.BenchConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32)
-    df = bench.mixed_workload(cfg, variants=["baseline"], rounds=2, workload=[["tg", 3]], timeout=120)
+    cfg = RunConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=128, n_ubatch=32)
+    df = runner.mixed_workload(cfg, variants=["baseline"], rounds=2, workload=[["tg", 3]], timeout=120)
     assert list(df["test"]) == ["r1 tg3", "r2 tg3"] and (df["avg_ts"] > 0).all(), df
 
 
@@ -358,7 +364,8 @@ def test_a_closed_session_says_so(tiny_model):
     to create a context on the freed model)."""
     code = f"""
 from pyllama_pp.errors import PyllamaError
-from pyllama_pp.session import ContextParams, Session
+from pyllama_pp.params import ContextParams
+from pyllama_pp.session import Session
 s = Session({str(tiny_model)!r}, ctx=ContextParams(n_ctx=256, n_batch=64, n_ubatch=32))
 s.close()
 calls = [lambda: s.eval([1, 2]), lambda: s.coverage([1, 2], exclusive=True), lambda: s.schedule(),

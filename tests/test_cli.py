@@ -11,11 +11,7 @@ from pathlib import Path
 import pytest
 
 from pyllama_pp import ConfigError, worker
-from pyllama_pp.session import ContextParams, Placement
-
-
-
-
+from pyllama_pp.params import ContextParams, Placement
 
 
 def test_missing_folder_and_non_gguf_models(usage_error, no_worker, tmp_path):
@@ -101,7 +97,7 @@ def test_context_and_placement_params_are_checked_when_made():
     for kwargs in ({"host_experts": "lots"}, {"host_experts": -2}, {"load_mode": "swap"}, {"split_mode": "diag"}):
         with pytest.raises(ConfigError):
             Placement(**kwargs)
-    assert ContextParams(n_batch=64, n_ubatch=64).n_ubatch == 64 and Placement(host_experts="3").host_experts == "3"
+    assert ContextParams(n_batch=64, n_ubatch=64).n_ubatch == 64 and Placement(host_experts="3").host_experts == 3
 
 
 def test_console_script_reports_a_usage_error_in_one_line(tmp_path):

@@ -1,5 +1,5 @@
 """Paired A/B: the serving worker (`python -m pyllama_pp.worker --serve`) keeps its session between jobs and answers a
-broken job without dying; bench.interleaved runs the variants in ABBA rounds and gives the paired speedup's interval."""
+broken job without dying; runner.interleaved runs the variants in ABBA rounds and gives the paired speedup's interval."""
 from __future__ import annotations
 
 import json
@@ -7,15 +7,17 @@ import json
 import numpy as np
 import pytest
 
-from pyllama_pp import bench, cli
+from pyllama_pp import cli, report, runner
+from pyllama_pp.config import RunConfig
 from pyllama_pp.errors import ConfigError, ModelError, WorkerError
+from pyllama_pp.stats import paired_ci, t_quantile
 from pyllama_pp.worker import ServingWorker
 
 CTX = {"n_ctx": 256, "n_batch": 64, "n_ubatch": 32}
 
 
 def _job(model, **kw):
-    return {"kind": "bench", "model": model, "devices": "vdev:2x0@0", "tests": [["tg", 4], ["pp", 32]], "reps": 1,
+    return {"kind": "measure", "model": model, "devices": "vdev:2x0@0", "tests": [["tg", 4], ["pp", 32]], "reps": 1,
             "warmup": 0, "ctx": CTX, **kw}
 
 
@@ -52,7 +54,7 @@ def test_serving_worker_answers_a_broken_job_and_serves_the_next(tiny_model, tmp
         with pytest.raises(ConfigError, match="one JSON object"):
             w.result(timeout=60)
         with pytest.raises(ConfigError, match="switches"):
-            w.run(_job(tiny_model, ext_params={"OVERLAP": 2}), timeout=60)
+            w.run(_job(tiny_model, switches={"OVERLAP": 2}), timeout=60)
         after = w.run(_job(tiny_model), timeout=60)["served"]
         assert after["pid"] == first["pid"] and w.alive
         assert after["loads"] == 2 and not after["reused"]   # (a failed job drops the session: the next loads afresh)
@@ -68,16 +70,16 @@ def test_serving_worker_answers_a_broken_job_and_serves_the_next(tiny_model, tmp
 
 
 def test_paired_ci_numbers():
-    assert bench.paired_ci([1.0] * 8) == (1.0, 1.0, 1.0)
+    assert paired_ci([1.0] * 8) == (1.0, 1.0, 1.0)
     # rounds pair up (AB, BA): geometric means 1.0 (0.9 * 1.111..), 1.3 (1.3 * 1.3); the unmatched fifth is left out
-    med, lo, hi = bench.paired_ci([0.9, 1 / 0.9, 1.3, 1.3, 0.5])
+    med, lo, hi = paired_ci([0.9, 1 / 0.9, 1.3, 1.3, 0.5])
     assert med == pytest.approx(1.15) and lo == pytest.approx(1.0) and hi == pytest.approx(1.3)
-    assert bench.paired_ci([0.9, 1 / 0.9, 1.3, 1.3, 0.5]) == (med, lo, hi)   # a fixed seed
+    assert paired_ci([0.9, 1 / 0.9, 1.3, 1.3, 0.5]) == (med, lo, hi)   # a fixed seed
     # 40 rounds of a 3% gain with 1% noise per round: the interval excludes 1.00 and is well under 2% wide
     r = 1.03 + 0.01 * np.random.default_rng(5).standard_normal(40)
-    med, lo, hi = bench.paired_ci(r)
+    med, lo, hi = paired_ci(r)
     assert 1.0 < lo <= med <= hi and hi - lo < 0.02
-    assert all(x != x for x in bench.paired_ci([])) and all(x != x for x in bench.paired_ci([1.1]))
+    assert all(x != x for x in paired_ci([])) and all(x != x for x in paired_ci([1.1]))
 
 
 def test_paired_ci_cancels_an_order_effect():
@@ -86,7 +88,7 @@ def test_paired_ci_cancels_an_order_effect():
     on either side); an odd number of rounds does not tip it either."""
     g = np.random.default_rng(7)
     r = [(0.92 if k % 2 == 0 else 1 / 0.92) * (1 + 0.002 * g.standard_normal()) for k in range(41)]
-    med, lo, hi = bench.paired_ci(r)
+    med, lo, hi = paired_ci(r)
     assert lo <= 1.0 <= hi and hi - lo < 0.01 and abs(med - 1.0) < 0.003
     assert abs(float(np.median(r)) - 1.0) > 0.05   # (what the per-round median would have said)
 
@@ -107,10 +109,10 @@ def started(monkeypatch) -> list:
 
 def test_t_quantile_matches_the_tables():
     for df, want in ((1, 12.7062), (2, 4.3027), (4, 2.7764), (10, 2.2281), (30, 2.0423)):
-        assert bench.t_quantile(0.975, df) == pytest.approx(want, abs=1e-4)
-    assert bench.t_quantile(0.05, 3) == pytest.approx(-2.3534, abs=1e-4)
+        assert t_quantile(0.975, df) == pytest.approx(want, abs=1e-4)
+    assert t_quantile(0.05, 3) == pytest.approx(-2.3534, abs=1e-4)
     with pytest.raises(ValueError):
-        bench.t_quantile(1.0, 3)
+        t_quantile(1.0, 3)
 
 
 def test_paired_ci_counts_each_load_once():
@@ -121,17 +123,17 @@ def test_paired_ci_counts_each_load_once():
     offs = [1.03, 0.97, 1.02, 0.98]
     r = [offs[k] * (1 + 0.002 * g.standard_normal()) for k in range(4) for _ in range(10)]
     groups = [k for k in range(4) for _ in range(10)]
-    med, lo, hi = bench.paired_ci(r, groups=groups)
+    med, lo, hi = paired_ci(r, groups=groups)
     meds = np.log([np.median(np.sqrt(np.array(r[10 * k:10 * k + 10:2]) * np.array(r[10 * k + 1:10 * k + 10:2])))
                    for k in range(4)])
-    half = bench.t_quantile(0.975, 3) * meds.std(ddof=1) / 2
+    half = t_quantile(0.975, 3) * meds.std(ddof=1) / 2
     assert (med, lo, hi) == pytest.approx((np.exp(meds.mean()), np.exp(meds.mean() - half), np.exp(meds.mean() + half)))
-    _, lo1, hi1 = bench.paired_ci(r)
+    _, lo1, hi1 = paired_ci(r)
     assert lo <= 1.0 <= hi and hi - lo > 2 * (hi1 - lo1)
     # odd rounds per load: the last of each load is left out rather than paired with the next load's first
-    assert bench.paired_ci([1.0, 1.0, 2.0, 1.0, 1.0, 2.0], groups=[0, 0, 0, 1, 1, 1]) == (1.0, 1.0, 1.0)
+    assert paired_ci([1.0, 1.0, 2.0, 1.0, 1.0, 2.0], groups=[0, 0, 0, 1, 1, 1]) == (1.0, 1.0, 1.0)
     with pytest.raises(ValueError, match="label every round"):
-        bench.paired_ci([1.0, 1.0], groups=[0])
+        paired_ci([1.0, 1.0], groups=[0])
 
 
 def test_paired_ci_over_three_loads_covers_at_its_level():
@@ -142,7 +144,7 @@ def test_paired_ci_over_three_loads_covers_at_its_level():
     for _ in range(300):
         r = [np.exp(off) * (1 + 0.003 * g.standard_normal())
              for off in 0.02 * g.standard_normal(3) for _ in range(16)]
-        _, lo, hi = bench.paired_ci(r, groups=[k for k in range(3) for _ in range(16)])
+        _, lo, hi = paired_ci(r, groups=[k for k in range(3) for _ in range(16)])
         hits += lo <= 1.0 <= hi
     assert 0.90 <= hits / 300 <= 0.99, hits
 
@@ -150,8 +152,8 @@ def test_paired_ci_over_three_loads_covers_at_its_level():
 def test_interleaved_loads_start_fresh_workers_in_alternating_order(tiny_model, started):
     """loads=2: the workers are started for every load of every config, the second load's in the other order (which
     also runs first in that load's round 0); rows pool every load's rounds and say how many loads."""
-    cfg = bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["tg", 2]])
-    df = bench.interleaved(cfg, rounds=2, loads=2, progress=False, timeout=60)
+    cfg = RunConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["tg", 2]])
+    df = runner.interleaved(cfg, rounds=2, loads=2, progress=False, timeout=60)
     assert started == ["baseline", "patched", "patched", "baseline"]
     assert df.attrs["order"] == [[0, -1, "baseline"], [0, -1, "patched"], [0, 0, "baseline"], [0, 0, "patched"],
                                  [0, 1, "patched"], [0, 1, "baseline"],
@@ -161,14 +163,14 @@ def test_interleaved_loads_start_fresh_workers_in_alternating_order(tiny_model, 
     assert (df["rounds"] == 4).all() and (df["loads"] == 2).all()
     assert len(rows.loc["patched", "ratios"]) == 4 and rows.loc["patched", "speedup_ci_lo"] <= \
         rows.loc["patched", "speedup_median"] <= rows.loc["patched", "speedup_ci_hi"]
-    assert "in 2 loads" in bench.markdown(df)
+    assert "in 2 loads" in report.markdown(df)
     started.clear()   # a second config (the same workers' key): fresh workers for its first load too
-    cfg2 = bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=16, tests=[["tg", 2]])
-    df = bench.interleaved([cfg, cfg2], rounds=2, loads=2, progress=False, timeout=60)
+    cfg2 = RunConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=16, tests=[["tg", 2]])
+    df = runner.interleaved([cfg, cfg2], rounds=2, loads=2, progress=False, timeout=60)
     assert started == ["baseline", "patched", "patched", "baseline"] * 2 and df.error.isna().all()
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="loads must be"):
-            bench.interleaved(cfg, rounds=2, loads=bad)
+            runner.interleaved(cfg, rounds=2, loads=bad)
 
 
 def test_interleaved_keeps_the_loads_before_a_failed_reload(tiny_model, monkeypatch):
@@ -185,8 +187,8 @@ def test_interleaved_keeps_the_loads_before_a_failed_reload(tiny_model, monkeypa
         return real(self)
 
     monkeypatch.setattr(ServingWorker, "start", failing)
-    cfg = bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["tg", 2]])
-    df = bench.interleaved(cfg, rounds=2, loads=3, progress=False, timeout=60)
+    cfg = RunConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["tg", 2]])
+    df = runner.interleaved(cfg, rounds=2, loads=3, progress=False, timeout=60)
     assert df.error.isna().all() and (df["rounds"] == 2).all() and (df["loads"] == 1).all()
     p = df.set_index("variant").loc["patched"]
     assert len(p["ratios"]) == 2 and p["speedup_ci_lo"] <= p["speedup_median"] <= p["speedup_ci_hi"]
@@ -203,9 +205,9 @@ def test_interleaved_runs_abba_rounds_and_pairs_them(tiny_model, tmp_path, monke
         return real(self, job, timeout=timeout)
 
     monkeypatch.setattr(ServingWorker, "run", recording)
-    cfg = bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32,
-                            tests=[["pp", 64], ["tg", 4]], reps=9, label="paired")
-    df = bench.interleaved(cfg, rounds=6, out_dir=tmp_path, progress=False, timeout=60)
+    cfg = RunConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32,
+                    tests=[["pp", 64], ["tg", 4]], reps=9, label="paired")
+    df = runner.interleaved(cfg, rounds=6, out_dir=tmp_path, progress=False, timeout=60)
     b, p = ("baseline", 0, False), ("patched", 0, False)
     assert sent == [("baseline", 1, True), ("patched", 1, False), b, p, p, b, b, p, p, b, b, p, p, b]
     assert df.attrs["order"] == [[0, -1, "baseline"], [0, -1, "patched"]] + [
@@ -227,36 +229,36 @@ def test_interleaved_runs_abba_rounds_and_pairs_them(tiny_model, tmp_path, monke
     disk = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [(r["variant"], r["test"], len(r["samples_ts"])) for r in disk] == \
         [("baseline", "pp64", 6), ("baseline", "tg4", 6), ("patched", "pp64", 6), ("patched", "tg4", 6)]
-    assert "paired" in bench.markdown(df) and "6 rounds" in bench.markdown(df)
+    assert "paired" in report.markdown(df) and "6 rounds" in report.markdown(df)
 
 
 def test_interleaved_order_reversed_variants_and_a_failing_variant(tiny_model):
     """variants=("patched", "baseline"): round 0 starts with patched. A variant whose worker refuses the job (an
     unknown switch) gets error rows; the other's rounds still run and keep their rows, without a paired ratio."""
-    cfg = bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["tg", 2]],
-                            ext_params={"NO_SUCH_SWITCH": 1})
-    df = bench.interleaved(cfg, variants=("patched", "baseline"), rounds=4, progress=False, timeout=60)
+    cfg = RunConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["tg", 2]],
+                    switches={"NO_SUCH_SWITCH": 1})
+    df = runner.interleaved(cfg, variants=("patched", "baseline"), rounds=4, progress=False, timeout=60)
     assert df.attrs["order"] == [[0, -1, "baseline"]] + [[0, r, "baseline"] for r in range(4)]
     rows = df.set_index("variant")
     assert "NO_SUCH_SWITCH" in rows.loc["patched", "error"]
     assert rows.loc["baseline", "rounds"] == 4 and len(rows.loc["baseline", "samples_ts"]) == 4
-    ok = bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["tg", 2]])
-    df = bench.interleaved(ok, variants=("patched", "baseline"), rounds=2, progress=False, timeout=60)
+    ok = RunConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["tg", 2]])
+    df = runner.interleaved(ok, variants=("patched", "baseline"), rounds=2, progress=False, timeout=60)
     assert df.attrs["order"] == [[0, -1, "patched"], [0, -1, "baseline"], [0, 0, "patched"], [0, 0, "baseline"],
                                  [0, 1, "baseline"], [0, 1, "patched"]]
     for bad in (0, 1, 3):
         with pytest.raises(ValueError, match="rounds must be an even whole number"):
-            bench.interleaved(ok, rounds=bad)
+            runner.interleaved(ok, rounds=bad)
     with pytest.raises(ValueError, match="variants"):
-        bench.interleaved(ok, variants=("patched", "patched"))
+        runner.interleaved(ok, variants=("patched", "patched"))
 
 
 def test_interleaved_configs_share_the_workers(tiny_model, started):
     """Configs with the same environment and switches run in the same two workers; a config that differs only in
     batch sizes reuses the loaded model (a fresh context)."""
-    cfgs = [bench.BenchConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=ub, tests=[["pp", 64]])
+    cfgs = [RunConfig(model=tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=ub, tests=[["pp", 64]])
             for ub in (16, 64)]
-    df = bench.interleaved(cfgs, rounds=2, progress=False, timeout=60)
+    df = runner.interleaved(cfgs, rounds=2, progress=False, timeout=60)
     assert started == ["baseline", "patched"]
     assert sorted(df.n_ubatch) == [16, 16, 64, 64] and df.error.isna().all()
     assert list(df.config) == [0, 0, 1, 1]

@@ -155,7 +155,7 @@ def soak(s, calls: int, seed: int, check_every: int, warmup: int, ref: str) -> d
         logits, k = run_recipe(s, rec[j])
         n_eval += k
         n_clear += 1
-        s.native.check(s.native.lib.pp_synchronize(s._ctx))
+        s.synchronize()
         devs = s.device_counters()
         want = reference[f"r{j}"]
         same = logits.shape == want.shape and bool(np.array_equal(logits, want))

@@ -25,7 +25,7 @@ def handle(job: WorkloadJob) -> dict:
         for rnd in range(int(job.rounds)):
             pos = 0
             for kind, n in job.workload:
-                s.native.check(s.native.lib.pp_synchronize(s._ctx))
+                s.synchronize()
                 before = s.device_counters()
                 s.reset_counters()        # peak_alloc_bytes := alloc_bytes
                 cb_before = [b.compute_buffer_bytes for b in s.schedule().backends]
