@@ -28,8 +28,11 @@ if str(REPO) not in sys.path:  # `python bench/qN.py` from anywhere finds the pa
 from pyllama_pp import devices as devspec  # noqa: E402
 from pyllama_pp import synth  # noqa: E402
 
-from pyllama_pp import bench  # noqa: E402
 from pyllama_pp import cli  # noqa: E402
+from pyllama_pp import report  # noqa: E402
+from pyllama_pp.config import RunConfig  # noqa: E402
+from pyllama_pp.params import Placement  # noqa: E402
+from pyllama_pp.row import Row  # noqa: E402
 
 # The open questions' setup (the main job's until fit placed it, kept so their rows compare with the history):
 # two virtual devices, 256 MiB each, each on its own 0.1 GB/s host link, every expert in host RAM, so expert uploads
@@ -121,6 +124,23 @@ def synth_model(routing: str = "uniform", skew: Optional[float] = None, seed: in
 
 
 # ---------------------------------------------------------------------------------------------------------
+# configurations
+
+def config(model, devices: str, ts: Optional[Sequence[float]] = None, host_experts="all", load_mode: str = "none",
+           **kw) -> RunConfig:
+    """A RunConfig whose placement keeps `host_experts` in host RAM with tensor split `ts` (None: llama.cpp's
+    default) and `load_mode`; `kw` goes to RunConfig (n_batch, n_ubatch, tests, reps, switches, env, label, ...)."""
+    return RunConfig(model=str(model), devices=devices,
+                     placement=Placement(host_experts=host_experts, load_mode=load_mode,
+                                         tensor_split=tuple(ts) if ts else None), **kw)
+
+
+def rows_of(df) -> list[Row]:
+    """A DataFrame of rows (runner.ab's) as Rows for a RowWriter; columns that are not Row fields are left out."""
+    return [Row.from_dict(r) for r in df.to_dict("records")]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # device spec variants
 
 def vdev_with(spec: str, option: str) -> Optional[str]:
@@ -165,7 +185,7 @@ def isnum(x) -> bool:
 
 
 def fmt_bytes(b) -> str:
-    return bench.fmt_bytes(b) if isnum(b) else ""
+    return report.fmt_bytes(b) if isnum(b) else ""
 
 
 def fmt_ts(r) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from pyllama_pp.errors import PyllamaError
-from pyllama_pp.measure import nmse
+from pyllama_pp.stats import nmse
 from pyllama_pp.worker import run_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,15 +149,18 @@ def run_pair(model: Path, devices: str, ub: int, n_tokens: int, tmp: Path) -> di
 def speed(rows: list[dict], models: list[Path], devices: str, out: Path) -> None:
     """--ab: each model that ran in both variants, as a prompt A/B on slow links (pp256 / ub32, 2 reps), into its
     row: speedup, the patched fraction of the links' bound with the pipeline's fill, coverage."""
-    from pyllama_pp import bench
+    from pyllama_pp import runner
+    from pyllama_pp.config import RunConfig
+    from pyllama_pp.params import Placement
     by_name = {m.name: m for m in models}
     for r in rows:
         if "nmse" not in r:
             continue
         n = r["n_tokens"] * 4
-        c = bench.BenchConfig(model=str(by_name[r["model"]]), devices=devices, n_batch=n, n_ubatch=r["n_ubatch"],
-                              tests=[["pp", n]], reps=2, tensor_split=r["tensor_split"], label=r["arch"])
-        df = bench.ab([c], out_dir=out / "ab" / r["arch"], progress=False, timeout=300)
+        c = RunConfig(model=str(by_name[r["model"]]), devices=devices, n_batch=n, n_ubatch=r["n_ubatch"],
+                      tests=[["pp", n]], reps=2, label=r["arch"],
+                      placement=Placement(host_experts="all", tensor_split=r["tensor_split"]))
+        df = runner.ab([c], out_dir=out / "ab" / r["arch"], progress=False, timeout=300)
         p = df[df["variant"] == "patched"]
         if len(p) and not p["error"].fillna("").astype(str).str.len().gt(0).any():
             x = p.iloc[0]

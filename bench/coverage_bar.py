@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import _common as C
-from pyllama_pp import bench
+from pyllama_pp import runner
 
 SKEWS = (0.15, 0.3, 0.5, 0.8)
 SETTINGS = (("auto bar (default)", {}), ("bar 85% (old)", {"UPLOAD_ALL_MIN_COV": 85}), ("upload all", {"UPLOAD_ALL_MIN_COV": 0}))
@@ -37,11 +37,10 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for name in ("results.jsonl", "results.csv", "results.md"):
         (args.out / name).unlink(missing_ok=True)
-    cfgs = [bench.BenchConfig(model=str(C.synth_model(routing="skewed", skew=skew)), devices=args.devices,
-                              n_batch=1024, n_ubatch=64, tests=[["pp", 1024]], reps=args.reps, host_experts="all",
-                              tensor_split=C.DEFAULT_TS, ext_params=ext, label=f"skew {skew} | {name}")
+    cfgs = [C.config(C.synth_model(routing="skewed", skew=skew), args.devices, ts=C.DEFAULT_TS, n_batch=1024,
+                     n_ubatch=64, tests=[["pp", 1024]], reps=args.reps, switches=ext, label=f"skew {skew} | {name}")
             for skew in SKEWS for name, ext in settings]
-    df = bench.ab(cfgs, out_dir=args.out, progress=True)
+    df = runner.ab(cfgs, out_dir=args.out, progress=True)
     rows = []
     for skew in SKEWS:
         cells = []

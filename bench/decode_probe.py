@@ -3,7 +3,7 @@
 gets its own llama context beside the others (the scheduler copies the switches when a context is created), so
 the sets share the model's memory and differ only in the scheduler. Rounds run every set once, the order reversed
 every other round; each set's paired speedup over the first set is the median over pairs of rounds with its
-bootstrap interval (bench.paired_ci). The patched scheduler's host waits and submit times per token come with
+bootstrap interval (pyllama_pp.stats.paired_ci). The patched scheduler's host waits and submit times per token come with
 each set.
 
     python bench/decode_probe.py --preset qwen3-30b-a3b --devices cuda --sets GATE=0 "" EARLY_INPUTS=0 --out DIR
@@ -23,10 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from pyllama_pp import bench, synth
+from pyllama_pp import synth
 from pyllama_pp.jobs import InfoJob
-from pyllama_pp.session import ContextParams, Placement, Session
-from pyllama_pp.worker import HANDLERS
+from pyllama_pp.params import ContextParams, Placement
+from pyllama_pp.session import Session
+from pyllama_pp.stats import paired_ci
+from pyllama_pp.worker.handlers import HANDLERS
 
 from _clock import left, log   # bench/_clock.py (this script's folder is on sys.path)
 
@@ -92,11 +94,10 @@ def main() -> int:
     base = {sw["name"]: sw["value"] for sw in HANDLERS["info"](InfoJob(variant="patched"))["switches"]}
     ctxs = []
     for sw in sets:
-        s._apply_ext_params({**base, **sw})
-        ctxs.append(s._new_context(coverage=False))
-    s._apply_ext_params(base)
-    lib = s.native.lib
-    lib.pp_context_free(s._ctx)
+        s._apply_switches({**base, **sw})
+        ctxs.append(s._model.context(ctxp, coverage=False))
+    s._apply_switches(base)
+    s._ctx.close()   # the session's own context: the sets' contexts take its place in turn
     toks = np.random.default_rng(1).integers(0, s.info.n_vocab, args.n + 1, dtype=np.int64)
     pp = []
     for c in ctxs:
@@ -124,7 +125,7 @@ def main() -> int:
     rows = []
     for i, name in enumerate(names):
         ts = np.asarray(samples[i])
-        med, lo, hi = bench.paired_ci(ts / np.asarray(samples[0])) if i else (1.0, 1.0, 1.0)
+        med, lo, hi = paired_ci(ts / np.asarray(samples[0])) if i else (1.0, 1.0, 1.0)
         keys = sorted({k for c in counters[i] for k in c})
         per_tok = {k: float(np.mean([c.get(k, 0) for c in counters[i]])) for k in keys}
         rows.append({"set": name, "pipeline_parallel": pp[i], "avg_ts": float(ts.mean()), "stddev_ts": float(ts.std(ddof=1)),
@@ -144,7 +145,7 @@ def main() -> int:
     (out / "decode_probe.md").write_text(f"{model} on {args.devices}, tg{args.n}\n\n{table}\n")
     print(table)
     for c in ctxs:
-        lib.pp_context_free(c)
+        c.close()
     s._ctx = None
     s.close()
     return 0

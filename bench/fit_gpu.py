@@ -25,9 +25,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pyllama_pp import bench, synth
-from pyllama_pp.fit import Plan, fit, fit_ubatch
-from pyllama_pp.session import ContextParams
+from pyllama_pp import report, runner, synth
+from pyllama_pp.config import RunConfig
+from pyllama_pp.fit import fit, fit_ubatch
+from pyllama_pp.params import ContextParams
+from pyllama_pp.plan import Plan
 
 from _clock import left, log   # bench/_clock.py (this script's folder is on sys.path)
 
@@ -121,15 +123,15 @@ def main() -> int:
     # 2. each variant's fit per config, with a target forcing host_share of the experts to host
     plans: dict = {}
 
-    def bench_config(nb: int, ub: int, plans_by_variant: Optional[dict] = None) -> bench.BenchConfig:
+    def bench_config(nb: int, ub: int, plans_by_variant: Optional[dict] = None) -> RunConfig:
         """The A/B config of steps 4 and 5; with plans, each variant runs its plan (the patched one's switches)."""
-        c = bench.BenchConfig(model=str(model), devices=args.devices, n_batch=nb, n_ubatch=ub, tests=[["pp", nb]],
-                              reps=args.reps, label=f"fit b{nb} ub{ub}",
-                              link_gbps=[55] * 16 if args.devices.startswith("cuda") else None, shared_link=shared)
+        c = RunConfig(model=str(model), devices=args.devices, n_batch=nb, n_ubatch=ub, tests=[["pp", nb]],
+                      reps=args.reps, label=f"fit b{nb} ub{ub}",
+                      link_gbps=[55] * 16 if args.devices.startswith("cuda") else None, shared_link=shared)
         if plans_by_variant:
-            c.plans = {v: p.placement_dict() for v, p in plans_by_variant.items()}
-            c.ext_params = plans_by_variant["patched"].ext_params()
-            c.host_experts = "fit"   # (a label: each variant's placement comes from c.plans)
+            # each variant's placement comes from its plan (the rows label it "fit: N overrides")
+            c.plans = {v: p.placement(source="fit") for v, p in plans_by_variant.items()}
+            c.switches = dict(plans_by_variant["patched"].switches)
         return c
 
 
@@ -143,7 +145,7 @@ def main() -> int:
 
     for nb, ub in configs if steps & {"plans", "memory", "ab"} else ():
         # (the n_ctx the runs of step 4 use, as `ab --fit` plans)
-        ctx = ContextParams(n_ctx=bench_config(nb, ub).job().ctx.n_ctx, n_batch=nb, n_ubatch=ub)
+        ctx = ContextParams(n_ctx=bench_config(nb, ub).context().n_ctx, n_batch=nb, n_ubatch=ub)
         margins = target_margins(ctx)
         for v in ("patched", "baseline"):
             t = time.time()
@@ -182,8 +184,8 @@ def main() -> int:
             continue
         key = f"b{nb} ub{ub}"
         c = bench_config(nb, ub, {v: plans[(key, v)] for v in ("patched", "baseline")})
-        df = bench.ab([c], out_dir=args.out / "ab", progress=False, timeout=max(60, remaining - 20))
-        log(f"ab --fit {key}\n{bench.markdown(df)}")
+        df = runner.ab([c], out_dir=args.out / "ab", progress=False, timeout=max(60, remaining - 20))
+        log(f"ab --fit {key}\n{report.markdown(df)}")
         summary["steps"].setdefault("ab", []).append(json.loads(df.to_json(orient="records")))
         save()
 
@@ -203,11 +205,11 @@ def main() -> int:
         c.label = "ubatch auto"
         remaining = left(args.budget)
         if remaining > 60:
-            df = bench.ab([c], variants=["patched"], out_dir=args.out / "ab-auto", progress=False,
-                          timeout=max(60, remaining - 15))
+            df = runner.ab([c], variants=["patched"], out_dir=args.out / "ab-auto", progress=False,
+                           timeout=max(60, remaining - 15))
             got = float(df["avg_ts"].iloc[0]) if len(df) else float("nan")
             log(f"ubatch auto: n_ubatch {p.ctx['n_ubatch']}, n_batch {p.ctx['n_batch']}: predicted "
-                f"{p.predicted_ts or float('nan'):.1f} t/s, measured {got:.1f}\n{bench.markdown(df)}")
+                f"{p.predicted_ts or float('nan'):.1f} t/s, measured {got:.1f}\n{report.markdown(df)}")
             summary["steps"]["auto"]["measured_ts"] = got
             save()
     return 0

@@ -27,8 +27,12 @@ import numpy as np
 import gather_timeline   # bench/gather_timeline.py (this script's folder is on sys.path)
 from _clock import left, log
 
-from pyllama_pp import bench, synth
+from pyllama_pp import report, runner, synth
+from pyllama_pp.binding import VARIANTS
+from pyllama_pp.config import RunConfig
 from pyllama_pp.errors import PyllamaError
+from pyllama_pp.params import Placement
+from pyllama_pp.stats import nmse
 from pyllama_pp.worker import run_job
 
 SWEEPS_FILE = Path(__file__).with_name("sweeps.toml")
@@ -84,9 +88,9 @@ def correctness(model: str, devices: str, out: Path, cases, n_tokens: int = 512,
         g = got["all_on_gpu"][0] if all_on_gpu else None
         rows.append({"model": Path(model).name, "devices": devices, "n_ubatch": ub, "load_mode": mode, "patched_env": penv,
                      "n_tokens": n_tokens,
-                     "nmse_patched_vs_baseline": bench.nmse(p, b), "maxabs_patched_vs_baseline": float(np.abs(p - b).max()),
-                     "nmse_baseline_vs_all_on_gpu": bench.nmse(b, g) if g is not None else None,
-                     "nmse_patched_vs_all_on_gpu": bench.nmse(p, g) if g is not None else None, "patched_ext": ext,
+                     "nmse_patched_vs_baseline": nmse(p, b), "maxabs_patched_vs_baseline": float(np.abs(p - b).max()),
+                     "nmse_baseline_vs_all_on_gpu": nmse(b, g) if g is not None else None,
+                     "nmse_patched_vs_all_on_gpu": nmse(p, g) if g is not None else None, "patched_ext": ext,
                      "pp_baseline": got["baseline"][1]["pipeline_parallel"],
                      "pp_patched": got["patched"][1]["pipeline_parallel"]})
         log(f"correctness ub={ub}: {rows[-1]}")
@@ -228,26 +232,26 @@ def main() -> int:
                     old.unlink()
                 env["PYLLAMA_PP_GATHER_TIMELINE"] = str(timeline)
             shared = env.get("GGML_CUDA_DEVICES") is not None   # one GPU split in two: one link
-            cfgs = [bench.BenchConfig(model=str(model), devices=devices, n_batch=nb,
-                                      n_ubatch=ub, tests=tests, reps=block.get("reps", args.reps),
-                                      host_experts=block.get("host_experts", "all"),
-                                      tensor_split=block.get("tensor_split"),
-                                      load_mode=block.get("load_mode", "none"), env=env,
-                                      ext_params=block.get("ext", {}), label=f"{block['name']} b{nb} ub{ub}",
-                                      # one entry per device at most (rows cut the list to their devices)
-                                      link_gbps=[args.link_gbps] * 16 if devices.startswith("cuda") else None,
-                                      shared_link=shared)
+            # (the block's host_experts, tensor_split and load_mode make its placement; ext, its switches)
+            placement = Placement(host_experts=block.get("host_experts", "all"),
+                                  tensor_split=block.get("tensor_split"), load_mode=block.get("load_mode", "none"))
+            cfgs = [RunConfig(model=str(model), devices=devices, n_batch=nb, n_ubatch=ub, tests=tests,
+                              reps=block.get("reps", args.reps), placement=placement, env=env,
+                              switches=block.get("ext", {}), label=f"{block['name']} b{nb} ub{ub}",
+                              # one entry per device at most (rows cut the list to their devices)
+                              link_gbps=[args.link_gbps] * 16 if devices.startswith("cuda") else None,
+                              shared_link=shared)
                     for nb, ub, tests in block["configs"]]
             t = time.time()
             # (a worker's job: at most three times its block's estimate, so that a hang leaves the blocks after it
             # their time)
             timeout = max(60, min(left(args.budget) - 10, 3 * block["est"]))
             # paired rounds (ABBA, one serving worker per variant) or reps
-            run, extra = (bench.interleaved, {"rounds": block["interleave"], "loads": block.get("loads", 1)}) \
-                if block.get("interleave") else (bench.ab, {})
-            df = run(cfgs, variants=block.get("variants", bench.VARIANTS), out_dir=args.out / "ab", progress=False,
+            run, extra = (runner.interleaved, {"rounds": block["interleave"], "loads": block.get("loads", 1)}) \
+                if block.get("interleave") else (runner.ab, {})
+            df = run(cfgs, variants=block.get("variants", VARIANTS), out_dir=args.out / "ab", progress=False,
                      timeout=timeout, **extra)
-            log(f"{block['name']}: {time.time() - t:.0f} s (estimated {block['est']})\n{bench.markdown(df)}")
+            log(f"{block['name']}: {time.time() - t:.0f} s (estimated {block['est']})\n{report.markdown(df)}")
             files = sorted(timeline.parent.glob(timeline.name + ".*.csv")) if block.get("timeline") else []
             if files:
                 try:   # (a diagnosis: it must not stop the rest of the call)
@@ -264,9 +268,9 @@ def main() -> int:
     if md.exists():
         import pandas as pd
         df = pd.read_json(md, lines=True)
-        df["config"] = df["label"]   # config numbers restart in each block's bench.ab call; labels do not
-        (args.out / "gpu_results.md").write_text(bench.markdown(df))
-        print(bench.markdown(df))
+        df["config"] = df["label"]   # config numbers restart in each block's runner.ab call; labels do not
+        (args.out / "gpu_results.md").write_text(report.markdown(df))
+        print(report.markdown(df))
     save()
     return 0
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 import _common as C
-from pyllama_pp import bench
+from pyllama_pp import runner
 
 UBATCHES = (32, 64, 128)
 PROMPTS = (512, 1024, 2048)
@@ -31,10 +31,9 @@ def main() -> int:
             for ub in ubs:
                 if ub > pp:
                     continue
-                cfgs.append(bench.BenchConfig(model=ctx["model"], devices=dev, n_batch=pp, n_ubatch=ub,
-                                              tensor_split=ctx["ts"], host_experts="all", tests=[["pp", pp]],
-                                              reps=args.reps, label=f"ub{ub} b{pp}"))
-    df = bench.ab(cfgs, out_dir=ctx["out"], timeout=args.timeout)
+                cfgs.append(C.config(ctx["model"], dev, ts=ctx["ts"], n_batch=pp, n_ubatch=ub, tests=[["pp", pp]],
+                                     reps=args.reps, label=f"ub{ub} b{pp}"))
+    df = runner.ab(cfgs, out_dir=ctx["out"], timeout=args.timeout)
 
     body = []
     for dev in devs:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 import _common as C
-from pyllama_pp import bench
+from pyllama_pp import runner
 
 MEMORIES = ("64MiB", "256MiB")
 
@@ -50,9 +50,9 @@ def main() -> int:
     cfgs = []
     for lab, dev, ts in plan(args, ctx["ts"]):
         for tests, reps in (([["pp", nb]], args.reps), ([["tg", 16]], tg_reps)):
-            cfgs.append(bench.BenchConfig(model=ctx["model"], devices=dev, n_batch=nb, n_ubatch=128, tensor_split=ts,
-                                          host_experts="all", tests=tests, reps=reps, label=lab))
-    df = bench.ab(cfgs, out_dir=ctx["out"], timeout=args.timeout)
+            cfgs.append(C.config(ctx["model"], dev, ts=ts, n_batch=nb, n_ubatch=128, tests=tests, reps=reps,
+                                 label=lab))
+    df = runner.ab(cfgs, out_dir=ctx["out"], timeout=args.timeout)
 
     # layer placement facts: non-expert weight bytes per device tell how many layers each device owns
     rows = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 import _common as C
-from pyllama_pp import bench
+from pyllama_pp import runner
 
 UBATCHES = (64, 128)
 
@@ -26,10 +26,10 @@ def main() -> int:
     else:
         specs = [(C.short_devices(d), d) for d in base]
     ubs = (128,) if args.quick else UBATCHES
-    cfgs = [bench.BenchConfig(model=ctx["model"], devices=dev, n_batch=16 * ub, n_ubatch=ub, tensor_split=ctx["ts"],
-                              host_experts="all", tests=[["pp", 16 * ub]], reps=args.reps, label=lab)
+    cfgs = [C.config(ctx["model"], dev, ts=ctx["ts"], n_batch=16 * ub, n_ubatch=ub, tests=[["pp", 16 * ub]],
+                     reps=args.reps, label=lab)
             for ub in ubs for lab, dev in specs]
-    df = bench.ab(cfgs, out_dir=ctx["out"], timeout=args.timeout)
+    df = runner.ab(cfgs, out_dir=ctx["out"], timeout=args.timeout)
 
     body = [C.ab_table(df, label=lambda r: r.get("label") or "")]
     if len(specs) == 2:

@@ -21,12 +21,19 @@ from pathlib import Path
 
 import _common as C
 import numpy as np
-from pyllama_pp import bench
-from pyllama_pp.binding import build_info
+import json
+
+from pyllama_pp import runner
+from pyllama_pp.binding import VARIANTS, build_info
 from pyllama_pp.errors import WorkerError
+from pyllama_pp.params import Placement
+from pyllama_pp.row import Row, RowWriter
+from pyllama_pp.rows import workload_step_row
+from pyllama_pp.stats import nmse
 from pyllama_pp.worker import run_job
 
-WORKLOAD = bench.MIXED_WORKLOAD
+WORKLOAD = runner.MIXED_WORKLOAD
+PLACEMENT = Placement(host_experts="all")
 
 
 def run_variant(job: dict, variant: str, timeout: float) -> dict:
@@ -46,20 +53,22 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None, help="workload repetitions (default: --reps)")
     ap.add_argument("--n-batch", type=int, default=2048)
     ap.add_argument("--n-ubatch", type=int, default=128)
-    ap.add_argument("--order", default=",".join(bench.VARIANTS),
+    ap.add_argument("--order", default=",".join(VARIANTS),
                     help="the order the variants run in, one after the other (default: baseline,patched)")
     ap.add_argument("--logits", action="store_true",
                     help="also compare the logits of every step (each prompt's last token, every decoded token)")
     args = ap.parse_args()
     order = [v.strip() for v in args.order.split(",") if v.strip()]
-    if sorted(order) != sorted(bench.VARIANTS):
-        ap.error(f"--order must name {' and '.join(bench.VARIANTS)} once each, got {args.order!r}")
+    if sorted(order) != sorted(VARIANTS):
+        ap.error(f"--order must name {' and '.join(VARIANTS)} once each, got {args.order!r}")
     ctx = C.setup(args)
     rounds = args.rounds or args.reps
     workload = [["pp", 64], ["pp", 512], ["pp", 128], ["tg", 16]] if args.quick else WORKLOAD
-    n_ctx = bench.workload_ctx(workload)
+    n_ctx = runner.workload_ctx(workload)
     devs = C.device_list(args, [C.DEFAULT_DEVICES])
-    writer = bench.RowWriter(ctx["out"])
+    writer = RowWriter(ctx["out"])
+    steps_file = ctx["out"] / "steps.jsonl"   # every step with the fields that are not Row fields (alloc counters)
+    steps_file.unlink(missing_ok=True)
     info = build_info()
     results = {}
     all_rows = []
@@ -67,7 +76,7 @@ def main() -> int:
     pp_env = {k: v for k, v in os.environ.items() if k.startswith("GGML_SCHED_PP_")}
     for dev in devs:
         job = {"model": ctx["model"], "devices": dev,
-               "placement": {"tensor_split": ctx["ts"], "host_experts": "all"},
+               "placement": {**PLACEMENT.to_dict(), "tensor_split": ctx["ts"]},
                "ctx": {"n_ctx": n_ctx, "n_batch": args.n_batch, "n_ubatch": min(args.n_ubatch, args.n_batch)},
                "workload": workload, "rounds": rounds, "seed": 0}
         for v in order:
@@ -91,9 +100,10 @@ def main() -> int:
                     ext = st.get("ext") or {}
                     rows.append({
                         "variant": v, "model": Path(ctx["model"]).name, "devices": dev, "split_mode": "layer",
-                        "tensor_split": ctx["ts"], "tensor_buft_overrides": "host_experts=all", "load_mode": "none",
+                        "tensor_split": ctx["ts"], "host_experts": PLACEMENT.label,
+                        "tensor_buft_overrides": ";".join(PLACEMENT.all_overrides()), "load_mode": "none",
                         "n_ctx": n_ctx, "n_batch": job["ctx"]["n_batch"], "n_ubatch": job["ctx"]["n_ubatch"],
-                        **bench.workload_step_row(st, res), "stddev_ts": 0.0, "samples_ts": [st["ts"]],
+                        **workload_step_row(st, res), "stddev_ts": 0.0, "samples_ts": [st["ts"]],
                         "avg_ns": int(st["seconds"] * 1e9),
                         "n_copies": res["schedule"]["n_copies"], "n_splits": res["schedule"]["n_splits"],
                         "h2d_bytes": sum(st["h2d_bytes_per_device"]), "upload_all": ext.get("upload_all"),
@@ -102,7 +112,9 @@ def main() -> int:
                         "alloc_before": st["alloc_before"], "alloc_after": st["alloc_after"],
                         "peak_alloc": st["peak_alloc"], "compute_buffer_before": st["compute_buffer_before"],
                         "graphs": ext.get("graphs"), "step": f"{st['kind']}{st['n']}", **meta})
-            writer.write(rows)
+            writer.write(Row.from_dict(r) for r in rows)
+            with open(steps_file, "a") as f:
+                f.writelines(json.dumps(r, default=float) + "\n" for r in rows)
             all_rows.extend(rows)
 
     body = []
@@ -150,7 +162,7 @@ def main() -> int:
             for step in dict.fromkeys(kinds):
                 idx = [i for i, k in enumerate(kinds) if k == step]
                 a, b = lp[idx].astype(np.float64), lb[idx].astype(np.float64)
-                lrows.append([step, len(idx), f"{bench.nmse(a, b):.3g}",
+                lrows.append([step, len(idx), f"{nmse(a, b):.3g}",
                               f"{float(np.abs(a - b).max()):.3g}"])
             body.append("## logits, patched vs baseline (each prompt's last token, every decoded token; all rounds)\n\n"
                         + C.md_table(["step", "rows", "NMSE", "max abs diff"], lrows, "lrrr"))

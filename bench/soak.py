@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import _common as C
-from pyllama_pp import bench, soak
+from pyllama_pp import report, soak
 from pyllama_pp.errors import PyllamaError
 
 MiB = 1024 * 1024
@@ -48,7 +48,7 @@ def table(results: list) -> str:
         if r.cuda:
             mem = cuda_cell(r.cuda)
         else:
-            alloc = " / ".join(bench.fmt_bytes(b) for b in r.alloc_bytes[-1])
+            alloc = " / ".join(report.fmt_bytes(b) for b in r.alloc_bytes[-1])
             flat = "flat" if all(a == r.alloc_bytes[0] for a in r.alloc_bytes) else "MOVED"
             mem = f"{alloc} ({flat})"
         rows.append([r.variant, r.calls, r.evals, f"{r.shifts} / {r.rewinds} / {r.clears}", f"{r.seconds:.1f}",
@@ -81,7 +81,7 @@ def band_table(results: list) -> str:
     for r in results:
         for name, b in r.bands.items():
             # (host->device bytes are VDEV counters: CUDA devices have none)
-            h2d = "n/a" if r.cuda else bench.fmt_bytes(b["h2d_bytes"] / max(b["calls"], 1))
+            h2d = "n/a" if r.cuda else report.fmt_bytes(b["h2d_bytes"] / max(b["calls"], 1))
             rows.append([r.variant, name, b["calls"], b["tokens"], h2d])
     return C.md_table(["variant", "batch sizes", "calls", "tokens", "host->device per call"], rows, "llrrr")
 

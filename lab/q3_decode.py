@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))   # bench/_common.py
 
 import _common as C
-from pyllama_pp import bench
+from pyllama_pp import runner
 
 BATCHES = (1, 8, 16, 31, 32, 33, 64)
 
@@ -29,10 +29,9 @@ def main() -> int:
     for dev in devs:
         for B in bs:
             n = B * -(-128 // B)
-            cfgs.append(bench.BenchConfig(model=ctx["model"], devices=dev, n_batch=B, n_ubatch=B,
-                                          tensor_split=ctx["ts"], host_experts="all",
-                                          tests=[["pp", n], ["tg", 16]], reps=args.reps, label=f"B={B}"))
-    df = bench.ab(cfgs, out_dir=ctx["out"], timeout=args.timeout)
+            cfgs.append(C.config(ctx["model"], dev, ts=ctx["ts"], n_batch=B, n_ubatch=B,
+                                 tests=[["pp", n], ["tg", 16]], reps=args.reps, label=f"B={B}"))
+    df = runner.ab(cfgs, out_dir=ctx["out"], timeout=args.timeout)
 
     body = []
     for dev in devs:

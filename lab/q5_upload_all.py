@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Q5: upload all experts (no routing-id readback, no host sync) or copy only the used ones?
 
-Patched-only switch sweep (ext_params, i.e. GGML_SCHED_PP_*), the baseline build as the reference:
+Patched-only switch sweep (switches, i.e. GGML_SCHED_PP_*), the baseline build as the reference:
   selective  UPLOAD_ALL=0                                   always read the ids back, copy used experts
   default    thresholds: tokens x used >= 4 x n_expert (2x while a graph is in flight) and measured
              coverage >= the auto bar (110 / host links %: 55 % with two, 85 % on one shared link; patch 0005 - it was 85 %)
@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))   # bench
 import pandas as pd
 
 import _common as C
-from pyllama_pp import bench
+from pyllama_pp import runner
+from pyllama_pp.row import RowWriter
 
 SETTINGS = [("selective", {"UPLOAD_ALL": 0}), ("default", {}),
             ("forced", {"UPLOAD_ALL_MIN": 1, "UPLOAD_ALL_MIN_COV": 0})]
@@ -40,20 +41,19 @@ def main() -> int:
         models.append(("skewed 1.5", str(C.synth_model(routing="skewed", skew=1.5))))
     devs = C.device_list(args, [C.DEFAULT_DEVICES])
     ubs = UBATCHES
-    writer = bench.RowWriter(ctx["out"])
+    writer = RowWriter(ctx["out"])
     frames = []
     ci = 0
     for dev in devs:
         for mname, model in models:
             for ub in ubs:
                 nb = 16 * ub if not args.quick else 8 * ub
-                common = dict(model=model, devices=dev, n_batch=nb, n_ubatch=ub, tensor_split=ctx["ts"],
-                              host_experts="all", tests=[["pp", nb]], reps=args.reps)
+                common = dict(ts=ctx["ts"], n_batch=nb, n_ubatch=ub, tests=[["pp", nb]], reps=args.reps)
                 runs = [("baseline", "baseline", {})] + [(name, "patched", ext) for name, ext in SETTINGS]
                 got = []
                 for name, variant, ext in runs:
-                    cfg = bench.BenchConfig(**common, ext_params=ext, label=f"{mname} | {name}")
-                    d = bench.ab([cfg], variants=[variant], out_dir=None, progress=False, timeout=args.timeout)
+                    cfg = C.config(model, dev, **common, switches=ext, label=f"{mname} | {name}")
+                    d = runner.ab([cfg], variants=[variant], out_dir=None, progress=False, timeout=args.timeout)
                     d["config"] = ci
                     d["model_kind"] = mname
                     d["setting"] = name
@@ -68,7 +68,7 @@ def main() -> int:
                 if not base.empty:
                     g["coverage"] = base.coverage.iloc[0]
                     g["experts_used"] = base.experts_used.iloc[0]
-                writer.write(g.to_dict("records"))
+                writer.write(C.rows_of(g))
                 frames.append(g)
                 ci += 1
     df = pd.concat(frames, ignore_index=True)

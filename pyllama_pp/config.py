@@ -85,7 +85,7 @@ class RunConfig:
 
     def __post_init__(self):
         self.model = str(self.model)
-        self.devices = str(self.devices)
+        self.devices = json.dumps(self.devices) if isinstance(self.devices, dict) else str(self.devices)
         check_int("n_batch", self.n_batch, 1)
         check_int("n_ubatch", self.n_ubatch, 1)
         check_int("n_ctx", self.n_ctx, 0)

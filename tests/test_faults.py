@@ -3,7 +3,6 @@ Ctrl-C during `pyllama-pp ab`, and resuming a sweep. Each ends in a clear error,
 and every row measured before it stays on disk."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -16,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_pp import DeviceError, DeviceSpecError, OutOfMemoryError, WorkerError, bench, cli, devices, worker
-from pyllama_pp.bench import BenchConfig
+from pyllama_pp import DeviceError, DeviceSpecError, OutOfMemoryError, WorkerError, cli, devices, runner, worker
+from pyllama_pp.config import RunConfig
+from pyllama_pp.params import Placement
 
 TIMEOUT = 120
 CTX = {"n_ctx": 256, "n_batch": 64, "n_ubatch": 32}
@@ -27,9 +27,9 @@ def _spec(fault: str = "", n: int = 2) -> str:
     return f"vdev:{n}x0@0" + (f",{fault}" if fault else "")
 
 
-def _cfg(model: str, devs: str, **kw) -> BenchConfig:
-    return BenchConfig(model=model, devices=devs, n_batch=64, n_ubatch=32, tests=[["pp", 32]], reps=1,
-                       host_experts="all", **kw)
+def _cfg(model: str, devs: str, **kw) -> RunConfig:
+    return RunConfig(model=model, devices=devs, n_batch=64, n_ubatch=32, tests=[["pp", 32]], reps=1,
+                     placement=Placement(host_experts="all"), **kw)
 
 
 def _rows(out: Path) -> list[dict]:
@@ -151,7 +151,7 @@ def test_faults_in_a_sweep_keep_the_rows_measured_before(tiny_model, tmp_path):
     cfgs = [_cfg(tiny_model, _spec()), _cfg(tiny_model, _spec("fail_alloc_after=0")),
             _cfg(tiny_model, _spec("fail_copy_after=0")), _cfg(tiny_model, "vdev:2x0@0,threads=1")]
     out = tmp_path / "ab"
-    df = bench.ab(cfgs, out_dir=out, progress=False, timeout=TIMEOUT)
+    df = runner.ab(cfgs, out_dir=out, progress=False, timeout=TIMEOUT)
     rows = _rows(out)
     assert len(rows) == len(df) == 2 * len(cfgs)
     by = {(r["config"], r["variant"]): r for r in rows}
@@ -167,13 +167,13 @@ def test_faults_in_a_sweep_keep_the_rows_measured_before(tiny_model, tmp_path):
 def test_allocation_that_fails_mid_sweep(tiny_model, tmp_path, variant):
     """Two configs in one worker (one model load, two contexts): device 0's allocations after those of the first
     config fail, so the second config's context cannot be made. The first config's rows are measured and on disk."""
-    probe = worker.run_job(dataclasses.replace(_cfg(tiny_model, _spec()).job(), coverage=True), variant, timeout=TIMEOUT)
+    probe = worker.run_job(_cfg(tiny_model, _spec()).job(variant, coverage=True), variant, timeout=TIMEOUT)
     k = probe["tests"][0]["devices"][0]["buffer_allocs"]   # device 0's buffers once the first config has run
-    spec = {"kind": "vdev", "devices": [{"fail_alloc_after": k}, {}]}
-    cfgs = [_cfg(tiny_model, spec), BenchConfig(model=tiny_model, devices=spec, n_batch=128, n_ubatch=64,
-                                                tests=[["pp", 64]], reps=1, host_experts="all")]
+    spec = json.dumps({"kind": "vdev", "devices": [{"fail_alloc_after": k}, {}]})
+    cfgs = [_cfg(tiny_model, spec), RunConfig(model=tiny_model, devices=spec, n_batch=128, n_ubatch=64,
+                                              tests=[["pp", 64]], reps=1, placement=Placement(host_experts="all"))]
     out = tmp_path / "ab"
-    bench.ab(cfgs, variants=[variant], out_dir=out, progress=False, timeout=TIMEOUT)
+    runner.ab(cfgs, variants=[variant], out_dir=out, progress=False, timeout=TIMEOUT)
     first, second = _rows(out)
     assert not first.get("error") and first["avg_ts"] > 0, first
     assert second["error"].startswith("OutOfMemoryError: llama.cpp could not create the context"), second
@@ -185,7 +185,7 @@ def test_a_copy_fault_that_aborts_kills_the_worker_and_the_sweep_goes_on(tiny_mo
     """`abort`: the failed copy calls abort() past the shim's callback, as where nothing can catch ggml's abort. The
     worker dies by SIGABRT; its rows are error rows with its last words, and the next config is measured."""
     out = tmp_path / "ab"
-    bench.ab([_cfg(tiny_model, _spec("fail_copy_after=0,abort")), _cfg(tiny_model, _spec())], out_dir=out,
+    runner.ab([_cfg(tiny_model, _spec("fail_copy_after=0,abort")), _cfg(tiny_model, _spec())], out_dir=out,
              progress=True, timeout=TIMEOUT)
     rows = _rows(out)
     assert len(rows) == 4
@@ -213,7 +213,7 @@ def test_a_worker_killed_mid_sweep_becomes_an_error_row_and_the_sweep_goes_on(ti
     t = threading.Thread(target=killer, daemon=True)
     t.start()
     out = tmp_path / "ab"
-    bench.ab([_cfg(tiny_model, "cpu"), _cfg(tiny_model, _spec())], out_dir=out, progress=True, timeout=TIMEOUT)
+    runner.ab([_cfg(tiny_model, "cpu"), _cfg(tiny_model, _spec())], out_dir=out, progress=True, timeout=TIMEOUT)
     t.join()
     rows = _rows(out)
     assert killed and not _alive(killed[0])
@@ -258,7 +258,7 @@ def test_ctrl_c_during_ab_exits_130_keeps_rows_and_leaves_no_worker(tiny_model, 
 def test_a_worker_dies_with_its_parent(tiny_model):
     """A caller killed outright (SIGKILL: no cleanup of its own runs) takes its worker with it (PR_SET_PDEATHSIG)."""
     code = ("import sys\nfrom pyllama_pp.worker import run_job\n"
-            "run_job({'kind': 'bench', 'model': sys.argv[1], 'tests': [['pp', 512]], 'reps': 500}, 'baseline')\n")
+            "run_job({'kind': 'measure', 'model': sys.argv[1], 'tests': [['pp', 512]], 'reps': 500}, 'baseline')\n")
     parent = subprocess.Popen([sys.executable, "-c", code, tiny_model])
     try:
         end = time.time() + 60
@@ -288,7 +288,7 @@ def _running(pid: int) -> bool:
 
 # -- resume ------------------------------------------------------------------------------------------------------
 def _counting(monkeypatch, stop_at: int = 0, fail_first: bool = False) -> list:
-    """bench.run_job, counted: the call number `stop_at` raises KeyboardInterrupt (Ctrl-C) instead."""
+    """runner.run_job, counted: the call number `stop_at` raises KeyboardInterrupt (Ctrl-C) instead."""
     calls: list = []
     real = worker.run_job
 
@@ -300,7 +300,7 @@ def _counting(monkeypatch, stop_at: int = 0, fail_first: bool = False) -> list:
             raise WorkerError("baseline worker died (killed by signal SIGKILL) without a result")
         return real(job, variant, **kw)
 
-    monkeypatch.setattr(bench, "run_job", run)
+    monkeypatch.setattr(runner, "run_job", run)
     return calls
 
 
@@ -352,9 +352,9 @@ def test_resume_measures_error_rows_again(tiny_model, tmp_path, monkeypatch, cap
 def test_bad_resume_options(capsys, tmp_path, tiny_model, argv, words, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a worker was started")
-    monkeypatch.setattr(bench, "run_job", refuse)
+    monkeypatch.setattr(runner, "run_job", refuse)
     (tmp_path / "done").mkdir()
-    bench.save_sweep(tmp_path / "done", [_cfg(tiny_model, "cpu")], ["baseline"])
+    runner.save_sweep(tmp_path / "done", [_cfg(tiny_model, "cpu")], ["baseline"])
     argv = [a.format(tmp=tmp_path, model=tiny_model) for a in argv]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()

@@ -29,7 +29,7 @@ def _case(i: int) -> dict:
     ub = rng.choice([16, 32, 64, 128, 256])
     nb = ub * rng.choice([1, 2, 4, 8])
     link = rng.choice([0, 0.5, 2])
-    shape = rng.choice(["two", "shared", "slow", "three", "one"])   # ("one": pipelined since 2026-12-02, patch 0002)
+    shape = rng.choice(["two", "shared", "slow", "three", "one"])   # ("one": a single device pipelines too, patch 0002)
     pad = rng.choice([0, 512])   # CUDA's row padding in alloc sizes (OVERLAP=2 pools the expert copies then)
     opt = f",pad={pad}" if pad else ""
     devs = {"two": f"vdev:2x0@{link}{opt}", "shared": f"vdev:2x0@{link},shared{opt}",

@@ -73,7 +73,7 @@ def test_recipes_agree_across_variants(tiny_model, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# CUDA devices (issue 25): memory in use as cudaMemGetInfo reports it, judged with a tolerance; no GPU needed
+# CUDA devices: memory in use as cudaMemGetInfo reports it, judged with a tolerance; no GPU needed
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -143,17 +143,17 @@ def test_cuda_memory_reads_the_sessions_devices(monkeypatch):
     from types import SimpleNamespace
 
     from pyllama_pp import devices as devspec
-    from pyllama_pp import session
+    from pyllama_pp.worker.handlers import soak as soak_worker
     found = [{"name": "CPU", "backend": "CPU", "description": "cpu", "memory_total": 64 * GiB, "memory_free": GiB}]
     found += [{"name": f"CUDA{i}", "backend": "CUDA", "description": "NVIDIA H200", "memory_total": 140 * GiB,
                "memory_free": 140 * GiB - (i + 1) * 100 * MiB} for i in range(3)]
-    monkeypatch.setattr(session, "list_devices", lambda variant=None: found)
-    got = soak.cuda_memory(SimpleNamespace(spec=devspec.parse("cuda:2,0")))
+    monkeypatch.setattr(soak_worker, "list_devices", lambda variant=None: found)
+    got = soak_worker.cuda_memory(SimpleNamespace(spec=devspec.parse("cuda:2,0")))
     assert [(d["name"], d["used_bytes"], d["total_bytes"]) for d in got] == \
         [("CUDA2", 300 * MiB, 140 * GiB), ("CUDA0", 100 * MiB, 140 * GiB)]
-    assert [d["name"] for d in soak.cuda_memory(SimpleNamespace(spec=devspec.parse("cuda")))] == \
+    assert [d["name"] for d in soak_worker.cuda_memory(SimpleNamespace(spec=devspec.parse("cuda")))] == \
         ["CUDA0", "CUDA1", "CUDA2"]
-    assert soak.cuda_memory(SimpleNamespace(spec=devspec.parse(DEVS))) == []
+    assert soak_worker.cuda_memory(SimpleNamespace(spec=devspec.parse(DEVS))) == []
 
 
 def test_cuda_default_is_two_devices():
