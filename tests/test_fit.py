@@ -1,4 +1,4 @@
-"""fit: the variant's own common/fit.cpp through the shim (pp_fit), the Plan around it, and patch 0010's spread path.
+"""fit: the variant's own common/fit.cpp through the shim (pp_fit), the Plan around it, and patch 0012's spread path.
 
 Budgets are chosen so that about half of the experts of a 12-layer tiny model must stay in host RAM; each fit runs
 in a worker process (both variants share library names).

@@ -1,5 +1,6 @@
 """The patched build on 2 VDEVs with every expert in host RAM: pipelining, per-device expert traffic,
-numerics against the baseline (also with each switch off), device memory and the upload-all path."""
+numerics against the baseline (also with each switch off), device memory and the upload-all path.
+Shared helpers first, then one banner per patch of the series (patches/), in series order."""
 from __future__ import annotations
 
 import hashlib
@@ -12,11 +13,22 @@ import pytest
 
 from pyllama_pp import synth
 
+
 CTX = {"n_ctx": 256, "n_batch": 128, "n_ubatch": 32}   # 64 tokens = 2 ubatches
+
+
 N_TOKENS = 64
+
+
 HOST_ALL = {"host_experts": "all"}
+
+
 DEVS = "vdev:2x0@0"
+
+
 SWITCHES = ("GATE", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL", "STABLE_RESERVE")
+
+
 FORCE_UPLOAD_ALL = {"GGML_SCHED_PP_UPLOAD_ALL_MIN": 1, "GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 0}
 
 
@@ -24,11 +36,15 @@ def _off(name: str) -> dict:
     return {f"GGML_SCHED_PP_{name}": 0}
 
 
-# the device's own gather of the used experts (patch 0009, on by default wherever a gather exists: VDEVs have one)
+# the device's own gather of the used experts (patch 0010, on by default wherever a gather exists: VDEVs have one)
 NO_GATHER = _off("GATHER")
+
+
 # the selective copy on every device (patch 0008 makes DIRECT the default on every GPU but the first, 0010 GATHER on
 # every device with a gather): for tests of the transient-copy machinery itself
 NO_DIRECT = {**_off("DIRECT"), **NO_GATHER}
+
+
 # uploads on the split's own stream (the default; pinned so the OVERLAP tests keep their control if it changes)
 OVERLAP_OFF = _off("OVERLAP")
 
@@ -103,6 +119,55 @@ def baseline_all(runner):
     return runner.logits("baseline", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS)
 
 
+def _decode_ctx():
+    return {"n_ctx": 64, "n_batch": 1, "n_ubatch": 1}
+
+
+CASES = [("ubatch16", {"n_ctx": 256, "n_batch": 128, "n_ubatch": 16}, 96),
+         ("ubatch32", {"n_ctx": 256, "n_batch": 128, "n_ubatch": 32}, 96),
+         ("ubatch64", {"n_ctx": 256, "n_batch": 128, "n_ubatch": 64}, 128),
+         ("decode", _decode_ctx(), 4)]
+
+
+def _baseline_off_on(runner, devs: str, ub: int, env: dict, switch: dict):
+    """Logits of 4 ubatches: the baseline, the patched build with `env`, and with `env` plus `switch`."""
+    kw = {"devices": devs, "placement": HOST_ALL, "ctx": {"n_ctx": 512, "n_batch": 4 * ub, "n_ubatch": ub},
+          "n_tokens": 4 * ub}
+    return (runner.logits("baseline", **kw), runner.logits("patched", env=env, **kw),
+            runner.logits("patched", env={**env, **switch}, **kw))
+
+
+BENCH_CTX = {"n_ctx": 256, "n_batch": 128, "n_ubatch": 32}   # 64 expert selections a ubatch: ~40 of 64 used
+
+
+def _bench(runner, env):
+    r = runner.run("patched", {"kind": "measure", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
+                               "tests": [["pp", 128]], "reps": 1}, env=env)
+    assert r["schedule"]["pipeline_parallel"] is True
+    (t,) = r["tests"]
+    assert t["kind"] == "pp" and t["n"] == 128 and len(t["seconds"]) == 1
+    return t
+
+
+MIXED = [["pp", 64], ["pp", 128], ["tg", 4]]
+
+
+def _mixed(runner, variant: str, env: Optional[dict]) -> dict:
+    """The MIXED workload, 2 rounds, with every step's logits; identical runs are made once per session (the
+    runner caches the result, the logits stay in its folder)."""
+    out = runner.outdir / ("mixed-" + hashlib.md5(json.dumps([variant, env], sort_keys=True, default=str).encode()).hexdigest()[:12] + ".npy")
+    job = {"kind": "workload", "devices": DEVS, "placement": HOST_ALL,
+           "ctx": {"n_ctx": 512, "n_batch": 256, "n_ubatch": 32}, "workload": MIXED, "rounds": 2, "out": str(out)}
+    r = runner.run(variant, job, env=env)
+    return {**r, "logits": np.load(out)}
+
+
+ONE = "vdev:1x0@0.2"
+
+
+# === 0002 GATE: pipelining kept with host weights, as transient copies; one device pipelined too ====================
+
+
 def test_pipeline_stays_on_with_host_experts(patched_all):
     s = patched_all["schedule"]
     # one graph in flight per device (two VDEVs), not upstream's 4 (patch 0004)
@@ -112,38 +177,6 @@ def test_pipeline_stays_on_with_host_experts(patched_all):
     assert ext["transient_inputs"] > 0, "host experts must be staged as transient copies"
     assert ext["params"]["GATE"] == 1
     assert ext["offload_owner"] > 0, "offloaded expert ops should run on the layer's owner"
-
-
-@pytest.mark.parametrize("tensor_split", [None, [3, 4]], ids=["default-split", "split-3-4"])
-@pytest.mark.parametrize("direct", [None, 0], ids=["defaults", "direct-off"])
-def test_both_devices_get_their_own_layers_experts(runner, tiny_model, tensor_split, direct):
-    """Each device receives the expert bytes of the MoE layers it owns (logits "all": every layer, the last
-    one included, processes every token): over its link (VDEV's h2d count, which includes what the devices'
-    gathers copy - GATHER, on by default, patch 0009) and, with GATHER and DIRECT off, as the scheduler's own
-    transient uploads."""
-    r = runner.logits("patched", devices=DEVS, placement={**HOST_ALL, "tensor_split": tensor_split}, ctx=CTX,
-                      n_tokens=N_TOKENS, env=None if direct is None else NO_DIRECT)
-    assert r["schedule"]["pipeline_parallel"] is True
-    owned = layers_per_device(tiny_model, r["schedule"])
-    assert all(n > 0 for n in owned.values()), owned
-    n_layer = sum(owned.values())
-    devs = {d["device"]: d for d in r["counters"]["devices"]}
-    ext = r["ext"]
-    assert ext["params"]["GATHER"] == (-1 if direct is None else 0) and ext["direct"] == 0, ext
-    assert (ext["gather"] > 0) == (direct is None), ext["gather"]
-    total_h2d = sum(d["h2d_bytes"] for d in devs.values())
-    total_w = sum(_ext_backend(ext, name)["weight_bytes"] for name in owned)
-    assert _ext_backend(ext, "CPU")["weight_bytes"] == 0
-    for name, n in owned.items():
-        share = n / n_layer
-        h2d = devs[name]["h2d_bytes"]
-        w = _ext_backend(ext, name)["weight_bytes"]
-        assert h2d == pytest.approx(share * total_h2d, rel=0.10), \
-            f"{name} owns {n}/{n_layer} layers but got {h2d / total_h2d:.1%} of the h2d bytes ({owned})"
-        assert w <= h2d, "expert bytes are part of what crossed the link"
-        if direct == 0:
-            assert w == pytest.approx(share * total_w, rel=0.10), \
-                f"{name} owns {n}/{n_layer} layers but got {w / total_w:.1%} of the expert bytes ({owned})"
 
 
 def test_patched_moves_no_more_expert_bytes_than_baseline(runner, patched_all, baseline_all):
@@ -156,16 +189,6 @@ def test_patched_moves_no_more_expert_bytes_than_baseline(runner, patched_all, b
     p = sum(d["h2d_bytes"] for d in patched_all["counters"]["devices"])
     assert no_pf["ext"]["prefetch"] == 0 and p0 <= 1.05 * b, (p0, b)
     assert patched_all["ext"]["prefetch"] > 0 and p0 <= p <= 1.10 * b, (p, p0, b)
-
-
-def _decode_ctx():
-    return {"n_ctx": 64, "n_batch": 1, "n_ubatch": 1}
-
-
-CASES = [("ubatch16", {"n_ctx": 256, "n_batch": 128, "n_ubatch": 16}, 96),
-         ("ubatch32", {"n_ctx": 256, "n_batch": 128, "n_ubatch": 32}, 96),
-         ("ubatch64", {"n_ctx": 256, "n_batch": 128, "n_ubatch": 64}, 128),
-         ("decode", _decode_ctx(), 4)]
 
 
 @pytest.mark.parametrize("switch", [None, *SWITCHES])
@@ -189,14 +212,14 @@ def test_ubatch32_really_streams_experts_in_both_builds(runner):
         assert sum(d["h2d_bytes"] for d in r["counters"]["devices"]) > 1_000_000, v
 
 
-@pytest.mark.parametrize("how", ["env", "ext_params"])
+@pytest.mark.parametrize("how", ["env", "switches"])
 def test_gate_off_behaves_like_baseline(runner, baseline_all, how):
     if how == "env":
         r = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
                           env=_off("GATE"))
     else:
         r = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
-                          ext_params={"GATE": 0})
+                          switches={"GATE": 0})
     s = r["schedule"]
     assert s["pipeline_parallel"] is False and s["n_copies"] == 1, "GATE=0 must turn pipelining off"
     assert s["n_copies"] == baseline_all["schedule"]["n_copies"]
@@ -207,21 +230,6 @@ def test_gate_off_behaves_like_baseline(runner, baseline_all, how):
 def test_gate_off_turns_pipelining_off(runner):
     r = runner.schedule("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, env=_off("GATE"))
     assert r["schedule"]["pipeline_parallel"] is False and r["schedule"]["n_copies"] == 1
-
-
-def test_owner_offload_off_sends_experts_to_the_first_device(runner):
-    r = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
-                      env=_off("OWNER_OFFLOAD"))
-    v0, v1 = r["counters"]["devices"]
-    assert r["ext"]["offload_owner"] == 0
-    assert v1["h2d_bytes"] < 0.05 * v0["h2d_bytes"], (v0["h2d_bytes"], v1["h2d_bytes"])
-
-
-def test_early_inputs_off(runner, patched_all):
-    r = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
-                      env=_off("EARLY_INPUTS"))
-    assert r["ext"]["input_early_uploads"] == 0
-    assert patched_all["ext"]["input_early_uploads"] > 0
 
 
 def test_device_compute_buffers_stay_small(runner, tiny_cfg, patched_all, baseline_all):
@@ -252,7 +260,7 @@ def test_device_compute_buffers_stay_small_at_larger_ubatch(runner, tiny_cfg):
 
 @pytest.mark.parametrize("ub", [32, 128])
 def test_memory_bound_with_the_issue_geometry(runner, tiny_cfg, ub):
-    """Issue 4's must-show as lab/memory_ab.py measures it (ts 3,5, n_ctx 2304, n_batch = 16 x n_ubatch): each
+    """The memory bound as lab/memory_ab.py measures it (ts 3,5, n_ctx 2304, n_batch = 16 x n_ubatch): each
     device's compute buffer <= baseline + 2 x the largest expert tensor. At n_ubatch 128 the second device needs
     one device copy of the user inputs (EARLY_INPUTS, patch 0004): a copy per graph in flight (mostly the KQ
     mask, EARLY_INPUTS=0) takes it over."""
@@ -268,12 +276,412 @@ def test_memory_bound_with_the_issue_geometry(runner, tiny_cfg, ub):
         assert x < unshared[name], (name, x, unshared[name])   # the per-graph input copies are gone
 
 
-def _baseline_off_on(runner, devs: str, ub: int, env: dict, switch: dict):
-    """Logits of 4 ubatches: the baseline, the patched build with `env`, and with `env` plus `switch`."""
-    kw = {"devices": devs, "placement": HOST_ALL, "ctx": {"n_ctx": 512, "n_batch": 4 * ub, "n_ubatch": ub},
-          "n_tokens": 4 * ub}
-    return (runner.logits("baseline", **kw), runner.logits("patched", env=env, **kw),
-            runner.logits("patched", env={**env, **switch}, **kw))
+@pytest.mark.parametrize("ub, load_mode", [(1, "none"), (32, "none"), (128, "none"), (128, "mmap")],
+                         ids=["decode", "ub32", "ub128", "ub128-mmap"])
+def test_one_device_pipelines_its_graphs_with_host_experts(runner, assert_logits_match, ub, load_mode):
+    """Patch 0002: one device holding every layer, its experts in host RAM: the patched build pipelines its graphs
+    (two in flight, host weights as transient copies), so the copies beside compute act on one device too - early
+    uploads on the second stream (OVERLAP), the device's gather and prefetch below the upload-all bar, staging for
+    pageable (mmap) weights - with the baseline's logits; GATE=0 is upstream's single device again, same logits."""
+    kw = {"devices": ONE, "placement": {**HOST_ALL, "load_mode": load_mode},
+          "ctx": {"n_ctx": 1024, "n_batch": max(ub, 256), "n_ubatch": ub}, "n_tokens": 32 if ub == 1 else 512}
+    b = runner.logits("baseline", **kw)
+    p = runner.logits("patched", **kw)
+    off = runner.logits("patched", env={"GGML_SCHED_PP_GATE": 0}, **kw)
+    assert b["schedule"]["pipeline_parallel"] is False and off["schedule"]["pipeline_parallel"] is False
+    assert p["schedule"]["pipeline_parallel"] is True and p["schedule"]["n_copies"] == 2
+    assert_logits_match(p["logits"], b["logits"], f"one device, ub{ub}, {load_mode}")
+    assert_logits_match(off["logits"], b["logits"], f"one device, GATE=0, ub{ub}, {load_mode}")
+    e, dev = p["ext"], _ext_backend(p["ext"], "VDEV0")
+    if ub == 1:      # decode: below the op-offload threshold the experts are used where they are (the CPU)
+        assert dev["weight_bytes"] == 0 and e["gather"] == 0, e
+    elif load_mode == "mmap":
+        assert dev["staged_bytes"] == dev["weight_bytes"] > 0, dev
+    else:
+        assert dev["overlap_uploads"] > 0, dev
+        assert (e["gather"] > 0 and e["prefetch"] > 0) if ub == 32 else e["upload_all"] > 0, e
+
+
+# === 0003 OWNER_OFFLOAD: offloaded host-weight ops on the layer's own backend =======================================
+
+
+@pytest.mark.parametrize("tensor_split", [None, [3, 4]], ids=["default-split", "split-3-4"])
+@pytest.mark.parametrize("direct", [None, 0], ids=["defaults", "direct-off"])
+def test_both_devices_get_their_own_layers_experts(runner, tiny_model, tensor_split, direct):
+    """Each device receives the expert bytes of the MoE layers it owns (logits "all": every layer, the last
+    one included, processes every token): over its link (VDEV's h2d count, which includes what the devices'
+    gathers copy - GATHER, on by default, patch 0010) and, with GATHER and DIRECT off, as the scheduler's own
+    transient uploads."""
+    r = runner.logits("patched", devices=DEVS, placement={**HOST_ALL, "tensor_split": tensor_split}, ctx=CTX,
+                      n_tokens=N_TOKENS, env=None if direct is None else NO_DIRECT)
+    assert r["schedule"]["pipeline_parallel"] is True
+    owned = layers_per_device(tiny_model, r["schedule"])
+    assert all(n > 0 for n in owned.values()), owned
+    n_layer = sum(owned.values())
+    devs = {d["device"]: d for d in r["counters"]["devices"]}
+    ext = r["ext"]
+    assert ext["params"]["GATHER"] == (-1 if direct is None else 0) and ext["direct"] == 0, ext
+    assert (ext["gather"] > 0) == (direct is None), ext["gather"]
+    total_h2d = sum(d["h2d_bytes"] for d in devs.values())
+    total_w = sum(_ext_backend(ext, name)["weight_bytes"] for name in owned)
+    assert _ext_backend(ext, "CPU")["weight_bytes"] == 0
+    for name, n in owned.items():
+        share = n / n_layer
+        h2d = devs[name]["h2d_bytes"]
+        w = _ext_backend(ext, name)["weight_bytes"]
+        assert h2d == pytest.approx(share * total_h2d, rel=0.10), \
+            f"{name} owns {n}/{n_layer} layers but got {h2d / total_h2d:.1%} of the h2d bytes ({owned})"
+        assert w <= h2d, "expert bytes are part of what crossed the link"
+        if direct == 0:
+            assert w == pytest.approx(share * total_w, rel=0.10), \
+                f"{name} owns {n}/{n_layer} layers but got {w / total_w:.1%} of the expert bytes ({owned})"
+
+
+def test_owner_offload_off_sends_experts_to_the_first_device(runner):
+    r = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
+                      env=_off("OWNER_OFFLOAD"))
+    v0, v1 = r["counters"]["devices"]
+    assert r["ext"]["offload_owner"] == 0
+    assert v1["h2d_bytes"] < 0.05 * v0["h2d_bytes"], (v0["h2d_bytes"], v1["h2d_bytes"])
+
+
+def test_partial_host_experts_stream_to_the_layer_owner(runner, tiny_model, assert_logits_match):
+    """Experts of the last two layers (VDEV1's) in host RAM: the patched build streams them to VDEV1 (by default
+    VDEV1 gathers the used experts itself: GATHER; with it and DIRECT off, as transient copies), upstream to VDEV0
+    (its first-device rule); the logits agree."""
+    placement = {"host_experts": [4, 5]}
+    p = runner.logits("patched", devices=DEVS, placement=placement, ctx=CTX, n_tokens=N_TOKENS)
+    sel = runner.logits("patched", devices=DEVS, placement=placement, ctx=CTX, n_tokens=N_TOKENS, env=NO_DIRECT)
+    b = runner.logits("baseline", devices=DEVS, placement=placement, ctx=CTX, n_tokens=N_TOKENS)
+    owned = layers_per_device(tiny_model, p["schedule"], host_layers={4, 5})
+    assert owned == {"VDEV0": 4, "VDEV1": 2}, f"this test assumes layers 4 and 5 are VDEV1's: {owned}"
+    assert p["schedule"]["pipeline_parallel"] is True
+    for r in (p, sel):
+        assert _ext_backend(r["ext"], "VDEV0")["weight_bytes"] == 0
+        assert _ext_backend(r["ext"], "VDEV0")["gather_bytes_est"] == 0
+    assert p["ext"]["gather"] > 0 and _ext_backend(p["ext"], "VDEV1")["gather_bytes_est"] > 0
+    assert sel["ext"]["gather"] == 0 and _ext_backend(sel["ext"], "VDEV1")["weight_bytes"] > 0
+    bv0, bv1 = b["counters"]["devices"]
+    for r in (p, sel):
+        pv0, pv1 = r["counters"]["devices"]
+        assert pv1["h2d_bytes"] > 10 * pv0["h2d_bytes"], (pv0["h2d_bytes"], pv1["h2d_bytes"])
+    assert bv0["h2d_bytes"] > 10 * bv1["h2d_bytes"], (bv0["h2d_bytes"], bv1["h2d_bytes"])
+    assert_logits_match(p["logits"], b["logits"], "patched vs baseline, host experts of layers 4-5")
+    assert_logits_match(sel["logits"], b["logits"], "patched (GATHER=0 DIRECT=0) vs baseline, host experts of layers 4-5")
+
+
+# === 0004 EARLY_INPUTS: user inputs uploaded early, fewer copies, last events =======================================
+
+
+def test_early_inputs_off(runner, patched_all):
+    r = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
+                      env=_off("EARLY_INPUTS"))
+    assert r["ext"]["input_early_uploads"] == 0
+    assert patched_all["ext"]["input_early_uploads"] > 0
+
+
+def test_decode_records_one_event_per_device_and_waits_on_none(runner):
+    """Patch 0004: in decode (nothing in flight, experts on the CPU) each device records one event per token
+    (after its last split) instead of one per split, and no split waits on an event; numerics unchanged."""
+    def tg(env):
+        r = runner.run("patched", {"kind": "measure", "devices": DEVS, "placement": HOST_ALL,
+                                   "ctx": {"n_ctx": 256, "n_batch": 16, "n_ubatch": 16}, "tests": [["tg", 8]],
+                                   "reps": 2}, env=env)
+        assert r["schedule"]["pipeline_parallel"] is True
+        # the extension's deltas cover the timed tokens only (not each rep's untimed position-0 token)
+        assert r["tests"][0]["ext"]["graphs"] == 2 * 8, r["tests"][0]["ext"]["graphs"]
+        return r["tests"][0]["devices"]
+    on = tg(None)
+    assert len(on) == 2, on
+    for d_on in on:
+        assert d_on["event_records"] == 2 * 8, d_on    # 2 reps of 8 tokens, one record each
+        assert d_on["event_waits"] == 0, d_on
+
+
+# === 0005 UPLOAD_ALL: whole expert tensors above the coverage bar ===================================================
+
+
+def test_upload_all_skips_the_readbacks(runner, tiny_cfg):
+    forced = _bench(runner, FORCE_UPLOAD_ALL)
+    sel = _bench(runner, {**_off("UPLOAD_ALL"), **NO_DIRECT})
+    fe, se = forced["ext"], sel["ext"]
+    assert fe["params"]["UPLOAD_ALL_MIN"] == 1 and se["params"]["UPLOAD_ALL"] == 0
+    # forced upload-all: whole tensors, no host-blocking routing-id readback
+    assert fe["upload_all"] > 0 and fe["id_readbacks"] == 0 and fe["selective"] == 0, fe
+    # switched off: selective copies after reading the ids back
+    assert se["upload_all"] == 0 and se["id_readbacks"] > 0 and se["selective"] > 0, se
+    assert 0 < se["experts_used"] < se["experts_total"], "the test needs ubatches that leave experts unused"
+    assert sel["coverage"]["coverage"] < 0.9, sel["coverage"]
+    # the same ops were offloaded either way; selective moves fewer bytes, per device and in total
+    total_f = total_s = 0
+    for name in ("VDEV0", "VDEV1"):
+        f, s = _ext_backend(fe, name), _ext_backend(se, name)
+        assert f["weight_uploads"] == s["weight_uploads"] > 0, (f, s)
+        assert 0 < s["weight_bytes"] < f["weight_bytes"], (name, s["weight_bytes"], f["weight_bytes"])
+        total_f += f["weight_bytes"]
+        total_s += s["weight_bytes"]
+    # a whole upload moves one expert tensor per upload
+    one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
+    n_up = sum(_ext_backend(fe, n)["weight_uploads"] for n in ("VDEV0", "VDEV1"))
+    assert total_f == n_up * one_expert_tensor, (total_f, n_up, one_expert_tensor)
+    # selective bytes follow the coverage the readbacks saw (within 15%: copies are ranges of experts)
+    cov = se["experts_used"] / se["experts_total"]
+    assert total_s == pytest.approx(cov * total_f, rel=0.15), (total_s, cov, total_f)
+    # and the device counters agree with the scheduler's
+    assert sum(d["h2d_bytes"] for d in forced["devices"]) >= total_f
+    assert sum(d["h2d_bytes"] for d in sel["devices"]) >= total_s
+
+
+def test_coverage_is_remeasured_once_per_idle_graph_at_its_first_expert_op(runner):
+    """Upload-all re-measures coverage with one readback per graph that starts with nothing in flight (the first
+    ubatch of each prompt batch), at its first expert op; never mid-graph or while a graph is in flight, where the
+    readback would wait for every upload queued ahead of it."""
+    env = {**FORCE_UPLOAD_ALL, "GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 1}
+    every = runner.run("patched", {"kind": "measure", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
+                                   "tests": [["pp", 128]], "reps": 3}, env=env)["tests"][0]["ext"]
+    assert every["graphs"] == 3 * 4, every["graphs"]   # 3 runs of 4 ubatches
+    assert every["id_readbacks"] == 3 and every["selective"] >= 3, every        # one per run
+    assert every["upload_all"] > 10 * every["selective"], every
+
+
+def test_one_row_output_layer_does_not_pull_the_coverage_estimate_down(runner):
+    """Default thresholds, ubatches of 128 (about 98% coverage): per prompt, one readback re-measures coverage at
+    the first expert op and one reads the ids of the output ubatch's last layer (one row, below every threshold).
+    That one-row layer must not count as coverage: otherwise the next prompt starts below 85% and reads ids back
+    in its first layers too. (With GATHER, the default, the last layer's GPU gathers that row's experts itself:
+    only the measuring readback is left.)"""
+    job = {"kind": "measure", "devices": DEVS, "placement": HOST_ALL,
+           "ctx": {"n_ctx": 1024, "n_batch": 512, "n_ubatch": 128}, "tests": [["pp", 512]], "reps": 3}
+    sel = runner.run("patched", job, env=NO_DIRECT)["tests"][0]["ext"]
+    e = runner.run("patched", job)["tests"][0]["ext"]
+    for x in (sel, e):
+        assert x["graphs"] == 3 * 4 and x["upload_all"] > 0, x
+    assert sel["id_readbacks"] == 3 * 2 and sel["direct"] == 0, sel
+    assert e["id_readbacks"] == 3 and e["gather"] == 3 * 3 and e["direct"] == 0, e   # the one-row layer's gate, up, down
+
+
+def test_coverage_bar_follows_the_number_of_links(runner, tmp_path_factory):
+    """Patch 0005: with two GPUs on links of their own the default coverage bar is 55% (110 / 2), not 85%: at ~65%
+    coverage the patched build uploads whole expert tensors (the stages overlap) where the old bar copied used
+    experts after a readback per layer; at ~30% it still copies only the used ones. On one shared link (VDEVs of
+    one link group report one bus id, as virtual CUDA devices of one GPU do), or with LINKS=1, the bar stays 85%."""
+    def run(skew, env, devs=DEVS):
+        model = synth.cached_model(tmp_path_factory.getbasetemp() / "skewed", "tiny", seed=1, routing="skewed", skew=skew)
+        r = runner.run("patched", {"kind": "measure", "model": str(model), "devices": devs, "placement": HOST_ALL,
+                                   "ctx": {"n_ctx": 512, "n_batch": 256, "n_ubatch": 64}, "tests": [["pp", 256]],
+                                   "reps": 1}, env=env)
+        return r["tests"][0]
+    mid, mid_old = run(0.3, None), run(0.3, {"GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 85})
+    low = run(0.8, None)
+    assert 0.6 < mid["coverage"]["coverage"] < 0.85 and low["coverage"]["coverage"] < 0.5, (mid["coverage"], low["coverage"])
+    assert mid["ext"]["params"]["UPLOAD_ALL_MIN_COV"] == -1
+    assert mid["ext"]["upload_all"] > mid["ext"]["selective"], mid["ext"]
+    assert mid_old["ext"]["upload_all"] < mid_old["ext"]["selective"], mid_old["ext"]
+    assert low["ext"]["upload_all"] == 0 and low["ext"]["selective"] > 0, low["ext"]
+    assert mid["ext"]["links"] == 2, mid["ext"]["links"]
+    for shared in (run(0.3, None, "vdev:2x0@0,shared"), run(0.3, {"GGML_SCHED_PP_LINKS": 1})):
+        assert shared["ext"]["links"] == 1 and shared["ext"]["upload_all"] < shared["ext"]["selective"], shared["ext"]
+
+
+def test_default_thresholds_choose_selective_for_the_tiny_model(runner):
+    """With the default thresholds (4 x n_expert selections; 2 x while in flight) a 32-token ubatch of the tiny
+    model (64 selections, ~40 of 64 experts) must not upload everything: the devices gather the used experts
+    (GATHER, the default), or with GATHER off the host reads the ids back and copies them."""
+    t, sel = _bench(runner, None), _bench(runner, NO_GATHER)
+    assert t["ext"]["upload_all"] == 0 and t["ext"]["gather"] > 0, t["ext"]
+    assert sel["ext"]["upload_all"] == 0 and sel["ext"]["id_readbacks"] > 0, sel["ext"]
+
+
+# === 0006 STAGING: pageable host weights through pinned staging slots ===============================================
+
+
+@pytest.mark.parametrize("how, pageable_buft", [({"no_host": True}, "CPU"), ({"load_mode": "mmap"}, "CPU_Mapped")])
+def test_pageable_host_weights_go_through_pinned_staging(runner, assert_logits_match, how, pageable_buft):
+    """Patch 0006 (the pinned-memory gate and STAGING): a device copies from pageable memory (no host buffer, or an mmap-ed model)
+    synchronously. The patched build stages those uploads through pinned slots (STAGING) and pipelines; with
+    STAGING=0 it keeps pipelining off, as upstream. VDEV copies from pageable memory block the host, as CUDA's do."""
+    pageable = {**HOST_ALL, **how}
+    b = runner.logits("baseline", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS)
+    staged = runner.logits("patched", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS)
+    off = runner.logits("patched", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS, env=_off("STAGING"))
+    assert b["schedule"]["pipeline_parallel"] is False and off["schedule"]["pipeline_parallel"] is False
+    assert staged["schedule"]["pipeline_parallel"] is True
+    for r, what in ((staged, "staged"), (off, "STAGING=0, PP off")):
+        assert_logits_match(r["logits"], b["logits"], f"pageable, {what}")
+    # where the weights are: a pageable CPU buffer vs the VDEV host buffer type (pinned)
+    assert pageable_buft in {m["buft"] for m in staged["schedule"]["memory"]}
+    # (DIRECT off for the pinned run: it reads pinned weights from host memory, pageable ones never)
+    # (and OVERLAP off, as for pageable weights: its second stream adds host syncs of its own at each synchronize)
+    pinned = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
+                           env={**NO_DIRECT, **OVERLAP_OFF})
+    assert staged["ext"]["direct"] == 0
+    assert not {"CPU", "CPU_Mapped"} & {m["buft"] for m in pinned["schedule"]["memory"]}
+    assert pinned["schedule"]["pipeline_parallel"] is True
+    # every host-weight byte of the staged run went through the slots; none of the pinned run did
+    vdevs = lambda r: [x for x in r["ext"]["backends"] if x["name"].startswith("VDEV")]
+    assert len(vdevs(staged)) == len(vdevs(pinned)) == 2
+    for x, y in zip(vdevs(staged), vdevs(pinned)):
+        assert x["staged_bytes"] == x["weight_bytes"] == y["weight_bytes"] > 0, (x, y)
+        assert y["staged_bytes"] == 0, y
+    # uploads from pinned memory, staged or not, are only queued (the staged run waits only for a full slot)
+    syncs = lambda x: sum(d["host_syncs"] for d in x["counters"]["devices"])
+    assert pinned["ext"]["host_waits"]["upload"] > 0
+    assert syncs(staged) <= syncs(pinned) + staged["ext"]["stage_waits"], (syncs(staged), syncs(pinned), staged["ext"])
+
+
+# === 0007 STABLE_RESERVE: stable reservations, dependency padding, kept plans =======================================
+
+
+def test_prompt_batches_do_not_re_reserve_and_host_waits_are_timed(runner):
+    """Patch 0003: the output rows of a prompt's last ubatch stay on their layer's device, so node backends
+    match the reserved graph and no re-reservation (a full drain) happens; the host waits are timed by cause
+    (patch 0001)."""
+    on = _bench(runner, None)["ext"]
+    assert on["reallocs"] == 0 and on["plan_switches"] == 0 and on["reallocs_ids_changed"] == 0, on
+    assert on["host_waits"]["realloc"] == 0 and on["host_wait_us"]["realloc"] == 0
+    assert set(on["host_wait_us"]) == {"user_input", "split_switch", "ids", "fallback", "realloc", "input_events",
+                                       "upload"}
+    assert on["compute_async_us"] > 0 and on["graphs"] == 4, on  # 128 tokens in ubatches of 32
+    assert all(b["submit_us"] > 0 for b in on["backends"]), on["backends"]
+
+
+def test_decode_after_a_prompt_allocates_from_a_kept_plan(runner, assert_logits_match):
+    """Patch 0007 (kept plans): prompts, then decode, twice, in one context (bench/q6's pattern). The decode graph
+    keeps its expert ops on the CPU, so its node backends differ from the prompt layout: with one plan the first
+    decode token would re-reserve in every round. With kept plans (llama reserves the decode graph when the context
+    is made) every step allocates from a plan that fits it: no re-reservation and, with nothing in flight between
+    llama_decode calls, no drain. The logits of every step's last token and of each decoded token match the
+    baseline."""
+    b = _mixed(runner, "baseline", None)
+    on = _mixed(runner, "patched", None)
+    assert b["logits"].shape == on["logits"].shape == (2 * (len(MIXED) - 1 + 4), b["logits"].shape[1])
+    assert_logits_match(on["logits"], b["logits"], "kept plans, mixed workload")
+    steps_on = on["steps"]
+    for st in steps_on:
+        e = st["ext"]
+        assert e["reallocs"] == 0 and e["plan_switch_drains"] == 0, (st["round"], st["kind"], e["realloc_log"])
+        if st["kind"] == "tg":
+            assert e["plan_switches"] == 1, e          # to the decode plan at the first token, then it fits
+    assert steps_on[len(MIXED)]["ext"]["plan_switches"] == 1   # round 2's first prompt: back to the prompt plan
+
+
+def test_allocation_dependency_nodes_keep_the_reserved_node_count(runner):
+    """Patch 0007: VDEV, like CUDA, asks for an allocation-dependency node after each non-empty top-k routing;
+    the empty last layer of a ubatch without outputs gets none, so its graph has fewer nodes than the reserved
+    one. Padding keeps the count: every graph has the reserved node count and none re-reserves."""
+    on = _bench(runner, None)["ext"]
+    assert on["reallocs"] == 0 and on["graph_nodes_min"] == on["graph_nodes_max"], on
+
+
+# === 0008 DIRECT: a GPU reads the used experts from pinned host memory ==============================================
+
+
+@pytest.mark.parametrize("ub", [32, 128])
+def test_direct_reads_replace_the_readbacks(runner, tiny_cfg, assert_logits_match, ub):
+    """Patch 0008 (DIRECT, the default on every GPU but the first): below the upload-all bar the device reads the used experts from pinned
+    host memory itself - no routing-id readback and no copy - except at the first expert op of a graph that starts
+    idle, which measures the coverage where a measurement counts (on the first GPU here, which keeps the selective
+    copy anyway). Same logits as the baseline; the bytes over the second device's link are the experts the ids
+    select (VDEV charges the kernel's reads): no more than the selective copy moves (it copies ranges of experts
+    with padding), and most of it; the first device's are those of the selective copy."""
+    b, sel, on = _baseline_off_on(runner, DEVS, ub, {"GGML_SCHED_PP_UPLOAD_ALL": 0, **NO_DIRECT},
+                                  {"GGML_SCHED_PP_DIRECT": 2})
+    assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["DIRECT"] == 2
+    assert_logits_match(on["logits"], b["logits"], f"DIRECT=2 ub{ub}")
+    e, s = on["ext"], sel["ext"]
+    assert s["direct"] == 0 and s["selective"] > 0, s
+    # every expert op either reads directly (VDEV1) or copies the used experts (VDEV0)
+    assert e["direct"] > 0 and e["selective"] > 0 and e["direct"] + e["selective"] == s["selective"], (e, s)
+    assert e["id_readbacks"] < s["id_readbacks"], (e["id_readbacks"], s["id_readbacks"])
+    h_on, h_sel = _h2d_by_device(on), _h2d_by_device(sel)
+    first, second = sorted(h_on)
+    assert 0.6 * h_sel[second] < h_on[second] <= h_sel[second], (h_on, h_sel)
+    assert h_on[first] == pytest.approx(h_sel[first], rel=0.01), (h_on, h_sel)
+    assert _ext_backend(e, "VDEV1")["direct_bytes_est"] > 0 and _ext_backend(e, "VDEV0")["direct_bytes_est"] == 0
+
+
+def test_vdev_charges_direct_reads_at_their_share_of_the_link(runner):
+    """VDEV's `direct` option: a kernel's reads of pinned host memory move at that share of the link's rate (the
+    same bytes take longer over the link than a copy's)."""
+    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 2, **NO_GATHER}
+    kw = {"placement": HOST_ALL, "ctx": {"n_ctx": 512, "n_batch": 512, "n_ubatch": 128}, "n_tokens": 512, "env": env}
+    full = runner.logits("patched", devices="vdev:2x0@2,direct=1", **kw)
+    slow = runner.logits("patched", devices="vdev:2x0@2,direct=0.25", **kw)
+    # (the second device: the first keeps the selective copy)
+    for f, s in zip(full["counters"]["devices"][1:], slow["counters"]["devices"][1:]):
+        assert f["h2d_bytes"] == s["h2d_bytes"] > 0, (f, s)
+        # its link time is direct reads: 4x slower, at least 2.5x
+        assert s["link_busy_s"] > 2.5 * f["link_busy_s"] > 0, (f["link_busy_s"], s["link_busy_s"])
+
+
+def test_direct_by_default_only_on_links_of_their_own(runner, assert_logits_match):
+    """Patch 0008: DIRECT=-1 (the default) reads directly only where the GPUs have host links of their own; on
+    one shared link the kernels' slow reads would take link time from the other stage's copies (one H200 as two:
+    0.91x upstream), so the selective copy stays. Logits match the baseline either way. (GATHER off: DIRECT's
+    default is for devices without a gather.)"""
+    kw = {"placement": HOST_ALL, "ctx": CTX, "n_tokens": N_TOKENS}
+    own = runner.logits("patched", devices="vdev:2x0@0", env=NO_GATHER, **kw)
+    shared = runner.logits("patched", devices="vdev:2x0@0,shared", env=NO_GATHER, **kw)
+    forced = runner.logits("patched", devices="vdev:2x0@0,shared", env={"GGML_SCHED_PP_DIRECT": 2, **NO_GATHER}, **kw)
+    b = runner.logits("baseline", devices="vdev:2x0@0", **kw)
+    assert own["ext"]["links"] == 2 and shared["ext"]["links"] == 1
+    assert own["ext"]["params"]["DIRECT"] == shared["ext"]["params"]["DIRECT"] == -1
+    assert own["ext"]["direct"] > 0 and _ext_backend(own["ext"], "VDEV0")["direct_bytes_est"] == 0   # not the first GPU
+    assert shared["ext"]["direct"] == 0 and shared["ext"]["id_readbacks"] > 0, shared["ext"]
+    assert forced["ext"]["direct"] > 0                                   # explicit DIRECT=2 still reads directly
+    for r, what in ((own, "own links"), (shared, "shared link")):
+        assert_logits_match(r["logits"], b["logits"], f"DIRECT default, {what}")
+
+
+def test_direct_by_default_per_link_with_three_devices(runner, assert_logits_match):
+    """DIRECT's auto mode is decided per device: with three VDEVs, the first two on one link and the third on a
+    link of its own, only the third reads from host memory (the second shares the first's link; the first keeps
+    the selective copy anyway). GATHER off, as above."""
+    devs = {"kind": "vdev", "devices": [{"link_gbps": 0, "link_group": 0}, {"link_gbps": 0, "link_group": 0},
+                                        {"link_gbps": 0}]}
+    kw = {"placement": HOST_ALL, "ctx": CTX, "n_tokens": N_TOKENS}
+    r = runner.logits("patched", devices=devs, env=NO_GATHER, **kw)
+    b = runner.logits("baseline", devices=devs, **kw)
+    assert r["ext"]["links"] == 2 and r["schedule"]["pipeline_parallel"] is True
+    est = {x["name"]: x["direct_bytes_est"] for x in r["ext"]["backends"]}
+    assert est["VDEV0"] == 0 and est["VDEV1"] == 0 and est["VDEV2"] > 0, est
+    assert_logits_match(r["logits"], b["logits"], "DIRECT auto, three devices, two links")
+
+
+def test_direct_leaves_upload_alls_refresh_to_a_readback(runner):
+    """With DIRECT on and coverage above the bar, upload-all's refresh (the first expert op of each idle graph)
+    still reads the ids back: DIRECT must not take the op the refresh handed to the selective copy."""
+    env = {**FORCE_UPLOAD_ALL, "GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 1, "GGML_SCHED_PP_DIRECT": 2, **NO_GATHER}
+    r = runner.run("patched", {"kind": "measure", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
+                               "tests": [["pp", 128]], "reps": 3}, env=env)
+    e = r["tests"][0]["ext"]
+    assert e["graphs"] == 3 * 4 and e["id_readbacks"] == 3 and e["upload_all"] > 10 * e["selective"], e
+    assert e["direct"] == 0, e   # above the bar: upload-all everywhere else
+    # control: the same run below the bar (upload-all off) does read directly, so the 0 above means something
+    low = runner.run("patched", {"kind": "measure", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
+                                 "tests": [["pp", 128]], "reps": 3},
+                     env={"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 2, **NO_GATHER})["tests"][0]["ext"]
+    assert low["direct"] > 0, low
+
+
+def test_direct_skips_graphs_llama_reuses(runner, assert_logits_match):
+    """A graph llama reuses (while pipelining: ubatches below 32 tokens) keeps its splits - and on CUDA its captured
+    graphs, which would replay the pointer of their capture: DIRECT only takes graphs split for their own compute
+    (the control: the same ubatches with graph reuse disabled)."""
+    # (ubatches of 16 offload their expert ops only below the devices' usual minimum batch of 32)
+    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 2, **NO_GATHER, "GGML_OP_OFFLOAD_MIN_BATCH": 16}
+    ctx = {"n_ctx": 512, "n_batch": 32, "n_ubatch": 16}   # 4 ubatches of 16: the first one's graph, then reused
+    b = runner.logits("baseline", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=64)
+    rebuilt = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=64,
+                            env={**env, "LLAMA_GRAPH_REUSE_DISABLE": 1})
+    reused = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=64, env=env)
+    assert_logits_match(reused["logits"], b["logits"], "DIRECT=2, reused graphs")
+    assert rebuilt["ext"]["graphs"] == reused["ext"]["graphs"] == 4
+    assert 0 < reused["ext"]["direct"] < rebuilt["ext"]["direct"], (reused["ext"]["direct"], rebuilt["ext"]["direct"])
+    assert reused["ext"]["selective"] > rebuilt["ext"]["selective"]
+
+
+# === 0009 OVERLAP: the next split's expert copy on a second stream ==================================================
 
 
 @pytest.mark.parametrize("ub, env", [(128, {}), (64, FORCE_UPLOAD_ALL), (32, NO_GATHER)],
@@ -300,7 +708,7 @@ def test_overlap_in_the_compute_buffer(runner, tiny_cfg, assert_logits_match, ub
 
 @pytest.mark.parametrize("ub", [32, 128])
 def test_overlap_in_the_compute_buffer_keeps_the_memory_bound(runner, tiny_cfg, ub):
-    """Issue 4's bound with OVERLAP=2 (the geometry of test_memory_bound_with_the_issue_geometry): each device's
+    """The memory bound with OVERLAP=2 (the geometry of test_memory_bound_with_the_issue_geometry): each device's
     compute buffer <= baseline + 2 x the largest expert tensor."""
     one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
     placement = {**HOST_ALL, "tensor_split": [3, 5]}
@@ -342,7 +750,7 @@ def test_overlap_without_room_runs_without_its_copies(runner, assert_logits_matc
 
 
 def test_overlap_in_the_compute_buffer_with_direct_and_kept_plans(runner, assert_logits_match):
-    """OVERLAP=2 together with the defaults below the upload-all bar (GATHER on VDEVs since patch 0009, DIRECT
+    """OVERLAP=2 together with the defaults below the upload-all bar (GATHER on VDEVs since patch 0010, DIRECT
     before it) and kept plans, in the mixed workload: the same logits as the baseline, no re-reservation."""
     b = _mixed(runner, "baseline", None)
     p = _mixed(runner, "patched", {"GGML_SCHED_PP_OVERLAP": 2})
@@ -384,24 +792,13 @@ def test_overlap_in_the_compute_buffer_keeps_one_plan_for_a_prompt(runner):
     coverage readback per prompt (upload-all's refresh), as with OVERLAP off."""
     def run(overlap):
         env = {**FORCE_UPLOAD_ALL, "GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 1, "GGML_SCHED_PP_OVERLAP": overlap}
-        return runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
+        return runner.run("patched", {"kind": "measure", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
                                       "tests": [["pp", 128]], "reps": 3}, env=env)["tests"][0]["ext"]
     on, off = run(2), run(0)
     assert on["graphs"] == off["graphs"] == 3 * 4
     assert sum(x["overlap_uploads"] for x in on["backends"]) > 0, on   # the copies did go up early
     assert on["plan_switches"] == on["plan_switch_drains"] == on["reallocs"] == 0, on
     assert on["id_readbacks"] == off["id_readbacks"] == 3, (on["id_readbacks"], off["id_readbacks"])
-
-
-def test_bench_reports_the_prefetch_lanes(runner, tiny_cfg):
-    """PREFETCH=2's lanes are a level, not a per-rep count: bench results carry them as they stand after the last
-    rep (in "ring_bytes": three expert copies per GPU)."""
-    on = _bench(runner, {"GGML_SCHED_PP_OVERLAP": 2, "GGML_SCHED_PP_PREFETCH": 2})
-    off = _bench(runner, {})
-    one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
-    assert {r["name"]: r["ring_bytes"] for r in on["ext_ring"]} == {"VDEV0": 3 * one_expert_tensor,
-                                                                     "VDEV1": 3 * one_expert_tensor, "CPU": 0}
-    assert all(r["ring_bytes"] == 0 for r in off["ext_ring"])
 
 
 def test_overlap_leaves_pageable_weights_to_staging(runner, assert_logits_match):
@@ -418,73 +815,18 @@ def test_overlap_leaves_pageable_weights_to_staging(runner, assert_logits_match)
         assert e["ring_bytes"] == 0 and e["overlap_uploads"] == 0 and e["staged_bytes"] == e["weight_bytes"] > 0, e
 
 
-# --- upload-all vs selective expert copies ------------------------------------------------------------------
-
-BENCH_CTX = {"n_ctx": 256, "n_batch": 128, "n_ubatch": 32}   # 64 expert selections a ubatch: ~40 of 64 used
-
-
-def _bench(runner, env):
-    r = runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
-                               "tests": [["pp", 128]], "reps": 1}, env=env)
-    assert r["schedule"]["pipeline_parallel"] is True
-    (t,) = r["tests"]
-    assert t["kind"] == "pp" and t["n"] == 128 and len(t["seconds"]) == 1
-    return t
+def test_direct_with_overlap(runner, assert_logits_match):
+    """DIRECT and OVERLAP=2 together: an expert op DIRECT may take is not placed early (DIRECT decides late: it
+    measures), so fewer copies go up early; the logits still match, on slow links and a slow second device."""
+    b, ov, both = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", 64,
+                                   {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_OVERLAP": 2, **NO_DIRECT},
+                                   {"GGML_SCHED_PP_DIRECT": 2})
+    assert_logits_match(both["logits"], b["logits"], "DIRECT=2 OVERLAP=2")
+    assert both["ext"]["direct"] > 0 and ov["ext"]["direct"] == 0
+    assert 0 <= _early_uploads(both["ext"]) < _early_uploads(ov["ext"]), (_early_uploads(both["ext"]), _early_uploads(ov["ext"]))
 
 
-def test_upload_all_skips_the_readbacks(runner, tiny_cfg):
-    forced = _bench(runner, FORCE_UPLOAD_ALL)
-    sel = _bench(runner, {**_off("UPLOAD_ALL"), **NO_DIRECT})
-    fe, se = forced["ext"], sel["ext"]
-    assert fe["params"]["UPLOAD_ALL_MIN"] == 1 and se["params"]["UPLOAD_ALL"] == 0
-    # forced upload-all: whole tensors, no host-blocking routing-id readback
-    assert fe["upload_all"] > 0 and fe["id_readbacks"] == 0 and fe["selective"] == 0, fe
-    # switched off: selective copies after reading the ids back
-    assert se["upload_all"] == 0 and se["id_readbacks"] > 0 and se["selective"] > 0, se
-    assert 0 < se["experts_used"] < se["experts_total"], "the test needs ubatches that leave experts unused"
-    assert sel["coverage"]["coverage"] < 0.9, sel["coverage"]
-    # the same ops were offloaded either way; selective moves fewer bytes, per device and in total
-    total_f = total_s = 0
-    for name in ("VDEV0", "VDEV1"):
-        f, s = _ext_backend(fe, name), _ext_backend(se, name)
-        assert f["weight_uploads"] == s["weight_uploads"] > 0, (f, s)
-        assert 0 < s["weight_bytes"] < f["weight_bytes"], (name, s["weight_bytes"], f["weight_bytes"])
-        total_f += f["weight_bytes"]
-        total_s += s["weight_bytes"]
-    # a whole upload moves one expert tensor per upload
-    one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
-    n_up = sum(_ext_backend(fe, n)["weight_uploads"] for n in ("VDEV0", "VDEV1"))
-    assert total_f == n_up * one_expert_tensor, (total_f, n_up, one_expert_tensor)
-    # selective bytes follow the coverage the readbacks saw (within 15%: copies are ranges of experts)
-    cov = se["experts_used"] / se["experts_total"]
-    assert total_s == pytest.approx(cov * total_f, rel=0.15), (total_s, cov, total_f)
-    # and the device counters agree with the scheduler's
-    assert sum(d["h2d_bytes"] for d in forced["devices"]) >= total_f
-    assert sum(d["h2d_bytes"] for d in sel["devices"]) >= total_s
-
-
-@pytest.mark.parametrize("ub", [32, 128])
-def test_direct_reads_replace_the_readbacks(runner, tiny_cfg, assert_logits_match, ub):
-    """Patch 0008 (DIRECT, the default on every GPU but the first): below the upload-all bar the device reads the used experts from pinned
-    host memory itself - no routing-id readback and no copy - except at the first expert op of a graph that starts
-    idle, which measures the coverage where a measurement counts (on the first GPU here, which keeps the selective
-    copy anyway). Same logits as the baseline; the bytes over the second device's link are the experts the ids
-    select (VDEV charges the kernel's reads): no more than the selective copy moves (it copies ranges of experts
-    with padding), and most of it; the first device's are those of the selective copy."""
-    b, sel, on = _baseline_off_on(runner, DEVS, ub, {"GGML_SCHED_PP_UPLOAD_ALL": 0, **NO_DIRECT},
-                                  {"GGML_SCHED_PP_DIRECT": 2})
-    assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["DIRECT"] == 2
-    assert_logits_match(on["logits"], b["logits"], f"DIRECT=2 ub{ub}")
-    e, s = on["ext"], sel["ext"]
-    assert s["direct"] == 0 and s["selective"] > 0, s
-    # every expert op either reads directly (VDEV1) or copies the used experts (VDEV0)
-    assert e["direct"] > 0 and e["selective"] > 0 and e["direct"] + e["selective"] == s["selective"], (e, s)
-    assert e["id_readbacks"] < s["id_readbacks"], (e["id_readbacks"], s["id_readbacks"])
-    h_on, h_sel = _h2d_by_device(on), _h2d_by_device(sel)
-    first, second = sorted(h_on)
-    assert 0.6 * h_sel[second] < h_on[second] <= h_sel[second], (h_on, h_sel)
-    assert h_on[first] == pytest.approx(h_sel[first], rel=0.01), (h_on, h_sel)
-    assert _ext_backend(e, "VDEV1")["direct_bytes_est"] > 0 and _ext_backend(e, "VDEV0")["direct_bytes_est"] == 0
+# === 0010 GATHER: the device gathers the used experts itself ========================================================
 
 
 @pytest.mark.parametrize("ub", [32, 128])
@@ -535,9 +877,12 @@ def test_gather_with_overlap_goes_up_on_the_second_stream(runner, assert_logits_
     assert sum(d["gathers"] for d in dev(on).values()) == e_on["gather"], (dev(on), e_on["gather"])
 
 
+# === 0011 PREFETCH: expert copies prefetched with the experts used last time; chained gathers =======================
+
+
 @pytest.mark.parametrize("ub", [32, 128])
 def test_prefetch_brings_last_used_experts_a_split_early(runner, tiny_cfg, assert_logits_match, ub):
-    """PREFETCH (patch 0009, on by default, acting with OVERLAP=2 and GATHER): a layer's first expert op (gate)
+    """PREFETCH (patch 0011, on by default, acting with OVERLAP=2 and GATHER): a layer's first expert op (gate)
     cannot gather a split early - its ids are computed in the split before - so its copy is placed early too and the
     device fills it on the second stream with the experts the same weight used at its last gather; the op's own
     split then gathers only the rest (ub128: not the gate that reads its ids back to measure the coverage, the
@@ -620,7 +965,7 @@ def test_prefetch2_moves_up_and_down_two_splits_early(runner, tiny_cfg, assert_l
 
 @pytest.mark.parametrize("ub", [32, 128])
 def test_chain_queues_gathers_behind_the_one_before(runner, assert_logits_match, ub):
-    """Chaining (patch 0009; with OVERLAP=2 and a gather), here with PREFETCH=2: a gather whose inputs an earlier
+    """Chaining (patch 0011; with OVERLAP=2 and a gather), here with PREFETCH=2: a gather whose inputs an earlier
     gather of the device in the graph already waited for is flagged CHAINED and goes right behind that gather, not
     after a wait for the second stream - up's prefetch (the gate's waits for its memory's last user too), up's rest and down's gather,
     about three a layer. VDEV runs a device's gathers on a queue of their own, as CUDA on one stream per GPU: each
@@ -644,316 +989,12 @@ def test_chain_queues_gathers_behind_the_one_before(runner, assert_logits_match,
     assert e1["prefetch"] <= e1["chained"] <= ops + e1["prefetch"] - ops // 3 - gate_prefetches, (e1["chained"], ops, e1["prefetch"])
 
 
-def test_vdev_charges_direct_reads_at_their_share_of_the_link(runner):
-    """VDEV's `direct` option: a kernel's reads of pinned host memory move at that share of the link's rate (the
-    same bytes take longer over the link than a copy's)."""
-    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 2, **NO_GATHER}
-    kw = {"placement": HOST_ALL, "ctx": {"n_ctx": 512, "n_batch": 512, "n_ubatch": 128}, "n_tokens": 512, "env": env}
-    full = runner.logits("patched", devices="vdev:2x0@2,direct=1", **kw)
-    slow = runner.logits("patched", devices="vdev:2x0@2,direct=0.25", **kw)
-    # (the second device: the first keeps the selective copy)
-    for f, s in zip(full["counters"]["devices"][1:], slow["counters"]["devices"][1:]):
-        assert f["h2d_bytes"] == s["h2d_bytes"] > 0, (f, s)
-        # its link time is direct reads: 4x slower, at least 2.5x
-        assert s["link_busy_s"] > 2.5 * f["link_busy_s"] > 0, (f["link_busy_s"], s["link_busy_s"])
-
-
-def test_direct_by_default_only_on_links_of_their_own(runner, assert_logits_match):
-    """Patch 0008: DIRECT=-1 (the default) reads directly only where the GPUs have host links of their own; on
-    one shared link the kernels' slow reads would take link time from the other stage's copies (one H200 as two:
-    0.91x upstream), so the selective copy stays. Logits match the baseline either way. (GATHER off: DIRECT's
-    default is for devices without a gather.)"""
-    kw = {"placement": HOST_ALL, "ctx": CTX, "n_tokens": N_TOKENS}
-    own = runner.logits("patched", devices="vdev:2x0@0", env=NO_GATHER, **kw)
-    shared = runner.logits("patched", devices="vdev:2x0@0,shared", env=NO_GATHER, **kw)
-    forced = runner.logits("patched", devices="vdev:2x0@0,shared", env={"GGML_SCHED_PP_DIRECT": 2, **NO_GATHER}, **kw)
-    b = runner.logits("baseline", devices="vdev:2x0@0", **kw)
-    assert own["ext"]["links"] == 2 and shared["ext"]["links"] == 1
-    assert own["ext"]["params"]["DIRECT"] == shared["ext"]["params"]["DIRECT"] == -1
-    assert own["ext"]["direct"] > 0 and _ext_backend(own["ext"], "VDEV0")["direct_bytes_est"] == 0   # not the first GPU
-    assert shared["ext"]["direct"] == 0 and shared["ext"]["id_readbacks"] > 0, shared["ext"]
-    assert forced["ext"]["direct"] > 0                                   # explicit DIRECT=2 still reads directly
-    for r, what in ((own, "own links"), (shared, "shared link")):
-        assert_logits_match(r["logits"], b["logits"], f"DIRECT default, {what}")
-
-
-def test_direct_by_default_per_link_with_three_devices(runner, assert_logits_match):
-    """DIRECT's auto mode is decided per device: with three VDEVs, the first two on one link and the third on a
-    link of its own, only the third reads from host memory (the second shares the first's link; the first keeps
-    the selective copy anyway). GATHER off, as above."""
-    devs = {"kind": "vdev", "devices": [{"link_gbps": 0, "link_group": 0}, {"link_gbps": 0, "link_group": 0},
-                                        {"link_gbps": 0}]}
-    kw = {"placement": HOST_ALL, "ctx": CTX, "n_tokens": N_TOKENS}
-    r = runner.logits("patched", devices=devs, env=NO_GATHER, **kw)
-    b = runner.logits("baseline", devices=devs, **kw)
-    assert r["ext"]["links"] == 2 and r["schedule"]["pipeline_parallel"] is True
-    est = {x["name"]: x["direct_bytes_est"] for x in r["ext"]["backends"]}
-    assert est["VDEV0"] == 0 and est["VDEV1"] == 0 and est["VDEV2"] > 0, est
-    assert_logits_match(r["logits"], b["logits"], "DIRECT auto, three devices, two links")
-
-
-def test_direct_with_overlap(runner, assert_logits_match):
-    """DIRECT and OVERLAP=2 together: an expert op DIRECT may take is not placed early (DIRECT decides late: it
-    measures), so fewer copies go up early; the logits still match, on slow links and a slow second device."""
-    b, ov, both = _baseline_off_on(runner, "vdev:2x0@0.5,speed=1:3", 64,
-                                   {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_OVERLAP": 2, **NO_DIRECT},
-                                   {"GGML_SCHED_PP_DIRECT": 2})
-    assert_logits_match(both["logits"], b["logits"], "DIRECT=2 OVERLAP=2")
-    assert both["ext"]["direct"] > 0 and ov["ext"]["direct"] == 0
-    assert 0 <= _early_uploads(both["ext"]) < _early_uploads(ov["ext"]), (_early_uploads(both["ext"]), _early_uploads(ov["ext"]))
-
-
-def test_direct_leaves_upload_alls_refresh_to_a_readback(runner):
-    """With DIRECT on and coverage above the bar, upload-all's refresh (the first expert op of each idle graph)
-    still reads the ids back: DIRECT must not take the op the refresh handed to the selective copy."""
-    env = {**FORCE_UPLOAD_ALL, "GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 1, "GGML_SCHED_PP_DIRECT": 2, **NO_GATHER}
-    r = runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
-                               "tests": [["pp", 128]], "reps": 3}, env=env)
-    e = r["tests"][0]["ext"]
-    assert e["graphs"] == 3 * 4 and e["id_readbacks"] == 3 and e["upload_all"] > 10 * e["selective"], e
-    assert e["direct"] == 0, e   # above the bar: upload-all everywhere else
-    # control: the same run below the bar (upload-all off) does read directly, so the 0 above means something
-    low = runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
-                                 "tests": [["pp", 128]], "reps": 3},
-                     env={"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 2, **NO_GATHER})["tests"][0]["ext"]
-    assert low["direct"] > 0, low
-
-
-def test_direct_skips_graphs_llama_reuses(runner, assert_logits_match):
-    """A graph llama reuses (while pipelining: ubatches below 32 tokens) keeps its splits - and on CUDA its captured
-    graphs, which would replay the pointer of their capture: DIRECT only takes graphs split for their own compute
-    (the control: the same ubatches with graph reuse disabled)."""
-    # (ubatches of 16 offload their expert ops only below the devices' usual minimum batch of 32)
-    env = {"GGML_SCHED_PP_UPLOAD_ALL": 0, "GGML_SCHED_PP_DIRECT": 2, **NO_GATHER, "GGML_OP_OFFLOAD_MIN_BATCH": 16}
-    ctx = {"n_ctx": 512, "n_batch": 32, "n_ubatch": 16}   # 4 ubatches of 16: the first one's graph, then reused
-    b = runner.logits("baseline", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=64)
-    rebuilt = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=64,
-                            env={**env, "LLAMA_GRAPH_REUSE_DISABLE": 1})
-    reused = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=ctx, n_tokens=64, env=env)
-    assert_logits_match(reused["logits"], b["logits"], "DIRECT=2, reused graphs")
-    assert rebuilt["ext"]["graphs"] == reused["ext"]["graphs"] == 4
-    assert 0 < reused["ext"]["direct"] < rebuilt["ext"]["direct"], (reused["ext"]["direct"], rebuilt["ext"]["direct"])
-    assert reused["ext"]["selective"] > rebuilt["ext"]["selective"]
-
-
-def test_coverage_is_remeasured_once_per_idle_graph_at_its_first_expert_op(runner):
-    """Upload-all re-measures coverage with one readback per graph that starts with nothing in flight (the first
-    ubatch of each prompt batch), at its first expert op; never mid-graph or while a graph is in flight, where the
-    readback would wait for every upload queued ahead of it."""
-    env = {**FORCE_UPLOAD_ALL, "GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 1}
-    every = runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL, "ctx": BENCH_CTX,
-                                   "tests": [["pp", 128]], "reps": 3}, env=env)["tests"][0]["ext"]
-    assert every["graphs"] == 3 * 4, every["graphs"]   # 3 runs of 4 ubatches
-    assert every["id_readbacks"] == 3 and every["selective"] >= 3, every        # one per run
-    assert every["upload_all"] > 10 * every["selective"], every
-
-
-def test_one_row_output_layer_does_not_pull_the_coverage_estimate_down(runner):
-    """Default thresholds, ubatches of 128 (about 98% coverage): per prompt, one readback re-measures coverage at
-    the first expert op and one reads the ids of the output ubatch's last layer (one row, below every threshold).
-    That one-row layer must not count as coverage: otherwise the next prompt starts below 85% and reads ids back
-    in its first layers too. (With GATHER, the default, the last layer's GPU gathers that row's experts itself:
-    only the measuring readback is left.)"""
-    job = {"kind": "bench", "devices": DEVS, "placement": HOST_ALL,
-           "ctx": {"n_ctx": 1024, "n_batch": 512, "n_ubatch": 128}, "tests": [["pp", 512]], "reps": 3}
-    sel = runner.run("patched", job, env=NO_DIRECT)["tests"][0]["ext"]
-    e = runner.run("patched", job)["tests"][0]["ext"]
-    for x in (sel, e):
-        assert x["graphs"] == 3 * 4 and x["upload_all"] > 0, x
-    assert sel["id_readbacks"] == 3 * 2 and sel["direct"] == 0, sel
-    assert e["id_readbacks"] == 3 and e["gather"] == 3 * 3 and e["direct"] == 0, e   # the one-row layer's gate, up, down
-
-
-def test_coverage_bar_follows_the_number_of_links(runner, tmp_path_factory):
-    """Patch 0005: with two GPUs on links of their own the default coverage bar is 55% (110 / 2), not 85%: at ~65%
-    coverage the patched build uploads whole expert tensors (the stages overlap) where the old bar copied used
-    experts after a readback per layer; at ~30% it still copies only the used ones. On one shared link (VDEVs of
-    one link group report one bus id, as virtual CUDA devices of one GPU do), or with LINKS=1, the bar stays 85%."""
-    def run(skew, env, devs=DEVS):
-        model = synth.cached_model(tmp_path_factory.getbasetemp() / "skewed", "tiny", seed=1, routing="skewed", skew=skew)
-        r = runner.run("patched", {"kind": "bench", "model": str(model), "devices": devs, "placement": HOST_ALL,
-                                   "ctx": {"n_ctx": 512, "n_batch": 256, "n_ubatch": 64}, "tests": [["pp", 256]],
-                                   "reps": 1}, env=env)
-        return r["tests"][0]
-    mid, mid_old = run(0.3, None), run(0.3, {"GGML_SCHED_PP_UPLOAD_ALL_MIN_COV": 85})
-    low = run(0.8, None)
-    assert 0.6 < mid["coverage"]["coverage"] < 0.85 and low["coverage"]["coverage"] < 0.5, (mid["coverage"], low["coverage"])
-    assert mid["ext"]["params"]["UPLOAD_ALL_MIN_COV"] == -1
-    assert mid["ext"]["upload_all"] > mid["ext"]["selective"], mid["ext"]
-    assert mid_old["ext"]["upload_all"] < mid_old["ext"]["selective"], mid_old["ext"]
-    assert low["ext"]["upload_all"] == 0 and low["ext"]["selective"] > 0, low["ext"]
-    assert mid["ext"]["links"] == 2, mid["ext"]["links"]
-    for shared in (run(0.3, None, "vdev:2x0@0,shared"), run(0.3, {"GGML_SCHED_PP_LINKS": 1})):
-        assert shared["ext"]["links"] == 1 and shared["ext"]["upload_all"] < shared["ext"]["selective"], shared["ext"]
-
-
-def test_default_thresholds_choose_selective_for_the_tiny_model(runner):
-    """With the default thresholds (4 x n_expert selections; 2 x while in flight) a 32-token ubatch of the tiny
-    model (64 selections, ~40 of 64 experts) must not upload everything: the devices gather the used experts
-    (GATHER, the default), or with GATHER off the host reads the ids back and copies them."""
-    t, sel = _bench(runner, None), _bench(runner, NO_GATHER)
-    assert t["ext"]["upload_all"] == 0 and t["ext"]["gather"] > 0, t["ext"]
-    assert sel["ext"]["upload_all"] == 0 and sel["ext"]["id_readbacks"] > 0, sel["ext"]
-
-
-def test_partial_host_experts_stream_to_the_layer_owner(runner, tiny_model, assert_logits_match):
-    """Experts of the last two layers (VDEV1's) in host RAM: the patched build streams them to VDEV1 (by default
-    VDEV1 gathers the used experts itself: GATHER; with it and DIRECT off, as transient copies), upstream to VDEV0
-    (its first-device rule); the logits agree."""
-    placement = {"host_experts": [4, 5]}
-    p = runner.logits("patched", devices=DEVS, placement=placement, ctx=CTX, n_tokens=N_TOKENS)
-    sel = runner.logits("patched", devices=DEVS, placement=placement, ctx=CTX, n_tokens=N_TOKENS, env=NO_DIRECT)
-    b = runner.logits("baseline", devices=DEVS, placement=placement, ctx=CTX, n_tokens=N_TOKENS)
-    owned = layers_per_device(tiny_model, p["schedule"], host_layers={4, 5})
-    assert owned == {"VDEV0": 4, "VDEV1": 2}, f"this test assumes layers 4 and 5 are VDEV1's: {owned}"
-    assert p["schedule"]["pipeline_parallel"] is True
-    for r in (p, sel):
-        assert _ext_backend(r["ext"], "VDEV0")["weight_bytes"] == 0
-        assert _ext_backend(r["ext"], "VDEV0")["gather_bytes_est"] == 0
-    assert p["ext"]["gather"] > 0 and _ext_backend(p["ext"], "VDEV1")["gather_bytes_est"] > 0
-    assert sel["ext"]["gather"] == 0 and _ext_backend(sel["ext"], "VDEV1")["weight_bytes"] > 0
-    bv0, bv1 = b["counters"]["devices"]
-    for r in (p, sel):
-        pv0, pv1 = r["counters"]["devices"]
-        assert pv1["h2d_bytes"] > 10 * pv0["h2d_bytes"], (pv0["h2d_bytes"], pv1["h2d_bytes"])
-    assert bv0["h2d_bytes"] > 10 * bv1["h2d_bytes"], (bv0["h2d_bytes"], bv1["h2d_bytes"])
-    assert_logits_match(p["logits"], b["logits"], "patched vs baseline, host experts of layers 4-5")
-    assert_logits_match(sel["logits"], b["logits"], "patched (GATHER=0 DIRECT=0) vs baseline, host experts of layers 4-5")
-
-
-def test_prompt_batches_do_not_re_reserve_and_host_waits_are_timed(runner):
-    """Patch 0003: the output rows of a prompt's last ubatch stay on their layer's device, so node backends
-    match the reserved graph and no re-reservation (a full drain) happens; the host waits are timed by cause
-    (patch 0001)."""
-    on = _bench(runner, None)["ext"]
-    assert on["reallocs"] == 0 and on["plan_switches"] == 0 and on["reallocs_ids_changed"] == 0, on
-    assert on["host_waits"]["realloc"] == 0 and on["host_wait_us"]["realloc"] == 0
-    assert set(on["host_wait_us"]) == {"user_input", "split_switch", "ids", "fallback", "realloc", "input_events",
-                                       "upload"}
-    assert on["compute_async_us"] > 0 and on["graphs"] == 4, on  # 128 tokens in ubatches of 32
-    assert all(b["submit_us"] > 0 for b in on["backends"]), on["backends"]
-
-
-MIXED = [["pp", 64], ["pp", 128], ["tg", 4]]
-
-
-def _mixed(runner, variant: str, env: Optional[dict]) -> dict:
-    """The MIXED workload, 2 rounds, with every step's logits; identical runs are made once per session (the
-    runner caches the result, the logits stay in its folder)."""
-    out = runner.outdir / ("mixed-" + hashlib.md5(json.dumps([variant, env], sort_keys=True, default=str).encode()).hexdigest()[:12] + ".npy")
-    job = {"kind": "workload", "devices": DEVS, "placement": HOST_ALL,
-           "ctx": {"n_ctx": 512, "n_batch": 256, "n_ubatch": 32}, "workload": MIXED, "rounds": 2, "out": str(out)}
-    r = runner.run(variant, job, env=env)
-    return {**r, "logits": np.load(out)}
-
-
-def test_decode_after_a_prompt_allocates_from_a_kept_plan(runner, assert_logits_match):
-    """Patch 0007 (kept plans): prompts, then decode, twice, in one context (bench/q6's pattern). The decode graph
-    keeps its expert ops on the CPU, so its node backends differ from the prompt layout: with one plan the first
-    decode token would re-reserve in every round. With kept plans (llama reserves the decode graph when the context
-    is made) every step allocates from a plan that fits it: no re-reservation and, with nothing in flight between
-    llama_decode calls, no drain. The logits of every step's last token and of each decoded token match the
-    baseline."""
-    b = _mixed(runner, "baseline", None)
-    on = _mixed(runner, "patched", None)
-    assert b["logits"].shape == on["logits"].shape == (2 * (len(MIXED) - 1 + 4), b["logits"].shape[1])
-    assert_logits_match(on["logits"], b["logits"], "kept plans, mixed workload")
-    steps_on = on["steps"]
-    for st in steps_on:
-        e = st["ext"]
-        assert e["reallocs"] == 0 and e["plan_switch_drains"] == 0, (st["round"], st["kind"], e["realloc_log"])
-        if st["kind"] == "tg":
-            assert e["plan_switches"] == 1, e          # to the decode plan at the first token, then it fits
-    assert steps_on[len(MIXED)]["ext"]["plan_switches"] == 1   # round 2's first prompt: back to the prompt plan
-
-
-def test_allocation_dependency_nodes_keep_the_reserved_node_count(runner):
-    """Patch 0007: VDEV, like CUDA, asks for an allocation-dependency node after each non-empty top-k routing;
-    the empty last layer of a ubatch without outputs gets none, so its graph has fewer nodes than the reserved
-    one. Padding keeps the count: every graph has the reserved node count and none re-reserves."""
-    on = _bench(runner, None)["ext"]
-    assert on["reallocs"] == 0 and on["graph_nodes_min"] == on["graph_nodes_max"], on
-
-
-@pytest.mark.parametrize("how, pageable_buft", [({"no_host": True}, "CPU"), ({"load_mode": "mmap"}, "CPU_Mapped")])
-def test_pageable_host_weights_go_through_pinned_staging(runner, assert_logits_match, how, pageable_buft):
-    """Patch 0006 (the pinned-memory gate and STAGING): a device copies from pageable memory (no host buffer, or an mmap-ed model)
-    synchronously. The patched build stages those uploads through pinned slots (STAGING) and pipelines; with
-    STAGING=0 it keeps pipelining off, as upstream. VDEV copies from pageable memory block the host, as CUDA's do."""
-    pageable = {**HOST_ALL, **how}
-    b = runner.logits("baseline", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS)
-    staged = runner.logits("patched", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS)
-    off = runner.logits("patched", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS, env=_off("STAGING"))
-    assert b["schedule"]["pipeline_parallel"] is False and off["schedule"]["pipeline_parallel"] is False
-    assert staged["schedule"]["pipeline_parallel"] is True
-    for r, what in ((staged, "staged"), (off, "STAGING=0, PP off")):
-        assert_logits_match(r["logits"], b["logits"], f"pageable, {what}")
-    # where the weights are: a pageable CPU buffer vs the VDEV host buffer type (pinned)
-    assert pageable_buft in {m["buft"] for m in staged["schedule"]["memory"]}
-    # (DIRECT off for the pinned run: it reads pinned weights from host memory, pageable ones never)
-    # (and OVERLAP off, as for pageable weights: its second stream adds host syncs of its own at each synchronize)
-    pinned = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
-                           env={**NO_DIRECT, **OVERLAP_OFF})
-    assert staged["ext"]["direct"] == 0
-    assert not {"CPU", "CPU_Mapped"} & {m["buft"] for m in pinned["schedule"]["memory"]}
-    assert pinned["schedule"]["pipeline_parallel"] is True
-    # every host-weight byte of the staged run went through the slots; none of the pinned run did
-    vdevs = lambda r: [x for x in r["ext"]["backends"] if x["name"].startswith("VDEV")]
-    assert len(vdevs(staged)) == len(vdevs(pinned)) == 2
-    for x, y in zip(vdevs(staged), vdevs(pinned)):
-        assert x["staged_bytes"] == x["weight_bytes"] == y["weight_bytes"] > 0, (x, y)
-        assert y["staged_bytes"] == 0, y
-    # uploads from pinned memory, staged or not, are only queued (the staged run waits only for a full slot)
-    syncs = lambda x: sum(d["host_syncs"] for d in x["counters"]["devices"])
-    assert pinned["ext"]["host_waits"]["upload"] > 0
-    assert syncs(staged) <= syncs(pinned) + staged["ext"]["stage_waits"], (syncs(staged), syncs(pinned), staged["ext"])
-
-
-def test_decode_records_one_event_per_device_and_waits_on_none(runner):
-    """Patch 0004: in decode (nothing in flight, experts on the CPU) each device records one event per token
-    (after its last split) instead of one per split, and no split waits on an event; numerics unchanged."""
-    def tg(env):
-        r = runner.run("patched", {"kind": "bench", "devices": DEVS, "placement": HOST_ALL,
-                                   "ctx": {"n_ctx": 256, "n_batch": 16, "n_ubatch": 16}, "tests": [["tg", 8]],
-                                   "reps": 2}, env=env)
-        assert r["schedule"]["pipeline_parallel"] is True
-        # the extension's deltas cover the timed tokens only (not each rep's untimed position-0 token)
-        assert r["tests"][0]["ext"]["graphs"] == 2 * 8, r["tests"][0]["ext"]["graphs"]
-        return r["tests"][0]["devices"]
-    on = tg(None)
-    assert len(on) == 2, on
-    for d_on in on:
-        assert d_on["event_records"] == 2 * 8, d_on    # 2 reps of 8 tokens, one record each
-        assert d_on["event_waits"] == 0, d_on
-
-
-
-
-# -- one device (issue 23): upstream never pipelines one device; with host weights the patched build does ---------
-ONE = "vdev:1x0@0.2"
-
-
-@pytest.mark.parametrize("ub, load_mode", [(1, "none"), (32, "none"), (128, "none"), (128, "mmap")],
-                         ids=["decode", "ub32", "ub128", "ub128-mmap"])
-def test_one_device_pipelines_its_graphs_with_host_experts(runner, assert_logits_match, ub, load_mode):
-    """Patch 0002: one device holding every layer, its experts in host RAM: the patched build pipelines its graphs
-    (two in flight, host weights as transient copies), so the copies beside compute act on one device too - early
-    uploads on the second stream (OVERLAP), the device's gather and prefetch below the upload-all bar, staging for
-    pageable (mmap) weights - with the baseline's logits; GATE=0 is upstream's single device again, same logits."""
-    kw = {"devices": ONE, "placement": {**HOST_ALL, "load_mode": load_mode},
-          "ctx": {"n_ctx": 1024, "n_batch": max(ub, 256), "n_ubatch": ub}, "n_tokens": 32 if ub == 1 else 512}
-    b = runner.logits("baseline", **kw)
-    p = runner.logits("patched", **kw)
-    off = runner.logits("patched", env={"GGML_SCHED_PP_GATE": 0}, **kw)
-    assert b["schedule"]["pipeline_parallel"] is False and off["schedule"]["pipeline_parallel"] is False
-    assert p["schedule"]["pipeline_parallel"] is True and p["schedule"]["n_copies"] == 2
-    assert_logits_match(p["logits"], b["logits"], f"one device, ub{ub}, {load_mode}")
-    assert_logits_match(off["logits"], b["logits"], f"one device, GATE=0, ub{ub}, {load_mode}")
-    e, dev = p["ext"], _ext_backend(p["ext"], "VDEV0")
-    if ub == 1:      # decode: below the op-offload threshold the experts are used where they are (the CPU)
-        assert dev["weight_bytes"] == 0 and e["gather"] == 0, e
-    elif load_mode == "mmap":
-        assert dev["staged_bytes"] == dev["weight_bytes"] > 0, dev
-    else:
-        assert dev["overlap_uploads"] > 0, dev
-        assert (e["gather"] > 0 and e["prefetch"] > 0) if ub == 32 else e["upload_all"] > 0, e
+def test_bench_reports_the_prefetch_lanes(runner, tiny_cfg):
+    """PREFETCH=2's lanes are a level, not a per-rep count: bench results carry them as they stand after the last
+    rep (in "ring_bytes": three expert copies per GPU)."""
+    on = _bench(runner, {"GGML_SCHED_PP_OVERLAP": 2, "GGML_SCHED_PP_PREFETCH": 2})
+    off = _bench(runner, {})
+    one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
+    assert {r["name"]: r["ring_bytes"] for r in on["ext_ring"]} == {"VDEV0": 3 * one_expert_tensor,
+                                                                     "VDEV1": 3 * one_expert_tensor, "CPU": 0}
+    assert all(r["ring_bytes"] == 0 for r in off["ext_ring"])

@@ -190,7 +190,7 @@ def test_real_patch_has_a_header(name):
 def test_every_runtime_switch_is_documented_in_a_patch_header():
     texts = [(PATCHES / n).read_text() for n in _real_series()]
     headers = "\n".join(_header(t) for t in texts)
-    # every switch of the extension's table (ggml-backend.cpp, ggml_sched_pp_params), as the patches add its rows
+    # every switch of the extension's table (ggml-backend-pp.cpp, ggml_sched_pp_params), as the patches add its rows
     names = set(re.findall(r'^\+\s*GGML_SCHED_PP_ROW\("([A-Z_0-9]+)",', "\n".join(texts), re.M))
     assert {"GATE", "UPLOAD_ALL", "OVERLAP", "STABLE_RESERVE", "PREFETCH"} <= names, names
     assert len(names) <= 14, names
