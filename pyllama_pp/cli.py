@@ -166,8 +166,16 @@ def _config_kwargs(args) -> dict:
     env = {}
     if args.offload_min_batch is not None:
         env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(args.offload_min_batch)
+    switches = _switches(args.switch)
+    if not tests:
+        raise ConfigError("-p 0 and -n 0 leave nothing to measure: give prompt (-p) or generation (-n) lengths")
+    return {"tests": tests, "reps": args.reps, "n_ctx": args.ctx, "switches": switches, "env": env}
+
+
+def _switches(given: Optional[list]) -> dict:
+    """--switch NAME=VALUE (repeatable) as {NAME: value}."""
     switches = {}
-    for kv in args.switch or []:
+    for kv in given or []:
         k, _, v = kv.partition("=")
         if not v:
             raise PyllamaError(f"--switch takes NAME=VALUE (e.g. UPLOAD_ALL=0), not {kv!r}")
@@ -175,9 +183,7 @@ def _config_kwargs(args) -> dict:
             switches[k.upper()] = int(v)
         except ValueError:
             raise PyllamaError(f"--switch {kv!r}: the value must be an integer (e.g. UPLOAD_ALL=0)") from None
-    if not tests:
-        raise ConfigError("-p 0 and -n 0 leave nothing to measure: give prompt (-p) or generation (-n) lengths")
-    return {"tests": tests, "reps": args.reps, "n_ctx": args.ctx, "switches": switches, "env": env}
+    return switches
 
 
 def _placements(args) -> list[Placement]:
@@ -449,7 +455,7 @@ def cmd_check(args) -> int:
     check_model_path(model)
     if args.switch:
         _check_switches(args.switch, ["patched"])
-    switches = {kv.partition("=")[0].upper(): int(kv.partition("=")[2]) for kv in args.switch or []}
+    switches = _switches(args.switch)
     if args.ubatch > args.batch:
         raise ConfigError(f"-ub/--ubatch ({args.ubatch}) is larger than -b/--batch ({args.batch}). Fix: -ub <= -b")
     n_ctx = max(256, -(-args.tokens // 256) * 256)

@@ -197,6 +197,17 @@ class ContextParams:
         return asdict(self)
 
 
+def _as(cls, value, name: str):
+    """A `cls` from itself, its dict form or None (the default); TypeError naming `name` for anything else."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        return cls(**value)
+    raise TypeError(f"{name} must be a {cls.__name__} or its dict, not {type(value).__name__}")
+
+
 def as_placement(value: Union[Placement, dict, None]) -> Placement:
     """A Placement from itself, its dict form or None (the default).
 
@@ -204,13 +215,7 @@ def as_placement(value: Union[Placement, dict, None]) -> Placement:
         TypeError: for anything else.
         ConfigError: for a dict with bad values.
     """
-    if value is None:
-        return Placement()
-    if isinstance(value, Placement):
-        return value
-    if isinstance(value, dict):
-        return Placement(**value)
-    raise TypeError(f"placement must be a Placement or its dict, not {type(value).__name__}")
+    return _as(Placement, value, "placement")
 
 
 def as_context(value: Union[ContextParams, dict, None]) -> ContextParams:
@@ -220,13 +225,7 @@ def as_context(value: Union[ContextParams, dict, None]) -> ContextParams:
         TypeError: for anything else.
         ConfigError: for a dict with bad values.
     """
-    if value is None:
-        return ContextParams()
-    if isinstance(value, ContextParams):
-        return value
-    if isinstance(value, dict):
-        return ContextParams(**value)
-    raise TypeError(f"ctx must be a ContextParams or its dict, not {type(value).__name__}")
+    return _as(ContextParams, value, "ctx")
 
 
 __all__ = ["Placement", "ContextParams", "EXPERT_TENSORS", "LOAD_MODES", "SPLIT_MODES", "check_int",

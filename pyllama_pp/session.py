@@ -418,15 +418,9 @@ class Session:
         lib, ffi = self.native.lib, self.native.ffi
         n = n_tokens or min(self.ctx_params.n_ubatch, self.ctx_params.n_ctx)
         toks = self._tokens(np.arange(n) % self.info.n_vocab)
-        old = os.environ.get("GGML_SCHED_DEBUG")
-        os.environ["GGML_SCHED_DEBUG"] = "2"      # read when the scheduler is created
         self._ctx.close()
         try:
-            with self._model.context(self.ctx_params) as ctx:
-                if old is None:
-                    os.environ.pop("GGML_SCHED_DEBUG", None)
-                else:
-                    os.environ["GGML_SCHED_DEBUG"] = old
+            with self._debug_context() as ctx:
                 lib.pp_log_capture(1)
                 try:
                     self._decode(ctx, toks, 0, np.zeros(0, dtype=np.int32))
@@ -439,13 +433,21 @@ class Session:
                 text = ffi.string(buf).decode(errors="replace")
                 sched = self._schedule(ctx)   # n_splits etc. of this ubatch's graph
         finally:
+            self._ctx = self._model.context(self.ctx_params)
+        sched.splits = parse_split_listing(text)
+        return sched
+
+    def _debug_context(self) -> Context:
+        """A context whose scheduler prints its splits (GGML_SCHED_DEBUG=2 is read when a scheduler is made)."""
+        old = os.environ.get("GGML_SCHED_DEBUG")
+        os.environ["GGML_SCHED_DEBUG"] = "2"
+        try:
+            return self._model.context(self.ctx_params)
+        finally:
             if old is None:
                 os.environ.pop("GGML_SCHED_DEBUG", None)
             else:
                 os.environ["GGML_SCHED_DEBUG"] = old
-            self._ctx = self._model.context(self.ctx_params)
-        sched.splits = parse_split_listing(text)
-        return sched
 
     def ext_stats(self) -> Optional[dict]:
         """The patched scheduler's counters as a dict (None in the baseline)."""

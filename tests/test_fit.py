@@ -305,7 +305,7 @@ def test_cli_ab_with_fit_at_the_plans_own_memory(model, capsys, how):
         assert placement(rows["baseline"]) != placement(rows["patched"])
 
 
-# two 8 MiB VDEVs whose host links run 3:1
+# two 8 MiB VDEVs whose host links are 3:1 in rate
 LINKS_3_TO_1 = json.dumps({"kind": "vdev", "devices": [{"memory": f"{MEM}MiB", "link_gbps": 3},
                                                         {"memory": f"{MEM}MiB", "link_gbps": 1}]})
 

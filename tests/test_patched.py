@@ -259,7 +259,7 @@ def test_device_compute_buffers_stay_small_at_larger_ubatch(runner, tiny_cfg):
 
 
 @pytest.mark.parametrize("ub", [32, 128])
-def test_memory_bound_with_the_issue_geometry(runner, tiny_cfg, ub):
+def test_memory_bound_at_the_memory_ab_geometry(runner, tiny_cfg, ub):
     """The memory bound as lab/memory_ab.py measures it (ts 3,5, n_ctx 2304, n_batch = 16 x n_ubatch): each
     device's compute buffer <= baseline + 2 x the largest expert tensor. At n_ubatch 128 the second device needs
     one device copy of the user inputs (EARLY_INPUTS, patch 0004): a copy per graph in flight (mostly the KQ
@@ -708,7 +708,7 @@ def test_overlap_in_the_compute_buffer(runner, tiny_cfg, assert_logits_match, ub
 
 @pytest.mark.parametrize("ub", [32, 128])
 def test_overlap_in_the_compute_buffer_keeps_the_memory_bound(runner, tiny_cfg, ub):
-    """The memory bound with OVERLAP=2 (the geometry of test_memory_bound_with_the_issue_geometry): each device's
+    """The memory bound with OVERLAP=2 (the geometry of test_memory_bound_at_the_memory_ab_geometry): each device's
     compute buffer <= baseline + 2 x the largest expert tensor."""
     one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
     placement = {**HOST_ALL, "tensor_split": [3, 5]}
