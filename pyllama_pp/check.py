@@ -16,7 +16,7 @@ from .errors import ConfigError
 from .jobs import LogitsJob
 from .params import ContextParams, Placement, as_context, as_placement
 from .stats import max_abs_diff, nmse
-from .worker.client import run_job
+from .worker.client import check_switch_env, run_job
 
 NMSE_MAX = 1e-6
 
@@ -68,13 +68,15 @@ def check_logits(model: Union[str, Path], devices: str = "vdev:2x0@0",
     Returns:
         A LogitsCheck (its `ok` says whether the logits match).
     Raises:
-        ConfigError: for n_tokens that do not fit in the context; the errors of Session (as WorkerError
+        ConfigError: for n_tokens that do not fit in the context, or GGML_SCHED_PP_* variables the patched
+        build does not accept; the errors of Session (as WorkerError
         subclasses) when a variant cannot run.
     """
     placement = as_placement(placement if placement is not None else Placement(host_experts="all"))
     ctx = as_context(ctx if ctx is not None else ContextParams(n_ctx=512, n_batch=256, n_ubatch=64))
     if not 1 <= n_tokens <= ctx.n_ctx:
         raise ConfigError(f"n_tokens must be between 1 and n_ctx ({ctx.n_ctx}), not {n_tokens}")
+    check_switch_env(["patched"])
     got, facts = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for v in ("baseline", "patched"):

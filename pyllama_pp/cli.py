@@ -22,10 +22,10 @@ from .config import expand
 from .devices import FORMS
 from .errors import ConfigError, DeviceSpecError, PyllamaError, UnsupportedError
 from .fit import fit, fit_ubatch
-from .model_file import check_model_path
+from .model_file import block_count, check_model_path
 from .params import ContextParams, Placement
 from .plan import Plan
-from .report import markdown, plot
+from .report import devices_label, markdown, plot
 from .row import Row, RowWriter, read_rows
 from .worker.client import run_job
 
@@ -34,9 +34,14 @@ from .worker.client import run_job
 # it (6 of the 7 layers' experts in host RAM, 3 per device) and both variants run that one placement (--fit same);
 # n_ubatch 128 uses ~98% of the experts; n_batch = 16 x n_ubatch.
 DEFAULT_DEVICES = "vdev:2x7MiB@0.1GBps"
-MAIN_JOB = {"batch": [2048], "ubatch": [128], "pp": [2048], "fit": "same"}
+# No decode row by default: one load per variant leaves decode to where each process's memory landed (a few
+# percent either way, more than the variants differ there); decode claims are paired (--paired N --loads K).
+MAIN_JOB = {"batch": [2048], "ubatch": [128], "pp": [2048], "tg": [], "fit": "same"}
 MAIN_JOB_N_LAYER = 7
-PLAIN = {"batch": [512], "ubatch": [32], "pp": [512]}
+PLAIN = {"batch": [512], "ubatch": [32], "pp": [512], "tg": [16]}
+CPU_ONLY_NOTE = ("--devices cpu (the default with a model): no accelerator, so no mechanism of the series acts and "
+                 "both variants run the same CPU path. Name devices to measure it: --devices cuda (or cuda:0,1), or "
+                 "virtual ones with throttled links, e.g. --devices vdev:2x256MiB@0.1GBps")
 
 
 def _cache_dir() -> Path:
@@ -109,7 +114,7 @@ def cmd_info(args) -> int:
             try:
                 r = run_job({"kind": "info"}, v, timeout=120)
                 entry.update(ext_version=r["ext_version"], devices=r["devices"], system_info=r["system_info"],
-                             switches=r.get("switches", []))
+                             switches=r.get("switches", []), env_problems=r.get("env_problems", []))
             except PyllamaError as e:
                 entry["error"] = str(e)
         entry["patches"] = _pin.PATCHES if v == "patched" else []
@@ -132,6 +137,8 @@ def cmd_info(args) -> int:
             for sw in e["switches"]:
                 lines.append(f"    {sw['name']}={sw['value']} ({sw.get('type', 'int')}, default {sw.get('default')}, "
                              f"{accepted_values(sw) if 'min' in sw else '?'}): {sw['description']}")
+        for problem in e.get("env_problems", []):
+            lines.append(f"  NOT ACCEPTED (the patched runs would refuse it): {problem}")
         for d in e.get("devices", []):
             lines.append(f"  device {d['name']} ({d['backend']}): {d['description']}, "
                          f"{d['memory_total'] / 2**30:.1f} GiB")
@@ -228,7 +235,18 @@ def _check_args(args, model: Optional[str], variants: list[str]) -> None:
         raise ConfigError(f"-ngl takes -1 (every layer) or a layer count >= 0, got {args.ngl}")
     if args.tensor_split is not None and (min(args.tensor_split) < 0 or sum(args.tensor_split) <= 0):
         raise ConfigError(f"-ts takes non-negative proportions with a positive sum (e.g. 3,5), got {args.tensor_split}")
-    _placements(args)
+    if args.tensor_split is not None:
+        for spec in args.devices:
+            n = devspec.parse(spec).n_devices
+            if n and len(args.tensor_split) != n:
+                raise ConfigError(f"-ts gives {len(args.tensor_split)} proportions and --devices {devices_label(spec)} "
+                                  f"has {n} device{'s' if n > 1 else ''}: give one per device (e.g. "
+                                  f"-ts {','.join('1' for _ in range(n))})")
+    placements = _placements(args)
+    n_layer = block_count(model) if model is not None else 0
+    for pl in placements:
+        if n_layer:
+            pl.all_overrides(n_layer)   # (a host-expert choice past the model's last layer is refused here)
     if args.switch:
         _check_switches(args.switch, variants)
 
@@ -360,10 +378,37 @@ def _interrupted(out: Optional[Path], cmd: str, resumable: bool = True) -> int:
     return 130
 
 
+def _plan_sizes(args) -> None:
+    """--plan PLAN.json: the plan's model where none is given, and its sizes where -b / -ub / -c are not given (the
+    plan's memory was measured for them); larger ones than it was made for are refused (they need more memory)."""
+    if not args.plan:
+        return
+    plan = Plan.load(args.plan)
+    if args.model is None:
+        args.model = plan.model
+    made = {"batch": plan.ctx.get("n_batch"), "ubatch": plan.ctx.get("n_ubatch")}
+    for key, flag in (("batch", "-b"), ("ubatch", "-ub")):
+        if made[key] is None:
+            continue
+        if getattr(args, key) is None:
+            setattr(args, key, [made[key]])
+        elif max(getattr(args, key)) > made[key]:
+            raise ConfigError(f"{flag} {max(getattr(args, key))}: the plan {args.plan} was made for n_batch "
+                              f"{made['batch']}, n_ubatch {made['ubatch']} and n_ctx {plan.n_ctx}, and larger batches "
+                              f"need more memory than it planned. Fix: drop {flag}, or make a plan for these sizes "
+                              f"(`pyllama-pp fit {args.model} -b N -ub N -o PLAN.json`)")
+    if args.ctx > plan.n_ctx:
+        raise ConfigError(f"-c {args.ctx}: the plan {args.plan} was made for n_ctx {plan.n_ctx}. Fix: -c {plan.n_ctx} "
+                          f"or less, or make a plan with `pyllama-pp fit {args.model} -c {args.ctx} -o PLAN.json`")
+    if args.ctx == 0:
+        args.ctx = plan.n_ctx
+
+
 def cmd_run(args) -> int:
     if args.resume:
         cfgs, variants = _resumed(args)
     else:
+        _plan_sizes(args)
         if args.model is None:
             raise ConfigError("run needs a MODEL (a .gguf file), or --resume DIR to continue a sweep")
         _fill_defaults(args, PLAIN)
@@ -386,6 +431,7 @@ def cmd_ab(args) -> int:
         cfgs, variants = _resumed(args)
         model = cfgs[0].model
     else:
+        _plan_sizes(args)
         default = args.model is None
         model = args.model or _default_model()
         if default and args.devices == ["cpu"] and not args.plan:   # (--plan: the plan's devices)
@@ -409,6 +455,9 @@ def cmd_ab(args) -> int:
                               "or drop --loads")
         cfgs, variants = _configs(args, model), list(VARIANTS)
         _apply_plans(args, model, cfgs, variants)
+    notes = [CPU_ONLY_NOTE] if all(devspec.parse(c.devices).kind == "cpu" for c in cfgs) else []
+    for note in notes if not args.json else []:
+        print(f"pyllama-pp: note: {note}", file=sys.stderr)
     out = Path(args.out or Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S"))
     try:
         if args.paired:
@@ -424,7 +473,7 @@ def cmd_ab(args) -> int:
     png = plot(df, out / "ab.png", title=f"{Path(model).name}: baseline vs patched")
     files = {"jsonl": str(out / "results.jsonl"), "csv": str(out / "results.csv"), "markdown": str(out / "results.md"),
              "plot": str(png) if png else None}
-    _emit(args, {"rows": json.loads(df.to_json(orient="records")), "files": files},
+    _emit(args, {"rows": json.loads(df.to_json(orient="records")), "files": files, "notes": notes},
           md + _error_lines(df) + "\n" + "\n".join(f"{k}: {v}" for k, v in files.items() if v))
     return 1 if _failed(df) else 0
 
@@ -516,11 +565,43 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, max_help_position=30)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (what is wrong, and where the options are listed), or under --json as one JSON
+    document on stdout; exit 2 either way, as argparse does."""
+
+    json_errors = False   # (main sets it from the command line before parsing)
+
+    def error(self, message: str):
+        if _Parser.json_errors:
+            print(json.dumps({"error": message, "type": "UsageError", "details": None}))
+        print(f"{self.prog}: error: {message}. See `{self.prog} --help` for the options and their forms.",
+              file=sys.stderr)
+        sys.exit(2)
+
+
+# options whose values may start with "-" (a negative number, a size): "--margin -1MiB" is read as "--margin=-1MiB"
+_DASH_VALUES = ("--margin", "-c", "--ctx", "-ngl", "--ngl", "-b", "--batch", "-ub", "--ubatch", "-p", "--pp", "-n",
+                "--tg", "-d", "--n-depth", "-r", "--reps", "--seed", "-ts", "--tensor-split")
+
+
+def _join_dash_values(argv: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in _DASH_VALUES and i + 1 < len(argv) and argv[i + 1].startswith("-") and len(argv[i + 1]) > 1 \
+                and not argv[i + 1].startswith("--"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `pyllama-pp` argument parser (every subcommand, with its options and defaults)."""
     EXPERT_TYPES, PRESETS, ROUTING_MODES, WEIGHT_TYPES = (synth.EXPERT_TYPES, synth.PRESETS, synth.ROUTING_MODES,
                                                           synth.WEIGHT_TYPES)
-    ap = argparse.ArgumentParser(prog="pyllama-pp", description=__doc__)
+    ap = _Parser(prog="pyllama-pp", description=__doc__)
     ap.add_argument("--version", action="version", version=f"pyllama_pp {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     json_help = "print one JSON document on stdout instead of the table (errors too, as {\"error\": ...})"
@@ -581,8 +662,9 @@ def build_parser() -> argparse.ArgumentParser:
                                            "the main job: fit's)")
         p.add_argument("-p", "--pp", type=_ints, default=None, metavar="N[,N]",
                        help="prompt lengths of pp tests, 0 for none (default: 512; the main job: 2048)")
-        p.add_argument("-n", "--tg", type=_ints, default=[16], metavar="N[,N]",
-                       help="generation lengths of tg tests, 0 for none (default: 16)")
+        p.add_argument("-n", "--tg", type=_ints, default=None, metavar="N[,N]",
+                       help="generation lengths of tg tests, 0 for none (default: 16; the main job: none, as "
+                            "decode needs --paired)")
         p.add_argument("-d", "--n-depth", dest="depth", type=_ints, default=[0], metavar="N[,N]",
                        help="tokens already in the context before each test, like llama-bench's -d (default: 0)")
         p.add_argument("-r", "--reps", type=_positive, default=3, metavar="N",
@@ -692,6 +774,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = _join_dash_values(list(sys.argv[1:] if argv is None else argv))
+    _Parser.json_errors = "--json" in argv
     args = build_parser().parse_args(argv)
     # llama-bench's -p 0 / -n 0: no prompt / no generation tests
     if getattr(args, "tg", None) == [0]:

@@ -98,6 +98,29 @@ class DeviceSpec:
     def n_devices(self) -> int:
         return len(self.vdevs) if self.kind == "vdev" else len(self.cuda_ids)
 
+    @property
+    def label(self) -> str:
+        """A short name for tables and plots: the text as given, or for a JSON spec the VDEVs written the short
+        way ("vdev:8MiB@1GBps,6MiB@1GBps", equal neighbours as "2x8MiB@1GBps", then ",shared" / ",speed=1:2")."""
+        if self.kind != "vdev" or (self.text and not self.text.lstrip().startswith("{")
+                                   and not self.text.endswith(".json")):
+            return self.text or self.kind
+        parts: list[list] = []
+        for v in self.vdevs:
+            mem = "0" if v.memory == 0 else (f"{v.memory / 2**30:g}GiB" if v.memory % 2**30 == 0
+                                              else f"{v.memory / 2**20:g}MiB")
+            one = f"{mem}@{v.link_gbps:g}GBps"
+            if parts and parts[-1][1] == one:
+                parts[-1][0] += 1
+            else:
+                parts.append([1, one])
+        out = "vdev:" + ",".join(one if n == 1 else f"{n}x{one}" for n, one in parts)
+        if any(v.link_group >= 0 for v in self.vdevs):
+            out += ",shared"
+        if any(v.speed != 1.0 for v in self.vdevs):
+            out += ",speed=" + ":".join(f"{v.speed:g}" for v in self.vdevs)
+        return out
+
     def to_dict(self) -> dict:
         return {"kind": self.kind, "cuda_ids": self.cuda_ids, "devices": [asdict(v) for v in self.vdevs],
                 "text": self.text}

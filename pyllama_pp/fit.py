@@ -21,7 +21,7 @@ from .errors import ConfigError, DeviceSpecError, OutOfMemoryError
 from .model_file import check_model_path, expert_bytes_per_layer
 from .params import SPLIT_MODES, ContextParams, as_context
 from .plan import MiB, GiB, Plan, check_plan, plan_from_result, plan_problem
-from .worker.client import run_job
+from .worker.client import check_switch_env, run_job
 
 # upstream's default margin per device (common/common.h fit_params_target); VDEV budgets are exact, so none there
 DEFAULT_MARGIN = {"cuda": 1 * GiB, "vdev": 0}
@@ -32,6 +32,10 @@ def _margins(margin, spec: devspec.DeviceSpec) -> list[int]:
     if margin is None:
         return [DEFAULT_MARGIN.get(spec.kind, GiB)] * n
     vals = list(margin) if isinstance(margin, (list, tuple)) else [margin]
+    negative = [v for v in vals if str(v).strip().startswith("-")]
+    if negative:
+        raise ConfigError(f"margin {','.join(map(str, negative))}: a margin is memory fit leaves free on a device, "
+                          "0 or more (e.g. 256MiB); to let fit use more of a device, lower the margin to 0")
     try:
         vals = [devspec.parse_size(v) for v in vals]
     except DeviceSpecError as e:
@@ -115,6 +119,7 @@ def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant:
     weights = spread_weights(spread, spec, link_gbps)
     if weights:
         env = {**(env or {}), "LLAMA_FIT_SPREAD_WEIGHTS": ",".join(f"{w:g}" for w in weights)}
+    check_switch_env([variant], env)
     job = {"kind": "fit", "model": str(model), "devices": {**spec.to_dict(), "ids": spec.cuda_ids}, "ctx": ctx.to_dict(),
            "split_mode": split_mode, "margins": margins, "n_ctx_min": n_ctx_min}
 
@@ -161,6 +166,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
     ctx = as_context(ctx)
     spec = devspec.parse(devices)
     n_ctx = ctx.n_ctx or 4096
+    check_model_path(model)
     expert_bytes = expert_bytes_per_layer(model)
     tried, best, best_score, rates = [], None, 0.0, None
     kw.pop("check", None)   # (a candidate that leaves layers on the CPU or a device over its target is out)

@@ -47,6 +47,19 @@ def check_gguf_layout(path: Union[str, Path]) -> None:
                          "`pyllama-pp synth` or convert your model with llama.cpp's tools)") from None
 
 
+def block_count(path: Union[str, Path]) -> int:
+    """The model's repeating layers (GGUF key `<arch>.block_count`); 0 where the file does not say.
+
+    Args:
+        path: the GGUF file (checked by check_model_path first).
+    Returns:
+        The layer count, or 0 when the metadata has none.
+    """
+    kv = read_gguf_header(path)["kv"]
+    n = kv.get(f"{kv.get('general.architecture', '')}.block_count", 0)
+    return int(n[0] if isinstance(n, list) else n) if n else 0
+
+
 def expert_bytes_per_layer(model: Union[str, os.PathLike]) -> float:
     """Bytes of a MoE layer's expert tensors (gate, up, down), the mean over the layers (gguf-py reads the index)."""
     per_layer: dict = {}

@@ -77,8 +77,10 @@ def host_expert_overrides(host_experts: HostExperts, n_layer: Optional[int] = No
         return [rf"blk\.\d+\.{EXPERT_TENSORS}=CPU"]
     layers = list(range(he)) if isinstance(he, int) else list(he)
     if n_layer is not None and layers[-1] >= n_layer:
-        raise ConfigError(f"host_experts names layers up to {layers[-1]}, and the model has layers 0..{n_layer - 1}: "
-                          f"give at most {n_layer} layers")
+        given = f"the first {he} layers" if isinstance(he, int) else f"layer {layers[-1]}"
+        raise ConfigError(f"host experts ({he if isinstance(he, int) else ','.join(map(str, he))}): {given}, and the "
+                          f"model has {n_layer} layers (0..{n_layer - 1}). Fix: a count of at most {n_layer} (or "
+                          f"'all'), or layers in 0..{n_layer - 1}")
     return [rf"blk\.({'|'.join(map(str, layers))})\.{EXPERT_TENSORS}=CPU"]
 
 

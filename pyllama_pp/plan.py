@@ -44,10 +44,22 @@ class DevicePlan:
     free_bytes: int
     target_bytes: int                  # free - margin: what fit keeps the device within
     partial_layers: int = 0            # layers with only part of their FFN moved (upstream's overflow), among the above
+    output_layer: bool = False         # the device also holds the output layer (llama counts it as layer n_layer)
 
     @property
     def expected_bytes(self) -> int:
         return self.model_bytes + self.context_bytes + self.compute_bytes
+
+    @property
+    def n_layers(self) -> int:
+        """How many repeating layers the device holds."""
+        return self.layers[1] - self.layers[0]
+
+    @property
+    def layers_text(self) -> str:
+        """The device's layers as a user reads them: first..last, inclusive ("0..2", "3..5 +out", "-")."""
+        text = f"{self.layers[0]}..{self.layers[1] - 1}" if self.n_layers > 0 else ("out" if self.output_layer else "-")
+        return text + (" +out" if self.output_layer and self.n_layers > 0 else "")
 
 
 @dataclass
@@ -88,6 +100,25 @@ class Plan:
     def host_expert_layers(self) -> list[int]:
         return [d.host_expert_layers for d in self.devices]
 
+    @property
+    def idle_devices(self) -> list[str]:
+        """Devices given no repeating layer (at most the output layer): they add nothing to a pipeline."""
+        return [d.name for d in self.devices if d.n_layers == 0]
+
+    @property
+    def notes(self) -> list[str]:
+        """What a user should know about this plan beyond its table: a device left idle, and why."""
+        idle = self.idle_devices
+        if not idle or not self.devices:
+            return []
+        why = ("upstream's fit needed no host experts and kept llama's default split (layers in proportion to each "
+               "device's free memory), which gave it none" if self.path == "upstream" and not any(self.tensor_split)
+               else f"fit ({self.path}) gave it none")
+        even = ",".join("1" for _ in self.devices)
+        return [f"{', '.join(idle)} hold{'s' if len(idle) == 1 else ''} no repeating layer: {why}. To use "
+                f"{'it' if len(idle) == 1 else 'them'}: run with -ts {even} (layers evenly), or plan with less "
+                "memory per device (fit then spreads host-expert layers over every device)"]
+
     def to_dict(self) -> dict:
         d = asdict(self)
         for dev, src in zip(d["devices"], self.devices):
@@ -119,10 +150,11 @@ class Plan:
                 + (f" ({'; '.join(self.reasons)})" if self.reasons else "")
                 + f"\n  n_gpu_layers {self.n_gpu_layers}, tensor_split {','.join(f'{x:g}' for x in self.tensor_split)}, "
                   f"n_ctx {self.n_ctx}, {len(self.tensor_overrides)} tensor overrides, {self.seconds:.2f} s")
-        lines = [head, f"  {'device':<8} {'layers':>9} {'full':>5} {'host':>5} {'part':>5} {'model':>9} {'context':>9} "
-                       f"{'compute':>9} {'expected':>9} {'target':>9}  (MiB)"]
+        lines = [head, f"  {'device':<8} {'layers':>11} {'full':>5} {'host':>5} {'part':>5} {'model':>9} {'context':>9} "
+                       f"{'compute':>9} {'expected':>9} {'target':>9}  (MiB; layers first..last of {self.n_layer}, "
+                       "+out: the output layer)"]
         for d in self.devices:
-            lines.append(f"  {d.name:<8} {f'{d.layers[0]}-{d.layers[1]}':>9} {d.full_layers:>5} {d.host_expert_layers:>5} "
+            lines.append(f"  {d.name:<8} {d.layers_text:>11} {d.full_layers:>5} {d.host_expert_layers:>5} "
                          f"{d.partial_layers:>5} "
                          f"{d.model_bytes / MiB:9.1f} {d.context_bytes / MiB:9.1f} {d.compute_bytes / MiB:9.1f} "
                          f"{d.expected_bytes / MiB:9.1f} {d.target_bytes / MiB:9.1f}")
@@ -136,6 +168,7 @@ class Plan:
                 for c in self.ubatch_auto) + f" -> n_ubatch {self.ctx.get('n_ubatch')}, n_batch {self.ctx.get('n_batch')}")
         if self.message:
             lines.append(f"  fit: {self.message}")
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     # -- files -----------------------------------------------------------------------------------------------
@@ -152,6 +185,9 @@ class Plan:
             raise PlanError(f"cannot read the plan {path}: {e.strerror}") from None
         except json.JSONDecodeError as e:
             raise PlanError(f"{path} is not a plan (invalid JSON: {e})") from None
+        except UnicodeDecodeError:
+            raise PlanError(f"{path} is not a plan (a binary file, not JSON text): give the file that `pyllama-pp fit "
+                            "MODEL --devices ... -o PLAN.json` wrote") from None
         if not isinstance(d, dict) or d.pop("pyllama_pp_plan", None) != 1:
             raise PlanError(f"{path} is not a pyllama_pp plan (write one with `pyllama-pp fit MODEL --json` "
                             "or Plan.save)")
@@ -232,6 +268,34 @@ def _layer_ranges(n_gpu_layers: int, split: list[float], n_layer: int) -> list[l
     return out
 
 
+def _output_owner(n_gpu_layers: int, split: list[float], n_layer: int) -> int:
+    """The device that holds the output layer (-1: the CPU), as llama-model.cpp assigns it."""
+    n_act = n_layer + 1
+    ngl = n_act if n_gpu_layers < 0 else min(n_gpu_layers, n_act)
+    if ngl < n_act - n_layer:   # (n_gpu_layers 0: every layer, the output's too, on the CPU)
+        return -1
+    total, cum, x = sum(split), 0.0, (n_layer - (n_act - ngl)) / ngl
+    for i, s in enumerate(split):
+        cum += s
+        if x < (cum / total if total > 0 else 1.0):
+            return i
+    return len(split) - 1
+
+
+_BLOCK_PATTERN = re.compile(r"^\^?blk\\\.(\d+)\\\.")
+
+
+def _existing_overrides(overrides: Sequence[str], n_layer: int) -> list[str]:
+    """The overrides that name a block the model has: upstream's set_ngl_tensor_split_tbo counts the output layer
+    among the last device's partial layers and writes a pattern for block n_layer, which matches no tensor."""
+    out = []
+    for ov in overrides:
+        m = _BLOCK_PATTERN.match(ov)
+        if m is None or int(m.group(1)) < n_layer:
+            out.append(ov)
+    return out
+
+
 def plan_from_result(res: dict, variant: str, model: str, spec: devspec.DeviceSpec, ctx: dict,
                      margins: list[int]) -> Plan:
     """A Plan from the worker's raw pp_fit result."""
@@ -257,23 +321,34 @@ def plan_from_result(res: dict, variant: str, model: str, spec: devspec.DeviceSp
         # fit kept llama's default split: proportional to each device's free memory
         split = [float(d["free_bytes"]) for d in res["devices"]]
     ranges = _layer_ranges(res["n_gpu_layers"], split, n_layer)
-    host, partial = _host_layers(res["overrides"], n_layer)
+    out_dev = _output_owner(res["n_gpu_layers"], split, n_layer)
+    overrides = _existing_overrides(res["overrides"], n_layer)
+    host, partial = _host_layers(overrides, n_layer)
     devs = []
     for i, d in enumerate(res["devices"]):
         first, end = ranges[i]
         n_host = sum(1 for il in range(first, end) if il in host)
         devs.append(DevicePlan(name=d["name"], layers=[first, end], full_layers=(end - first) - n_host,
                                host_expert_layers=n_host, partial_layers=sum(1 for il in range(first, end) if il in partial),
+                               output_layer=i == out_dev,
                                model_bytes=d["model_bytes"], context_bytes=d["context_bytes"],
                                compute_bytes=d["compute_bytes"], free_bytes=d["free_bytes"],
                                target_bytes=d["free_bytes"] - margins[i]))
     size = Path(model).stat().st_size
-    return Plan(variant=variant, model=str(model), model_size=size,
+    # (the model's absolute path: `run/ab --plan PLAN.json` without a model finds it from any working directory)
+    return Plan(variant=variant, model=str(Path(model).resolve()), model_size=size,
                 devices_spec={**spec.to_dict(), "ids": spec.cuda_ids}, ctx=ctx,
                 status=status, path=path, reasons=reasons, n_gpu_layers=res["n_gpu_layers"],
-                tensor_split=list(res["tensor_split"])[:ndev], tensor_overrides=list(res["overrides"]),
+                tensor_split=list(res["tensor_split"])[:ndev], tensor_overrides=overrides,
                 n_ctx=res["n_ctx"], n_layer=n_layer, n_expert=res["n_expert"], margins=margins, devices=devs,
                 host=res.get("host", {}), message=res.get("message", ""), seconds=res.get("seconds", 0.0))
+
+
+def _on_cpu_text(on_cpu: int, n_layer: int) -> str:
+    """llama's n_gpu_layers counts the output layer as layer n_layer: the first on_cpu of 0..n_layer stay on the CPU."""
+    if on_cpu > n_layer:
+        return f"all {n_layer} layers and the output layer"
+    return f"{on_cpu} of {n_layer} layers (0..{on_cpu - 1})"
 
 
 def check_plan(plan: Plan, check: bool = True) -> Plan:
@@ -299,7 +374,7 @@ def plan_problem(plan: Plan, check: bool = True) -> Optional[Exception]:
     if on_cpu > 0:
         return OutOfMemoryError(
             f"{Path(plan.model).name} does not fit on {where} even with every expert in host RAM: fit ({plan.variant}) "
-            f"leaves {on_cpu} of {plan.n_layer + 1} layers on the CPU. Fix: give the devices more memory, or lower the "
+            f"leaves {_on_cpu_text(on_cpu, plan.n_layer)} on the CPU. Fix: give the devices more memory, or lower the "
             "margin, --ctx or --ubatch (or take the plan as it is: fit(..., check=False), --no-check)")
     over = [d for d in plan.devices if d.expected_bytes > d.target_bytes]
     if over:

@@ -5,6 +5,37 @@ import numbers
 from pathlib import Path
 from typing import Optional, Union
 
+from . import devices as devspec
+from .errors import DeviceSpecError
+
+# what the table's columns mean, printed under it (and in results.md)
+LEGEND = """\
+- **t/s**: avg_ts ± stddev_ts over the repetitions (llama-bench's columns); **error**: the run failed (its message is
+  under the table and in the rows' `error` column); **speedup**: patched / baseline avg_ts, and with `--paired` the
+  median of the paired rounds' ratios with its 95% interval.
+- **PP b/p**: pipeline parallelism on or off in the baseline / patched build. **coverage**: the share of the
+  host-resident experts that the routing used per ubatch.
+- **bytes/dev**: host-to-device bytes per device per run (what crossed each link).
+- **bound t/s**: the patched build's throughput if every link moved its bytes at its rate and nothing else took time
+  (links), and the same with the pipeline's fill and drain (with fill).
+- **re-reservations, host waits**: graph re-reservations of the patched build (each drains the pipeline), and the
+  time its host thread waited, with the largest cause (input_events: the host ran ahead of the pipeline, expected)."""
+DECODE_NOTE = ("- **tg rows without `--paired`**: each variant's model was loaded once, and where a process's memory "
+               "lands moves decode by a few percent; for a decode claim use `--paired N --loads K` (an interval).")
+
+
+def devices_label(text) -> str:
+    """A device spec as tables and plots name it (a JSON spec written the short way)."""
+    try:
+        return devspec.parse(text).label
+    except (DeviceSpecError, TypeError, ValueError, OSError):
+        return str(text)
+
+
+def failed(r) -> bool:
+    """Did this row's run fail (a worker error, a crash)?"""
+    return r is not None and isinstance(r.get("error"), str) and bool(r.get("error"))
+
 
 def num(x, fmt: str = "{:.0f}") -> str:
     """A number for a table cell: empty for None and NaN."""
@@ -39,8 +70,8 @@ def markdown(df) -> str:
         def ts(r):
             if r is None:
                 return ""
-            if isinstance(r.get("error"), str) and r.get("error"):
-                return "error"
+            if failed(r):
+                return "**error**"
             return f"{r['avg_ts']:.1f} ± {r['stddev_ts']:.1f}"
 
         def per_dev(r):
@@ -74,11 +105,13 @@ def markdown(df) -> str:
         bound = "" if p is None else ", ".join(filter(None, (num(p.get("bound_ts")), num(p.get("bound_pipe_ts")))))
         placed = " / ".join(dict.fromkeys(str(r.get("host_experts") or "") for r in (b, p) if r is not None))
         lines.append(
-            f"| {ref['devices']} | {placed} | {ref['n_batch']} "
+            f"| {devices_label(ref['devices'])} | {placed} | {ref['n_batch']} "
             f"| {ref['n_ubatch']} | {test} | {cov_s} | {ts(b)} | {ts(p)} "
             f"| {sp_s} | {pp(b)}/{pp(p)} | {per_dev(b)} | {per_dev(p)} "
             f"| {bound} | {blocked(p)} |")
-    return "\n".join(lines) + "\n"
+    unpaired_tg = "test" in df and df["test"].astype(str).str.startswith("tg").any() and (
+        "speedup_ci_lo" not in df or df["speedup_ci_lo"].isna().all())
+    return "\n".join(lines) + "\n\n" + LEGEND + ("\n" + DECODE_NOTE if unpaired_tg else "") + "\n"
 
 
 def plot(df, path: Union[str, Path], title: str = "pyllama_pp A/B") -> Optional[Path]:
@@ -87,18 +120,23 @@ def plot(df, path: Union[str, Path], title: str = "pyllama_pp A/B") -> Optional[
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt   # (with matplotlib, above)
 
-    ok = df[df["avg_ts"].notna()] if "avg_ts" in df else df
-    if ok.empty:
+    if df.empty or "avg_ts" not in df or df["avg_ts"].isna().all():
         return None
-    groups = list(ok.groupby(["config", "test"], sort=True))
-    labels = [f"{g.iloc[0]['devices']}\nub={g.iloc[0]['n_ubatch']} {test}" for (c, test), g in groups]
+    groups = list(df.groupby(["config", "test"], sort=True))
+    labels = [f"{devices_label(g.iloc[0]['devices'])}\nub={g.iloc[0]['n_ubatch']} {test}" for (c, test), g in groups]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4.5))
     width = 0.38
+    top_all = df["avg_ts"].max()
     for k, v in enumerate(("baseline", "patched")):
-        vals = [g[g.variant == v]["avg_ts"].mean() if (g.variant == v).any() else 0 for _, g in groups]
-        errs = [g[g.variant == v]["stddev_ts"].mean() if (g.variant == v).any() else 0 for _, g in groups]
+        mine = [g[g.variant == v] for _, g in groups]
+        vals = [m["avg_ts"].mean() if m["avg_ts"].notna().any() else 0 for m in mine]
+        errs = [m["stddev_ts"].mean() if m["stddev_ts"].notna().any() else 0 for m in mine]
         xs = [i + (k - 0.5) * width for i in range(len(groups))]
         ax.bar(xs, vals, width, yerr=errs, label=v, color=("#8c8c8c", "#1f77b4")[k], capsize=3)
+        for x, m in zip(xs, mine):   # a failed run is marked, not drawn as a zero bar
+            if not m.empty and m["avg_ts"].isna().all():
+                ax.text(x, top_all * 0.02, "failed", rotation=90, ha="center", va="bottom", color="#d62728",
+                        fontsize=9, fontweight="bold")
     for i, (_, g) in enumerate(groups):
         sp = g[g.variant == "patched"]["speedup"].mean() if (g.variant == "patched").any() else float("nan")
         top = g["avg_ts"].max()
@@ -106,11 +144,11 @@ def plot(df, path: Union[str, Path], title: str = "pyllama_pp A/B") -> Optional[
             ax.text(i + 0.5 * width, top * 1.02, f"{sp:.2f}x", ha="center", va="bottom", fontsize=9)
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(labels, fontsize=8)
-    ax.set_ylabel("tokens / s (avg_ts)")
+    ax.set_ylabel("tokens / s (avg_ts, error bars: stddev_ts)")
     ax.set_title(title)
-    ax.legend()
+    ax.legend(title="above the bars: patched / baseline", fontsize=8, title_fontsize=8)
     ax.margins(y=0.15)
-    fig.tight_layout()
+    fig.set_layout_engine("constrained")   # (tight_layout warns when labels are long; this one makes room)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

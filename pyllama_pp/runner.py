@@ -25,7 +25,7 @@ from .jobs import MeasureJob, WorkloadJob, test_name
 from .row import Row, RowWriter, frame, read_rows
 from .rows import error_rows, error_text, meta, rows_from_result, workload_step_row
 from .stats import paired_ci
-from .worker.client import ServingWorker, run_job
+from .worker.client import ServingWorker, check_switch_env, run_job
 
 SWEEP_FILE = "sweep.json"
 
@@ -111,6 +111,8 @@ def ab(configs: Iterable[RunConfig], variants: Sequence[str] = VARIANTS, out_dir
     out_dir's results.jsonl without an error is not measured again (error rows are), and the files are rewritten
     at the end with each row once."""
     configs = list(configs)
+    for cfg in configs:
+        check_switch_env(variants, cfg.env)
     writer = RowWriter(Path(out_dir) if out_dir else None)
     prev_rows = read_rows(out_dir) if (resume and out_dir) else []
     prev: dict = {}
@@ -229,6 +231,8 @@ def interleaved(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequen
     variants = list(variants)
     if not variants or len(set(variants)) != len(variants) or not set(variants) <= set(VARIANTS):
         raise ValueError(f"variants must be distinct names of {list(VARIANTS)}, got {variants!r}")
+    for cfg in cfgs:
+        check_switch_env(variants, cfg.env)
     writer = RowWriter(Path(out_dir) if out_dir else None)
     bar = tqdm(total=len(cfgs) * loads * (rounds + 1), desc="paired A/B", unit="round",
                dynamic_ncols=True) if progress else None
@@ -236,6 +240,7 @@ def interleaved(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequen
     order: list[list] = []
     all_rows: list[Row] = []
     done = False
+    current = None   # the config in progress (for Ctrl-C: its complete rounds are kept)
 
     def server(cfg: RunConfig, v: str) -> ServingWorker:
         """The variant's worker for cfg: the one running, when its environment and switches are cfg's."""
@@ -271,6 +276,7 @@ def interleaved(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequen
             jobs = {v: cfg.job(v, reps=1, warmup=warmup, coverage=False) for v in variants}
             groups: list[int] = []
             done_loads = 0   # loads whose rounds every variant ran
+            current = (ci, cfg, cfg_meta, got, groups)
             for load in range(loads):
                 if loads > 1 and servers:   # fresh workers for every load: the model loaded again, the other variant first
                     for _, w in servers.values():
@@ -281,6 +287,7 @@ def interleaved(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequen
                     res = run(v, -1, cfg.job(v, reps=1, warmup=1, coverage=coverage is None))
                     if res is not None and coverage is None:
                         coverage = [t.get("coverage") for t in res["tests"]]
+                        current = (ci, cfg, cfg_meta, got, groups, coverage)
                 if bar:
                     bar.update(1)
                 for r in range(rounds):
@@ -307,28 +314,24 @@ def interleaved(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequen
                 if failed:   # (in the first load: the variant that failed gets error rows, the other its rounds)
                     break
                 done_loads += 1
-            merged = {v: _merge_rounds(got[v], coverage) for v in variants if v not in failed}
-            per_v = {v: rows_from_result(cfg, v, merged[v], cfg_meta) if v in merged else
-                     error_rows(cfg, v, failed[v], cfg_meta) for v in variants}
-            _finish_config(per_v)
-            for v, rows in per_v.items():
-                for i, row in enumerate(rows):
-                    row.config = ci
-                    if v not in merged:
-                        continue
-                    row.rounds = len(got[v])
-                    row.loads = max(done_loads, 1)
-                    if v == "baseline" or "baseline" not in merged:
-                        continue
-                    sb, sv = merged["baseline"]["tests"][i]["seconds"], merged[v]["tests"][i]["seconds"]
-                    ratios = [x / y if y > 0 else float("nan") for x, y in zip(sb, sv)]   # (t/s: n/y over n/x)
-                    # (both variants ran every round while neither failed: groups line up with the ratios)
-                    med, lo, hi = paired_ci(ratios, seed=seed, groups=groups[:len(ratios)] if done_loads > 1 else None)
-                    row.ratios, row.speedup_median, row.speedup_ci_lo, row.speedup_ci_hi = ratios, med, lo, hi
+            per_v = _paired_rows(ci, cfg, cfg_meta, variants, got, failed, coverage, groups, done_loads, seed)
+            current = None
             for v in variants:
                 writer.write(per_v[v])
                 all_rows.extend(per_v[v])
         done = True
+    except KeyboardInterrupt:
+        # Ctrl-C: the config in progress keeps its complete AB/BA pairs (rounds both variants ran), as rows
+        if current is not None and len(current) == 6:
+            ci, cfg, cfg_meta, got, groups, coverage = current
+            n = min(len(got[v]) for v in variants) // 2 * 2
+            if n >= 2:
+                kept = {v: got[v][:n] for v in variants}
+                per_v = _paired_rows(ci, cfg, cfg_meta, variants, kept, {}, coverage, groups[:n],
+                                     len(set(groups[:n])) if len(set(groups[:n])) > 1 else 0, seed)
+                for v in variants:   # (`rounds` on the rows says how many were kept)
+                    writer.write(per_v[v])
+        raise
     finally:
         for _, w in servers.values():
             if not done:   # (Ctrl-C, an error: no waiting for a job in progress)
@@ -339,6 +342,31 @@ def interleaved(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequen
     df = frame(all_rows)
     df.attrs["order"] = order
     return df
+
+
+def _paired_rows(ci: int, cfg: RunConfig, cfg_meta: dict, variants: Sequence[str], got: dict, failed: dict,
+                 coverage, groups: list, done_loads: int, seed: int) -> dict[str, list[Row]]:
+    """One config's rows of a paired run: each variant's rounds merged, the paired speedup with its interval
+    (`groups`: the load of each round; with done_loads > 1 the interval counts each load once)."""
+    merged = {v: _merge_rounds(got[v], coverage) for v in variants if v not in failed}
+    per_v = {v: rows_from_result(cfg, v, merged[v], cfg_meta) if v in merged else
+             error_rows(cfg, v, failed[v], cfg_meta) for v in variants}
+    _finish_config(per_v)
+    for v, rows in per_v.items():
+        for i, row in enumerate(rows):
+            row.config = ci
+            if v not in merged:
+                continue
+            row.rounds = len(got[v])
+            row.loads = max(done_loads, 1)
+            if v == "baseline" or "baseline" not in merged:
+                continue
+            sb, sv = merged["baseline"]["tests"][i]["seconds"], merged[v]["tests"][i]["seconds"]
+            ratios = [x / y if y > 0 else float("nan") for x, y in zip(sb, sv)]   # (t/s: n/y over n/x)
+            # (both variants ran every round while neither failed: groups line up with the ratios)
+            med, lo, hi = paired_ci(ratios, seed=seed, groups=groups[:len(ratios)] if done_loads > 1 else None)
+            row.ratios, row.speedup_median, row.speedup_ci_lo, row.speedup_ci_hi = ratios, med, lo, hi
+    return per_v
 
 
 # a server's mixed load in one context (`pyllama-pp run/ab --workload mixed`): prompts of alternating
@@ -377,6 +405,7 @@ def mixed_workload(cfg: RunConfig, variants: Sequence[str] = VARIANTS, rounds: i
     if not workload or bad:
         raise ConfigError(f"a workload is a non-empty list of steps [\"pp\" or \"tg\", tokens >= 1], such as "
                           f"{MIXED_WORKLOAD}; got {bad[0] if bad else workload!r}")
+    check_switch_env(variants, cfg.env)
     ctx = dataclasses.replace(cfg.context(), n_ctx=workload_ctx(workload, cfg.n_ctx))
     cfg_meta = meta(cfg)
     rows: list[Row] = []

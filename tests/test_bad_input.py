@@ -3,6 +3,7 @@ test that checks it): output paths, argparse's own refusals (unknown choices), s
 context too small for the tests, CUDA without a CUDA build, two variants in one process, an empty token list."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -13,13 +14,19 @@ from pyllama_pp.binding import backend_modules
 
 
 def _argparse_error(capsys, argv: list[str]) -> str:
-    """argparse's own refusal: exit 2, the usage, then one 'error:' line."""
+    """argparse's own refusal: exit 2 and one 'error:' line that points to --help (not the whole usage block);
+    under --json the same as one JSON document on stdout."""
     with pytest.raises(SystemExit) as ei:
         cli.main(argv)
     assert ei.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: pyllama-pp") and err.strip().splitlines()[-1].startswith("pyllama-pp"), err
-    return err.strip().splitlines()[-1]
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and ": error: " in lines[0] and "--help" in lines[0], err
+    with pytest.raises(SystemExit):
+        cli.main(argv + ["--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["type"] == "UsageError" and out["error"] in lines[0], (out, lines)
+    return lines[0]
 
 
 def test_output_paths(usage_error, no_worker, tiny_model, tmp_path):
@@ -52,6 +59,33 @@ def test_argparse_refusals(capsys, no_worker, tiny_model, argv, words):
 def test_bad_options_refused_up_front(usage_error, no_worker, tiny_model, argv, words):
     line = usage_error(["run", tiny_model, *argv])
     assert words in line, line
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["ab", "{m}", "--devices", "vdev:2x0@0", "-ts", "1,2,3"], "-ts gives 3 proportions and --devices vdev:2x0@0 has 2"),
+    (["ab", "{m}", "--devices", "vdev:2x0@0", "--host-experts", "99"], "the model has 6 layers (0..5)"),
+    (["run", "{m}", "--host-experts", "2,7"], "the first 7 layers, and the model has 6 layers"),
+    (["ab", "--plan", "{m}"], "is not a plan (a binary file, not JSON text)"),
+    (["fit", "{m}", "--devices", "vdev:2x8MiB@1GBps", "--margin", "-1MiB"], "margin -1MiB: a margin is memory"),
+    (["run", "{m}", "-ub", "-3"], "-ub/--ubatch takes whole numbers >= 1, got -3"),
+])
+def test_bad_values_named(usage_error, no_worker, tiny_model, argv, words):
+    """Each bad value is refused before any worker, with the option and the fix (not a codec error, not 'expected
+    one argument', not a run that records it as given)."""
+    line = usage_error([a.format(m=tiny_model) for a in argv])
+    assert words in line, line
+
+
+def test_misspelled_switch_in_the_environment(usage_error, capsys, tiny_model, tmp_path, monkeypatch):
+    """A GGML_SCHED_PP_* name the patched table does not know stops `ab` before any measurement (no rows, exit
+    2), and `info` shows it."""
+    monkeypatch.setenv("GGML_SCHED_PP_UPLOAD_AL", "0")
+    line = usage_error(["ab", tiny_model, "--devices", "vdev:2x0@0", "-p", "32", "-n", "0", "-o", str(tmp_path / "o")])
+    assert "GGML_SCHED_PP_UPLOAD_AL=0: no such switch" in line, line
+    assert not (tmp_path / "o" / "results.jsonl").exists()
+    assert cli.main(["info", "--json"]) == 0
+    patched = [v for v in json.loads(capsys.readouterr().out)["variants"] if v["name"] == "patched"][0]
+    assert any("GGML_SCHED_PP_UPLOAD_AL" in p for p in patched["env_problems"]), patched.get("env_problems")
 
 
 @pytest.mark.skipif("CUDA" in backend_modules(), reason="this build has a CUDA backend")

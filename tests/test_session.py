@@ -47,7 +47,7 @@ def test_layer_list_does_not_match_other_layers_with_the_same_digits():
 def test_host_expert_overrides_rejects_bad_values():
     with pytest.raises(ConfigError):             # (a ValueError)
         host_expert_overrides("most")
-    with pytest.raises(ConfigError, match=r"up to 6, and the model has layers 0\.\.5"):
+    with pytest.raises(ConfigError, match=r"layer 6, and the model has 6 layers \(0\.\.5\)"):
         host_expert_overrides([2, 6], n_layer=6)
 
 

@@ -18,7 +18,7 @@ import sys
 import threading
 from typing import Optional, Union
 
-from ..errors import WorkerError, worker_error
+from ..errors import ConfigError, WorkerError, worker_error
 from ..jobs import Job, as_job
 
 
@@ -255,3 +255,28 @@ class ServingWorker:
         """send() then result()."""
         self.send(job)
         return self.result(timeout)
+
+
+SWITCH_ENV_PREFIX = "GGML_SCHED_PP_"
+
+
+def check_switch_env(variants, env: Optional[dict] = None) -> None:
+    """Refuse GGML_SCHED_PP_* variables (of this process's environment, or `env`) that the patched build's switch
+    table does not accept, before any measuring worker starts: a misspelled name would otherwise be found by every
+    patched run in turn. Costs one short worker only when such a variable is set and the patched build is in
+    `variants`.
+
+    Args:
+        variants: the variants about to run ("baseline", "patched"); the baseline reads no switches.
+        env: extra environment variables the workers will get (as RunConfig.env).
+
+    Raises:
+        ConfigError: naming each variable the table refuses, and how to list the switches.
+    """
+    given = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
+    if "patched" not in variants or not any(k.startswith(SWITCH_ENV_PREFIX) for k in given):
+        return
+    problems = run_job({"kind": "info"}, "patched", timeout=120, env=env).get("env_problems") or []
+    if problems:
+        raise ConfigError("the patched scheduler does not accept " + "; ".join(problems)
+                          + ". Fix: unset or correct the variable (`pyllama-pp info` lists the switches)")

@@ -1,0 +1,130 @@
+"""What a new user meets beyond bad input: a plan keeps its sizes and its model, Ctrl-C in a paired run keeps its
+complete rounds, fit says which device it left idle, layer ranges read first..last, tables and plots carry a legend,
+readable device names and failed runs marked, and `ab` on the CPU alone says that no mechanism acts there."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pandas as pd
+import pytest
+
+from pyllama_pp import Placement, RunConfig, cli, fit, report, runner, synth
+from pyllama_pp.plan import DevicePlan
+
+UNEQUAL = json.dumps({"kind": "vdev", "devices": [{"memory": "8MiB", "link_gbps": 1}, {"memory": "6MiB", "link_gbps": 1},
+                                                  {"memory": "5MiB", "link_gbps": 1}]})
+
+
+@pytest.fixture(scope="module")
+def plan_file(tiny_model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    assert cli.main(["fit", tiny_model, "--devices", "vdev:2x4MiB@4GBps", "-c", "512", "-ub", "128", "-o", str(path),
+                     "--json"]) == 0
+    return path
+
+
+def _rows(capsys) -> list[dict]:
+    return json.loads(capsys.readouterr().out)["rows"]
+
+
+def test_a_plan_keeps_its_sizes_and_refuses_larger_ones(plan_file, tiny_model, capsys, usage_error):
+    capsys.readouterr()
+    assert cli.main(["run", tiny_model, "--plan", str(plan_file), "-p", "128", "-n", "0", "-r", "1", "--json"]) == 0
+    rows = _rows(capsys)
+    assert [(r["n_batch"], r["n_ubatch"]) for r in rows] == [(2048, 128)], rows
+    assert rows[0]["host_experts"].startswith("plan: ") and rows[0]["pipeline_parallel"], rows
+    line = usage_error(["run", tiny_model, "--plan", str(plan_file), "-ub", "256", "-b", "512"])
+    assert "was made for n_batch 2048, n_ubatch 128 and n_ctx 512" in line, line
+
+
+def test_ab_with_a_plan_and_no_model_takes_the_plans_model(plan_file, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # (another working directory than the one the plan was made in)
+    capsys.readouterr()
+    assert cli.main(["ab", "--plan", str(plan_file), "-p", "128", "-n", "0", "-r", "1", "-o", str(tmp_path / "o"),
+                     "--json"]) == 0
+    rows = _rows(capsys)
+    assert {r["variant"] for r in rows} == {"baseline", "patched"} and not any(r.get("error") for r in rows), rows
+    assert {r["model"].rsplit("/", 1)[-1] for r in rows} == {"tiny.gguf"}
+
+
+def test_ctrl_c_in_a_paired_run_keeps_its_complete_rounds(tiny_model, tmp_path, monkeypatch):
+    """Ctrl-C after a few rounds: the rows hold the complete AB/BA pairs measured so far, with their interval."""
+    real, calls = runner.ServingWorker.run, []
+
+    def run(self, job, timeout=None):
+        calls.append(1)
+        if len(calls) == 2 + 5 * 2 + 1:   # the warm-ups, five rounds of both variants, then one job more
+            raise KeyboardInterrupt
+        return real(self, job, timeout=timeout)
+    monkeypatch.setattr(runner.ServingWorker, "run", run)
+    cfg = RunConfig(tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32,
+                    placement=Placement(host_experts="all"), tests=[["pp", 64]])
+    with pytest.raises(KeyboardInterrupt):
+        runner.interleaved(cfg, rounds=20, out_dir=tmp_path, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert {r["variant"]: r["rounds"] for r in rows} == {"baseline": 4, "patched": 4}, rows
+    patched = [r for r in rows if r["variant"] == "patched"][0]
+    assert patched["speedup_ci_lo"] <= patched["speedup_median"] <= patched["speedup_ci_hi"], patched
+
+
+def test_fit_names_a_device_it_left_idle(tmp_path):
+    model = tmp_path / "ds.gguf"
+    synth.write_gguf(model, synth.preset("deepseek2-tiny"))
+    plan = fit(model, devices=UNEQUAL, ctx={"n_ctx": 512, "n_ubatch": 128})
+    idle = plan.idle_devices
+    # the model fits without host experts, and llama's default split (by free memory) leaves the last device only
+    # the output layer: the plan says so, and how to use it
+    assert plan.path == "upstream" and idle == ["VDEV2"], (plan.path, [d.layers for d in plan.devices])
+    assert any("VDEV2 holds no repeating layer" in n and "-ts 1,1,1" in n for n in plan.notes), plan.notes
+    assert "note: VDEV2 holds no repeating layer" in str(plan)
+    assert [d.layers_text for d in plan.devices][-1] == "out"
+
+
+def test_layer_ranges_read_first_to_last():
+    d = DevicePlan(name="VDEV1", layers=[3, 6], full_layers=0, host_expert_layers=3, model_bytes=0, context_bytes=0,
+                   compute_bytes=0, free_bytes=0, target_bytes=0, output_layer=True)
+    assert d.layers_text == "3..5 +out" and d.n_layers == 3
+    d.layers, d.output_layer = [0, 0], False
+    assert d.layers_text == "-" and d.n_layers == 0
+
+
+def _frame(error: bool) -> pd.DataFrame:
+    base = {"config": 0, "devices": UNEQUAL, "n_batch": 64, "n_ubatch": 32, "host_experts": "all", "coverage": 0.5,
+            "pipeline_parallel": True, "stddev_ts": 1.0}
+    return pd.DataFrame([
+        {**base, "variant": "baseline", "test": "pp64", "avg_ts": 100.0, "error": None, "speedup": None},
+        {**base, "variant": "patched", "test": "pp64", "avg_ts": None if error else 150.0,
+         "error": "patched worker died (killed by signal SIGKILL)" if error else None, "speedup": None if error else 1.5},
+        {**base, "variant": "baseline", "test": "tg16", "avg_ts": 20.0, "error": None, "speedup": None},
+        {**base, "variant": "patched", "test": "tg16", "avg_ts": 21.0, "error": None, "speedup": 1.05}])
+
+
+def test_tables_and_plots_explain_themselves(tmp_path):
+    md = report.markdown(_frame(error=True))
+    assert "vdev:8MiB@1GBps,6MiB@1GBps,5MiB@1GBps" in md and '{"kind"' not in md   # a JSON spec, written short
+    assert "**error**" in md and "**PP b/p**" in md and "**bound t/s**" in md and "**speedup**" in md
+    assert "tg rows without `--paired`" in md   # an unpaired decode row says what it is
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # (matplotlib's tight_layout warning on long labels, for one)
+        png = report.plot(_frame(error=True), tmp_path / "ab.png")
+    assert png is not None and png.stat().st_size > 0
+
+
+def test_the_plot_marks_a_failed_run(tmp_path, monkeypatch):
+    import matplotlib.axes   # (the plot's own import, here to watch its text calls)
+    texts = []
+    real = matplotlib.axes.Axes.text
+    monkeypatch.setattr(matplotlib.axes.Axes, "text", lambda self, x, y, s, *a, **k: texts.append(s) or
+                        real(self, x, y, s, *a, **k))
+    report.plot(_frame(error=True), tmp_path / "a.png")
+    assert "failed" in texts
+    texts.clear()
+    report.plot(_frame(error=False), tmp_path / "b.png")
+    assert "failed" not in texts and "1.50x" in texts
+
+
+def test_ab_on_the_cpu_alone_says_no_mechanism_acts(tiny_model, capsys):
+    assert cli.main(["ab", tiny_model, "-p", "32", "-n", "0", "-r", "1", "-b", "32", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert any("no mechanism of the series acts" in n for n in doc["notes"]), doc["notes"]
