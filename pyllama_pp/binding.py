@@ -92,12 +92,20 @@ def backend_modules() -> set[str]:
 
 
 def build_info() -> dict:
-    """How the package was built (CUDA on or off, the compiler, ...), as the build wrote it."""
+    """How the package was built (CUDA on or off, the compiler, ...), as the build wrote it.
+
+    Returns:
+        dict: build_info.json's fields; empty when the build wrote none.
+    """
     return installed_json("build_info.json", {})
 
 
 def available_variants() -> list[str]:
-    """The variants whose native module this installation has ("baseline", "patched")."""
+    """The variants whose native module this installation has.
+
+    Returns:
+        list[str]: "baseline" and/or "patched", in that order; empty when neither is built.
+    """
     return [v for v in VARIANTS if any((VARIANTS_DIR / v).glob("_native*.so"))]
 
 
@@ -109,11 +117,19 @@ def log_level_from_env() -> int:
 
 
 def load(variant: str = "patched") -> Native:
-    """Load `variant` ("patched" or "baseline") into this process; loading it again returns the same object.
+    """Load a variant's native library into this process; loading it again returns the same object.
 
+    Both variants ship libraries with the same names, so a process holds one of them; the worker
+    (pyllama_pp.worker) runs the other in its own process.
+
+    Args:
+        variant: "patched" (default) or "baseline".
+    Returns:
+        Native: the loaded variant (its name, cffi `ffi` and `lib`).
     Raises:
         VariantError: for an unknown variant, or the other variant when this process holds one already.
-        BuildError: when the variant is not built.
+        BuildError: when the variant is not built, or its native module cannot be loaded.
+        PyllamaError: when the native library fails to initialise (the shim's message).
     """
     global _loaded
     if variant not in VARIANTS:

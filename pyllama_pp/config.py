@@ -63,8 +63,9 @@ class RunConfig:
         shared_link: all devices share one link (one GPU split in two).
         plans: variant -> Placement from a fit plan (run/ab --plan, --fit); a variant without one runs `placement`.
     Raises:
-        ConfigError: for tests, batch sizes or link rates out of range.
-        TypeError: for a placement or plan of the wrong type.
+        ConfigError: for tests, batch sizes, reps or link rates out of range, or switches / env that are not dicts.
+        DeviceSpecError: for a link rate that is not a rate ("4GBps", a number).
+        TypeError: for a placement or plan that is neither a Placement nor a dict.
     """
 
     model: str
@@ -104,24 +105,48 @@ class RunConfig:
             self.link_gbps = rates
 
     def placement_for(self, variant: str) -> Placement:
-        """The placement `variant` runs: its plan's, else the configuration's."""
+        """The placement a variant runs.
+
+        Args:
+            variant: "patched" or "baseline".
+        Returns:
+            Placement: the variant's plan's, else the configuration's `placement`.
+        """
         return self.plans.get(variant, self.placement)
 
     def context(self) -> ContextParams:
-        """The context every test of this configuration runs in."""
+        """The context every test of this configuration runs in.
+
+        Returns:
+            ContextParams: n_ctx (given, else enough for the longest test), n_batch, n_ubatch (at most n_batch) and
+            flash_attn.
+        """
         longest = max(int(t[1]) + depth_of(t) for t in self.tests) + 8
         return ContextParams(n_ctx=ctx_for(longest, self.n_ctx), n_batch=self.n_batch,
                              n_ubatch=min(self.n_ubatch, self.n_batch), flash_attn=self.flash_attn)
 
     def job(self, variant: str = "patched", **fields) -> MeasureJob:
-        """The worker job that runs this configuration on `variant` (the switches go to the patched build only)."""
+        """The worker job that runs this configuration on a variant.
+
+        Args:
+            variant: "patched" (default) or "baseline"; the switches go to the patched build only.
+            **fields: MeasureJob fields to set or override (reps, warmup, coverage, ctx_list, ...).
+        Returns:
+            MeasureJob: the job.
+        Raises:
+            TypeError: for a name that is not a MeasureJob field.
+        """
         base = dict(variant=variant, model=self.model, devices=self.devices, placement=self.placement_for(variant),
                     ctx=self.context(), tests=[list(t) for t in self.tests], reps=self.reps,
                     switches=dict(self.switches) if variant == "patched" else {})
         return MeasureJob(**{**base, **fields})
 
     def to_dict(self) -> dict:
-        """JSON-ready fields; RunConfig(**d) makes it again."""
+        """The configuration as JSON-ready data; RunConfig(**d) makes it again.
+
+        Returns:
+            dict: the fields, placements as dicts.
+        """
         d = dataclasses.asdict(self)
         d["placement"] = self.placement.to_dict()
         d["plans"] = {v: p.to_dict() for v, p in self.plans.items()}
@@ -131,8 +156,22 @@ class RunConfig:
 def expand(model: str, devices: Sequence[str] = ("cpu",), n_batch: Sequence[int] = (512,),
            n_ubatch: Sequence[int] = (32,), placements: Sequence[Placement] = (Placement(host_experts="all"),),
            **common) -> list[RunConfig]:
-    """Cross the given lists like llama-bench (pairs with n_ubatch > n_batch left out); `common` goes to every
-    RunConfig."""
+    """Cross the given lists like llama-bench's comma-separated values: one RunConfig per combination.
+
+    Args:
+        model: the GGUF file.
+        devices: device specs, one per point.
+        n_batch: n_batch values.
+        n_ubatch: n_ubatch values; a pair with n_ubatch > n_batch is left out.
+        placements: Placements (or their dicts).
+        **common: more RunConfig fields, the same for every point (tests, reps, switches, env, label, ...).
+    Returns:
+        list[RunConfig]: devices x n_batch x n_ubatch x placements, in that nesting order.
+    Raises:
+        ConfigError: for values out of range (RunConfig's checks).
+        DeviceSpecError: for a link rate that is not a rate.
+        TypeError: for a name in `common` that is not a RunConfig field, or a placement of the wrong type.
+    """
     out = []
     for dev, nb, nub, pl in itertools.product(devices, n_batch, n_ubatch, placements):
         if nub > nb:

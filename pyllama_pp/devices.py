@@ -87,7 +87,14 @@ class VDevConfig:
 
 @dataclass
 class DeviceSpec:
-    """A parsed device spec. `kind` is cpu, cuda or vdev."""
+    """A parsed device spec (make one with `parse_devices`).
+
+    Attributes:
+        kind: "cpu", "cuda" or "vdev".
+        cuda_ids: the CUDA device indices (kind cuda; empty: every device).
+        vdevs: one VDevConfig per virtual device (kind vdev): memory, link rate, link group, speed, faults.
+        text: the spec as given ("vdev:2x768MiB@4GBps", a JSON text or file name).
+    """
 
     kind: str
     cuda_ids: list[int] = field(default_factory=list)   # empty = all (kind cuda)
@@ -96,6 +103,7 @@ class DeviceSpec:
 
     @property
     def n_devices(self) -> int:
+        """int: the number of devices the spec names (0 for cpu, and for "cuda", which names every device)."""
         return len(self.vdevs) if self.kind == "vdev" else len(self.cuda_ids)
 
     @property
@@ -122,6 +130,11 @@ class DeviceSpec:
         return out
 
     def to_dict(self) -> dict:
+        """The spec as JSON-ready data.
+
+        Returns:
+            dict: kind, cuda_ids, devices (one dict of VDevConfig fields per VDEV) and text.
+        """
         return {"kind": self.kind, "cuda_ids": self.cuda_ids, "devices": [asdict(v) for v in self.vdevs],
                 "text": self.text}
 
@@ -215,7 +228,17 @@ def _from_dict(d: dict, text: str) -> DeviceSpec:
 
 
 def parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
-    """Parse a device spec (string, JSON file path, dict or DeviceSpec)."""
+    """Parse a device spec, as the API, the CLI and bench/ all understand it (the forms: this module's docstring).
+
+    Args:
+        spec: a string ("cpu", "cuda", "cuda:0,1", "vdev:2x768MiB@4GBps[,shared,speed=1:2,...]"), a JSON text, the
+            path of a .json file, a dict of the JSON form, a DeviceSpec (returned as it is), or None / "" (cpu).
+    Returns:
+        DeviceSpec: the parsed spec.
+    Raises:
+        DeviceSpecError: for a spec that is none of the accepted forms, or has a value out of range (the message
+            names the spec and lists the forms); it is a ValueError too.
+    """
     try:
         return _parse(spec)
     except DeviceSpecError as e:

@@ -95,12 +95,36 @@ def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant:
         env: Optional[dict] = None, timeout: Optional[float] = 600, spread="equal", link_gbps=None) -> Plan:
     """Plan the placement of `model` on `devices` with `variant`'s fit (run in a worker process).
 
-    ctx: ContextParams (n_ctx 0: fit chooses it, down to n_ctx_min); margin: bytes (or "256MiB") to leave free on
-    each device, one value or one per device (default: upstream's 1 GiB on CUDA, none on VDEVs, whose budgets are
-    exact); spread (patched): "equal" shares of the host-expert layers, "links" (shares by each device's host link
-    rate: a VDEV's own, on CUDA link_gbps=[...]) or one weight per device. Raises OutOfMemoryError when fit finds no
-    placement, or (unless check=False) leaves whole layers on the CPU or plans a device over its target;
-    DeviceSpecError for a spec fit cannot place layers on, ModelError for a bad model, ConfigError for a bad spread."""
+    Args:
+        model: the GGUF file.
+        devices: a device spec with accelerators ("cuda", "cuda:0,1", "vdev:2x768MiB@4GBps", a dict, a DeviceSpec);
+            each VDEV needs a memory budget.
+        ctx: the context to plan for, a ContextParams or its dict (default ContextParams()); n_ctx 0: fit chooses
+            it, down to n_ctx_min.
+        variant: "patched" (default: the series' fit, which spreads host experts) or "baseline" (upstream's).
+        margin: bytes to leave free on each device (an int or a size such as "256MiB"), one value or one per
+            device; default: upstream's 1 GiB on CUDA, none on VDEVs, whose budgets are exact.
+        split_mode: "layer" (default), "none" or "row" (CUDA only).
+        n_ctx_min: the smallest n_ctx fit may choose when ctx.n_ctx is 0.
+        check: refuse a plan that leaves whole layers on the CPU or a device over its target (False: return it).
+        env: environment for the worker, NAME -> value.
+        timeout: seconds the worker may take (None: no limit).
+        spread: patched: "equal" (default) shares of the host-expert layers, "links" (shares by each device's host
+            link rate: a VDEV's own, on CUDA link_gbps) or one positive weight per device.
+        link_gbps: each device's host link rate in GB/s (numbers or "55GBps"), for spread="links" on CUDA.
+    Returns:
+        Plan: the plan (its devices, layers, host-expert layers, overrides, expected memory and switches).
+    Raises:
+        ModelError: for a missing or bad model file.
+        DeviceSpecError: for a spec that does not parse, has no accelerators, has a VDEV without a memory budget,
+            or asks for split mode row on VDEVs.
+        ConfigError: for a bad split_mode, margin or spread, link rates of 0 or of the wrong count, or a fit that
+            refuses the given parameters.
+        TypeError: for a ctx that is neither a ContextParams nor a dict.
+        OutOfMemoryError: when fit finds no placement, or (unless check=False) leaves whole layers on the CPU or
+            plans a device over its target.
+        WorkerError: when the worker dies or times out.
+    """
     check_model_path(model)
     spec = devspec.parse(devices)
     if spec.kind == "cpu":
@@ -158,11 +182,33 @@ def predicted_ts(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], sh
 def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant: str = "patched",
                candidates: Sequence[int] = UBATCH_CANDIDATES, link_gbps=None, shared_link: bool = False,
                **kw) -> Plan:
-    """fit with n_ubatch chosen: each candidate (up to n_ctx) is planned with n_batch = 8 x n_ubatch (at most n_ctx,
-    at least ctx.n_batch, a multiple of n_ubatch), so that a batch keeps the pipeline full; a candidate whose compute buffers leave no
-    placement is out; of the rest the plan with the highest predicted_ts wins (ties: the larger n_ubatch). The plan
-    carries every candidate's prediction (Plan.ubatch_auto). link_gbps: each device's host link rate (default: a
-    VDEV's own; CUDA 55 GB/s, a PCIe 5 x16 link); shared_link: the devices share one link (one GPU split in two)."""
+    """fit with n_ubatch chosen by the throughput the bytes bound predicts.
+
+    Each candidate (up to n_ctx) is planned with n_batch = 8 x n_ubatch (at most n_ctx, at least ctx.n_batch, a
+    multiple of n_ubatch), so that a batch keeps the pipeline full; a candidate whose compute buffers leave no
+    placement is out; of the rest the plan with the highest predicted_ts wins (ties: the larger n_ubatch).
+
+    Args:
+        model: the GGUF file.
+        devices: a device spec, as fit takes it.
+        ctx: the context, as fit takes it; its n_ubatch and n_batch are replaced (n_ctx 0: 4096).
+        variant: "patched" (default) or "baseline".
+        candidates: the n_ubatch values to try.
+        link_gbps: each device's host link rate in GB/s (default: a VDEV's own; CUDA 55 GB/s, a PCIe 5 x16 link).
+        shared_link: the devices share one link (one GPU split in two).
+        **kw: more of fit's arguments (margin, split_mode, env, timeout, spread, ...); check is ignored (a
+            candidate that fails the check is out).
+    Returns:
+        Plan: the winner, with predicted_ts and every candidate's prediction (Plan.ubatch_auto).
+    Raises:
+        FileNotFoundError: for a missing model file (its expert sizes are read first).
+        OutOfMemoryError: when no candidate has a placement.
+        ConfigError: for link rates of 0 or of the wrong count, or fit's ConfigErrors.
+        DeviceSpecError: for a spec that does not parse, or that fit refuses.
+        ModelError: for a model file llama.cpp cannot load.
+        TypeError: for a ctx that is neither a ContextParams nor a dict.
+        WorkerError: when a worker dies or times out.
+    """
     ctx = as_context(ctx)
     spec = devspec.parse(devices)
     n_ctx = ctx.n_ctx or 4096

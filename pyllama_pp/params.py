@@ -139,7 +139,15 @@ class Placement:
             raise ConfigError(f"source must be '', 'fit' or 'plan', not {self.source!r}")
 
     def all_overrides(self, n_layer: Optional[int] = None) -> list[str]:
-        """Every tensor override of this placement: the host-expert ones, then the others ("PATTERN=BUFT")."""
+        """Every tensor override of this placement: the host-expert ones, then the others.
+
+        Args:
+            n_layer: the model's layer count, to refuse host-expert layers it does not have (None: not checked).
+        Returns:
+            list[str]: "PATTERN=BUFT" each (llama's -ot form).
+        Raises:
+            ConfigError: when host_experts names layers outside 0..n_layer-1.
+        """
         return host_expert_overrides(self.host_experts, n_layer) + list(self.overrides)
 
     @property
@@ -152,7 +160,11 @@ class Placement:
         return ",".join(map(str, he)) if isinstance(he, tuple) else str(he)
 
     def to_dict(self) -> dict:
-        """The fields as JSON-ready values (lists for tuples); Placement(**d) makes it again."""
+        """The fields as JSON-ready values; Placement(**d) makes it again.
+
+        Returns:
+            dict: the fields, tuples as lists.
+        """
         d = asdict(self)
         for k in ("tensor_split", "overrides", "host_experts"):
             if isinstance(d[k], tuple):
@@ -195,7 +207,11 @@ class ContextParams:
                               "lower n_ubatch or raise n_batch")
 
     def to_dict(self) -> dict:
-        """The fields as a dict; ContextParams(**d) makes it again."""
+        """The fields as a dict; ContextParams(**d) makes it again.
+
+        Returns:
+            dict: field name -> value.
+        """
         return asdict(self)
 
 

@@ -30,9 +30,21 @@ class PlanError(ConfigError):
 
 @dataclass
 class DevicePlan:
-    """One device of a plan: its slice of the layers [first, end), how many of them are full (experts on the device)
-    and how many keep their experts (or part of them: partial_layers) in host RAM, and the memory fit expects there.
-    A partial layer whose part overflows to the next device counts as full here."""
+    """One device of a plan: its slice of the layers, how many keep their experts in host RAM, and the memory fit
+    expects there. A partial layer whose part overflows to the next device counts as full here.
+
+    Attributes:
+        name: the device's name (VDEV0, CUDA0, ...).
+        layers: [first, end) of the repeating layers on this device.
+        full_layers: layers whose experts are on the device.
+        host_expert_layers: layers whose experts (or part of them) stay in host RAM.
+        model_bytes: weights fit expects on the device.
+        context_bytes: KV cache bytes fit expects there.
+        compute_bytes: compute buffer bytes fit expects there.
+        free_bytes: the device's free memory when fit ran.
+        target_bytes: free_bytes less the margin: what fit keeps the device within.
+        partial_layers: layers with only part of their FFN moved (upstream's overflow), among the above.
+    """
 
     name: str
     layers: list[int]                  # [first, end) of the repeating layers
@@ -48,6 +60,7 @@ class DevicePlan:
 
     @property
     def expected_bytes(self) -> int:
+        """int: model_bytes + context_bytes + compute_bytes, what fit expects the device to hold."""
         return self.model_bytes + self.context_bytes + self.compute_bytes
 
     @property
@@ -64,7 +77,35 @@ class DevicePlan:
 
 @dataclass
 class Plan:
-    """A fit result for one model on one device spec with one variant."""
+    """A fit result for one model on one device spec with one variant (made by `fit`, or `Plan.load`).
+
+    Attributes:
+        variant: the build whose fit made it, "patched" or "baseline".
+        model: the GGUF file's path.
+        model_size: the file's size in bytes: a plan for another file is refused.
+        devices_spec: the device spec it was made for (DeviceSpec.to_dict()).
+        ctx: the ContextParams fit planned for, as a dict (n_ctx as fit chose it; plus split_mode).
+        status: "success", "failure" or "error".
+        path: "spread" (the series' fit) or "upstream".
+        reasons: why fit took that path, in words.
+        n_gpu_layers: layers on the devices.
+        tensor_split: layer proportions per device (all 0: llama's default).
+        tensor_overrides: "PATTERN=BUFT" each (llama's -ot): the host experts and overflows.
+        n_ctx: the context size fit chose.
+        n_layer: the model's repeating layers.
+        n_expert: experts per MoE layer.
+        margins: bytes left free per device.
+        devices: one DevicePlan per device.
+        host: model / context / compute bytes in host memory.
+        message: fit's own reason when it failed.
+        seconds: how long fit took.
+        switches: the patched scheduler's switches this plan's memory was measured with, applied with it ({} for
+            the baseline).
+        copies: which early expert copies were planned, and why, in words.
+        spread_weights: the patched fit's share weights (spread="links" or given weights; [] for equal shares).
+        predicted_ts: fit_ubatch: the prompt t/s the bytes bound predicts (None: not predicted, or compute binds).
+        ubatch_auto: fit_ubatch: every n_ubatch tried, with its prediction or why it was out.
+    """
 
     variant: str
     model: str
@@ -98,6 +139,7 @@ class Plan:
     # -- views -----------------------------------------------------------------------------------------------
     @property
     def host_expert_layers(self) -> list[int]:
+        """list[int]: per device, the layers whose experts stay in host RAM."""
         return [d.host_expert_layers for d in self.devices]
 
     @property
@@ -120,6 +162,11 @@ class Plan:
                 "memory per device (fit then spreads host-expert layers over every device)"]
 
     def to_dict(self) -> dict:
+        """The plan as JSON-ready data; Plan.from_dict makes it again.
+
+        Returns:
+            dict: the fields, each device with its expected_bytes too.
+        """
         d = asdict(self)
         for dev, src in zip(d["devices"], self.devices):
             dev["expected_bytes"] = src.expected_bytes
@@ -127,6 +174,15 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
+        """A Plan from to_dict()'s form.
+
+        Args:
+            d: the dict (expected_bytes of the devices is left out: it is computed).
+        Returns:
+            Plan: the plan.
+        Raises:
+            PlanError: for a dict that lacks a field or has an unknown one.
+        """
         try:
             devs = [DevicePlan(**{k: v for k, v in x.items() if k != "expected_bytes"}) for x in d["devices"]]
             return cls(**{**d, "devices": devs})
@@ -134,7 +190,11 @@ class Plan:
             raise PlanError(f"not a pyllama_pp plan ({e})") from None
 
     def to_frame(self):
-        """One row per device (a pandas DataFrame)."""
+        """The plan as a table.
+
+        Returns:
+            pandas.DataFrame: one row per device: its layers, full / host-expert / partial layers, and bytes.
+        """
         import pandas as pd   # (here, not at the top: worker processes import this module and never need pandas)
         rows = []
         for d in self.devices:
@@ -173,12 +233,30 @@ class Plan:
 
     # -- files -----------------------------------------------------------------------------------------------
     def save(self, path: Union[str, os.PathLike]) -> Path:
+        """Write the plan as JSON (Plan.load, `pyllama-pp run/ab --plan` read it).
+
+        Args:
+            path: the file to write.
+        Returns:
+            Path: the file written.
+        Raises:
+            OSError: when the file cannot be written.
+        """
         path = Path(path)
         path.write_text(json.dumps({"pyllama_pp_plan": 1, **self.to_dict()}, indent=1))
         return path
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "Plan":
+        """Read a plan that Plan.save (or `pyllama-pp fit --json`) wrote.
+
+        Args:
+            path: the plan file.
+        Returns:
+            Plan: the plan.
+        Raises:
+            PlanError: for a file that cannot be read, is not JSON, or is not a pyllama_pp plan.
+        """
         try:
             d = json.loads(Path(path).read_text())
         except OSError as e:
@@ -195,7 +273,16 @@ class Plan:
 
     # -- use -------------------------------------------------------------------------------------------------
     def check(self, model: Union[str, os.PathLike], devices=None) -> None:
-        """PlanError unless this plan was made for `model` (same file name and size) and `devices` (when given)."""
+        """Check that this plan was made for `model` (same file name and size) and `devices`.
+
+        Args:
+            model: the GGUF file the plan is to be applied to.
+            devices: a device spec (any form parse_devices takes); None: not checked.
+        Raises:
+            ModelError: when the model file does not exist.
+            PlanError: for another model, or other devices.
+            DeviceSpecError: for a device spec that does not parse.
+        """
         p = Path(model)
         try:
             size = p.stat().st_size
@@ -211,13 +298,28 @@ class Plan:
                                 f" not {spec}: make a new one with `pyllama-pp fit {p} --devices {spec}`")
 
     def placement(self, load_mode: str = "none", source: str = "plan") -> Placement:
-        """The Placement that applies this plan (its overrides; `source` names it in the rows: "plan" or "fit")."""
+        """The Placement that applies this plan: its layers, split and tensor overrides.
+
+        Args:
+            load_mode: "none" (default) or "mmap".
+            source: how the rows name it: "plan" (default) or "fit".
+        Returns:
+            Placement: the placement.
+        Raises:
+            ConfigError: for a load_mode or source out of range.
+        """
         return Placement(n_gpu_layers=self.n_gpu_layers, split_mode=self.ctx.get("split_mode", "layer"),
                          tensor_split=tuple(self.tensor_split) if any(self.tensor_split) else None,
                          overrides=tuple(self.tensor_overrides), load_mode=load_mode, source=source)
 
     def context_params(self) -> ContextParams:
-        """The ContextParams fit planned for, with the n_ctx it chose."""
+        """The context fit planned for.
+
+        Returns:
+            ContextParams: the plan's context, with the n_ctx fit chose.
+        Raises:
+            ConfigError: for a plan whose context values are out of range.
+        """
         c = {k: v for k, v in self.ctx.items() if k in ContextParams.__dataclass_fields__}
         return ContextParams(**{**c, "n_ctx": self.n_ctx})
 

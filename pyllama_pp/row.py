@@ -20,7 +20,38 @@ NAN = float("nan")
 
 @dataclass
 class Row:
-    """One row. Fields left None were not measured (a baseline has no patched counters, CUDA no device counters)."""
+    """One test of one configuration on one variant. Fields left None were not measured (a baseline has no patched
+    counters, CUDA no device counters); a float left NaN had nothing to compute it from.
+
+    Attributes:
+        variant, model, model_size, model_n_params, n_expert, n_expert_used: the build and the model.
+        devices, n_gpu_layers, split_mode, tensor_split, host_experts, tensor_buft_overrides, load_mode: where it
+            ran and the placement (host_experts: Placement.label; tensor_buft_overrides: every override,
+            ";"-joined, llama-bench's -ot).
+        n_ctx, n_batch, n_ubatch, test, n_prompt, n_gen, n_depth: the context and the test, as llama-bench names
+            them (test: "pp512", "tg32 @ d1024").
+        avg_ts, stddev_ts, samples_ts, avg_ns: the measurement, tokens/s (samples_ts: one per rep).
+        speedup: patched avg_ts / baseline avg_ts, same config and test.
+        pipeline_parallel, n_copies, n_splits: the scheduler's facts (Schedule).
+        experts_used, coverage: experts used per MoE layer and ubatch, and that over n_expert.
+        h2d_bytes, h2d_bytes_per_device, link_gbps: host -> device bytes per run (all devices, per device) and each
+            device's link rate.
+        bound_ts, bound_frac, bound_pipe_ts, bound_pipe_frac: the t/s the bytes allow over the links (no compute),
+            without and with the pipeline's fill, and avg_ts as a fraction of each.
+        host_syncs, id_readbacks, upload_all, direct_reads, gathers, prefetches, chained, re_reservations,
+            plan_switches: the patched scheduler's counters, per run.
+        realloc_reason, realloc_log, graph_nodes, host_wait_s, host_submit_s, host_sched_s, staged_bytes_per_device,
+            gather_bytes_est_per_device, compute_buffer_bytes, ring_bytes_per_device: the patched scheduler's
+            reallocations, graph sizes, host-side times and buffer bytes.
+        label, config, config_key: the configuration's label, its index in its sweep, and a hash of what it
+            measures (a resumed sweep reuses rows with the same key).
+        env, switches, build, machine, date: the environment, the patched build's switches ({} for the baseline),
+            the build, the machine and when.
+        error: why the run failed (then avg_ts is NaN); None when it did not.
+        rounds, loads, ratios, speedup_median, speedup_ci_lo, speedup_ci_hi: paired rounds (runner.interleaved):
+            over `loads` model loads, the per-round ratios to the baseline, their median and its 95% interval.
+        round, seconds: a workload step (runner.mixed_workload): its round and wall time.
+    """
 
     # what ran: the configuration (llama-bench's fields)
     variant: str = ""
@@ -109,16 +140,34 @@ class Row:
         return bool(self.error)
 
     def to_dict(self) -> dict:
-        """The row as a dict of JSON-ready values, in field order."""
+        """The row as data, in field order.
+
+        Returns:
+            dict: field name -> value (JSON-ready; NaN stays a float).
+        """
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Row":
-        """A Row from to_dict()'s form; keys it does not know (a file written by another version) are left out."""
+        """A Row from to_dict()'s form.
+
+        Args:
+            d: field name -> value; keys Row does not know (a file written by another version) are left out.
+        Returns:
+            Row: the row.
+        """
         return cls(**{k: v for k, v in d.items() if k in FIELD_NAMES})
 
     def copy(self, **changes) -> "Row":
-        """A copy with `changes` applied."""
+        """A copy of the row.
+
+        Args:
+            **changes: fields to set in the copy, name -> value.
+        Returns:
+            Row: the copy.
+        Raises:
+            TypeError: for a name that is not a field.
+        """
         return dataclasses.replace(self, **changes)
 
 

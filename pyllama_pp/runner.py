@@ -100,16 +100,27 @@ def _finish_config(per_variant: dict[str, list[Row]]) -> None:
 
 def ab(configs: Iterable[RunConfig], variants: Sequence[str] = VARIANTS, out_dir: Optional[Union[str, Path]] = None,
        progress: bool = True, timeout: Optional[float] = None, group: bool = True, resume: bool = False):
-    """Run every config on every variant (each in its own worker); return a pandas DataFrame of rows with
-    `speedup` = patched avg_ts / baseline avg_ts for the same config and test.
-
-    With `group` (default), consecutive configs that differ only in batch sizes and tests share one worker
-    per variant, which loads the model once (a 30 GB model takes longer to load than to benchmark).
+    """Run every config on every variant, each variant in its own worker process.
 
     Rows go to out_dir's results.jsonl/csv as each variant finishes (a crash or Ctrl-C keeps them); a worker that
-    dies becomes error rows and the sweep carries on. With `resume`, a config whose rows for a variant are all in
-    out_dir's results.jsonl without an error is not measured again (error rows are), and the files are rewritten
-    at the end with each row once."""
+    fails or dies becomes error rows and the sweep carries on.
+
+    Args:
+        configs: the RunConfigs (e.g. from `expand`).
+        variants: which builds run them, in that order (default: baseline, then patched).
+        out_dir: a folder for results.jsonl, results.csv and sweep.json (None: nothing written).
+        progress: show a progress bar and warnings on stderr.
+        timeout: seconds per worker job (None: no limit).
+        group: consecutive configs that differ only in batch sizes and tests share one worker per variant, which
+            loads the model once (a 30 GB model takes longer to load than to benchmark).
+        resume: a config whose rows for a variant are all in out_dir's results.jsonl without an error is not
+            measured again (error rows are), and the files are rewritten at the end with each row once.
+    Returns:
+        pandas.DataFrame: one row per config, variant and test (Row's columns), with `speedup` = patched avg_ts /
+        baseline avg_ts for the same config and test; a failed run has `error` set and NaN times.
+    Raises:
+        OSError: when out_dir cannot be written.
+    """
     configs = list(configs)
     for cfg in configs:
         check_switch_env(variants, cfg.env)
@@ -200,27 +211,33 @@ def interleaved(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequen
     """A/B in paired rounds: per variant one serving worker (the model loaded once), one warm-up, then `rounds`
     rounds, each one rep of every test per variant, the order alternating ABBA (round r: `variants` in order when
     r is even, reversed when odd). Drift over time (clocks, heat, the machine's other load) then falls on both
-    variants alike.
+    variants alike. A worker that fails gives its variant error rows for that config; the others go on.
 
-    Returns `ab`'s rows (samples_ts: one sample per round, in order; avg_ts, stddev_ts, speedup = ratio of the
-    averages) plus `rounds`, and on each variant's rows other than the baseline's the paired statistics of its
-    tests: `ratios` (per round, variant t/s over baseline t/s), `speedup_median` (over the AB / BA pairs of rounds)
-    and its bootstrap 95% interval `speedup_ci_lo` / `speedup_ci_hi` (paired_ci, `seed`). df.attrs["order"] lists
-    the runs as they happened, [config, round, variant] (round -1: the warm-up). `reps` of the configs is not used; `timeout` holds for each
-    job (the first of a worker includes its model load). A worker that fails gives its variant error rows for that
-    config; the others go on.
-
-    In a round each test follows the one before it (the last round's last test for the first): with several tests,
-    `warmup` untimed runs of each test before its timed one give each the state llama-bench's warm-up gives it (a
-    plan switch of the patched build, say), for that many times the time.
-
-    `loads` > 1 repeats all that with fresh workers (the model loaded again) `loads` times, the variants' order
-    (of loading, and in round 0) reversed every other load: where each process's memory lands moves decode speed by
-    a few percent on the GPU machine, more than the variants differ there. The rows then pool the rounds of every
-    load (`rounds` = loads x rounds) and the estimate and its interval count each load once (paired_ci's groups:
-    the geometric mean of the loads' medians, Student's t over them; use 5 or more loads for an interval narrower
-    than the loads' spread); `loads` on the rows is the number of complete loads (a load that fails after the
-    first ends the run: the rows hold the loads before it)."""
+    Args:
+        configs: one RunConfig or several; their `reps` is not used.
+        variants: distinct variant names (default: baseline, patched).
+        rounds: an even number >= 2 (AB and BA pairs).
+        out_dir: a folder for results.jsonl and results.csv (None: nothing written).
+        progress: show a progress bar and warnings on stderr.
+        timeout: seconds per job (the first of a worker includes its model load; None: no limit).
+        seed: the bootstrap's seed for the confidence interval.
+        warmup: untimed runs of each test before its timed one in every round (>= 0): with several tests, each
+            then starts from the state llama-bench's warm-up gives it (a plan switch of the patched build, say).
+        loads: >= 1; above 1, all of it is repeated with fresh workers (the model loaded again), the variants'
+            order reversed every other load: where each process's memory lands moves decode speed by a few percent
+            on the GPU machine. The estimate and its interval then count each load once (the geometric mean of the
+            loads' medians, Student's t over them; use 5 or more loads for an interval narrower than their spread).
+    Returns:
+        pandas.DataFrame: `ab`'s rows (samples_ts: one sample per round, in order; avg_ts, stddev_ts, speedup =
+        ratio of the averages) plus `rounds` and `loads` (complete loads: a load that fails after the first ends
+        the run), and on each non-baseline variant's rows `ratios` (per round, variant t/s over baseline t/s),
+        `speedup_median` and its bootstrap 95% interval `speedup_ci_lo` / `speedup_ci_hi`. df.attrs["order"]
+        lists the runs as they happened, [config, round, variant] (round -1: a warm-up).
+    Raises:
+        ValueError: for rounds that is not even and >= 2, warmup < 0, loads < 1, or variants that are not
+            distinct known names.
+        OSError: when out_dir cannot be written.
+    """
     cfgs = [configs] if isinstance(configs, RunConfig) else list(configs)
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 2 or rounds % 2:
         raise ValueError(f"rounds must be an even whole number of at least 2 (AB and BA pairs), got {rounds!r}")
@@ -392,8 +409,9 @@ def mixed_workload(cfg: RunConfig, variants: Sequence[str] = VARIANTS, rounds: i
         workload: steps ["pp" or "tg", tokens] (default MIXED_WORKLOAD).
         timeout: seconds per worker.
     Returns:
-        A DataFrame of Rows, one per variant and step: `test` ("r2 pp512"), `avg_ts`, `speedup` (patched over
-        baseline, same step), `re_reservations` and `plan_switches` (patched build), `host_syncs`, bytes per device.
+        pandas.DataFrame: Row's columns, one row per variant and step: `test` ("r2 pp512"), `avg_ts`, `speedup`
+        (patched over baseline, same step), `re_reservations` and `plan_switches` (patched build), `host_syncs`,
+        bytes per device; a variant whose worker failed has one row with `error` set.
     Raises:
         ConfigError: for rounds < 1 or a malformed workload.
     """

@@ -79,9 +79,18 @@ class Split:
 
 @dataclass
 class Schedule:
-    """The scheduler's view of the reserved graph: pipeline parallelism on or off, the copies of its inputs, the split
-    count, each backend's compute buffer, the memory per buffer type, and the patched scheduler's counters (None in
-    the baseline). `splits` lists one ubatch's splits only when Session.schedule_detail() made it."""
+    """The scheduler's view of the reserved graph (Session.schedule / schedule_detail).
+
+    Attributes:
+        variant: the build that made it, "patched" or "baseline".
+        pipeline_parallel: whether the scheduler runs the devices as a pipeline.
+        n_copies: the copies of the graph's inputs the pipeline keeps (1 without pipeline parallelism).
+        n_splits: the graph's split count (a split: a run of nodes on one backend).
+        backends: one BackendInfo per backend: its name, buffer type and compute buffer bytes.
+        memory: one dict per buffer type: buft, device, model_bytes, context_bytes, compute_bytes.
+        ext: the patched scheduler's counters (None in the baseline).
+        splits: one ubatch's splits (Split: backend, node count, inputs); filled by Session.schedule_detail() only.
+    """
 
     variant: str
     pipeline_parallel: bool
@@ -93,10 +102,20 @@ class Schedule:
     splits: list[Split] = field(default_factory=list)
 
     def to_dict(self) -> dict:
+        """The schedule as JSON-ready data.
+
+        Returns:
+            dict: the fields, nested dataclasses as dicts.
+        """
         return asdict(self)
 
     def to_frame(self):
-        """One row per split when the detail is there, else one row per backend (a pandas DataFrame)."""
+        """The schedule as a table.
+
+        Returns:
+            pandas.DataFrame: one row per split (backend, nodes, input bytes by kind) when `splits` is filled, else
+            one row per backend (name, buft, compute_buffer_bytes).
+        """
         import pandas as pd   # (here, not at the top: worker processes import this module and never need pandas)
         if self.splits:
             return pd.DataFrame([{"split": sp.index, "backend": sp.backend, "n_nodes": sp.n_nodes,
@@ -140,7 +159,15 @@ def parse_split_listing(text: str) -> list[Split]:
 
 @dataclass
 class EvalResult:
-    """Logits (n_out x n_vocab float32), wall time, and the counters that moved during the eval."""
+    """What Session.eval gives: the logits, the wall time and the counters that moved during the eval.
+
+    Attributes:
+        logits: float32 array of n_out x n_vocab (n_out: the tokens whose logits were asked for).
+        seconds: the decode's wall time, device work included.
+        n_tokens: the tokens decoded.
+        counters: {"devices": [...]}: per VDEV, the counters that moved (bytes per direction, syncs, ...).
+        ext: the patched scheduler's counters after the eval (None in the baseline, or with stats=False).
+    """
 
     logits: np.ndarray
     seconds: float
@@ -150,9 +177,15 @@ class EvalResult:
 
     @property
     def tokens_per_second(self) -> float:
+        """float: n_tokens / seconds (NaN for a zero time)."""
         return self.n_tokens / self.seconds if self.seconds > 0 else float("nan")
 
     def to_dict(self) -> dict:
+        """The result as JSON-ready data, without the logits themselves.
+
+        Returns:
+            dict: seconds, n_tokens, tokens_per_second, counters, ext and logits_shape.
+        """
         return {"seconds": self.seconds, "n_tokens": self.n_tokens, "tokens_per_second": self.tokens_per_second,
                 "counters": self.counters, "ext": self.ext, "logits_shape": list(self.logits.shape)}
 
@@ -275,8 +308,8 @@ class Session:
     Args:
         model: the GGUF file.
         devices: a device spec: "cpu", "cuda", "cuda:0,1", "vdev:2x768MiB@4GBps", a JSON dict or DeviceSpec.
-        placement: where the weights go (default: every layer on the devices, experts too).
-        ctx: the context's parameters (default: ContextParams()).
+        placement: where the weights go, a Placement or its dict (default: every layer on the devices, experts too).
+        ctx: the context's parameters, a ContextParams or its dict (default: ContextParams()).
         variant: "patched" (default) or "baseline"; one process holds one of them.
         switches: the patched build's scheduler switches, NAME -> value (`pyllama-pp info` lists them); they hold
             for the whole process. Mistyped GGML_SCHED_PP_* variables in the environment are refused here too.
@@ -284,12 +317,16 @@ class Session:
             give it instead of placement.
     Raises:
         ModelError: for a missing or damaged model file.
-        DeviceSpecError: for a device spec this machine cannot satisfy.
-        ConfigError: for a bad switch, a plan with a placement, or parameters out of range.
-        PlanError: for a plan made for another model or other devices.
+        DeviceSpecError: for a device spec that does not parse, or that this machine cannot satisfy.
+        ConfigError: for a bad switch (given, or a mistyped GGML_SCHED_PP_* variable), a plan together with a
+            placement, or parameters out of range.
+        TypeError: for switches that are not a dict, or a placement or ctx of the wrong type.
+        PlanError: for a plan made for another model or other devices, or a plan file that cannot be read.
         OutOfMemoryError: when the model or the context does not fit.
+        DeviceError: when a device fails while the weights are copied.
         UnsupportedError: for switches on the baseline.
         VariantError: when this process already holds the other variant.
+        BuildError: when the variant is not built.
 
     >>> with Session("tiny.gguf", devices="vdev:2x0@0", placement=Placement(host_experts="all")) as s:
     ...     s.schedule().pipeline_parallel, s.eval(range(64)).logits.shape
@@ -365,8 +402,13 @@ class Session:
         """Replace the llama context (n_batch, n_ubatch, n_ctx, ...) and keep the loaded model: a sweep over batch
         sizes then loads a large model once.
 
+        Args:
+            ctx: the new context's parameters, a ContextParams or its dict form.
         Raises:
             OutOfMemoryError: when the new context does not fit (the session keeps its previous one).
+            ConfigError: for parameters out of range.
+            TypeError: for a ctx that is neither a ContextParams nor a dict.
+            PyllamaError: on a closed session.
         """
         self._check_open()
         ctx = as_context(ctx)
@@ -381,10 +423,11 @@ class Session:
 
     # -- facts ---------------------------------------------------------------------------------------------
     def schedule(self) -> Schedule:
-        """The scheduler's view of the reserved (or last) graph: pipeline parallel on/off, copies, split count,
-        per-backend buffers, memory per buffer type, the patched counters. `splits` stays empty: schedule_detail()
-        lists one ubatch's splits.
+        """The scheduler's view of the reserved (or last) graph.
 
+        Returns:
+            Schedule: pipeline parallel on/off, copies, split count, per-backend buffers, memory per buffer type,
+            the patched counters; `splits` stays empty (schedule_detail() lists one ubatch's splits).
         Raises:
             PyllamaError: on a closed session.
         """
@@ -411,8 +454,12 @@ class Session:
 
         Args:
             n_tokens: the ubatch's size (default: n_ubatch, at most n_ctx).
+        Returns:
+            Schedule: as schedule() gives it, with `splits` filled.
         Raises:
-            PyllamaError: on a closed session; OutOfMemoryError when the debug context does not fit.
+            PyllamaError: on a closed session.
+            OutOfMemoryError: when the debug context does not fit.
+            DecodeError: when the ubatch cannot be decoded.
         """
         self._check_open()
         lib, ffi = self.native.lib, self.native.ffi
@@ -450,7 +497,14 @@ class Session:
                 os.environ["GGML_SCHED_DEBUG"] = old
 
     def ext_stats(self) -> Optional[dict]:
-        """The patched scheduler's counters as a dict (None in the baseline)."""
+        """The patched scheduler's counters.
+
+        Returns:
+            dict | None: the counters as the library reports them (per backend, bytes moved, syncs, ...); None in
+            the baseline.
+        Raises:
+            PyllamaError: on a closed session.
+        """
         self._check_open()
         return self._ext_stats(self._ctx)
 
@@ -468,7 +522,12 @@ class Session:
         return stats
 
     def device_counters(self) -> list[dict]:
-        """Per-VDEV counters (bytes moved per direction, syncs, ...); empty for other devices."""
+        """The VDEV counters since the last reset.
+
+        Returns:
+            list[dict]: one dict per VDEV: "device" (VDEV0, ...) and its counters (bytes moved per direction,
+            syncs, ...); empty for other devices.
+        """
         lib, ffi = self.native.lib, self.native.ffi
         out = []
         for i in range(lib.pp_vdev_count() if self.spec.kind == "vdev" else 0):
@@ -482,7 +541,12 @@ class Session:
         self.native.lib.pp_vdev_reset_counters()
 
     def synchronize(self) -> None:
-        """Wait until every device has finished the work submitted so far."""
+        """Wait until every device has finished the work submitted so far.
+
+        Raises:
+            PyllamaError: on a closed session.
+            DeviceError: when a device failed while it ran.
+        """
         self._check_open()
         self.native.check(self.native.lib.pp_synchronize(self._ctx.handle))
 
@@ -522,9 +586,13 @@ class Session:
             stats: read the patched scheduler's counters afterwards (a JSON round trip): False in per-token loops,
                 so that both variants pay the same harness overhead.
         Returns:
-            An EvalResult: logits (n_out x n_vocab float32), seconds, tokens, the device counters that moved.
+            EvalResult: logits (n_out x n_vocab float32), seconds, tokens, the device counters that moved.
         Raises:
-            DecodeError: for a token out of range or positions past n_ctx; TypeError for tokens that are not ints.
+            DecodeError: for an empty sequence, a token out of range, positions past n_ctx, or a failed decode.
+            TypeError: for tokens that are not ints.
+            ConfigError: for a `logits` word other than last, all or none.
+            DeviceError: when a device fails during the decode.
+            PyllamaError: on a closed session.
         """
         self._check_open()
         t = self._tokens(tokens)
@@ -554,18 +622,41 @@ class Session:
 
     # -- the KV cache, edited as a server does ---------------------------------------------------------------
     def kv_remove(self, p0: int, p1: int = -1) -> None:
-        """Drop positions [p0, p1) of the sequence from the KV cache (p1 < 0: to the end). Rewinding to p0 before an
-        eval(pos0=p0, clear=False) needs it: llama.cpp refuses positions that do not follow the last one held."""
+        """Drop positions [p0, p1) of the sequence from the KV cache. Rewinding to p0 before an
+        eval(pos0=p0, clear=False) needs it: llama.cpp refuses positions that do not follow the last one held.
+
+        Args:
+            p0: the first position to drop (>= 0).
+            p1: the position after the last one to drop; < 0: to the end.
+        Raises:
+            UnsupportedError: when the model's memory cannot remove part of a sequence.
+            PyllamaError: for p0 < 0, or on a closed session.
+        """
         self._check_open()
         self.native.check(self.native.lib.pp_memory_seq_rm(self._ctx.handle, 0, int(p0), int(p1)))
 
     def kv_shift(self, p0: int, p1: int, delta: int) -> None:
-        """Move positions [p0, p1) by delta (p1 < 0: to the end); the keys are rotated at the next eval."""
+        """Move positions [p0, p1) by delta; the keys are rotated at the next eval.
+
+        Args:
+            p0: the first position to move (>= 0).
+            p1: the position after the last one to move; < 0: to the end.
+            delta: how far to move them (negative: down).
+        Raises:
+            UnsupportedError: when the model's memory cannot shift positions.
+            PyllamaError: for p0 < 0, or on a closed session.
+        """
         self._check_open()
         self.native.check(self.native.lib.pp_memory_seq_add(self._ctx.handle, 0, int(p0), int(p1), int(delta)))
 
     def kv_pos_max(self) -> int:
-        """The largest position the KV cache holds (-1: none)."""
+        """The largest position the KV cache holds.
+
+        Returns:
+            int: that position; -1 when the cache is empty.
+        Raises:
+            PyllamaError: on a closed session.
+        """
         self._check_open()
         out = self.native.ffi.new("int32_t *")
         self.native.check(self.native.lib.pp_memory_seq_pos_max(self._ctx.handle, 0, out))
@@ -575,10 +666,15 @@ class Session:
         """llama.cpp's context shift (llama-cli, the server): drop positions [n_keep, n_keep + n_discard), move the
         rest down by n_discard.
 
+        Args:
+            n_keep: the positions kept at the start (>= 0).
+            n_discard: the positions dropped after them (>= 1).
         Returns:
-            The next position to decode at.
+            int: the next position to decode at.
         Raises:
-            DecodeError: when the cache does not hold that many positions.
+            DecodeError: for a negative n_keep, n_discard < 1, or more positions than the cache holds.
+            UnsupportedError: when the model's memory cannot remove or shift positions.
+            PyllamaError: on a closed session.
         """
         end = self.kv_pos_max() + 1
         if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > end:
@@ -596,8 +692,13 @@ class Session:
             exclusive: free the session's own context meanwhile (its KV cache is lost, a fresh one follows), so that
                 the two never hold device memory at once - for sessions whose memory a fit plan sized for one context.
         Returns:
-            {"n_expert", "n_expert_used", "experts_used_per_layer_ubatch", "coverage" (a fraction), "n_records",
-            "per_layer_mean"}.
+            dict: "n_expert", "n_expert_used", "experts_used_per_layer_ubatch", "coverage" (a fraction),
+            "n_records", "per_layer_mean" (layer -> experts used).
+        Raises:
+            DecodeError: for an empty sequence, a token out of range, or a failed decode.
+            TypeError: for tokens that are not ints.
+            OutOfMemoryError: when the measuring context does not fit.
+            PyllamaError: on a closed session.
         """
         self._check_open()
         t = self._tokens(tokens)
@@ -700,8 +801,18 @@ def register_devices(native, spec: "devspec.DeviceSpec") -> str:
 
 
 def list_devices(variant: Optional[str] = None) -> list[dict]:
-    """Devices the loaded variant (or, loading it into this process, `variant`: default patched) sees: name,
-    description, backend, type, memory free and total, caps."""
+    """The devices the loaded variant sees (CPU, CUDA GPUs, registered VDEVs).
+
+    Args:
+        variant: the variant to load when this process holds none yet (default: "patched"); ignored when one is
+            loaded.
+    Returns:
+        list[dict]: one dict per device: name, description, backend, type, memory_free, memory_total, and its caps
+        (async, events, host_buffer).
+    Raises:
+        VariantError: for an unknown variant.
+        BuildError: when the variant to load is not built.
+    """
     native = binding.loaded() or binding.load(variant or "patched")
     lib, ffi, s = native.lib, native.ffi, native.str
     out = []

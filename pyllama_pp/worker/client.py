@@ -74,11 +74,26 @@ def _answered_error(variant: str, result: dict, code: int, stderr: str) -> Worke
 
 
 def run_job(job: Union[Job, dict], variant: str, timeout: Optional[float] = None, env: Optional[dict] = None) -> dict:
-    """Run `job` (a jobs.Job, or a dict that describes one) in a fresh worker process for `variant`; returns the
-    worker's result dict.
+    """Run one job in a fresh worker process for a variant (`python -m pyllama_pp.worker`).
 
     The worker dies with its caller (Linux: PR_SET_PDEATHSIG), does not take SIGINT itself, and a caller
-    interrupted while it waits (Ctrl-C) kills and reaps it before the KeyboardInterrupt goes on."""
+    interrupted while it waits (Ctrl-C) kills and reaps it before the KeyboardInterrupt goes on.
+
+    Args:
+        job: a jobs.Job, or a dict that describes one ({"kind": "measure", "model": ..., ...}; kind defaults to
+            measure).
+        variant: "patched" or "baseline"; it overrides the job's own.
+        timeout: seconds the worker may take (None: no limit); it is killed after that.
+        env: more environment for the worker, NAME -> value.
+    Returns:
+        dict: the worker's result (its keys depend on the job's kind).
+    Raises:
+        ConfigError: for a malformed job (an unknown kind or field, a bad placement or context), before a worker
+            starts.
+        TypeError: for a placement or context of the wrong type.
+        WorkerError: when the job fails in the worker (the raised object is also an instance of the worker's own
+            error class: ModelError, OutOfMemoryError, ...), or the worker dies or times out.
+    """
     payload = as_job(job, variant).to_json()   # a malformed job fails here, before a worker starts
     full_env = _worker_env(env)
     # SIGINT stays blocked while the worker is made, so that a Ctrl-C cannot land between its fork and the `try`
@@ -129,7 +144,12 @@ class ServingWorker:
     as that class with WorkerError (exit_code 3, or 4 for a bug); a worker that dies, or does not answer within
     `timeout` (it is killed then), raises WorkerError and serves no more. `env` and the switches of its
     first job are fixed for the process: a job with other switches is refused (start another worker). The worker
-    dies with the thread that started it (PR_SET_PDEATHSIG)."""
+    dies with the thread that started it (PR_SET_PDEATHSIG).
+
+    Args:
+        variant: "patched" or "baseline": the build every job of this worker runs.
+        env: more environment for the worker process, NAME -> value (fixed for its life).
+    """
 
     def __init__(self, variant: str, env: Optional[dict] = None):
         self.variant = variant
@@ -142,6 +162,13 @@ class ServingWorker:
 
     # -- lifetime
     def start(self) -> "ServingWorker":
+        """Start the worker process (a with-block or the first send() does it too).
+
+        Returns:
+            ServingWorker: this worker, started.
+        Raises:
+            WorkerError: when it was started already.
+        """
         if self._proc is not None:
             raise WorkerError(f"this {self.variant} worker was started already")
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})   # (as in run_job: see there)
@@ -169,21 +196,37 @@ class ServingWorker:
 
     @property
     def pid(self) -> Optional[int]:
+        """int | None: the worker process's id (None before start())."""
         return self._proc.pid if self._proc is not None else None
 
     @property
     def alive(self) -> bool:
+        """bool: whether the worker process was started and is still running."""
         return self._proc is not None and self._proc.poll() is None
 
     def stderr_tail(self, n: int = 2000) -> str:
+        """The end of what the worker wrote to stderr (llama.cpp's log, warnings).
+
+        Args:
+            n: at most this many characters.
+        Returns:
+            str: the last n characters of its recent stderr lines.
+        """
         return "".join(self._stderr)[-n:]
 
     def kill(self) -> None:
+        """Kill the worker process now and reap it (a job in progress is lost); close() still joins its readers."""
         if self._proc is not None and self._proc.returncode is None:
             _stop(self._proc)
 
     def close(self, timeout: float = 30) -> Optional[int]:
-        """End of input: the worker frees its session and exits (killed after `timeout` s); its exit status."""
+        """End the worker's input: it frees its session and exits.
+
+        Args:
+            timeout: seconds to wait for it to exit; it is killed after that.
+        Returns:
+            int | None: its exit status (negative: killed by that signal); None when it was never started.
+        """
         if self._proc is None:
             return None
         try:
@@ -208,7 +251,14 @@ class ServingWorker:
 
     # -- jobs
     def send(self, job: Union[Job, dict]) -> None:
-        """Send one job (checked here first, as run_job does); its answer comes from result()."""
+        """Send one job (starting the worker if needed); its answer comes from result().
+
+        Args:
+            job: a jobs.Job or a dict that describes one, as run_job takes it; it runs on this worker's variant.
+        Raises:
+            ConfigError: for a malformed job (checked here, before it is sent).
+            TypeError: for a placement or context of the wrong type.
+        """
         payload = as_job(job, self.variant).to_json()
         if self._proc is None:
             self.start()
@@ -219,7 +269,16 @@ class ServingWorker:
             pass
 
     def result(self, timeout: Optional[float] = None) -> dict:
-        """The answer to the oldest job sent and not yet answered."""
+        """The answer to the oldest job sent and not yet answered.
+
+        Args:
+            timeout: seconds to wait (None: no limit); the worker is killed after that and serves no more.
+        Returns:
+            dict: the worker's result for that job.
+        Raises:
+            WorkerError: when the worker was not started, the job failed (an instance of the worker's own error
+                class too; the worker serves the next job), or the worker died, timed out or answered garbage.
+        """
         if self._proc is None:
             raise WorkerError(f"this {self.variant} worker was not started")
         if self._timed_out:
@@ -252,7 +311,18 @@ class ServingWorker:
         return result
 
     def run(self, job: Union[Job, dict], timeout: Optional[float] = None) -> dict:
-        """send() then result()."""
+        """Run one job on this worker: send() then result().
+
+        Args:
+            job: a jobs.Job or a dict that describes one.
+            timeout: seconds to wait for the answer (None: no limit).
+        Returns:
+            dict: the worker's result.
+        Raises:
+            ConfigError: for a malformed job.
+            TypeError: for a placement or context of the wrong type.
+            WorkerError: as result() raises it.
+        """
         self.send(job)
         return self.result(timeout)
 
