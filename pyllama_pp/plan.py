@@ -44,6 +44,7 @@ class DevicePlan:
         free_bytes: the device's free memory when fit ran.
         target_bytes: free_bytes less the margin: what fit keeps the device within.
         partial_layers: layers with only part of their FFN moved (upstream's overflow), among the above.
+        output_layer: the device also holds the output layer (llama counts it as layer n_layer).
     """
 
     name: str
