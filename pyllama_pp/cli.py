@@ -228,6 +228,10 @@ def _check_args(args, model: Optional[str], variants: list[str]) -> None:
     if args.ctx > 0 and not args.workload:
         need = max(n + d for d in (args.depth or [0]) for n in (args.pp or []) + (args.tg or [])) + 8 \
             if (args.pp or args.tg) else 0
+        if args.ctx < need and getattr(args, "plan", None):
+            raise ConfigError(f"the plan {args.plan} was made for n_ctx {args.ctx}, and the longest test needs {need} "
+                              "positions (tokens, depth and 8 spare). Fix: shorter tests (-p/-n/-d), or a plan made "
+                              f"with `pyllama-pp fit MODEL -c {need} ... -o PLAN.json`")
         if args.ctx < need:
             raise ConfigError(f"-c/--ctx {args.ctx} is too small for the tests: the longest needs {need} positions "
                               f"(tokens, depth and 8 spare). Fix: -c 0 (what the tests need) or -c {need}")
@@ -402,6 +406,10 @@ def _plan_sizes(args) -> None:
                           f"or less, or make a plan with `pyllama-pp fit {args.model} -c {args.ctx} -o PLAN.json`")
     if args.ctx == 0:
         args.ctx = plan.n_ctx
+    if args.pp is None:   # (a default prompt that fits the plan's context, beside the default decode test)
+        tg = args.tg if args.tg is not None else [16]
+        room = args.ctx - 8 - max(tg or [0]) - max(args.depth or [0])
+        args.pp = [min(512, 1 << (room.bit_length() - 1))] if room >= 1 else []
 
 
 def cmd_run(args) -> int:

@@ -223,7 +223,8 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
         try:
             plan = fit(model, devices=devices, ctx=c, variant=variant, link_gbps=link_gbps, check=True, **kw)
         except OutOfMemoryError as e:
-            m = re.search(r"leaves \d+ of \d+ layers on the CPU|over its target", str(e))
+            m = re.search(r"leaves (all \d+ layers and the output layer|\d+ of \d+ layers \(\S+\)) on the CPU|over its "
+                          r"target", str(e))
             tried.append({**row, "why": f"no placement ({m.group(0) if m else str(e).split('. Fix:')[0][-80:]})"})
             continue
         if rates is None:   # (the devices' links: known from the spec, or once the first plan counts the GPUs)
