@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .jobs import LogitsJob
-from .params import ContextParams, Placement, as_context, as_placement
+from .params import ContextParams, Placement, as_context, as_placement, check_int
 from .stats import max_abs_diff, nmse
 from .worker.client import check_switch_env, run_job
 
@@ -74,6 +74,7 @@ def check_logits(model: Union[str, Path], devices: str = "vdev:2x0@0",
     """
     placement = as_placement(placement if placement is not None else Placement(host_experts="all"))
     ctx = as_context(ctx if ctx is not None else ContextParams(n_ctx=512, n_batch=256, n_ubatch=64))
+    n_tokens = check_int("n_tokens", n_tokens, 1)
     if not 1 <= n_tokens <= ctx.n_ctx:
         raise ConfigError(f"n_tokens must be between 1 and n_ctx ({ctx.n_ctx}), not {n_tokens}")
     check_switch_env(["patched"])

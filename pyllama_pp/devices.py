@@ -238,7 +238,11 @@ def parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
     Raises:
         DeviceSpecError: for a spec that is none of the accepted forms, or has a value out of range (the message
             names the spec and lists the forms); it is a ValueError too.
+        TypeError: for a spec that is not a string, dict, path or DeviceSpec (a number, a list).
     """
+    if not isinstance(spec, (str, dict, DeviceSpec, Path, type(None))):
+        raise TypeError(f"devices must be a device spec string (e.g. 'vdev:2x768MiB@4GBps'), its JSON dict or a "
+                        f"DeviceSpec, not {type(spec).__name__}")
     try:
         return _parse(spec)
     except DeviceSpecError as e:

@@ -30,6 +30,17 @@ from .worker.client import ServingWorker, check_switch_env, run_job
 SWEEP_FILE = "sweep.json"
 
 
+def _as_configs(configs) -> list[RunConfig]:
+    """One RunConfig or an iterable of them, as a list; anything else is a TypeError that says what is wanted."""
+    iterable = hasattr(configs, "__iter__") and not isinstance(configs, (str, bytes, dict))
+    cfgs = [configs] if isinstance(configs, RunConfig) else list(configs) if iterable else None
+    bad = [c for c in cfgs or [] if not isinstance(c, RunConfig)]
+    if cfgs is None or bad:
+        what = type(configs).__name__ if cfgs is None else type(bad[0]).__name__
+        raise TypeError(f"configs must be a RunConfig or a list of them (pp.RunConfig(model, devices=...)), not {what}")
+    return cfgs
+
+
 def save_sweep(out_dir: Union[str, Path], configs: list[RunConfig], variants: Sequence[str]) -> None:
     """DIR/sweep.json: the configs and variants of a sweep, so that `--resume DIR` can finish it."""
     path = Path(out_dir) / SWEEP_FILE
@@ -98,7 +109,7 @@ def _finish_config(per_variant: dict[str, list[Row]]) -> None:
                 r.speedup = r.avg_ts / b.avg_ts
 
 
-def ab(configs: Iterable[RunConfig], variants: Sequence[str] = VARIANTS, out_dir: Optional[Union[str, Path]] = None,
+def ab(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequence[str] = VARIANTS, out_dir: Optional[Union[str, Path]] = None,
        progress: bool = True, timeout: Optional[float] = None, group: bool = True, resume: bool = False):
     """Run every config on every variant, each variant in its own worker process.
 
@@ -120,8 +131,9 @@ def ab(configs: Iterable[RunConfig], variants: Sequence[str] = VARIANTS, out_dir
         baseline avg_ts for the same config and test; a failed run has `error` set and NaN times.
     Raises:
         OSError: when out_dir cannot be written.
+        TypeError: when configs are not RunConfig objects.
     """
-    configs = list(configs)
+    configs = _as_configs(configs)
     for cfg in configs:
         check_switch_env(variants, cfg.env)
     writer = RowWriter(Path(out_dir) if out_dir else None)
@@ -234,11 +246,12 @@ def interleaved(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequen
         `speedup_median` and its bootstrap 95% interval `speedup_ci_lo` / `speedup_ci_hi`. df.attrs["order"]
         lists the runs as they happened, [config, round, variant] (round -1: a warm-up).
     Raises:
+        TypeError: when configs are not RunConfig objects.
         ValueError: for rounds that is not even and >= 2, warmup < 0, loads < 1, or variants that are not
             distinct known names.
         OSError: when out_dir cannot be written.
     """
-    cfgs = [configs] if isinstance(configs, RunConfig) else list(configs)
+    cfgs = _as_configs(configs)
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 2 or rounds % 2:
         raise ValueError(f"rounds must be an even whole number of at least 2 (AB and BA pairs), got {rounds!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from pyllama_pp import Placement, RunConfig, cli, fit, report, runner, synth
+from pyllama_pp.check import check_logits
 from pyllama_pp.plan import DevicePlan
 
 UNEQUAL = json.dumps({"kind": "vdev", "devices": [{"memory": "8MiB", "link_gbps": 1}, {"memory": "6MiB", "link_gbps": 1},
@@ -128,3 +129,16 @@ def test_ab_on_the_cpu_alone_says_no_mechanism_acts(tiny_model, capsys):
     assert cli.main(["ab", tiny_model, "-p", "32", "-n", "0", "-r", "1", "-b", "32", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert any("no mechanism of the series acts" in n for n in doc["notes"]), doc["notes"]
+
+
+@pytest.mark.parametrize("call,kind,words", [
+    (lambda m: runner.ab([{"model": m}]), TypeError, "configs must be a RunConfig"),
+    (lambda m: runner.interleaved("not a config"), TypeError, "configs must be a RunConfig"),
+    (lambda m: fit(m, devices=5), TypeError, "devices must be a device spec"),
+    (lambda m: fit(m, devices="vdev:2x4MiB@1GBps", ctx=5), TypeError, "ctx must be a ContextParams"),
+    (lambda m: check_logits(m, n_tokens="x"), ValueError, "n_tokens must be a whole number"),
+    (lambda m: RunConfig(m, n_batch="x"), ValueError, "n_batch must be a whole number"),
+])
+def test_wrong_argument_types_name_the_argument(no_worker, tiny_model, call, kind, words):
+    with pytest.raises(kind, match=words):
+        call(tiny_model)
