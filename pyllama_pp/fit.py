@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from . import devices as devspec
+from .compute import compute_for, probe
 from .errors import ConfigError, DeviceSpecError, OutOfMemoryError
 from .model_file import check_model_path, expert_bytes_per_layer
 from .params import SPLIT_MODES, ContextParams, as_context
@@ -161,32 +163,100 @@ def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant:
 
 
 DEFAULT_CUDA_LINK_GBPS = 55.0   # a PCIe 5 x16 link's measured host -> device rate (docs/RESULTS.md)
-UBATCH_CANDIDATES = (64, 128, 256, 512, 1024, 2048, 4096)
+UBATCH_CANDIDATES = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
-def predicted_ts(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool = False) -> Optional[float]:
-    """Prompt tokens/s the bytes bound allows this plan: every host-expert layer moves its experts once per ubatch
-    (near-full coverage) over its device's link; pipelined stages (the patched build) overlap, so the slowest sets
-    the pace, with the pipeline's fill (n_batch / n_ubatch ubatches through n_devices stages); the baseline's stages
-    run one after the other. None when nothing moves (no host experts: compute binds)."""
-    secs = [d.host_expert_layers * expert_bytes / (r * 1e9) for d, r in zip(plan.devices, link_gbps)]
-    if not any(secs):
-        return None
+@dataclass
+class Prediction:
+    """What a plan's prompt throughput is predicted to be, and what binds it.
+
+    Attributes:
+        ts: prompt tokens per second.
+        stage_s: each device's seconds per ubatch (its copies and its compute, as they overlap).
+        transfer_s: each device's seconds of host-expert copies per ubatch.
+        compute_s: each device's seconds of compute per ubatch (None: compute not counted).
+        bound: "transfer" or "compute": which of the slowest stage's two is larger.
+    """
+
+    ts: float
+    stage_s: list
+    transfer_s: list
+    compute_s: Optional[list]
+    bound: str
+
+
+def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool = False,
+            compute: Optional[dict] = None, n_tokens: Optional[int] = None) -> Optional[Prediction]:
+    """A plan's prompt throughput from the bytes each link moves and, with `compute`, each device's compute.
+
+    Per ubatch a device moves its host-expert layers' experts (near-full coverage: whole tensors) over its link, x
+    seconds a layer, and computes its layers, c seconds a layer (the probe's). The patched build copies a layer's
+    experts beside the compute of the layer before (OVERLAP=2): the first copy is exposed, then each layer takes the
+    longer of its copy and the compute before it (x + c + (h - 1) max(x, c) + (n - h) c); with OVERLAP=0 copies and
+    compute add up. Pipelined stages overlap: a batch of k ubatches takes (k - 1) times the slowest stage plus every
+    stage once (the fill); devices on one link also wait for the link's total. The baseline's stages and copies run
+    one after the other.
+
+    Args:
+        plan: a fit plan (its devices' layers, host-expert layers, n_ubatch, n_batch, switches).
+        expert_bytes: bytes of one layer's expert tensors.
+        link_gbps: each device's host link rate (GB/s).
+        shared_link: the devices share one link.
+        compute: device index -> compute.LayerCompute (the probe); None: the bytes bound alone.
+        n_tokens: the prompt's length (default: the plan's n_ctx).
+    Returns:
+        A Prediction, or None when nothing moves and compute is not counted (the bytes bound says nothing).
+    """
     ub, nb, nd = plan.ctx["n_ubatch"], plan.ctx["n_batch"], len(plan.devices)
-    if plan.variant == "patched" and not shared_link:
-        n_ub = max(1, nb // ub)
-        return ub / max(secs) * n_ub / (n_ub + nd - 1)
-    return ub / sum(secs)
+    n_tokens = n_tokens or plan.n_ctx
+    xs = [expert_bytes / (r * 1e9) for r in link_gbps]
+    transfer = [d.host_expert_layers * x for d, x in zip(plan.devices, xs)]
+    if compute is None and not any(transfer):
+        return None
+    cs = [compute_for(compute, i).per_ubatch(ub) if compute else 0.0 for i in range(nd)]
+    comp = [d.n_layers * c for d, c in zip(plan.devices, cs)]
+    if compute:   # (embeddings and output: the last device's, once a ubatch)
+        last = compute_for(compute, nd - 1)
+        comp[-1] += last.outside_s[ub] * ub / last.n_tokens
+    patched = plan.variant == "patched"
+    overlap = patched and plan.switches.get("OVERLAP", 2) == 2
+    stage = []
+    for d, x, c, t, k in zip(plan.devices, xs, cs, transfer, comp):
+        h, rest = d.host_expert_layers, k - d.host_expert_layers * c
+        stage.append(x + c + (h - 1) * max(x, c) + rest if overlap and h > 0 else t + k)
+    n_ub = max(1, nb // ub)
+    chunks, tail = divmod(n_tokens, nb)
+    if patched:
+        slowest = max(max(stage), sum(transfer) if shared_link else 0.0)
+        total = chunks * ((n_ub - 1) * slowest + sum(stage))
+        if tail:
+            total += (-(-tail // ub) - 1) * slowest + sum(stage)
+    else:
+        total = -(-n_tokens // ub) * sum(stage)
+    if total <= 0:
+        return None
+    i = max(range(nd), key=lambda j: stage[j])
+    return Prediction(ts=n_tokens / total, stage_s=stage, transfer_s=transfer, compute_s=comp if compute else None,
+                      bound="compute" if compute and comp[i] >= transfer[i] else "transfer")
+
+
+def predicted_ts(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool = False,
+                 compute: Optional[dict] = None, n_tokens: Optional[int] = None) -> Optional[float]:
+    """predict()'s prompt tokens per second (None where it predicts nothing)."""
+    p = predict(plan, expert_bytes, link_gbps, shared_link, compute, n_tokens)
+    return p.ts if p else None
 
 
 def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant: str = "patched",
                candidates: Sequence[int] = UBATCH_CANDIDATES, link_gbps=None, shared_link: bool = False,
-               **kw) -> Plan:
-    """fit with n_ubatch chosen by the throughput the bytes bound predicts.
+               count_compute: bool = True, n_tokens: Optional[int] = None, **kw) -> Plan:
+    """fit with n_ubatch chosen by the throughput it predicts from bytes per link and measured compute.
 
     Each candidate (up to n_ctx) is planned with n_batch = 8 x n_ubatch (at most n_ctx, at least ctx.n_batch, a
     multiple of n_ubatch), so that a batch keeps the pipeline full; a candidate whose compute buffers leave no
-    placement is out; of the rest the plan with the highest predicted_ts wins (ties: the larger n_ubatch).
+    placement is out. With count_compute (the default) a probe measures a layer's compute on the devices at every
+    candidate (compute.probe, cached); each plan's prediction (predict) counts its copies, its compute and the
+    pipeline's fill; the highest wins (ties: the larger n_ubatch).
 
     Args:
         model: the GGUF file.
@@ -196,16 +266,17 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
         candidates: the n_ubatch values to try.
         link_gbps: each device's host link rate in GB/s (default: a VDEV's own; CUDA 55 GB/s, a PCIe 5 x16 link).
         shared_link: the devices share one link (one GPU split in two).
+        count_compute: probe the devices' compute and count it (False: the bytes bound alone).
+        n_tokens: the prompt's length the prediction is for (default: n_ctx).
         **kw: more of fit's arguments (margin, split_mode, env, timeout, spread, ...); check is ignored (a
             candidate that fails the check is out).
     Returns:
         Plan: the winner, with predicted_ts and every candidate's prediction (Plan.ubatch_auto).
     Raises:
-        FileNotFoundError: for a missing model file (its expert sizes are read first).
         OutOfMemoryError: when no candidate has a placement.
         ConfigError: for link rates of 0 or of the wrong count, or fit's ConfigErrors.
         DeviceSpecError: for a spec that does not parse, or that fit refuses.
-        ModelError: for a model file llama.cpp cannot load.
+        ModelError: for a missing model file, or one llama.cpp cannot load.
         TypeError: for a ctx that is neither a ContextParams nor a dict.
         WorkerError: when a worker dies or times out.
     """
@@ -214,7 +285,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
     n_ctx = ctx.n_ctx or 4096
     check_model_path(model)
     expert_bytes = expert_bytes_per_layer(model)
-    tried, best, best_score, rates = [], None, 0.0, None
+    tried, best, best_score, rates, placed = [], None, 0.0, None, []
     kw.pop("check", None)   # (a candidate that leaves layers on the CPU or a device over its target is out)
     for ub in [c for c in candidates if c <= n_ctx]:
         nb = min(n_ctx, max(ctx.n_batch, 8 * ub)) // ub * ub
@@ -232,16 +303,25 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
                                    [v.link_gbps for v in spec.vdevs] if spec.kind == "vdev" else
                                    [DEFAULT_CUDA_LINK_GBPS] * len(plan.devices),
                                    spec, "--ubatch auto", link_gbps is not None, len(plan.devices))
-        plan.predicted_ts = predicted_ts(plan, expert_bytes, rates, shared_link)
+        placed.append((row, plan))
+    n_tokens = n_tokens or n_ctx
+    probed = probe(model, devices, [r["n_ubatch"] for r, _ in placed], n_tokens,
+                   timeout=kw.get("timeout") or 600) if count_compute and placed else None
+    for row, plan in placed:
+        pred = predict(plan, expert_bytes, rates, shared_link, probed, n_tokens)
+        plan.predicted_ts = pred.ts if pred else None
         tried.append({**row, "host_expert_layers": plan.host_expert_layers, "predicted_ts": plan.predicted_ts,
+                      "bound": pred.bound if pred else None,
+                      "stage_s": pred.stage_s if pred else None, "transfer_s": pred.transfer_s if pred else None,
+                      "compute_s": pred.compute_s if pred else None,
                       "why": "" if plan.predicted_ts else "no host experts: compute binds"})
-        score = plan.predicted_ts or float("inf")   # (no host experts: compute binds, the bound does not)
+        score = plan.predicted_ts or float("inf")   # (no host experts, compute not counted: the bound says nothing)
         if best is None or score >= best_score:
             best, best_score = plan, score
     if best is None:
         raise OutOfMemoryError(f"--ubatch auto: no n_ubatch of {list(candidates)} up to n_ctx {n_ctx} has a placement "
                                f"for {Path(model).name} on {spec}: " + "; ".join(t["why"] for t in tried))
-    best.ubatch_auto = tried
+    best.ubatch_auto = sorted(tried, key=lambda t: t["n_ubatch"])
     return best
 
 
@@ -280,4 +360,4 @@ def _plan_copies(plan: Plan, once, check: bool, env: Optional[dict]) -> Plan:
     return alt
 
 
-__all__ = ["fit", "fit_ubatch", "spread_weights", "predicted_ts", "DEFAULT_MARGIN"]
+__all__ = ["fit", "fit_ubatch", "spread_weights", "predict", "predicted_ts", "Prediction", "DEFAULT_MARGIN"]

@@ -225,7 +225,9 @@ class Plan:
             lines.append(f"  spread: host-expert layers weighted {', '.join(f'{w:g}' for w in self.spread_weights)}")
         if self.ubatch_auto:
             lines.append("  --ubatch auto: " + "; ".join(
-                f"ub{c['n_ubatch']}: " + (f"{c['predicted_ts']:.0f} t/s" if c.get("predicted_ts") else c.get("why", "-"))
+                f"ub{c['n_ubatch']}: " + (f"{c['predicted_ts']:.0f} t/s" + (f" ({c['bound']}-bound)" if c.get("bound")
+                                                                              else "")
+                                          if c.get("predicted_ts") else c.get("why", "-"))
                 for c in self.ubatch_auto) + f" -> n_ubatch {self.ctx.get('n_ubatch')}, n_batch {self.ctx.get('n_batch')}")
         if self.message:
             lines.append(f"  fit: {self.message}")

@@ -363,11 +363,11 @@ def test_expert_bytes_per_layer_counts_every_expert_tensor(tmp_path):
 
 def test_ubatch_auto_picks_the_fastest_plan_the_bytes_bound_predicts(model):
     """fit_ubatch plans every n_ubatch up to n_ctx (n_batch = 8 of them, within n_ctx); one without a placement is
-    out; the one chosen has the highest predicted t/s, and its prediction is the bytes bound of its plan."""
+    out; the one chosen has the highest predicted t/s, and without compute its prediction is the bytes bound."""
     from pyllama_pp.fit import fit_ubatch, predicted_ts
     from pyllama_pp.model_file import expert_bytes_per_layer
     ctx = ContextParams(n_ctx=1024, n_batch=256, n_ubatch=128)
-    p = fit_ubatch(model, devices=TWO_EQUAL, ctx=ctx, timeout=120)
+    p = fit_ubatch(model, devices=TWO_EQUAL, ctx=ctx, timeout=120, count_compute=False)
     tried = {c["n_ubatch"]: c for c in p.ubatch_auto}
     assert sorted(tried) == [64, 128, 256, 512, 1024]
     assert all(c["n_batch"] == min(1024, max(256, 8 * u)) // u * u for u, c in tried.items())
@@ -375,11 +375,59 @@ def test_ubatch_auto_picks_the_fastest_plan_the_bytes_bound_predicts(model):
     assert ok and p.ctx["n_ubatch"] == max(ok, key=lambda u: (ok[u], u)), tried
     assert any("no placement" in c["why"] for c in tried.values()), tried   # 8 MiB: the largest ubatches do not fit
     assert p.predicted_ts == pytest.approx(predicted_ts(p, expert_bytes_per_layer(model), [4.0, 4.0]))
-    # by hand: the slowest stage's host experts once per ubatch over 4 GB/s, with the pipeline's fill
-    ub, n_ub = p.ctx["n_ubatch"], p.ctx["n_batch"] // p.ctx["n_ubatch"]
-    slowest = max(p.host_expert_layers) * expert_bytes_per_layer(model) / 4e9
-    assert p.predicted_ts == pytest.approx(ub / slowest * n_ub / (n_ub + 1))
+    # by hand: each stage moves its host experts once per ubatch over 4 GB/s; a batch of k ubatches takes k - 1
+    # times the slowest stage and every stage once (the pipeline's fill)
+    ub, nb = p.ctx["n_ubatch"], p.ctx["n_batch"]
+    stages = [h * expert_bytes_per_layer(model) / 4e9 for h in p.host_expert_layers]
+    chunks = 1024 // nb
+    assert p.predicted_ts == pytest.approx(1024 / (chunks * ((nb // ub - 1) * max(stages) + sum(stages))))
     assert "--ubatch auto" in str(p)
+
+
+def test_prediction_counts_compute_beside_the_copies():
+    """With OVERLAP=2 a stage's copies hide under the compute of the layer before: the first copy is exposed, then
+    each host-expert layer takes the longer of its copy and its compute; with OVERLAP=0 they add up; the larger of
+    the slowest stage's two names the bound."""
+    from pyllama_pp.compute import LayerCompute
+    from pyllama_pp.fit import predict
+    from pyllama_pp.plan import DevicePlan, Plan
+    dev = lambda first, end, h: DevicePlan(name="VDEV", layers=[first, end], full_layers=end - first - h,
+                                           host_expert_layers=h, model_bytes=0, context_bytes=0, compute_bytes=0,
+                                           free_bytes=0, target_bytes=0)
+    plan = Plan(variant="patched", model="m", model_size=0, devices_spec={}, ctx={"n_ubatch": 1000, "n_batch": 4000},
+                status="success", path="spread", reasons=[], n_gpu_layers=7, tensor_split=[], tensor_overrides=[],
+                n_ctx=4000, n_layer=6, n_expert=8, margins=[0, 0], devices=[dev(0, 3, 2), dev(3, 6, 3)],
+                switches={"OVERLAP": 2})
+    lc = LayerCompute("vdev", n_tokens=4000, layer_s={1000: 0.008}, outside_s={1000: 0.0})   # 2 ms a layer a ubatch
+    slow_link = predict(plan, expert_bytes=3e6, link_gbps=[1.0, 1.0], compute={-1: lc})        # 3 ms a copy
+    assert slow_link.bound == "transfer"
+    assert slow_link.stage_s == pytest.approx([0.003 + 0.002 + 0.003 + 0.002, 0.003 + 0.002 + 2 * 0.003])
+    fast_link = predict(plan, expert_bytes=1e6, link_gbps=[1.0, 1.0], compute={-1: lc})        # 1 ms a copy
+    assert fast_link.bound == "compute" and fast_link.stage_s == pytest.approx([0.001 + 3 * 0.002, 0.001 + 3 * 0.002])
+    assert fast_link.ts == pytest.approx(4000 / (3 * 0.007 + 2 * 0.007))   # one batch of 4 ubatches, 2 stages
+    plan.switches = {"OVERLAP": 0}
+    assert predict(plan, 1e6, [1.0, 1.0], compute={-1: lc}).stage_s == pytest.approx([0.002 + 0.006, 0.003 + 0.006])
+
+
+def test_compute_probe_replicas_and_a_compute_bound_choice(tmp_path, monkeypatch):
+    """The probe runs the model's own layers (a replica with fewer of them loads and runs), finds a positive compute
+    time per layer, and on slow devices with fast links --ubatch auto chooses a candidate that compute binds."""
+    from pyllama_pp import compute
+    from pyllama_pp.fit import fit_ubatch
+    monkeypatch.setenv("PYLLAMA_PP_CACHE", str(tmp_path / "cache"))
+    model = str(synth.cached_model(tmp_path, "tiny", seed=1))
+    import gguf
+    rep = compute.replica(model, 1)
+    r = gguf.GGUFReader(str(rep))
+    assert int(r.fields["qwen3moe.block_count"].contents()) == 1
+    assert not [t.name for t in r.tensors if t.name.startswith("blk.1.")]
+    p = fit_ubatch(model, devices="vdev:2x12MiB@8GBps,speed=6:6", ctx=ContextParams(n_ctx=512, n_batch=512),
+                   candidates=(64, 128), timeout=120)
+    tried = [c for c in p.ubatch_auto if c.get("predicted_ts")]
+    assert tried and all(c["compute_s"] and min(c["compute_s"]) > 0 for c in tried), p.ubatch_auto
+    chosen = [c for c in tried if c["n_ubatch"] == p.ctx["n_ubatch"]][0]
+    assert chosen["bound"] == "compute" and chosen["predicted_ts"] == max(c["predicted_ts"] for c in tried)
+    assert list((tmp_path / "cache" / "compute").glob("probe-*.json"))   # cached for the next plan
 
 
 def test_cli_fit_ubatch_auto_json(model, capsys):

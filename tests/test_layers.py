@@ -31,6 +31,7 @@ FLOORS = [
     ["worker.handlers"],
     ["worker.loop"],
     ["worker.__main__"],
+    ["compute"],
     ["fit", "soak", "check"],
     ["config"],
     ["rows"],

@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""`fit --ubatch auto` against measurement: every candidate n_ubatch's predicted prompt t/s (bytes per link and the
+probe's compute) beside the patched build measured on that candidate's plan, and the same devices with every weight
+resident ("all in VRAM": for VDEVs the same devices without a memory limit) at the same n_ubatch.
+
+Answers: is each prediction within 10% of its measurement, is the chosen n_ubatch within 5% of the best measured
+one, and how close does the patched build come to all-in-VRAM at each n_ubatch (with every expert in host RAM where
+fit put it)?
+
+    python bench/ubatch_auto.py                                  # CPU: tiny preset on a compute-bound VDEV pair
+    python bench/ubatch_auto.py --preset qwen3-30b-a3b --devices cuda:0 -c 16384 --out DIR   (GPU machine)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from pyllama_pp import devices as devspec
+from pyllama_pp import runner, synth
+from pyllama_pp.config import RunConfig
+from pyllama_pp.fit import fit_ubatch
+from pyllama_pp.params import ContextParams, Placement
+
+# two VDEVs whose memory holds about half of the tiny preset's experts, on 1 GB/s links, computing 3x slower than
+# a CPU thread: at n_ubatch 512 and above a layer's compute takes longer than moving its experts
+DEFAULT_DEVICES = "vdev:2x6MiB@1GBps,speed=3:3"
+
+
+def resident(devices: str) -> str:
+    """The same devices with every weight resident: VDEVs without a memory limit (links and speeds kept); other
+    devices as they are (they hold the model)."""
+    spec = devspec.parse(devices)
+    if spec.kind != "vdev":
+        return devices
+    d = spec.to_dict()
+    return json.dumps({"kind": "vdev", "devices": [{**v, "memory": 0} for v in d["devices"]]})
+
+
+def table(df: pd.DataFrame) -> str:
+    """The rows as a Markdown table (numbers to one decimal)."""
+    cols = list(df.columns)
+    cell = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)
+    return "\n".join(["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+                     + ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in df.to_dict("records")])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny", help="synth preset (default: tiny)")
+    ap.add_argument("--model", help="a GGUF instead of a preset")
+    ap.add_argument("--devices", default=DEFAULT_DEVICES, help=f"device spec (default: {DEFAULT_DEVICES})")
+    ap.add_argument("-c", "--ctx", type=int, default=4096, help="n_ctx = the prompt's length (default: 4096)")
+    ap.add_argument("--candidates", default="", help="n_ubatch values, comma-separated (default: fit_ubatch's)")
+    ap.add_argument("--margin", default=None, help="fit's margin per device (e.g. 1GiB)")
+    ap.add_argument("--link-gbps", default=None, help="each device's host link rate, comma-separated (CUDA)")
+    ap.add_argument("--shared-link", action="store_true", help="the devices share one link (one GPU split in two)")
+    ap.add_argument("--reps", type=int, default=2, help="timed repetitions per run (default: 2)")
+    ap.add_argument("--out", type=Path, default=Path("bench/out/ubatch_auto"), help="folder for rows and summary")
+    ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = args.model or str(synth.cached_model(Path.home() / ".cache" / "pyllama_pp" / "models", args.preset, seed=1))
+    n = args.ctx
+    kw = {}
+    if args.candidates:
+        kw["candidates"] = [int(x) for x in args.candidates.split(",")]
+    t0 = time.time()
+    plan = fit_ubatch(model, devices=args.devices, ctx=ContextParams(n_ctx=n + 256, n_batch=n), margin=args.margin,
+                      link_gbps=args.link_gbps.split(",") if args.link_gbps else None, shared_link=args.shared_link,
+                      n_tokens=n, **kw)
+    fit_s = time.time() - t0
+    print(plan, file=sys.stderr)
+    rows = []
+    for cand in plan.ubatch_auto:
+        if not cand.get("predicted_ts"):
+            continue
+        ub, nb = cand["n_ubatch"], cand["n_batch"]
+        p = fit_ubatch(model, devices=args.devices, ctx=ContextParams(n_ctx=n + 256, n_batch=nb), candidates=[ub],
+                       margin=args.margin, link_gbps=args.link_gbps.split(",") if args.link_gbps else None,
+                       shared_link=args.shared_link, n_tokens=n)
+        ctx = dict(n_batch=nb, n_ubatch=ub, n_ctx=n + 256, tests=[["pp", n]], reps=args.reps)
+        host = RunConfig(model, devices=args.devices, switches=dict(p.switches),
+                         plans={"patched": p.placement(source="fit")}, **ctx)
+        vram = RunConfig(model, devices=resident(args.devices), placement=Placement(host_experts="none"), **ctx)
+        got = {}
+        for name, cfg in (("host", host), ("vram", vram)):
+            df = runner.ab([cfg], variants=["patched"], out_dir=args.out / f"ub{ub}-{name}", progress=False)
+            got[name] = float(df["avg_ts"].iloc[0]) if df["avg_ts"].notna().all() else float("nan")
+        rows.append({"n_ubatch": ub, "n_batch": nb, "host_expert_layers": cand["host_expert_layers"],
+                     "bound": cand["bound"], "predicted_ts": cand["predicted_ts"], "measured_ts": got["host"],
+                     "error_pct": 100 * (cand["predicted_ts"] / got["host"] - 1),
+                     "all_in_vram_ts": got["vram"], "of_vram_pct": 100 * got["host"] / got["vram"]})
+        print(f"ub{ub}: predicted {cand['predicted_ts']:.0f}, measured {got['host']:.0f}, all in VRAM "
+              f"{got['vram']:.0f} t/s", file=sys.stderr, flush=True)
+    df = pd.DataFrame(rows)
+    best = df.loc[df["measured_ts"].idxmax()] if len(df) else None
+    chosen = plan.ctx["n_ubatch"]
+    chosen_ts = float(df.loc[df["n_ubatch"] == chosen, "measured_ts"].iloc[0]) if chosen in set(df["n_ubatch"]) else None
+    summary = {"model": model, "devices": args.devices, "n_tokens": n, "fit_seconds": fit_s, "chosen_n_ubatch": chosen,
+               "best_measured_n_ubatch": int(best["n_ubatch"]) if best is not None else None,
+               "chosen_of_best_pct": 100 * chosen_ts / float(best["measured_ts"]) if chosen_ts else None,
+               "max_abs_error_pct": float(df["error_pct"].abs().max()) if len(df) else None,
+               "rows": rows}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(table(df) if len(df) else "(no candidate with a placement)")
+        print(f"\nchosen n_ubatch {chosen}: {summary['chosen_of_best_pct'] or float('nan'):.1f}% of the best measured "
+              f"(ub{summary['best_measured_n_ubatch']}); largest prediction error "
+              f"{summary['max_abs_error_pct'] or float('nan'):.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""What a layer's compute costs on a device, measured: the probe `fit --ubatch auto` predicts with.
+
+A prompt's ubatch moves every host-expert layer's experts over the device's link and computes every layer the
+device holds. Bytes per link are known from the plan; compute is not, and at a large n_ubatch it is what binds.
+The probe measures it on the device itself, with the model's own layers: two replicas of the model with the first
+`lead + 1` and `lead + 3` layers (lead: the leading dense layers some families have), every weight resident on one
+device, each running the prompt at every candidate n_ubatch. The difference of the two times is two MoE layers'
+compute; what is left of the shorter is the per-prompt cost outside the layers (embeddings, output). Results are
+cached per model file, device and sizes (PYLLAMA_PP_CACHE/compute/).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from statistics import median
+from typing import Optional, Sequence, Union
+
+import gguf
+
+from . import devices as devspec
+from .errors import ConfigError
+from .jobs import MeasureJob
+from .params import ContextParams, Placement
+from .worker.client import run_job
+
+REPLICA_LAYERS = (1, 3)   # MoE layers of the two replicas (their difference: two layers' compute)
+
+
+def cache_dir() -> Path:
+    """Where replicas and probe results are kept (PYLLAMA_PP_CACHE or ~/.cache/pyllama_pp, then compute/)."""
+    return Path(os.environ.get("PYLLAMA_PP_CACHE") or Path.home() / ".cache" / "pyllama_pp") / "compute"
+
+
+def _model_key(model: Union[str, os.PathLike]) -> str:
+    st = Path(model).stat()
+    return hashlib.sha1(f"{Path(model).resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+
+
+def _leading_dense(kv: dict, arch: str) -> int:
+    n = kv.get(f"{arch}.leading_dense_block_count")
+    return int(n) if n else 0
+
+
+def replica(model: Union[str, os.PathLike], n_moe_layers: int, out_dir: Optional[Path] = None) -> Path:
+    """A GGUF with the model's first leading-dense + `n_moe_layers` layers and everything outside the layers, the
+    same metadata with block_count (and per-layer arrays) cut to match: the model's own layers, fewer of them.
+
+    Args:
+        model: the GGUF file.
+        n_moe_layers: how many MoE layers after the leading dense ones (at least 1).
+        out_dir: where to write it (default: cache_dir()); written once per model file and layer count.
+    Returns:
+        The replica's path.
+    Raises:
+        ConfigError: when the model has fewer layers than asked for.
+    """
+    reader = gguf.GGUFReader(str(model))
+    kv = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("GGUF.")}
+    arch = kv["general.architecture"]
+    n_layer = int(kv[f"{arch}.block_count"])
+    keep = _leading_dense(kv, arch) + n_moe_layers
+    if n_moe_layers < 1 or keep > n_layer:
+        raise ConfigError(f"a replica of {Path(model).name} with {n_moe_layers} MoE layers needs {keep} layers; the "
+                          f"model has {n_layer}")
+    out = Path(out_dir or cache_dir()) / f"{Path(model).stem}-{_model_key(model)}-L{keep}.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(out) + ".tmp", arch)
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        value, vtype = f.contents(), f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        if f.name == f"{arch}.block_count":
+            value = keep
+        elif vtype == gguf.GGUFValueType.ARRAY and isinstance(value, list) and len(value) == n_layer \
+                and not f.name.startswith("tokenizer."):
+            value = value[:keep]   # (a per-layer array: head counts, sliding-window pattern)
+        w.add_key_value(f.name, value, vtype, sub_type=sub)
+    tensors = [t for t in reader.tensors
+               if not (t.name.startswith("blk.") and int(t.name.split(".")[1]) >= keep)]
+    for t in tensors:   # (as gguf-py's gguf_new_metadata copies them: the raw data, its shape and type)
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in tensors:
+        w.write_tensor_data(t.data)
+    w.close()
+    os.replace(str(out) + ".tmp", out)
+    return out
+
+
+def probe_devices(devices) -> list[tuple[list[int], str]]:
+    """The single-device specs the probe runs on, with the devices each stands for: for VDEVs one per distinct
+    compute speed (unthrottled, no memory limit: only compute is measured); for CUDA the first device (the devices
+    are taken to be alike); None for the CPU.
+
+    Args:
+        devices: a device spec.
+    Returns:
+        [(device indices, single-device spec), ...].
+    """
+    spec = devspec.parse(devices)
+    if spec.kind == "vdev":
+        groups: dict = {}
+        for i, v in enumerate(spec.vdevs):
+            groups.setdefault((v.speed, v.threads), []).append(i)
+        return [(idx, json.dumps({"kind": "vdev", "devices": [{"memory": 0, "link_gbps": 0, "speed": speed,
+                                                                "threads": threads}]}))
+                for (speed, threads), idx in groups.items()]
+    if spec.kind == "cuda":
+        first = spec.cuda_ids[0] if spec.cuda_ids else 0
+        return [(list(range(max(spec.n_devices, 1))) if spec.cuda_ids else [-1], f"cuda:{first}")]
+    return [([-1], "cpu")]
+
+
+@dataclass
+class LayerCompute:
+    """What the probe measured on one device: seconds one MoE layer takes over a prompt of n_tokens at each n_ubatch,
+    and the seconds outside the layers (embeddings, output) per prompt.
+
+    Attributes:
+        device: the single-device spec it ran on.
+        n_tokens: the prompt's length.
+        layer_s: n_ubatch -> seconds of one MoE layer over the whole prompt.
+        outside_s: n_ubatch -> seconds outside the layers over the whole prompt.
+    """
+
+    device: str
+    n_tokens: int
+    layer_s: dict = field(default_factory=dict)
+    outside_s: dict = field(default_factory=dict)
+
+    def per_ubatch(self, n_ubatch: int) -> float:
+        """Seconds one MoE layer computes one ubatch of n_ubatch tokens (the prompt's mean)."""
+        return self.layer_s[n_ubatch] * n_ubatch / self.n_tokens
+
+
+def _prompt_seconds(model: Path, device: str, ubatches: Sequence[int], n_tokens: int, reps: int,
+                    timeout: Optional[float]) -> dict:
+    """Median seconds of a prompt of n_tokens at each n_ubatch, every weight resident on the device."""
+    n_ctx = -(-(n_tokens + 8) // 256) * 256
+    ctxs = [ContextParams(n_ctx=n_ctx, n_batch=n_tokens, n_ubatch=ub) for ub in ubatches]
+    job = MeasureJob(variant="baseline", model=str(model), devices=device, placement=Placement(), ctx=ctxs[0],
+                     tests=[["pp", n_tokens]], reps=reps, warmup=1, coverage=False,
+                     ctx_list=[{"ctx": c.to_dict(), "tests": [["pp", n_tokens]]} for c in ctxs])
+    res = run_job(job, "baseline", timeout=timeout)
+    out = {}
+    for ub, run in zip(ubatches, res["runs"]):
+        if "error" in run:
+            raise ConfigError(f"the compute probe could not run n_ubatch {ub} on {device}: {run['error']}")
+        out[ub] = median(run["tests"][0]["seconds"])
+    return out
+
+
+def probe(model: Union[str, os.PathLike], devices, ubatches: Sequence[int], n_tokens: int, reps: int = 3,
+          timeout: Optional[float] = 600, cache: bool = True) -> dict[int, LayerCompute]:
+    """Measure one MoE layer's compute at each n_ubatch on each kind of device the spec names.
+
+    Args:
+        model: the GGUF file.
+        devices: the device spec (its devices' compute is probed; links and memory limits play no part).
+        ubatches: the n_ubatch values.
+        n_tokens: the prompt's length.
+        reps: timed runs per replica and n_ubatch (the median counts).
+        timeout: seconds per probe job.
+        cache: read and write results under cache_dir().
+    Returns:
+        device index -> LayerCompute (-1: every device, for "cuda" without ids and "cpu").
+    Raises:
+        ConfigError: when the model has too few layers, or a replica cannot run on a device.
+        WorkerError: when a probe's worker dies or times out.
+    """
+    out: dict[int, LayerCompute] = {}
+    for idx, device in probe_devices(devices):
+        key = hashlib.sha1(json.dumps([_model_key(model), device, sorted(ubatches), n_tokens,
+                                       os.environ.get("GGML_CUDA_DEVICES", "")]).encode()).hexdigest()[:16]
+        path = cache_dir() / f"probe-{key}.json"
+        lc = None
+        if cache and path.exists():
+            d = json.loads(path.read_text())
+            lc = LayerCompute(d["device"], d["n_tokens"], {int(k): v for k, v in d["layer_s"].items()},
+                              {int(k): v for k, v in d["outside_s"].items()})
+        if lc is None:
+            lo, hi = (_prompt_seconds(replica(model, n), device, ubatches, n_tokens, reps, timeout)
+                      for n in REPLICA_LAYERS)
+            span = REPLICA_LAYERS[1] - REPLICA_LAYERS[0]
+            layer = {ub: max(hi[ub] - lo[ub], 0.0) / span for ub in ubatches}
+            outside = {ub: max(lo[ub] - REPLICA_LAYERS[0] * layer[ub], 0.0) for ub in ubatches}
+            lc = LayerCompute(device, n_tokens, layer, outside)
+            if cache:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(asdict(lc)))
+        for i in idx:
+            out[i] = lc
+    return out
+
+
+def compute_for(probed: dict[int, LayerCompute], device_index: int) -> LayerCompute:
+    """The probe result that stands for a device (its own, or the one for every device)."""
+    return probed.get(device_index) or probed[-1]
+
+
+__all__ = ["probe", "replica", "LayerCompute", "probe_devices"]
