@@ -22,8 +22,11 @@ import pandas as pd
 
 from pyllama_pp import devices as devspec
 from pyllama_pp import runner, synth
+from pyllama_pp.cli import models_dir
+from pyllama_pp.compute import probe
 from pyllama_pp.config import RunConfig
-from pyllama_pp.fit import fit_ubatch
+from pyllama_pp.fit import DEFAULT_CUDA_LINK_GBPS, fit_ubatch, predict
+from pyllama_pp.model_file import expert_bytes_per_layer
 from pyllama_pp.params import ContextParams, Placement
 
 # two VDEVs whose memory holds about half of the tiny preset's experts, on 1 GB/s links, computing 3x slower than
@@ -60,11 +63,16 @@ def main() -> int:
     ap.add_argument("--link-gbps", default=None, help="each device's host link rate, comma-separated (CUDA)")
     ap.add_argument("--shared-link", action="store_true", help="the devices share one link (one GPU split in two)")
     ap.add_argument("--reps", type=int, default=2, help="timed repetitions per run (default: 2)")
+    ap.add_argument("--host-experts-all", action="store_true",
+                    help="every expert in host RAM at every candidate (fit's context and split, its experts moved to "
+                         "host): the long-prompt case on a GPU that could hold them")
+    ap.add_argument("--budget", type=float, default=0, help="seconds for the whole run (0: no limit); candidates "
+                    "are measured largest first while time is left")
     ap.add_argument("--out", type=Path, default=Path("bench/out/ubatch_auto"), help="folder for rows and summary")
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    model = args.model or str(synth.cached_model(Path.home() / ".cache" / "pyllama_pp" / "models", args.preset, seed=1))
+    model = args.model or str(synth.cached_model(models_dir(), args.preset, seed=1))
     n = args.ctx
     kw = {}
     if args.candidates:
@@ -76,16 +84,42 @@ def main() -> int:
     fit_s = time.time() - t0
     print(plan, file=sys.stderr)
     rows = []
-    for cand in plan.ubatch_auto:
+    links = [float(x) for x in args.link_gbps.split(",")] if args.link_gbps else None
+    if args.host_experts_all:
+        # every expert on host: each candidate's plan keeps fit's split and context, all its layers host-expert
+        ubs = [c["n_ubatch"] for c in plan.ubatch_auto if c.get("predicted_ts")]
+        probed = probe(model, args.devices, ubs, n)
+        spec = devspec.parse(args.devices)
+        for cand in plan.ubatch_auto:
+            if not cand.get("predicted_ts"):
+                continue
+            p = fit_ubatch(model, devices=args.devices, ctx=ContextParams(n_ctx=n + 256, n_batch=cand["n_batch"]),
+                           candidates=[cand["n_ubatch"]], margin=args.margin, link_gbps=links, n_tokens=n,
+                           shared_link=args.shared_link)
+            for d in p.devices:
+                d.host_expert_layers, d.full_layers = d.n_layers, 0
+            rates = links or ([v.link_gbps for v in spec.vdevs] if spec.kind == "vdev"
+                              else [DEFAULT_CUDA_LINK_GBPS] * len(p.devices))
+            pred = predict(p, expert_bytes_per_layer(model), rates, args.shared_link, probed, n)
+            cand.update(predicted_ts=pred.ts, bound=pred.bound, host_expert_layers=[d.n_layers for d in p.devices],
+                        plan=p)
+    t_start = time.time()
+    for cand in sorted(plan.ubatch_auto, key=lambda c: -c["n_ubatch"]):
         if not cand.get("predicted_ts"):
             continue
+        if args.budget and time.time() - t0 > args.budget - 60:
+            print(f"(budget spent: ub{cand['n_ubatch']} not measured)", file=sys.stderr)
+            continue
         ub, nb = cand["n_ubatch"], cand["n_batch"]
-        p = fit_ubatch(model, devices=args.devices, ctx=ContextParams(n_ctx=n + 256, n_batch=nb), candidates=[ub],
-                       margin=args.margin, link_gbps=args.link_gbps.split(",") if args.link_gbps else None,
-                       shared_link=args.shared_link, n_tokens=n)
+        p = cand.get("plan") or fit_ubatch(model, devices=args.devices, ctx=ContextParams(n_ctx=n + 256, n_batch=nb),
+                                           candidates=[ub], margin=args.margin, link_gbps=links,
+                                           shared_link=args.shared_link, n_tokens=n)
         ctx = dict(n_batch=nb, n_ubatch=ub, n_ctx=n + 256, tests=[["pp", n]], reps=args.reps)
-        host = RunConfig(model, devices=args.devices, switches=dict(p.switches),
-                         plans={"patched": p.placement(source="fit")}, **ctx)
+        placement = p.placement(source="fit")
+        if args.host_experts_all:
+            placement = Placement(n_gpu_layers=placement.n_gpu_layers, tensor_split=placement.tensor_split,
+                                  host_experts="all")
+        host = RunConfig(model, devices=args.devices, switches=dict(p.switches), plans={"patched": placement}, **ctx)
         vram = RunConfig(model, devices=resident(args.devices), placement=Placement(host_experts="none"), **ctx)
         got = {}
         for name, cfg in (("host", host), ("vram", vram)):
@@ -97,11 +131,13 @@ def main() -> int:
                      "all_in_vram_ts": got["vram"], "of_vram_pct": 100 * got["host"] / got["vram"]})
         print(f"ub{ub}: predicted {cand['predicted_ts']:.0f}, measured {got['host']:.0f}, all in VRAM "
               f"{got['vram']:.0f} t/s", file=sys.stderr, flush=True)
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame(rows).sort_values("n_ubatch") if rows else pd.DataFrame(rows)
     best = df.loc[df["measured_ts"].idxmax()] if len(df) else None
-    chosen = plan.ctx["n_ubatch"]
+    ok = [c for c in plan.ubatch_auto if c.get("predicted_ts")]
+    chosen = max(ok, key=lambda c: (c["predicted_ts"], c["n_ubatch"]))["n_ubatch"] if ok else plan.ctx["n_ubatch"]
     chosen_ts = float(df.loc[df["n_ubatch"] == chosen, "measured_ts"].iloc[0]) if chosen in set(df["n_ubatch"]) else None
     summary = {"model": model, "devices": args.devices, "n_tokens": n, "fit_seconds": fit_s, "chosen_n_ubatch": chosen,
+               "host_experts_all": args.host_experts_all, "measure_seconds": time.time() - t_start,
                "best_measured_n_ubatch": int(best["n_ubatch"]) if best is not None else None,
                "chosen_of_best_pct": 100 * chosen_ts / float(best["measured_ts"]) if chosen_ts else None,
                "max_abs_error_pct": float(df["error_pct"].abs().max()) if len(df) else None,
