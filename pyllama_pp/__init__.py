@@ -10,30 +10,49 @@ The layers, each importing only those below it:
     synth, model_file, plan, jobs, row     model files, a fit plan, worker jobs, the result row
     session                                a model on devices: schedule, eval, KV cache
     worker (client, handlers, loop)        one variant per process: the parent's side, a handler per job kind
-    fit, soak                              planning; the soak's API (each runs workers)
+    compute                                the compute probe (a layer's compute on a device, measured)
+    fit, soak, check                       planning; the soak's API; the logits check (each runs workers)
     config, rows, runner                   A/B configurations, rows from results, the A/B runner
     report, cli                            tables and plots; the `pyllama-pp` command
 """
 from __future__ import annotations
 
-from ._version import __version__
-from .binding import available_variants, build_info, load
-from .config import RunConfig, expand
-from .devices import DeviceSpec, parse as parse_devices
-from .errors import (BuildError, ConfigError, DecodeError, DeviceError, DeviceSpecError, ModelError, OutOfMemoryError,
-                     PyllamaError, UnsupportedError, VariantError, WorkerError)
-from .fit import fit, fit_ubatch
-from .params import ContextParams, Placement
-from .plan import DevicePlan, Plan, PlanError
-from .row import Row
-from .runner import ab, interleaved, mixed_workload
-from .session import EvalResult, Schedule, Session, list_devices
-from .worker import ServingWorker, run_job
+import importlib
 
-__all__ = [
-    "__version__", "load", "available_variants", "build_info", "DeviceSpec", "parse_devices", "Session",
-    "Placement", "ContextParams", "Schedule", "EvalResult", "list_devices", "PyllamaError", "BuildError", "ConfigError",
-    "VariantError", "DeviceSpecError", "DeviceError", "ModelError", "OutOfMemoryError", "DecodeError",
-    "UnsupportedError", "WorkerError", "fit", "fit_ubatch", "Plan", "DevicePlan", "PlanError", "RunConfig", "expand",
-    "ab", "interleaved", "mixed_workload", "Row", "run_job", "ServingWorker",
-]
+from ._version import __version__
+from .fit import fit, fit_ubatch   # (here, not lazily: importing the module pyllama_pp.fit would shadow the function)
+
+# The public names and the module each lives in. The facade imports a module when one of its names is first used
+# (PEP 562): `python -m pyllama_pp.worker` runs this file too, and a worker process needs its own few modules, not
+# the A/B runner's pandas or the plots' matplotlib (each worker would pay for them at start).
+_HOME = {
+    "load": "binding", "available_variants": "binding", "build_info": "binding",
+    "RunConfig": "config", "expand": "config",
+    "DeviceSpec": "devices", "parse_devices": ("devices", "parse"),
+    **{name: "errors" for name in ("BuildError", "ConfigError", "DecodeError", "DeviceError", "DeviceSpecError",
+                                   "ModelError", "OutOfMemoryError", "PyllamaError", "UnsupportedError",
+                                   "VariantError", "WorkerError")},
+    "ContextParams": "params", "Placement": "params",
+    "DevicePlan": "plan", "Plan": "plan", "PlanError": "plan",
+    "Row": "row",
+    "ab": "runner", "interleaved": "runner", "mixed_workload": "runner",
+    "EvalResult": "session", "Schedule": "session", "Session": "session", "list_devices": "session",
+    "ServingWorker": "worker", "run_job": "worker",
+}
+
+__all__ = ["__version__", "fit", "fit_ubatch", *_HOME]
+
+
+def __getattr__(name: str):
+    """The public name `name`, from its module (imported on first use, then kept here)."""
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'pyllama_pp' has no attribute {name!r}")
+    module, attr = home if isinstance(home, tuple) else (home, name)
+    value = getattr(importlib.import_module(f".{module}", __name__), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))

@@ -180,7 +180,7 @@ class ContextParams:
         n_ctx: context size in positions (fit: 0 lets fit choose it).
         n_batch: tokens per llama_decode call (the logical batch).
         n_ubatch: tokens per graph (the physical batch); at most n_batch.
-        n_threads: CPU threads (0: every core).
+        n_threads: CPU threads (0: every core the process may run on).
         flash_attn: llama's flash-attention mode (1: on).
         op_offload: offload host-weight ops of large batches to the devices.
         offload_kqv: the KV cache on the devices.

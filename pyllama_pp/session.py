@@ -77,6 +77,14 @@ class Split:
     inputs: list[SplitInput]
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: taskset, a container's cpuset), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):   # (no sched_getaffinity outside Linux)
+        return max(1, os.cpu_count() or 1)
+
+
 @dataclass
 class Schedule:
     """The scheduler's view of the reserved graph (Session.schedule / schedule_detail).
@@ -278,7 +286,7 @@ class Context:
         p = ffi.new("pp_context_params *")
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = params.n_ctx, params.n_batch, params.n_ubatch, 1
         # llama's default (4) oversubscribes small machines and starves big ones; llama-bench uses the cores
-        p.n_threads = params.n_threads if params.n_threads > 0 else max(1, os.cpu_count() or 1)
+        p.n_threads = params.n_threads if params.n_threads > 0 else usable_cores()
         p.flash_attn = params.flash_attn
         p.op_offload = int(params.op_offload)
         p.offload_kqv = int(params.offload_kqv)

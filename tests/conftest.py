@@ -17,6 +17,16 @@ from pyllama_pp import synth
 from pyllama_pp.stats import max_abs_diff, nmse
 from pyllama_pp.worker import run_job
 
+
+def pytest_configure(config):
+    """Under pytest-xdist (`-n auto`, the default here) each pytest worker runs on a core of its own, and so do the
+    worker processes its tests start (they inherit the affinity, and a session's threads follow it): ggml's CPU
+    threads then never spin against another test's threads."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if name.startswith("gw") and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(name[2:]) % len(cores)]})
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT = 120.0          # seconds; a tiny-model job takes well under one
 NMSE_MAX = 1e-6              # the equivalence bound: patched vs baseline, CPU vs VDEV

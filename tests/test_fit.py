@@ -431,7 +431,7 @@ def test_compute_probe_replicas_and_a_compute_bound_choice(tmp_path, monkeypatch
 
 
 def test_cli_fit_ubatch_auto_json(model, capsys):
-    assert cli_main(["fit", model, "--devices", TWO_EQUAL, "-c", "512", "-b", "512", "-ub", "auto", "--json"]) == 0
+    assert cli_main(["fit", model, "--devices", TWO_EQUAL, "-c", "256", "-b", "256", "-ub", "auto", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["ubatch_auto"] and d["predicted_ts"] > 0 and d["ctx"]["n_ubatch"] in [c["n_ubatch"] for c in d["ubatch_auto"]]
 
