@@ -3,9 +3,10 @@
 A prompt's ubatch moves every host-expert layer's experts over the device's link and computes every layer the
 device holds. Bytes per link are known from the plan; compute is not, and at a large n_ubatch it is what binds.
 The probe measures it on the device itself, with the model's own layers: two replicas of the model with the first
-`lead + 1` and `lead + 3` layers (lead: the leading dense layers some families have), every weight resident on one
-device, each running the prompt at every candidate n_ubatch. The difference of the two times is two MoE layers'
-compute; what is left of the shorter is the per-prompt cost outside the layers (embeddings, output). Results are
+`lead + 1` and `lead + 9` layers (lead: the leading dense layers some families have; at most the model's own),
+every weight resident on one device, each running the prompt at every candidate n_ubatch. The difference of the two
+times is eight MoE layers' compute; what is left of the shorter is the per-prompt cost outside the layers
+(embeddings, output). Results are
 cached per model file, device and sizes (PYLLAMA_PP_CACHE/compute/).
 """
 from __future__ import annotations
@@ -26,7 +27,9 @@ from .jobs import MeasureJob
 from .params import ContextParams, Placement
 from .worker.client import run_job
 
-REPLICA_LAYERS = (1, 3)   # MoE layers of the two replicas (their difference: two layers' compute)
+# MoE layers of the two replicas: their difference is eight layers' compute (fewer where the model has fewer), enough
+# to stand above the run-to-run noise of a prompt's time on a GPU
+REPLICA_LAYERS = (1, 9)
 
 
 def cache_dir() -> Path:
@@ -42,6 +45,14 @@ def _model_key(model: Union[str, os.PathLike]) -> str:
 def _leading_dense(kv: dict, arch: str) -> int:
     n = kv.get(f"{arch}.leading_dense_block_count")
     return int(n) if n else 0
+
+
+def moe_layers(model: Union[str, os.PathLike]) -> int:
+    """The model's layers after its leading dense ones."""
+    kv = {f.name: f.contents() for f in gguf.GGUFReader(str(model)).fields.values()
+          if not f.name.startswith("GGUF.") and not f.name.startswith("tokenizer.")}
+    arch = kv["general.architecture"]
+    return int(kv[f"{arch}.block_count"]) - _leading_dense(kv, arch)
 
 
 def replica(model: Union[str, os.PathLike], n_moe_layers: int, out_dir: Optional[Path] = None) -> Path:
@@ -187,11 +198,12 @@ def probe(model: Union[str, os.PathLike], devices, ubatches: Sequence[int], n_to
             lc = LayerCompute(d["device"], d["n_tokens"], {int(k): v for k, v in d["layer_s"].items()},
                               {int(k): v for k, v in d["outside_s"].items()})
         if lc is None:
+            n_lo, n_hi = REPLICA_LAYERS[0], min(REPLICA_LAYERS[1], moe_layers(model))
             lo, hi = (_prompt_seconds(replica(model, n), device, ubatches, n_tokens, reps, timeout)
-                      for n in REPLICA_LAYERS)
-            span = REPLICA_LAYERS[1] - REPLICA_LAYERS[0]
+                      for n in (n_lo, n_hi))
+            span = max(n_hi - n_lo, 1)
             layer = {ub: max(hi[ub] - lo[ub], 0.0) / span for ub in ubatches}
-            outside = {ub: max(lo[ub] - REPLICA_LAYERS[0] * layer[ub], 0.0) for ub in ubatches}
+            outside = {ub: max(lo[ub] - n_lo * layer[ub], 0.0) for ub in ubatches}
             lc = LayerCompute(device, n_tokens, layer, outside)
             if cache:
                 path.parent.mkdir(parents=True, exist_ok=True)
