@@ -382,6 +382,25 @@ def _interrupted(out: Optional[Path], cmd: str, resumable: bool = True) -> int:
     return 130
 
 
+def _ubatch_auto(args, model: str) -> None:
+    """-ub auto: fit --ubatch auto on the (one) device spec for the longest prompt test; its n_ubatch, n_batch and
+    plan then stand for -ub, -b and --fit same (both variants on the patched plan's placement)."""
+    if args.ubatch != ["auto"]:
+        return
+    if len(args.devices) != 1 or args.plan or args.fit or args.workload:
+        raise ConfigError("-ub auto plans for one --devices spec, without --plan, --fit or --workload: give one spec "
+                          "(or sweep n_ubatch by hand: -ub 512,1024,...)")
+    if not args.pp:
+        raise ConfigError("-ub auto chooses n_ubatch for a prompt: give -p N (the prompt's length)")
+    n_tokens = max(args.pp) + max(args.depth or [0])
+    n_ctx = args.ctx or n_tokens + 256
+    plan = fit_ubatch(model, devices=args.devices[0], margin=args.margin, n_tokens=max(args.pp),
+                      ctx=ContextParams(n_ctx=n_ctx, n_batch=max(args.batch or [max(args.pp)])))
+    if not args.json:
+        print(plan, file=sys.stderr)
+    args.ubatch, args.batch, args.auto_plan = [plan.ctx["n_ubatch"]], [plan.ctx["n_batch"]], plan
+
+
 def _plan_sizes(args) -> None:
     """--plan PLAN.json: the plan's model where none is given, and its sizes where -b / -ub / -c are not given (the
     plan's memory was measured for them); larger ones than it was made for are refused (they need more memory)."""
@@ -420,6 +439,7 @@ def cmd_run(args) -> int:
         if args.model is None:
             raise ConfigError("run needs a MODEL (a .gguf file), or --resume DIR to continue a sweep")
         _fill_defaults(args, PLAIN)
+        _ubatch_auto(args, args.model)
         _check_args(args, args.model, [args.variant])
         if args.workload:
             return _workload(args, args.model, [args.variant])
@@ -447,8 +467,9 @@ def cmd_ab(args) -> int:
         # (the main job places by fit unless told where: --plan, or a placement of one's own)
         # (--workload takes no fit yet: it runs the main job's model on an even split)
         placed = args.workload or args.plan or args.tensor_split is not None or args.host_experts != ["all"] \
-            or args.ngl != -1
+            or args.ngl != -1 or args.ubatch == ["auto"]
         _fill_defaults(args, (dict(MAIN_JOB, fit=None) if placed else MAIN_JOB) if default else PLAIN)
+        _ubatch_auto(args, model)
         _check_args(args, args.model, list(VARIANTS))
         if args.workload and args.paired:
             raise ConfigError("--paired runs the tests (-p/-n) in rounds; --workload has rounds of its own (-r). "
@@ -536,11 +557,12 @@ def _margin_arg(s: str) -> list[str]:
 def _apply_plans(args, model: str, cfgs: list, variants: list[str]) -> None:
     """--plan PLAN.json (one plan for every variant) or --fit (each variant's own fit for each config): the
     placement of each variant's run, in place of --host-experts / -ts / -ngl."""
-    if not (args.plan or args.fit):
+    auto = getattr(args, "auto_plan", None)
+    if not (args.plan or args.fit or auto):
         return
     if args.plan and args.fit:
         raise ConfigError("give --plan PLAN.json or --fit, not both")
-    plan = Plan.load(args.plan) if args.plan else None
+    plan = auto or (Plan.load(args.plan) if args.plan else None)
     for cfg in cfgs:
         if plan is not None:
             plan.check(model, None if cfg.devices == "cpu" else cfg.devices)
@@ -548,7 +570,7 @@ def _apply_plans(args, model: str, cfgs: list, variants: list[str]) -> None:
                 spec = plan.devices_spec
                 cfg.devices = spec.get("text") if spec.get("text") and not str(spec.get("text")).endswith(".json") \
                     else json.dumps({k: v for k, v in spec.items() if k != "text"})
-            cfg.plans = {v: plan.placement(args.load_mode, source="plan") for v in variants}
+            cfg.plans = {v: plan.placement(args.load_mode, source="fit" if auto else "plan") for v in variants}
             cfg.switches = {**plan.switches, **cfg.switches}   # the plan's copies (patched runs only)
             continue
         n_ctx = cfg.context().n_ctx
@@ -659,8 +681,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "comma-separated to sweep (default: all)")
         p.add_argument("-b", "--batch", type=_ints, default=None, metavar="N[,N]",
                        help="n_batch, comma-separated to sweep (default: 512; the main job: 2048)")
-        p.add_argument("-ub", "--ubatch", type=_ints, default=None, metavar="N[,N]",
-                       help="n_ubatch, comma-separated to sweep (default: 32; the main job: 128)")
+        p.add_argument("-ub", "--ubatch", type=lambda x: ["auto"] if x == "auto" else _ints(x), default=None,
+                       metavar="N[,N]|auto",
+                       help="n_ubatch, comma-separated to sweep (default: 32; the main job: 128); auto: the one "
+                            "fit --ubatch auto predicts fastest for the longest prompt, with its plan for both variants")
         p.add_argument("-c", "--ctx", type=int, default=0, metavar="N",
                        help="n_ctx (default: 0, just what the tests need)")
         p.add_argument("-ngl", "--ngl", type=int, default=-1, metavar="N",

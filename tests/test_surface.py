@@ -142,3 +142,21 @@ def test_ab_on_the_cpu_alone_says_no_mechanism_acts(tiny_model, capsys):
 def test_wrong_argument_types_name_the_argument(no_worker, tiny_model, call, kind, words):
     with pytest.raises(kind, match=words):
         call(tiny_model)
+
+
+def test_ab_ubatch_auto_runs_the_plan_it_predicts_fastest(tiny_model, capsys):
+    """`ab -ub auto`: fit --ubatch auto (compute counted) for the prompt, then both variants on its plan at its
+    n_ubatch and n_batch."""
+    capsys.readouterr()
+    assert cli.main(["ab", tiny_model, "--devices", "vdev:2x8MiB@4GBps", "-ub", "auto", "-p", "512", "-n", "0",
+                     "-r", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {r["variant"] for r in rows} == {"baseline", "patched"} and not any(r.get("error") for r in rows), rows
+    assert len({(r["n_ubatch"], r["n_batch"]) for r in rows}) == 1 and rows[0]["n_ubatch"] in (64, 128, 256, 512)
+    assert all(r["host_experts"].startswith("fit: ") for r in rows), rows
+
+
+def test_ab_ubatch_auto_needs_one_spec_and_a_prompt(usage_error, no_worker, tiny_model):
+    assert "-ub auto plans for one --devices spec" in usage_error(
+        ["ab", tiny_model, "--devices", "vdev:2x8MiB@4GBps;vdev:2x6MiB@4GBps", "-ub", "auto"])
+    assert "give -p N" in usage_error(["ab", tiny_model, "--devices", "vdev:2x8MiB@4GBps", "-ub", "auto", "-p", "0"])
