@@ -230,7 +230,7 @@ def test_ctrl_c_during_ab_exits_130_keeps_rows_and_leaves_no_worker(tiny_model, 
     are and how to go on, every finished row on disk, and the worker that was running is gone."""
     out = tmp_path / "ab"
     argv = [sys.executable, "-m", "pyllama_pp.cli", "ab", tiny_model, "--devices", "cpu;vdev:2x0@0;vdev:3x0@0",
-            "-p", "256", "-n", "0", "-r", "4", "-o", str(out)]
+            "-p", "512", "-n", "0", "-r", "10", "-o", str(out)]   # (long enough to be cut: about 1 s a run)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen: set[int] = set()
     try:

@@ -428,6 +428,12 @@ def test_compute_probe_replicas_and_a_compute_bound_choice(tmp_path, monkeypatch
     chosen = [c for c in tried if c["n_ubatch"] == p.ctx["n_ubatch"]][0]
     assert chosen["bound"] == "compute" and chosen["predicted_ts"] == max(c["predicted_ts"] for c in tried)
     assert list((tmp_path / "cache" / "compute").glob("probe-*.json"))   # cached for the next plan
+    # the chosen plan computes what the baseline computes on it
+    from pyllama_pp.check import check_logits
+    res = check_logits(model, devices="vdev:2x12MiB@8GBps,speed=6:6", placement=p.placement(),
+                       ctx=ContextParams(n_ctx=512, n_batch=p.ctx["n_batch"], n_ubatch=p.ctx["n_ubatch"]),
+                       n_tokens=256, switches=p.switches)
+    assert res.ok and res.patched_pipeline_parallel, res
 
 
 def test_cli_fit_ubatch_auto_json(model, capsys):
