@@ -231,7 +231,10 @@ def test_ctrl_c_during_ab_exits_130_keeps_rows_and_leaves_no_worker(tiny_model, 
     out = tmp_path / "ab"
     argv = [sys.executable, "-m", "pyllama_pp.cli", "ab", tiny_model, "--devices", "cpu;vdev:2x0@0;vdev:3x0@0",
             "-p", "512", "-n", "0", "-r", "10", "-o", str(out)]   # (long enough to be cut: about 1 s a run)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # (a pytest-xdist worker ignores SIGINT, and an ignored signal stays ignored across exec: the CLI gets the
+    # default disposition back, as it has when a user starts it from a terminal)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen: set[int] = set()
     try:
         end = time.time() + 60
