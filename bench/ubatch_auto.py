@@ -25,7 +25,7 @@ from pyllama_pp import runner, synth
 from pyllama_pp.cli import models_dir
 from pyllama_pp.compute import probe
 from pyllama_pp.config import RunConfig
-from pyllama_pp.fit import DEFAULT_CUDA_LINK_GBPS, fit_ubatch, predict
+from pyllama_pp.fit import DEFAULT_CUDA_LINK_GBPS, fit, fit_ubatch, predict
 from pyllama_pp.model_file import expert_bytes_per_layer
 from pyllama_pp.params import ContextParams, Placement
 
@@ -66,6 +66,8 @@ def main() -> int:
     ap.add_argument("--host-experts-all", action="store_true",
                     help="every expert in host RAM at every candidate (fit's context and split, its experts moved to "
                          "host): the long-prompt case on a GPU that could hold them")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also run upstream (the baseline build) on each candidate's placement: best against best")
     ap.add_argument("--budget", type=float, default=0, help="seconds for the whole run (0: no limit); candidates "
                     "are measured largest first while time is left")
     ap.add_argument("--out", type=Path, default=Path("bench/out/ubatch_auto"), help="folder for rows and summary")
@@ -93,9 +95,8 @@ def main() -> int:
         for cand in plan.ubatch_auto:
             if not cand.get("predicted_ts"):
                 continue
-            p = fit_ubatch(model, devices=args.devices, ctx=ContextParams(n_ctx=n + 256, n_batch=cand["n_batch"]),
-                           candidates=[cand["n_ubatch"]], margin=args.margin, link_gbps=links, n_tokens=n,
-                           shared_link=args.shared_link)
+            p = fit(model, devices=args.devices, margin=args.margin, check=False,
+                    ctx=ContextParams(n_ctx=n + 256, n_batch=cand["n_batch"], n_ubatch=cand["n_ubatch"]))
             for d in p.devices:
                 d.host_expert_layers, d.full_layers = d.n_layers, 0
             rates = links or ([v.link_gbps for v in spec.vdevs] if spec.kind == "vdev"
@@ -111,9 +112,8 @@ def main() -> int:
             print(f"(budget spent: ub{cand['n_ubatch']} not measured)", file=sys.stderr)
             continue
         ub, nb = cand["n_ubatch"], cand["n_batch"]
-        p = cand.get("plan") or fit_ubatch(model, devices=args.devices, ctx=ContextParams(n_ctx=n + 256, n_batch=nb),
-                                           candidates=[ub], margin=args.margin, link_gbps=links,
-                                           shared_link=args.shared_link, n_tokens=n)
+        p = cand.get("plan") or fit(model, devices=args.devices, margin=args.margin, check=False,
+                                    ctx=ContextParams(n_ctx=n + 256, n_batch=nb, n_ubatch=ub))
         ctx = dict(n_batch=nb, n_ubatch=ub, n_ctx=n + 256, tests=[["pp", n]], reps=args.reps)
         placement = p.placement(source="fit")
         if args.host_experts_all:
@@ -123,12 +123,20 @@ def main() -> int:
         vram = RunConfig(model, devices=resident(args.devices), placement=Placement(host_experts="none"), **ctx)
         got = {}
         for name, cfg in (("host", host), ("vram", vram)):
-            df = runner.ab([cfg], variants=["patched"], out_dir=args.out / f"ub{ub}-{name}", progress=False)
-            got[name] = float(df["avg_ts"].iloc[0]) if df["avg_ts"].notna().all() else float("nan")
+            variants = ["baseline", "patched"] if args.baseline and name == "host" else ["patched"]
+            if args.baseline:
+                cfg.plans = {v: cfg.plans.get("patched", cfg.placement) for v in variants} if cfg.plans else {}
+            df = runner.ab([cfg], variants=variants, out_dir=args.out / f"ub{ub}-{name}", progress=False)
+            ts = {r["variant"]: r["avg_ts"] for r in df.to_dict("records")}
+            got[name] = float(ts.get("patched", float("nan")))
+            if name == "host" and "baseline" in ts:
+                got["baseline"] = float(ts["baseline"])
         rows.append({"n_ubatch": ub, "n_batch": nb, "host_expert_layers": cand["host_expert_layers"],
                      "bound": cand["bound"], "predicted_ts": cand["predicted_ts"], "measured_ts": got["host"],
                      "error_pct": 100 * (cand["predicted_ts"] / got["host"] - 1),
-                     "all_in_vram_ts": got["vram"], "of_vram_pct": 100 * got["host"] / got["vram"]})
+                     "all_in_vram_ts": got["vram"], "of_vram_pct": 100 * got["host"] / got["vram"],
+                     **({"baseline_ts": got["baseline"], "speedup": got["host"] / got["baseline"]}
+                        if "baseline" in got else {})})
         print(f"ub{ub}: predicted {cand['predicted_ts']:.0f}, measured {got['host']:.0f}, all in VRAM "
               f"{got['vram']:.0f} t/s", file=sys.stderr, flush=True)
     df = pd.DataFrame(rows).sort_values("n_ubatch") if rows else pd.DataFrame(rows)
@@ -141,6 +149,8 @@ def main() -> int:
                "best_measured_n_ubatch": int(best["n_ubatch"]) if best is not None else None,
                "chosen_of_best_pct": 100 * chosen_ts / float(best["measured_ts"]) if chosen_ts else None,
                "max_abs_error_pct": float(df["error_pct"].abs().max()) if len(df) else None,
+               "best_vs_best": (float(df["measured_ts"].max() / df["baseline_ts"].max())
+                                if len(df) and "baseline_ts" in df else None),
                "rows": rows}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     if args.json:
@@ -149,7 +159,9 @@ def main() -> int:
         print(table(df) if len(df) else "(no candidate with a placement)")
         print(f"\nchosen n_ubatch {chosen}: {summary['chosen_of_best_pct'] or float('nan'):.1f}% of the best measured "
               f"(ub{summary['best_measured_n_ubatch']}); largest prediction error "
-              f"{summary['max_abs_error_pct'] or float('nan'):.1f}%")
+              f"{summary['max_abs_error_pct'] or float('nan'):.1f}%"
+              + (f"; best against best (upstream at its own best n_ubatch): {summary['best_vs_best']:.2f}x"
+                 if summary["best_vs_best"] else ""))
     return 0
 
 
