@@ -26,7 +26,7 @@ from pyllama_pp.cli import models_dir
 from pyllama_pp.compute import probe
 from pyllama_pp.config import RunConfig
 from pyllama_pp.fit import DEFAULT_CUDA_LINK_GBPS, fit, fit_ubatch, predict
-from pyllama_pp.model_file import expert_bytes_per_layer
+from pyllama_pp.model_file import block_count, expert_bytes_per_layer
 from pyllama_pp.params import ContextParams, Placement
 
 # two VDEVs whose memory holds about half of the tiny preset's experts, on 1 GB/s links, computing 3x slower than
@@ -42,6 +42,19 @@ def resident(devices: str) -> str:
         return devices
     d = spec.to_dict()
     return json.dumps({"kind": "vdev", "devices": [{**v, "memory": 0} for v in d["devices"]]})
+
+
+def host_share_margins(model: str, devices: str, n_tokens: int, n_ubatch: int, share: float) -> list:
+    """Margins that leave each device its share of the dense weights and of (1 - share) of the experts, plus its KV
+    cache and compute buffers (measured by a fit with no margin at the largest candidate)."""
+    n_ubatch = min(n_ubatch, n_tokens)
+    probe_plan = fit(model, devices=devices, margin=0, check=False,
+                     ctx=ContextParams(n_ctx=n_tokens + 256, n_batch=n_tokens // n_ubatch * n_ubatch, n_ubatch=n_ubatch))
+    experts = expert_bytes_per_layer(model) * block_count(model)
+    dense = Path(model).stat().st_size - experts
+    n = len(probe_plan.devices)
+    return [max(0, int(d.free_bytes - ((dense + (1 - share) * experts) / n + d.context_bytes + d.compute_bytes)))
+            for d in probe_plan.devices]
 
 
 def table(df: pd.DataFrame) -> str:
@@ -66,6 +79,11 @@ def main() -> int:
     ap.add_argument("--host-experts-all", action="store_true",
                     help="every expert in host RAM at every candidate (fit's context and split, its experts moved to "
                          "host): the long-prompt case on a GPU that could hold them")
+    ap.add_argument("--load-mode", default="none", choices=["none", "mmap"],
+                    help="host weights pinned (none, the default) or pageable through mmap (staged by the series)")
+    ap.add_argument("--host-share", type=float, default=None,
+                    help="margins that leave this share of the experts in host RAM (as bench/fit_gpu.py does), for "
+                         "devices that could hold the model")
     ap.add_argument("--baseline", action="store_true",
                     help="also run upstream (the baseline build) on each candidate's placement: best against best")
     ap.add_argument("--budget", type=float, default=0, help="seconds for the whole run (0: no limit); candidates "
@@ -80,6 +98,10 @@ def main() -> int:
     if args.candidates:
         kw["candidates"] = [int(x) for x in args.candidates.split(",")]
     t0 = time.time()
+    if args.host_share is not None:
+        args.margin = host_share_margins(model, args.devices, n, max(kw.get("candidates") or [n]), args.host_share)
+        print(f"margins for a host share of {args.host_share:g}: {[m // 2**20 for m in args.margin]} MiB",
+              file=sys.stderr)
     plan = fit_ubatch(model, devices=args.devices, ctx=ContextParams(n_ctx=n + 256, n_batch=n), margin=args.margin,
                       link_gbps=args.link_gbps.split(",") if args.link_gbps else None, shared_link=args.shared_link,
                       n_tokens=n, **kw)
@@ -115,10 +137,10 @@ def main() -> int:
         p = cand.get("plan") or fit(model, devices=args.devices, margin=args.margin, check=False,
                                     ctx=ContextParams(n_ctx=n + 256, n_batch=nb, n_ubatch=ub))
         ctx = dict(n_batch=nb, n_ubatch=ub, n_ctx=n + 256, tests=[["pp", n]], reps=args.reps)
-        placement = p.placement(source="fit")
+        placement = p.placement(args.load_mode, source="fit")
         if args.host_experts_all:
             placement = Placement(n_gpu_layers=placement.n_gpu_layers, tensor_split=placement.tensor_split,
-                                  host_experts="all")
+                                  host_experts="all", load_mode=args.load_mode)
         host = RunConfig(model, devices=args.devices, switches=dict(p.switches), plans={"patched": placement}, **ctx)
         vram = RunConfig(model, devices=resident(args.devices), placement=Placement(host_experts="none"), **ctx)
         got = {}
