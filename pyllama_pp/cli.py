@@ -13,7 +13,7 @@ import difflib
 
 import pandas as pd
 
-from . import _pin, runner, synth
+from . import _pin, rpc, runner, synth
 from ._version import __version__
 from . import devices as devspec
 from .binding import VARIANTS, available_variants, backend_modules, build_info
@@ -527,6 +527,12 @@ def cmd_fit(args) -> int:
     return 0
 
 
+def cmd_rpc_server(args) -> int:
+    """Serve this machine's devices over llama.cpp's ggml RPC until killed."""
+    rpc.serve(args.devices, host=args.host, port=args.port, variant=args.variant, threads=args.threads)
+    return 1   # (serve returns only by an error, which it raises)
+
+
 def cmd_check(args) -> int:
     """Both variants on one placement, every token's logits compared; exit 1 on a mismatch."""
     model = args.model or _default_model()
@@ -802,6 +808,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--switch", action="append", metavar="NAME=VALUE", help="a patched scheduler switch, repeatable")
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("rpc-server", help="serve this machine's devices to other hosts (llama.cpp's ggml RPC)",
+                       formatter_class=_HelpFormatter, epilog=epilog)
+    p.add_argument("--devices", default="cpu", help="device spec of this machine to serve (default: cpu; forms below)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1; the protocol has no authentication)")
+    p.add_argument("--port", type=_positive, default=50052, help="port to listen on (default: 50052)")
+    p.add_argument("--variant", choices=list(VARIANTS), default="baseline",
+                   help="the build whose backends serve the devices (default: baseline)")
+    p.add_argument("--threads", type=_positive, default=1, metavar="N", help="CPU threads (default: 1)")
+    p.set_defaults(func=cmd_rpc_server)
     return ap
 
 

@@ -17,6 +17,8 @@ Accepted forms:
                                    ggml cannot report a failed copy, so (as on CUDA) it aborts: pyllama_pp's
                                    abort callback makes that an error (DeviceError)
   vdev:2x0@0,fail_copy_after=N,abort  ... and the failed copy aborts the process itself (SIGABRT: the worker dies)
+  rpc://HOST:PORT                  the devices of an rpc-server (llama.cpp's ggml RPC; `pyllama-pp rpc-server`)
+  rpc://10.0.0.2:50052,10.0.0.3:50052  ... of several servers, in this order
   a JSON file or dict: {"kind": "vdev", "devices": [{"memory": "768MiB", "link_gbps": 4, "link_group": 0,
                          "speed": 1.0, "threads": 1, "direct_read": 0.5, "row_pad": 0,
                          "fail_alloc_after": -1, "fail_copy_after": -1, "fault_abort": false}, ...]}
@@ -90,9 +92,10 @@ class DeviceSpec:
     """A parsed device spec (make one with `parse_devices`).
 
     Attributes:
-        kind: "cpu", "cuda" or "vdev".
+        kind: "cpu", "cuda", "vdev" or "rpc".
         cuda_ids: the CUDA device indices (kind cuda; empty: every device).
         vdevs: one VDevConfig per virtual device (kind vdev): memory, link rate, link group, speed, faults.
+        endpoints: the rpc-servers' "HOST:PORT" (kind rpc).
         text: the spec as given ("vdev:2x768MiB@4GBps", a JSON text or file name).
     """
 
@@ -100,10 +103,12 @@ class DeviceSpec:
     cuda_ids: list[int] = field(default_factory=list)   # empty = all (kind cuda)
     vdevs: list[VDevConfig] = field(default_factory=list)
     text: str = ""
+    endpoints: list[str] = field(default_factory=list)   # kind rpc
 
     @property
     def n_devices(self) -> int:
-        """int: the number of devices the spec names (0 for cpu, and for "cuda", which names every device)."""
+        """int: the number of devices the spec names (0 for cpu, for "cuda", which names every device, and for
+        rpc, whose servers tell their devices only when connected)."""
         return len(self.vdevs) if self.kind == "vdev" else len(self.cuda_ids)
 
     @property
@@ -133,10 +138,10 @@ class DeviceSpec:
         """The spec as JSON-ready data.
 
         Returns:
-            dict: kind, cuda_ids, devices (one dict of VDevConfig fields per VDEV) and text.
+            dict: kind, cuda_ids, devices (one dict of VDevConfig fields per VDEV), endpoints and text.
         """
         return {"kind": self.kind, "cuda_ids": self.cuda_ids, "devices": [asdict(v) for v in self.vdevs],
-                "text": self.text}
+                "endpoints": self.endpoints, "text": self.text}
 
     def __str__(self) -> str:
         return self.text or self.kind
@@ -191,12 +196,36 @@ def _bad(spec: Any, why: str) -> DeviceSpecError:
     return err
 
 
+_ENDPOINT = re.compile(r"(?:rpc://)?([A-Za-z0-9._-]+):(\d{1,5})")
+
+
+def _endpoints(items: list, text: str) -> list[str]:
+    """The rpc-servers' "HOST:PORT" of an rpc spec, checked (a port 1..65535, no endpoint twice)."""
+    out = []
+    for item in items:
+        m = _ENDPOINT.fullmatch(item.strip())
+        if not m or not 1 <= int(m.group(2)) <= 65535:
+            raise _bad(text, f"bad RPC endpoint {item.strip()!r}: expected HOST:PORT with a port 1..65535")
+        ep = f"{m.group(1)}:{int(m.group(2))}"
+        if ep in out:
+            raise _bad(text, f"the RPC endpoint {ep} is listed twice")
+        out.append(ep)
+    if len(out) > 16:
+        raise _bad(text, "at most 16 RPC servers")
+    return out
+
+
 def _from_dict(d: dict, text: str) -> DeviceSpec:
     kind = d.get("kind", "vdev")
     if kind == "cpu":
         return DeviceSpec("cpu", text=text)
     if kind == "cuda":
         return DeviceSpec("cuda", cuda_ids=[int(i) for i in d.get("ids", [])], text=text)
+    if kind == "rpc":
+        eps = d.get("endpoints")
+        if not isinstance(eps, list) or not eps or not all(isinstance(e, str) for e in eps):
+            raise _bad(text, "'endpoints' must be a non-empty list of \"HOST:PORT\" strings")
+        return DeviceSpec("rpc", endpoints=_endpoints(eps, text), text=text)
     if kind != "vdev":
         raise _bad(text, f"unknown kind {kind!r}")
     devs = d.get("devices")
@@ -231,7 +260,7 @@ def parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
     """Parse a device spec, as the API, the CLI and bench/ all understand it (the forms: this module's docstring).
 
     Args:
-        spec: a string ("cpu", "cuda", "cuda:0,1", "vdev:2x768MiB@4GBps[,shared,speed=1:2,...]"), a JSON text, the
+        spec: a string ("cpu", "cuda", "cuda:0,1", "vdev:2x768MiB@4GBps[,shared,speed=1:2,...]", "rpc://HOST:PORT"), a JSON text, the
             path of a .json file, a dict of the JSON form, a DeviceSpec (returned as it is), or None / "" (cpu).
     Returns:
         DeviceSpec: the parsed spec.
@@ -278,6 +307,8 @@ def _parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
         return DeviceSpec("cpu", text=text)
     if low == "cuda":
         return DeviceSpec("cuda", text=text)
+    if low.startswith("rpc://"):
+        return DeviceSpec("rpc", endpoints=_endpoints(text[len("rpc://"):].split(","), text), text=text)
     m = re.fullmatch(r"cuda:(\d+(?:,\d+)*)", low)
     if m:
         ids = [int(x) for x in m.group(1).split(",")]

@@ -767,8 +767,8 @@ class Session:
 
 
 def register_devices(native, spec: "devspec.DeviceSpec") -> str:
-    """Set up the devices of `spec` in this process (VDEVs are registered once per process); returns the device
-    names for pp_model_params.devices ("none": CPU only)."""
+    """Set up the devices of `spec` in this process (VDEVs are registered once per process; an rpc spec connects to
+    its servers, once per endpoint); returns the device names for pp_model_params.devices ("none": CPU only)."""
     lib, ffi = native.lib, native.ffi
     if spec.kind == "cpu":
         return "none"
@@ -795,6 +795,16 @@ def register_devices(native, spec: "devspec.DeviceSpec") -> str:
         if lib.pp_vdev_register(cfg, n, err, 512) != 0:
             raise DeviceSpecError(f"cannot set up the virtual devices: {ffi.string(err).decode()}")
         return ",".join(f"VDEV{i}" for i in range(n))
+    if spec.kind == "rpc":
+        names = []
+        for ep in spec.endpoints:
+            buf = ffi.new("char[1024]")
+            native.check(lib.pp_rpc_add_server(ep.encode(), buf, 1024))
+            got = ffi.string(buf).decode()
+            if not got:
+                raise DeviceSpecError(f"the RPC server at {ep} offers no devices")
+            names += got.split(",")
+        return ",".join(names)
     # cuda
     cuda = [d for d in list_devices() if d["backend"] == "CUDA"]
     if not cuda:

@@ -23,6 +23,7 @@ FLOORS = [
     ["_pin", "devices", "params", "counters", "stats", "synth"],
     ["model_file", "plan", "jobs", "row"],
     ["session"],
+    ["rpc"],
     ["worker.client"],
     ["worker"],
     ["worker.handlers.base"],

@@ -11,9 +11,15 @@
 #include "fit_log.h"
 
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <memory>
 #include <cstdio>
@@ -933,4 +939,161 @@ PP_EXPORT int pp_ext_get_param(const char * name, int64_t * value) {
         return fail(PP_ERR_UNSUPPORTED, std::string("the ") + PP_VARIANT + " build has no scheduler extension");
     }
     return ext().get_param(name, value) == 0 ? PP_OK : fail(PP_ERR_ARG, std::string("unknown parameter ") + (name ? name : "(null)"));
+}
+
+// ---- RPC -------------------------------------------------------------------------------------------------
+
+namespace {
+
+// "HOST:PORT" -> host, port (the last colon splits, as the RPC client's parse_endpoint does)
+bool split_endpoint(const char * endpoint, std::string & host, int & port) {
+    if (!endpoint) {
+        return false;
+    }
+    const std::string e(endpoint);
+    const size_t colon = e.rfind(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 >= e.size()) {
+        return false;
+    }
+    host = e.substr(0, colon);
+    const std::string p = e.substr(colon + 1);
+    if (p.find_first_not_of("0123456789") != std::string::npos || p.size() > 5) {
+        return false;
+    }
+    port = std::stoi(p);
+    return port > 0 && port < 65536;
+}
+
+// a plain TCP connect with a timeout: "" when it connects, else why not
+std::string tcp_probe(const std::string & host, int port, int timeout_ms) {
+    addrinfo hints{};
+    hints.ai_family   = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo * res = nullptr;
+    const int gai = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+    if (gai != 0) {
+        return std::string("cannot resolve ") + host + ": " + gai_strerror(gai);
+    }
+    std::string why = "no address";
+    for (addrinfo * a = res; a; a = a->ai_next) {
+        const int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+        if (fd < 0) {
+            why = strerror(errno);
+            continue;
+        }
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL, 0) | O_NONBLOCK);
+        int rc = connect(fd, a->ai_addr, a->ai_addrlen);
+        if (rc != 0 && errno == EINPROGRESS) {
+            pollfd pfd{fd, POLLOUT, 0};
+            rc = poll(&pfd, 1, timeout_ms);
+            if (rc == 0) {
+                why = "timed out after " + std::to_string(timeout_ms) + " ms";
+                rc = -1;
+            } else if (rc > 0) {
+                int err = 0;
+                socklen_t len = sizeof(err);
+                getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+                rc = err == 0 ? 0 : -1;
+                if (err) {
+                    why = strerror(err);
+                }
+            } else {
+                why = strerror(errno);
+            }
+        } else if (rc != 0) {
+            why = strerror(errno);
+        }
+        close(fd);
+        if (rc == 0) {
+            freeaddrinfo(res);
+            return "";
+        }
+    }
+    freeaddrinfo(res);
+    return why;
+}
+
+ggml_backend_reg_t rpc_reg() {
+    return ggml_backend_reg_by_name("RPC");
+}
+
+}  // namespace
+
+PP_EXPORT int pp_rpc_add_server(const char * endpoint, char * names, size_t names_size) {
+    if (!endpoint || !names || names_size == 0) {
+        return fail(PP_ERR_ARG, "null argument");
+    }
+    std::string host;
+    int port = 0;
+    if (!split_endpoint(endpoint, host, port)) {
+        return fail(PP_ERR_ARG, std::string("bad RPC endpoint '") + endpoint + "': expected HOST:PORT");
+    }
+    return guarded([&] {
+        ggml_backend_reg_t reg = rpc_reg();
+        if (!reg) {
+            return fail(PP_ERR_DEVICE, "no RPC backend loaded: the package was built without its RPC module");
+        }
+        using add_server_t = ggml_backend_reg_t (*)(const char *);
+        auto add_server = (add_server_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_add_server");
+        if (!add_server) {
+            return fail(PP_ERR_DEVICE, "the RPC backend has no ggml_backend_rpc_add_server");
+        }
+        const std::string why = tcp_probe(host, port, 3000);
+        if (!why.empty()) {
+            return fail(PP_ERR_DEVICE, std::string("cannot reach the RPC server at ") + endpoint + ": " + why);
+        }
+        ggml_backend_reg_t srv = add_server(endpoint);
+        if (!srv) {
+            return fail(PP_ERR_DEVICE, std::string("the RPC server at ") + endpoint + " offers no devices");
+        }
+        // add_server returns the same registry for an endpoint it knows: register it once
+        bool known = false;
+        for (size_t i = 0; i < ggml_backend_reg_count(); i++) {
+            known = known || ggml_backend_reg_get(i) == srv;
+        }
+        if (!known) {
+            ggml_backend_register(srv);
+        }
+        std::string out;
+        for (size_t i = 0; i < ggml_backend_reg_dev_count(srv); i++) {
+            out += (i ? "," : "") + std::string(ggml_backend_dev_name(ggml_backend_reg_dev_get(srv, i)));
+        }
+        if (out.size() >= names_size) {
+            return fail(PP_ERR_ARG, "names buffer too small: need " + std::to_string(out.size() + 1));
+        }
+        copy_str(names, names_size, out.c_str());
+        return PP_OK;
+    });
+}
+
+PP_EXPORT int pp_rpc_start_server(const char * endpoint, const char * const * dev_names, int n_devs, int n_threads) {
+    if (!endpoint || !dev_names || n_devs <= 0) {
+        return fail(PP_ERR_ARG, "null endpoint or no devices");
+    }
+    std::string host;
+    int port = 0;
+    if (!split_endpoint(endpoint, host, port)) {
+        return fail(PP_ERR_ARG, std::string("bad RPC endpoint '") + endpoint + "': expected HOST:PORT");
+    }
+    return guarded([&] {
+        ggml_backend_reg_t reg = rpc_reg();
+        if (!reg) {
+            return fail(PP_ERR_DEVICE, "no RPC backend loaded: the package was built without its RPC module");
+        }
+        using start_server_t = void (*)(const char *, const char *, size_t, size_t, ggml_backend_dev_t *);
+        auto start_server = (start_server_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_start_server");
+        if (!start_server) {
+            return fail(PP_ERR_DEVICE, "the RPC backend has no ggml_backend_rpc_start_server");
+        }
+        std::vector<ggml_backend_dev_t> devs;
+        for (int i = 0; i < n_devs; i++) {
+            ggml_backend_dev_t dev = dev_names[i] ? ggml_backend_dev_by_name(dev_names[i]) : nullptr;
+            if (!dev) {
+                return fail(PP_ERR_DEVICE, std::string("unknown device '") + (dev_names[i] ? dev_names[i] : "(null)") + "'");
+            }
+            devs.push_back(dev);
+        }
+        start_server(endpoint, nullptr, (size_t) std::max(1, n_threads), devs.size(), devs.data());
+        return fail(PP_ERR_DEVICE, std::string("the RPC server at ") + endpoint + " stopped (could it bind the port?)");
+    });
 }

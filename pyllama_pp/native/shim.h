@@ -210,6 +210,13 @@ int pp_ext_param_spec(int i, char * type, size_t type_size, int64_t * def, int64
 // GGML_SCHED_PP_* environment variables the switch table does not accept (a name it does not know, a value that is
 // not an integer or out of range): how many (0: none), one line each into buf; PP_ERR_UNSUPPORTED without the table
 int pp_ext_env_problems(char * buf, size_t buf_size);
+// ---- RPC (llama.cpp's ggml RPC backend, the module in the backends folder) -------------------------------
+// Connect to an rpc-server at endpoint "HOST:PORT", register its devices and write their names, comma-separated,
+// into names. PP_ERR_DEVICE when the server cannot be reached (checked with a TCP connect and a timeout first:
+// the RPC client aborts on a refused connection) or the RPC module is not loaded; PP_ERR_ARG on a bad endpoint.
+int pp_rpc_add_server(const char * endpoint, char * names, size_t names_size);
+// Serve the n_devs devices named in dev_names at endpoint "HOST:PORT" (ggml_backend_rpc_start_server): blocks.
+int pp_rpc_start_server(const char * endpoint, const char * const * dev_names, int n_devs, int n_threads);
 // The bytes the gathers of ggml device `dev_name` ("CUDA0", ...) read over its host link so far, prefetches
 // included, as counted by pyllama_pp's CUDA gather library on the device; -1 where nothing is counted (no such
 // library, a device it never gathered for, or not CUDA).
