@@ -1019,24 +1019,46 @@ ggml_backend_reg_t rpc_reg() {
 
 }  // namespace
 
+namespace {
+
+// the RPC module's function `fn` (upstream's API is reached through its proc address: the module is loaded at run
+// time), or nullptr after fail() said why
+void * rpc_proc(const char * fn) {
+    ggml_backend_reg_t reg = rpc_reg();
+    if (!reg) {
+        fail(PP_ERR_DEVICE, "no RPC backend loaded: the package was built without its RPC module");
+        return nullptr;
+    }
+    void * f = ggml_backend_reg_get_proc_address(reg, fn);
+    if (!f) {
+        fail(PP_ERR_DEVICE, std::string("the RPC backend has no ") + fn);
+    }
+    return f;
+}
+
+int check_endpoint(const char * endpoint, std::string & host, int & port) {
+    if (!split_endpoint(endpoint, host, port)) {
+        return fail(PP_ERR_ARG, std::string("bad RPC endpoint '") + endpoint + "': expected HOST:PORT");
+    }
+    return PP_OK;
+}
+
+}  // namespace
+
 PP_EXPORT int pp_rpc_add_server(const char * endpoint, char * names, size_t names_size) {
     if (!endpoint || !names || names_size == 0) {
         return fail(PP_ERR_ARG, "null argument");
     }
     std::string host;
     int port = 0;
-    if (!split_endpoint(endpoint, host, port)) {
-        return fail(PP_ERR_ARG, std::string("bad RPC endpoint '") + endpoint + "': expected HOST:PORT");
+    if (int rc = check_endpoint(endpoint, host, port); rc != PP_OK) {
+        return rc;
     }
     return guarded([&] {
-        ggml_backend_reg_t reg = rpc_reg();
-        if (!reg) {
-            return fail(PP_ERR_DEVICE, "no RPC backend loaded: the package was built without its RPC module");
-        }
         using add_server_t = ggml_backend_reg_t (*)(const char *);
-        auto add_server = (add_server_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_add_server");
+        auto add_server = (add_server_t) rpc_proc("ggml_backend_rpc_add_server");
         if (!add_server) {
-            return fail(PP_ERR_DEVICE, "the RPC backend has no ggml_backend_rpc_add_server");
+            return (int) PP_ERR_DEVICE;   // (rpc_proc said why)
         }
         const std::string why = tcp_probe(host, port, 3000);
         if (!why.empty()) {
@@ -1072,18 +1094,14 @@ PP_EXPORT int pp_rpc_start_server(const char * endpoint, const char * const * de
     }
     std::string host;
     int port = 0;
-    if (!split_endpoint(endpoint, host, port)) {
-        return fail(PP_ERR_ARG, std::string("bad RPC endpoint '") + endpoint + "': expected HOST:PORT");
+    if (int rc = check_endpoint(endpoint, host, port); rc != PP_OK) {
+        return rc;
     }
     return guarded([&] {
-        ggml_backend_reg_t reg = rpc_reg();
-        if (!reg) {
-            return fail(PP_ERR_DEVICE, "no RPC backend loaded: the package was built without its RPC module");
-        }
         using start_server_t = void (*)(const char *, const char *, size_t, size_t, ggml_backend_dev_t *);
-        auto start_server = (start_server_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_start_server");
+        auto start_server = (start_server_t) rpc_proc("ggml_backend_rpc_start_server");
         if (!start_server) {
-            return fail(PP_ERR_DEVICE, "the RPC backend has no ggml_backend_rpc_start_server");
+            return (int) PP_ERR_DEVICE;   // (rpc_proc said why)
         }
         std::vector<ggml_backend_dev_t> devs;
         for (int i = 0; i < n_devs; i++) {
