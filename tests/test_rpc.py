@@ -34,19 +34,40 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> N
     raise AssertionError(f"rpc-server did not listen on {HOST}:{port} within {timeout:.0f} s")
 
 
-@pytest.fixture
-def rpc_server():
+def start_server() -> tuple[int, subprocess.Popen]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pyllama_pp.cli", "rpc-server", "--devices", "vdev:1x0@0",
                              "--host", HOST, "--port", str(port), "--variant", "baseline"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    return port, proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait(timeout=10)
+    proc.stderr.close()
+
+
+@pytest.fixture
+def rpc_server():
+    port, proc = start_server()
     try:
         wait_for_port(port, proc)
         yield port
     finally:
-        proc.kill()
-        proc.wait(timeout=10)
-        proc.stderr.close()
+        stop(proc)
+
+
+@pytest.fixture
+def two_rpc_servers():
+    started = [start_server() for _ in range(2)]
+    try:
+        for port, proc in started:
+            wait_for_port(port, proc)
+        yield [port for port, _ in started]
+    finally:
+        for _, proc in started:
+            stop(proc)
 
 
 def test_spec_forms():
@@ -74,3 +95,14 @@ def test_rpc_closed_port_is_an_error(runner):
         runner.run("baseline", {"kind": "logits", "devices": f"rpc://{HOST}:{port}", "n_tokens": 4}, cache=False)
     assert isinstance(e.value, DeviceSpecError)
     assert time.monotonic() - t0 < 10
+
+
+def test_two_servers_pipeline_and_match_one_process(runner, two_rpc_servers, assert_logits_match):
+    """Two hosts (two servers on loopback, a VDEV each): the patched build pipelines over both and gives the logits
+    of the baseline on two VDEVs in one process."""
+    spec = "rpc://" + ",".join(f"{HOST}:{p}" for p in two_rpc_servers)
+    remote = runner.logits("patched", devices=spec, placement={"host_experts": "none"}, n_tokens=32)
+    local = runner.logits("baseline", devices="vdev:2x0@0", placement={"host_experts": "none"}, n_tokens=32)
+    assert remote["schedule"]["pipeline_parallel"] and remote["schedule"]["n_splits"] >= 2, remote["schedule"]
+    assert_logits_match(remote["logits"], local["logits"], "patched over two RPC servers vs baseline on two VDEVs",
+                        limit=1e-6)
