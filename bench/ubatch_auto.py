@@ -25,7 +25,7 @@ from pyllama_pp import runner, synth
 from pyllama_pp.cli import models_dir
 from pyllama_pp.compute import probe
 from pyllama_pp.config import RunConfig
-from pyllama_pp.fit import DEFAULT_CUDA_LINK_GBPS, fit, fit_ubatch, predict
+from pyllama_pp.fit import fit, fit_ubatch, link_rates, predict
 from pyllama_pp.model_file import block_count, expert_bytes_per_layer
 from pyllama_pp.params import ContextParams, Placement
 
@@ -113,6 +113,7 @@ def main() -> int:
         # every expert on host: each candidate's plan keeps fit's split and context, all its layers host-expert
         ubs = [c["n_ubatch"] for c in plan.ubatch_auto if c.get("predicted_ts")]
         probed = probe(model, args.devices, ubs, n)
+        expert_bytes = expert_bytes_per_layer(model)
         spec = devspec.parse(args.devices)
         for cand in plan.ubatch_auto:
             if not cand.get("predicted_ts"):
@@ -121,9 +122,7 @@ def main() -> int:
                     ctx=ContextParams(n_ctx=n + 256, n_batch=cand["n_batch"], n_ubatch=cand["n_ubatch"]))
             for d in p.devices:
                 d.host_expert_layers, d.full_layers = d.n_layers, 0
-            rates = links or ([v.link_gbps for v in spec.vdevs] if spec.kind == "vdev"
-                              else [DEFAULT_CUDA_LINK_GBPS] * len(p.devices))
-            pred = predict(p, expert_bytes_per_layer(model), rates, args.shared_link, probed, n)
+            pred = predict(p, expert_bytes, link_rates(spec, links, len(p.devices)), args.shared_link, probed, n)
             cand.update(predicted_ts=pred.ts, bound=pred.bound, host_expert_layers=[d.n_layers for d in p.devices],
                         plan=p)
     t_start = time.time()

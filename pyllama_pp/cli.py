@@ -23,7 +23,7 @@ from .devices import FORMS
 from .errors import ConfigError, DeviceSpecError, PyllamaError, UnsupportedError
 from .fit import fit, fit_ubatch
 from .model_file import block_count, check_model_path
-from .params import ContextParams, Placement
+from .params import ContextParams, Placement, ctx_for
 from .plan import Plan
 from .report import devices_label, markdown, plot
 from .row import Row, RowWriter, read_rows
@@ -136,7 +136,7 @@ def cmd_info(args) -> int:
             lines.append("  switches (GGML_SCHED_PP_<NAME>=V, --switch NAME=V):")
             for sw in e["switches"]:
                 lines.append(f"    {sw['name']}={sw['value']} ({sw.get('type', 'int')}, default {sw.get('default')}, "
-                             f"{accepted_values(sw) if 'min' in sw else '?'}): {sw['description']}")
+                             f"{accepted_values(sw) if 'min' in sw else '?'}): {sw['meaning']}")
         for problem in e.get("env_problems", []):
             lines.append(f"  NOT ACCEPTED (the patched runs would refuse it): {problem}")
         for d in e.get("devices", []):
@@ -542,7 +542,7 @@ def cmd_check(args) -> int:
     switches = _switches(args.switch)
     if args.ubatch > args.batch:
         raise ConfigError(f"-ub/--ubatch ({args.ubatch}) is larger than -b/--batch ({args.batch}). Fix: -ub <= -b")
-    n_ctx = max(256, -(-args.tokens // 256) * 256)
+    n_ctx = ctx_for(args.tokens)
     res = check_logits(model, devices=args.devices,
                        placement=Placement(host_experts=args.host_experts, tensor_split=args.tensor_split),
                        ctx=ContextParams(n_ctx=n_ctx, n_batch=args.batch, n_ubatch=args.ubatch),

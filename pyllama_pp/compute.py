@@ -24,7 +24,8 @@ import gguf
 from . import devices as devspec
 from .errors import ConfigError
 from .jobs import MeasureJob
-from .params import ContextParams, Placement
+from .model_file import layer_counts
+from .params import ContextParams, Placement, ctx_for
 from .worker.client import run_job
 
 # MoE layers of the two replicas: their difference is eight layers' compute (fewer where the model has fewer), enough
@@ -42,17 +43,10 @@ def _model_key(model: Union[str, os.PathLike]) -> str:
     return hashlib.sha1(f"{Path(model).resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
 
 
-def _leading_dense(kv: dict, arch: str) -> int:
-    n = kv.get(f"{arch}.leading_dense_block_count")
-    return int(n) if n else 0
-
-
 def moe_layers(model: Union[str, os.PathLike]) -> int:
     """The model's layers after its leading dense ones."""
-    kv = {f.name: f.contents() for f in gguf.GGUFReader(str(model)).fields.values()
-          if not f.name.startswith("GGUF.") and not f.name.startswith("tokenizer.")}
-    arch = kv["general.architecture"]
-    return int(kv[f"{arch}.block_count"]) - _leading_dense(kv, arch)
+    n_layer, n_dense = layer_counts(model)
+    return n_layer - n_dense
 
 
 def replica(model: Union[str, os.PathLike], n_moe_layers: int, out_dir: Optional[Path] = None) -> Path:
@@ -68,17 +62,16 @@ def replica(model: Union[str, os.PathLike], n_moe_layers: int, out_dir: Optional
     Raises:
         ConfigError: when the model has fewer layers than asked for.
     """
-    reader = gguf.GGUFReader(str(model))
-    kv = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("GGUF.")}
-    arch = kv["general.architecture"]
-    n_layer = int(kv[f"{arch}.block_count"])
-    keep = _leading_dense(kv, arch) + n_moe_layers
+    n_layer, n_dense = layer_counts(model)
+    keep = n_dense + n_moe_layers
     if n_moe_layers < 1 or keep > n_layer:
         raise ConfigError(f"a replica of {Path(model).name} with {n_moe_layers} MoE layers needs {keep} layers; the "
                           f"model has {n_layer}")
     out = Path(out_dir or cache_dir()) / f"{Path(model).stem}-{_model_key(model)}-L{keep}.gguf"
     if out.exists():
         return out
+    reader = gguf.GGUFReader(str(model))
+    arch = reader.fields["general.architecture"].contents()
     out.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(out) + ".tmp", arch)
     for f in reader.fields.values():
@@ -155,7 +148,7 @@ class LayerCompute:
 def _prompt_seconds(model: Path, device: str, ubatches: Sequence[int], n_tokens: int, reps: int,
                     timeout: Optional[float]) -> dict:
     """Median seconds of a prompt of n_tokens at each n_ubatch, every weight resident on the device."""
-    n_ctx = -(-(n_tokens + 8) // 256) * 256
+    n_ctx = ctx_for(n_tokens + 8)
     ctxs = [ContextParams(n_ctx=n_ctx, n_batch=n_tokens, n_ubatch=ub) for ub in ubatches]
     job = MeasureJob(variant="baseline", model=str(model), devices=device, placement=Placement(), ctx=ctxs[0],
                      tests=[["pp", n_tokens]], reps=reps, warmup=1, coverage=False,

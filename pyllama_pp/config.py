@@ -7,21 +7,15 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from . import devices as devspec
 from .errors import ConfigError
 from .jobs import MeasureJob, depth_of
-from .params import ContextParams, Placement, as_placement, check_int
+from .params import ContextParams, Placement, as_placement, check_int, ctx_for
 
 TEST_KINDS = ("pp", "tg")
-
-
-def ctx_for(n_tokens: int, n_ctx: int = 0) -> int:
-    """n_ctx for runs of up to n_tokens positions: `n_ctx` when set, else n_tokens rounded up to 256 (at least 256)."""
-    return n_ctx or max(256, int(math.ceil(n_tokens / 256.0)) * 256)
 
 
 def check_tests(tests) -> list:

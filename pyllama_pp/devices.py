@@ -220,7 +220,8 @@ def _from_dict(d: dict, text: str) -> DeviceSpec:
     if kind == "cpu":
         return DeviceSpec("cpu", text=text)
     if kind == "cuda":
-        return DeviceSpec("cuda", cuda_ids=[int(i) for i in d.get("ids", [])], text=text)
+        # ("ids" as a user writes it; "cuda_ids" as DeviceSpec.to_dict writes it)
+        return DeviceSpec("cuda", cuda_ids=[int(i) for i in d.get("ids", d.get("cuda_ids")) or []], text=text)
     if kind == "rpc":
         eps = d.get("endpoints")
         if not isinstance(eps, list) or not eps or not all(isinstance(e, str) for e in eps):

@@ -127,7 +127,16 @@ def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant:
             plans a device over its target.
         WorkerError: when the worker dies or times out.
     """
-    check_model_path(model)
+    return _fit(model, devices, ctx, variant, margin, split_mode, n_ctx_min, check, env, timeout, spread, link_gbps)
+
+
+def _fit(model, devices="vdev:2x0@0", ctx=None, variant: str = "patched", margin=None, split_mode: str = "layer",
+         n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None, timeout: Optional[float] = 600,
+         spread="equal", link_gbps=None, checked: bool = False) -> Plan:
+    """fit's work; `checked`: the caller has checked the model file and the switch environment (fit_ubatch, once
+    for all its candidates)."""
+    if not checked:
+        check_model_path(model)
     spec = devspec.parse(devices)
     if spec.kind == "cpu":
         raise DeviceSpecError("fit places layers on accelerators, and the device spec 'cpu' has none: "
@@ -145,8 +154,9 @@ def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant:
     weights = spread_weights(spread, spec, link_gbps)
     if weights:
         env = {**(env or {}), "LLAMA_FIT_SPREAD_WEIGHTS": ",".join(f"{w:g}" for w in weights)}
-    check_switch_env([variant], env)
-    job = {"kind": "fit", "model": str(model), "devices": {**spec.to_dict(), "ids": spec.cuda_ids}, "ctx": ctx.to_dict(),
+    if not checked:
+        check_switch_env([variant], env)
+    job = {"kind": "fit", "model": str(model), "devices": spec.to_dict(), "ctx": ctx.to_dict(),
            "split_mode": split_mode, "margins": margins, "n_ctx_min": n_ctx_min}
 
     def once(extra: dict) -> Plan:
@@ -183,6 +193,23 @@ class Prediction:
     transfer_s: list
     compute_s: Optional[list]
     bound: str
+
+
+def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int) -> list[float]:
+    """Each device's host link rate in GB/s: the ones given, a VDEV's own, or on CUDA DEFAULT_CUDA_LINK_GBPS.
+
+    Args:
+        spec: the parsed device spec.
+        link_gbps: rates given (numbers or "55GBps"), or None.
+        n_devices: how many devices the plan has.
+    Returns:
+        One rate per device.
+    Raises:
+        ConfigError: for a rate of 0 or a count other than n_devices.
+    """
+    rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else \
+        [v.link_gbps for v in spec.vdevs] if spec.kind == "vdev" else [DEFAULT_CUDA_LINK_GBPS] * n_devices
+    return _checked_rates(rates, spec, "--ubatch auto", link_gbps is not None, n_devices)
 
 
 def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool = False,
@@ -284,6 +311,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
     spec = devspec.parse(devices)
     n_ctx = ctx.n_ctx or 4096
     check_model_path(model)
+    check_switch_env([variant], kw.get("env"))
     expert_bytes = expert_bytes_per_layer(model)
     tried, best, best_score, rates, placed = [], None, 0.0, None, []
     kw.pop("check", None)   # (a candidate that leaves layers on the CPU or a device over its target is out)
@@ -292,17 +320,15 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
         c = ContextParams(**{**ctx.to_dict(), "n_ctx": n_ctx, "n_batch": nb, "n_ubatch": ub})
         row = {"n_ubatch": ub, "n_batch": nb}
         try:
-            plan = fit(model, devices=devices, ctx=c, variant=variant, link_gbps=link_gbps, check=True, **kw)
+            plan = _fit(model, devices=devices, ctx=c, variant=variant, link_gbps=link_gbps, check=True, checked=True,
+                        **kw)
         except OutOfMemoryError as e:
             m = re.search(r"leaves (all \d+ layers and the output layer|\d+ of \d+ layers \(\S+\)) on the CPU|over its "
                           r"target", str(e))
             tried.append({**row, "why": f"no placement ({m.group(0) if m else str(e).split('. Fix:')[0][-80:]})"})
             continue
         if rates is None:   # (the devices' links: known from the spec, or once the first plan counts the GPUs)
-            rates = _checked_rates([devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else
-                                   [v.link_gbps for v in spec.vdevs] if spec.kind == "vdev" else
-                                   [DEFAULT_CUDA_LINK_GBPS] * len(plan.devices),
-                                   spec, "--ubatch auto", link_gbps is not None, len(plan.devices))
+            rates = link_rates(spec, link_gbps, len(plan.devices))
         placed.append((row, plan))
     n_tokens = n_tokens or n_ctx
     probed = probe(model, devices, [r["n_ubatch"] for r, _ in placed], n_tokens,
@@ -360,4 +386,4 @@ def _plan_copies(plan: Plan, once, check: bool, env: Optional[dict]) -> Plan:
     return alt
 
 
-__all__ = ["fit", "fit_ubatch", "spread_weights", "predict", "predicted_ts", "Prediction", "DEFAULT_MARGIN"]
+__all__ = ["fit", "fit_ubatch", "spread_weights", "link_rates", "predict", "predicted_ts", "Prediction", "DEFAULT_MARGIN"]

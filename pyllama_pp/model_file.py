@@ -47,6 +47,24 @@ def check_gguf_layout(path: Union[str, Path]) -> None:
                          "`pyllama-pp synth` or convert your model with llama.cpp's tools)") from None
 
 
+def layer_counts(path: Union[str, Path]) -> tuple[int, int]:
+    """The model's repeating layers and, among them, the leading dense ones (GGUF keys `<arch>.block_count` and
+    `<arch>.leading_dense_block_count`); 0 where the file does not say.
+
+    Args:
+        path: the GGUF file (checked by check_model_path first).
+    Returns:
+        (layers, leading dense layers).
+    """
+    kv = read_gguf_header(path)["kv"]
+    arch = kv.get("general.architecture", "")
+
+    def count(key: str) -> int:
+        n = kv.get(f"{arch}.{key}", 0)
+        return int(n[0] if isinstance(n, list) else n) if n else 0
+    return count("block_count"), count("leading_dense_block_count")
+
+
 def block_count(path: Union[str, Path]) -> int:
     """The model's repeating layers (GGUF key `<arch>.block_count`); 0 where the file does not say.
 
@@ -55,9 +73,7 @@ def block_count(path: Union[str, Path]) -> int:
     Returns:
         The layer count, or 0 when the metadata has none.
     """
-    kv = read_gguf_header(path)["kv"]
-    n = kv.get(f"{kv.get('general.architecture', '')}.block_count", 0)
-    return int(n[0] if isinstance(n, list) else n) if n else 0
+    return layer_counts(path)[0]
 
 
 def expert_bytes_per_layer(model: Union[str, os.PathLike]) -> float:

@@ -5,6 +5,8 @@ worker jobs, the A/B configurations, the CLI) carries them as they are down to t
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass
 from typing import Optional, Tuple, Union
 
@@ -31,6 +33,11 @@ def check_int(name: str, value, lowest: int, highest: int = INT32_MAX) -> int:
     if not lowest <= value <= highest:
         raise ConfigError(f"{name} must be between {lowest} and {highest}, not {value}")
     return value
+
+
+def ctx_for(n_tokens: int, n_ctx: int = 0) -> int:
+    """n_ctx for runs of up to n_tokens positions: `n_ctx` when set, else n_tokens rounded up to 256 (at least 256)."""
+    return n_ctx or max(256, int(math.ceil(n_tokens / 256.0)) * 256)
 
 
 def normalize_host_experts(value) -> HostExperts:

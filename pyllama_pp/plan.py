@@ -329,6 +329,7 @@ class Plan:
 
 def _spec_key(d: dict) -> str:
     """A device spec without its text (the same devices written two ways are the same)."""
+    # ("ids": plans saved before the spec's own cuda_ids were read back)
     return json.dumps({k: v for k, v in d.items() if k not in ("text", "ids")}, sort_keys=True)
 
 
@@ -351,9 +352,10 @@ def _host_layers(overrides: Sequence[str], n_layer: int) -> tuple[set[int], set[
     return host, partial
 
 
-def _layer_ranges(n_gpu_layers: int, split: list[float], n_layer: int) -> list[list[int]]:
-    """[first, end) of the repeating layers per device, as llama-model.cpp assigns them (the output layer counts
-    as layer n_layer; layers below n_layer + 1 - n_gpu_layers stay on the CPU)."""
+def _layer_ranges(n_gpu_layers: int, split: list[float], n_layer: int) -> tuple[list[list[int]], int]:
+    """[first, end) of the repeating layers per device, and the device of the output layer (-1: the CPU), as
+    llama-model.cpp assigns them (the output layer counts as layer n_layer; layers below n_layer + 1 - n_gpu_layers
+    stay on the CPU)."""
     n_act = n_layer + 1
     ngl = n_act if n_gpu_layers < 0 else min(n_gpu_layers, n_act)
     start = n_act - ngl
@@ -362,29 +364,15 @@ def _layer_ranges(n_gpu_layers: int, split: list[float], n_layer: int) -> list[l
     for s in split:
         cum += s
         bounds.append(cum / total if total > 0 else 1.0)
-    owner = []
+    owner = {}
     for il in range(start, n_act):
         x = (il - start) / ngl if ngl else 0.0
-        owner.append(next((i for i, b in enumerate(bounds) if x < b), len(split) - 1))   # upper_bound
+        owner[il] = next((i for i, b in enumerate(bounds) if x < b), len(split) - 1)   # upper_bound
     out = []
     for dev in range(len(split)):
-        mine = [start + j for j, o in enumerate(owner) if o == dev and start + j < n_layer]
+        mine = [il for il, o in owner.items() if o == dev and il < n_layer]
         out.append([mine[0], mine[-1] + 1] if mine else [start, start])
-    return out
-
-
-def _output_owner(n_gpu_layers: int, split: list[float], n_layer: int) -> int:
-    """The device that holds the output layer (-1: the CPU), as llama-model.cpp assigns it."""
-    n_act = n_layer + 1
-    ngl = n_act if n_gpu_layers < 0 else min(n_gpu_layers, n_act)
-    if ngl < n_act - n_layer:   # (n_gpu_layers 0: every layer, the output's too, on the CPU)
-        return -1
-    total, cum, x = sum(split), 0.0, (n_layer - (n_act - ngl)) / ngl
-    for i, s in enumerate(split):
-        cum += s
-        if x < (cum / total if total > 0 else 1.0):
-            return i
-    return len(split) - 1
+    return out, owner.get(n_layer, -1)
 
 
 _BLOCK_PATTERN = re.compile(r"^\^?blk\\\.(\d+)\\\.")
@@ -425,8 +413,7 @@ def plan_from_result(res: dict, variant: str, model: str, spec: devspec.DeviceSp
     if not any(split):
         # fit kept llama's default split: proportional to each device's free memory
         split = [float(d["free_bytes"]) for d in res["devices"]]
-    ranges = _layer_ranges(res["n_gpu_layers"], split, n_layer)
-    out_dev = _output_owner(res["n_gpu_layers"], split, n_layer)
+    ranges, out_dev = _layer_ranges(res["n_gpu_layers"], split, n_layer)
     overrides = _existing_overrides(res["overrides"], n_layer)
     host, partial = _host_layers(overrides, n_layer)
     devs = []
@@ -442,7 +429,7 @@ def plan_from_result(res: dict, variant: str, model: str, spec: devspec.DeviceSp
     size = Path(model).stat().st_size
     # (the model's absolute path: `run/ab --plan PLAN.json` without a model finds it from any working directory)
     return Plan(variant=variant, model=str(Path(model).resolve()), model_size=size,
-                devices_spec={**spec.to_dict(), "ids": spec.cuda_ids}, ctx=ctx,
+                devices_spec=spec.to_dict(), ctx=ctx,
                 status=status, path=path, reasons=reasons, n_gpu_layers=res["n_gpu_layers"],
                 tensor_split=list(res["tensor_split"])[:ndev], tensor_overrides=overrides,
                 n_ctx=res["n_ctx"], n_layer=n_layer, n_expert=res["n_expert"], margins=margins, devices=devs,

@@ -18,7 +18,8 @@ from typing import Iterable, Optional, Sequence, Union
 from tqdm import tqdm
 
 from .binding import VARIANTS
-from .config import RunConfig, config_key, ctx_for, load_key
+from .config import RunConfig, config_key, load_key
+from .params import ctx_for
 from .counters import ext_add, sum_devices
 from .errors import ConfigError, WorkerError
 from .jobs import MeasureJob, WorkloadJob, test_name
@@ -39,6 +40,12 @@ def _as_configs(configs) -> list[RunConfig]:
         what = type(configs).__name__ if cfgs is None else type(bad[0]).__name__
         raise TypeError(f"configs must be a RunConfig or a list of them (pp.RunConfig(model, devices=...)), not {what}")
     return cfgs
+
+
+def _check_envs(configs: list[RunConfig], variants: Sequence[str]) -> None:
+    """check_switch_env once per distinct environment of the configs (each check may start an info worker)."""
+    for env in {json.dumps(c.env or {}, sort_keys=True) for c in configs}:
+        check_switch_env(variants, json.loads(env))
 
 
 def save_sweep(out_dir: Union[str, Path], configs: list[RunConfig], variants: Sequence[str]) -> None:
@@ -134,8 +141,7 @@ def ab(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequence[str] =
         TypeError: when configs are not RunConfig objects.
     """
     configs = _as_configs(configs)
-    for cfg in configs:
-        check_switch_env(variants, cfg.env)
+    _check_envs(configs, variants)
     writer = RowWriter(Path(out_dir) if out_dir else None)
     prev_rows = read_rows(out_dir) if (resume and out_dir) else []
     prev: dict = {}
@@ -261,8 +267,7 @@ def interleaved(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequen
     variants = list(variants)
     if not variants or len(set(variants)) != len(variants) or not set(variants) <= set(VARIANTS):
         raise ValueError(f"variants must be distinct names of {list(VARIANTS)}, got {variants!r}")
-    for cfg in cfgs:
-        check_switch_env(variants, cfg.env)
+    _check_envs(cfgs, variants)
     writer = RowWriter(Path(out_dir) if out_dir else None)
     bar = tqdm(total=len(cfgs) * loads * (rounds + 1), desc="paired A/B", unit="round",
                dynamic_ncols=True) if progress else None
@@ -436,7 +441,7 @@ def mixed_workload(cfg: RunConfig, variants: Sequence[str] = VARIANTS, rounds: i
     if not workload or bad:
         raise ConfigError(f"a workload is a non-empty list of steps [\"pp\" or \"tg\", tokens >= 1], such as "
                           f"{MIXED_WORKLOAD}; got {bad[0] if bad else workload!r}")
-    check_switch_env(variants, cfg.env)
+    _check_envs([cfg], variants)
     ctx = dataclasses.replace(cfg.context(), n_ctx=workload_ctx(workload, cfg.n_ctx))
     cfg_meta = meta(cfg)
     rows: list[Row] = []

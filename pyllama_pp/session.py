@@ -77,6 +77,19 @@ class Split:
     inputs: list[SplitInput]
 
 
+def env_problems(native: binding.Native) -> list[str]:
+    """GGML_SCHED_PP_* variables of this process's environment that the variant's switch table does not accept (a
+    name it does not know, a value out of range), one line each; none for a build without the table."""
+    if native.lib.pp_ext_version() <= 0:
+        return []
+    buf = native.ffi.new("char[8192]")
+    n = native.lib.pp_ext_env_problems(buf, 8192)
+    if n == native.lib.PP_ERR_UNSUPPORTED:
+        return []
+    native.check(n)
+    return [line for line in native.str(buf).splitlines() if line] if n > 0 else []
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity: taskset, a container's cpuset), at least 1."""
     try:
@@ -380,16 +393,8 @@ class Session:
     def _check_switch_env(self) -> None:
         """The patched build: GGML_SCHED_PP_* variables its switch table does not accept are an error here (the
         library would log them and use the defaults). The baseline has no table and reads none of them."""
-        lib = self.native.lib
-        if lib.pp_ext_version() <= 0:
-            return
-        buf = self.native.ffi.new("char[8192]")
-        n = lib.pp_ext_env_problems(buf, 8192)
-        if n == lib.PP_ERR_UNSUPPORTED:
-            return
-        self.native.check(n)
-        if n > 0:
-            problems = [line for line in self.native.str(buf).splitlines() if line]
+        problems = env_problems(self.native)
+        if problems:
             raise ConfigError("the patched scheduler does not accept " + "; ".join(problems) +
                               ". Fix: unset or correct the variable (pyllama-pp info lists the switches)")
 

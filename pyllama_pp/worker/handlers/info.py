@@ -3,20 +3,7 @@ from __future__ import annotations
 
 from ... import binding
 from ...jobs import InfoJob
-from ...session import list_devices
-
-
-def env_problems(native: binding.Native) -> list[str]:
-    """GGML_SCHED_PP_* variables of this process's environment that the switch table does not accept (a name it
-    does not know, a value out of range), one line each; none for a build without the table."""
-    if native.lib.pp_ext_version() <= 0:
-        return []
-    buf = native.ffi.new("char[8192]")
-    n = native.lib.pp_ext_env_problems(buf, 8192)
-    if n == native.lib.PP_ERR_UNSUPPORTED:
-        return []
-    native.check(n)
-    return [line for line in native.str(buf).splitlines() if line] if n > 0 else []
+from ...session import env_problems, list_devices
 
 
 def handle(job: InfoJob) -> dict:
@@ -35,7 +22,7 @@ def handle(job: InfoJob) -> dict:
             accepted = [int(v) for v in native.str(values).split(",") if v]
             switches.append({"name": native.str(name), "type": native.str(typ), "default": int(dflt[0]),
                              "min": int(lo[0]), "max": int(hi[0]), "values": accepted or None,
-                             "meaning": native.str(desc), "value": int(val[0]), "description": native.str(desc)})
+                             "meaning": native.str(desc), "value": int(val[0])})
     return {"variant": native.variant, "ext_version": native.lib.pp_ext_version(), "switches": switches,
             "env_problems": env_problems(native),
             "system_info": native.str(native.lib.pp_system_info()), "devices": list_devices()}
