@@ -86,9 +86,12 @@ def installed_json(name: str, default: dict) -> dict:
 
 
 def backend_modules() -> set[str]:
-    """Backend modules in the backends folder, by name (CPU, CUDA, RPC, ...): built with both variants, or a CUDA
-    module dropped in afterwards (bench/gpu_run.sh with a carried one)."""
-    return {f.name[len("libggml-"):-len(".so")].split("-")[0].upper() for f in BACKENDS_DIR.glob("libggml-*.so")}
+    """Backend modules by name (CPU, CUDA, RPC, ...): the shared ones in the backends folder (built with both
+    variants, or a CUDA module dropped in afterwards: bench/gpu_run.sh with a carried one) and each variant's own
+    (RPC, whose protocol is the variant's)."""
+    files = list(BACKENDS_DIR.glob("libggml-*.so")) + list(VARIANTS_DIR.glob("*/libggml-*.so"))
+    return {f.name[len("libggml-"):-len(".so")].split("-")[0].upper() for f in files
+            if f.name not in ("libggml-base.so",)}
 
 
 def build_info() -> dict:
