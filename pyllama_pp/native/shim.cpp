@@ -299,45 +299,7 @@ static std::vector<std::string> split(const std::string & s, char sep) {
     return out;
 }
 
-// "DEV_Host" for an RPC device DEV: host memory on its server (the patched RPC protocol 7.1); why says why not
-static ggml_backend_buffer_type_t rpc_host_buft(const std::string & name, std::string & why) {
-    const std::string suffix = "_Host";
-    if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
-        return nullptr;
-    }
-    ggml_backend_dev_t dev = ggml_backend_dev_by_name(name.substr(0, name.size() - suffix.size()).c_str());
-    ggml_backend_reg_t rpc = ggml_backend_reg_by_name("RPC");
-    if (!dev || !rpc || std::string(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev))).rfind("RPC", 0) != 0) {
-        return nullptr;
-    }
-    using host_buft_t = ggml_backend_buffer_type_t (*)(const char *, uint32_t);
-    auto host_buft = (host_buft_t) ggml_backend_reg_get_proc_address(rpc, "ggml_backend_rpc_host_buffer_type");
-    if (!host_buft) {
-        why = "host memory on an RPC server needs the patched build (variant 'patched')";
-        return nullptr;
-    }
-    // the device's index on its server: its place in the server's registry
-    ggml_backend_reg_t srv = nullptr;
-    for (size_t i = 0; i < ggml_backend_reg_count() && !srv; i++) {
-        ggml_backend_reg_t r = ggml_backend_reg_get(i);
-        for (size_t j = 0; j < ggml_backend_reg_dev_count(r); j++) {
-            if (ggml_backend_reg_dev_get(r, j) == dev) {
-                ggml_backend_buffer_type_t b = host_buft(ggml_backend_dev_description(dev), (uint32_t) j);
-                if (!b) {
-                    why = std::string("the RPC server at ") + ggml_backend_dev_description(dev) + " keeps no host "
-                          "buffers (upstream's protocol 7.0): start it with `pyllama-pp rpc-server --variant patched`";
-                }
-                return b;
-            }
-        }
-    }
-    return nullptr;
-}
-
-static ggml_backend_buffer_type_t find_buft(const std::string & name, std::string & why) {
-    if (ggml_backend_buffer_type_t b = rpc_host_buft(name, why); b || !why.empty()) {
-        return b;
-    }
+static ggml_backend_buffer_type_t find_buft(const std::string & name) {
     if (name == "CPU") {
         ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
         return cpu ? ggml_backend_dev_buffer_type(cpu) : nullptr;
@@ -398,12 +360,9 @@ PP_EXPORT pp_model * pp_model_load(const pp_model_params * p) {
                 if (eq == std::string::npos || eq == 0) {
                     return fail(PP_ERR_ARG, "bad tensor override '" + item + "': expected PATTERN=BUFFER_TYPE");
                 }
-                std::string why;
-                ggml_backend_buffer_type_t buft = find_buft(item.substr(eq + 1), why);
+                ggml_backend_buffer_type_t buft = find_buft(item.substr(eq + 1));
                 if (!buft) {
-                    return fail(why.empty() ? PP_ERR_ARG : PP_ERR_DEVICE,
-                                why.empty() ? "unknown buffer type '" + item.substr(eq + 1) + "' in override '" + item + "'"
-                                            : why + " (override '" + item + "')");
+                    return fail(PP_ERR_ARG, "unknown buffer type '" + item.substr(eq + 1) + "' in override '" + item + "'");
                 }
                 m->patterns.push_back(item.substr(0, eq));
                 m->overrides.push_back({ nullptr, buft });
