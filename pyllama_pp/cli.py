@@ -815,8 +815,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: 127.0.0.1; the protocol has no authentication)")
     p.add_argument("--port", type=_positive, default=50052, help="port to listen on (default: 50052)")
-    p.add_argument("--variant", choices=list(VARIANTS), default="baseline",
-                   help="the build whose backends serve the devices (default: baseline)")
+    p.add_argument("--variant", choices=list(VARIANTS), default="patched",
+                   help="the build that serves: patched (default) keeps host experts of its devices' layers in this "
+                        "host's RAM (RPC protocol 7.1; clients of the same variant); baseline is upstream's server "
+                        "(7.0)")
     p.add_argument("--threads", type=_positive, default=1, metavar="N", help="CPU threads (default: 1)")
     p.set_defaults(func=cmd_rpc_server)
     return ap

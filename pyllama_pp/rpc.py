@@ -1,11 +1,18 @@
-"""Serve this machine's devices to other hosts over llama.cpp's ggml RPC (upstream's rpc-server, in-process).
+"""Serve this machine's devices to other hosts over llama.cpp's ggml RPC (its rpc-server, in-process), and a relay
+that counts and paces what crosses the network.
 
 A client names the server's devices with the device spec `rpc://HOST:PORT` (`devices.py`); `Session` connects to it
-through the same registration as every other kind (`session.register_devices`).
+through the same registration as every other kind (`session.register_devices`). The patched variant's server speaks
+RPC protocol 7.1: it keeps the host weights of the layers its devices hold in its own RAM (pinned where the device
+allows) and its devices copy them in, so only activations cross the network; upstream's (7.0) has no host memory of
+its own, and an upstream client refuses a 7.1 server at connect.
 """
 from __future__ import annotations
 
+import socket
 import sys
+import threading
+import time
 from typing import Optional
 
 from . import binding
@@ -15,13 +22,14 @@ from .session import list_devices, register_devices
 
 
 def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: int = 50052,
-          variant: str = "baseline", threads: int = 1, announce: Optional[object] = None) -> None:
+          variant: str = "patched", threads: int = 1, announce: Optional[object] = None) -> None:
     """Register the local devices of `devices` in this process and serve them at HOST:PORT; blocks while serving.
 
     Args:
         devices: a device spec of this machine ("cpu", "cuda", "cuda:0", "vdev:1x0@0", ...; not rpc://).
         host, port: where to listen (127.0.0.1: this machine only; the RPC protocol has no authentication).
-        variant: the build to load ("baseline" or "patched"); the served devices' backends come from it.
+        variant: the build to load ("patched", the default: protocol 7.1, host memory of its own; "baseline":
+            upstream's 7.0); the served devices' backends come from it.
         threads: CPU threads for a CPU device.
         announce: a file to write "serving DEVICES on HOST:PORT" to before blocking (default: stderr).
     Raises:
@@ -43,3 +51,86 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
     endpoint = f"{host}:{int(port)}"
     print(f"serving {names} on {endpoint}", file=announce or sys.stderr, flush=True)
     native.check(lib.pp_rpc_start_server(endpoint.encode(), arr, len(keep), max(1, int(threads))))
+
+
+class Link:
+    """A loopback TCP relay in front of an RPC server: the network between a client and one host, counted and, with
+    a rate, paced (each direction on its own, as a full-duplex link).
+
+    Args:
+        target_port: the server's port on `host`.
+        gbps: each direction's rate in GB/s (0: as fast as loopback carries it).
+        host: where the server listens, and where the relay listens (on a port of its own, `port`).
+    Raises:
+        OSError: when the relay cannot listen.
+
+    >>> link = Link(50052, gbps=1.0)          # clients connect to rpc://127.0.0.1:{link.port}
+    >>> link.bytes_up, link.bytes_down        # client -> server, server -> client
+    """
+
+    def __init__(self, target_port: int, gbps: float = 0.0, host: str = "127.0.0.1"):
+        self.target = (host, int(target_port))
+        self.rate = float(gbps) * 1e9
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self._sock.listen(4)
+        self.port = self._sock.getsockname()[1]
+        self._open: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._sock.accept()
+                server = socket.create_connection(self.target)
+            except OSError:
+                return
+            for s in (client, server):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._open.append(s)
+            threading.Thread(target=self._pump, args=(client, server, "bytes_up"), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, "bytes_down"), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, counter: str) -> None:
+        buf = bytearray(1 << 20)
+        view = memoryview(buf)
+        due = time.monotonic()
+        try:
+            while True:
+                n = src.recv_into(buf)
+                if n == 0:
+                    break
+                if self.rate > 0:   # (pace: the bytes leave no sooner than the rate allows)
+                    due = max(due, time.monotonic()) + n / self.rate
+                    wait = due - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
+                dst.sendall(view[:n])
+                setattr(self, counter, getattr(self, counter) + n)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        """Stop relaying: the listening socket and every open connection are closed."""
+        self._closed = True
+        for s in [self._sock] + self._open:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def __enter__(self) -> "Link":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

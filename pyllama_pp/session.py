@@ -804,7 +804,16 @@ def register_devices(native, spec: "devspec.DeviceSpec") -> str:
         names = []
         for ep in spec.endpoints:
             buf = ffi.new("char[1024]")
-            native.check(lib.pp_rpc_add_server(ep.encode(), buf, 1024))
+            try:
+                native.check(lib.pp_rpc_add_server(ep.encode(), buf, 1024))
+            except PyllamaError as e:
+                if "version mismatch" not in str(e):
+                    raise
+                # (the patched build speaks RPC protocol 7.1, upstream 7.0: a client refuses a newer server)
+                variant = native.str(lib.pp_variant())
+                raise DeviceSpecError(f"the RPC server at {ep} speaks another protocol than this build ({variant}): "
+                                      f"{str(e).split(': ')[-1]}. Fix: start it from the same variant, `pyllama-pp "
+                                      f"rpc-server --variant {variant} ...`") from None
             got = ffi.string(buf).decode()
             if not got:
                 raise DeviceSpecError(f"the RPC server at {ep} offers no devices")

@@ -1,16 +1,21 @@
 """RPC devices: an rpc-server process serving a VDEV, used by a worker through `rpc://HOST:PORT`."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from pyllama_pp import devices as devspec
-from pyllama_pp.errors import DeviceSpecError, PyllamaError
+from pyllama_pp.errors import DeviceSpecError, PyllamaError, WorkerError
+from pyllama_pp.rpc import Link
+from pyllama_pp.worker.client import run_job
 
 HOST = "127.0.0.1"
 
@@ -34,10 +39,10 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> N
     raise AssertionError(f"rpc-server did not listen on {HOST}:{port} within {timeout:.0f} s")
 
 
-def start_server() -> tuple[int, subprocess.Popen]:
+def start_server(variant: str = "baseline") -> tuple[int, subprocess.Popen]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pyllama_pp.cli", "rpc-server", "--devices", "vdev:1x0@0",
-                             "--host", HOST, "--port", str(port), "--variant", "baseline"],
+                             "--host", HOST, "--port", str(port), "--variant", variant],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     return port, proc
 
@@ -58,9 +63,8 @@ def rpc_server():
         stop(proc)
 
 
-@pytest.fixture
-def two_rpc_servers():
-    started = [start_server() for _ in range(2)]
+def servers(variant: str, n: int):
+    started = [start_server(variant) for _ in range(n)]
     try:
         for port, proc in started:
             wait_for_port(port, proc)
@@ -68,6 +72,25 @@ def two_rpc_servers():
     finally:
         for _, proc in started:
             stop(proc)
+
+
+@pytest.fixture
+def two_rpc_servers():
+    yield from servers("baseline", 2)
+
+
+@pytest.fixture
+def two_patched_servers():
+    yield from servers("patched", 2)
+
+
+def spec_of(ports) -> str:
+    return "rpc://" + ",".join(f"{HOST}:{p}" for p in ports)
+
+
+def host_buffers(res: dict) -> list[str]:
+    """The buffer types of a result's schedule that hold weights in a server's host memory."""
+    return sorted(m["buft"] for m in res["schedule"]["memory"] if m["buft"].endswith("_Host") and m["model_bytes"] > 0)
 
 
 def test_spec_forms():
@@ -106,3 +129,104 @@ def test_two_servers_pipeline_and_match_one_process(runner, two_rpc_servers, ass
     assert remote["schedule"]["pipeline_parallel"] and remote["schedule"]["n_splits"] >= 2, remote["schedule"]
     assert_logits_match(remote["logits"], local["logits"], "patched over two RPC servers vs baseline on two VDEVs",
                         limit=1e-6)
+
+
+def test_host_experts_stay_on_their_servers(runner, two_patched_servers, assert_logits_match):
+    """Patched servers keep the experts of the layers their device holds in their own host memory: the client's RAM
+    holds none of them, the pipeline stays on, and the logits are the single-process baseline's."""
+    remote = runner.logits("patched", devices=spec_of(two_patched_servers), placement={"host_experts": "all"},
+                           n_tokens=32)
+    local = runner.logits("baseline", devices="vdev:2x0@0", placement={"host_experts": "none"}, n_tokens=32)
+    assert host_buffers(remote) == sorted(f"RPC0[{HOST}:{p}]_Host" for p in two_patched_servers), remote["schedule"]
+    cpu = [m for m in remote["schedule"]["memory"] if m["buft"] == "CPU"]
+    experts = sum(m["model_bytes"] for m in remote["schedule"]["memory"] if m["buft"].endswith("_Host"))
+    assert cpu and cpu[0]["model_bytes"] < experts / 4, remote["schedule"]["memory"]   # (embeddings only)
+    assert remote["schedule"]["pipeline_parallel"], remote["schedule"]
+    assert_logits_match(remote["logits"], local["logits"], "host experts on two patched servers vs one process",
+                        limit=1e-6)
+
+
+def test_rpc_host_switch_keeps_experts_on_the_client(runner, two_patched_servers):
+    res = runner.logits("patched", devices=spec_of(two_patched_servers), placement={"host_experts": "all"},
+                        n_tokens=8, env={**os.environ, "GGML_SCHED_PP_RPC_HOST": "0"})
+    assert host_buffers(res) == [], res["schedule"]["memory"]
+
+
+def test_upstream_servers_keep_host_experts_on_the_client(runner, two_rpc_servers, assert_logits_match):
+    """A patched client with upstream's servers (protocol 7.0): the experts stay in the client's RAM, as upstream
+    keeps them, with the same logits."""
+    remote = runner.logits("patched", devices=spec_of(two_rpc_servers), placement={"host_experts": "all"},
+                           n_tokens=32)
+    local = runner.logits("baseline", devices="vdev:2x0@0", placement={"host_experts": "none"}, n_tokens=32)
+    assert host_buffers(remote) == [], remote["schedule"]["memory"]
+    assert_logits_match(remote["logits"], local["logits"], "patched client, upstream servers", limit=1e-6)
+
+
+def test_upstream_client_meets_a_patched_server_with_a_clear_error(runner, two_patched_servers):
+    t0 = time.monotonic()
+    with pytest.raises(DeviceSpecError, match=r"speaks another protocol .*7\.1.*--variant baseline"):
+        runner.run("baseline", {"kind": "logits", "devices": spec_of(two_patched_servers[:1]), "n_tokens": 4},
+                   cache=False)
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_server_killed_mid_run_is_an_error_within_seconds(tiny_model):
+    """A host dies while the client computes on it: the worker's job ends with an error that names the RPC server,
+    seconds after the kill, and neither the worker nor the other server is left behind."""
+    started = [start_server("patched") for _ in range(2)]
+    try:
+        for port, proc in started:
+            wait_for_port(port, proc)
+        job = {"kind": "measure", "model": str(tiny_model), "devices": spec_of([p for p, _ in started]),
+               "placement": {"host_experts": "all"}, "ctx": {"n_ctx": 1024, "n_batch": 512, "n_ubatch": 128},
+               "tests": [["pp", 512]], "reps": 100000, "warmup": 1, "coverage": False}
+        killed = []
+        timer = threading.Timer(3.0, lambda: (started[1][1].kill(), killed.append(time.monotonic())))
+        timer.start()
+        with pytest.raises(WorkerError, match="RPC server") as e:
+            run_job(job, "patched", timeout=120)
+        assert killed and time.monotonic() - killed[0] < 20, e.value
+    finally:
+        for _, proc in started:
+            stop(proc)
+    assert started[0][1].returncode is not None
+
+
+def test_network_bytes_per_token_are_counted_and_activations_only(runner, two_patched_servers):
+    """Through a Link per host (a counting relay): with the experts on their servers, a prompt token costs fewer
+    network bytes than with the experts in the client's RAM (RPC_HOST=0), where every layer's expert op runs on the
+    client and its activations cross twice; both directions are counted."""
+    per_token = {}
+    for rpc_host in ("1", "0"):
+        links = [Link(p) for p in two_patched_servers]
+        try:
+            spec = spec_of([x.port for x in links])
+            env = {**os.environ, "GGML_SCHED_PP_RPC_HOST": rpc_host}
+            counts = []
+            for n in (32, 160):
+                before = sum(x.bytes_up + x.bytes_down for x in links)
+                runner.run("patched", {"kind": "logits", "devices": spec, "placement": {"host_experts": "all"},
+                                       "n_tokens": n, "logits": "last"}, env=env, cache=False)
+                counts.append(sum(x.bytes_up + x.bytes_down for x in links) - before)
+                assert all(x.bytes_up > 0 and x.bytes_down > 0 for x in links)
+            per_token[rpc_host] = (counts[1] - counts[0]) / 128
+        finally:
+            for x in links:
+                x.close()
+    assert 0 < per_token["1"] < per_token["0"], per_token
+
+
+def test_multihost_bench_runs_a_short_ab(tmp_path):
+    bench = Path(__file__).resolve().parents[1] / "bench" / "multihost_ab.py"
+    out = tmp_path / "mh"
+    proc = subprocess.run([sys.executable, str(bench), "-p", "128", "-n", "4", "-ub", "64", "--reps", "1",
+                           "--rows", "patched,upstream", "--out", str(out), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["key"]: r for r in json.loads(proc.stdout)["rows"]}
+    assert rows["patched"]["pipeline_parallel"] and not rows["upstream"]["pipeline_parallel"]
+    assert rows["upstream"]["nmse_vs_first"] <= 1e-6
+    assert rows["patched"]["host_expert_bytes_on_servers"] > 0 == rows["upstream"]["host_expert_bytes_on_servers"]
+    for r in rows.values():
+        assert r["net_up_per_prompt_token"] > 0 and r["net_down_per_prompt_token"] > 0, r
+    assert (out / "multihost.md").read_text().count("\n") == 4
