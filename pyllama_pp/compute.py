@@ -99,15 +99,24 @@ def replica(model: Union[str, os.PathLike], n_moe_layers: int, out_dir: Optional
     return out
 
 
+def shares_one_gpu(devices) -> bool:
+    """Whether a CUDA spec's devices are parts of one GPU (GGML_CUDA_DEVICES splits a GPU into that many): their
+    compute runs side by side on the same multiprocessors, so it does not add up as separate GPUs' would."""
+    spec = devspec.parse(devices)
+    return spec.kind == "cuda" and int(os.environ.get("GGML_CUDA_DEVICES") or 1) > 1 and \
+        (not spec.cuda_ids or len(spec.cuda_ids) > 1)
+
+
 def probe_devices(devices) -> list[tuple[list[int], str]]:
-    """The single-device specs the probe runs on, with the devices each stands for: for VDEVs one per distinct
-    compute speed (unthrottled, no memory limit: only compute is measured); for CUDA the first device (the devices
-    are taken to be alike); None for the CPU.
+    """The device specs the probe runs on, with the devices each stands for: for VDEVs one per distinct compute
+    speed (unthrottled, no memory limit: only compute is measured); for CUDA the first device (the devices are
+    taken to be alike), or every device together where they are parts of one GPU (shares_one_gpu); "cpu" for the
+    CPU.
 
     Args:
         devices: a device spec.
     Returns:
-        [(device indices, single-device spec), ...].
+        [(device indices, device spec), ...].
     """
     spec = devspec.parse(devices)
     if spec.kind == "vdev":
@@ -117,6 +126,8 @@ def probe_devices(devices) -> list[tuple[list[int], str]]:
         return [(idx, json.dumps({"kind": "vdev", "devices": [{"memory": 0, "link_gbps": 0, "speed": speed,
                                                                 "threads": threads}]}))
                 for (speed, threads), idx in groups.items()]
+    if shares_one_gpu(spec):
+        return [(list(range(len(spec.cuda_ids))) if spec.cuda_ids else [-1], spec.label)]
     if spec.kind == "cuda":
         first = spec.cuda_ids[0] if spec.cuda_ids else 0
         return [(list(range(max(spec.n_devices, 1))) if spec.cuda_ids else [-1], f"cuda:{first}")]
@@ -129,16 +140,19 @@ class LayerCompute:
     and the seconds outside the layers (embeddings, output) per prompt.
 
     Attributes:
-        device: the single-device spec it ran on.
+        device: the device spec it ran on.
         n_tokens: the prompt's length.
         layer_s: n_ubatch -> seconds of one MoE layer over the whole prompt.
         outside_s: n_ubatch -> seconds outside the layers over the whole prompt.
+        shared: measured on every device of a spec whose devices are parts of one GPU, pipelined together: a layer's
+            time is what one more layer adds to the whole pipeline, wherever it is.
     """
 
     device: str
     n_tokens: int
     layer_s: dict = field(default_factory=dict)
     outside_s: dict = field(default_factory=dict)
+    shared: bool = False
 
     def per_ubatch(self, n_ubatch: int) -> float:
         """Seconds one MoE layer computes one ubatch of n_ubatch tokens (the prompt's mean)."""
@@ -189,7 +203,7 @@ def probe(model: Union[str, os.PathLike], devices, ubatches: Sequence[int], n_to
         if cache and path.exists():
             d = json.loads(path.read_text())
             lc = LayerCompute(d["device"], d["n_tokens"], {int(k): v for k, v in d["layer_s"].items()},
-                              {int(k): v for k, v in d["outside_s"].items()})
+                              {int(k): v for k, v in d["outside_s"].items()}, d.get("shared", False))
         if lc is None:
             n_lo, n_hi = REPLICA_LAYERS[0], min(REPLICA_LAYERS[1], moe_layers(model))
             lo, hi = (_prompt_seconds(replica(model, n), device, ubatches, n_tokens, reps, timeout)
@@ -197,7 +211,7 @@ def probe(model: Union[str, os.PathLike], devices, ubatches: Sequence[int], n_to
             span = max(n_hi - n_lo, 1)
             layer = {ub: max(hi[ub] - lo[ub], 0.0) / span for ub in ubatches}
             outside = {ub: max(lo[ub] - n_lo * layer[ub], 0.0) for ub in ubatches}
-            lc = LayerCompute(device, n_tokens, layer, outside)
+            lc = LayerCompute(device, n_tokens, layer, outside, shared=shares_one_gpu(device))
             if cache:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(asdict(lc)))
@@ -211,4 +225,4 @@ def compute_for(probed: dict[int, LayerCompute], device_index: int) -> LayerComp
     return probed.get(device_index) or probed[-1]
 
 
-__all__ = ["probe", "replica", "LayerCompute", "probe_devices"]
+__all__ = ["probe", "replica", "LayerCompute", "probe_devices", "shares_one_gpu"]

@@ -407,6 +407,12 @@ def test_prediction_counts_compute_beside_the_copies():
     assert fast_link.ts == pytest.approx(4000 / (3 * 0.007 + 2 * 0.007))   # one batch of 4 ubatches, 2 stages
     plan.switches = {"OVERLAP": 0}
     assert predict(plan, 1e6, [1.0, 1.0], compute={-1: lc}).stage_s == pytest.approx([0.002 + 0.006, 0.003 + 0.006])
+    # parts of one GPU (the probe ran them together): a ubatch takes all six layers' compute or all five copies,
+    # whichever is longer, and the first copy is exposed once
+    plan.switches = {"OVERLAP": 2}
+    shared = LayerCompute("cuda", n_tokens=4000, layer_s={1000: 0.008}, outside_s={1000: 0.0}, shared=True)
+    assert predict(plan, 1e6, [1.0, 1.0], compute={-1: shared}).ts == pytest.approx(4000 / (4 * 0.012 + 0.001))
+    assert predict(plan, 3e6, [1.0, 1.0], compute={-1: shared}).ts == pytest.approx(4000 / (4 * 0.015 + 0.003))
 
 
 def test_compute_probe_replicas_and_a_compute_bound_choice(tmp_path, monkeypatch):
@@ -481,3 +487,17 @@ def test_fit_places_every_synth_family(tmp_path_factory, name):
     assert res["schedule"]["pipeline_parallel"] is True
     for d, want in zip(res["counters"]["devices"], p.devices):
         assert d["failed_allocs"] == 0 and d["peak_alloc_bytes"] <= want.free_bytes, (d, want)
+
+
+def test_parts_of_one_gpu_are_probed_together(monkeypatch):
+    """GGML_CUDA_DEVICES splits a GPU: its parts compute on the same multiprocessors, so the probe runs them
+    together; separate GPUs are probed on the first one."""
+    from pyllama_pp import compute
+    monkeypatch.delenv("GGML_CUDA_DEVICES", raising=False)
+    assert compute.probe_devices("cuda") == [([-1], "cuda:0")]
+    assert not compute.shares_one_gpu("cuda:0,1")
+    monkeypatch.setenv("GGML_CUDA_DEVICES", "2")
+    assert compute.probe_devices("cuda") == [([-1], "cuda")]
+    assert compute.probe_devices("cuda:0,1") == [([0, 1], "cuda:0,1")]
+    assert compute.probe_devices("cuda:1") == [([0], "cuda:1")] and not compute.shares_one_gpu("cuda:1")
+    assert not compute.shares_one_gpu("vdev:2x0@0")
