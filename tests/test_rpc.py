@@ -146,6 +146,16 @@ def test_host_experts_stay_on_their_servers(runner, two_patched_servers, assert_
                         limit=1e-6)
 
 
+def test_host_experts_on_servers_with_expert_coverage_counted(runner, two_patched_servers):
+    """Counting expert coverage cuts each split into sub-graphs at the routers (an eval callback): a server runs
+    those too, with the experts in its host memory and layers left on the client's CPU."""
+    for placement in ({"host_experts": "all"}, {"host_experts": [3, 4], "n_gpu_layers": 4, "tensor_split": [2, 2]}):
+        res = runner.run("patched", {"kind": "measure", "devices": spec_of(two_patched_servers), "placement": placement,
+                                     "ctx": {"n_ctx": 512, "n_batch": 256, "n_ubatch": 64}, "tests": [["pp", 256]],
+                                     "reps": 1, "warmup": 0, "coverage": True}, cache=False)
+        assert host_buffers(res) and res["tests"][0]["seconds"][0] > 0, res
+
+
 def test_rpc_host_switch_keeps_experts_on_the_client(runner, two_patched_servers):
     res = runner.logits("patched", devices=spec_of(two_patched_servers), placement={"host_experts": "all"},
                         n_tokens=8, env={**os.environ, "GGML_SCHED_PP_RPC_HOST": "0"})
