@@ -151,6 +151,8 @@ def _fit(model, devices="vdev:2x0@0", ctx=None, variant: str = "patched", margin
                               "split buffers (and upstream's fit does not place layers in that mode): use layer")
     ctx = as_context(ctx)
     margins = _margins(margin, spec)
+    server_copies = _server_copy_bytes(model, spec, variant, env)
+    margins = [m + server_copies for m in margins]
     weights = spread_weights(spread, spec, link_gbps)
     if weights:
         env = {**(env or {}), "LLAMA_FIT_SPREAD_WEIGHTS": ",".join(f"{w:g}" for w in weights)}
@@ -168,7 +170,21 @@ def _fit(model, devices="vdev:2x0@0", ctx=None, variant: str = "patched", margin
         if plan.devices:   # (one device is pipelined too, GATE)
             plan = _plan_copies(plan, once, check, env)
         plan.spread_weights = weights
+        if server_copies:
+            plan.copies += (f"; on each server, {server_copies / MiB:.1f} MiB of its device kept for its own expert "
+                            f"copies (two expert tensors: RPC_HOST with OVERLAP=2), in the margin")
     return check_plan(plan, check)
+
+
+def _server_copy_bytes(model, spec: devspec.DeviceSpec, variant: str, env: Optional[dict]) -> int:
+    """What a patched RPC server's device needs beside what the client allocates there: the server copies the host
+    experts of its layers in (RPC_HOST), into a scheduler of its own - with OVERLAP=2 (the server's default) two expert
+    tensors at a time. The client's dry run does not see those copies; fit keeps room for them in each device's
+    margin. 0 for other devices, the baseline, or RPC_HOST=0."""
+    if spec.kind != "rpc" or variant != "patched" or \
+            str((env or {}).get("GGML_SCHED_PP_RPC_HOST", os.environ.get("GGML_SCHED_PP_RPC_HOST", "1"))) == "0":
+        return 0
+    return int(2 * expert_bytes_per_layer(model) / 3 * 1.02) + 4096   # (the largest of three alike, padded)
 
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from pyllama_pp import devices as devspec
+from pyllama_pp.fit import fit
+from pyllama_pp.params import ContextParams
 from pyllama_pp.errors import DeviceSpecError, PyllamaError, WorkerError
 from pyllama_pp.rpc import Link
 from pyllama_pp.worker.client import run_job
@@ -39,9 +41,9 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> N
     raise AssertionError(f"rpc-server did not listen on {HOST}:{port} within {timeout:.0f} s")
 
 
-def start_server(variant: str = "baseline") -> tuple[int, subprocess.Popen]:
+def start_server(variant: str = "baseline", devices: str = "vdev:1x0@0") -> tuple[int, subprocess.Popen]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pyllama_pp.cli", "rpc-server", "--devices", "vdev:1x0@0",
+    proc = subprocess.Popen([sys.executable, "-m", "pyllama_pp.cli", "rpc-server", "--devices", devices,
                              "--host", HOST, "--port", str(port), "--variant", variant],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     return port, proc
@@ -63,8 +65,8 @@ def rpc_server():
         stop(proc)
 
 
-def servers(variant: str, n: int):
-    started = [start_server(variant) for _ in range(n)]
+def servers(variant: str, n: int, devices: str = "vdev:1x0@0"):
+    started = [start_server(variant, devices) for _ in range(n)]
     try:
         for port, proc in started:
             wait_for_port(port, proc)
@@ -240,3 +242,20 @@ def test_multihost_bench_runs_a_short_ab(tmp_path):
     for r in rows.values():
         assert r["net_up_per_prompt_token"] > 0 and r["net_down_per_prompt_token"] > 0, r
     assert (out / "multihost.md").read_text().count("\n") == 4
+
+
+def test_fit_across_hosts_plans_each_servers_copies(tiny_model, assert_logits_match, runner):
+    """fit over two patched servers whose devices cannot hold every expert: a spread plan with host experts on both
+    hosts, room kept on each device for its server's own expert copies, and a run from the plan that pipelines
+    within the servers' memory (a device over its budget fails the server's allocation) with the baseline's logits."""
+    for ports in servers("patched", 2, "vdev:1x5MiB@4GBps"):
+        ctx = ContextParams(n_ctx=512, n_batch=256, n_ubatch=64)
+        plan = fit(tiny_model, devices=spec_of(ports), ctx=ctx, margin=0, timeout=120)
+        assert plan.path == "spread" and all(d.host_expert_layers > 0 for d in plan.devices), str(plan)
+        assert "kept for its own expert copies" in plan.copies
+        res = runner.run("patched", {"kind": "logits", "plan": plan.to_dict(), "n_tokens": 256, "logits": "all"},
+                         cache=False)
+        assert res["schedule"]["pipeline_parallel"] and host_buffers(res), res["schedule"]
+        local = runner.logits("baseline", devices="vdev:2x0@0", placement={"host_experts": "none"}, n_tokens=256,
+                              ctx={"n_ctx": 512, "n_batch": 256, "n_ubatch": 64})
+        assert_logits_match(res["logits"], local["logits"], "fit across two hosts vs one process", limit=1e-6)
