@@ -1,22 +1,30 @@
 #!/usr/bin/env python3
 """Several hosts on ggml RPC, on paper: bytes per PCIe link and per network link, and predicted prefill and decode
-t/s, for a DeepSeek-V3-sized MoE on H hosts with G GPUs each, against upstream's two naive RPC placements.
+t/s, for a DeepSeek-V3-sized MoE on H hosts with G GPUs each, against upstream's two naive RPC placements; and, with
+--check, the same byte model against the loopback runs measured on VDEVs (bench/multihost_ab.py).
 
-Placements:
-- series: each host keeps its own layers' experts in its own (pinned) RAM and streams them to its own GPUs over
-  their own PCIe links (upload-all above the coverage bar, beside compute); only activations cross the network.
+Placements (what each one does in the pinned tree and the series, as measured on loopback):
+- series: each host keeps its own layers' experts in its own (pinned) RAM and its GPUs copy them in over their own
+  PCIe links (upload-all above the coverage bar, the used experts below it, beside compute); only activations and
+  each device's inputs cross the network. Decode copies the used experts over PCIe too: the server runs every expert
+  op on the device that holds its result.
 - naive-cpu: experts on each server's CPU device (`-ot exps=RPC[host:port]` on its CPU): the server's CPU computes
-  them; only activations cross the network.
-- naive-client: experts in the client's RAM: every remote GPU reads them over the network, every ubatch.
+  them; the hidden state goes GPU -> CPU device and back at every MoE layer, and ggml RPC copies between two
+  backends through the client.
+- naive-client: experts in the client's RAM: the client's CPU computes them (an RPC device offloads no op), so the
+  hidden state crosses the client's NIC twice at every MoE layer, and pipelining is off (tensor overrides).
 
-The model: every number it uses is a named constant below, with where it comes from (measured here, the model's
-config, or an assumption to be replaced by a measurement). Prefill: one ubatch of U tokens flows through H x G
-pipeline stages (each GPU a stage with its share of the layers); a stage takes the longer of its expert copies and
-its compute (OVERLAP), the slowest stage or the busiest network link sets the pace. Decode (one sequence): one token
-passes every stage in turn; small batches stay on the CPU that holds the experts (op offload starts at 32 tokens),
-so decode reads the used experts from host RAM, plus a network round trip per host boundary.
+The network model (checked against measurement with --check): per ubatch, the client's NIC carries the hidden state
+(f32) at every boundary between devices twice (server -> client -> next server: ggml RPC copies between backends
+through the client), the embeddings to the first device and the last hidden state back; every device gets its own
+inputs (the KQ mask, f16, n_kv x n_tokens, n_kv the cache cells in use, padded to 256; positions); and every graph
+travels as a message of RPC_TENSOR_BYTES per tensor, about GRAPH_TENSORS_PER_LAYER tensors a layer (measured: the
+rest of the loopback bytes). Prefill: one ubatch of U tokens flows through H x G pipeline stages (each GPU a stage
+with its share of the layers); a stage takes the longer of its expert copies and its compute (OVERLAP), the slowest
+stage or the client's NIC sets the pace. Decode (one sequence): one token passes every stage in turn.
 
     python bench/multihost_paper.py [--out DIR] [--json]
+    python bench/multihost_paper.py --check docs/results/multihost-ab-2026-12-03/vdev-tiny.json
 """
 from __future__ import annotations
 
@@ -46,6 +54,30 @@ H200_S_PER_ACTIVE_PARAM = 1 / (9490 * 3.3e9)
 CPU_FLOPS, CPU_READ_GBPS, GPU_LAYER_TOKEN_S, NET_LATENCY_S, ACT_BYTES = 1.5e12, 200.0, 1e-4, 20e-6, 4
 UBATCH = 4096
 PROMPT = 32768   # the prompt's length: 8 ubatches; a pipeline of more stages than ubatches never fills
+# ggml RPC's serialized tensor (rpc_tensor in ggml-rpc.cpp: ids, type, shape, strides, op and its parameters, ten
+# sources, view, data, a 64-byte name) and the tensors a layer's graph sends, measured on loopback (--check: what the
+# VDEV rows carried beyond activations and inputs, per layer and ubatch)
+RPC_TENSOR_BYTES = 296
+GRAPH_TENSORS_PER_LAYER = 75
+MASK_BYTES, KV_PAD = 2, 256
+
+
+def n_kv_mean(prompt: int, ubatch: int) -> float:
+    """The KQ mask's width averaged over a prompt's ubatches: the cells in use after each, padded to KV_PAD."""
+    n_ub = -(-prompt // ubatch)
+    return sum(-(-min(prompt, (i + 1) * ubatch) // KV_PAD) * KV_PAD for i in range(n_ub)) / n_ub
+
+
+def network_bytes_per_ubatch(devices: int, layers: int, moe_layers: int, hidden: int, ubatch: int, n_kv: float,
+                             placement: str) -> dict:
+    """Bytes over the client's NIC per ubatch of `ubatch` tokens, up (client -> servers) and down, by part."""
+    act = ubatch * hidden * ACT_BYTES
+    boundaries = devices - 1 + (moe_layers if placement != "series" else 0)   # (naive: a round trip a MoE layer)
+    inputs = devices * ubatch * (MASK_BYTES * n_kv + 4)
+    graphs = RPC_TENSOR_BYTES * GRAPH_TENSORS_PER_LAYER * layers
+    up = act + boundaries * act + inputs + graphs          # embeddings, each boundary's way up, inputs, messages
+    down = boundaries * act                                 # each boundary's way down
+    return {"up": up, "down": down, "activations": act * (1 + 2 * boundaries), "inputs": inputs, "graphs": graphs}
 
 
 def model_sizes() -> dict:
@@ -72,48 +104,84 @@ def row(hosts: int, gpus: int, net_gbit: float, m: dict) -> dict:
     moe_per_stage = m["moe_layers"] / stages
     layers_per_stage = N_LAYER / stages
     act = UBATCH * HIDDEN * ACT_BYTES              # one boundary's activations a ubatch
+    n_kv = n_kv_mean(PROMPT, UBATCH)
     # -- prefill, the series: each GPU streams its layers' experts over its own link, beside compute
     copy = moe_per_stage * m["layer_expert_bytes"] * coverage(UBATCH) / (LINK_GBPS * 1e9)
     compute = UBATCH * (moe_per_stage * m["active_moe"] + (layers_per_stage - moe_per_stage) * m["active_dense"]) \
         * H200_S_PER_ACTIVE_PARAM
     stage = max(copy, compute) + copy / max(moe_per_stage, 1)   # (the first copy of a stage is exposed)
-    # the client's NIC carries every boundary twice (server -> client -> next server) and the ends
-    client_net = (2 * (hosts - 1) + 2) * act / net
+    nb = {p: network_bytes_per_ubatch(stages, N_LAYER, m["moe_layers"], HIDDEN, UBATCH, n_kv, p)
+          for p in ("series", "naive")}
+    client_net = max(nb["series"]["up"], nb["series"]["down"]) / net   # (full duplex: the busier way)
     n_ub = -(-PROMPT // UBATCH)
 
     def pipelined(slowest: float, n_stages: int, each: float) -> float:
         """Prompt t/s of n_ub ubatches through n_stages stages: (n_ub - 1) slowest steps plus one pass (the fill)."""
         return PROMPT / ((n_ub - 1) * slowest + n_stages * each)
     series_pp = pipelined(max(stage, client_net), stages, stage)
-    # -- prefill, naive-client: every expert crosses the client's NIC to the remote GPUs, every ubatch
-    over_net = m["all_expert_bytes"] * coverage(UBATCH) / net + client_net
-    naive_client_pp = pipelined(max(stage, over_net), 1, over_net)
-    # -- prefill, naive-cpu: each server's CPU computes its layers' experts (2 FLOP a weight a token)
+    naive_net = max(nb["naive"]["up"], nb["naive"]["down"]) / net
+    gpu_all = UBATCH * (m["moe_layers"] * (m["active_moe"] - N_USED * 3 * HIDDEN * FF_EXPERT)
+                        + N_DENSE * m["active_dense"]) * H200_S_PER_ACTIVE_PARAM
+    # -- prefill, naive-client: the client's CPU computes every MoE layer's experts, one ubatch at a time (no
+    # pipelining), the hidden state over the NIC twice a MoE layer
+    client_cpu = UBATCH * m["moe_layers"] * (N_USED * 3 * HIDDEN * FF_EXPERT) * 2 / CPU_FLOPS
+    naive_client_pp = PROMPT / (n_ub * (client_cpu + gpu_all + naive_net))
+    # -- prefill, naive-cpu: each server's CPU computes its layers' experts (2 FLOP a weight a token), one ubatch at a
+    # time (tensor overrides: no pipelining), the same round trips through the client
     cpu_stage = UBATCH * (m["moe_layers"] / hosts) * (N_USED * 3 * HIDDEN * FF_EXPERT) * 2 / CPU_FLOPS
-    naive_cpu_pp = pipelined(max(cpu_stage, client_net), hosts, cpu_stage)
-    # -- decode, one sequence: the used experts read from host RAM by each host's CPU (series and naive-cpu alike),
-    # the rest on the GPUs, a round trip through the client at each of the hosts
+    naive_cpu_pp = PROMPT / (n_ub * (hosts * cpu_stage + gpu_all + naive_net))
+    # -- decode, one sequence, one stage after another: the series copies the used experts over each host's PCIe;
+    # the naive placements read them from host RAM on a CPU, with a round trip through the client a MoE layer
     used_bytes = m["moe_layers"] * N_USED * m["expert_bytes"]
-    hop = 2 * hosts * (NET_LATENCY_S + HIDDEN * ACT_BYTES / net)
+    hop = 2 * stages * (NET_LATENCY_S + HIDDEN * ACT_BYTES / net)
+    naive_hop = hop + 2 * m["moe_layers"] * (NET_LATENCY_S + HIDDEN * ACT_BYTES / net)
     gpu_token = N_LAYER * GPU_LAYER_TOKEN_S
-    cpu_decode = 1 / (used_bytes / (CPU_READ_GBPS * 1e9) + gpu_token + hop)
-    # naive-client decode: the used experts cross the network (gathered below the bar) instead
-    client_decode = 1 / (used_bytes / net + gpu_token + hop)
+    series_decode = 1 / (used_bytes / (LINK_GBPS * 1e9) + gpu_token + hop)
+    cpu_decode = 1 / (used_bytes / (CPU_READ_GBPS * 1e9) + gpu_token + naive_hop)
     return {"hosts": hosts, "gpus_per_host": gpus, "network_gbit": net_gbit,
             "pcie_bytes_per_ubatch_per_link": moe_per_stage * m["layer_expert_bytes"] * coverage(UBATCH),
-            "network_bytes_per_ubatch_client": (2 * (hosts - 1) + 2) * act,
-            "network_bytes_per_token_decode": 2 * hosts * HIDDEN * ACT_BYTES,
+            "network_bytes_per_ubatch_client": nb["series"]["up"] + nb["series"]["down"],
+            "network_bytes_per_ubatch_client_naive": nb["naive"]["up"] + nb["naive"]["down"],
+            "network_parts_series": nb["series"],
+            "network_bytes_per_token_decode": 2 * stages * HIDDEN * ACT_BYTES,
             "stage_copy_s": copy, "stage_compute_s": compute,
             "bound": "network" if client_net > stage else ("pcie" if copy > compute else "compute"),
             "series_pp_ts": series_pp, "naive_cpu_pp_ts": naive_cpu_pp, "naive_client_pp_ts": naive_client_pp,
-            "series_tg_ts": cpu_decode, "naive_cpu_tg_ts": cpu_decode, "naive_client_tg_ts": client_decode}
+            "series_tg_ts": series_decode, "naive_cpu_tg_ts": cpu_decode, "naive_client_tg_ts": cpu_decode}
+
+
+def check(path: Path) -> str:
+    """The byte model against a bench/multihost_ab.py run (the tiny preset: 6 layers, n_embd 128): its rows'
+    measured network bytes per prompt token next to the model's."""
+    d = json.loads(path.read_text())
+    a = d["args"]
+    p, ub = a["p"], a["ubatch"]
+    devices = len(a["host_devices"].split(";"))
+    layers, hidden = 6, 128     # (the tiny preset)
+    n_kv = n_kv_mean(p, ub)
+    lines = ["| row | measured up B/token | model up | measured down B/token | model down | model's parts up: "
+             "activations / inputs / graphs |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in d["rows"]:
+        if "error" in r or r["key"] == "one":
+            continue
+        placement = "series" if r["key"] == "patched" else "naive"
+        nb = network_bytes_per_ubatch(devices, layers, layers, hidden, ub, n_kv, placement)
+        act_up = nb["up"] - nb["inputs"] - nb["graphs"]
+        lines.append(f"| {r['row']} | {r['net_up_per_prompt_token']:.0f} | {nb['up'] / ub:.0f} | "
+                     f"{r['net_down_per_prompt_token']:.0f} | {nb['down'] / ub:.0f} | {act_up / ub:.0f} / "
+                     f"{nb['inputs'] / ub:.0f} / {nb['graphs'] / ub:.0f} |")
+    return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench/out/multihost_paper"), help="folder for rows.json")
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    ap.add_argument("--check", type=Path, help="a bench/multihost_ab.py JSON: the byte model against its rows")
     args = ap.parse_args()
+    if args.check:
+        print(check(args.check))
+        return 0
     m = model_sizes()
     rows = [row(h, g, n, m) for h in (2, 4, 8) for g in (1, 2, 4, 8) for n in (25, 100, 400)]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -124,14 +192,15 @@ def main() -> int:
     print(f"DeepSeek-V3-sized: {m['moe_layers']} MoE layers, {m['all_expert_bytes'] / 1e9:.0f} GB of Q4_K experts "
           f"({m['layer_expert_bytes'] / 1e9:.2f} GB a layer), {m['dense_bytes'] / 1e9:.0f} GB of the rest; "
           f"pp{PROMPT} in ubatches of {UBATCH} (coverage {coverage(UBATCH):.3f}); PCIe {LINK_GBPS:g} GB/s a GPU\n")
-    print("| hosts x GPUs | network | PCIe GB/ubatch/link | network MB/ubatch (client) | bound | prefill t/s: series "
-          "| naive-cpu | naive-client | decode t/s: series = naive-cpu | naive-client |")
-    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| hosts x GPUs | network | PCIe GB/ubatch/link | network MB/ubatch (client): series | naive | bound "
+          "| prefill t/s: series | naive-cpu | naive-client | decode t/s: series | naive (cpu = client) |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['hosts']} x {r['gpus_per_host']} | {r['network_gbit']:g} Gb/s "
               f"| {r['pcie_bytes_per_ubatch_per_link'] / 1e9:.1f} | {r['network_bytes_per_ubatch_client'] / 1e6:.0f} "
+              f"| {r['network_bytes_per_ubatch_client_naive'] / 1e6:.0f} "
               f"| {r['bound']} | {r['series_pp_ts']:.0f} | {r['naive_cpu_pp_ts']:.0f} | {r['naive_client_pp_ts']:.1f} "
-              f"| {r['series_tg_ts']:.1f} | {r['naive_client_tg_ts']:.2f} |")
+              f"| {r['series_tg_ts']:.1f} | {r['naive_cpu_tg_ts']:.1f} |")
     return 0
 
 

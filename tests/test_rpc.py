@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -259,3 +260,24 @@ def test_fit_across_hosts_plans_each_servers_copies(tiny_model, assert_logits_ma
         local = runner.logits("baseline", devices="vdev:2x0@0", placement={"host_experts": "none"}, n_tokens=256,
                               ctx={"n_ctx": 512, "n_batch": 256, "n_ubatch": 64})
         assert_logits_match(res["logits"], local["logits"], "fit across two hosts vs one process", limit=1e-6)
+
+
+def test_a_server_that_stops_answering_ends_at_the_timeout(tiny_model):
+    """A host that hangs (stopped, not dead) holds the client's socket open: the job's timeout ends the worker."""
+    started = [start_server("patched") for _ in range(2)]
+    try:
+        for port, proc in started:
+            wait_for_port(port, proc)
+        job = {"kind": "measure", "model": str(tiny_model), "devices": spec_of([p for p, _ in started]),
+               "placement": {"host_experts": "all"}, "ctx": {"n_ctx": 1024, "n_batch": 512, "n_ubatch": 128},
+               "tests": [["pp", 512]], "reps": 100000, "warmup": 1, "coverage": False}
+        timer = threading.Timer(3.0, lambda: os.kill(started[1][1].pid, signal.SIGSTOP))
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="timed out|did not answer|timeout"):
+            run_job(job, "patched", timeout=10)
+        assert time.monotonic() - t0 < 30
+    finally:
+        for _, proc in started:
+            os.kill(proc.pid, signal.SIGCONT)
+            stop(proc)
