@@ -159,6 +159,20 @@ def test_host_experts_on_servers_with_expert_coverage_counted(runner, two_patche
         assert host_buffers(res) and res["tests"][0]["seconds"][0] > 0, res
 
 
+@pytest.mark.parametrize("n_ubatch", [1, 8])
+def test_small_batches_on_a_server_stay_beside_its_experts(runner, two_patched_servers, assert_logits_match,
+                                                            n_ubatch):
+    """Below op offload's minimum batch (decode) a server computes the expert ops on its CPU, beside the experts in
+    its RAM, and copies the result to its device: the logits are the single-process baseline's."""
+    ctx = {"n_ctx": 256, "n_batch": 64, "n_ubatch": n_ubatch}
+    remote = runner.logits("patched", devices=spec_of(two_patched_servers), placement={"host_experts": "all"},
+                           n_tokens=24, ctx=ctx)
+    local = runner.logits("baseline", devices="vdev:2x0@0", placement={"host_experts": "none"}, n_tokens=24, ctx=ctx)
+    assert host_buffers(remote), remote["schedule"]
+    assert_logits_match(remote["logits"], local["logits"], f"ubatches of {n_ubatch} on two patched servers",
+                        limit=1e-6)
+
+
 def test_rpc_host_switch_keeps_experts_on_the_client(runner, two_patched_servers):
     res = runner.logits("patched", devices=spec_of(two_patched_servers), placement={"host_experts": "all"},
                         n_tokens=8, env={**os.environ, "GGML_SCHED_PP_RPC_HOST": "0"})
