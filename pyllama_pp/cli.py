@@ -819,7 +819,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the build that serves: patched (default) keeps host experts of its devices' layers in this "
                         "host's RAM (RPC protocol 7.1; clients of the same variant); baseline is upstream's server "
                         "(7.0)")
-    p.add_argument("--threads", type=_positive, default=1, metavar="N", help="CPU threads (default: 1)")
+    p.add_argument("--threads", type=_positive, default=None, metavar="N",
+                   help="CPU threads: a served CPU device's, and the patched server's own for small batches beside its "
+                        "host experts (default: every core this process may use)")
     p.set_defaults(func=cmd_rpc_server)
     return ap
 

@@ -9,6 +9,7 @@ its own, and an upstream client refuses a 7.1 server at connect.
 """
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import threading
@@ -22,7 +23,7 @@ from .session import list_devices, register_devices
 
 
 def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: int = 50052,
-          variant: str = "patched", threads: int = 1, announce: Optional[object] = None) -> None:
+          variant: str = "patched", threads: Optional[int] = None, announce: Optional[object] = None) -> None:
     """Register the local devices of `devices` in this process and serve them at HOST:PORT; blocks while serving.
 
     Args:
@@ -30,7 +31,8 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
         host, port: where to listen (127.0.0.1: this machine only; the RPC protocol has no authentication).
         variant: the build to load ("patched", the default: protocol 7.1, host memory of its own; "baseline":
             upstream's 7.0); the served devices' backends come from it.
-        threads: CPU threads for a CPU device.
+        threads: CPU threads for a served CPU device, and for the patched server's small batches beside its host
+            experts (default: every core this process may use).
         announce: a file to write "serving DEVICES on HOST:PORT" to before blocking (default: stderr).
     Raises:
         DeviceSpecError: for an rpc spec, a bad port, or devices that cannot be set up.
@@ -50,6 +52,7 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
     arr = ffi.new("const char *[]", keep)
     endpoint = f"{host}:{int(port)}"
     print(f"serving {names} on {endpoint}", file=announce or sys.stderr, flush=True)
+    threads = threads or len(os.sched_getaffinity(0))
     native.check(lib.pp_rpc_start_server(endpoint.encode(), arr, len(keep), max(1, int(threads))))
 
 
