@@ -160,10 +160,10 @@ def test_host_experts_on_servers_with_expert_coverage_counted(runner, two_patche
 
 
 @pytest.mark.parametrize("n_ubatch", [1, 8])
-def test_small_batches_on_a_server_stay_beside_its_experts(runner, two_patched_servers, assert_logits_match,
+def test_small_batches_on_a_server_match_one_process(runner, two_patched_servers, assert_logits_match,
                                                             n_ubatch):
-    """Below op offload's minimum batch (decode) a server computes the expert ops on its CPU, beside the experts in
-    its RAM, and copies the result to its device: the logits are the single-process baseline's."""
+    """Ubatches below op offload's minimum batch (decode): the server's device copies the used experts in, and the
+    logits are the single-process baseline's."""
     ctx = {"n_ctx": 256, "n_batch": 64, "n_ubatch": n_ubatch}
     remote = runner.logits("patched", devices=spec_of(two_patched_servers), placement={"host_experts": "all"},
                            n_tokens=24, ctx=ctx)
