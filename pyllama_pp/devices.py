@@ -19,6 +19,7 @@ Accepted forms:
   vdev:2x0@0,fail_copy_after=N,abort  ... and the failed copy aborts the process itself (SIGABRT: the worker dies)
   rpc://HOST:PORT                  the devices of an rpc-server (llama.cpp's ggml RPC; `pyllama-pp rpc-server`)
   rpc://10.0.0.2:50052,10.0.0.3:50052  ... of several servers, in this order
+  cuda:0+rpc://10.0.0.2:50052      this machine's devices first (cuda[:IDS] or vdev:...), then the servers'
   a JSON file or dict: {"kind": "vdev", "devices": [{"memory": "768MiB", "link_gbps": 4, "link_group": 0,
                          "speed": 1.0, "threads": 1, "direct_read": 0.5, "row_pad": 0,
                          "fail_alloc_after": -1, "fail_copy_after": -1, "fault_abort": false}, ...]}
@@ -96,6 +97,7 @@ class DeviceSpec:
         cuda_ids: the CUDA device indices (kind cuda; empty: every device).
         vdevs: one VDevConfig per virtual device (kind vdev): memory, link rate, link group, speed, faults.
         endpoints: the rpc-servers' "HOST:PORT" (kind rpc).
+        local: kind rpc: this machine's devices (a cuda or vdev spec), placed before the servers' (None: none).
         text: the spec as given ("vdev:2x768MiB@4GBps", a JSON text or file name).
     """
 
@@ -104,6 +106,7 @@ class DeviceSpec:
     vdevs: list[VDevConfig] = field(default_factory=list)
     text: str = ""
     endpoints: list[str] = field(default_factory=list)   # kind rpc
+    local: Optional["DeviceSpec"] = None                 # kind rpc: this machine's devices, before the servers'
 
     @property
     def n_devices(self) -> int:
@@ -138,10 +141,11 @@ class DeviceSpec:
         """The spec as JSON-ready data.
 
         Returns:
-            dict: kind, cuda_ids, devices (one dict of VDevConfig fields per VDEV), endpoints and text.
+            dict: kind, cuda_ids, devices (one dict of VDevConfig fields per VDEV), endpoints, local and text.
         """
         return {"kind": self.kind, "cuda_ids": self.cuda_ids, "devices": [asdict(v) for v in self.vdevs],
-                "endpoints": self.endpoints, "text": self.text}
+                "endpoints": self.endpoints, "local": self.local.to_dict() if self.local else None,
+                "text": self.text}
 
     def __str__(self) -> str:
         return self.text or self.kind
@@ -226,7 +230,12 @@ def _from_dict(d: dict, text: str) -> DeviceSpec:
         eps = d.get("endpoints")
         if not isinstance(eps, list) or not eps or not all(isinstance(e, str) for e in eps):
             raise _bad(text, "'endpoints' must be a non-empty list of \"HOST:PORT\" strings")
-        return DeviceSpec("rpc", endpoints=_endpoints(eps, text), text=text)
+        local = d.get("local")
+        if local is not None:
+            local = _from_dict(local, text) if isinstance(local, dict) else None
+            if local is None or local.kind not in ("cuda", "vdev"):
+                raise _bad(text, "'local' must be a cuda or vdev spec (this machine's devices)")
+        return DeviceSpec("rpc", endpoints=_endpoints(eps, text), text=text, local=local)
     if kind != "vdev":
         raise _bad(text, f"unknown kind {kind!r}")
     devs = d.get("devices")
@@ -304,6 +313,13 @@ def _parse(spec: Union[str, dict, "DeviceSpec", None]) -> DeviceSpec:
         except json.JSONDecodeError as e:
             raise _bad(text, f"invalid JSON ({e})") from None
     low = text.lower()
+    if "+rpc://" in low:   # this machine's devices, then the servers'
+        head, _, tail = text.partition("+")
+        local = _parse(head)
+        if local.kind not in ("cuda", "vdev"):
+            raise _bad(text, f"before +rpc:// come this machine's devices (cuda[:IDS] or vdev:...), not {head!r}")
+        return DeviceSpec("rpc", endpoints=_endpoints(tail.strip()[len("rpc://"):].split(","), text), text=text,
+                          local=local)
     if low == "cpu":
         return DeviceSpec("cpu", text=text)
     if low == "cuda":

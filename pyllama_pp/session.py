@@ -772,8 +772,9 @@ class Session:
 
 
 def register_devices(native, spec: "devspec.DeviceSpec") -> str:
-    """Set up the devices of `spec` in this process (VDEVs are registered once per process; an rpc spec connects to
-    its servers, once per endpoint); returns the device names for pp_model_params.devices ("none": CPU only)."""
+    """Set up the devices of `spec` in this process (VDEVs are registered once per process; an rpc spec sets up its
+    local devices first, then connects to its servers, once per endpoint); returns the device names for
+    pp_model_params.devices ("none": CPU only)."""
     lib, ffi = native.lib, native.ffi
     if spec.kind == "cpu":
         return "none"
@@ -801,7 +802,7 @@ def register_devices(native, spec: "devspec.DeviceSpec") -> str:
             raise DeviceSpecError(f"cannot set up the virtual devices: {ffi.string(err).decode()}")
         return ",".join(f"VDEV{i}" for i in range(n))
     if spec.kind == "rpc":
-        names = []
+        names = register_devices(native, spec.local).split(",") if spec.local else []
         for ep in spec.endpoints:
             buf = ffi.new("char[1024]")
             try:

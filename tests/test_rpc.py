@@ -93,7 +93,8 @@ def spec_of(ports) -> str:
 
 def host_buffers(res: dict) -> list[str]:
     """The buffer types of a result's schedule that hold weights in a server's host memory."""
-    return sorted(m["buft"] for m in res["schedule"]["memory"] if m["buft"].endswith("_Host") and m["model_bytes"] > 0)
+    return sorted(m["buft"] for m in res["schedule"]["memory"]
+                  if m["buft"].startswith("RPC") and m["buft"].endswith("_Host") and m["model_bytes"] > 0)
 
 
 def test_spec_forms():
@@ -101,8 +102,13 @@ def test_spec_forms():
     assert s.kind == "rpc" and s.endpoints == ["127.0.0.1:50052", "127.0.0.1:50053"]
     assert s.label == "rpc://127.0.0.1:50052,127.0.0.1:50053"
     assert devspec.parse({"kind": "rpc", "endpoints": ["host-a:1"]}).endpoints == ["host-a:1"]
+    mixed = devspec.parse("vdev:1x0@0+rpc://127.0.0.1:50052")
+    assert mixed.kind == "rpc" and mixed.local.kind == "vdev" and mixed.endpoints == ["127.0.0.1:50052"]
+    assert devspec.parse(mixed.to_dict()).local.vdevs == mixed.local.vdevs
+    assert devspec.parse("cuda:0+rpc://h:1").local.cuda_ids == [0]
     for bad in ("rpc://", "rpc://host", "rpc://host:0", "rpc://host:70000", "rpc://h:1,h:1", "rpc://h:x",
-                "rpc://h:1,", {"kind": "rpc", "endpoints": []}):
+                "rpc://h:1,", {"kind": "rpc", "endpoints": []}, "cpu+rpc://h:1", "rpc://h:1+rpc://h:2",
+                {"kind": "rpc", "endpoints": ["h:1"], "local": {"kind": "cpu"}}):
         with pytest.raises(DeviceSpecError):
             devspec.parse(bad)
 
@@ -279,3 +285,16 @@ def test_a_server_that_fails_mid_run_ends_the_job_with_an_error(tiny_model, faul
                 os.kill(proc.pid, signal.SIGCONT)
             stop(proc)
     assert all(proc.returncode is not None for _, proc in started)
+
+
+def test_local_and_remote_devices_in_one_spec(runner, two_patched_servers, assert_logits_match):
+    """`vdev:...+rpc://...`: this machine's device holds the first layers, with their experts in this host's pinned
+    RAM; the server's device the rest, with their experts in the server's RAM; pipelined, the baseline's logits."""
+    spec = f"vdev:1x0@0+rpc://{HOST}:{two_patched_servers[0]}"
+    res = runner.logits("patched", devices=spec, placement={"host_experts": "all"}, n_tokens=32)
+    local = runner.logits("baseline", devices="vdev:2x0@0", placement={"host_experts": "none"}, n_tokens=32)
+    mem = {m["buft"]: m["model_bytes"] for m in res["schedule"]["memory"]}
+    assert host_buffers(res) == [f"RPC0[{HOST}:{two_patched_servers[0]}]_Host"], mem
+    assert mem.get("VDEV_Host", 0) > 0, mem   # (the local layers' experts, pinned)
+    assert res["schedule"]["pipeline_parallel"], res["schedule"]
+    assert_logits_match(res["logits"], local["logits"], "a local VDEV and a server vs one process", limit=1e-6)
