@@ -19,6 +19,7 @@ Accepted forms:
   vdev:2x0@0,fail_copy_after=N,abort  ... and the failed copy aborts the process itself (SIGABRT: the worker dies)
   rpc://HOST:PORT                  the devices of an rpc-server (llama.cpp's ggml RPC; `pyllama-pp rpc-server`)
   rpc://10.0.0.2:50052,10.0.0.3:50052  ... of several servers, in this order
+  rpc://10.0.0.2:50052/1           ... only a server's device 1 (its devices count from 0)
   cuda:0+rpc://10.0.0.2:50052      this machine's devices first (cuda[:IDS] or vdev:...), then the servers'
   a JSON file or dict: {"kind": "vdev", "devices": [{"memory": "768MiB", "link_gbps": 4, "link_group": 0,
                          "speed": 1.0, "threads": 1, "direct_read": 0.5, "row_pad": 0,
@@ -200,18 +201,20 @@ def _bad(spec: Any, why: str) -> DeviceSpecError:
     return err
 
 
-_ENDPOINT = re.compile(r"(?:rpc://)?([A-Za-z0-9._-]+):(\d{1,5})")
+_ENDPOINT = re.compile(r"(?:rpc://)?([A-Za-z0-9._-]+):(\d{1,5})(?:/(\d{1,2}))?")
 
 
 def _endpoints(items: list, text: str) -> list[str]:
-    """The rpc-servers' "HOST:PORT" of an rpc spec, checked (a port 1..65535, no endpoint twice)."""
-    out = []
+    """The rpc-servers' "HOST:PORT" (or "HOST:PORT/N": only the server's device N) of an rpc spec, checked (a port
+    1..65535; a server either whole or by device, each once)."""
+    out: list[str] = []
     for item in items:
         m = _ENDPOINT.fullmatch(item.strip())
         if not m or not 1 <= int(m.group(2)) <= 65535:
-            raise _bad(text, f"bad RPC endpoint {item.strip()!r}: expected HOST:PORT with a port 1..65535")
-        ep = f"{m.group(1)}:{int(m.group(2))}"
-        if ep in out:
+            raise _bad(text, f"bad RPC endpoint {item.strip()!r}: expected HOST:PORT[/DEVICE] with a port 1..65535")
+        ep = f"{m.group(1)}:{int(m.group(2))}" + (f"/{int(m.group(3))}" if m.group(3) else "")
+        server = ep.split("/")[0]
+        if ep in out or (server in out) or ("/" not in ep and any(o.startswith(server + "/") for o in out)):
             raise _bad(text, f"the RPC endpoint {ep} is listed twice")
         out.append(ep)
     if len(out) > 16:

@@ -803,7 +803,8 @@ def register_devices(native, spec: "devspec.DeviceSpec") -> str:
         return ",".join(f"VDEV{i}" for i in range(n))
     if spec.kind == "rpc":
         names = register_devices(native, spec.local).split(",") if spec.local else []
-        for ep in spec.endpoints:
+        for item in spec.endpoints:
+            ep, _, dev = item.partition("/")   # ("HOST:PORT/N": only the server's device N)
             buf = ffi.new("char[1024]")
             try:
                 native.check(lib.pp_rpc_add_server(ep.encode(), buf, 1024))
@@ -818,7 +819,12 @@ def register_devices(native, spec: "devspec.DeviceSpec") -> str:
             got = ffi.string(buf).decode()
             if not got:
                 raise DeviceSpecError(f"the RPC server at {ep} offers no devices")
-            names += got.split(",")
+            offered = got.split(",")
+            if dev and int(dev) >= len(offered):
+                raise DeviceSpecError(f"the RPC server at {ep} offers {len(offered)} device(s) (0..{len(offered) - 1}), "
+                                      f"not device {dev}. Fix: rpc://{ep}/N with N in 0..{len(offered) - 1}, or "
+                                      f"rpc://{ep} for all of them")
+            names += [offered[int(dev)]] if dev else offered
         return ",".join(names)
     # cuda
     cuda = [d for d in list_devices() if d["backend"] == "CUDA"]

@@ -106,7 +106,9 @@ def test_spec_forms():
     assert mixed.kind == "rpc" and mixed.local.kind == "vdev" and mixed.endpoints == ["127.0.0.1:50052"]
     assert devspec.parse(mixed.to_dict()).local.vdevs == mixed.local.vdevs
     assert devspec.parse("cuda:0+rpc://h:1").local.cuda_ids == [0]
+    assert devspec.parse("rpc://h:1/1,h:2").endpoints == ["h:1/1", "h:2"]
     for bad in ("rpc://", "rpc://host", "rpc://host:0", "rpc://host:70000", "rpc://h:1,h:1", "rpc://h:x",
+                "rpc://h:1/0,h:1", "rpc://h:1/0,h:1/0", "rpc://h:1/x",
                 "rpc://h:1,", {"kind": "rpc", "endpoints": []}, "cpu+rpc://h:1", "rpc://h:1+rpc://h:2",
                 {"kind": "rpc", "endpoints": ["h:1"], "local": {"kind": "cpu"}}):
         with pytest.raises(DeviceSpecError):
@@ -298,3 +300,17 @@ def test_local_and_remote_devices_in_one_spec(runner, two_patched_servers, asser
     assert mem.get("VDEV_Host", 0) > 0, mem   # (the local layers' experts, pinned)
     assert res["schedule"]["pipeline_parallel"], res["schedule"]
     assert_logits_match(res["logits"], local["logits"], "a local VDEV and a server vs one process", limit=1e-6)
+
+
+def test_one_device_of_a_server(runner, assert_logits_match):
+    """`rpc://HOST:PORT/N` uses only the server's device N (here the second of two VDEVs); an N the server does not
+    have is a DeviceSpecError that says which it has."""
+    for (port,) in servers("patched", 1, "vdev:2x0@0"):
+        res = runner.logits("patched", devices=f"rpc://{HOST}:{port}/1", placement={"host_experts": "all"},
+                            n_tokens=32)
+        names = [b["name"] for b in res["schedule"]["backends"] if b["name"] != "CPU"]
+        assert names == [f"RPC1[{HOST}:{port}]"] and host_buffers(res) == [f"RPC1[{HOST}:{port}]_Host"], res["schedule"]
+        local = runner.logits("baseline", devices="vdev:1x0@0", placement={"host_experts": "none"}, n_tokens=32)
+        assert_logits_match(res["logits"], local["logits"], "a server's second device vs one VDEV", limit=1e-6)
+        with pytest.raises(DeviceSpecError, match=r"offers 2 device\(s\) \(0..1\), not device 2"):
+            runner.run("patched", {"kind": "logits", "devices": f"rpc://{HOST}:{port}/2", "n_tokens": 4}, cache=False)
