@@ -30,7 +30,7 @@ import numpy as np
 from pyllama_pp import synth
 from pyllama_pp.cli import models_dir
 from pyllama_pp.params import ContextParams, Placement
-from pyllama_pp.rpc import Link
+from pyllama_pp.rpc import Link, spawn_server, wait_listening
 from pyllama_pp.session import Session
 from pyllama_pp.stats import nmse
 
@@ -38,31 +38,9 @@ HERE = Path(__file__).resolve().parent
 HOST = "127.0.0.1"
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def start_server(devices: str, variant: str, log: Path) -> tuple[int, subprocess.Popen]:
-    """An rpc-server process on loopback; returns once it listens."""
-    import socket
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pyllama_pp.cli", "rpc-server", "--devices", devices, "--host", HOST,
-                             "--port", str(port), "--variant", variant], stdout=subprocess.DEVNULL,
-                            stderr=open(log, "w"))
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"rpc-server for {devices} exited with {proc.returncode}: {log.read_text()[-500:]}")
-        try:
-            with socket.create_connection((HOST, port), timeout=0.5):
-                return port, proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"rpc-server for {devices} did not listen within 60 s")
+def network_bytes(links: list) -> tuple[int, int]:
+    """Bytes the relays carried so far, up (client -> servers) and down."""
+    return sum(x.bytes_up for x in links), sum(x.bytes_down for x in links)
 
 
 def measure(cfg: dict) -> dict:
@@ -78,8 +56,10 @@ def measure(cfg: dict) -> dict:
         else:
             eps = []
             for i, dev in enumerate(cfg["host_devices"]):
-                port, proc = start_server(dev, cfg["server_variant"], out / f"server-{cfg['key']}-{i}.log")
+                port, proc = spawn_server(dev, cfg["server_variant"], HOST,
+                                          stderr=open(out / f"server-{cfg['key']}-{i}.log", "w"))
                 procs.append(proc)
+                wait_listening(port, proc, HOST)
                 link = Link(port, gbps=cfg["net_gbps"])
                 links.append(link)
                 eps.append(f"{HOST}:{link.port}")
@@ -94,20 +74,20 @@ def measure(cfg: dict) -> dict:
             rng = np.random.default_rng(0)
             prompt = rng.integers(0, s.info.n_vocab, p).tolist()
             s.eval(prompt, logits="none", stats=False)   # (warm-up)
-            up0, down0 = sum(x.bytes_up for x in links), sum(x.bytes_down for x in links)
+            up0, down0 = network_bytes(links)
             secs = []
             for _ in range(reps):
                 secs.append(s.eval(prompt, logits="none", stats=False).seconds)
-            up1, down1 = sum(x.bytes_up for x in links), sum(x.bytes_down for x in links)
+            up1, down1 = network_bytes(links)
             last = s.eval(prompt, logits=list(range(max(0, p - 16), p)), stats=False).logits
             np.save(out / f"logits-{cfg['key']}.npy", last)
             gen = rng.integers(0, s.info.n_vocab, n).tolist()
-            up2, down2 = sum(x.bytes_up for x in links), sum(x.bytes_down for x in links)
+            up2, down2 = network_bytes(links)
             t1 = time.perf_counter()
             for i, tok in enumerate(gen):
                 s.eval([tok], logits="last", pos0=p + i, clear=False, stats=False)
             tg_s = time.perf_counter() - t1
-            up3, down3 = sum(x.bytes_up for x in links), sum(x.bytes_down for x in links)
+            up3, down3 = network_bytes(links)
             mem = sched.memory
         pp_ts = [p / x for x in secs]
         return {"row": cfg["label"], "key": cfg["key"], "devices": devices, "variant": cfg["variant"],

@@ -91,7 +91,7 @@ def backend_modules() -> set[str]:
     (RPC, whose protocol is the variant's)."""
     files = list(BACKENDS_DIR.glob("libggml-*.so")) + list(VARIANTS_DIR.glob("*/libggml-*.so"))
     return {f.name[len("libggml-"):-len(".so")].split("-")[0].upper() for f in files
-            if f.name not in ("libggml-base.so",)}
+            if f.name != "libggml-base.so"}
 
 
 def build_info() -> dict:

@@ -181,8 +181,7 @@ def _server_copy_bytes(model, spec: devspec.DeviceSpec, variant: str, env: Optio
     experts of its layers in (RPC_HOST), into a scheduler of its own - with OVERLAP=2 (the server's default) two expert
     tensors at a time. The client's dry run does not see those copies; fit keeps room for them in each device's
     margin. 0 for other devices, the baseline, or RPC_HOST=0."""
-    if spec.kind != "rpc" or variant != "patched" or \
-            str((env or {}).get("GGML_SCHED_PP_RPC_HOST", os.environ.get("GGML_SCHED_PP_RPC_HOST", "1"))) == "0":
+    if spec.kind != "rpc" or variant != "patched" or str(_switch_set("GGML_SCHED_PP_RPC_HOST", env)) == "0":
         return 0
     return int(2 * expert_bytes_per_layer(model) / 3 * 1.02) + 4096   # (the largest of three alike, padded)
 
@@ -378,12 +377,17 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
 OVERLAP_VAR = "GGML_SCHED_PP_OVERLAP"
 
 
+def _switch_set(var: str, env: Optional[dict]):
+    """A patched switch's value as the fit's workers get it (env, then this process's environment); None: unset."""
+    return (env or {}).get(var, os.environ.get(var))
+
+
 def _plan_copies(plan: Plan, once, check: bool, env: Optional[dict]) -> Plan:
     """The patched build's dry runs measure the compute buffers with the switches in force: by default with
     OVERLAP=2's early expert copies (one more expert copy per device). Where that plan has no room (fit fails,
     leaves layers on the CPU, or a device over its target), plan again without them (OVERLAP=0), and say so. A
     value the user set (env / environment) is kept as it is."""
-    forced = (env or {}).get(OVERLAP_VAR, os.environ.get(OVERLAP_VAR))
+    forced = _switch_set(OVERLAP_VAR, env)
     if forced is not None:
         plan.switches = {"OVERLAP": int(forced)}
         plan.copies = f"OVERLAP={int(forced)} as set by {OVERLAP_VAR}"

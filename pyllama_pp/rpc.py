@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Optional
 
 from . import binding
 from . import devices as devspec
-from .errors import DeviceSpecError
+from .errors import DeviceSpecError, PyllamaError
 from .session import list_devices, register_devices
 
 
@@ -54,6 +55,65 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
     print(f"serving {names} on {endpoint}", file=announce or sys.stderr, flush=True)
     threads = threads or len(os.sched_getaffinity(0))
     native.check(lib.pp_rpc_start_server(endpoint.encode(), arr, len(keep), max(1, int(threads))))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port at `host` that nothing listens on now (the system picks it).
+
+    Args:
+        host: the address.
+    Returns:
+        int: the port.
+    """
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spawn_server(devices: str, variant: str = "patched", host: str = "127.0.0.1", port: Optional[int] = None,
+                 stderr=subprocess.PIPE, threads: Optional[int] = None) -> tuple[int, subprocess.Popen]:
+    """Start `pyllama-pp rpc-server` in a process of its own (tests, benches); wait_listening says when it serves.
+
+    Args:
+        devices: the device spec it serves.
+        variant: "patched" (default) or "baseline".
+        host: where it listens.
+        port: its port (default: a free one).
+        stderr: where its stderr goes (default: a pipe, which wait_listening reads when it fails).
+        threads: its CPU threads (default: rpc-server's).
+    Returns:
+        (port, process): stop it with process.kill().
+    """
+    port = port or free_port(host)
+    argv = [sys.executable, "-m", "pyllama_pp.cli", "rpc-server", "--devices", devices, "--host", host,
+            "--port", str(port), "--variant", variant] + (["--threads", str(threads)] if threads else [])
+    return port, subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+
+
+def wait_listening(port: int, proc: subprocess.Popen, host: str = "127.0.0.1", timeout: float = 60.0) -> None:
+    """Return once the server of spawn_server listens.
+
+    Args:
+        port: its port.
+        proc: its process.
+        host: its address.
+        timeout: seconds to wait.
+    Raises:
+        PyllamaError: when it exits first (with its stderr where that is a pipe), or does not listen within timeout
+            (it is killed then).
+    """
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            said = proc.stderr.read()[-500:] if proc.stderr else "(its stderr went to a file)"
+            raise PyllamaError(f"rpc-server at {host}:{port} exited with {proc.returncode}: {said}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise PyllamaError(f"rpc-server did not listen on {host}:{port} within {timeout:.0f} s")
 
 
 class Link:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,37 +16,14 @@ from pyllama_pp import devices as devspec
 from pyllama_pp.fit import fit
 from pyllama_pp.params import ContextParams
 from pyllama_pp.errors import DeviceSpecError, PyllamaError, WorkerError
-from pyllama_pp.rpc import Link
+from pyllama_pp.rpc import Link, free_port, spawn_server, wait_listening
 from pyllama_pp.worker.client import run_job
 
 HOST = "127.0.0.1"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise AssertionError(f"rpc-server exited with {proc.returncode}: {proc.stderr.read()}")
-        try:
-            with socket.create_connection((HOST, port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError(f"rpc-server did not listen on {HOST}:{port} within {timeout:.0f} s")
-
-
 def start_server(variant: str = "baseline", devices: str = "vdev:1x0@0") -> tuple[int, subprocess.Popen]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pyllama_pp.cli", "rpc-server", "--devices", devices,
-                             "--host", HOST, "--port", str(port), "--variant", variant],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-    return port, proc
+    return spawn_server(devices, variant, HOST)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -60,7 +36,7 @@ def stop(proc: subprocess.Popen) -> None:
 def rpc_server():
     port, proc = start_server()
     try:
-        wait_for_port(port, proc)
+        wait_listening(port, proc, HOST)
         yield port
     finally:
         stop(proc)
@@ -70,7 +46,7 @@ def servers(variant: str, n: int, devices: str = "vdev:1x0@0"):
     started = [start_server(variant, devices) for _ in range(n)]
     try:
         for port, proc in started:
-            wait_for_port(port, proc)
+            wait_listening(port, proc, HOST)
         yield [port for port, _ in started]
     finally:
         for _, proc in started:
@@ -270,7 +246,7 @@ def test_a_server_that_fails_mid_run_ends_the_job_with_an_error(tiny_model, faul
     started = [start_server("patched") for _ in range(2)]
     try:
         for port, proc in started:
-            wait_for_port(port, proc)
+            wait_listening(port, proc, HOST)
         job = {"kind": "measure", "model": str(tiny_model), "devices": spec_of([p for p, _ in started]),
                "placement": {"host_experts": "all"}, "ctx": {"n_ctx": 1024, "n_batch": 512, "n_ubatch": 128},
                "tests": [["pp", 512]], "reps": 100000, "warmup": 1, "coverage": False}
