@@ -6,10 +6,17 @@ Rows, each in a process of its own (the same devices, model, sizes and load mode
   device holds its layer (RPC_HOST): only activations cross the network;
 - `2 hosts, upstream`: upstream's servers and client, every expert in the client's RAM - upstream's placement of host
   experts over RPC (its client computes them; pipelining off);
-- `2 hosts, patched, RPC_HOST=0`: the patched client and servers with the switch off (experts in the client's RAM).
+- `2 hosts, upstream, experts on each server's CPU`: upstream's servers each serving their CPU too
+  (`rpc-server --cpu`), every expert overridden to the CPU device of the server whose device holds its layer -
+  upstream's other placement: the servers' CPUs compute the experts, pipelining off;
+- `2 hosts, patched, RPC_HOST=0`: the patched client and servers with the switch off (experts in the client's RAM);
+- `2 hosts, patched, servers copy experts for small batches`: servers started with GGML_OP_OFFLOAD_MIN_BATCH=1, so a
+  decode token copies its used experts to the device as a prompt's ubatch does, instead of running beside them on
+  the server's CPU (the default below op offload's 32 tokens).
 Each server sits behind a `pyllama_pp.rpc.Link` (a loopback relay) that counts the bytes each way and paces them at
 --net-gbps, so "network bytes per token" is measured, not modelled. Logits of every row are compared with the first
-row's (NMSE). A prompt's bytes are per prompt token, decode's per generated token; both leave the load out.
+row's (NMSE). A prompt's bytes are per prompt token, decode's per generated token; both leave the load out. The
+servers share this machine's cores: each gets an equal share for its CPU threads.
 
     python bench/multihost_ab.py                                  # CPU: tiny preset, a VDEV per host
     python bench/multihost_ab.py --preset qwen3-30b-a3b --host-devices "cuda:0;cuda:1" --local-devices cuda
@@ -29,7 +36,9 @@ import numpy as np
 
 from pyllama_pp import synth
 from pyllama_pp.cli import models_dir
+from pyllama_pp.model_file import block_count
 from pyllama_pp.params import ContextParams, Placement
+from pyllama_pp.plan import layer_ranges
 from pyllama_pp.rpc import Link, spawn_server, wait_listening
 from pyllama_pp.session import Session
 from pyllama_pp.stats import nmse
@@ -41,6 +50,14 @@ HOST = "127.0.0.1"
 def network_bytes(links: list) -> tuple[int, int]:
     """Bytes the relays carried so far, up (client -> servers) and down."""
     return sum(x.bytes_up for x in links), sum(x.bytes_down for x in links)
+
+
+def server_cpu_overrides(model: str, endpoints: list[str]) -> tuple[str, ...]:
+    """Tensor overrides that put each layer's experts on the CPU device (device 1) of the server whose device 0
+    holds the layer, for an even split over the servers' devices."""
+    ranges, _ = layer_ranges(-1, [1.0] * len(endpoints), block_count(model))
+    return tuple(rf"^blk\.({'|'.join(str(i) for i in range(a, b))})\.ffn_(up|gate|down)_exps\.weight$=RPC1[{ep}]"
+                 for (a, b), ep in zip(ranges, endpoints) if b > a)
 
 
 def measure(cfg: dict) -> dict:
@@ -55,19 +72,25 @@ def measure(cfg: dict) -> dict:
             devices = cfg["local_devices"]
         else:
             eps = []
+            server_env = {**os.environ, **cfg.get("server_env", {})}
+            threads = max(1, len(os.sched_getaffinity(0)) // len(cfg["host_devices"]))   # (hosts share these cores)
             for i, dev in enumerate(cfg["host_devices"]):
-                port, proc = spawn_server(dev, cfg["server_variant"], HOST,
-                                          stderr=open(out / f"server-{cfg['key']}-{i}.log", "w"))
+                port, proc = spawn_server(dev, cfg["server_variant"], HOST, cpu=cfg.get("server_cpu", False),
+                                          threads=threads, stderr=open(out / f"server-{cfg['key']}-{i}.log", "w"), env=server_env)
                 procs.append(proc)
                 wait_listening(port, proc, HOST)
                 link = Link(port, gbps=cfg["net_gbps"])
                 links.append(link)
                 eps.append(f"{HOST}:{link.port}")
             devices = "rpc://" + ",".join(eps)
+        if cfg.get("server_cpu"):   # (layers on each server's device 0, their experts on its CPU, device 1: no layer)
+            placement = Placement(tensor_split=(1.0, 0.0) * len(eps), overrides=server_cpu_overrides(cfg["model"], eps))
+        else:
+            placement = Placement(tensor_split=(1.0,) * len(cfg["host_devices"]), host_experts="all")
         p, n, reps = cfg["p"], cfg["n"], cfg["reps"]
         ctx = ContextParams(n_ctx=p + n + 8, n_batch=p, n_ubatch=cfg["ubatch"])
         t0 = time.monotonic()
-        with Session(cfg["model"], devices=devices, placement=Placement(host_experts="all"), ctx=ctx,
+        with Session(cfg["model"], devices=devices, placement=placement, ctx=ctx,
                      variant=cfg["variant"]) as s:
             load_s = time.monotonic() - t0
             sched = s.schedule()
@@ -96,7 +119,7 @@ def measure(cfg: dict) -> dict:
                 "net_up_per_prompt_token": (up1 - up0) / (reps * p), "net_down_per_prompt_token": (down1 - down0) / (reps * p),
                 "net_up_per_gen_token": (up3 - up2) / n, "net_down_per_gen_token": (down3 - down2) / n,
                 "host_expert_bytes_on_servers": sum(m["model_bytes"] for m in mem if m["buft"].startswith("RPC")
-                                                    and m["buft"].endswith("_Host")),
+                                                    and (m["buft"].endswith("_Host") or m["buft"].startswith("RPC1"))),
                 "host_expert_bytes_on_client": sum(m["model_bytes"] for m in mem if not m["buft"].startswith("RPC")
                                                    and (m["buft"] == "CPU" or m["buft"].endswith("_Host"))),
                 "load_s": load_s, "net_gbps": cfg["net_gbps"] if cfg["hosts"] > 1 else None}
@@ -121,7 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("-n", type=int, default=16, help="decoded tokens (default: 16)")
     ap.add_argument("-ub", "--ubatch", type=int, default=128, help="n_ubatch (default: 128)")
     ap.add_argument("--reps", type=int, default=3, help="prompt repetitions (default: 3)")
-    ap.add_argument("--rows", default="one,patched,upstream,switch-off", help="rows to run, comma-separated")
+    ap.add_argument("--rows", default="one,patched,upstream,upstream-cpu,switch-off",
+                    help="rows to run, comma-separated: one, patched, upstream, upstream-cpu, switch-off, copy-small")
     ap.add_argument("--out", default=str(HERE / "out" / "multihost"), help="folder for rows, logs and summary")
     ap.add_argument("--budget", type=float, default=0, help="seconds for the whole run (0: no limit)")
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
@@ -142,9 +166,14 @@ def main(argv=None) -> int:
                     "variant": "patched", "server_variant": "patched"},
         "upstream": {"label": f"{len(hosts)} hosts, upstream (experts in the client's RAM)", "hosts": len(hosts),
                      "variant": "baseline", "server_variant": "baseline"},
+        "upstream-cpu": {"label": f"{len(hosts)} hosts, upstream, experts on each server's CPU", "hosts": len(hosts),
+                         "variant": "baseline", "server_variant": "baseline", "server_cpu": True},
         "switch-off": {"label": f"{len(hosts)} hosts, patched, RPC_HOST=0 (experts in the client's RAM)",
                        "hosts": len(hosts), "variant": "patched", "server_variant": "patched",
                        "switches": {"RPC_HOST": 0}},
+        "copy-small": {"label": f"{len(hosts)} hosts, patched, servers copy experts for small batches",
+                       "hosts": len(hosts), "variant": "patched", "server_variant": "patched",
+                       "server_env": {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}},
     }
     results, t_start = [], time.monotonic()
     for key in args.rows.split(","):

@@ -529,7 +529,7 @@ def cmd_fit(args) -> int:
 
 def cmd_rpc_server(args) -> int:
     """Serve this machine's devices over llama.cpp's ggml RPC until killed."""
-    rpc.serve(args.devices, host=args.host, port=args.port, variant=args.variant, threads=args.threads)
+    rpc.serve(args.devices, host=args.host, port=args.port, variant=args.variant, threads=args.threads, cpu=args.cpu)
     return 1   # (serve returns only by an error, which it raises)
 
 
@@ -822,6 +822,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
                    help="CPU threads: a served CPU device's, and the patched server's own for small batches beside its "
                         "host experts (default: every core this process may use)")
+    p.add_argument("--cpu", action="store_true",
+                   help="serve this host's CPU too, as the last device (upstream's place for experts in a server's "
+                        "RAM: a client overrides them to its buffer type, RPC<N>[HOST:PORT])")
     p.set_defaults(func=cmd_rpc_server)
     return ap
 

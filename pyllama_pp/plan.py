@@ -352,7 +352,7 @@ def _host_layers(overrides: Sequence[str], n_layer: int) -> tuple[set[int], set[
     return host, partial
 
 
-def _layer_ranges(n_gpu_layers: int, split: list[float], n_layer: int) -> tuple[list[list[int]], int]:
+def layer_ranges(n_gpu_layers: int, split: list[float], n_layer: int) -> tuple[list[list[int]], int]:
     """[first, end) of the repeating layers per device, and the device of the output layer (-1: the CPU), as
     llama-model.cpp assigns them (the output layer counts as layer n_layer; layers below n_layer + 1 - n_gpu_layers
     stay on the CPU)."""
@@ -413,7 +413,7 @@ def plan_from_result(res: dict, variant: str, model: str, spec: devspec.DeviceSp
     if not any(split):
         # fit kept llama's default split: proportional to each device's free memory
         split = [float(d["free_bytes"]) for d in res["devices"]]
-    ranges, out_dev = _layer_ranges(res["n_gpu_layers"], split, n_layer)
+    ranges, out_dev = layer_ranges(res["n_gpu_layers"], split, n_layer)
     overrides = _existing_overrides(res["overrides"], n_layer)
     host, partial = _host_layers(overrides, n_layer)
     devs = []

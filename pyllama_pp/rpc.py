@@ -24,7 +24,8 @@ from .session import list_devices, register_devices
 
 
 def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: int = 50052,
-          variant: str = "patched", threads: Optional[int] = None, announce: Optional[object] = None) -> None:
+          variant: str = "patched", threads: Optional[int] = None, announce: Optional[object] = None,
+          cpu: bool = False) -> None:
     """Register the local devices of `devices` in this process and serve them at HOST:PORT; blocks while serving.
 
     Args:
@@ -35,6 +36,7 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
         threads: CPU threads for a served CPU device, and for the patched server's small batches beside its host
             experts (default: every core this process may use).
         announce: a file to write "serving DEVICES on HOST:PORT" to before blocking (default: stderr).
+        cpu: serve this host's CPU too, as the last device (where upstream keeps experts in a server's RAM).
     Raises:
         DeviceSpecError: for an rpc spec, a bad port, or devices that cannot be set up.
         PyllamaError: when the server cannot start (e.g. the port is taken).
@@ -47,7 +49,9 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
     native = binding.load(variant)
     names = register_devices(native, spec)
     if names == "none":   # cpu: the CPU device itself
-        names = next(d["name"] for d in list_devices() if d["type"] == 0)   # GGML_BACKEND_DEVICE_TYPE_CPU
+        names = cpu_name()
+    elif cpu:
+        names += "," + cpu_name()
     lib, ffi = native.lib, native.ffi
     keep = [ffi.new("char[]", n.encode()) for n in names.split(",")]
     arr = ffi.new("const char *[]", keep)
@@ -55,6 +59,11 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
     print(f"serving {names} on {endpoint}", file=announce or sys.stderr, flush=True)
     threads = threads or len(os.sched_getaffinity(0))
     native.check(lib.pp_rpc_start_server(endpoint.encode(), arr, len(keep), max(1, int(threads))))
+
+
+def cpu_name() -> str:
+    """The name of this process's CPU device."""
+    return next(d["name"] for d in list_devices() if d["type"] == 0)   # GGML_BACKEND_DEVICE_TYPE_CPU
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -71,7 +80,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def spawn_server(devices: str, variant: str = "patched", host: str = "127.0.0.1", port: Optional[int] = None,
-                 stderr=subprocess.PIPE, threads: Optional[int] = None) -> tuple[int, subprocess.Popen]:
+                 stderr=subprocess.PIPE, threads: Optional[int] = None, cpu: bool = False,
+                 env: Optional[dict] = None) -> tuple[int, subprocess.Popen]:
     """Start `pyllama-pp rpc-server` in a process of its own (tests, benches); wait_listening says when it serves.
 
     Args:
@@ -81,13 +91,16 @@ def spawn_server(devices: str, variant: str = "patched", host: str = "127.0.0.1"
         port: its port (default: a free one).
         stderr: where its stderr goes (default: a pipe, which wait_listening reads when it fails).
         threads: its CPU threads (default: rpc-server's).
+        cpu: serve the CPU too, as the last device (rpc-server --cpu).
+        env: its environment (default: this process's).
     Returns:
         (port, process): stop it with process.kill().
     """
     port = port or free_port(host)
     argv = [sys.executable, "-m", "pyllama_pp.cli", "rpc-server", "--devices", devices, "--host", host,
-            "--port", str(port), "--variant", variant] + (["--threads", str(threads)] if threads else [])
-    return port, subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+            "--port", str(port), "--variant", variant]
+    argv += (["--threads", str(threads)] if threads else []) + (["--cpu"] if cpu else [])
+    return port, subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr, text=True, env=env)
 
 
 def wait_listening(port: int, proc: subprocess.Popen, host: str = "127.0.0.1", timeout: float = 60.0) -> None:

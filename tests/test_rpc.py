@@ -212,16 +212,21 @@ def test_multihost_bench_runs_a_short_ab(tmp_path):
     bench = Path(__file__).resolve().parents[1] / "bench" / "multihost_ab.py"
     out = tmp_path / "mh"
     proc = subprocess.run([sys.executable, str(bench), "-p", "128", "-n", "4", "-ub", "64", "--reps", "1",
-                           "--rows", "patched,upstream", "--out", str(out), "--json"],
+                           "--rows", "patched,upstream,upstream-cpu", "--out", str(out), "--json"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r["key"]: r for r in json.loads(proc.stdout)["rows"]}
     assert rows["patched"]["pipeline_parallel"] and not rows["upstream"]["pipeline_parallel"]
     assert rows["upstream"]["nmse_vs_first"] <= 1e-6
     assert rows["patched"]["host_expert_bytes_on_servers"] > 0 == rows["upstream"]["host_expert_bytes_on_servers"]
+    # upstream's other placement: each server serves its CPU too, and the experts of its layers sit there
+    cpu_row = rows["upstream-cpu"]
+    assert not cpu_row["pipeline_parallel"] and cpu_row["nmse_vs_first"] <= 1e-6, cpu_row
+    on_servers = rows["patched"]["host_expert_bytes_on_servers"]   # (the same experts: sizes up to alignment)
+    assert abs(cpu_row["host_expert_bytes_on_servers"] - on_servers) < 0.01 * on_servers, cpu_row
     for r in rows.values():
         assert r["net_up_per_prompt_token"] > 0 and r["net_down_per_prompt_token"] > 0, r
-    assert (out / "multihost.md").read_text().count("\n") == 4
+    assert (out / "multihost.md").read_text().count("\n") == 5
 
 
 def test_fit_across_hosts_plans_each_servers_copies(tiny_model, assert_logits_match, runner):
