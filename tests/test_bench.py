@@ -294,11 +294,11 @@ def test_mixed_workload_without_a_prompt(tiny_model):
     assert list(df["test"]) == ["r1 tg3", "r2 tg3"] and (df["avg_ts"] > 0).all(), df
 
 
-def _gather_timeline():
-    """bench/gather_timeline.py (a script, not part of the package)."""
+def _bench_script(name: str):
+    """A script of bench/ (not part of the package), as a module."""
     import importlib.util
-    path = Path(__file__).resolve().parents[1] / "bench" / "gather_timeline.py"
-    spec = importlib.util.spec_from_file_location("gather_timeline", path)
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -307,7 +307,7 @@ def _gather_timeline():
 def test_gather_timeline_puts_each_idle_gap_on_the_gather_that_ends_it(tmp_path, capsys):
     """bench/gather_timeline.py: runs are cut where the link idled longer than --split-ms; in a run, busy and idle
     time, and each idle gap counted before the kind of gather that ends it; bad files are clear errors."""
-    gt = _gather_timeline()
+    gt = _bench_script("gather_timeline")
     ms = 1_000_000
     T = 1000 * ms   # (the GPU's timer: never 0)
     # GPU 0: prefetch 0-2 ms, rest 3-4 (1 ms idle before it), up 4-6, down 6-8; then 100 ms of nothing and a
@@ -358,6 +358,34 @@ def test_gather_timeline_puts_each_idle_gap_on_the_gather_that_ends_it(tmp_path,
     assert q["host_lead_ms_p10"] == pytest.approx(1) and q["host_lead_ms_p50"] == pytest.approx(3), q
     assert q["kinds"]["used:down"]["gap_p50_us"] == pytest.approx(1000) and q["kinds"]["used:up"]["gap_p50_us"] is None
     assert gt.main([str(queued), "--min-gathers", "1"]) == 0 and "| 1.0 / 3.0 |" in capsys.readouterr().out
+
+
+def test_stream_timeline_splits_copies_into_hidden_and_exposed(tmp_path):
+    """bench/timeline.py: the compute stream is the one with the most kernel time; host-to-device copy time is
+    hidden where that stream ran a kernel and exposed elsewhere; the picture and the table are written from a
+    profiler trace."""
+    tl = _bench_script("timeline")
+    ev = []
+    for i in range(4):   # per 10 ms: a kernel 0-8 ms on stream 7, a copy 1-11 ms on stream 20, a short kernel on 20
+        t = i * 10_000.0
+        ev += [{"ph": "X", "cat": "kernel", "name": "mm", "ts": t, "dur": 8000, "args": {"stream": 7}},
+               {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": t + 1000,
+                "dur": 10_000, "args": {"stream": 20, "bytes": 500_000_000}},
+               {"ph": "X", "cat": "kernel", "name": "gather", "ts": t + 9000, "dur": 500, "args": {"stream": 20}},
+               {"ph": "X", "cat": "cpu_op", "name": "host", "ts": t, "dur": 100}]
+    stats = tl.analyse(tl.gpu_events({"traceEvents": ev}))
+    assert stats["compute_stream"] == 7 and stats["wall_s"] == pytest.approx(0.041)
+    # hidden per step: 1-8 ms, and 10-11 under the next kernel (not after the last): 4 * 7 + 3 * 1 = 31 ms of 40
+    assert stats["htod_hidden_s"] == pytest.approx(0.031) and stats["htod_exposed_s"] == pytest.approx(0.009)
+    assert stats["htod_gbps_while_copying"] == pytest.approx(50.0) and stats["idle_s"] == pytest.approx(0.0)
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": ev, "pyllama_pp": {"title": "four steps", "n_layer": 2,
+                                                                     "args": {"p": 64, "ubatch": 32}}}))
+    assert tl.main(["--trace", str(trace), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "timeline.png").stat().st_size > 0
+    assert json.loads((tmp_path / "out" / "timeline.json").read_text())["title"] == "four steps"
+    with pytest.raises(SystemExit, match="no GPU kernels"):
+        tl.analyse([])
 
 
 def test_a_closed_session_says_so(tiny_model):
