@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -131,6 +132,34 @@ def measure(cfg: dict) -> dict:
             proc.wait(timeout=10)
 
 
+def write_summary(out: Path, args, results: list[dict]) -> str:
+    """NMSE against the first row that ran, the markdown table and the JSON, written to `out`; returns the table."""
+    ref = next((r for r in results if "error" not in r), None)
+    for r in results:
+        if "error" not in r and ref is not None:
+            a, b = np.load(out / f"logits-{r['key']}.npy"), np.load(out / f"logits-{ref['key']}.npy")
+            r["nmse_vs_first"] = nmse(a, b)
+    one = next((r for r in results if r.get("key") == "one" and "error" not in r), None)
+    lines = ["| row | PP | pp t/s | tg t/s | pp vs one host | net up B/token (pp) | net down B/token (pp) | "
+             "net up+down B/token (tg) | experts on servers | experts in client RAM | NMSE vs first |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['row']} | **error** | | | | | | | | | {r['error']} |")
+            continue
+        rel = f"{r['avg_ts_pp'] / one['avg_ts_pp']:.2f}x" if one else ""
+        lines.append(f"| {r['row']} | {'on' if r['pipeline_parallel'] else 'off'} | {r['avg_ts_pp']:.1f} ± "
+                     f"{r['stddev_ts_pp']:.1f} | {r['avg_ts_tg']:.1f} | {rel} | {r['net_up_per_prompt_token']:.0f} | "
+                     f"{r['net_down_per_prompt_token']:.0f} | "
+                     f"{r['net_up_per_gen_token'] + r['net_down_per_gen_token']:.0f} | "
+                     f"{r['host_expert_bytes_on_servers'] / 2**20:.1f} MiB | "
+                     f"{r['host_expert_bytes_on_client'] / 2**20:.1f} MiB | {r.get('nmse_vs_first', float('nan')):.2e} |")
+    table = "\n".join(lines)
+    (out / "multihost.json").write_text(json.dumps({"args": vars(args), "rows": results}, indent=1))
+    (out / "multihost.md").write_text(table + "\n")
+    return table
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", help="synth preset (default: tiny)")
@@ -181,36 +210,29 @@ def main(argv=None) -> int:
             results.append({"row": rows[key]["label"], "key": key, "error": "skipped: out of time"})
             continue
         cfg = {**base, **rows[key], "key": key}
-        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)], capture_output=True, text=True,
-                              timeout=max(60, args.budget - (time.monotonic() - t_start)) if args.budget else None)
-        if proc.returncode != 0:
-            results.append({"row": cfg["label"], "key": key, "error": proc.stderr.strip().splitlines()[-1:]})
+        timeout = max(60, args.budget - (time.monotonic() - t_start)) if args.budget else None
+        # (a process group of its own: the servers a row started go with it, also when it aborts or runs out of time)
+        proc = subprocess.Popen([sys.executable, __file__, "--one", json.dumps(cfg)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stdout = None
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if stdout is None:
+            proc.communicate()
+            results.append({"row": cfg["label"], "key": key, "error": f"timed out after {timeout:.0f} s"})
         else:
-            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            if proc.returncode != 0:
+                results.append({"row": cfg["label"], "key": key, "error": stderr.strip().splitlines()[-1:]})
+            else:
+                results.append(json.loads(stdout.strip().splitlines()[-1]))
         print(f"{cfg['label']}: {'error' if 'error' in results[-1] else 'done'}", file=sys.stderr, flush=True)
-    ref = next((r for r in results if "error" not in r), None)
-    for r in results:
-        if "error" not in r and ref is not None:
-            a, b = np.load(out / f"logits-{r['key']}.npy"), np.load(out / f"logits-{ref['key']}.npy")
-            r["nmse_vs_first"] = nmse(a, b)
-    one = next((r for r in results if r.get("key") == "one" and "error" not in r), None)
-    lines = ["| row | PP | pp t/s | tg t/s | pp vs one host | net up B/token (pp) | net down B/token (pp) | "
-             "net up+down B/token (tg) | experts on servers | experts in client RAM | NMSE vs first |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in results:
-        if "error" in r:
-            lines.append(f"| {r['row']} | **error** | | | | | | | | | {r['error']} |")
-            continue
-        rel = f"{r['avg_ts_pp'] / one['avg_ts_pp']:.2f}x" if one else ""
-        lines.append(f"| {r['row']} | {'on' if r['pipeline_parallel'] else 'off'} | {r['avg_ts_pp']:.1f} ± "
-                     f"{r['stddev_ts_pp']:.1f} | {r['avg_ts_tg']:.1f} | {rel} | {r['net_up_per_prompt_token']:.0f} | "
-                     f"{r['net_down_per_prompt_token']:.0f} | "
-                     f"{r['net_up_per_gen_token'] + r['net_down_per_gen_token']:.0f} | "
-                     f"{r['host_expert_bytes_on_servers'] / 2**20:.1f} MiB | "
-                     f"{r['host_expert_bytes_on_client'] / 2**20:.1f} MiB | {r.get('nmse_vs_first', float('nan')):.2e} |")
-    table = "\n".join(lines)
-    (out / "multihost.json").write_text(json.dumps({"args": vars(args), "rows": results}, indent=1))
-    (out / "multihost.md").write_text(table + "\n")
+        write_summary(out, args, results)   # (after each row: a cut-off run keeps what it measured)
+    table = write_summary(out, args, results)
     print(json.dumps({"rows": results}) if args.json else table)
     return 0 if all("error" not in r for r in results) else 1
 
