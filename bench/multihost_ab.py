@@ -9,10 +9,7 @@ Rows, each in a process of its own (the same devices, model, sizes and load mode
 - `2 hosts, upstream, experts on each server's CPU`: upstream's servers each serving their CPU too
   (`rpc-server --cpu`), every expert overridden to the CPU device of the server whose device holds its layer -
   upstream's other placement: the servers' CPUs compute the experts, pipelining off;
-- `2 hosts, patched, RPC_HOST=0`: the patched client and servers with the switch off (experts in the client's RAM);
-- `2 hosts, patched, servers copy experts for small batches`: servers started with GGML_OP_OFFLOAD_MIN_BATCH=1, so a
-  decode token copies its used experts to the device as a prompt's ubatch does, instead of running beside them on
-  the server's CPU (the default below op offload's 32 tokens).
+- `2 hosts, patched, RPC_HOST=0`: the patched client and servers with the switch off (experts in the client's RAM).
 Each server sits behind a `pyllama_pp.rpc.Link` (a loopback relay) that counts the bytes each way and paces them at
 --net-gbps, so "network bytes per token" is measured, not modelled. Logits of every row are compared with the first
 row's (NMSE). A prompt's bytes are per prompt token, decode's per generated token; both leave the load out. The
@@ -73,11 +70,10 @@ def measure(cfg: dict) -> dict:
             devices = cfg["local_devices"]
         else:
             eps = []
-            server_env = {**os.environ, **cfg.get("server_env", {})}
             threads = max(1, len(os.sched_getaffinity(0)) // len(cfg["host_devices"]))   # (hosts share these cores)
             for i, dev in enumerate(cfg["host_devices"]):
                 port, proc = spawn_server(dev, cfg["server_variant"], HOST, cpu=cfg.get("server_cpu", False),
-                                          threads=threads, stderr=open(out / f"server-{cfg['key']}-{i}.log", "w"), env=server_env)
+                                          threads=threads, stderr=open(out / f"server-{cfg['key']}-{i}.log", "w"))
                 procs.append(proc)
                 wait_listening(port, proc, HOST)
                 link = Link(port, gbps=cfg["net_gbps"])
@@ -174,7 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("-ub", "--ubatch", type=int, default=128, help="n_ubatch (default: 128)")
     ap.add_argument("--reps", type=int, default=3, help="prompt repetitions (default: 3)")
     ap.add_argument("--rows", default="one,patched,upstream,upstream-cpu,switch-off",
-                    help="rows to run, comma-separated: one, patched, upstream, upstream-cpu, switch-off, copy-small")
+                    help="rows to run, comma-separated: one, patched, upstream, upstream-cpu, switch-off")
     ap.add_argument("--out", default=str(HERE / "out" / "multihost"), help="folder for rows, logs and summary")
     ap.add_argument("--budget", type=float, default=0, help="seconds for the whole run (0: no limit)")
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
@@ -200,9 +196,6 @@ def main(argv=None) -> int:
         "switch-off": {"label": f"{len(hosts)} hosts, patched, RPC_HOST=0 (experts in the client's RAM)",
                        "hosts": len(hosts), "variant": "patched", "server_variant": "patched",
                        "switches": {"RPC_HOST": 0}},
-        "copy-small": {"label": f"{len(hosts)} hosts, patched, servers copy experts for small batches",
-                       "hosts": len(hosts), "variant": "patched", "server_variant": "patched",
-                       "server_env": {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}},
     }
     results, t_start = [], time.monotonic()
     for key in args.rows.split(","):

@@ -80,8 +80,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def spawn_server(devices: str, variant: str = "patched", host: str = "127.0.0.1", port: Optional[int] = None,
-                 stderr=subprocess.PIPE, threads: Optional[int] = None, cpu: bool = False,
-                 env: Optional[dict] = None) -> tuple[int, subprocess.Popen]:
+                 stderr=subprocess.PIPE, threads: Optional[int] = None, cpu: bool = False) -> tuple[int, subprocess.Popen]:
     """Start `pyllama-pp rpc-server` in a process of its own (tests, benches); wait_listening says when it serves.
 
     Args:
@@ -92,7 +91,6 @@ def spawn_server(devices: str, variant: str = "patched", host: str = "127.0.0.1"
         stderr: where its stderr goes (default: a pipe, which wait_listening reads when it fails).
         threads: its CPU threads (default: rpc-server's).
         cpu: serve the CPU too, as the last device (rpc-server --cpu).
-        env: its environment (default: this process's).
     Returns:
         (port, process): stop it with process.kill().
     """
@@ -100,7 +98,7 @@ def spawn_server(devices: str, variant: str = "patched", host: str = "127.0.0.1"
     argv = [sys.executable, "-m", "pyllama_pp.cli", "rpc-server", "--devices", devices, "--host", host,
             "--port", str(port), "--variant", variant]
     argv += (["--threads", str(threads)] if threads else []) + (["--cpu"] if cpu else [])
-    return port, subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr, text=True, env=env)
+    return port, subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
 
 
 def wait_listening(port: int, proc: subprocess.Popen, host: str = "127.0.0.1", timeout: float = 60.0) -> None:

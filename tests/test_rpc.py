@@ -136,7 +136,7 @@ def test_host_experts_stay_on_their_servers(runner, two_patched_servers, assert_
 def test_host_experts_on_servers_with_expert_coverage_counted(runner, two_patched_servers):
     """Counting expert coverage cuts each split into sub-graphs at the routers (an eval callback): a server runs
     those too, with the experts in its host memory and layers left on the client's CPU. A prompt measured without
-    logits runs its last layer's expert ops on no token: ops the server's small-batch path must leave alone."""
+    logits runs its last layer's expert ops on no token."""
     for placement in ({"host_experts": "all"}, {"host_experts": [3, 4], "n_gpu_layers": 4, "tensor_split": [2, 2]}):
         res = runner.run("patched", {"kind": "measure", "devices": spec_of(two_patched_servers), "placement": placement,
                                      "ctx": {"n_ctx": 512, "n_batch": 256, "n_ubatch": 64}, "tests": [["pp", 256]],
@@ -147,9 +147,8 @@ def test_host_experts_on_servers_with_expert_coverage_counted(runner, two_patche
 @pytest.mark.parametrize("n_ubatch,logits", [(1, "all"), (8, "last")])
 def test_small_batches_on_a_server_match_one_process(runner, two_patched_servers, assert_logits_match,
                                                      n_ubatch, logits):
-    """Ubatches below op offload's minimum batch (decode): the server computes a host-weight op on its CPU, beside
-    the experts, and copies its result to the device; the logits are the single-process baseline's, for every
-    token's logits and for the last one's."""
+    """Ubatches below op offload's minimum batch (decode): the server's device copies the used experts in, and the
+    logits are the single-process baseline's, for every token's logits and for the last one's."""
     ctx = {"n_ctx": 256, "n_batch": 64, "n_ubatch": n_ubatch}
     remote = runner.logits("patched", devices=spec_of(two_patched_servers), placement={"host_experts": "all"},
                            n_tokens=24, ctx=ctx, logits=logits)
