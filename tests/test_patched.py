@@ -510,10 +510,9 @@ def test_pageable_host_weights_go_through_pinned_staging(runner, assert_logits_m
         assert_logits_match(r["logits"], b["logits"], f"pageable, {what}")
     # where the weights are: a pageable CPU buffer vs the VDEV host buffer type (pinned)
     assert pageable_buft in {m["buft"] for m in staged["schedule"]["memory"]}
-    # (DIRECT off for the pinned run: it reads pinned weights from host memory, pageable ones never)
-    # (and OVERLAP off, as for pageable weights: its second stream adds host syncs of its own at each synchronize)
-    pinned = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS,
-                           env={**NO_DIRECT, **OVERLAP_OFF})
+    # (DIRECT off for the pinned run: it reads pinned weights from host memory, pageable ones never; OVERLAP=2's
+    # early copies take both)
+    pinned = runner.logits("patched", devices=DEVS, placement=HOST_ALL, ctx=CTX, n_tokens=N_TOKENS, env=NO_DIRECT)
     assert staged["ext"]["direct"] == 0
     assert not {"CPU", "CPU_Mapped"} & {m["buft"] for m in pinned["schedule"]["memory"]}
     assert pinned["schedule"]["pipeline_parallel"] is True
@@ -801,18 +800,22 @@ def test_overlap_in_the_compute_buffer_keeps_one_plan_for_a_prompt(runner):
     assert on["id_readbacks"] == off["id_readbacks"] == 3, (on["id_readbacks"], off["id_readbacks"])
 
 
-def test_overlap_leaves_pageable_weights_to_staging(runner, assert_logits_match):
-    """OVERLAP=2's early copies take pinned host weights only: with an mmap-ed model the uploads are staged (0006)
-    as without it, none goes up early, and the logits still match the baseline."""
+def test_overlap_stages_pageable_weights_on_its_second_stream(runner, assert_logits_match):
+    """OVERLAP=2's early copies take pageable host weights too (an mmap-ed model): each goes up through the staging
+    slots (0006) on the second stream, beside the split before, not on the compute stream after it; a slot is read
+    by one stream only. The logits match the baseline; with OVERLAP=0 nothing goes up early."""
     pl = {**HOST_ALL, "load_mode": "mmap"}
     ctx = {"n_ctx": 512, "n_batch": 256, "n_ubatch": 64}
     b = runner.logits("baseline", devices=DEVS, placement=pl, ctx=ctx, n_tokens=256)
-    on = runner.logits("patched", devices=DEVS, placement=pl, ctx=ctx, n_tokens=256, env={"GGML_SCHED_PP_OVERLAP": 2})
-    assert on["schedule"]["pipeline_parallel"] is True and on["ext"]["params"]["OVERLAP"] == 2
-    assert_logits_match(on["logits"], b["logits"], "mmap, OVERLAP=2")
-    for name in ("VDEV0", "VDEV1"):
-        e = _ext_backend(on["ext"], name)
-        assert e["ring_bytes"] == 0 and e["overlap_uploads"] == 0 and e["staged_bytes"] == e["weight_bytes"] > 0, e
+    for overlap in (2, 0):
+        r = runner.logits("patched", devices=DEVS, placement=pl, ctx=ctx, n_tokens=256,
+                          env={"GGML_SCHED_PP_OVERLAP": overlap})
+        assert r["schedule"]["pipeline_parallel"] is True and r["ext"]["params"]["OVERLAP"] == overlap
+        assert_logits_match(r["logits"], b["logits"], f"mmap, OVERLAP={overlap}")
+        for name in ("VDEV0", "VDEV1"):
+            e = _ext_backend(r["ext"], name)
+            assert e["ring_bytes"] == 0 and e["staged_bytes"] == e["weight_bytes"] > 0, e
+            assert (e["overlap_uploads"] > 0) == (overlap == 2), e
 
 
 def test_direct_with_overlap(runner, assert_logits_match):
