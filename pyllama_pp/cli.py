@@ -529,7 +529,8 @@ def cmd_fit(args) -> int:
 
 def cmd_rpc_server(args) -> int:
     """Serve this machine's devices over llama.cpp's ggml RPC until killed."""
-    rpc.serve(args.devices, host=args.host, port=args.port, variant=args.variant, threads=args.threads, cpu=args.cpu)
+    rpc.serve(args.devices, host=args.host, port=args.port, variant=args.variant, threads=args.threads, cpu=args.cpu,
+              host_ram=devspec.parse_size(args.host_ram) if args.host_ram else 0)
     return 1   # (serve returns only by an error, which it raises)
 
 
@@ -825,6 +826,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true",
                    help="serve this host's CPU too, as the last device (upstream's place for experts in a server's "
                         "RAM: a client overrides them to its buffer type, RPC<N>[HOST:PORT])")
+    p.add_argument("--host-ram", default=None, metavar="SIZE",
+                   help="the most of this host's memory the clients' host experts may take, e.g. 64GiB (default: "
+                        "what is free; the patched variant; fit plans within it)")
     p.set_defaults(func=cmd_rpc_server)
     return ap
 

@@ -173,7 +173,35 @@ def _fit(model, devices="vdev:2x0@0", ctx=None, variant: str = "patched", margin
         if server_copies:
             plan.copies += (f"; on each server, {server_copies / MiB:.1f} MiB of its device kept for its own expert "
                             f"copies (two expert tensors: RPC_HOST with OVERLAP=2), in the margin")
+            plan.copies += _check_server_host_memory(plan, expert_bytes_per_layer(model))
     return check_plan(plan, check)
+
+
+def _check_server_host_memory(plan: Plan, expert_bytes: float) -> str:
+    """Each patched RPC server keeps the host experts of its devices' layers in its own RAM (RPC_HOST): the plan's
+    share of each server against the host memory that server reported free. Returns a sentence for the plan.
+
+    Raises:
+        OutOfMemoryError: where a server's share is more than it has free.
+    """
+    need: dict[str, int] = {}
+    free: dict[str, int] = {}
+    for d in plan.devices:
+        if d.server_host_free is not None:
+            need[d.server] = need.get(d.server, 0) + int(d.host_expert_layers * expert_bytes)
+            free[d.server] = d.server_host_free
+    for server, n in need.items():
+        if n > free[server]:
+            raise OutOfMemoryError(
+                f"the RPC server at {server} has {_size(free[server])} of host memory free for host experts, "
+                f"and this plan keeps {_size(n)} of them there. Fix: free memory on that host or start its "
+                f"server with a larger --host-ram, add a host, or run with fewer layers' experts on the host")
+    return "".join(f"; server {k}: {_size(n)} of its {_size(free[k])} free host memory for its experts"
+                   for k, n in need.items())
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
 
 def _server_copy_bytes(model, spec: devspec.DeviceSpec, variant: str, env: Optional[dict]) -> int:

@@ -45,6 +45,9 @@ class DevicePlan:
         target_bytes: free_bytes less the margin: what fit keeps the device within.
         partial_layers: layers with only part of their FFN moved (upstream's overflow), among the above.
         output_layer: the device also holds the output layer (llama counts it as layer n_layer).
+        server: for an RPC device, its server's HOST:PORT (None: a device of this machine).
+        server_host_free: for a device of a patched RPC server, the host memory that server could still give host
+            weights when fit ran (None: another device, or a server that keeps none).
     """
 
     name: str
@@ -58,6 +61,8 @@ class DevicePlan:
     target_bytes: int                  # free - margin: what fit keeps the device within
     partial_layers: int = 0            # layers with only part of their FFN moved (upstream's overflow), among the above
     output_layer: bool = False         # the device also holds the output layer (llama counts it as layer n_layer)
+    server: Optional[str] = None             # an RPC device's server, HOST:PORT
+    server_host_free: Optional[int] = None   # a patched RPC server's free host memory for host weights
 
     @property
     def expected_bytes(self) -> int:
@@ -425,7 +430,8 @@ def plan_from_result(res: dict, variant: str, model: str, spec: devspec.DeviceSp
                                output_layer=i == out_dev,
                                model_bytes=d["model_bytes"], context_bytes=d["context_bytes"],
                                compute_bytes=d["compute_bytes"], free_bytes=d["free_bytes"],
-                               target_bytes=d["free_bytes"] - margins[i]))
+                               target_bytes=d["free_bytes"] - margins[i],
+                               server=d.get("server"), server_host_free=d.get("server_host_free")))
     size = Path(model).stat().st_size
     # (the model's absolute path: `run/ab --plan PLAN.json` without a model finds it from any working directory)
     return Plan(variant=variant, model=str(Path(model).resolve()), model_size=size,

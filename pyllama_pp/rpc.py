@@ -25,7 +25,7 @@ from .session import list_devices, register_devices
 
 def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: int = 50052,
           variant: str = "patched", threads: Optional[int] = None, announce: Optional[object] = None,
-          cpu: bool = False) -> None:
+          cpu: bool = False, host_ram: int = 0) -> None:
     """Register the local devices of `devices` in this process and serve them at HOST:PORT; blocks while serving.
 
     Args:
@@ -37,9 +37,12 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
             experts (default: every core this process may use).
         announce: a file to write "serving DEVICES on HOST:PORT" to before blocking (default: stderr).
         cpu: serve this host's CPU too, as the last device (where upstream keeps experts in a server's RAM).
+        host_ram: the most bytes of this host's memory the clients' host experts may take (0, the default: what is
+            free); the patched variant only.
     Raises:
         DeviceSpecError: for an rpc spec, a bad port, or devices that cannot be set up.
-        PyllamaError: when the server cannot start (e.g. the port is taken).
+        PyllamaError: when the server cannot start (e.g. the port is taken); UnsupportedError for host_ram with the
+            baseline variant.
     """
     spec = devspec.parse(devices)
     if spec.kind == "rpc":
@@ -58,7 +61,7 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
     endpoint = f"{host}:{int(port)}"
     print(f"serving {names} on {endpoint}", file=announce or sys.stderr, flush=True)
     threads = threads or len(os.sched_getaffinity(0))
-    native.check(lib.pp_rpc_start_server(endpoint.encode(), arr, len(keep), max(1, int(threads))))
+    native.check(lib.pp_rpc_start_server(endpoint.encode(), arr, len(keep), max(1, int(threads)), int(host_ram)))
 
 
 def cpu_name() -> str:
@@ -80,7 +83,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def spawn_server(devices: str, variant: str = "patched", host: str = "127.0.0.1", port: Optional[int] = None,
-                 stderr=subprocess.PIPE, threads: Optional[int] = None, cpu: bool = False) -> tuple[int, subprocess.Popen]:
+                 stderr=subprocess.PIPE, threads: Optional[int] = None, cpu: bool = False,
+                 host_ram: Optional[str] = None) -> tuple[int, subprocess.Popen]:
     """Start `pyllama-pp rpc-server` in a process of its own (tests, benches); wait_listening says when it serves.
 
     Args:
@@ -91,6 +95,7 @@ def spawn_server(devices: str, variant: str = "patched", host: str = "127.0.0.1"
         stderr: where its stderr goes (default: a pipe, which wait_listening reads when it fails).
         threads: its CPU threads (default: rpc-server's).
         cpu: serve the CPU too, as the last device (rpc-server --cpu).
+        host_ram: the most host memory its clients' host experts may take, a size ("2GiB"; rpc-server --host-ram).
     Returns:
         (port, process): stop it with process.kill().
     """
@@ -98,6 +103,7 @@ def spawn_server(devices: str, variant: str = "patched", host: str = "127.0.0.1"
     argv = [sys.executable, "-m", "pyllama_pp.cli", "rpc-server", "--devices", devices, "--host", host,
             "--port", str(port), "--variant", variant]
     argv += (["--threads", str(threads)] if threads else []) + (["--cpu"] if cpu else [])
+    argv += ["--host-ram", host_ram] if host_ram else []
     return port, subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
 
 

@@ -251,6 +251,10 @@ class LoadedModel:
             low = msg.lower()
             if is_device_fault(raw):
                 raise DeviceError(msg)
+            if re.search(r"allocate rpc\d+\[[^]]+\]_host buffer", low):
+                raise OutOfMemoryError(msg + ". Fix: that RPC server's host memory cannot hold the host experts of "
+                                             "its devices' layers: free memory there or start it with a larger "
+                                             "--host-ram, add a host, or plan within it with `pyllama-pp fit`")
             if "failed to allocate" in low or "out of memory" in low or "unable to allocate" in low or \
                     "out of (virtual) memory" in low:
                 raise OutOfMemoryError(msg + ". Fix: put fewer layers on the devices (--ngl), keep experts in host "
@@ -771,6 +775,41 @@ class Session:
             pass
 
 
+def connect_servers(native, spec: "devspec.DeviceSpec") -> list:
+    """Connect to the servers of an rpc spec (ggml RPC registers each endpoint once per process); returns
+    (endpoint, the names of the devices used there) for each, in the spec's order.
+
+    Raises:
+        DeviceSpecError: for a server that cannot be reached, speaks another protocol, offers no devices or not the
+            device asked for.
+    """
+    lib, ffi = native.lib, native.ffi
+    out = []
+    for item in spec.endpoints:
+        ep, _, dev = item.partition("/")   # ("HOST:PORT/N": only the server's device N)
+        buf = ffi.new("char[1024]")
+        try:
+            native.check(lib.pp_rpc_add_server(ep.encode(), buf, 1024))
+        except PyllamaError as e:
+            if "version mismatch" not in str(e):
+                raise
+            # (the patched build speaks RPC protocol 7.1, upstream 7.0: a client refuses a newer server)
+            variant = native.str(lib.pp_variant())
+            raise DeviceSpecError(f"the RPC server at {ep} speaks another protocol than this build ({variant}): "
+                                  f"{str(e).split(': ')[-1]}. Fix: start it from the same variant, `pyllama-pp "
+                                  f"rpc-server --variant {variant} ...`") from None
+        got = ffi.string(buf).decode()
+        if not got:
+            raise DeviceSpecError(f"the RPC server at {ep} offers no devices")
+        offered = got.split(",")
+        if dev and int(dev) >= len(offered):
+            raise DeviceSpecError(f"the RPC server at {ep} offers {len(offered)} device(s) (0..{len(offered) - 1}), "
+                                  f"not device {dev}. Fix: rpc://{ep}/N with N in 0..{len(offered) - 1}, or "
+                                  f"rpc://{ep} for all of them")
+        out.append((ep, [offered[int(dev)]] if dev else offered))
+    return out
+
+
 def register_devices(native, spec: "devspec.DeviceSpec") -> str:
     """Set up the devices of `spec` in this process (VDEVs are registered once per process; an rpc spec sets up its
     local devices first, then connects to its servers, once per endpoint); returns the device names for
@@ -803,28 +842,7 @@ def register_devices(native, spec: "devspec.DeviceSpec") -> str:
         return ",".join(f"VDEV{i}" for i in range(n))
     if spec.kind == "rpc":
         names = register_devices(native, spec.local).split(",") if spec.local else []
-        for item in spec.endpoints:
-            ep, _, dev = item.partition("/")   # ("HOST:PORT/N": only the server's device N)
-            buf = ffi.new("char[1024]")
-            try:
-                native.check(lib.pp_rpc_add_server(ep.encode(), buf, 1024))
-            except PyllamaError as e:
-                if "version mismatch" not in str(e):
-                    raise
-                # (the patched build speaks RPC protocol 7.1, upstream 7.0: a client refuses a newer server)
-                variant = native.str(lib.pp_variant())
-                raise DeviceSpecError(f"the RPC server at {ep} speaks another protocol than this build ({variant}): "
-                                      f"{str(e).split(': ')[-1]}. Fix: start it from the same variant, `pyllama-pp "
-                                      f"rpc-server --variant {variant} ...`") from None
-            got = ffi.string(buf).decode()
-            if not got:
-                raise DeviceSpecError(f"the RPC server at {ep} offers no devices")
-            offered = got.split(",")
-            if dev and int(dev) >= len(offered):
-                raise DeviceSpecError(f"the RPC server at {ep} offers {len(offered)} device(s) (0..{len(offered) - 1}), "
-                                      f"not device {dev}. Fix: rpc://{ep}/N with N in 0..{len(offered) - 1}, or "
-                                      f"rpc://{ep} for all of them")
-            names += [offered[int(dev)]] if dev else offered
+        names += [n for _, served in connect_servers(native, spec) for n in served]
         return ",".join(names)
     # cuda
     cuda = [d for d in list_devices() if d["backend"] == "CUDA"]

@@ -15,7 +15,7 @@ import pytest
 from pyllama_pp import devices as devspec
 from pyllama_pp.fit import fit
 from pyllama_pp.params import ContextParams
-from pyllama_pp.errors import DeviceSpecError, PyllamaError, WorkerError
+from pyllama_pp.errors import DeviceSpecError, OutOfMemoryError, PyllamaError, WorkerError
 from pyllama_pp.rpc import Link, free_port, spawn_server, wait_listening
 from pyllama_pp.worker.client import run_job
 
@@ -24,6 +24,10 @@ HOST = "127.0.0.1"
 
 def start_server(variant: str = "baseline", devices: str = "vdev:1x0@0") -> tuple[int, subprocess.Popen]:
     return spawn_server(devices, variant, HOST)
+
+
+def start_server_with(variant: str, devices: str, **kw) -> tuple[int, subprocess.Popen]:
+    return spawn_server(devices, variant, HOST, **kw)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -237,12 +241,41 @@ def test_fit_across_hosts_plans_each_servers_copies(tiny_model, assert_logits_ma
         plan = fit(tiny_model, devices=spec_of(ports), ctx=ctx, margin=0, timeout=120)
         assert plan.path == "spread" and all(d.host_expert_layers > 0 for d in plan.devices), str(plan)
         assert "kept for its own expert copies" in plan.copies
+        # each device knows its server, and the host memory that server reported free for host experts
+        assert [d.server for d in plan.devices] == [f"{HOST}:{p}" for p in ports], str(plan)
+        assert all(d.server_host_free > 0 for d in plan.devices) and "free host memory for its experts" in plan.copies
         res = runner.run("patched", {"kind": "logits", "plan": plan.to_dict(), "n_tokens": 256, "logits": "all"},
                          cache=False)
         assert res["schedule"]["pipeline_parallel"] and host_buffers(res), res["schedule"]
         local = runner.logits("baseline", devices="vdev:2x0@0", placement={"host_experts": "none"}, n_tokens=256,
                               ctx={"n_ctx": 512, "n_batch": 256, "n_ubatch": 64})
         assert_logits_match(res["logits"], local["logits"], "fit across two hosts vs one process", limit=1e-6)
+
+
+def test_a_servers_host_memory_limit_is_reported_planned_and_refused(tiny_model, runner):
+    """rpc-server --host-ram: a patched server reports what its host buffers may still take; fit refuses a plan
+    that keeps more host experts on a server than that, naming the server; a load past it is an OutOfMemoryError
+    that says so; upstream's server refuses the option."""
+    ctx = ContextParams(n_ctx=512, n_batch=256, n_ubatch=64)
+    started = [start_server_with("patched", "vdev:1x5MiB@4GBps", host_ram="1MiB") for _ in range(2)]
+    try:
+        for port, proc in started:
+            wait_listening(port, proc, HOST)
+        spec = spec_of([p for p, _ in started])
+        with pytest.raises(OutOfMemoryError, match=rf"RPC server at {HOST}:\d+ has 1\.0 MiB of host memory free"):
+            fit(tiny_model, devices=spec, ctx=ctx, margin=0, timeout=120)
+        with pytest.raises(OutOfMemoryError, match=r"RPC server's host memory cannot hold the host experts"):
+            runner.run("patched", {"kind": "logits", "devices": spec, "placement": {"host_experts": "all"},
+                                   "n_tokens": 8}, cache=False)
+    finally:
+        for _, proc in started:
+            stop(proc)
+    port, proc = start_server_with("baseline", "vdev:1x0@0", host_ram="1MiB")
+    try:
+        with pytest.raises(PyllamaError, match="needs the patched variant"):
+            wait_listening(port, proc, HOST, timeout=30)
+    finally:
+        stop(proc)
 
 
 @pytest.mark.parametrize("fault", ["killed", "stopped"])

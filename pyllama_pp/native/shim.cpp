@@ -1098,7 +1098,30 @@ PP_EXPORT int pp_rpc_add_server(const char * endpoint, char * names, size_t name
     });
 }
 
-PP_EXPORT int pp_rpc_start_server(const char * endpoint, const char * const * dev_names, int n_devs, int n_threads) {
+PP_EXPORT int pp_rpc_host_memory(const char * dev_name, uint64_t * free, uint64_t * total) {
+    if (!dev_name || !free || !total) {
+        return fail(PP_ERR_ARG, "null argument");
+    }
+    return guarded([&] {
+        ggml_backend_dev_t dev = ggml_backend_dev_by_name(dev_name);
+        if (!dev) {
+            return fail(PP_ERR_DEVICE, std::string("unknown device '") + dev_name + "'");
+        }
+        using host_memory_t = bool (*)(ggml_backend_dev_t, size_t *, size_t *);
+        auto host_memory = rpc_reg() ? (host_memory_t) ggml_backend_reg_get_proc_address(rpc_reg(), "ggml_backend_rpc_dev_host_memory") : nullptr;
+        size_t f = 0, t = 0;
+        if (!host_memory || !host_memory(dev, &f, &t)) {
+            return fail(PP_ERR_UNSUPPORTED, std::string(dev_name) + " has no host memory on its server (not an RPC "
+                                            "device, or a server of protocol 7.0)");
+        }
+        *free = f;
+        *total = t;
+        return (int) PP_OK;
+    });
+}
+
+PP_EXPORT int pp_rpc_start_server(const char * endpoint, const char * const * dev_names, int n_devs, int n_threads,
+                                  uint64_t host_limit) {
     if (!endpoint || !dev_names || n_devs <= 0) {
         return fail(PP_ERR_ARG, "null endpoint or no devices");
     }
@@ -1125,6 +1148,15 @@ PP_EXPORT int pp_rpc_start_server(const char * endpoint, const char * const * de
         using set_host_t = void (*)(ggml_backend_dev_t);
         if (auto set_host = (set_host_t) ggml_backend_reg_get_proc_address(rpc_reg(), "ggml_backend_rpc_server_set_host_device")) {
             set_host(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU));
+        }
+        using set_limit_t = void (*)(size_t);
+        auto set_limit = (set_limit_t) ggml_backend_reg_get_proc_address(rpc_reg(), "ggml_backend_rpc_server_set_host_memory_limit");
+        if (host_limit > 0 && !set_limit) {
+            return fail(PP_ERR_UNSUPPORTED, "this variant's RPC server keeps no host memory of its own (upstream's, "
+                                            "protocol 7.0): a host memory limit needs the patched variant");
+        }
+        if (set_limit) {
+            set_limit((size_t) host_limit);
         }
         start_server(endpoint, nullptr, (size_t) std::max(1, n_threads), devs.size(), devs.data());
         return fail(PP_ERR_DEVICE, std::string("the RPC server at ") + endpoint + " stopped (could it bind the port?)");

@@ -216,7 +216,13 @@ int pp_ext_env_problems(char * buf, size_t buf_size);
 // the RPC client aborts on a refused connection) or the RPC module is not loaded; PP_ERR_ARG on a bad endpoint.
 int pp_rpc_add_server(const char * endpoint, char * names, size_t names_size);
 // Serve the n_devs devices named in dev_names at endpoint "HOST:PORT" (ggml_backend_rpc_start_server): blocks.
-int pp_rpc_start_server(const char * endpoint, const char * const * dev_names, int n_devs, int n_threads);
+// host_limit: the most bytes of this host's memory the clients' host weights may take (0: what is free);
+// PP_ERR_UNSUPPORTED for a limit where the variant's server keeps no host memory of its own (upstream's).
+int pp_rpc_start_server(const char * endpoint, const char * const * dev_names, int n_devs, int n_threads,
+                        uint64_t host_limit);
+// The host memory the server of RPC device `dev_name` can still give host weights, and its total (within the
+// server's limit); PP_ERR_UNSUPPORTED where the device is not an RPC device or its server keeps none (protocol 7.0).
+int pp_rpc_host_memory(const char * dev_name, uint64_t * free, uint64_t * total);
 // The bytes the gathers of ggml device `dev_name` ("CUDA0", ...) read over its host link so far, prefetches
 // included, as counted by pyllama_pp's CUDA gather library on the device; -1 where nothing is counted (no such
 // library, a device it never gathered for, or not CUDA).

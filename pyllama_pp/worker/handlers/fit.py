@@ -10,7 +10,7 @@ from ... import devices as devspec
 from ...errors import DeviceSpecError
 from ...jobs import FitJob
 from ...params import SPLIT_MODES
-from ...session import register_devices
+from ...session import connect_servers, register_devices
 
 
 def handle(job: FitJob) -> dict:
@@ -20,11 +20,24 @@ def handle(job: FitJob) -> dict:
         DeviceSpecError: for a spec without accelerator devices.
     """
     native = binding.load(job.variant)
-    names = register_devices(native, devspec.parse(job.devices))
+    spec = devspec.parse(job.devices)
+    names = register_devices(native, spec)
     if names == "none":
         raise DeviceSpecError("fit needs accelerator devices")
-    return run_fit(native, job.model, names, SPLIT_MODES[job.split_mode], job.ctx, list(job.margins),
-                   int(job.n_ctx_min))
+    res = run_fit(native, job.model, names, SPLIT_MODES[job.split_mode], job.ctx, list(job.margins),
+                  int(job.n_ctx_min))
+    if spec.kind == "rpc":   # (each RPC device's server, and the host memory that server can give host weights)
+        server = {n: ep for ep, served in connect_servers(native, spec) for n in served}
+        for d in res["devices"]:
+            d["server"] = server.get(d["name"])
+            d["server_host_free"] = server_host_free(native, d["name"]) if d["server"] else None
+    return res
+
+
+def server_host_free(native, name: str):
+    """The host memory the patched RPC server of device `name` can still give host weights (None: it keeps none)."""
+    free, total = native.ffi.new("uint64_t *"), native.ffi.new("uint64_t *")
+    return int(free[0]) if native.lib.pp_rpc_host_memory(name.encode(), free, total) == 0 else None
 
 
 def run_fit(native, model: str, dev_names: str, split_mode: int, ctx, margins: list[int], n_ctx_min: int = 0) -> dict:
