@@ -58,6 +58,13 @@ def server_cpu_overrides(model: str, endpoints: list[str]) -> tuple[str, ...]:
                  for (a, b), ep in zip(ranges, endpoints) if b > a)
 
 
+def pcie_bytes(s: Session) -> list[int]:
+    """Host-weight bytes moved to each device so far (a patched server's copies included: it reports them)."""
+    ext = s.ext_stats() or {}
+    return [b["weight_bytes"] + b["direct_bytes_est"] + b["gather_bytes_est"] for b in ext.get("backends", [])
+            if b["name"] != "CPU"]
+
+
 def measure(cfg: dict) -> dict:
     """One row, in this process: servers and relays up, the model loaded, a prompt and a decode measured."""
     out = Path(cfg["out"])
@@ -94,11 +101,13 @@ def measure(cfg: dict) -> dict:
             rng = np.random.default_rng(0)
             prompt = rng.integers(0, s.info.n_vocab, p).tolist()
             s.eval(prompt, logits="none", stats=False)   # (warm-up)
+            pcie0 = pcie_bytes(s)
             up0, down0 = network_bytes(links)
             secs = []
             for _ in range(reps):
                 secs.append(s.eval(prompt, logits="none", stats=False).seconds)
             up1, down1 = network_bytes(links)
+            pcie1 = pcie_bytes(s)
             last = s.eval(prompt, logits=list(range(max(0, p - 16), p)), stats=False).logits
             np.save(out / f"logits-{cfg['key']}.npy", last)
             gen = rng.integers(0, s.info.n_vocab, n).tolist()
@@ -114,6 +123,7 @@ def measure(cfg: dict) -> dict:
                 "pipeline_parallel": sched.pipeline_parallel, "n_prompt": p, "n_gen": n, "n_ubatch": cfg["ubatch"],
                 "avg_ts_pp": float(np.mean(pp_ts)), "stddev_ts_pp": float(np.std(pp_ts)), "avg_ts_tg": n / tg_s,
                 "net_up_per_prompt_token": (up1 - up0) / (reps * p), "net_down_per_prompt_token": (down1 - down0) / (reps * p),
+                "pcie_per_prompt_token": [(b - a) / (reps * p) for a, b in zip(pcie0, pcie1)],
                 "net_up_per_gen_token": (up3 - up2) / n, "net_down_per_gen_token": (down3 - down2) / n,
                 "host_expert_bytes_on_servers": sum(m["model_bytes"] for m in mem if m["buft"].startswith("RPC")
                                                     and (m["buft"].endswith("_Host") or m["buft"].startswith("RPC1"))),
@@ -137,17 +147,19 @@ def write_summary(out: Path, args, results: list[dict]) -> str:
             r["nmse_vs_first"] = nmse(a, b)
     one = next((r for r in results if r.get("key") == "one" and "error" not in r), None)
     lines = ["| row | PP | pp t/s | tg t/s | pp vs one host | net up B/token (pp) | net down B/token (pp) | "
-             "net up+down B/token (tg) | experts on servers | experts in client RAM | NMSE vs first |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "net up+down B/token (tg) | host weights to each device B/token (pp) | experts on servers | "
+             "experts in client RAM | NMSE vs first |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['row']} | **error** | | | | | | | | | {r['error']} |")
+            lines.append(f"| {r['row']} | **error** | | | | | | | | | | {r['error']} |")
             continue
         rel = f"{r['avg_ts_pp'] / one['avg_ts_pp']:.2f}x" if one else ""
         lines.append(f"| {r['row']} | {'on' if r['pipeline_parallel'] else 'off'} | {r['avg_ts_pp']:.1f} ± "
                      f"{r['stddev_ts_pp']:.1f} | {r['avg_ts_tg']:.1f} | {rel} | {r['net_up_per_prompt_token']:.0f} | "
                      f"{r['net_down_per_prompt_token']:.0f} | "
                      f"{r['net_up_per_gen_token'] + r['net_down_per_gen_token']:.0f} | "
+                     f"{' / '.join(f'{x:.0f}' for x in r['pcie_per_prompt_token']) or '-'} | "
                      f"{r['host_expert_bytes_on_servers'] / 2**20:.1f} MiB | "
                      f"{r['host_expert_bytes_on_client'] / 2**20:.1f} MiB | {r.get('nmse_vs_first', float('nan')):.2e} |")
     table = "\n".join(lines)

@@ -536,6 +536,9 @@ class Session:
             n = lib.pp_gather_counted(b["name"].encode())
             if n >= 0:
                 b["gather_bytes"] = n
+            n = lib.pp_rpc_host_weight_bytes(b["name"].encode())   # a patched RPC server's own copies
+            if n >= 0:
+                b["weight_bytes"] += n
         return stats
 
     def device_counters(self) -> list[dict]:

@@ -146,6 +146,10 @@ def test_host_experts_on_servers_with_expert_coverage_counted(runner, two_patche
                                      "ctx": {"n_ctx": 512, "n_batch": 256, "n_ubatch": 64}, "tests": [["pp", 256]],
                                      "reps": 1, "warmup": 0, "coverage": True}, cache=False)
         assert host_buffers(res) and res["tests"][0]["seconds"][0] > 0, res
+        # each server's copies of its host experts, in the client's counters for its device (the server reports
+        # them): both devices' with every expert on host; the first device's with layers 3 and 4's (it holds both)
+        rpc = [b["weight_bytes"] > 0 for b in res["tests"][0]["ext"]["backends"] if b["name"].startswith("RPC")]
+        assert rpc == ([True, True] if placement["host_experts"] == "all" else [True, False]), res["tests"][0]["ext"]
 
 
 @pytest.mark.parametrize("n_ubatch,logits", [(1, "all"), (8, "last")])

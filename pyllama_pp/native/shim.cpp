@@ -1098,6 +1098,25 @@ PP_EXPORT int pp_rpc_add_server(const char * endpoint, char * names, size_t name
     });
 }
 
+PP_EXPORT long long pp_rpc_host_weight_bytes(const char * backend_name) {
+    unsigned device = 0;
+    char endpoint[256] = {};
+    if (!backend_name || sscanf(backend_name, "RPC%u[%255[^]]]", &device, endpoint) != 2 || !rpc_reg()) {
+        return -1;
+    }
+    using bytes_t = int64_t (*)(const char *, uint32_t);
+    auto bytes = (bytes_t) ggml_backend_reg_get_proc_address(rpc_reg(), "ggml_backend_rpc_host_weight_bytes");
+    if (!bytes) {
+        return -1;
+    }
+    long long n = -1;
+    guarded([&] {
+        n = (long long) bytes(endpoint, device);
+        return (int) PP_OK;
+    });
+    return n;
+}
+
 PP_EXPORT int pp_rpc_host_memory(const char * dev_name, uint64_t * free, uint64_t * total) {
     if (!dev_name || !free || !total) {
         return fail(PP_ERR_ARG, "null argument");

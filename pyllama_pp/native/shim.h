@@ -223,6 +223,9 @@ int pp_rpc_start_server(const char * endpoint, const char * const * dev_names, i
 // The host memory the server of RPC device `dev_name` can still give host weights, and its total (within the
 // server's limit); PP_ERR_UNSUPPORTED where the device is not an RPC device or its server keeps none (protocol 7.0).
 int pp_rpc_host_memory(const char * dev_name, uint64_t * free, uint64_t * total);
+// The host-weight bytes the patched RPC server behind backend `backend_name` ("RPC<N>[HOST:PORT]", as the
+// scheduler's stats name it) moved to its device N so far; -1 for another backend, or a server of protocol 7.0.
+long long pp_rpc_host_weight_bytes(const char * backend_name);
 // The bytes the gathers of ggml device `dev_name` ("CUDA0", ...) read over its host link so far, prefetches
 // included, as counted by pyllama_pp's CUDA gather library on the device; -1 where nothing is counted (no such
 // library, a device it never gathered for, or not CUDA).
