@@ -19,7 +19,7 @@ from typing import Optional
 
 from . import binding
 from . import devices as devspec
-from .errors import DeviceSpecError, PyllamaError
+from .errors import DeviceSpecError, PyllamaError, UnsupportedError
 from .session import list_devices, register_devices
 
 
@@ -49,6 +49,9 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
         raise DeviceSpecError("rpc-server serves this machine's devices: give cpu, cuda[:IDS] or vdev:..., not rpc://")
     if not 1 <= int(port) <= 65535:
         raise DeviceSpecError(f"bad port {port}: use 1..65535")
+    if host_ram and variant == "baseline":
+        raise UnsupportedError("upstream's RPC server (--variant baseline, protocol 7.0) keeps no host memory of its "
+                               "own: --host-ram needs the patched variant")
     native = binding.load(variant)
     names = register_devices(native, spec)
     if names == "none":   # cpu: the CPU device itself

@@ -276,7 +276,7 @@ def test_a_servers_host_memory_limit_is_reported_planned_and_refused(tiny_model,
             stop(proc)
     port, proc = start_server_with("baseline", "vdev:1x0@0", host_ram="1MiB")
     try:
-        with pytest.raises(PyllamaError, match="needs the patched variant"):
+        with pytest.raises(PyllamaError, match="--host-ram needs the patched variant"):
             wait_listening(port, proc, HOST, timeout=30)
     finally:
         stop(proc)
