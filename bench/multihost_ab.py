@@ -37,6 +37,7 @@ from pyllama_pp.cli import models_dir
 from pyllama_pp.model_file import block_count
 from pyllama_pp.params import ContextParams, Placement
 from pyllama_pp.plan import layer_ranges
+from pyllama_pp.rows import per_gpu
 from pyllama_pp.rpc import Link, spawn_server, wait_listening
 from pyllama_pp.session import Session
 from pyllama_pp.stats import nmse
@@ -60,9 +61,7 @@ def server_cpu_overrides(model: str, endpoints: list[str]) -> tuple[str, ...]:
 
 def pcie_bytes(s: Session) -> list[int]:
     """Host-weight bytes moved to each device so far (a patched server's copies included: it reports them)."""
-    ext = s.ext_stats() or {}
-    return [b["weight_bytes"] + b["direct_bytes_est"] + b["gather_bytes_est"] for b in ext.get("backends", [])
-            if b["name"] != "CPU"]
+    return per_gpu(s.ext_stats() or {}, "weight_bytes", plus=("direct_bytes_est", "gather_bytes_est")) or []
 
 
 def measure(cfg: dict) -> dict:

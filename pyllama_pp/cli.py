@@ -821,14 +821,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "host's RAM (RPC protocol 7.1; clients of the same variant); baseline is upstream's server "
                         "(7.0)")
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
-                   help="CPU threads: a served CPU device's, and the patched server's own for small batches beside its "
-                        "host experts (default: every core this process may use)")
+                   help="CPU threads: a served CPU device's, and those of the CPU the patched server runs beside its "
+                        "devices (default: every core this process may use)")
     p.add_argument("--cpu", action="store_true",
                    help="serve this host's CPU too, as the last device (upstream's place for experts in a server's "
                         "RAM: a client overrides them to its buffer type, RPC<N>[HOST:PORT])")
     p.add_argument("--host-ram", default=None, metavar="SIZE",
                    help="the most of this host's memory the clients' host experts may take, e.g. 64GiB (default: "
-                        "what is free; the patched variant; fit plans within it)")
+                        "no limit of its own; the patched variant; fit plans within it)")
     p.set_defaults(func=cmd_rpc_server)
     return ap
 

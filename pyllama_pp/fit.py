@@ -193,15 +193,11 @@ def _check_server_host_memory(plan: Plan, expert_bytes: float) -> str:
     for server, n in need.items():
         if n > free[server]:
             raise OutOfMemoryError(
-                f"the RPC server at {server} has {_size(free[server])} of host memory free for host experts, "
-                f"and this plan keeps {_size(n)} of them there. Fix: free memory on that host or start its "
+                f"the RPC server at {server} has {free[server] / MiB:.1f} MiB of host memory free for host experts, "
+                f"and this plan keeps {n / MiB:.1f} MiB of them there. Fix: free memory on that host or start its "
                 f"server with a larger --host-ram, add a host, or run with fewer layers' experts on the host")
-    return "".join(f"; server {k}: {_size(n)} of its {_size(free[k])} free host memory for its experts"
+    return "".join(f"; server {k}: {n / MiB:.1f} of its {free[k] / MiB:.1f} MiB free host memory for its experts"
                    for k, n in need.items())
-
-
-def _size(n: int) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
 
 def _server_copy_bytes(model, spec: devspec.DeviceSpec, variant: str, env: Optional[dict]) -> int:

@@ -33,12 +33,12 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
         host, port: where to listen (127.0.0.1: this machine only; the RPC protocol has no authentication).
         variant: the build to load ("patched", the default: protocol 7.1, host memory of its own; "baseline":
             upstream's 7.0); the served devices' backends come from it.
-        threads: CPU threads for a served CPU device, and for the patched server's small batches beside its host
-            experts (default: every core this process may use).
+        threads: CPU threads for a served CPU device, and for the CPU the patched server runs beside its devices
+            (default: every core this process may use).
         announce: a file to write "serving DEVICES on HOST:PORT" to before blocking (default: stderr).
         cpu: serve this host's CPU too, as the last device (where upstream keeps experts in a server's RAM).
-        host_ram: the most bytes of this host's memory the clients' host experts may take (0, the default: what is
-            free); the patched variant only.
+        host_ram: the most bytes of this host's memory the clients' host experts may take (0, the default: no limit
+            of its own); the patched variant only.
     Raises:
         DeviceSpecError: for an rpc spec, a bad port, or devices that cannot be set up.
         PyllamaError: when the server cannot start (e.g. the port is taken); UnsupportedError for host_ram with the

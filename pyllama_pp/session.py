@@ -813,10 +813,10 @@ def connect_servers(native, spec: "devspec.DeviceSpec") -> list:
     return out
 
 
-def register_devices(native, spec: "devspec.DeviceSpec") -> str:
+def register_devices(native, spec: "devspec.DeviceSpec", servers: Optional[list] = None) -> str:
     """Set up the devices of `spec` in this process (VDEVs are registered once per process; an rpc spec sets up its
-    local devices first, then connects to its servers, once per endpoint); returns the device names for
-    pp_model_params.devices ("none": CPU only)."""
+    local devices first, then connects to its servers, once per endpoint, unless `servers` gives what
+    connect_servers returned for it); returns the device names for pp_model_params.devices ("none": CPU only)."""
     lib, ffi = native.lib, native.ffi
     if spec.kind == "cpu":
         return "none"
@@ -845,7 +845,7 @@ def register_devices(native, spec: "devspec.DeviceSpec") -> str:
         return ",".join(f"VDEV{i}" for i in range(n))
     if spec.kind == "rpc":
         names = register_devices(native, spec.local).split(",") if spec.local else []
-        names += [n for _, served in connect_servers(native, spec) for n in served]
+        names += [n for _, served in (servers or connect_servers(native, spec)) for n in served]
         return ",".join(names)
     # cuda
     cuda = [d for d in list_devices() if d["backend"] == "CUDA"]

@@ -216,7 +216,7 @@ int pp_ext_env_problems(char * buf, size_t buf_size);
 // the RPC client aborts on a refused connection) or the RPC module is not loaded; PP_ERR_ARG on a bad endpoint.
 int pp_rpc_add_server(const char * endpoint, char * names, size_t names_size);
 // Serve the n_devs devices named in dev_names at endpoint "HOST:PORT" (ggml_backend_rpc_start_server): blocks.
-// host_limit: the most bytes of this host's memory the clients' host weights may take (0: what is free);
+// host_limit: the most bytes of this host's memory the clients' host weights may take (0: no limit of its own);
 // PP_ERR_UNSUPPORTED for a limit where the variant's server keeps no host memory of its own (upstream's).
 int pp_rpc_start_server(const char * endpoint, const char * const * dev_names, int n_devs, int n_threads,
                         uint64_t host_limit);

@@ -21,13 +21,14 @@ def handle(job: FitJob) -> dict:
     """
     native = binding.load(job.variant)
     spec = devspec.parse(job.devices)
-    names = register_devices(native, spec)
+    servers = connect_servers(native, spec) if spec.kind == "rpc" else []
+    names = register_devices(native, spec, servers)
     if names == "none":
         raise DeviceSpecError("fit needs accelerator devices")
     res = run_fit(native, job.model, names, SPLIT_MODES[job.split_mode], job.ctx, list(job.margins),
                   int(job.n_ctx_min))
-    if spec.kind == "rpc":   # (each RPC device's server, and the host memory that server can give host weights)
-        server = {n: ep for ep, served in connect_servers(native, spec) for n in served}
+    if servers:   # (each RPC device's server, and the host memory that server can give host weights)
+        server = {n: ep for ep, served in servers for n in served}
         for d in res["devices"]:
             d["server"] = server.get(d["name"])
             d["server_host_free"] = server_host_free(native, d["name"]) if d["server"] else None
