@@ -14,11 +14,11 @@ Placements (what each one does in the pinned tree and the series, as measured on
 - naive-client: experts in the client's RAM: the client's CPU computes them (an RPC device offloads no op), so the
   hidden state crosses the client's NIC twice at every MoE layer, and pipelining is off (tensor overrides).
 
-The network model (checked against measurement with --check): per ubatch, the client's NIC carries the hidden state
-(f32) at every boundary between devices twice (server -> client -> next server: ggml RPC copies between backends
-through the client), the embeddings to the first device and the last hidden state back; every device gets its own
-inputs (the KQ mask, f16, n_kv x n_tokens, n_kv the cache cells in use, padded to 256; positions); and every graph
-travels as a message of RPC_TENSOR_BYTES per tensor, about GRAPH_TENSORS_PER_LAYER tensors a layer (measured: the
+The network model (pyllama_pp.network, which fit's predictions use too; checked against measurement with --check):
+per ubatch, the client's NIC carries the hidden state (f32) at every boundary between devices twice (server ->
+client -> next server: ggml RPC copies between backends through the client) and the embeddings to the first
+device; every device gets its own inputs (the KQ mask, f16, n_kv x n_tokens, n_kv the cache cells in use, padded
+to 256; positions) and its graph as a message (a serialized tensor for each of about 75 a layer: measured, the
 rest of the loopback bytes). Prefill: one ubatch of U tokens flows through H x G pipeline stages (each GPU a stage
 with its share of the layers); a stage takes the longer of its expert copies and its compute (OVERLAP), the slowest
 stage or the client's NIC sets the pace. Decode (one sequence): one token passes every stage in turn.
@@ -32,6 +32,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from pyllama_pp import network
+from pyllama_pp.network import n_kv_mean
 
 # DeepSeek-V3 (its config.json): 61 layers, the first 3 dense; 256 routed experts (8 used) and 1 shared expert of
 # intermediate size 2048; hidden 7168; dense FFN 18432; MLA attention (q_lora 1536, kv_lora 512, 128 heads,
@@ -51,33 +54,22 @@ H200_S_PER_ACTIVE_PARAM = 1 / (9490 * 3.3e9)
 # weights at 200 GB/s for decode; a GPU spends 0.1 ms a layer on one token's dense work (launch-bound); the network
 # adds 20 us a message; activations travel as f32; ggml RPC copies between two servers through the client (the
 # server's copy works only inside one backend)
-CPU_FLOPS, CPU_READ_GBPS, GPU_LAYER_TOKEN_S, NET_LATENCY_S, ACT_BYTES = 1.5e12, 200.0, 1e-4, 20e-6, 4
+CPU_FLOPS, CPU_READ_GBPS, GPU_LAYER_TOKEN_S, NET_LATENCY_S = 1.5e12, 200.0, 1e-4, 20e-6
+ACT_BYTES = network.ACT_BYTES
 UBATCH = 4096
 PROMPT = 32768   # the prompt's length: 8 ubatches; a pipeline of more stages than ubatches never fills
-# ggml RPC's serialized tensor (rpc_tensor in ggml-rpc.cpp: ids, type, shape, strides, op and its parameters, ten
-# sources, view, data, a 64-byte name) and the tensors a layer's graph sends, measured on loopback (--check: what the
-# VDEV rows carried beyond activations and inputs, per layer and ubatch)
-RPC_TENSOR_BYTES = 296
-GRAPH_TENSORS_PER_LAYER = 75
-MASK_BYTES, KV_PAD = 2, 256
-
-
-def n_kv_mean(prompt: int, ubatch: int) -> float:
-    """The KQ mask's width averaged over a prompt's ubatches: the cells in use after each, padded to KV_PAD."""
-    n_ub = -(-prompt // ubatch)
-    return sum(-(-min(prompt, (i + 1) * ubatch) // KV_PAD) * KV_PAD for i in range(n_ub)) / n_ub
-
-
 def network_bytes_per_ubatch(devices: int, layers: int, moe_layers: int, hidden: int, ubatch: int, n_kv: float,
                              placement: str) -> dict:
-    """Bytes over the client's NIC per ubatch of `ubatch` tokens, up (client -> servers) and down, by part."""
-    act = ubatch * hidden * ACT_BYTES
-    boundaries = devices - 1 + (moe_layers if placement != "series" else 0)   # (naive: a round trip a MoE layer)
-    inputs = devices * ubatch * (MASK_BYTES * n_kv + 4)
-    graphs = RPC_TENSOR_BYTES * GRAPH_TENSORS_PER_LAYER * layers
-    up = act + boundaries * act + inputs + graphs          # embeddings, each boundary's way up, inputs, messages
-    down = boundaries * act                                 # each boundary's way down
-    return {"up": up, "down": down, "activations": act * (1 + 2 * boundaries), "inputs": inputs, "graphs": graphs}
+    """Bytes over the client's NIC per ubatch of `ubatch` tokens, up (client -> servers) and down, by part: the
+    package's per-device model (pyllama_pp.network, which fit's predictions use) summed over the devices, each with
+    an equal share of the layers; the naive placements add a round trip of the hidden state a MoE layer."""
+    trips = moe_layers if placement != "series" else 0
+    parts = [network.device_bytes(hidden, ubatch, n_kv, layers / devices, last=i == devices - 1,
+                                  round_trips=trips / devices) for i in range(devices)]
+    up, down = sum(u for u, _ in parts), sum(d for _, d in parts)
+    inputs = devices * ubatch * (network.MASK_BYTES * n_kv + network.POS_BYTES)
+    graphs = network.RPC_TENSOR_BYTES * network.GRAPH_TENSORS_PER_LAYER * layers
+    return {"up": up, "down": down, "activations": up + down - inputs - graphs, "inputs": inputs, "graphs": graphs}
 
 
 def model_sizes() -> dict:

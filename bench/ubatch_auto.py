@@ -26,7 +26,7 @@ from pyllama_pp.cli import models_dir
 from pyllama_pp.compute import probe
 from pyllama_pp.config import RunConfig
 from pyllama_pp.fit import fit, fit_ubatch, link_rates, predict
-from pyllama_pp.model_file import block_count, expert_bytes_per_layer
+from pyllama_pp.model_file import block_count, embedding_length, expert_bytes_per_layer
 from pyllama_pp.params import ContextParams, Placement
 
 # two VDEVs whose memory holds about half of the tiny preset's experts, on 1 GB/s links, computing 3x slower than
@@ -122,7 +122,8 @@ def main() -> int:
                     ctx=ContextParams(n_ctx=n + 256, n_batch=cand["n_batch"], n_ubatch=cand["n_ubatch"]))
             for d in p.devices:
                 d.host_expert_layers, d.full_layers = d.n_layers, 0
-            pred = predict(p, expert_bytes, link_rates(spec, links, len(p.devices)), args.shared_link, probed, n)
+            pred = predict(p, expert_bytes, link_rates(spec, links, len(p.devices)), args.shared_link, probed, n,
+                           embedding_length(model) if spec.kind == "rpc" else 0)
             cand.update(predicted_ts=pred.ts, bound=pred.bound, host_expert_layers=[d.n_layers for d in p.devices],
                         plan=p)
     t_start = time.time()

@@ -7,6 +7,7 @@ The layers, each importing only those below it:
     errors, _version                       one exception hierarchy; the version
     binding, _pin                          one variant's native library in this process
     devices, params, counters, stats       data: device specs, Placement / ContextParams, counter sums, statistics
+    network                                data: the bytes a ubatch sends over ggml RPC (fit's and the paper's)
     synth, model_file, plan, jobs, row     model files, a fit plan, worker jobs, the result row
     session                                a model on devices: schedule, eval, KV cache
     worker (client, handlers, loop)        one variant per process: the parent's side, a handler per job kind

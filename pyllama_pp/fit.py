@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from . import devices as devspec
+from . import network
 from .compute import compute_for, probe
 from .errors import ConfigError, DeviceSpecError, OutOfMemoryError
-from .model_file import check_model_path, expert_bytes_per_layer
+from .model_file import check_model_path, embedding_length, expert_bytes_per_layer
 from .params import SPLIT_MODES, ContextParams, as_context
 from .plan import MiB, GiB, Plan, check_plan, plan_from_result, plan_problem
 from .worker.client import check_switch_env, run_job
@@ -224,7 +225,10 @@ class Prediction:
         stage_s: each device's seconds per ubatch (its copies and its compute, as they overlap).
         transfer_s: each device's seconds of host-expert copies per ubatch.
         compute_s: each device's seconds of compute per ubatch (None: compute not counted).
-        bound: "transfer" or "compute": which of the slowest stage's two is larger.
+        bound: "transfer" or "compute": which of the slowest stage's two is larger; "network" where a server's
+            network is slower than every stage.
+        network_s: each RPC server's cycle per ubatch: its network both ways and its devices' stages (empty: not
+            counted).
     """
 
     ts: float
@@ -232,6 +236,7 @@ class Prediction:
     transfer_s: list
     compute_s: Optional[list]
     bound: str
+    network_s: dict = field(default_factory=dict)
 
 
 def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int) -> list[float]:
@@ -251,8 +256,25 @@ def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int) -> list[floa
     return _checked_rates(rates, spec, "--ubatch auto", link_gbps is not None, n_devices)
 
 
+def network_seconds(plan: Plan, hidden: int, n_tokens: int) -> tuple[list, dict]:
+    """Seconds per ubatch on the network to each RPC device's server, from the byte model (pyllama_pp.network) and
+    the rates fit measured: (each device's seconds, its way up and down; each server's devices' indices). Devices
+    of this machine, or not measured: 0."""
+    ub = plan.ctx["n_ubatch"]
+    n_kv = network.n_kv_mean(n_tokens, ub)
+    per_device, servers = [0.0] * len(plan.devices), {}
+    for i, d in enumerate(plan.devices):
+        if not (d.server and d.server_net and hidden):
+            continue
+        up, down = network.device_bytes(hidden, ub, n_kv, d.n_layers, last=d.output_layer)
+        net = d.server_net
+        per_device[i] = up / (net["up_gbps"] * 1e9) + down / (net["down_gbps"] * 1e9)
+        servers.setdefault(d.server, []).append(i)
+    return per_device, servers
+
+
 def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool = False,
-            compute: Optional[dict] = None, n_tokens: Optional[int] = None) -> Optional[Prediction]:
+            compute: Optional[dict] = None, n_tokens: Optional[int] = None, hidden: int = 0) -> Optional[Prediction]:
     """A plan's prompt throughput from the bytes each link moves and, with `compute`, each device's compute.
 
     Per ubatch a device moves its host-expert layers' experts (near-full coverage: whole tensors) over its link, x
@@ -263,7 +285,12 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
     longer of its copy and the compute before it (x + c + (h - 1) max(x, c) + (n - h) c); with OVERLAP=0 copies and
     compute add up. Pipelined stages overlap: a batch of k ubatches takes (k - 1) times the slowest stage plus every
     stage once (the fill); devices on one link also wait for the link's total. The baseline's stages and copies run
-    one after the other.
+    one after the other. With `hidden`, RPC devices whose network fit measured (DevicePlan.server_net) also
+    wait for their server's network (network_seconds): ggml RPC copies a device's output to the next device through
+    the client, which waits for it before it sends that server the next ubatch, so a server's cycle per ubatch is
+    its inputs up, its devices' stages and its output down, one after the other; the pipeline runs at the slowest
+    cycle, and each device's network time adds to the fill. (Each server is counted on its own path: a client NIC
+    they share is not; nor are the messages' round trips, which the plan shows.)
 
     Args:
         plan: a fit plan (its devices' layers, host-expert layers, n_ubatch, n_batch, switches).
@@ -272,6 +299,7 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
         shared_link: the devices share one link.
         compute: device index -> compute.LayerCompute (the probe); None: the bytes bound alone.
         n_tokens: the prompt's length (default: the plan's n_ctx).
+        hidden: the model's hidden size (n_embd), for the network to RPC servers; 0: the network is not counted.
     Returns:
         A Prediction, or None when nothing moves and compute is not counted (the bytes bound says nothing).
     """
@@ -279,7 +307,8 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
     n_tokens = n_tokens or plan.n_ctx
     xs = [expert_bytes / (r * 1e9) for r in link_gbps]
     transfer = [d.host_expert_layers * x for d, x in zip(plan.devices, xs)]
-    if compute is None and not any(transfer):
+    net_dev, servers = network_seconds(plan, hidden, n_tokens)
+    if compute is None and not any(transfer) and not servers:
         return None
     cs = [compute_for(compute, i).per_ubatch(ub) if compute else 0.0 for i in range(nd)]
     comp = [d.n_layers * c for d, c in zip(plan.devices, cs)]
@@ -292,6 +321,8 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
     for d, x, c, t, k in zip(plan.devices, xs, cs, transfer, comp):
         h, rest = d.host_expert_layers, k - d.host_expert_layers * c
         stage.append(x + c + (h - 1) * max(x, c) + rest if overlap and h > 0 else t + k)
+    fill = sum(stage) + sum(net_dev)
+    net = {k: sum(net_dev[i] + stage[i] for i in idx) for k, idx in servers.items()}   # (each server's cycle)
     n_ub = max(1, nb // ub)
     chunks, tail = divmod(n_tokens, nb)
     if patched and compute and compute_for(compute, 0).shared:
@@ -301,23 +332,26 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
         c_all, x_all = sum(comp), sum(transfer)
         total = n_ubatches * (max(c_all, x_all) if overlap else c_all + x_all) + (xs[0] if overlap and x_all else 0.0)
     elif patched:
-        slowest = max(max(stage), sum(transfer) if shared_link else 0.0)
-        total = chunks * ((n_ub - 1) * slowest + sum(stage))
+        slowest = max(max(stage), sum(transfer) if shared_link else 0.0, max(net.values(), default=0.0))
+        total = chunks * ((n_ub - 1) * slowest + fill)
         if tail:
-            total += (-(-tail // ub) - 1) * slowest + sum(stage)
+            total += (-(-tail // ub) - 1) * slowest + fill
     else:
-        total = -(-n_tokens // ub) * sum(stage)
+        total = -(-n_tokens // ub) * fill
     if total <= 0:
         return None
     i = max(range(nd), key=lambda j: stage[j])
+    bound = "compute" if compute and comp[i] >= transfer[i] else "transfer"
+    if patched and net and max(net.values()) > max(stage) and max(net_dev) >= max(transfer + comp):
+        bound = "network"
     return Prediction(ts=n_tokens / total, stage_s=stage, transfer_s=transfer, compute_s=comp if compute else None,
-                      bound="compute" if compute and comp[i] >= transfer[i] else "transfer")
+                      bound=bound, network_s=net)
 
 
 def predicted_ts(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool = False,
-                 compute: Optional[dict] = None, n_tokens: Optional[int] = None) -> Optional[float]:
+                 compute: Optional[dict] = None, n_tokens: Optional[int] = None, hidden: int = 0) -> Optional[float]:
     """predict()'s prompt tokens per second (None where it predicts nothing)."""
-    p = predict(plan, expert_bytes, link_gbps, shared_link, compute, n_tokens)
+    p = predict(plan, expert_bytes, link_gbps, shared_link, compute, n_tokens, hidden)
     return p.ts if p else None
 
 
@@ -360,6 +394,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
     check_model_path(model)
     check_switch_env([variant], kw.get("env"))
     expert_bytes = expert_bytes_per_layer(model)
+    hidden = embedding_length(model) if spec.kind == "rpc" else 0   # (the network to RPC servers is counted)
     tried, best, best_score, rates, placed = [], None, 0.0, None, []
     kw.pop("check", None)   # (a candidate that leaves layers on the CPU or a device over its target is out)
     for ub in [c for c in candidates if c <= n_ctx]:
@@ -381,12 +416,12 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
     probed = probe(model, devices, [r["n_ubatch"] for r, _ in placed], n_tokens,
                    timeout=kw.get("timeout") or 600) if count_compute and placed else None
     for row, plan in placed:
-        pred = predict(plan, expert_bytes, rates, shared_link, probed, n_tokens)
+        pred = predict(plan, expert_bytes, rates, shared_link, probed, n_tokens, hidden)
         plan.predicted_ts = pred.ts if pred else None
         tried.append({**row, "host_expert_layers": plan.host_expert_layers, "predicted_ts": plan.predicted_ts,
                       "bound": pred.bound if pred else None,
                       "stage_s": pred.stage_s if pred else None, "transfer_s": pred.transfer_s if pred else None,
-                      "compute_s": pred.compute_s if pred else None,
+                      "compute_s": pred.compute_s if pred else None, "network_s": pred.network_s if pred else {},
                       "why": "" if plan.predicted_ts else "no host experts: compute binds"})
         score = plan.predicted_ts or float("inf")   # (no host experts, compute not counted: the bound says nothing)
         if best is None or score >= best_score:

@@ -65,6 +65,13 @@ def layer_counts(path: Union[str, Path]) -> tuple[int, int]:
     return count("block_count"), count("leading_dense_block_count")
 
 
+def embedding_length(path: Union[str, Path]) -> int:
+    """The model's hidden size (GGUF key `<arch>.embedding_length`); 0 where the file does not say."""
+    kv = read_gguf_header(path)["kv"]
+    n = kv.get(f"{kv.get('general.architecture', '')}.embedding_length", 0)
+    return int(n[0] if isinstance(n, list) else n) if n else 0
+
+
 def block_count(path: Union[str, Path]) -> int:
     """The model's repeating layers (GGUF key `<arch>.block_count`); 0 where the file does not say.
 

@@ -48,6 +48,8 @@ class DevicePlan:
         server: for an RPC device, its server's HOST:PORT (None: a device of this machine).
         server_host_free: for a device of a patched RPC server, the host memory that server could still give host
             weights when fit ran (None: another device, or a server that keeps none).
+        server_net: for an RPC device, the network to its server as fit measured it: {"up_gbps", "down_gbps",
+            "rtt_s"} (each way's rate, a message's round trip; None: a device of this machine, or not measured).
     """
 
     name: str
@@ -63,6 +65,7 @@ class DevicePlan:
     output_layer: bool = False         # the device also holds the output layer (llama counts it as layer n_layer)
     server: Optional[str] = None             # an RPC device's server, HOST:PORT
     server_host_free: Optional[int] = None   # a patched RPC server's free host memory for host weights
+    server_net: Optional[dict] = None        # the network to an RPC device's server: rates and round trip
 
     @property
     def expected_bytes(self) -> int:
@@ -226,6 +229,11 @@ class Plan:
                          f"{d.expected_bytes / MiB:9.1f} {d.target_bytes / MiB:9.1f}")
         if self.copies:
             lines.append(f"  copies: {self.copies}")
+        nets = {d.server: d.server_net for d in self.devices if d.server and d.server_net}
+        if nets:
+            lines.append("  network (measured): " + "; ".join(
+                f"{k} up {n['up_gbps']:.3g} / down {n['down_gbps']:.3g} GB/s, round trip {n['rtt_s'] * 1e3:.2f} ms"
+                for k, n in nets.items()))
         if self.spread_weights:
             lines.append(f"  spread: host-expert layers weighted {', '.join(f'{w:g}' for w in self.spread_weights)}")
         if self.ubatch_auto:
@@ -431,7 +439,8 @@ def plan_from_result(res: dict, variant: str, model: str, spec: devspec.DeviceSp
                                model_bytes=d["model_bytes"], context_bytes=d["context_bytes"],
                                compute_bytes=d["compute_bytes"], free_bytes=d["free_bytes"],
                                target_bytes=d["free_bytes"] - margins[i],
-                               server=d.get("server"), server_host_free=d.get("server_host_free")))
+                               server=d.get("server"), server_host_free=d.get("server_host_free"),
+                               server_net=d.get("server_net")))
     size = Path(model).stat().st_size
     # (the model's absolute path: `run/ab --plan PLAN.json` without a model finds it from any working directory)
     return Plan(variant=variant, model=str(Path(model).resolve()), model_size=size,

@@ -415,6 +415,41 @@ def test_prediction_counts_compute_beside_the_copies():
     assert predict(plan, 3e6, [1.0, 1.0], compute={-1: shared}).ts == pytest.approx(4000 / (4 * 0.015 + 0.003))
 
 
+def test_prediction_counts_each_servers_network():
+    """RPC devices whose network fit measured: a server's cycle per ubatch is its inputs up, its devices' stages and
+    its output down, one after the other (the client relays a device's output to the next); the pipeline runs at the
+    slowest cycle, a network slower than every stage names the bound, and the same plan without the rates (or
+    without the model's hidden size) is the plan without a network."""
+    from pyllama_pp import network
+    from pyllama_pp.compute import LayerCompute
+    from pyllama_pp.fit import predict
+    from pyllama_pp.plan import DevicePlan, Plan
+    net = {"up_gbps": 0.01, "down_gbps": 0.02, "rtt_s": 1e-4}
+    dev = lambda first, end, server, last: DevicePlan(
+        name="RPC", layers=[first, end], full_layers=end - first, host_expert_layers=0, model_bytes=0,
+        context_bytes=0, compute_bytes=0, free_bytes=0, target_bytes=0, output_layer=last, server=server,
+        server_net=dict(net))
+    plan = Plan(variant="patched", model="m", model_size=0, devices_spec={}, ctx={"n_ubatch": 1000, "n_batch": 4000},
+                status="success", path="upstream", reasons=[], n_gpu_layers=7, tensor_split=[], tensor_overrides=[],
+                n_ctx=4000, n_layer=6, n_expert=8, margins=[0, 0],
+                devices=[dev(0, 3, "a:1", False), dev(3, 6, "b:2", True)], switches={"OVERLAP": 2})
+    lc = LayerCompute("vdev", n_tokens=4000, layer_s={1000: 0.008}, outside_s={1000: 0.0})   # 2 ms a layer a ubatch
+    hidden, n_kv = 64, network.n_kv_mean(4000, 1000)
+    up0, down0 = network.device_bytes(hidden, 1000, n_kv, 3)
+    up1, down1 = network.device_bytes(hidden, 1000, n_kv, 3, last=True)
+    assert down1 == 0 < down0 < up0 and up0 == up1
+    p = predict(plan, 0, [1.0, 1.0], compute={-1: lc}, hidden=hidden)
+    cycle0 = up0 / 0.01e9 + 0.006 + down0 / 0.02e9
+    assert p.network_s == pytest.approx({"a:1": cycle0, "b:2": up1 / 0.01e9 + 0.006})
+    assert p.bound == "network"
+    fill = 0.012 + cycle0 - 0.006 + up1 / 0.01e9
+    assert p.ts == pytest.approx(4000 / (3 * cycle0 + fill))
+    assert predict(plan, 0, [1.0, 1.0], compute={-1: lc}).ts == pytest.approx(4000 / (3 * 0.006 + 0.012))
+    for d in plan.devices:
+        d.server_net = {"up_gbps": 1e3, "down_gbps": 1e3, "rtt_s": 1e-4}   # a fast network: compute binds again
+    assert predict(plan, 0, [1.0, 1.0], compute={-1: lc}, hidden=hidden).bound == "compute"
+
+
 def test_compute_probe_replicas_and_a_compute_bound_choice(tmp_path, monkeypatch):
     """The probe runs the model's own layers (a replica with fewer of them loads and runs), finds a positive compute
     time per layer, and on slow devices with fast links --ubatch auto chooses a candidate that compute binds."""

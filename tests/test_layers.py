@@ -20,7 +20,7 @@ README = PKG.parent / "README.md"
 FLOORS = [
     ["_version", "errors", "_cdef"],
     ["binding"],
-    ["_pin", "devices", "params", "counters", "stats", "synth"],
+    ["_pin", "devices", "params", "counters", "stats", "synth", "network"],
     ["model_file", "plan", "jobs", "row"],
     ["session"],
     ["rpc"],

@@ -256,6 +256,35 @@ def test_fit_across_hosts_plans_each_servers_copies(tiny_model, assert_logits_ma
         assert_logits_match(res["logits"], local["logits"], "fit across two hosts vs one process", limit=1e-6)
 
 
+def test_fit_measures_each_servers_network_and_counts_it(tiny_model):
+    """fit measures the network to each server (through a Link pacing 0.02 GB/s each way): rates near the Link's
+    and a round trip, in the plan and its text; --ubatch auto over that network predicts every candidate bound by
+    it, and a plan whose network is ten times faster predicts more."""
+    from pyllama_pp.fit import fit_ubatch, predict
+    from pyllama_pp.model_file import embedding_length
+    for ports in servers("patched", 2):
+        links = [Link(p, gbps=0.02) for p in ports]
+        try:
+            spec = spec_of([x.port for x in links])
+            ctx = ContextParams(n_ctx=512, n_batch=128, n_ubatch=32)
+            plan = fit_ubatch(tiny_model, devices=spec, ctx=ctx, candidates=(32, 64), count_compute=False,
+                              timeout=120)
+        finally:
+            for x in links:
+                x.close()
+        for d in plan.devices:
+            assert 0.01 < d.server_net["up_gbps"] < 0.024 and 0.01 < d.server_net["down_gbps"] < 0.024, d
+            assert d.server_net["rtt_s"] > 0
+        assert "network (measured)" in str(plan)
+        tried = [c for c in plan.ubatch_auto if c.get("predicted_ts")]
+        assert [c["n_ubatch"] for c in tried] == [32, 64] and all(c["bound"] == "network" for c in tried), tried
+        hidden = embedding_length(tiny_model)
+        slow = predict(plan, 0, [55.0, 55.0], hidden=hidden).ts
+        for d in plan.devices:
+            d.server_net = {k: v * 10 for k, v in d.server_net.items()}
+        assert predict(plan, 0, [55.0, 55.0], hidden=hidden).ts > 2 * slow
+
+
 def test_a_servers_host_memory_limit_is_reported_planned_and_refused(tiny_model, runner):
     """rpc-server --host-ram: a patched server reports what its host buffers may still take; fit refuses a plan
     that keeps more host experts on a server than that, naming the server; a load past it is an OutOfMemoryError

@@ -2,6 +2,7 @@
 // Python; this file only translates, catches and reports.
 #include "shim.h"
 
+#include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "llama.h"
@@ -19,6 +20,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <atomic>
 #include <memory>
@@ -1135,6 +1137,59 @@ PP_EXPORT int pp_rpc_host_memory(const char * dev_name, uint64_t * free, uint64_
         }
         *free = f;
         *total = t;
+        return (int) PP_OK;
+    });
+}
+
+PP_EXPORT int pp_rpc_net_rate(const char * dev_name, uint64_t bytes, double * up_gbps, double * down_gbps,
+                              double * rtt_s) {
+    if (!dev_name || !up_gbps || !down_gbps || !rtt_s || bytes == 0) {
+        return fail(PP_ERR_ARG, "null argument or 0 bytes");
+    }
+    return guarded([&] {
+        ggml_backend_dev_t dev = ggml_backend_dev_by_name(dev_name);
+        if (!dev) {
+            return fail(PP_ERR_DEVICE, std::string("unknown device '") + dev_name + "'");
+        }
+        if (!rpc_reg() || ggml_backend_dev_backend_reg(dev) != rpc_reg()) {
+            return fail(PP_ERR_UNSUPPORTED, std::string(dev_name) + " is not an RPC device");
+        }
+        ggml_init_params ip = {ggml_tensor_overhead(), nullptr, true};
+        std::unique_ptr<ggml_context, decltype(&ggml_free)> ctx(ggml_init(ip), ggml_free);
+        ggml_tensor * t = ctx ? ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I8, (int64_t) bytes) : nullptr;
+        ggml_backend_buffer_t buf = t ? ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), ggml_backend_dev_buffer_type(dev))
+                                      : nullptr;
+        if (!buf) {
+            return fail(PP_ERR_MEMORY, std::string("cannot allocate ") + std::to_string(bytes) + " bytes on " + dev_name);
+        }
+        std::unique_ptr<ggml_backend_buffer, decltype(&ggml_backend_buffer_free)> keep(buf, ggml_backend_buffer_free);
+        // data that differs from call to call: a server with a tensor cache must not skip it by its hash
+        std::vector<uint8_t> data(bytes);
+        uint64_t x = 0x9e3779b97f4a7c15ull ^ (uint64_t) std::chrono::steady_clock::now().time_since_epoch().count();
+        for (auto & b : data) {
+            x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+            b = (uint8_t) x;
+        }
+        using clock = std::chrono::steady_clock;
+        uint8_t one = 0;
+        ggml_backend_tensor_get(t, &one, 0, 1);   // a round trip first: the connection is up and idle
+        std::vector<double> rtt;
+        for (int i = 0; i < 5; i++) {             // a message's round trip: the median of five
+            auto r0 = clock::now();
+            ggml_backend_tensor_get(t, &one, 0, 1);
+            rtt.push_back(std::chrono::duration<double>(clock::now() - r0).count());
+        }
+        std::sort(rtt.begin(), rtt.end());
+        *rtt_s = rtt[2];
+        auto t0 = clock::now();
+        ggml_backend_tensor_set(t, data.data(), 0, bytes);
+        ggml_backend_tensor_get(t, &one, 0, 1);   // (answered after the set: the server has taken every byte)
+        auto t1 = clock::now();
+        ggml_backend_tensor_get(t, data.data(), 0, bytes);
+        auto t2 = clock::now();
+        double up = std::chrono::duration<double>(t1 - t0).count(), down = std::chrono::duration<double>(t2 - t1).count();
+        *up_gbps = bytes / std::max(up, 1e-9) / 1e9;
+        *down_gbps = bytes / std::max(down, 1e-9) / 1e9;
         return (int) PP_OK;
     });
 }

@@ -223,6 +223,12 @@ int pp_rpc_start_server(const char * endpoint, const char * const * dev_names, i
 // The host memory the server of RPC device `dev_name` can still give host weights, and its total (within the
 // server's limit); PP_ERR_UNSUPPORTED where the device is not an RPC device or its server keeps none (protocol 7.0).
 int pp_rpc_host_memory(const char * dev_name, uint64_t * free, uint64_t * total);
+// The network between this process and the server of RPC device `dev_name`, measured: a message's round trip in
+// seconds (a one-byte read, the median of five), and `bytes` written to a buffer on the device and read back, each
+// way's rate in GB/s (the server's copy to its device included; a round trip first, so a connection's setup is not
+// counted). PP_ERR_UNSUPPORTED for a device that is not an RPC device, PP_ERR_MEMORY where the device cannot hold
+// `bytes`.
+int pp_rpc_net_rate(const char * dev_name, uint64_t bytes, double * up_gbps, double * down_gbps, double * rtt_s);
 // The host-weight bytes the patched RPC server behind backend `backend_name` ("RPC<N>[HOST:PORT]", as the
 // scheduler's stats name it) moved to its device N so far; -1 for another backend, or a server of protocol 7.0.
 long long pp_rpc_host_weight_bytes(const char * backend_name);

@@ -27,11 +27,15 @@ def handle(job: FitJob) -> dict:
         raise DeviceSpecError("fit needs accelerator devices")
     res = run_fit(native, job.model, names, SPLIT_MODES[job.split_mode], job.ctx, list(job.margins),
                   int(job.n_ctx_min))
-    if servers:   # (each RPC device's server, and the host memory that server can give host weights)
+    if servers:   # (each RPC device's server, the host memory that server can give host weights, the network to it)
         server = {n: ep for ep, served in servers for n in served}
+        rates: dict = {}
         for d in res["devices"]:
             d["server"] = server.get(d["name"])
             d["server_host_free"] = server_host_free(native, d["name"]) if d["server"] else None
+            if d["server"] and d["server"] not in rates:
+                rates[d["server"]] = net_rate(native, d["name"], d["free_bytes"])
+            d["server_net"] = rates.get(d["server"])
     return res
 
 
@@ -39,6 +43,23 @@ def server_host_free(native, name: str):
     """The host memory the patched RPC server of device `name` can still give host weights (None: it keeps none)."""
     free, total = native.ffi.new("uint64_t *"), native.ffi.new("uint64_t *")
     return int(free[0]) if native.lib.pp_rpc_host_memory(name.encode(), free, total) == 0 else None
+
+
+NET_PROBE_BYTES = (1 << 20, 16 << 20)   # a first measure, and a longer one where the first took under 20 ms
+
+
+def net_rate(native, name: str, free_bytes: int):
+    """The network to the server of RPC device `name`, measured with NET_PROBE_BYTES (at most an eighth of the
+    device's free memory) written there and read back, and a message's round trip: {"up_gbps", "down_gbps",
+    "rtt_s"}, or None where it cannot be measured."""
+    up, down, rtt = (native.ffi.new("double *") for _ in range(3))
+    for size in NET_PROBE_BYTES:
+        n = max(64 << 10, min(size, int(free_bytes) // 8))
+        if native.lib.pp_rpc_net_rate(name.encode(), n, up, down, rtt) != 0:
+            return None
+        if n / (up[0] * 1e9) + n / (down[0] * 1e9) > 0.02:
+            break
+    return {"up_gbps": up[0], "down_gbps": down[0], "rtt_s": rtt[0]}
 
 
 def run_fit(native, model: str, dev_names: str, split_mode: int, ctx, margins: list[int], n_ctx_min: int = 0) -> dict:
