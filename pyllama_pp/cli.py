@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -293,9 +294,18 @@ def models_dir() -> Path:
 
 
 def _configs(args, model: str) -> list:
-    """The A/B matrix of `run` and `ab`: devices x n_batch x n_ubatch x host experts, like llama-bench."""
-    return expand(model, devices=args.devices, n_batch=args.batch, n_ubatch=args.ubatch,
+    """The A/B matrix of `run` and `ab`: devices x n_batch x n_ubatch x host experts, like llama-bench; with
+    `ab --baseline-devices`, each device spec's baseline servers."""
+    cfgs = expand(model, devices=args.devices, n_batch=args.batch, n_ubatch=args.ubatch,
                   placements=_placements(args), **_config_kwargs(args))
+    base = getattr(args, "baseline_devices", None)
+    if not base:
+        return cfgs
+    if len(base) != len(args.devices):
+        raise ConfigError(f"--baseline-devices gives {len(base)} spec(s) and --devices {len(args.devices)}: give the "
+                          "baseline's servers for each --devices spec, ';'-separated in the same order")
+    pair = dict(zip(args.devices, base))
+    return [dataclasses.replace(c, baseline_devices=pair[c.devices]) for c in cfgs]
 
 
 def _default_model() -> str:
@@ -787,6 +797,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "speedup over AB / BA pairs of rounds and its 95%% interval (speedup_ci_lo/hi). For decode, "
                         "whose drift over time is larger than small gaps. Both variants stay loaded: with --fit or "
                         "--plan on GPUs, plan for half of each device")
+    p.add_argument("--baseline-devices", type=lambda s: [x for x in s.split(";") if x], default=None,
+                   metavar="SPEC",
+                   help="for RPC devices: the baseline's own servers on the same hosts, in the same order "
+                        "(`pyllama-pp rpc-server --variant baseline` beside each patched one; upstream's client "
+                        "refuses patched servers). ';'-separated, one per --devices spec")
     p.add_argument("--loads", type=_positive, default=1, metavar="K",
                    help="with --paired: K fresh loads of both workers, N rounds each, the variants' load order "
                         "alternating; the interval then resamples whole loads (where each process's memory lands can "

@@ -56,6 +56,9 @@ class RunConfig:
         link_gbps: each device's host link in GB/s, for devices that do not say (CUDA): gives the rows a bound.
         shared_link: all devices share one link (one GPU split in two).
         plans: variant -> Placement from a fit plan (run/ab --plan, --fit); a variant without one runs `placement`.
+        baseline_devices: for RPC devices, the baseline's own servers on the same hosts, in the same order ("": the
+            same devices). Upstream's client speaks RPC protocol 7.0 and refuses the patched servers (7.1), so an A/B
+            over RPC needs a server of each variant per host.
     Raises:
         ConfigError: for tests, batch sizes, reps or link rates out of range, or switches / env that are not dicts.
         DeviceSpecError: for a link rate that is not a rate ("4GBps", a number).
@@ -77,6 +80,7 @@ class RunConfig:
     link_gbps: Optional[list] = None
     shared_link: bool = False
     plans: dict = field(default_factory=dict)
+    baseline_devices: str = ""
 
     def __post_init__(self):
         self.model = str(self.model)
@@ -90,6 +94,8 @@ class RunConfig:
         self.plans = {v: as_placement(p) for v, p in self.plans.items()}
         if not isinstance(self.switches, dict) or not isinstance(self.env, dict):
             raise ConfigError("switches and env take dicts, NAME -> value")
+        if self.baseline_devices:
+            check_baseline_devices(self.devices, self.baseline_devices)
         if self.link_gbps is not None:
             if not isinstance(self.link_gbps, (list, tuple)):
                 raise ConfigError(f"link_gbps takes a list of rates, one per device (e.g. [55, 55]), not {self.link_gbps!r}")
@@ -130,7 +136,8 @@ class RunConfig:
         Raises:
             TypeError: for a name that is not a MeasureJob field.
         """
-        base = dict(variant=variant, model=self.model, devices=self.devices, placement=self.placement_for(variant),
+        devices = self.baseline_devices if variant == "baseline" and self.baseline_devices else self.devices
+        base = dict(variant=variant, model=self.model, devices=devices, placement=self.placement_for(variant),
                     ctx=self.context(), tests=[list(t) for t in self.tests], reps=self.reps,
                     switches=dict(self.switches) if variant == "patched" else {})
         return MeasureJob(**{**base, **fields})
@@ -145,6 +152,28 @@ class RunConfig:
         d["placement"] = self.placement.to_dict()
         d["plans"] = {v: p.to_dict() for v, p in self.plans.items()}
         return d
+
+
+def check_baseline_devices(devices: str, baseline_devices: str) -> None:
+    """The baseline's servers stand for the same hosts as `devices`: both RPC specs, the same devices of this
+    machine first, as many servers, each with the same device form (all of a server's devices, or device N).
+
+    Raises:
+        ConfigError: where they do not match.
+        DeviceSpecError: for a spec that does not parse.
+    """
+    a, b = devspec.parse(devices), devspec.parse(baseline_devices)
+    if a.kind != "rpc" or b.kind != "rpc":
+        raise ConfigError(f"baseline devices {baseline_devices!r} are for RPC devices: both --devices and "
+                          "--baseline-devices name rpc-servers (rpc://HOST:PORT,...). Fix: drop --baseline-devices")
+    local = lambda s: s.local.text if s.local else ""
+    dev = lambda e: e.partition("/")[2]
+    if local(a) != local(b) or len(a.endpoints) != len(b.endpoints) or \
+            [dev(e) for e in a.endpoints] != [dev(e) for e in b.endpoints]:
+        raise ConfigError(f"the baseline's devices {baseline_devices!r} do not stand for the same hosts as {devices!r}: "
+                          "give the baseline's servers in the same order, as many, with the same devices of this "
+                          "machine first (e.g. --devices rpc://h1:50052,h2:50052 --baseline-devices "
+                          "rpc://h1:50053,h2:50053)")
 
 
 def expand(model: str, devices: Sequence[str] = ("cpu",), n_batch: Sequence[int] = (512,),
@@ -178,11 +207,11 @@ def config_key(cfg: RunConfig) -> str:
     """What a config measures (model, devices, placements, batch sizes, tests, reps, switches, environment, label) as
     a short hash: rows with the same key and variant measure the same thing (a resumed sweep reuses them)."""
     what = [cfg.job().to_dict(), {v: p.to_dict() for v, p in sorted(cfg.plans.items())}, cfg.switches, cfg.env,
-            cfg.label]
+            cfg.label] + ([cfg.baseline_devices] if cfg.baseline_devices else [])
     return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def load_key(cfg: RunConfig) -> str:
     """Configs with the same key can share one loaded model per variant (they differ only in context and tests)."""
-    return json.dumps([cfg.job().load_key(), {v: p.to_dict() for v, p in sorted(cfg.plans.items())}, cfg.env],
-                      sort_keys=True, default=str)
+    return json.dumps([cfg.job().load_key(), {v: p.to_dict() for v, p in sorted(cfg.plans.items())}, cfg.env,
+                       cfg.baseline_devices], sort_keys=True, default=str)

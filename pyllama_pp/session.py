@@ -800,7 +800,8 @@ def connect_servers(native, spec: "devspec.DeviceSpec") -> list:
             variant = native.str(lib.pp_variant())
             raise DeviceSpecError(f"the RPC server at {ep} speaks another protocol than this build ({variant}): "
                                   f"{str(e).split(': ')[-1]}. Fix: start it from the same variant, `pyllama-pp "
-                                  f"rpc-server --variant {variant} ...`") from None
+                                  f"rpc-server --variant {variant} ...`; in `ab`, give the baseline its own servers "
+                                  "with --baseline-devices") from None
         got = ffi.string(buf).decode()
         if not got:
             raise DeviceSpecError(f"the RPC server at {ep} offers no devices")

@@ -65,6 +65,18 @@ def test_bad_ab_options_write_no_files(usage_error, no_worker, tiny_model, tmp_p
     assert not out.exists(), "an A/B run that measured nothing left files behind"
 
 
+@pytest.mark.parametrize("argv,words", [
+    (["--baseline-devices", "rpc://127.0.0.1:1"], "are for RPC devices"),
+    (["--devices", "rpc://127.0.0.1:1,127.0.0.1:2", "--baseline-devices", "rpc://127.0.0.1:3"],
+     "do not stand for the same hosts"),
+    (["--devices", "rpc://127.0.0.1:1", "--baseline-devices", "rpc://127.0.0.1:3;rpc://127.0.0.1:4"],
+     "--baseline-devices gives 2 spec(s) and --devices 1"),
+])
+def test_baseline_devices_that_do_not_match_are_refused(usage_error, no_worker, tiny_model, argv, words):
+    line = usage_error(["ab", tiny_model, "-ngl", "-1", "--host-experts", "all", *argv])
+    assert words in line, line
+
+
 def test_unknown_switch_names_its_near_misses(usage_error, tiny_model):
     """The patched build's own table decides (one info job, no measurement)."""
     line = usage_error(["run", tiny_model, "--switch", "UPLOAD_AL=0"])

@@ -191,6 +191,27 @@ def test_upstream_client_meets_a_patched_server_with_a_clear_error(runner, two_p
     assert time.monotonic() - t0 < 20
 
 
+def test_ab_gives_the_baseline_its_own_servers(tiny_model, tmp_path, two_patched_servers, two_rpc_servers):
+    """An A/B over RPC: the patched build on the patched servers, the baseline on upstream's servers of the same
+    hosts (baseline_devices); both rows measure, only the patched one pipelines. Baseline servers that do not
+    stand for the same hosts are refused before anything runs."""
+    from pyllama_pp import runner as ab_runner
+    from pyllama_pp.config import RunConfig
+    from pyllama_pp.errors import ConfigError
+    cfg = RunConfig(tiny_model, devices=spec_of(two_patched_servers), baseline_devices=spec_of(two_rpc_servers),
+                    n_batch=128, n_ubatch=32, tests=[["pp", 128]], reps=1)
+    assert cfg.job("baseline").devices == spec_of(two_rpc_servers) and cfg.job("patched").devices == cfg.devices
+    df = ab_runner.ab([cfg], out_dir=tmp_path / "ab", progress=False)
+    rows = {r["variant"]: r for r in df.to_dict("records")}
+    assert set(rows) == {"baseline", "patched"} and not any(r["error"] for r in rows.values()), rows
+    assert rows["patched"]["pipeline_parallel"] and not rows["baseline"]["pipeline_parallel"]
+    assert all(r["avg_ts"] > 0 for r in rows.values())
+    with pytest.raises(ConfigError, match="do not stand for the same hosts"):
+        RunConfig(tiny_model, devices=spec_of(two_patched_servers), baseline_devices=spec_of(two_rpc_servers[:1]))
+    with pytest.raises(ConfigError, match="are for RPC devices"):
+        RunConfig(tiny_model, devices="vdev:2x0@0", baseline_devices=spec_of(two_rpc_servers))
+
+
 def test_network_bytes_per_token_are_counted_and_activations_only(runner, two_patched_servers):
     """Through a Link per host (a counting relay): with the experts on their servers, a prompt token costs fewer
     network bytes than with the experts in the client's RAM (RPC_HOST=0), where every layer's expert op runs on the
