@@ -15,9 +15,9 @@ Placements (what each one does in the pinned tree and the series, as measured on
   hidden state crosses the client's NIC twice at every MoE layer, and pipelining is off (tensor overrides).
 
 The network model (pyllama_pp.network, which fit's predictions use too; checked against measurement with --check):
-per ubatch, the client's NIC carries the hidden state (f32) at every boundary between devices twice (server ->
-client -> next server: ggml RPC copies between backends through the client) and the embeddings to the first
-device; every device gets its own inputs (the KQ mask, f16, n_kv x n_tokens, n_kv the cache cells in use, padded
+per ubatch, the client's NIC carries the hidden state (f32) at every boundary between hosts twice (server ->
+client -> next server: ggml RPC copies between two servers through the client; two GPUs of one host copy on the
+host) and the embeddings to the first device; every device gets its own inputs (the KQ mask, f16, n_kv x n_tokens, n_kv the cache cells in use, padded
 to 256; positions) and its graph as a message (a serialized tensor for each of about 75 a layer: measured, the
 rest of the loopback bytes). Prefill: one ubatch of U tokens flows through H x G pipeline stages (each GPU a stage
 with its share of the layers); a stage takes the longer of its expert copies and its compute (OVERLAP), the slowest
@@ -58,14 +58,17 @@ CPU_FLOPS, CPU_READ_GBPS, GPU_LAYER_TOKEN_S, NET_LATENCY_S = 1.5e12, 200.0, 1e-4
 ACT_BYTES = network.ACT_BYTES
 UBATCH = 4096
 PROMPT = 32768   # the prompt's length: 8 ubatches; a pipeline of more stages than ubatches never fills
-def network_bytes_per_ubatch(devices: int, layers: int, moe_layers: int, hidden: int, ubatch: int, n_kv: float,
-                             placement: str) -> dict:
+def network_bytes_per_ubatch(hosts: int, gpus: int, layers: int, moe_layers: int, hidden: int, ubatch: int,
+                             n_kv: float, placement: str) -> dict:
     """Bytes over the client's NIC per ubatch of `ubatch` tokens, up (client -> servers) and down, by part: the
-    package's per-device model (pyllama_pp.network, which fit's predictions use) summed over the devices, each with
-    an equal share of the layers; the naive placements add a round trip of the hidden state a MoE layer."""
+    package's per-device model (pyllama_pp.network, which fit's predictions use) summed over hosts x gpus devices,
+    each with an equal share of the layers (a boundary between two GPUs of one host stays on the host); the naive
+    placements add a round trip of the hidden state a MoE layer."""
+    devices = hosts * gpus
     trips = moe_layers if placement != "series" else 0
-    parts = [network.device_bytes(hidden, ubatch, n_kv, layers / devices, last=i == devices - 1,
-                                  round_trips=trips / devices) for i in range(devices)]
+    parts = [network.device_bytes(hidden, ubatch, n_kv, layers / devices, act_in=i % gpus == 0,
+                                  act_out=i % gpus == gpus - 1 and i != devices - 1, round_trips=trips / devices)
+             for i in range(devices)]
     up, down = sum(u for u, _ in parts), sum(d for _, d in parts)
     inputs = devices * ubatch * (network.MASK_BYTES * n_kv + network.POS_BYTES)
     graphs = network.RPC_TENSOR_BYTES * network.GRAPH_TENSORS_PER_LAYER * layers
@@ -102,7 +105,7 @@ def row(hosts: int, gpus: int, net_gbit: float, m: dict) -> dict:
     compute = UBATCH * (moe_per_stage * m["active_moe"] + (layers_per_stage - moe_per_stage) * m["active_dense"]) \
         * H200_S_PER_ACTIVE_PARAM
     stage = max(copy, compute) + copy / max(moe_per_stage, 1)   # (the first copy of a stage is exposed)
-    nb = {p: network_bytes_per_ubatch(stages, N_LAYER, m["moe_layers"], HIDDEN, UBATCH, n_kv, p)
+    nb = {p: network_bytes_per_ubatch(hosts, gpus, N_LAYER, m["moe_layers"], HIDDEN, UBATCH, n_kv, p)
           for p in ("series", "naive")}
     client_net = max(nb["series"]["up"], nb["series"]["down"]) / net   # (full duplex: the busier way)
     n_ub = -(-PROMPT // UBATCH)
@@ -125,7 +128,7 @@ def row(hosts: int, gpus: int, net_gbit: float, m: dict) -> dict:
     # -- decode, one sequence, one stage after another: the series copies the used experts over each host's PCIe;
     # the naive placements read them from host RAM on a CPU, with a round trip through the client a MoE layer
     used_bytes = m["moe_layers"] * N_USED * m["expert_bytes"]
-    hop = 2 * stages * (NET_LATENCY_S + HIDDEN * ACT_BYTES / net)
+    hop = 2 * hosts * (NET_LATENCY_S + HIDDEN * ACT_BYTES / net)   # (a token in and out of each host)
     naive_hop = hop + 2 * m["moe_layers"] * (NET_LATENCY_S + HIDDEN * ACT_BYTES / net)
     gpu_token = N_LAYER * GPU_LAYER_TOKEN_S
     series_decode = 1 / (used_bytes / (LINK_GBPS * 1e9) + gpu_token + hop)
@@ -135,7 +138,7 @@ def row(hosts: int, gpus: int, net_gbit: float, m: dict) -> dict:
             "network_bytes_per_ubatch_client": nb["series"]["up"] + nb["series"]["down"],
             "network_bytes_per_ubatch_client_naive": nb["naive"]["up"] + nb["naive"]["down"],
             "network_parts_series": nb["series"],
-            "network_bytes_per_token_decode": 2 * stages * HIDDEN * ACT_BYTES,
+            "network_bytes_per_token_decode": 2 * hosts * HIDDEN * ACT_BYTES,
             "stage_copy_s": copy, "stage_compute_s": compute,
             "bound": "network" if client_net > stage else ("pcie" if copy > compute else "compute"),
             "series_pp_ts": series_pp, "naive_cpu_pp_ts": naive_cpu_pp, "naive_client_pp_ts": naive_client_pp,
@@ -157,7 +160,7 @@ def check(path: Path) -> str:
         if "error" in r or r["key"] == "one":
             continue
         placement = "series" if r["key"] == "patched" else "naive"
-        nb = network_bytes_per_ubatch(devices, layers, layers, hidden, ub, n_kv, placement)
+        nb = network_bytes_per_ubatch(devices, 1, layers, layers, hidden, ub, n_kv, placement)
         act_up = nb["up"] - nb["inputs"] - nb["graphs"]
         lines.append(f"| {r['row']} | {r['net_up_per_prompt_token']:.0f} | {nb['up'] / ub:.0f} | "
                      f"{r['net_down_per_prompt_token']:.0f} | {nb['down'] / ub:.0f} | {act_up / ub:.0f} / "

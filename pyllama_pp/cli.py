@@ -594,7 +594,7 @@ def _apply_plans(args, model: str, cfgs: list, variants: list[str]) -> None:
         ctx = ContextParams(n_ctx=n_ctx, n_batch=cfg.n_batch, n_ubatch=min(cfg.n_ubatch, cfg.n_batch))
         cfg.plans = {}
         for v in (["patched"] if args.fit == "same" else variants):
-            p = fit(model, devices=cfg.devices, ctx=ctx, variant=v, margin=args.margin, env=cfg.env or None)
+            p = fit(model, devices=cfg.devices_for(v), ctx=ctx, variant=v, margin=args.margin, env=cfg.env or None)
             if not args.json:
                 print(p, file=sys.stderr)
             cfg.plans[v] = p.placement(args.load_mode, source="fit")

@@ -114,6 +114,10 @@ class RunConfig:
         """
         return self.plans.get(variant, self.placement)
 
+    def devices_for(self, variant: str) -> str:
+        """The device spec a variant runs on: baseline_devices for the baseline where given, else `devices`."""
+        return self.baseline_devices if variant == "baseline" and self.baseline_devices else self.devices
+
     def context(self) -> ContextParams:
         """The context every test of this configuration runs in.
 
@@ -136,8 +140,8 @@ class RunConfig:
         Raises:
             TypeError: for a name that is not a MeasureJob field.
         """
-        devices = self.baseline_devices if variant == "baseline" and self.baseline_devices else self.devices
-        base = dict(variant=variant, model=self.model, devices=devices, placement=self.placement_for(variant),
+        base = dict(variant=variant, model=self.model, devices=self.devices_for(variant),
+                    placement=self.placement_for(variant),
                     ctx=self.context(), tests=[list(t) for t in self.tests], reps=self.reps,
                     switches=dict(self.switches) if variant == "patched" else {})
         return MeasureJob(**{**base, **fields})
@@ -155,8 +159,9 @@ class RunConfig:
 
 
 def check_baseline_devices(devices: str, baseline_devices: str) -> None:
-    """The baseline's servers stand for the same hosts as `devices`: both RPC specs, the same devices of this
-    machine first, as many servers, each with the same device form (all of a server's devices, or device N).
+    """The baseline's servers match `devices`: both RPC specs, the same devices of this machine first, as many
+    servers, each with the same device form (all of a server's devices, or device N). That they run on the same
+    hosts is the caller's to keep (a host's servers listen on different ports).
 
     Raises:
         ConfigError: where they do not match.
@@ -170,10 +175,9 @@ def check_baseline_devices(devices: str, baseline_devices: str) -> None:
     dev = lambda e: e.partition("/")[2]
     if local(a) != local(b) or len(a.endpoints) != len(b.endpoints) or \
             [dev(e) for e in a.endpoints] != [dev(e) for e in b.endpoints]:
-        raise ConfigError(f"the baseline's devices {baseline_devices!r} do not stand for the same hosts as {devices!r}: "
-                          "give the baseline's servers in the same order, as many, with the same devices of this "
-                          "machine first (e.g. --devices rpc://h1:50052,h2:50052 --baseline-devices "
-                          "rpc://h1:50053,h2:50053)")
+        raise ConfigError(f"the baseline's devices {baseline_devices!r} do not match {devices!r}: give a baseline "
+                          "server for each server, in the same order, with the same devices of this machine first "
+                          "(e.g. --devices rpc://h1:50052,h2:50052 --baseline-devices rpc://h1:50053,h2:50053)")
 
 
 def expand(model: str, devices: Sequence[str] = ("cpu",), n_batch: Sequence[int] = (512,),

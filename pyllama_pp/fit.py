@@ -259,15 +259,20 @@ def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int) -> list[floa
 def network_seconds(plan: Plan, hidden: int, n_tokens: int) -> tuple[list, dict]:
     """Seconds per ubatch on the network to each RPC device's server, from the byte model (pyllama_pp.network) and
     the rates fit measured: (each device's seconds, its way up and down; each server's devices' indices). Devices
-    of this machine, or not measured: 0."""
+    of this machine, or not measured: 0. The baseline's client computes the host experts of an RPC device's layers
+    itself: a round trip of the hidden state per such layer."""
     ub = plan.ctx["n_ubatch"]
     n_kv = network.n_kv_mean(n_tokens, ub)
-    per_device, servers = [0.0] * len(plan.devices), {}
-    for i, d in enumerate(plan.devices):
-        if not (d.server and d.server_net and hidden):
+    devs = plan.devices
+    per_device, servers = [0.0] * len(devs), {}
+    for i, d in enumerate(devs):
+        net = d.server_net or {}
+        if not (d.server and hidden and net.get("up_gbps", 0) > 0 and net.get("down_gbps", 0) > 0):
             continue
-        up, down = network.device_bytes(hidden, ub, n_kv, d.n_layers, last=d.output_layer)
-        net = d.server_net
+        up, down = network.device_bytes(
+            hidden, ub, n_kv, d.n_layers, act_in=i == 0 or devs[i - 1].server != d.server,
+            act_out=not d.output_layer and (i + 1 == len(devs) or devs[i + 1].server != d.server),
+            round_trips=d.host_expert_layers if plan.variant == "baseline" else 0)
         per_device[i] = up / (net["up_gbps"] * 1e9) + down / (net["down_gbps"] * 1e9)
         servers.setdefault(d.server, []).append(i)
     return per_device, servers
@@ -290,7 +295,8 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
     the client, which waits for it before it sends that server the next ubatch, so a server's cycle per ubatch is
     its inputs up, its devices' stages and its output down, one after the other; the pipeline runs at the slowest
     cycle, and each device's network time adds to the fill. (Each server is counted on its own path: a client NIC
-    they share is not; nor are the messages' round trips, which the plan shows.)
+    they share is not; nor are the messages' round trips, which the plan shows; nor the network of parts of one GPU
+    probed together.)
 
     Args:
         plan: a fit plan (its devices' layers, host-expert layers, n_ubatch, n_batch, switches).

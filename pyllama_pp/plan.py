@@ -232,7 +232,8 @@ class Plan:
         nets = {d.server: d.server_net for d in self.devices if d.server and d.server_net}
         if nets:
             lines.append("  network (measured): " + "; ".join(
-                f"{k} up {n['up_gbps']:.3g} / down {n['down_gbps']:.3g} GB/s, round trip {n['rtt_s'] * 1e3:.2f} ms"
+                f"{k} up {n.get('up_gbps', 0):.3g} / down {n.get('down_gbps', 0):.3g} GB/s, round trip "
+                f"{n.get('rtt_s', 0) * 1e3:.2f} ms"
                 for k, n in nets.items()))
         if self.spread_weights:
             lines.append(f"  spread: host-expert layers weighted {', '.join(f'{w:g}' for w in self.spread_weights)}")

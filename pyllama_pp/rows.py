@@ -105,7 +105,7 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
         rows.append(Row(**{
             "variant": variant, "model": Path(model["path"]).name, "model_size": model["size_bytes"],
             "model_n_params": model["n_params"], "n_expert": model["n_expert"], "n_expert_used": model["n_expert_used"],
-            "devices": cfg.devices, "n_gpu_layers": pl.n_gpu_layers, "split_mode": pl.split_mode,
+            "devices": cfg.devices_for(variant), "n_gpu_layers": pl.n_gpu_layers, "split_mode": pl.split_mode,
             "tensor_split": list(pl.tensor_split) if pl.tensor_split else None, "host_experts": pl.label,
             "tensor_buft_overrides": ";".join(pl.all_overrides()), "load_mode": pl.load_mode,
             "n_ctx": cfg.context().n_ctx, "n_batch": cfg.n_batch, "n_ubatch": min(cfg.n_ubatch, cfg.n_batch),
@@ -158,7 +158,7 @@ def error_text(e: BaseException) -> str:
 def error_rows(cfg: RunConfig, variant: str, err: str, meta: dict) -> list[Row]:
     """A row per test of `cfg` for a `variant` run that failed with `err`."""
     pl = cfg.placement_for(variant)
-    return [Row(variant=variant, model=Path(cfg.model).name, devices=cfg.devices, n_batch=cfg.n_batch,
+    return [Row(variant=variant, model=Path(cfg.model).name, devices=cfg.devices_for(variant), n_batch=cfg.n_batch,
                 n_ubatch=min(cfg.n_ubatch, cfg.n_batch), host_experts=pl.label,
                 tensor_buft_overrides=";".join(pl.all_overrides()), load_mode=pl.load_mode, test=test_name(t),
                 n_depth=depth_of(t), label=cfg.label, config_key=config_key(cfg), error=err[:2000], **meta)

@@ -453,11 +453,11 @@ def mixed_workload(cfg: RunConfig, variants: Sequence[str] = VARIANTS, rounds: i
         try:
             res = run_job(job, v, timeout=timeout, env=cfg.env)
         except WorkerError as e:
-            rows.append(Row(variant=v, devices=cfg.devices, host_experts=pl.label, test="workload",
+            rows.append(Row(variant=v, devices=cfg.devices_for(v), host_experts=pl.label, test="workload",
                             error=error_text(e)[:2000], **cfg_meta))
             continue
         for st in res["steps"]:
-            rows.append(Row(variant=v, model=Path(cfg.model).name, devices=cfg.devices, host_experts=pl.label,
+            rows.append(Row(variant=v, model=Path(cfg.model).name, devices=cfg.devices_for(v), host_experts=pl.label,
                             n_ctx=ctx.n_ctx, n_batch=cfg.n_batch, n_ubatch=ctx.n_ubatch, **workload_step_row(st, res),
                             seconds=st["seconds"], switches=bj.switches, **cfg_meta))
     base = {r.test: r.avg_ts for r in rows if r.variant == "baseline" and not r.error}

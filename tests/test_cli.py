@@ -68,7 +68,7 @@ def test_bad_ab_options_write_no_files(usage_error, no_worker, tiny_model, tmp_p
 @pytest.mark.parametrize("argv,words", [
     (["--baseline-devices", "rpc://127.0.0.1:1"], "are for RPC devices"),
     (["--devices", "rpc://127.0.0.1:1,127.0.0.1:2", "--baseline-devices", "rpc://127.0.0.1:3"],
-     "do not stand for the same hosts"),
+     "do not match"),
     (["--devices", "rpc://127.0.0.1:1", "--baseline-devices", "rpc://127.0.0.1:3;rpc://127.0.0.1:4"],
      "--baseline-devices gives 2 spec(s) and --devices 1"),
 ])

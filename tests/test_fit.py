@@ -436,7 +436,7 @@ def test_prediction_counts_each_servers_network():
     lc = LayerCompute("vdev", n_tokens=4000, layer_s={1000: 0.008}, outside_s={1000: 0.0})   # 2 ms a layer a ubatch
     hidden, n_kv = 64, network.n_kv_mean(4000, 1000)
     up0, down0 = network.device_bytes(hidden, 1000, n_kv, 3)
-    up1, down1 = network.device_bytes(hidden, 1000, n_kv, 3, last=True)
+    up1, down1 = network.device_bytes(hidden, 1000, n_kv, 3, act_out=False)
     assert down1 == 0 < down0 < up0 and up0 == up1
     p = predict(plan, 0, [1.0, 1.0], compute={-1: lc}, hidden=hidden)
     cycle0 = up0 / 0.01e9 + 0.006 + down0 / 0.02e9
@@ -448,6 +448,20 @@ def test_prediction_counts_each_servers_network():
     for d in plan.devices:
         d.server_net = {"up_gbps": 1e3, "down_gbps": 1e3, "rtt_s": 1e-4}   # a fast network: compute binds again
     assert predict(plan, 0, [1.0, 1.0], compute={-1: lc}, hidden=hidden).bound == "compute"
+    # both devices on one server: the boundary between them stays there (the server copies it), so only the
+    # embeddings go up as hidden state and nothing comes down but logits
+    for d in plan.devices:
+        d.server, d.server_net = "a:1", dict(net)
+    first, _ = network.device_bytes(hidden, 1000, n_kv, 3, act_out=False)
+    second, _ = network.device_bytes(hidden, 1000, n_kv, 3, act_in=False, act_out=False)
+    p = predict(plan, 0, [1.0, 1.0], compute={-1: lc}, hidden=hidden)
+    assert second < first and p.network_s == pytest.approx({"a:1": (first + second) / 0.01e9 + 0.012})
+    # the baseline's client computes an RPC device's host experts: a round trip of the hidden state a layer
+    plan.variant = "baseline"
+    plan.devices[0].host_expert_layers = 3
+    act = 1000 * hidden * network.ACT_BYTES
+    with_trips = predict(plan, 0, [1.0, 1.0], compute={-1: lc}, hidden=hidden)
+    assert with_trips.ts == pytest.approx(4000 / (4 * (0.012 + (first + second + 3 * act) / 0.01e9 + 3 * act / 0.02e9)))
 
 
 def test_compute_probe_replicas_and_a_compute_bound_choice(tmp_path, monkeypatch):

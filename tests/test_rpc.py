@@ -193,8 +193,8 @@ def test_upstream_client_meets_a_patched_server_with_a_clear_error(runner, two_p
 
 def test_ab_gives_the_baseline_its_own_servers(tiny_model, tmp_path, two_patched_servers, two_rpc_servers):
     """An A/B over RPC: the patched build on the patched servers, the baseline on upstream's servers of the same
-    hosts (baseline_devices); both rows measure, only the patched one pipelines. Baseline servers that do not
-    stand for the same hosts are refused before anything runs."""
+    hosts (baseline_devices); both rows measure and name the servers they ran on, only the patched one pipelines.
+    Baseline servers that do not match the devices are refused before anything runs."""
     from pyllama_pp import runner as ab_runner
     from pyllama_pp.config import RunConfig
     from pyllama_pp.errors import ConfigError
@@ -205,8 +205,9 @@ def test_ab_gives_the_baseline_its_own_servers(tiny_model, tmp_path, two_patched
     rows = {r["variant"]: r for r in df.to_dict("records")}
     assert set(rows) == {"baseline", "patched"} and not any(r["error"] for r in rows.values()), rows
     assert rows["patched"]["pipeline_parallel"] and not rows["baseline"]["pipeline_parallel"]
+    assert rows["baseline"]["devices"] == spec_of(two_rpc_servers) and rows["patched"]["devices"] == cfg.devices
     assert all(r["avg_ts"] > 0 for r in rows.values())
-    with pytest.raises(ConfigError, match="do not stand for the same hosts"):
+    with pytest.raises(ConfigError, match="do not match"):
         RunConfig(tiny_model, devices=spec_of(two_patched_servers), baseline_devices=spec_of(two_rpc_servers[:1]))
     with pytest.raises(ConfigError, match="are for RPC devices"):
         RunConfig(tiny_model, devices="vdev:2x0@0", baseline_devices=spec_of(two_rpc_servers))
@@ -280,7 +281,7 @@ def test_fit_across_hosts_plans_each_servers_copies(tiny_model, assert_logits_ma
 def test_fit_measures_each_servers_network_and_counts_it(tiny_model):
     """fit measures the network to each server (through a Link pacing 0.02 GB/s each way): rates near the Link's
     and a round trip, in the plan and its text; --ubatch auto over that network predicts every candidate bound by
-    it, and a plan whose network is ten times faster predicts more."""
+    it."""
     from pyllama_pp.fit import fit_ubatch, predict
     from pyllama_pp.model_file import embedding_length
     for ports in servers("patched", 2):
@@ -299,11 +300,10 @@ def test_fit_measures_each_servers_network_and_counts_it(tiny_model):
         assert "network (measured)" in str(plan)
         tried = [c for c in plan.ubatch_auto if c.get("predicted_ts")]
         assert [c["n_ubatch"] for c in tried] == [32, 64] and all(c["bound"] == "network" for c in tried), tried
-        hidden = embedding_length(tiny_model)
-        slow = predict(plan, 0, [55.0, 55.0], hidden=hidden).ts
-        for d in plan.devices:
-            d.server_net = {k: v * 10 for k, v in d.server_net.items()}
-        assert predict(plan, 0, [55.0, 55.0], hidden=hidden).ts > 2 * slow
+        # the plan's own prediction counts that network: without it (no hidden size) it predicts nothing, nothing
+        # moving over the links of these unlimited devices
+        assert predict(plan, 0, [55.0, 55.0], hidden=embedding_length(tiny_model)).bound == "network"
+        assert predict(plan, 0, [55.0, 55.0]) is None
 
 
 def test_a_servers_host_memory_limit_is_reported_planned_and_refused(tiny_model, runner):

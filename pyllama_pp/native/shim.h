@@ -227,7 +227,7 @@ int pp_rpc_host_memory(const char * dev_name, uint64_t * free, uint64_t * total)
 // seconds (a one-byte read, the median of five), and `bytes` written to a buffer on the device and read back, each
 // way's rate in GB/s (the server's copy to its device included; a round trip first, so a connection's setup is not
 // counted). PP_ERR_UNSUPPORTED for a device that is not an RPC device, PP_ERR_MEMORY where the device cannot hold
-// `bytes`.
+// `bytes`. (A server lost during the measure ends the process, as any lost server does in ggml RPC.)
 int pp_rpc_net_rate(const char * dev_name, uint64_t bytes, double * up_gbps, double * down_gbps, double * rtt_s);
 // The host-weight bytes the patched RPC server behind backend `backend_name` ("RPC<N>[HOST:PORT]", as the
 // scheduler's stats name it) moved to its device N so far; -1 for another backend, or a server of protocol 7.0.

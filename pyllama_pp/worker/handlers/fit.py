@@ -49,17 +49,21 @@ NET_PROBE_BYTES = (1 << 20, 16 << 20)   # a first measure, and a longer one wher
 
 
 def net_rate(native, name: str, free_bytes: int):
-    """The network to the server of RPC device `name`, measured with NET_PROBE_BYTES (at most an eighth of the
-    device's free memory) written there and read back, and a message's round trip: {"up_gbps", "down_gbps",
-    "rtt_s"}, or None where it cannot be measured."""
+    """The network to the server of RPC device `name`, measured with NET_PROBE_BYTES written there and read back (no
+    more than an eighth of the device's free memory, at least 64 KiB), and a message's round trip: {"up_gbps",
+    "down_gbps", "rtt_s"}, or None where it cannot be measured (a server that drops the connection ends the worker:
+    ggml RPC aborts on a lost server)."""
     up, down, rtt = (native.ffi.new("double *") for _ in range(3))
+    got, done = None, set()
     for size in NET_PROBE_BYTES:
         n = max(64 << 10, min(size, int(free_bytes) // 8))
-        if native.lib.pp_rpc_net_rate(name.encode(), n, up, down, rtt) != 0:
-            return None
+        if n in done or native.lib.pp_rpc_net_rate(name.encode(), n, up, down, rtt) != 0:
+            break
+        done.add(n)
+        got = {"up_gbps": up[0], "down_gbps": down[0], "rtt_s": rtt[0]}
         if n / (up[0] * 1e9) + n / (down[0] * 1e9) > 0.02:
             break
-    return {"up_gbps": up[0], "down_gbps": down[0], "rtt_s": rtt[0]}
+    return got
 
 
 def run_fit(native, model: str, dev_names: str, split_mode: int, ctx, margins: list[int], n_ctx_min: int = 0) -> dict:
