@@ -115,7 +115,13 @@ class RunConfig:
         return self.plans.get(variant, self.placement)
 
     def devices_for(self, variant: str) -> str:
-        """The device spec a variant runs on: baseline_devices for the baseline where given, else `devices`."""
+        """The device spec a variant runs on.
+
+        Args:
+            variant: "patched" or "baseline".
+        Returns:
+            str: baseline_devices for the baseline where given, else `devices`.
+        """
         return self.baseline_devices if variant == "baseline" and self.baseline_devices else self.devices
 
     def context(self) -> ContextParams:
