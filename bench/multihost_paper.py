@@ -70,8 +70,7 @@ def network_bytes_per_ubatch(hosts: int, gpus: int, layers: int, moe_layers: int
                                   act_out=i % gpus == gpus - 1 and i != devices - 1, round_trips=trips / devices)
              for i in range(devices)]
     up, down = sum(u for u, _ in parts), sum(d for _, d in parts)
-    inputs = devices * ubatch * (network.MASK_BYTES * n_kv + network.POS_BYTES)
-    graphs = network.RPC_TENSOR_BYTES * network.GRAPH_TENSORS_PER_LAYER * layers
+    inputs, graphs = devices * network.input_bytes(ubatch, n_kv), network.graph_bytes(layers)
     return {"up": up, "down": down, "activations": up + down - inputs - graphs, "inputs": inputs, "graphs": graphs}
 
 

@@ -23,7 +23,7 @@ import pandas as pd
 from pyllama_pp import runner, synth
 from pyllama_pp.cli import models_dir
 from pyllama_pp.config import RunConfig
-from pyllama_pp.fit import fit_ubatch
+from pyllama_pp.fit import fit, fit_ubatch
 from pyllama_pp.params import ContextParams
 from pyllama_pp.rpc import Link, spawn_server, wait_listening
 from ubatch_auto import table   # (bench/: the same Markdown table)
@@ -48,8 +48,7 @@ def measure(model: str, rate: float, args) -> list[dict]:
             if not cand.get("predicted_ts"):
                 continue
             ub, nb = cand["n_ubatch"], cand["n_batch"]
-            p = fit_ubatch(model, devices=spec, ctx=ContextParams(n_ctx=args.p, n_batch=nb, n_ubatch=ub),
-                           candidates=(ub,), timeout=300)
+            p = fit(model, devices=spec, ctx=ContextParams(n_ctx=args.p, n_batch=nb, n_ubatch=ub), timeout=300)
             cfg = RunConfig(model, devices=spec, switches=dict(p.switches),
                             plans={"patched": p.placement("none", source="fit")}, n_batch=nb, n_ubatch=ub,
                             n_ctx=args.p + 256, tests=[["pp", args.p]], reps=args.reps)

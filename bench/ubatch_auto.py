@@ -115,6 +115,7 @@ def main() -> int:
         probed = probe(model, args.devices, ubs, n)
         expert_bytes = expert_bytes_per_layer(model)
         spec = devspec.parse(args.devices)
+        hidden = embedding_length(model) if spec.kind == "rpc" else 0   # (the network to RPC servers)
         for cand in plan.ubatch_auto:
             if not cand.get("predicted_ts"):
                 continue
@@ -123,7 +124,7 @@ def main() -> int:
             for d in p.devices:
                 d.host_expert_layers, d.full_layers = d.n_layers, 0
             pred = predict(p, expert_bytes, link_rates(spec, links, len(p.devices)), args.shared_link, probed, n,
-                           embedding_length(model) if spec.kind == "rpc" else 0)
+                           hidden)
             cand.update(predicted_ts=pred.ts, bound=pred.bound, host_expert_layers=[d.n_layers for d in p.devices],
                         plan=p)
     t_start = time.time()

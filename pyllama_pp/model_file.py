@@ -57,19 +57,18 @@ def layer_counts(path: Union[str, Path]) -> tuple[int, int]:
         (layers, leading dense layers).
     """
     kv = read_gguf_header(path)["kv"]
-    arch = kv.get("general.architecture", "")
+    return _arch_int(kv, "block_count"), _arch_int(kv, "leading_dense_block_count")
 
-    def count(key: str) -> int:
-        n = kv.get(f"{arch}.{key}", 0)
-        return int(n[0] if isinstance(n, list) else n) if n else 0
-    return count("block_count"), count("leading_dense_block_count")
+
+def _arch_int(kv: dict, key: str) -> int:
+    """The integer GGUF key `<arch>.<key>` of a header's key-values (the first of an array); 0 where absent."""
+    n = kv.get(f"{kv.get('general.architecture', '')}.{key}", 0)
+    return int(n[0] if isinstance(n, list) else n) if n else 0
 
 
 def embedding_length(path: Union[str, Path]) -> int:
     """The model's hidden size (GGUF key `<arch>.embedding_length`); 0 where the file does not say."""
-    kv = read_gguf_header(path)["kv"]
-    n = kv.get(f"{kv.get('general.architecture', '')}.embedding_length", 0)
-    return int(n[0] if isinstance(n, list) else n) if n else 0
+    return _arch_int(read_gguf_header(path)["kv"], "embedding_length")
 
 
 def block_count(path: Union[str, Path]) -> int:

@@ -30,6 +30,16 @@ def n_kv_mean(prompt: int, ubatch: int) -> float:
     return sum(-(-min(prompt, (i + 1) * ubatch) // KV_PAD) * KV_PAD for i in range(n_ub)) / n_ub
 
 
+def input_bytes(ubatch: int, n_kv: float) -> float:
+    """One device's user inputs per ubatch: its KQ mask and the positions."""
+    return ubatch * (MASK_BYTES * n_kv + POS_BYTES)
+
+
+def graph_bytes(layers: float) -> float:
+    """The graph message of a device computing `layers` layers."""
+    return RPC_TENSOR_BYTES * GRAPH_TENSORS_PER_LAYER * layers
+
+
 def device_bytes(hidden: int, ubatch: int, n_kv: float, layers: float, act_in: bool = True, act_out: bool = True,
                  round_trips: float = 0) -> tuple[float, float]:
     """One RPC device's bytes per ubatch over the client's network, (up to its server, down from it).
@@ -45,10 +55,9 @@ def device_bytes(hidden: int, ubatch: int, n_kv: float, layers: float, act_in: b
         round_trips: extra round trips of the hidden state (experts computed off the device: one per such layer).
     """
     act = ubatch * hidden * ACT_BYTES
-    up = act * act_in + ubatch * (MASK_BYTES * n_kv + POS_BYTES) + RPC_TENSOR_BYTES * GRAPH_TENSORS_PER_LAYER * layers \
-        + round_trips * act
+    up = act * act_in + input_bytes(ubatch, n_kv) + graph_bytes(layers) + round_trips * act
     down = act * act_out + round_trips * act
     return up, down
 
 
-__all__ = ["device_bytes", "n_kv_mean"]
+__all__ = ["device_bytes", "graph_bytes", "input_bytes", "n_kv_mean"]

@@ -1048,6 +1048,12 @@ void * rpc_proc(const char * fn) {
     return f;
 }
 
+// the RPC module's function `fn` where it has it (the patched module's additions), else nullptr, silently
+void * rpc_optional(const char * fn) {
+    ggml_backend_reg_t reg = rpc_reg();
+    return reg ? ggml_backend_reg_get_proc_address(reg, fn) : nullptr;
+}
+
 int check_endpoint(const char * endpoint, std::string & host, int & port) {
     if (!split_endpoint(endpoint, host, port)) {
         return fail(PP_ERR_ARG, std::string("bad RPC endpoint '") + endpoint + "': expected HOST:PORT");
@@ -1103,11 +1109,11 @@ PP_EXPORT int pp_rpc_add_server(const char * endpoint, char * names, size_t name
 PP_EXPORT long long pp_rpc_host_weight_bytes(const char * backend_name) {
     unsigned device = 0;
     char endpoint[256] = {};
-    if (!backend_name || sscanf(backend_name, "RPC%u[%255[^]]]", &device, endpoint) != 2 || !rpc_reg()) {
+    if (!backend_name || sscanf(backend_name, "RPC%u[%255[^]]]", &device, endpoint) != 2) {
         return -1;
     }
     using bytes_t = int64_t (*)(const char *, uint32_t);
-    auto bytes = (bytes_t) ggml_backend_reg_get_proc_address(rpc_reg(), "ggml_backend_rpc_host_weight_bytes");
+    auto bytes = (bytes_t) rpc_optional("ggml_backend_rpc_host_weight_bytes");
     if (!bytes) {
         return -1;
     }
@@ -1129,7 +1135,7 @@ PP_EXPORT int pp_rpc_host_memory(const char * dev_name, uint64_t * free, uint64_
             return fail(PP_ERR_DEVICE, std::string("unknown device '") + dev_name + "'");
         }
         using host_memory_t = bool (*)(ggml_backend_dev_t, size_t *, size_t *);
-        auto host_memory = rpc_reg() ? (host_memory_t) ggml_backend_reg_get_proc_address(rpc_reg(), "ggml_backend_rpc_dev_host_memory") : nullptr;
+        auto host_memory = (host_memory_t) rpc_optional("ggml_backend_rpc_dev_host_memory");
         size_t f = 0, t = 0;
         if (!host_memory || !host_memory(dev, &f, &t)) {
             return fail(PP_ERR_UNSUPPORTED, std::string(dev_name) + " has no host memory on its server (not an RPC "
@@ -1214,11 +1220,11 @@ PP_EXPORT int pp_rpc_start_server(const char * endpoint, const char * const * de
         }
         // the patched server keeps host buffers, whose graphs also run on the CPU device
         using set_host_t = void (*)(ggml_backend_dev_t);
-        if (auto set_host = (set_host_t) ggml_backend_reg_get_proc_address(rpc_reg(), "ggml_backend_rpc_server_set_host_device")) {
+        if (auto set_host = (set_host_t) rpc_optional("ggml_backend_rpc_server_set_host_device")) {
             set_host(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU));
         }
         using set_limit_t = void (*)(size_t);
-        auto set_limit = (set_limit_t) ggml_backend_reg_get_proc_address(rpc_reg(), "ggml_backend_rpc_server_set_host_memory_limit");
+        auto set_limit = (set_limit_t) rpc_optional("ggml_backend_rpc_server_set_host_memory_limit");
         if (host_limit > 0 && !set_limit) {
             return fail(PP_ERR_UNSUPPORTED, "this variant's RPC server keeps no host memory of its own (upstream's, "
                                             "protocol 7.0): a host memory limit needs the patched variant");

@@ -27,15 +27,15 @@ def handle(job: FitJob) -> dict:
         raise DeviceSpecError("fit needs accelerator devices")
     res = run_fit(native, job.model, names, SPLIT_MODES[job.split_mode], job.ctx, list(job.margins),
                   int(job.n_ctx_min))
-    if servers:   # (each RPC device's server, the host memory that server can give host weights, the network to it)
+    if servers:   # (each RPC device's server, the host memory that server can give host weights, the network to it:
+        # asked once per server, through its first device)
         server = {n: ep for ep, served in servers for n in served}
-        rates: dict = {}
+        asked: dict = {}
         for d in res["devices"]:
-            d["server"] = server.get(d["name"])
-            d["server_host_free"] = server_host_free(native, d["name"]) if d["server"] else None
-            if d["server"] and d["server"] not in rates:
-                rates[d["server"]] = net_rate(native, d["name"], d["free_bytes"])
-            d["server_net"] = rates.get(d["server"])
+            ep = d["server"] = server.get(d["name"])
+            if ep and ep not in asked:
+                asked[ep] = (server_host_free(native, d["name"]), net_rate(native, d["name"], d["free_bytes"]))
+            d["server_host_free"], d["server_net"] = asked.get(ep, (None, None))
     return res
 
 
@@ -54,13 +54,12 @@ def net_rate(native, name: str, free_bytes: int):
     "down_gbps", "rtt_s"}, or None where it cannot be measured (a server that drops the connection ends the worker:
     ggml RPC aborts on a lost server)."""
     up, down, rtt = (native.ffi.new("double *") for _ in range(3))
-    got, done = None, set()
+    got, last = None, 0
     for size in NET_PROBE_BYTES:
         n = max(64 << 10, min(size, int(free_bytes) // 8))
-        if n in done or native.lib.pp_rpc_net_rate(name.encode(), n, up, down, rtt) != 0:
+        if n == last or native.lib.pp_rpc_net_rate(name.encode(), n, up, down, rtt) != 0:
             break
-        done.add(n)
-        got = {"up_gbps": up[0], "down_gbps": down[0], "rtt_s": rtt[0]}
+        last, got = n, {"up_gbps": up[0], "down_gbps": down[0], "rtt_s": rtt[0]}
         if n / (up[0] * 1e9) + n / (down[0] * 1e9) > 0.02:
             break
     return got
