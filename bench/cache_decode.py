@@ -97,6 +97,9 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=32, help="tokens per tg run (default 32)")
     ap.add_argument("--rounds", type=int, default=10, help="rounds, even (default 10)")
     ap.add_argument("--n-ctx", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="host CPU threads of both builds (0: every core); a VDEV computes with its spec's threads "
+                         "(threads=N, default 1): --threads 1 gives the host's experts the device's compute")
     ap.add_argument("--no-baseline", action="store_true", help="skip the baseline build's run")
     ap.add_argument("--budget", type=float, default=0, help="stop starting rounds after this many seconds (0: none)")
     ap.add_argument("--out", default=str(REPO / "bench" / "out" / "cache_decode"),
@@ -117,7 +120,7 @@ def main() -> int:
     model = args.model
     if not model:
         model = str(synth.cached_model("/tmp/pp_models", args.preset, seed=1, routing=args.routing))
-    ctxp = ContextParams(n_ctx=args.n_ctx, n_batch=512, n_ubatch=512)
+    ctxp = ContextParams(n_ctx=args.n_ctx, n_batch=512, n_ubatch=512, n_threads=args.threads)
     s = Session(model, devices=args.devices, placement=Placement(host_experts="all"), ctx=ctxp, variant="patched")
     log(f"loaded {model} on {args.devices}")
     consecutive = args.tokens == "consecutive" or (args.tokens is None and args.routing not in ("uniform", "skewed", "natural"))
@@ -182,7 +185,7 @@ def main() -> int:
                      "ids_wait_us_per_token": c["ids_wait_us"] / tokens if tokens else None,
                      "cache_ops_per_token": c["cache_ops"] / tokens if tokens else None,
                      "rounds": len(ts), "samples_ts": ts.tolist()})
-    doc = {"model": model, "devices": args.devices, "n": args.n, "routing": args.routing,
+    doc = {"model": model, "devices": args.devices, "n": args.n, "routing": args.routing, "threads": args.threads,
            "tokens": "consecutive" if consecutive else "random", "baseline_ts": base,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
     (out / "cache_decode.json").write_text(json.dumps(doc, indent=1))
@@ -198,7 +201,7 @@ def main() -> int:
                      f"{fmt(x['h2d_mb_per_token'], '.3f')} | {fmt(x['ids_wait_us_per_token'], '.0f')} | "
                      f"{x['nmse_vs_off']:.2e} |")
     table = "\n".join(lines)
-    head = (f"{Path(model).name} on {args.devices}, tg{args.n}, routing {args.routing}, "
+    head = (f"{Path(model).name} on {args.devices}, tg{args.n}, routing {args.routing}, {args.threads or 'all'} host threads, "
             f"{'consecutive' if consecutive else 'random'} tokens; baseline {fmt(base, '.1f')} t/s")
     (out / "cache_decode.md").write_text(f"{head}\n\n{table}\n")
     print(head)
