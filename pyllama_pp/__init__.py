@@ -7,9 +7,10 @@ The layers, each importing only those below it:
     errors, _version                       one exception hierarchy; the version
     binding, _pin                          one variant's native library in this process
     devices, params, counters, stats       data: device specs, Placement / ContextParams, counter sums, statistics
-    network                                data: the bytes a ubatch sends over ggml RPC (fit's and the paper's)
+    rpc (network, relay, client)           ggml RPC: the bytes a ubatch sends, the loopback relay, the client's side
     synth, model_file, plan, jobs, row     model files, a fit plan, worker jobs, the result row
-    session                                a model on devices: schedule, eval, KV cache
+    session, rpc.planning                  a model on devices: schedule, eval, KV cache; fit's sums for RPC servers
+    rpc.server                             serve this machine's devices (`pyllama-pp rpc-server`)
     worker (client, handlers, loop)        one variant per process: the parent's side, a handler per job kind
     compute                                the compute probe (a layer's compute on a device, measured)
     fit, soak, check                       planning; the soak's API; the logits check (each runs workers)

@@ -14,7 +14,7 @@ import difflib
 
 import pandas as pd
 
-from . import _pin, rpc, runner, synth
+from . import _pin, runner, synth
 from ._version import __version__
 from . import devices as devspec
 from .binding import VARIANTS, available_variants, backend_modules, build_info
@@ -27,6 +27,7 @@ from .model_file import block_count, check_model_path
 from .params import ContextParams, Placement, ctx_for
 from .plan import Plan
 from .report import devices_label, markdown, plot
+from .rpc import server as rpc_server
 from .row import Row, RowWriter, read_rows
 from .worker.client import run_job
 
@@ -539,8 +540,8 @@ def cmd_fit(args) -> int:
 
 def cmd_rpc_server(args) -> int:
     """Serve this machine's devices over llama.cpp's ggml RPC until killed."""
-    rpc.serve(args.devices, host=args.host, port=args.port, variant=args.variant, threads=args.threads, cpu=args.cpu,
-              host_ram=devspec.parse_size(args.host_ram) if args.host_ram else 0)
+    rpc_server.serve(args.devices, host=args.host, port=args.port, variant=args.variant, threads=args.threads,
+                     cpu=args.cpu, host_ram=devspec.parse_size(args.host_ram) if args.host_ram else 0)
     return 1   # (serve returns only by an error, which it raises)
 
 

@@ -25,6 +25,7 @@ from .errors import (ConfigError, DecodeError, DeviceError, DeviceSpecError, Mod
 from .model_file import check_model_path
 from .params import LOAD_MODES, SPLIT_MODES, ContextParams, Placement, as_context, as_placement
 from .plan import Plan
+from .rpc.client import connect_servers, host_weight_bytes
 
 
 @dataclass
@@ -536,7 +537,7 @@ class Session:
             n = lib.pp_gather_counted(b["name"].encode())
             if n >= 0:
                 b["gather_bytes"] = n
-            n = lib.pp_rpc_host_weight_bytes(b["name"].encode())   # a patched RPC server's own copies
+            n = host_weight_bytes(self.native, b["name"])   # a patched RPC server's own copies
             if n >= 0:
                 b["weight_bytes"] += n
         return stats
@@ -778,42 +779,6 @@ class Session:
             pass
 
 
-def connect_servers(native, spec: "devspec.DeviceSpec") -> list:
-    """Connect to the servers of an rpc spec (ggml RPC registers each endpoint once per process); returns
-    (endpoint, the names of the devices used there) for each, in the spec's order.
-
-    Raises:
-        DeviceSpecError: for a server that cannot be reached, speaks another protocol, offers no devices or not the
-            device asked for.
-    """
-    lib, ffi = native.lib, native.ffi
-    out = []
-    for item in spec.endpoints:
-        ep, _, dev = item.partition("/")   # ("HOST:PORT/N": only the server's device N)
-        buf = ffi.new("char[1024]")
-        try:
-            native.check(lib.pp_rpc_add_server(ep.encode(), buf, 1024))
-        except PyllamaError as e:
-            if "version mismatch" not in str(e):
-                raise
-            # (the patched build speaks RPC protocol 7.1, upstream 7.0: a client refuses a newer server)
-            variant = native.str(lib.pp_variant())
-            raise DeviceSpecError(f"the RPC server at {ep} speaks another protocol than this build ({variant}): "
-                                  f"{str(e).split(': ')[-1]}. Fix: start it from the same variant, `pyllama-pp "
-                                  f"rpc-server --variant {variant} ...`; in `ab`, give the baseline its own servers "
-                                  "with --baseline-devices") from None
-        got = ffi.string(buf).decode()
-        if not got:
-            raise DeviceSpecError(f"the RPC server at {ep} offers no devices")
-        offered = got.split(",")
-        if dev and int(dev) >= len(offered):
-            raise DeviceSpecError(f"the RPC server at {ep} offers {len(offered)} device(s) (0..{len(offered) - 1}), "
-                                  f"not device {dev}. Fix: rpc://{ep}/N with N in 0..{len(offered) - 1}, or "
-                                  f"rpc://{ep} for all of them")
-        out.append((ep, [offered[int(dev)]] if dev else offered))
-    return out
-
-
 def register_devices(native, spec: "devspec.DeviceSpec", servers: Optional[list] = None) -> str:
     """Set up the devices of `spec` in this process (VDEVs are registered once per process; an rpc spec sets up its
     local devices first, then connects to its servers, once per endpoint, unless `servers` gives what
@@ -846,7 +811,7 @@ def register_devices(native, spec: "devspec.DeviceSpec", servers: Optional[list]
         return ",".join(f"VDEV{i}" for i in range(n))
     if spec.kind == "rpc":
         names = register_devices(native, spec.local).split(",") if spec.local else []
-        names += [n for _, served in (servers or connect_servers(native, spec)) for n in served]
+        names += [n for _, served in (servers or connect_servers(native, spec.endpoints)) for n in served]
         return ",".join(names)
     # cuda
     cuda = [d for d in list_devices() if d["backend"] == "CUDA"]

@@ -20,9 +20,10 @@ README = PKG.parent / "README.md"
 FLOORS = [
     ["_version", "errors", "_cdef"],
     ["binding"],
-    ["_pin", "devices", "params", "counters", "stats", "synth", "network"],
+    ["_pin", "devices", "params", "counters", "stats", "synth", "rpc.network", "rpc.relay", "rpc.client"],
     ["model_file", "plan", "jobs", "row"],
-    ["session"],
+    ["session", "rpc.planning"],
+    ["rpc.server"],
     ["rpc"],
     ["worker.client"],
     ["worker"],
