@@ -6,8 +6,9 @@ series). One process holds one of them (`load`); the A/B runner gives each its o
 The layers, each importing only those below it:
     errors, _version                       one exception hierarchy; the version
     binding, _pin                          one variant's native library in this process
-    devices, params, counters, stats       data: device specs, Placement / ContextParams, counter sums, statistics
+    params, counters, stats                data: Placement / ContextParams, counter sums, statistics
     rpc (network, relay, client)           ggml RPC: the bytes a ubatch sends, the loopback relay, the client's side
+    devices (base; cpu, cuda, vdev, rpc)   device specs: one class per kind, and their registry
     synth, model_file, plan, jobs, row     model files, a fit plan, worker jobs, the result row
     session, rpc.planning                  a model on devices: schedule, eval, KV cache; fit's sums for RPC servers
     rpc.server                             serve this machine's devices (`pyllama-pp rpc-server`)
@@ -38,7 +39,7 @@ _HOME = {
     "DevicePlan": "plan", "Plan": "plan", "PlanError": "plan",
     "Row": "row",
     "ab": "runner", "interleaved": "runner", "mixed_workload": "runner",
-    "EvalResult": "session", "Schedule": "session", "Session": "session", "list_devices": "session",
+    "EvalResult": "session", "Schedule": "session", "Session": "session", "list_devices": "devices",
     "ServingWorker": "worker", "run_job": "worker",
 }
 

@@ -209,10 +209,9 @@ def _check_args(args, model: Optional[str], variants: list[str]) -> None:
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise ConfigError(f"-o/--out {args.out} is a file, not a folder: give a folder for the rows")
     for spec in args.devices:
-        if devspec.parse(spec).kind == "cuda" and "CUDA" not in backend_modules():
-            raise DeviceSpecError(f"--devices {spec}: this build has no CUDA backend. Rebuild with CMAKE_ARGS="
-                                  "'-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90', or use --devices cpu / "
-                                  "vdev:2x768MiB@4GBps")
+        why = devspec.parse(spec).unbuilt(backend_modules())
+        if why:
+            raise DeviceSpecError(f"--devices {spec}: {why}")
     for flag, values, lowest in (("-b/--batch", args.batch, 1), ("-ub/--ubatch", args.ubatch, 1),
                                  ("-p/--pp", args.pp, 1), ("-n/--tg", args.tg, 1), ("-d/--n-depth", args.depth, 0)):
         bad = [v for v in values or [] if not lowest <= v <= 2**31 - 1]
@@ -495,7 +494,7 @@ def cmd_ab(args) -> int:
                               "or drop --loads")
         cfgs, variants = _configs(args, model), list(VARIANTS)
         _apply_plans(args, model, cfgs, variants)
-    notes = [CPU_ONLY_NOTE] if all(devspec.parse(c.devices).kind == "cpu" for c in cfgs) else []
+    notes = [CPU_ONLY_NOTE] if all(not devspec.parse(c.devices).accelerators for c in cfgs) else []
     for note in notes if not args.json else []:
         print(f"pyllama-pp: note: {note}", file=sys.stderr)
     out = Path(args.out or Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S"))

@@ -22,18 +22,15 @@ from .compute import compute_for, probe
 from .errors import ConfigError, DeviceSpecError, OutOfMemoryError
 from .model_file import check_model_path, embedding_length, expert_bytes_per_layer
 from .params import SPLIT_MODES, ContextParams, as_context
-from .plan import MiB, GiB, Plan, check_plan, plan_from_result, plan_problem
+from .plan import MiB, Plan, check_plan, plan_from_result, plan_problem
 from .rpc.planning import check_server_host_memory, network_seconds, server_copy_bytes
 from .worker.client import check_switch_env, run_job
-
-# upstream's default margin per device (common/common.h fit_params_target); VDEV budgets are exact, so none there
-DEFAULT_MARGIN = {"cuda": 1 * GiB, "vdev": 0}
 
 
 def _margins(margin, spec: devspec.DeviceSpec) -> list[int]:
     n = spec.n_devices or 1
     if margin is None:
-        return [DEFAULT_MARGIN.get(spec.kind, GiB)] * n
+        return [spec.default_margin] * n
     vals = list(margin) if isinstance(margin, (list, tuple)) else [margin]
     negative = [v for v in vals if str(v).strip().startswith("-")]
     if negative:
@@ -73,12 +70,8 @@ def spread_weights(spread, spec: devspec.DeviceSpec, link_gbps=None) -> list:
     if spread == "links":
         if link_gbps is not None:
             rates = [devspec.parse_rate(x) for x in link_gbps]
-        elif spec.kind == "vdev":
-            groups: dict = {}
-            for v in spec.vdevs:
-                if v.link_group >= 0:
-                    groups[v.link_group] = groups.get(v.link_group, 0) + 1
-            rates = [v.link_gbps / groups.get(v.link_group, 1) if v.link_group >= 0 else v.link_gbps for v in spec.vdevs]
+        elif spec.link_rates() is not None:
+            rates = spec.link_shares()
         else:
             raise ConfigError("spread='links' on CUDA needs each GPU's host link rate: link_gbps=[55, 25] "
                               "(CLI: --link-gbps 55,25; nvidia-smi shows each link's generation and width)")
@@ -139,17 +132,9 @@ def _fit(model, devices="vdev:2x0@0", ctx=None, variant: str = "patched", margin
     if not checked:
         check_model_path(model)
     spec = devspec.parse(devices)
-    if spec.kind == "cpu":
-        raise DeviceSpecError("fit places layers on accelerators, and the device spec 'cpu' has none: "
-                              "give --devices cuda, cuda:0,1 or vdev:2x768MiB@4GBps")
-    if spec.kind == "vdev" and any(v.memory == 0 for v in spec.vdevs):
-        raise DeviceSpecError(f"fit needs each device's memory, and {spec} has a VDEV without a memory budget "
-                              "(0 = unlimited): give one, e.g. vdev:2x256MiB@4GBps")
+    spec.fit_check(split_mode)   # (no accelerators, a device without a budget, a split its devices lack)
     if split_mode not in SPLIT_MODES:
         raise ConfigError(f"split_mode must be one of {sorted(SPLIT_MODES)}, not {split_mode!r}")
-    if split_mode == "row" and spec.kind == "vdev":
-        raise DeviceSpecError(f"split mode row splits tensors by rows over CUDA devices; the VDEVs of {spec} have no "
-                              "split buffers (and upstream's fit does not place layers in that mode): use layer")
     ctx = as_context(ctx)
     margins = _margins(margin, spec)
     server_copies = server_copy_bytes(model, spec, variant,
@@ -179,7 +164,6 @@ def _fit(model, devices="vdev:2x0@0", ctx=None, variant: str = "patched", margin
     return check_plan(plan, check)
 
 
-DEFAULT_CUDA_LINK_GBPS = 55.0   # a PCIe 5 x16 link's measured host -> device rate (docs/RESULTS.md)
 UBATCH_CANDIDATES = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -207,7 +191,8 @@ class Prediction:
 
 
 def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int) -> list[float]:
-    """Each device's host link rate in GB/s: the ones given, a VDEV's own, or on CUDA DEFAULT_CUDA_LINK_GBPS.
+    """Each device's host link rate in GB/s: the ones given, the spec's own (a VDEV's), or its kind's default
+    (DeviceSpec.default_link_gbps: a PCIe 5 x16 link's 55 GB/s).
 
     Args:
         spec: the parsed device spec.
@@ -218,8 +203,9 @@ def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int) -> list[floa
     Raises:
         ConfigError: for a rate of 0 or a count other than n_devices.
     """
-    rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else \
-        [v.link_gbps for v in spec.vdevs] if spec.kind == "vdev" else [DEFAULT_CUDA_LINK_GBPS] * n_devices
+    rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else spec.link_rates()
+    if rates is None:
+        rates = [spec.default_link_gbps] * n_devices
     return _checked_rates(rates, spec, "--ubatch auto", link_gbps is not None, n_devices)
 
 
@@ -345,7 +331,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
     check_model_path(model)
     check_switch_env([variant], kw.get("env"))
     expert_bytes = expert_bytes_per_layer(model)
-    hidden = embedding_length(model) if spec.kind == "rpc" else 0   # (the network to RPC servers is counted)
+    hidden = embedding_length(model) if spec.remote else 0   # (the network to RPC servers is counted)
     tried, best, best_score, rates, placed = [], None, 0.0, None, []
     kw.pop("check", None)   # (a candidate that leaves layers on the CPU or a device over its target is out)
     for ub in [c for c in candidates if c <= n_ctx]:
@@ -424,4 +410,4 @@ def _plan_copies(plan: Plan, once, check: bool, env: Optional[dict]) -> Plan:
     return alt
 
 
-__all__ = ["fit", "fit_ubatch", "spread_weights", "link_rates", "predict", "predicted_ts", "Prediction", "DEFAULT_MARGIN"]
+__all__ = ["fit", "fit_ubatch", "spread_weights", "link_rates", "predict", "predicted_ts", "Prediction"]

@@ -24,7 +24,7 @@ def server_copy_bytes(model, spec, variant: str, rpc_host: bool) -> int:
     Returns:
         The bytes per device; 0 for devices of this machine, the baseline, or RPC_HOST=0.
     """
-    if spec.kind != "rpc" or variant != "patched" or not rpc_host:
+    if not spec.remote or variant != "patched" or not rpc_host:
         return 0
     return int(2 * expert_bytes_per_layer(model) / 3 * 1.02) + 4096   # (the largest of three alike, padded)
 

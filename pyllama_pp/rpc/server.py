@@ -18,8 +18,8 @@ from typing import Optional
 
 from .. import binding
 from .. import devices as devspec
+from ..devices import list_devices
 from ..errors import DeviceSpecError, PyllamaError, UnsupportedError
-from ..session import list_devices, register_devices
 
 
 def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: int = 50052,
@@ -44,7 +44,7 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
             baseline variant.
     """
     spec = devspec.parse(devices)
-    if spec.kind == "rpc":
+    if spec.remote:
         raise DeviceSpecError("rpc-server serves this machine's devices: give cpu, cuda[:IDS] or vdev:..., not rpc://")
     if not 1 <= int(port) <= 65535:
         raise DeviceSpecError(f"bad port {port}: use 1..65535")
@@ -52,7 +52,7 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
         raise UnsupportedError("upstream's RPC server (--variant baseline, protocol 7.0) keeps no host memory of its "
                                "own: --host-ram needs the patched variant")
     native = binding.load(variant)
-    names = register_devices(native, spec)
+    names = spec.register(native)
     if names == "none":   # cpu: the CPU device itself
         names = cpu_name()
     elif cpu:

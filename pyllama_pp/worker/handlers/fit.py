@@ -10,8 +10,7 @@ from ... import devices as devspec
 from ...errors import DeviceSpecError
 from ...jobs import FitJob
 from ...params import SPLIT_MODES
-from ...rpc.client import connect_servers, describe_servers
-from ...session import register_devices
+from ...rpc.client import describe_servers
 
 
 def handle(job: FitJob) -> dict:
@@ -22,8 +21,8 @@ def handle(job: FitJob) -> dict:
     """
     native = binding.load(job.variant)
     spec = devspec.parse(job.devices)
-    servers = connect_servers(native, spec.endpoints) if spec.kind == "rpc" else []
-    names = register_devices(native, spec, servers)
+    servers = spec.connect(native)   # (rpc-servers: asked for their host memory and network below)
+    names = spec.register(native, servers)
     if names == "none":
         raise DeviceSpecError("fit needs accelerator devices")
     res = run_fit(native, job.model, names, SPLIT_MODES[job.split_mode], job.ctx, list(job.margins),
