@@ -59,12 +59,16 @@ class BackendInfo:
     compute_buffer_bytes: int
 
 
+# a split input's kind -> the column of its bytes in Schedule.to_frame()
+INPUT_COLUMNS = {"host weight": "host_weight_bytes", "user input": "user_input_bytes", "activation": "activation_bytes"}
+
+
 @dataclass
 class SplitInput:
     """An input of a split: a host weight, a user input or an activation, with its size."""
 
     name: str
-    kind: str          # "host weight", "user input" or "activation"
+    kind: str          # "host weight", "user input" or "activation" (INPUT_COLUMNS)
     bytes: int         # as the scheduler prints it (K/M rounded)
 
 
@@ -76,6 +80,13 @@ class Split:
     backend: str
     n_nodes: int
     inputs: list[SplitInput]
+
+    def input_bytes(self) -> dict:
+        """The bytes of the split's inputs by kind: {"host_weight_bytes", "user_input_bytes", "activation_bytes"}."""
+        out = dict.fromkeys(INPUT_COLUMNS.values(), 0)
+        for i in self.inputs:
+            out[INPUT_COLUMNS[i.kind]] += i.bytes
+        return out
 
 
 def env_problems(native: binding.Native) -> list[str]:
@@ -141,10 +152,7 @@ class Schedule:
         import pandas as pd   # (here, not at the top: worker processes import this module and never need pandas)
         if self.splits:
             return pd.DataFrame([{"split": sp.index, "backend": sp.backend, "n_nodes": sp.n_nodes,
-                                  "n_inputs": len(sp.inputs),
-                                  "host_weight_bytes": sum(i.bytes for i in sp.inputs if i.kind == "host weight"),
-                                  "user_input_bytes": sum(i.bytes for i in sp.inputs if i.kind == "user input"),
-                                  "activation_bytes": sum(i.bytes for i in sp.inputs if i.kind == "activation"),
+                                  "n_inputs": len(sp.inputs), **sp.input_bytes(),
                                   "inputs": ", ".join(i.name for i in sp.inputs)} for sp in self.splits])
         return pd.DataFrame([asdict(b) for b in self.backends])
 
