@@ -68,11 +68,8 @@ def spread_weights(spread, spec: devspec.DeviceSpec, link_gbps=None) -> list:
     if spread in (None, "equal"):
         return []
     if spread == "links":
-        if link_gbps is not None:
-            rates = [devspec.parse_rate(x) for x in link_gbps]
-        elif spec.link_rates() is not None:
-            rates = spec.link_shares()
-        else:
+        rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else spec.link_shares()
+        if rates is None:   # (the spec gives no links: CUDA's are the machine's)
             raise ConfigError("spread='links' on CUDA needs each GPU's host link rate: link_gbps=[55, 25] "
                               "(CLI: --link-gbps 55,25; nvidia-smi shows each link's generation and width)")
         return _checked_rates(rates, spec, "spread='links'", link_gbps is not None, spec.n_devices or 0)

@@ -28,8 +28,8 @@ def link_bound(cfg: RunConfig, h2d: list[int], n_tokens: int) -> tuple[list[floa
     a shared link carries the bytes of all its devices). VDEVs know their links; other devices take
     cfg.link_gbps (e.g. measured host->GPU bandwidth)."""
     spec = devspec.parse(cfg.devices)
-    if spec.link_rates() is not None:
-        gbps = spec.link_rates()
+    gbps = spec.link_rates()
+    if gbps is not None:
         groups = [("g", g) if g >= 0 else ("d", i) for i, g in enumerate(spec.link_groups())]
     elif cfg.link_gbps:
         gbps = [float(x) for x in cfg.link_gbps][:len(h2d)]
