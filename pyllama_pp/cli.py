@@ -14,7 +14,7 @@ import difflib
 
 import pandas as pd
 
-from . import _pin, rpc, runner, synth
+from . import _pin, runner, synth
 from ._version import __version__
 from . import devices as devspec
 from .binding import VARIANTS, available_variants, backend_modules, build_info
@@ -27,6 +27,7 @@ from .model_file import block_count, check_model_path
 from .params import ContextParams, Placement, ctx_for
 from .plan import Plan
 from .report import devices_label, markdown, plot
+from .rpc import server as rpc_server
 from .row import Row, RowWriter, read_rows
 from .worker.client import run_job
 
@@ -208,10 +209,9 @@ def _check_args(args, model: Optional[str], variants: list[str]) -> None:
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise ConfigError(f"-o/--out {args.out} is a file, not a folder: give a folder for the rows")
     for spec in args.devices:
-        if devspec.parse(spec).kind == "cuda" and "CUDA" not in backend_modules():
-            raise DeviceSpecError(f"--devices {spec}: this build has no CUDA backend. Rebuild with CMAKE_ARGS="
-                                  "'-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90', or use --devices cpu / "
-                                  "vdev:2x768MiB@4GBps")
+        why = devspec.parse(spec).unbuilt(backend_modules())
+        if why:
+            raise DeviceSpecError(f"--devices {spec}: {why}")
     for flag, values, lowest in (("-b/--batch", args.batch, 1), ("-ub/--ubatch", args.ubatch, 1),
                                  ("-p/--pp", args.pp, 1), ("-n/--tg", args.tg, 1), ("-d/--n-depth", args.depth, 0)):
         bad = [v for v in values or [] if not lowest <= v <= 2**31 - 1]
@@ -494,7 +494,7 @@ def cmd_ab(args) -> int:
                               "or drop --loads")
         cfgs, variants = _configs(args, model), list(VARIANTS)
         _apply_plans(args, model, cfgs, variants)
-    notes = [CPU_ONLY_NOTE] if all(devspec.parse(c.devices).kind == "cpu" for c in cfgs) else []
+    notes = [CPU_ONLY_NOTE] if all(not devspec.parse(c.devices).accelerators for c in cfgs) else []
     for note in notes if not args.json else []:
         print(f"pyllama-pp: note: {note}", file=sys.stderr)
     out = Path(args.out or Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S"))
@@ -539,8 +539,8 @@ def cmd_fit(args) -> int:
 
 def cmd_rpc_server(args) -> int:
     """Serve this machine's devices over llama.cpp's ggml RPC until killed."""
-    rpc.serve(args.devices, host=args.host, port=args.port, variant=args.variant, threads=args.threads, cpu=args.cpu,
-              host_ram=devspec.parse_size(args.host_ram) if args.host_ram else 0)
+    rpc_server.serve(args.devices, host=args.host, port=args.port, variant=args.variant, threads=args.threads,
+                     cpu=args.cpu, host_ram=devspec.parse_size(args.host_ram) if args.host_ram else 0)
     return 1   # (serve returns only by an error, which it raises)
 
 

@@ -19,12 +19,13 @@ import numpy as np
 
 from . import binding
 from . import devices as devspec
-from .counters import COUNTER_FIELDS, device_delta
-from .errors import (ConfigError, DecodeError, DeviceError, DeviceSpecError, ModelError, OutOfMemoryError,
-                     PyllamaError, UnsupportedError, is_device_fault, one_statement)
+from .counters import device_delta
+from .errors import (ConfigError, DecodeError, DeviceError, ModelError, OutOfMemoryError, PyllamaError,
+                     UnsupportedError, is_device_fault, one_statement)
 from .model_file import check_model_path
 from .params import LOAD_MODES, SPLIT_MODES, ContextParams, Placement, as_context, as_placement
 from .plan import Plan
+from .rpc.client import host_weight_bytes
 
 
 @dataclass
@@ -58,12 +59,16 @@ class BackendInfo:
     compute_buffer_bytes: int
 
 
+# a split input's kind -> the column of its bytes in Schedule.to_frame()
+INPUT_COLUMNS = {"host weight": "host_weight_bytes", "user input": "user_input_bytes", "activation": "activation_bytes"}
+
+
 @dataclass
 class SplitInput:
     """An input of a split: a host weight, a user input or an activation, with its size."""
 
     name: str
-    kind: str          # "host weight", "user input" or "activation"
+    kind: str          # "host weight", "user input" or "activation" (INPUT_COLUMNS)
     bytes: int         # as the scheduler prints it (K/M rounded)
 
 
@@ -75,6 +80,13 @@ class Split:
     backend: str
     n_nodes: int
     inputs: list[SplitInput]
+
+    def input_bytes(self) -> dict:
+        """The bytes of the split's inputs by kind: {"host_weight_bytes", "user_input_bytes", "activation_bytes"}."""
+        out = dict.fromkeys(INPUT_COLUMNS.values(), 0)
+        for i in self.inputs:
+            out[INPUT_COLUMNS[i.kind]] += i.bytes
+        return out
 
 
 def env_problems(native: binding.Native) -> list[str]:
@@ -140,10 +152,7 @@ class Schedule:
         import pandas as pd   # (here, not at the top: worker processes import this module and never need pandas)
         if self.splits:
             return pd.DataFrame([{"split": sp.index, "backend": sp.backend, "n_nodes": sp.n_nodes,
-                                  "n_inputs": len(sp.inputs),
-                                  "host_weight_bytes": sum(i.bytes for i in sp.inputs if i.kind == "host weight"),
-                                  "user_input_bytes": sum(i.bytes for i in sp.inputs if i.kind == "user input"),
-                                  "activation_bytes": sum(i.bytes for i in sp.inputs if i.kind == "activation"),
+                                  "n_inputs": len(sp.inputs), **sp.input_bytes(),
                                   "inputs": ", ".join(i.name for i in sp.inputs)} for sp in self.splits])
         return pd.DataFrame([asdict(b) for b in self.backends])
 
@@ -383,7 +392,7 @@ class Session:
         self._ctx: Optional[Context] = None
         self._check_switch_env()
         self._apply_switches(switches or {})
-        dev_names = register_devices(self.native, self.spec)
+        dev_names = self.spec.register(self.native)
         self._model = LoadedModel(self.native, self.path, dev_names, self.placement)
         self.info = self._model.info
         self._ctx = self._model.context(self.ctx_params)
@@ -536,7 +545,7 @@ class Session:
             n = lib.pp_gather_counted(b["name"].encode())
             if n >= 0:
                 b["gather_bytes"] = n
-            n = lib.pp_rpc_host_weight_bytes(b["name"].encode())   # a patched RPC server's own copies
+            n = host_weight_bytes(self.native, b["name"])   # a patched RPC server's own copies
             if n >= 0:
                 b["weight_bytes"] += n
         return stats
@@ -548,13 +557,7 @@ class Session:
             list[dict]: one dict per VDEV: "device" (VDEV0, ...) and its counters (bytes moved per direction,
             syncs, ...); empty for other devices.
         """
-        lib, ffi = self.native.lib, self.native.ffi
-        out = []
-        for i in range(lib.pp_vdev_count() if self.spec.kind == "vdev" else 0):
-            c = ffi.new("struct pp_vdev_counters *")
-            self.native.check(lib.pp_vdev_get_counters(i, c))
-            out.append({"device": f"VDEV{i}", **{k: getattr(c, k) for k in COUNTER_FIELDS}})
-        return out
+        return self.spec.device_counters(self.native)
 
     def reset_counters(self) -> None:
         """Zero the VDEV counters (the peak allocation becomes the current one)."""
@@ -776,111 +779,3 @@ class Session:
             self.close()
         except Exception:
             pass
-
-
-def connect_servers(native, spec: "devspec.DeviceSpec") -> list:
-    """Connect to the servers of an rpc spec (ggml RPC registers each endpoint once per process); returns
-    (endpoint, the names of the devices used there) for each, in the spec's order.
-
-    Raises:
-        DeviceSpecError: for a server that cannot be reached, speaks another protocol, offers no devices or not the
-            device asked for.
-    """
-    lib, ffi = native.lib, native.ffi
-    out = []
-    for item in spec.endpoints:
-        ep, _, dev = item.partition("/")   # ("HOST:PORT/N": only the server's device N)
-        buf = ffi.new("char[1024]")
-        try:
-            native.check(lib.pp_rpc_add_server(ep.encode(), buf, 1024))
-        except PyllamaError as e:
-            if "version mismatch" not in str(e):
-                raise
-            # (the patched build speaks RPC protocol 7.1, upstream 7.0: a client refuses a newer server)
-            variant = native.str(lib.pp_variant())
-            raise DeviceSpecError(f"the RPC server at {ep} speaks another protocol than this build ({variant}): "
-                                  f"{str(e).split(': ')[-1]}. Fix: start it from the same variant, `pyllama-pp "
-                                  f"rpc-server --variant {variant} ...`; in `ab`, give the baseline its own servers "
-                                  "with --baseline-devices") from None
-        got = ffi.string(buf).decode()
-        if not got:
-            raise DeviceSpecError(f"the RPC server at {ep} offers no devices")
-        offered = got.split(",")
-        if dev and int(dev) >= len(offered):
-            raise DeviceSpecError(f"the RPC server at {ep} offers {len(offered)} device(s) (0..{len(offered) - 1}), "
-                                  f"not device {dev}. Fix: rpc://{ep}/N with N in 0..{len(offered) - 1}, or "
-                                  f"rpc://{ep} for all of them")
-        out.append((ep, [offered[int(dev)]] if dev else offered))
-    return out
-
-
-def register_devices(native, spec: "devspec.DeviceSpec", servers: Optional[list] = None) -> str:
-    """Set up the devices of `spec` in this process (VDEVs are registered once per process; an rpc spec sets up its
-    local devices first, then connects to its servers, once per endpoint, unless `servers` gives what
-    connect_servers returned for it); returns the device names for pp_model_params.devices ("none": CPU only)."""
-    lib, ffi = native.lib, native.ffi
-    if spec.kind == "cpu":
-        return "none"
-    if spec.kind == "vdev":
-        n = len(spec.vdevs)
-        have = lib.pp_vdev_count()
-        if have and have != n:
-            raise DeviceSpecError(f"this process already has {have} virtual devices; {n} were asked for. "
-                                  "Use one device count per process (workers do this for you).")
-        cfg = ffi.new("struct pp_vdev_config[]", n)
-        for i, v in enumerate(spec.vdevs):
-            cfg[i].memory_bytes = v.memory
-            cfg[i].link_gbps = v.link_gbps
-            cfg[i].link_group = v.link_group
-            cfg[i].compute_factor = v.speed
-            cfg[i].n_threads = v.threads
-            cfg[i].d2d_gbps = v.d2d_gbps
-            cfg[i].direct_read = v.direct_read
-            cfg[i].row_pad = v.row_pad
-            cfg[i].fail_alloc_at = v.fail_alloc_after + 1 if v.fail_alloc_after >= 0 else 0
-            cfg[i].fail_copy_at = v.fail_copy_after + 1 if v.fail_copy_after >= 0 else 0
-            cfg[i].fault_abort = int(v.fault_abort)
-        err = ffi.new("char[512]")
-        if lib.pp_vdev_register(cfg, n, err, 512) != 0:
-            raise DeviceSpecError(f"cannot set up the virtual devices: {ffi.string(err).decode()}")
-        return ",".join(f"VDEV{i}" for i in range(n))
-    if spec.kind == "rpc":
-        names = register_devices(native, spec.local).split(",") if spec.local else []
-        names += [n for _, served in (servers or connect_servers(native, spec)) for n in served]
-        return ",".join(names)
-    # cuda
-    cuda = [d for d in list_devices() if d["backend"] == "CUDA"]
-    if not cuda:
-        raise DeviceSpecError("no CUDA device found: this build has no CUDA backend or the machine has no GPU. "
-                              "Rebuild with CMAKE_ARGS='-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90' or use "
-                              "--devices cpu / vdev:2x768MiB@4GBps")
-    ids = spec.cuda_ids or list(range(len(cuda)))
-    bad = [i for i in ids if i >= len(cuda)]
-    if bad:
-        raise DeviceSpecError(f"CUDA device(s) {bad} do not exist; this machine has {len(cuda)}")
-    return ",".join(cuda[i]["name"] for i in ids)
-
-
-def list_devices(variant: Optional[str] = None) -> list[dict]:
-    """The devices the loaded variant sees (CPU, CUDA GPUs, registered VDEVs).
-
-    Args:
-        variant: the variant to load when this process holds none yet (default: "patched"); ignored when one is
-            loaded.
-    Returns:
-        list[dict]: one dict per device: name, description, backend, type, memory_free, memory_total, and its caps
-        (async, events, host_buffer).
-    Raises:
-        VariantError: for an unknown variant.
-        BuildError: when the variant to load is not built.
-    """
-    native = binding.loaded() or binding.load(variant or "patched")
-    lib, ffi, s = native.lib, native.ffi, native.str
-    out = []
-    for i in range(lib.pp_device_count()):
-        d = ffi.new("pp_device_info *")
-        native.check(lib.pp_device_get(i, d))
-        out.append({"name": s(d.name), "description": s(d.description), "backend": s(d.backend), "type": d.type,
-                    "memory_free": d.memory_free, "memory_total": d.memory_total, "async": bool(d.caps_async),
-                    "events": bool(d.caps_events), "host_buffer": bool(d.caps_host_buffer)})
-    return out

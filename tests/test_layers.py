@@ -20,9 +20,11 @@ README = PKG.parent / "README.md"
 FLOORS = [
     ["_version", "errors", "_cdef"],
     ["binding"],
-    ["_pin", "devices", "params", "counters", "stats", "synth", "network"],
+    ["_pin", "devices.base", "params", "counters", "stats", "synth", "rpc.network", "rpc.relay", "rpc.client"],
+    ["devices.cpu", "devices.cuda", "devices.vdev", "devices.rpc"],   # one module per device kind
+    ["devices"],   # the registry of kinds and the public API of device specs
     ["model_file", "plan", "jobs", "row"],
-    ["session"],
+    ["session", "rpc.planning", "rpc.server"],
     ["rpc"],
     ["worker.client"],
     ["worker"],

@@ -210,7 +210,7 @@ int pp_ext_param_spec(int i, char * type, size_t type_size, int64_t * def, int64
 // GGML_SCHED_PP_* environment variables the switch table does not accept (a name it does not know, a value that is
 // not an integer or out of range): how many (0: none), one line each into buf; PP_ERR_UNSUPPORTED without the table
 int pp_ext_env_problems(char * buf, size_t buf_size);
-// ---- RPC (llama.cpp's ggml RPC backend, the module in the backends folder) -------------------------------
+// ---- RPC (llama.cpp's ggml RPC backend, the module in the backends folder; rpc.cpp) ------------------
 // Connect to an rpc-server at endpoint "HOST:PORT", register its devices and write their names, comma-separated,
 // into names. PP_ERR_DEVICE when the server cannot be reached (checked with a TCP connect and a timeout first:
 // the RPC client aborts on a refused connection) or the RPC module is not loaded; PP_ERR_ARG on a bad endpoint.
