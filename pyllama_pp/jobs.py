@@ -134,6 +134,17 @@ class WorkloadJob(Job):
 
 
 @dataclass
+class TraceJob(Job):
+    """Record the experts each MoE layer chooses for each token: a prompt of `n_prompt` tokens, then `n_decode` tokens
+    decoded one by one after it, the tokens chosen as a measure job's are (`seed`; a stream for a locality model)."""
+
+    kind: ClassVar[str] = "trace"
+    n_prompt: int = 0
+    n_decode: int = 64
+    seed: int = 0
+
+
+@dataclass
 class FitJob(Job):
     """Run the variant's fit (common/fit.cpp) for the model on the devices; per-device margins in bytes."""
 
@@ -158,7 +169,7 @@ class SoakJob(Job):
     out: Optional[str] = None
 
 
-KINDS: dict[str, type] = {c.kind: c for c in (InfoJob, ScheduleJob, LogitsJob, MeasureJob, WorkloadJob, FitJob,
+KINDS: dict[str, type] = {c.kind: c for c in (InfoJob, ScheduleJob, LogitsJob, MeasureJob, WorkloadJob, TraceJob, FitJob,
                                               SoakJob)}
 
 

@@ -7,20 +7,23 @@ import time
 from ...counters import ext_add, ext_delta, sum_devices
 from ...errors import ConfigError, PyllamaError
 from ...jobs import MeasureJob, depth_of
+from ...model_file import routes_by_stream
 from ...params import ContextParams
-from .base import open_session, random_tokens
+from .base import bench_tokens, open_session
 
 
 def run_tests(s, tests, reps: int, seed: int, coverage: bool, warmup: int = 1) -> list[dict]:
     """Each test is [kind, n] or [kind, n, depth] (llama-bench's -d: the context first holds `depth` prompt
     tokens, untimed; tg then decodes right after them, its first token included); `warmup` untimed runs, then
-    `reps` timed ones."""
+    `reps` timed ones. Tokens: random ones, or a stream of consecutive ids for a model whose routing follows one
+    (base.bench_tokens)."""
     results = []
+    stream = routes_by_stream(s.path)
     for test in tests:
         kind, n = test[0], int(test[1])
         depth = depth_of(test)
-        toks = random_tokens(n, s.info.n_vocab, seed)
-        prefix = random_tokens(depth, s.info.n_vocab, seed + 1) if depth else None
+        toks = bench_tokens(n, s.info.n_vocab, seed, stream)
+        prefix = bench_tokens(depth, s.info.n_vocab, seed + 1, stream) if depth else None
         cov = None
         if kind == "pp" and coverage and s.info.n_expert > 0:
             cov = s.coverage(toks, exclusive=True)   # (never two contexts at once: a plan sized one)
