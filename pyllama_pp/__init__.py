@@ -9,10 +9,11 @@ The layers, each importing only those below it:
     devices, params, counters, stats       data: device specs, Placement / ContextParams, counter sums, statistics
     network                                data: the bytes a ubatch sends over ggml RPC (fit's and the paper's)
     synth, model_file, plan, jobs, row     model files, a fit plan, worker jobs, the result row
+    expert_trace, expert_cache_sim         an expert trace; per-layer expert-cache hit rates simulated on it
     session                                a model on devices: schedule, eval, KV cache
     worker (client, handlers, loop)        one variant per process: the parent's side, a handler per job kind
     compute                                the compute probe (a layer's compute on a device, measured)
-    fit, soak, check                       planning; the soak's API; the logits check (each runs workers)
+    fit, soak, check, trace                planning; the soak's API; the logits check; expert traces (workers)
     config, rows, runner                   A/B configurations, rows from results, the A/B runner
     report, cli                            tables and plots; the `pyllama-pp` command
 """
@@ -37,6 +38,7 @@ _HOME = {
     "DevicePlan": "plan", "Plan": "plan", "PlanError": "plan",
     "Row": "row",
     "ab": "runner", "interleaved": "runner", "mixed_workload": "runner",
+    "ExpertTrace": "expert_trace",
     "EvalResult": "session", "Schedule": "session", "Session": "session", "list_devices": "session",
     "ServingWorker": "worker", "run_job": "worker",
 }

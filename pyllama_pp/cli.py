@@ -570,9 +570,7 @@ def cmd_check(args) -> int:
 def cmd_trace(args) -> int:
     """The experts each MoE layer chose for each token (pyllama_pp.trace); -o writes them (.npz)."""
     tr = trace.record(args.model, n_prompt=args.pp, n_decode=args.tg, seed=args.seed, variant=args.variant,
-                      devices=args.devices)
-    if args.out:
-        trace.save(tr, args.out)
+                      devices=args.devices, out=args.out)
     s = trace.summary(tr)
     _emit(args, {**s, "out": str(args.out) if args.out else None}, trace.describe(s, args.out))
     return 0
@@ -685,8 +683,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "of multiples of 256)")
     p.add_argument("--routing", choices=list(ROUTING_MODES),
                    help="uniform: every expert used about equally; skewed: some experts far more (real models' "
-                        "coverage); natural: plain random weights (default: the preset's, uniform)")
-    p.add_argument("--skew", type=float, help="with --routing skewed: how strongly (default: 1.0; 0 = uniform)")
+                        "coverage); locality: consecutive token ids route to slowly changing experts (decode's "
+                        "temporal locality); natural: plain random weights (default: the preset's, uniform)")
+    p.add_argument("--skew", type=float, help="with --routing skewed: how strongly (default: 1.0; 0 = uniform); with "
+                   f"locality: its popularity profile (default: {synth.DEFAULT_LOCALITY_SKEW:g})")
     for dim, what in (("n_layer", "layers"), ("n_embd", "embedding width"), ("n_expert", "experts per layer"),
                       ("n_expert_used", "experts used per token"), ("n_ff_exp", "expert FFN width"),
                       ("n_vocab", "vocabulary size")):

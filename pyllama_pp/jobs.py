@@ -143,6 +143,20 @@ class TraceJob(Job):
     n_decode: int = 64
     seed: int = 0
 
+    def check(self) -> None:
+        """The job's own checks, before any model load (the parent's and the worker's).
+
+        Raises:
+            ConfigError: for negative counts, no token at all, or more tokens than the context holds.
+        """
+        n_prompt, n_decode = int(self.n_prompt), int(self.n_decode)
+        if n_prompt < 0 or n_decode < 0 or n_prompt + n_decode == 0:
+            raise ConfigError(f"a trace needs prompt and decode tokens >= 0, not both 0; got {n_prompt} and "
+                              f"{n_decode}")
+        if n_prompt + n_decode > self.ctx.n_ctx:
+            raise ConfigError(f"{n_prompt} + {n_decode} tokens do not fit in n_ctx={self.ctx.n_ctx}: raise the "
+                              "context size")
+
 
 @dataclass
 class FitJob(Job):

@@ -182,9 +182,9 @@ ROUTING_MODES = ("uniform", "skewed", "locality", "natural")
 DEFAULT_SKEW = 1.0   # routing="skewed" without a skew (preset(), the CLI): about real models' concentration
 # routing="locality": the share of each token embedding that follows the walk, the walk's correlation length in ids,
 # and the popularity profile's skew (preset(), the CLI) - calibrated in docs/RESULTS.md "Expert locality"
-DEFAULT_LOCALITY = 0.83
+DEFAULT_LOCALITY = 0.81
 DEFAULT_LOCALITY_SPAN = 16.0
-DEFAULT_LOCALITY_SKEW = 0.12
+DEFAULT_LOCALITY_SKEW = 0.13
 #: routing modes whose routing follows a stream of consecutive token ids (the bench feeds them such a stream)
 STREAM_ROUTINGS = ("locality",)
 

@@ -24,7 +24,8 @@ SUMMARY_FRACTIONS = (0.125, 0.25)
 
 def record(model: Union[str, Path], n_prompt: int = 0, n_decode: int = 64, seed: int = 0, variant: str = "patched",
            devices: Union[str, dict] = "cpu", placement: Union[Placement, dict, None] = None,
-           ctx: Optional[ContextParams] = None, timeout: Optional[float] = None) -> ExpertTrace:
+           ctx: Optional[ContextParams] = None, out: Union[str, Path, None] = None,
+           timeout: Optional[float] = None) -> ExpertTrace:
     """The experts each MoE layer of `model` chose for each token of a prompt and a decode after it.
 
     Args:
@@ -36,35 +37,42 @@ def record(model: Union[str, Path], n_prompt: int = 0, n_decode: int = 64, seed:
         devices: a device spec (default: cpu).
         placement: where the weights go (default: every layer on the devices).
         ctx: the context's parameters (default: n_ctx for the tokens, the default batch sizes).
+        out: write the trace here too (.npz; checked before the run).
         timeout: seconds the worker may take.
     Returns:
         ExpertTrace: ids [tokens, MoE layers, k], meta: model, variant, devices, seed, routing, tokens.
     Raises:
-        ModelError: for a missing or damaged model; ConfigError for bad counts; WorkerError (with the worker's own
-            class) when the run fails.
+        ModelError: for a missing or damaged model; ConfigError for bad counts or an `out` that is not a .npz in
+            an existing folder (before any worker starts); WorkerError (with the worker's own class) when the run
+            fails.
     """
     check_model_path(model)
+    if out is not None:
+        check_out(out)
     ctx = ctx or ContextParams(n_ctx=ctx_for(n_prompt + n_decode))
     job = TraceJob(variant=variant, model=str(model), devices=devices, placement=as_placement(placement), ctx=ctx,
                    n_prompt=int(n_prompt), n_decode=int(n_decode), seed=int(seed))
+    job.check()
     r = run_job(job, variant, timeout=timeout)
     meta = {"model": str(model), "variant": variant, "devices": devices, "seed": int(seed), "routing": r["routing"],
             "tokens": r["tokens"], "arch": r["model"]["arch"]}
-    return ExpertTrace(r["ids"], r["layers"], r["n_expert"], r["n_prompt"], meta)
+    tr = ExpertTrace(r["ids"], r["layers"], r["n_expert"], r["n_prompt"], meta)
+    if out is not None:
+        tr.save(out)
+    return tr
 
 
-def save(trace: ExpertTrace, out: Union[str, Path]) -> None:
-    """Write the trace to `out` (.npz).
+def check_out(out: Union[str, Path]) -> None:
+    """Refuse a trace file name that is not a .npz in an existing folder.
 
     Raises:
-        ConfigError: for another suffix, or a folder that does not exist.
+        ConfigError: saying what to give instead.
     """
     out = Path(out)
     if out.suffix != ".npz":
         raise ConfigError(f"a trace is written as .npz (numpy's compressed arrays), not {out.name!r}: give -o FILE.npz")
     if not out.parent.is_dir():
         raise ConfigError(f"cannot write {out}: the folder {out.parent} does not exist")
-    trace.save(out)
 
 
 def summary(trace: ExpertTrace) -> dict:
