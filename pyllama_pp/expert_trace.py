@@ -55,10 +55,19 @@ class ExpertTrace:
     @staticmethod
     def from_records(records: Sequence[tuple], flat_ids: np.ndarray, n_tokens: int, n_expert: int,
                      n_prompt: int = 0, meta: Union[dict, None] = None) -> "ExpertTrace":
-        """Place the shim's records (layer, n_tokens, k, offset) - one per MoE layer per ubatch, in compute order -
-        into [tokens, layers, k]. A record whose layer is not above the previous one starts the next ubatch; a
-        ubatch's tokens follow the previous ubatch's.
+        """Place the shim's records - one per MoE layer per ubatch, in compute order - into [tokens, layers, k]. A
+        record whose layer is not above the previous one starts the next ubatch; a ubatch's tokens follow the
+        previous ubatch's.
 
+        Args:
+            records: (layer, n_tokens, k, offset) each (pp_trace_record: offset into flat_ids).
+            flat_ids: every record's ids, each record's n_tokens x k token-major.
+            n_tokens: the tokens decoded.
+            n_expert: experts per layer.
+            n_prompt: the first tokens that were a prompt.
+            meta: what made it.
+        Returns:
+            ExpertTrace: the ids in place.
         Raises:
             ValueError: when the records do not cover exactly n_tokens tokens at every layer.
         """
@@ -84,7 +93,11 @@ class ExpertTrace:
         return ExpertTrace(ids, np.asarray(layers), n_expert, n_prompt, dict(meta or {}))
 
     def save(self, path: Union[str, Path]) -> None:
-        """Write the trace as a compressed .npz: ids, layers, n_expert, n_prompt and meta (JSON text)."""
+        """Write the trace as a compressed .npz: ids, layers, n_expert, n_prompt and meta (JSON text).
+
+        Args:
+            path: the file (numpy adds .npz to a name without it).
+        """
         np.savez_compressed(path, ids=self.ids, layers=self.layers, n_expert=np.int32(self.n_expert),
                             n_prompt=np.int32(self.n_prompt), meta=np.array(json.dumps(self.meta, default=str)))
 
@@ -92,6 +105,10 @@ class ExpertTrace:
     def load(path: Union[str, Path]) -> "ExpertTrace":
         """Read a trace that save() wrote.
 
+        Args:
+            path: the .npz file.
+        Returns:
+            ExpertTrace: the trace.
         Raises:
             ValueError: for a file that is not such a trace.
         """

@@ -7,6 +7,7 @@ consecutive ids for a synthetic model with routing "locality"). `summary` and `d
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional, Union
 
@@ -84,14 +85,18 @@ def summary(trace: ExpertTrace) -> dict:
     out.update(locality_summary(trace))
     for f in SUMMARY_FRACTIONS:
         out[f"lru_{f:g}"] = simulate(trace, f, "lru")["hit_rate"]
-    return out
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in out.items()}   # (too few tokens)
+
+
+def _pct(x: Optional[float]) -> str:
+    return "n/a (too few tokens)" if x is None else f"{x:.1%}"
 
 
 def describe(s: dict, out: Optional[Union[str, Path]] = None) -> str:
     """summary() as lines of text."""
-    lru = ", ".join(f"{f:.1%} of the experts {s[f'lru_{f:g}']:.1%}" for f in SUMMARY_FRACTIONS)
+    lru = ", ".join(f"{f:.1%} of the experts {_pct(s[f'lru_{f:g}'])}" for f in SUMMARY_FRACTIONS)
     return (f"{Path(str(s['model'])).name}: {s['tokens']} tokens ({s['n_prompt']} prompt), {s['moe_layers']} MoE "
             f"layers, {s['k']} of {s['n_expert']} experts each" + (f", routing {s['routing']}" if s["routing"] else "")
-            + f"\n  experts shared with the previous token {s['overlap_lag1']:.1%}, with a far one "
-            f"{s['overlap_random']:.1%}\n  per-layer LRU cache hits: {lru}"
+            + f"\n  experts shared with the previous token {_pct(s['overlap_lag1'])}, with a far one "
+            f"{_pct(s['overlap_random'])}\n  per-layer LRU cache hits: {lru}"
             + (f"\n  wrote {out}" if out else ""))
