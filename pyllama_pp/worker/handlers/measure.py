@@ -12,13 +12,12 @@ from ...params import ContextParams
 from .base import bench_tokens, open_session
 
 
-def run_tests(s, tests, reps: int, seed: int, coverage: bool, warmup: int = 1) -> list[dict]:
+def run_tests(s, tests, reps: int, seed: int, coverage: bool, warmup: int = 1, stream: bool = False) -> list[dict]:
     """Each test is [kind, n] or [kind, n, depth] (llama-bench's -d: the context first holds `depth` prompt
     tokens, untimed; tg then decodes right after them, its first token included); `warmup` untimed runs, then
-    `reps` timed ones. Tokens: random ones, or a stream of consecutive ids for a model whose routing follows one
-    (base.bench_tokens)."""
+    `reps` timed ones. Tokens: random ones, or with `stream` consecutive ids (base.bench_tokens: for a model whose
+    routing follows such a stream)."""
     results = []
-    stream = routes_by_stream(s.path)
     for test in tests:
         kind, n = test[0], int(test[1])
         depth = depth_of(test)
@@ -89,17 +88,18 @@ def check(job: MeasureJob) -> None:
 def measure(s, job: MeasureJob) -> dict:
     """Run the job's tests (or its contexts' tests) on the loaded session s."""
     reps, seed, coverage, warmup = int(job.reps), int(job.seed), bool(job.coverage), int(job.warmup)
+    stream = routes_by_stream(s.path)   # (a locality model's tests decode consecutive ids)
     if job.ctx_list is None:
         sched = s.schedule().to_dict()
         return {"model": s.info.to_dict(), "schedule": sched,
-                "tests": run_tests(s, job.tests, reps, seed, coverage, warmup)}
+                "tests": run_tests(s, job.tests, reps, seed, coverage, warmup, stream)}
     runs = []
     for i, entry in enumerate(job.ctx_list):
         try:
             if i > 0:
                 s.set_context(ContextParams(**entry["ctx"]))
             runs.append({"schedule": s.schedule().to_dict(),
-                         "tests": run_tests(s, entry["tests"], reps, seed, coverage, warmup)})
+                         "tests": run_tests(s, entry["tests"], reps, seed, coverage, warmup, stream)})
         except PyllamaError as e:
             runs.append({"error": f"{type(e).__name__}: {e}"})
     return {"model": s.info.to_dict(), "runs": runs}
