@@ -14,7 +14,7 @@ import difflib
 
 import pandas as pd
 
-from . import _pin, runner, synth
+from . import _pin, runner, synth, trace
 from ._version import __version__
 from . import devices as devspec
 from .binding import VARIANTS, available_variants, backend_modules, build_info
@@ -567,6 +567,15 @@ def cmd_check(args) -> int:
     return 0 if res.ok else 1
 
 
+def cmd_trace(args) -> int:
+    """The experts each MoE layer chose for each token (pyllama_pp.trace); -o writes them (.npz)."""
+    tr = trace.record(args.model, n_prompt=args.pp, n_decode=args.tg, seed=args.seed, variant=args.variant,
+                      devices=args.devices, out=args.out)
+    s = trace.summary(tr)
+    _emit(args, {**s, "out": str(args.out) if args.out else None}, trace.describe(s, args.out))
+    return 0
+
+
 def _margin_arg(s: str) -> list[str]:
     return [x for x in s.split(",") if x]
 
@@ -674,8 +683,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "of multiples of 256)")
     p.add_argument("--routing", choices=list(ROUTING_MODES),
                    help="uniform: every expert used about equally; skewed: some experts far more (real models' "
-                        "coverage); natural: plain random weights (default: the preset's, uniform)")
-    p.add_argument("--skew", type=float, help="with --routing skewed: how strongly (default: 1.0; 0 = uniform)")
+                        "coverage); locality: consecutive token ids route to slowly changing experts (decode's "
+                        "temporal locality); natural: plain random weights (default: the preset's, uniform)")
+    p.add_argument("--skew", type=float, help="with --routing skewed: how strongly (default: 1.0; 0 = uniform); with "
+                   f"locality: its popularity profile (default: {synth.DEFAULT_LOCALITY_SKEW:g})")
     for dim, what in (("n_layer", "layers"), ("n_embd", "embedding width"), ("n_expert", "experts per layer"),
                       ("n_expert_used", "experts used per token"), ("n_ff_exp", "expert FFN width"),
                       ("n_vocab", "vocabulary size")):
@@ -824,6 +835,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--switch", action="append", metavar="NAME=VALUE", help="a patched scheduler switch, repeatable")
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("trace", help="the experts each MoE layer chooses for each token (for expert-cache hit rates)",
+                       formatter_class=_HelpFormatter, epilog=epilog)
+    p.add_argument("model", help="GGUF model file")
+    p.add_argument("--devices", default="cpu", help="device spec (default: cpu; forms below)")
+    p.add_argument("--variant", default="patched", choices=["patched", "baseline"], help="the build (default: patched)")
+    p.add_argument("-p", "--pp", type=int, default=0, metavar="N", help="prompt tokens first (default: 0)")
+    p.add_argument("-n", "--tg", type=int, default=128, metavar="N", help="tokens decoded one by one (default: 128)")
+    p.add_argument("--seed", type=int, default=0, help="the tokens' seed, as run's (default: 0)")
+    p.add_argument("-o", "--out", type=Path, help="write the trace here (.npz: ids [tokens, layers, k] and metadata)")
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("rpc-server", help="serve this machine's devices to other hosts (llama.cpp's ggml RPC)",
                        formatter_class=_HelpFormatter, epilog=epilog)

@@ -22,6 +22,7 @@ from . import devices as devspec
 from .counters import device_delta
 from .errors import (ConfigError, DecodeError, DeviceError, ModelError, OutOfMemoryError, PyllamaError,
                      UnsupportedError, is_device_fault, one_statement)
+from .expert_trace import ExpertTrace
 from .model_file import check_model_path
 from .params import LOAD_MODES, SPLIT_MODES, ContextParams, Placement, as_context, as_placement
 from .plan import Plan
@@ -283,9 +284,9 @@ class LoadedModel:
         """Whether the model was freed."""
         return self.handle is None
 
-    def context(self, params: ContextParams, coverage: bool = False) -> "Context":
+    def context(self, params: ContextParams, coverage: bool = False, trace=None) -> "Context":
         """A new llama context on this model (see Context)."""
-        return Context(self, params, coverage)
+        return Context(self, params, coverage, trace)
 
     def close(self) -> None:
         """Free the model (once; later calls do nothing). Free its contexts first."""
@@ -301,12 +302,14 @@ class Context:
         model: the loaded model.
         params: the context's parameters.
         coverage: record the experts each MoE layer uses (one host sync per layer: never in a timed context).
+        trace: a native pp_trace (cdata) that records each token's expert ids (the same sync; not with coverage);
+            it must outlive the context.
     Raises:
         OutOfMemoryError: when the context's buffers do not fit on the devices.
         DeviceError: when a device fails while they are made.
     """
 
-    def __init__(self, model: LoadedModel, params: ContextParams, coverage: bool = False):
+    def __init__(self, model: LoadedModel, params: ContextParams, coverage: bool = False, trace=None):
         self.native, self.params = model.native, params
         lib, ffi = self.native.lib, self.native.ffi
         p = ffi.new("pp_context_params *")
@@ -317,6 +320,7 @@ class Context:
         p.op_offload = int(params.op_offload)
         p.offload_kqv = int(params.offload_kqv)
         p.coverage = int(coverage)
+        p.trace = trace if trace is not None else ffi.NULL
         handle = lib.pp_context_new(model.handle, p)
         if handle == ffi.NULL:
             raw = self.native.last_error()
@@ -754,6 +758,61 @@ class Session:
         return {"n_expert": self.info.n_expert, "n_expert_used": self.info.n_expert_used,
                 "experts_used_per_layer_ubatch": mean_used, "coverage": mean_used / n_expert,
                 "n_records": len(recs), "per_layer_mean": {k: float(np.mean(v)) for k, v in sorted(per_layer.items())}}
+
+    def trace_experts(self, tokens: Iterable[int], n_prompt: int = 0, exclusive: bool = False) -> ExpertTrace:
+        """The experts each MoE layer chose for each token, recorded in a separate context (llama's eval callback:
+        one host sync per MoE layer, so never part of a timed run).
+
+        Args:
+            tokens: the run's tokens: the first n_prompt decoded as one prompt (in n_batch chunks, every row an
+                output so that the last layer routes them all), then the others one by one after it.
+            n_prompt: how many of them form the prompt (0: every token decoded one by one).
+            exclusive: free the session's own context meanwhile (as in coverage()).
+        Returns:
+            ExpertTrace: ids [tokens, MoE layers, k], the layers, n_expert, n_prompt.
+        Raises:
+            DecodeError: for an empty sequence, a token out of range, more tokens than n_ctx, n_prompt out of range,
+                or a failed decode; also for a model whose layers choose no experts.
+            TypeError: for tokens that are not ints.
+            OutOfMemoryError: when the tracing context does not fit.
+            PyllamaError: on a closed session.
+        """
+        self._check_open()
+        t = self._tokens(tokens)
+        if not 0 <= n_prompt <= len(t):
+            raise DecodeError(f"n_prompt ({n_prompt}) must be in [0, {len(t)}] (the tokens given)")
+        if len(t) > self.ctx_params.n_ctx:
+            raise DecodeError(f"{len(t)} tokens do not fit in n_ctx={self.ctx_params.n_ctx}: raise n_ctx")
+        lib, ffi = self.native.lib, self.native.ffi
+        max_ids = len(t) * max(self.info.n_layer, 1) * max(self.info.n_expert_used, 1)
+        raw = lib.pp_trace_new(max_ids)
+        if raw == ffi.NULL:
+            raise OutOfMemoryError(self.native.last_error())
+        trace = ffi.gc(raw, lib.pp_trace_free)
+        if exclusive:
+            self._ctx.close()
+        try:
+            with self._model.context(self.ctx_params, trace=trace) as ctx:
+                if n_prompt:
+                    self._decode(ctx, t[:n_prompt], 0, np.arange(n_prompt, dtype=np.int32))
+                for i in range(n_prompt, len(t)):
+                    self._decode(ctx, t[i:i + 1], i, np.zeros(1, dtype=np.int32))
+            sizes = ffi.new("int64_t[3]")
+            self.native.check(lib.pp_trace_size(trace, sizes, sizes + 1, sizes + 2))
+            recs = ffi.new("pp_trace_record[]", max(int(sizes[0]), 1))
+            flat = np.zeros(max(int(sizes[1]), 1), dtype=np.int32)
+            self.native.check(lib.pp_trace_get(trace, recs, sizes[0], ffi.cast("int32_t *", flat.ctypes.data),
+                                               sizes[1]))
+        finally:
+            if exclusive:
+                self._ctx = self._model.context(self.ctx_params)
+        if sizes[0] == 0:
+            raise DecodeError(f"{self.path.name} has no layer that chooses experts: nothing to trace")
+        records = [(recs[i].layer, recs[i].n_tokens, recs[i].k, recs[i].offset) for i in range(int(sizes[0]))]
+        try:
+            return ExpertTrace.from_records(records, flat, len(t), self.info.n_expert, n_prompt)
+        except ValueError as e:
+            raise DecodeError(f"the expert trace is incomplete: {e}") from None
 
     # -- lifetime -------------------------------------------------------------------------------------------
     @property

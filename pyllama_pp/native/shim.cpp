@@ -11,6 +11,7 @@
 #include "llama-ext.h"       // llama_get_memory_breakdown
 #include "fit.h"             // common/fit.h of this variant
 #include "fit_log.h"
+#include "trace.h"           // the expert trace (trace.cpp)
 
 #include <dlfcn.h>
 #include <unistd.h>
@@ -179,6 +180,8 @@ struct pp_context {
     std::vector<pp_coverage_row> coverage;
     std::vector<int32_t> ids_buf;
 };
+
+int pp_shim_fail(int code, const char * msg) { return fail(code, msg ? msg : ""); }
 
 // ---- basics ----------------------------------------------------------------------------------------------
 
@@ -474,6 +477,13 @@ PP_EXPORT pp_context * pp_context_new(pp_model * m, const pp_context_params * p)
             c->coverage_on = 1;
             cp.cb_eval = coverage_cb;
             cp.cb_eval_user_data = c.get();
+        }
+        if (p->trace) {
+            if (p->coverage) {
+                return fail(PP_ERR_ARG, "a context records coverage or a trace, not both (one eval callback)");
+            }
+            cp.cb_eval = pp_trace_eval_cb;
+            cp.cb_eval_user_data = p->trace;
         }
         c->ctx = llama_init_from_model(m->model, cp);
         if (!c->ctx) {
