@@ -6,13 +6,16 @@ series). One process holds one of them (`load`); the A/B runner gives each its o
 The layers, each importing only those below it:
     errors, _version                       one exception hierarchy; the version
     binding, _pin                          one variant's native library in this process
-    devices, params, counters, stats       data: device specs, Placement / ContextParams, counter sums, statistics
-    network                                data: the bytes a ubatch sends over ggml RPC (fit's and the paper's)
+    params, counters, stats                data: Placement / ContextParams, counter sums, statistics
+    rpc (network, relay, client)           ggml RPC: the bytes a ubatch sends, the loopback relay, the client's side
+    devices (base; cpu, cuda, vdev, rpc)   device specs: one class per kind, and their registry
     synth, model_file, plan, jobs, row     model files, a fit plan, worker jobs, the result row
-    session                                a model on devices: schedule, eval, KV cache
+    expert_trace, expert_cache_sim         an expert trace; per-layer expert-cache hit rates simulated on it
+    session, rpc.planning                  a model on devices: schedule, eval, KV cache; fit's sums for RPC servers
+    rpc.server                             serve this machine's devices (`pyllama-pp rpc-server`)
     worker (client, handlers, loop)        one variant per process: the parent's side, a handler per job kind
     compute                                the compute probe (a layer's compute on a device, measured)
-    fit, soak, check                       planning; the soak's API; the logits check (each runs workers)
+    fit, soak, check, trace                planning; the soak's API; the logits check; expert traces (workers)
     config, rows, runner                   A/B configurations, rows from results, the A/B runner
     report, cli                            tables and plots; the `pyllama-pp` command
 """
@@ -37,7 +40,8 @@ _HOME = {
     "DevicePlan": "plan", "Plan": "plan", "PlanError": "plan",
     "Row": "row",
     "ab": "runner", "interleaved": "runner", "mixed_workload": "runner",
-    "EvalResult": "session", "Schedule": "session", "Session": "session", "list_devices": "session",
+    "ExpertTrace": "expert_trace",
+    "EvalResult": "session", "Schedule": "session", "Session": "session", "list_devices": "devices",
     "ServingWorker": "worker", "run_job": "worker",
 }
 

@@ -14,7 +14,7 @@ import difflib
 
 import pandas as pd
 
-from . import _pin, rpc, runner, synth
+from . import _pin, runner, synth, trace
 from ._version import __version__
 from . import devices as devspec
 from .binding import VARIANTS, available_variants, backend_modules, build_info
@@ -27,6 +27,7 @@ from .model_file import block_count, check_model_path
 from .params import ContextParams, Placement, ctx_for
 from .plan import Plan
 from .report import devices_label, markdown, plot
+from .rpc import server as rpc_server
 from .row import Row, RowWriter, read_rows
 from .worker.client import run_job
 
@@ -208,10 +209,9 @@ def _check_args(args, model: Optional[str], variants: list[str]) -> None:
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise ConfigError(f"-o/--out {args.out} is a file, not a folder: give a folder for the rows")
     for spec in args.devices:
-        if devspec.parse(spec).kind == "cuda" and "CUDA" not in backend_modules():
-            raise DeviceSpecError(f"--devices {spec}: this build has no CUDA backend. Rebuild with CMAKE_ARGS="
-                                  "'-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90', or use --devices cpu / "
-                                  "vdev:2x768MiB@4GBps")
+        why = devspec.parse(spec).unbuilt(backend_modules())
+        if why:
+            raise DeviceSpecError(f"--devices {spec}: {why}")
     for flag, values, lowest in (("-b/--batch", args.batch, 1), ("-ub/--ubatch", args.ubatch, 1),
                                  ("-p/--pp", args.pp, 1), ("-n/--tg", args.tg, 1), ("-d/--n-depth", args.depth, 0)):
         bad = [v for v in values or [] if not lowest <= v <= 2**31 - 1]
@@ -494,7 +494,7 @@ def cmd_ab(args) -> int:
                               "or drop --loads")
         cfgs, variants = _configs(args, model), list(VARIANTS)
         _apply_plans(args, model, cfgs, variants)
-    notes = [CPU_ONLY_NOTE] if all(devspec.parse(c.devices).kind == "cpu" for c in cfgs) else []
+    notes = [CPU_ONLY_NOTE] if all(not devspec.parse(c.devices).accelerators for c in cfgs) else []
     for note in notes if not args.json else []:
         print(f"pyllama-pp: note: {note}", file=sys.stderr)
     out = Path(args.out or Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S"))
@@ -539,8 +539,8 @@ def cmd_fit(args) -> int:
 
 def cmd_rpc_server(args) -> int:
     """Serve this machine's devices over llama.cpp's ggml RPC until killed."""
-    rpc.serve(args.devices, host=args.host, port=args.port, variant=args.variant, threads=args.threads, cpu=args.cpu,
-              host_ram=devspec.parse_size(args.host_ram) if args.host_ram else 0)
+    rpc_server.serve(args.devices, host=args.host, port=args.port, variant=args.variant, threads=args.threads,
+                     cpu=args.cpu, host_ram=devspec.parse_size(args.host_ram) if args.host_ram else 0)
     return 1   # (serve returns only by an error, which it raises)
 
 
@@ -565,6 +565,15 @@ def cmd_check(args) -> int:
           f"  patched vs baseline logits: NMSE {res.nmse:.3g}, max abs difference {res.max_abs_diff:.3g} -> "
           + ("same (NMSE <= %g)" % res.nmse_max if res.ok else "MISMATCH (NMSE > %g)" % res.nmse_max))
     return 0 if res.ok else 1
+
+
+def cmd_trace(args) -> int:
+    """The experts each MoE layer chose for each token (pyllama_pp.trace); -o writes them (.npz)."""
+    tr = trace.record(args.model, n_prompt=args.pp, n_decode=args.tg, seed=args.seed, variant=args.variant,
+                      devices=args.devices, out=args.out)
+    s = trace.summary(tr)
+    _emit(args, {**s, "out": str(args.out) if args.out else None}, trace.describe(s, args.out))
+    return 0
 
 
 def _margin_arg(s: str) -> list[str]:
@@ -674,8 +683,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "of multiples of 256)")
     p.add_argument("--routing", choices=list(ROUTING_MODES),
                    help="uniform: every expert used about equally; skewed: some experts far more (real models' "
-                        "coverage); natural: plain random weights (default: the preset's, uniform)")
-    p.add_argument("--skew", type=float, help="with --routing skewed: how strongly (default: 1.0; 0 = uniform)")
+                        "coverage); locality: consecutive token ids route to slowly changing experts (decode's "
+                        "temporal locality); natural: plain random weights (default: the preset's, uniform)")
+    p.add_argument("--skew", type=float, help="with --routing skewed: how strongly (default: 1.0; 0 = uniform); with "
+                   f"locality: its popularity profile (default: {synth.DEFAULT_LOCALITY_SKEW:g})")
     for dim, what in (("n_layer", "layers"), ("n_embd", "embedding width"), ("n_expert", "experts per layer"),
                       ("n_expert_used", "experts used per token"), ("n_ff_exp", "expert FFN width"),
                       ("n_vocab", "vocabulary size")):
@@ -824,6 +835,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--switch", action="append", metavar="NAME=VALUE", help="a patched scheduler switch, repeatable")
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("trace", help="the experts each MoE layer chooses for each token (for expert-cache hit rates)",
+                       formatter_class=_HelpFormatter, epilog=epilog)
+    p.add_argument("model", help="GGUF model file")
+    p.add_argument("--devices", default="cpu", help="device spec (default: cpu; forms below)")
+    p.add_argument("--variant", default="patched", choices=["patched", "baseline"], help="the build (default: patched)")
+    p.add_argument("-p", "--pp", type=int, default=0, metavar="N", help="prompt tokens first (default: 0)")
+    p.add_argument("-n", "--tg", type=int, default=128, metavar="N", help="tokens decoded one by one (default: 128)")
+    p.add_argument("--seed", type=int, default=0, help="the tokens' seed, as run's (default: 0)")
+    p.add_argument("-o", "--out", type=Path, help="write the trace here (.npz: ids [tokens, layers, k] and metadata)")
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("rpc-server", help="serve this machine's devices to other hosts (llama.cpp's ggml RPC)",
                        formatter_class=_HelpFormatter, epilog=epilog)
