@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from pyllama_pp import soak, synth
+from pyllama_pp.expert_cache_sim import simulate
+from pyllama_pp.expert_trace import ExpertTrace
 
 DECODE = {"n_ctx": 64, "n_batch": 1, "n_ubatch": 1}   # every token a batch of its own: below the threshold
 HOST_ALL = {"host_experts": "all"}
@@ -151,6 +153,25 @@ def test_misses_of_a_full_cache_are_the_distinct_experts_of_a_prompt(runner, tin
     assert t["cache_hits"] == (n_layer - 1) * 24 * k + k - t["cache_misses"]
     assert t["cache_evictions"] == 0
     assert t["cache_bytes"] == t["cache_misses"] * expert_bytes_of_layer(tiny_cfg)
+
+
+@pytest.mark.parametrize("slots, n_ubatch", [(2, 1), (5, 1), (16, 1), (64, 1), (16, 4), (64, 4)])
+def test_hits_are_the_simulators_lru_on_the_traced_ids(runner, slots, n_ubatch):
+    """The routing ids of 40 tokens recorded by the trace (decoded one by one, or in ubatches of 4 with every row an
+    output), then the same tokens decoded the same way with the cache: its hits are those of
+    pyllama_pp.expert_cache_sim's LRU with as many slots, counted from the first token."""
+    ctx = {"n_ctx": 64, "n_batch": n_ubatch, "n_ubatch": n_ubatch}
+    n_prompt, n_decode = (40, 0) if n_ubatch > 1 else (0, 40)
+    tr = runner.run("patched", {"kind": "trace", "devices": "vdev:1x0@0.5", "placement": HOST_ALL, "ctx": ctx,
+                                "n_prompt": n_prompt, "n_decode": n_decode, "seed": 7})
+    trace = ExpertTrace(tr["ids"], tr["layers"], tr["n_expert"])
+    sim = simulate(trace, slots / trace.n_expert, "lru", warmup=0)
+    assert sim["capacity"] == slots
+    p = runner.logits("patched", devices="vdev:1x0@0.5", placement=HOST_ALL, ctx=ctx, tokens=tr["tokens"],
+                      env=cache(-slots))
+    t = totals(p["ext"])
+    assert t["cache_hits"] + t["cache_misses"] == sim["lookups"]
+    assert t["cache_hits"] == sim["hits"], (t, sim["hits"])
 
 
 def test_lru_counts_follow_the_number_of_slots(runner, tiny_cfg, tiny_info):
