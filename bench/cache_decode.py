@@ -16,8 +16,8 @@ cache and is not counted. The baseline runs in a worker process (its own model l
 value: MiB per device, or -N: N slots per layer (0: off); every size's slots take device memory at once.
 
 Routing decides the hit rate: a synthetic model's default ("uniform") routes consecutive tokens independently,
-so an LRU of S of E experts hits about S/E. `--routing` takes any routing mode the installed synth has (one with
-locality, where consecutive token ids route alike, is fed consecutive ids: `--tokens consecutive`).
+so an LRU of S of E experts hits about S/E; "locality" routes a stream of consecutive token ids to slowly changing
+experts, as real decode does, and is fed such a stream (the tokens a measure job's tg would decode: bench_tokens).
 """
 from __future__ import annotations
 
@@ -34,10 +34,12 @@ if str(REPO) not in sys.path:   # `python bench/cache_decode.py` from anywhere f
     sys.path.insert(0, str(REPO))
 
 from pyllama_pp import synth  # noqa: E402
+from pyllama_pp.model_file import routes_by_stream  # noqa: E402
 from pyllama_pp.params import ContextParams, Placement  # noqa: E402
 from pyllama_pp.session import Session  # noqa: E402
 from pyllama_pp.stats import nmse, paired_ci  # noqa: E402
 from pyllama_pp.worker import run_job  # noqa: E402
+from pyllama_pp.worker.handlers.base import bench_tokens  # noqa: E402
 
 from _clock import left, log  # noqa: E402   (bench/_clock.py; this script's folder is on sys.path)
 
@@ -89,8 +91,6 @@ def main() -> int:
     ap.add_argument("--model", help="GGUF model (default: --preset written once into /tmp/pp_models)")
     ap.add_argument("--preset", default="tiny", help="synthetic preset when no --model (default tiny)")
     ap.add_argument("--routing", default="uniform", help=f"the preset's routing mode (this synth: {', '.join(synth.ROUTING_MODES)})")
-    ap.add_argument("--tokens", choices=("random", "consecutive"), default=None,
-                    help="the decoded token ids (default: consecutive for a routing other than uniform/skewed/natural)")
     ap.add_argument("--devices", default="vdev:1x0@1GBps", help="device spec (default one VDEV on a 1 GB/s link; cuda)")
     ap.add_argument("--sizes", default="0,-4,-8,-16,-64",
                     help="EXPERT_CACHE values, comma-separated: MiB per device, -N slots per layer, 0 first (off)")
@@ -123,10 +123,8 @@ def main() -> int:
     ctxp = ContextParams(n_ctx=args.n_ctx, n_batch=512, n_ubatch=512, n_threads=args.threads)
     s = Session(model, devices=args.devices, placement=Placement(host_experts="all"), ctx=ctxp, variant="patched")
     log(f"loaded {model} on {args.devices}")
-    consecutive = args.tokens == "consecutive" or (args.tokens is None and args.routing not in ("uniform", "skewed", "natural"))
-    n_vocab = s.info.n_vocab
-    toks = (np.arange(args.n + 1) % n_vocab if consecutive else
-            np.random.default_rng(1).integers(0, n_vocab, args.n + 1)).astype(np.int64)
+    consecutive = routes_by_stream(model)   # (a locality model: a stream of consecutive ids; else random ones)
+    toks = bench_tokens(args.n + 1, s.info.n_vocab, seed=1, stream=consecutive)
 
     # a context per size, each with its own scheduler and slots (the switch is read when a scheduler is made)
     ctxs = []
