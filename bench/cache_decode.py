@@ -42,6 +42,7 @@ from pyllama_pp.worker import run_job  # noqa: E402
 from pyllama_pp.worker.handlers.base import bench_tokens  # noqa: E402
 
 from _clock import left, log  # noqa: E402   (bench/_clock.py; this script's folder is on sys.path)
+from decode_probe import close_contexts, switch_contexts, tg_run  # noqa: E402   (bench/decode_probe.py)
 
 CACHE_KEYS = ("cache_ops", "cache_hits", "cache_misses", "cache_evictions", "cache_bytes")
 
@@ -53,16 +54,6 @@ def cache_totals(ext: dict) -> dict:
     slots = [b["cache_slots"] for b in ext["backends"] if b.get("cache_layers")]
     out["cache_slots"] = min(slots) if slots else 0
     return out
-
-
-def tg_run(s: Session, toks: np.ndarray, n: int) -> float:
-    """llama-bench's tg: from an empty KV cache, position 0 untimed, then n single-token decodes (the expert cache
-    is the context's and stays warm)."""
-    s.eval(toks[:1], logits="last", stats=False)
-    t0 = time.perf_counter()
-    for i in range(1, n + 1):
-        s.eval(toks[i: i + 1], logits="last", pos0=i, clear=False, stats=False)
-    return time.perf_counter() - t0
 
 
 def decode_logits(s: Session, toks: np.ndarray, n: int) -> np.ndarray:
@@ -127,15 +118,10 @@ def main() -> int:
     toks = bench_tokens(args.n + 1, s.info.n_vocab, seed=1, stream=consecutive)
 
     # a context per size, each with its own scheduler and slots (the switch is read when a scheduler is made)
-    ctxs = []
-    for v in sizes:
-        s._apply_switches({"EXPERT_CACHE": v})
-        ctxs.append(s._model.context(ctxp))
-    s._apply_switches({"EXPERT_CACHE": 0})
-    s._ctx.close()   # the session's own context: the sizes' contexts take its place in turn
+    ctxs = switch_contexts(s, [{"EXPERT_CACHE": v} for v in sizes], ctxp)
     for c in ctxs:
         s._ctx = c
-        tg_run(s, toks, args.n)   # warm-up: fills the cache
+        tg_run(s, toks, args.n)   # warm-up: fills the cache (the context's: it stays warm between tg runs)
     samples = [[] for _ in sizes]
     counts = [{k: 0 for k in CACHE_KEYS + ("h2d_bytes", "ids_wait_us")} for _ in sizes]
     per_round = None
@@ -204,10 +190,7 @@ def main() -> int:
     (out / "cache_decode.md").write_text(f"{head}\n\n{table}\n")
     print(head)
     print(table)
-    for c in ctxs:
-        c.close()
-    s._ctx = None
-    s.close()
+    close_contexts(s, ctxs)
     return 0
 
 
