@@ -11,6 +11,7 @@ import pytest
 from pyllama_pp import soak, synth
 from pyllama_pp.expert_cache_sim import simulate
 from pyllama_pp.expert_trace import ExpertTrace
+from pyllama_pp.rpc.server import spawn_server, wait_listening
 
 DECODE = {"n_ctx": 64, "n_batch": 1, "n_ubatch": 1}   # every token a batch of its own: below the threshold
 HOST_ALL = {"host_experts": "all"}
@@ -73,6 +74,32 @@ def test_decode_logits_equal_the_baseline_in_every_family(tmp_path_factory, asse
     assert_logits_match(p["logits"], b["logits"], name)
     moe_layers = cfg.n_layer - cfg.n_layer_dense_lead
     assert totals(p["ext"])["cache_ops"] == 3 * moe_layers * 6
+
+
+@pytest.fixture
+def upstream_servers():
+    """Two of upstream's rpc-servers on loopback, a VDEV each: the experts stay in the client's RAM."""
+    started = [spawn_server("vdev:1x0@0", "baseline", "127.0.0.1") for _ in range(2)]
+    try:
+        for port, proc in started:
+            wait_listening(port, proc, "127.0.0.1")
+        yield "rpc://" + ",".join(f"127.0.0.1:{port}" for port, _ in started)
+    finally:
+        for _, proc in started:
+            proc.kill()
+            proc.wait(timeout=10)
+            proc.stderr.close()
+
+
+def test_rpc_devices_read_their_cache_over_the_network(runner, upstream_servers, baseline_decode,
+                                                       assert_logits_match, tiny_info):
+    """Only the generic backend API: RPC devices (upstream's servers) take the slots, the missed experts and the
+    slot numbers as tensor sets over the network, and decode to the baseline's logits."""
+    p = _decode(runner, "patched", cache(-16), devices=upstream_servers)
+    assert_logits_match(p["logits"], baseline_decode["logits"], "RPC devices")
+    rpc = [b for b in p["ext"]["backends"] if b["name"].startswith("RPC")]
+    assert len(rpc) == 2 and all(b["cache_slots"] == 16 and b["cache_ops"] > 0 for b in rpc)
+    assert sum(b["cache_ops"] for b in rpc) == 3 * tiny_info["n_layer"] * 12
 
 
 def test_small_prompt_ubatches_read_the_cache_too(runner, assert_logits_match):
