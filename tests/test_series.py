@@ -108,3 +108,14 @@ def test_every_file_in_sched_is_in_the_manifest_and_no_patch_touches_one():
         new = set(re.findall(r"^\+\+\+ b/(\S+)\n@@ -0,0 ", patch.read_text(), re.M))
         assert not {Path(p).name for p in new} & names, f"{patch.name} creates a file of ours: {sorted(new)}"
     assert {n for _, _, n in SOURCES} <= {p.name[:4] for p in read_series(PATCHES / "series")}
+
+
+def test_the_gather_mirror_of_our_devices_matches_the_public_header():
+    # gather_abi.h mirrors ggml-backend-pp.h for VDEV and the CUDA gather, which the baseline variant builds too
+    header = (SCHED / "ggml-backend-pp.h").read_text()
+    ours = dict(re.findall(r"\b(GGML_BACKEND_PP_GATHER_[A-Z]+)\s*=?\s*(\d+)", header))
+    mirror = (ROOT / "pyllama_pp" / "native" / "gather_abi.h").read_text()
+    pairs = re.findall(r"constexpr int \w+\s*=\s*(\d+);\s*// (GGML_BACKEND_PP_GATHER_[A-Z]+)", mirror)
+    assert len(pairs) == 6, pairs
+    for value, name in pairs:
+        assert ours.get(name) == value, f"gather_abi.h: {name} = {value}, ggml-backend-pp.h: {ours.get(name)}"

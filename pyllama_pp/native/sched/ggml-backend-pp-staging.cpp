@@ -1,5 +1,4 @@
-// pyllama_pp: STAGING - uploads from pageable host memory go through pinned staging slots that helper threads
-// fill.
+// pyllama_pp: STAGING - uploads from pageable host memory go through pinned slots that helper threads fill.
 
 #include "ggml-backend-pp-impl.h"
 
