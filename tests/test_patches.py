@@ -84,9 +84,20 @@ def _series(pdir: Path, patches: dict[str, str], extra_lines: tuple[str, ...] = 
     return s
 
 
-def _apply(up: Path, work: Path, series: Path) -> subprocess.CompletedProcess:
+def _apply(up: Path, work: Path, series: Path, sources: Path | None = None) -> subprocess.CompletedProcess:
+    extra = ["--sources", str(sources)] if sources else []
     return subprocess.run([sys.executable, str(APPLY_PY), "--upstream", str(up), "--work", str(work),
-                           "--series", str(series)], capture_output=True, text=True, timeout=60)
+                           "--series", str(series), *extra], capture_output=True, text=True, timeout=60)
+
+
+def _sources(pdir: Path, dest: str) -> tuple[Path, Path]:
+    """Our file sched/ours.cpp (named from the folder above patches/) and a patches/sources that puts it at dest."""
+    src = pdir.parent / "sched" / "ours.cpp"
+    src.parent.mkdir(exist_ok=True)
+    src.write_text("// ours v1\n")
+    manifest = pdir / "sources"
+    manifest.write_text(f"# our files\nsched/ours.cpp   {dest}   0001\n")
+    return src, manifest
 
 
 def test_good_patch_applies_and_baseline_stays_pristine(layout):
@@ -123,6 +134,35 @@ def test_rebuild_touches_only_changed_files(layout):
     assert a_txt.stat().st_mtime != old
     assert b_c.stat().st_mtime == old, "an unchanged file was rewritten (forces needless recompiles)"
     assert _read_tree(work / "baseline" / "src") == UPSTREAM
+
+
+def test_our_files_go_in_before_the_patches_and_a_rebuild_rewrites_only_what_changed(layout):
+    up, work, pdir = layout
+    src, manifest = _sources(pdir, "ggml/src/ours.cpp")
+    series = _series(pdir, {"0001-good.patch": GOOD})
+    res = _apply(up, work, series, manifest)
+    assert res.returncode == 0, res.stderr
+    patched = _read_tree(work / "patched" / "src")
+    assert patched["ggml/src/ours.cpp"] == "// ours v1\n" and patched["a.txt"] == "line1\nline2 patched\nline3\n"
+    assert _read_tree(work / "baseline" / "src") == UPSTREAM
+    ours, a_txt = work / "patched" / "src" / "ggml" / "src" / "ours.cpp", work / "patched" / "src" / "a.txt"
+    old = 1_000_000_000
+    os.utime(ours, (old, old))
+    os.utime(a_txt, (old, old))
+    src.write_text("// ours v2\n")   # an edit of our file re-runs apply.py (its stamp) and rewrites that file alone
+    res = _apply(up, work, series, manifest)
+    assert res.returncode == 0, res.stderr
+    assert ours.read_text() == "// ours v2\n" and ours.stat().st_mtime > old
+    assert a_txt.stat().st_mtime == old, "an unchanged file was rewritten (forces needless recompiles)"
+
+
+def test_our_file_may_not_replace_an_upstream_file(layout):
+    up, work, pdir = layout
+    _, manifest = _sources(pdir, "src/b.c")
+    res = _apply(up, work, _series(pdir, {"0001-good.patch": GOOD}), manifest)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "ours.cpp would replace src/b.c" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (work / "trees.stamp").exists()
 
 
 def test_unappliable_patch_exits_2_and_names_it(layout):
@@ -188,10 +228,10 @@ def test_real_patch_has_a_header(name):
 
 
 def test_every_runtime_switch_is_documented_in_a_patch_header():
-    texts = [(PATCHES / n).read_text() for n in _real_series()]
-    headers = "\n".join(_header(t) for t in texts)
-    # every switch of the extension's table (ggml-backend-pp.cpp, ggml_sched_pp_params), as the patches add its rows
-    names = set(re.findall(r'^\+\s*GGML_SCHED_PP_ROW\("([A-Z_0-9]+)",', "\n".join(texts), re.M))
+    headers = "\n".join(_header((PATCHES / n).read_text()) for n in _real_series())
+    # every switch of the extension's table (ggml_sched_pp_params in our ggml-backend-pp.cpp)
+    table = (ROOT / "pyllama_pp" / "native" / "sched" / "ggml-backend-pp.cpp").read_text()
+    names = set(re.findall(r'^\s*GGML_SCHED_PP_ROW\("([A-Z_0-9]+)",', table, re.M))
     assert {"GATE", "UPLOAD_ALL", "OVERLAP", "STABLE_RESERVE", "PREFETCH"} <= names, names
     assert len(names) <= 16, names   # (one off-switch per mechanism, and the tuning knobs)
     for name in sorted(names):

@@ -1,0 +1,441 @@
+// pyllama_pp: the backend scheduler's private state and the hooks of its host-weight pipeline extension
+// (ggml-backend-pp.h), shared by ggml-backend.cpp and the extension's files (ggml-backend-pp*.cpp)
+#pragma once
+
+#include "ggml-backend.h"
+#include "ggml-backend-pp.h"
+#include "ggml-backend-impl.h"
+#include "ggml-alloc.h"
+#include "ggml-impl.h"
+
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+struct ggml_sched_pp_cache;
+struct ggml_sched_pp_copier;
+struct ggml_sched_pp_early;
+struct ggml_sched_pp_ring;
+struct ggml_sched_pp_stage;
+
+#ifndef GGML_SCHED_MAX_BACKENDS
+#define GGML_SCHED_MAX_BACKENDS 16
+#endif
+
+#ifndef GGML_SCHED_MAX_SPLIT_INPUTS
+#define GGML_SCHED_MAX_SPLIT_INPUTS 30
+#endif
+
+#ifndef GGML_SCHED_MAX_COPIES
+#define GGML_SCHED_MAX_COPIES 4
+#endif
+
+struct ggml_backend_sched_split {
+    int backend_id;
+    int i_start;
+    int i_end;
+    struct ggml_tensor ** inputs;
+    int n_inputs;
+    int inputs_capacity;
+    // graph view of this split
+    struct ggml_cgraph graph;
+};
+
+// causes of host waits in the scheduler (ggml_sched_pp_stats::host_wait_us)
+enum ggml_sched_pp_wait {
+    GGML_SCHED_PP_WAIT_USER_INPUT,   // before a synchronous user-input upload (and the upload itself)
+    GGML_SCHED_PP_WAIT_SPLIT_SWITCH, // a split without inputs after a split on another backend
+    GGML_SCHED_PP_WAIT_IDS,          // routing-id readback for the selective expert copy
+    GGML_SCHED_PP_WAIT_FALLBACK,     // synchronous copy fallback (no async cross-backend copy)
+    GGML_SCHED_PP_WAIT_REALLOC,      // re-reservation of the graph buffers (syncs every backend)
+    GGML_SCHED_PP_WAIT_INPUT_EVENTS, // early input uploads of an older graph (patch: early inputs)
+    GGML_SCHED_PP_WAIT_UPLOAD,       // issuing async host-weight uploads (blocks only if the device queue is full)
+    GGML_SCHED_PP_WAIT_COUNT,
+};
+
+// counters of the host-weight pipeline extension (ggml-backend-pp.h)
+struct ggml_sched_pp_stats {
+    uint64_t weight_bytes[GGML_SCHED_MAX_BACKENDS];     // host-weight bytes uploaded to each backend
+    uint64_t weight_uploads[GGML_SCHED_MAX_BACKENDS];   // host-weight split inputs uploaded
+    uint64_t transient_bytes[GGML_SCHED_MAX_BACKENDS];  // of which through transient (single-slot) copies
+    uint64_t transient_inputs;                          // transient copy slots in the last split graph
+    uint64_t upload_all;                                // MUL_MAT_ID inputs uploaded whole (no id readback)
+    uint64_t selective;                                 // MUL_MAT_ID inputs uploaded by used experts
+    uint64_t direct;                                    // MUL_MAT_ID inputs read by the device from pinned host memory (DIRECT)
+    uint64_t direct_bytes_est[GGML_SCHED_MAX_BACKENDS]; // ... their bytes estimated from the measured coverage (not counted: no readback)
+    uint64_t gather;                                    // MUL_MAT_ID inputs whose used experts the device gathered (GATHER)
+    uint64_t gather_bytes_est[GGML_SCHED_MAX_BACKENDS]; // ... their bytes estimated from the measured coverage (no readback)
+    uint64_t prefetch;                                  // of those, prefetched a split early by the last used set (PREFETCH)
+    uint64_t chained;                                   // gathers queued right behind the device's gather before (CHAIN)
+    uint64_t id_readbacks;                              // routing-id readbacks (each blocks the host)
+    uint64_t experts_used;                              // sum over readbacks of experts used
+    uint64_t experts_total;                             // sum over readbacks of experts available
+    uint64_t input_host_waits;                          // host waits before user-input uploads
+    uint64_t input_device_waits;                        // device-side waits before user-input uploads
+    uint64_t input_early_uploads;                       // user inputs uploaded at the start of the graph
+    uint64_t input_event_syncs;                         // host waits for early uploads of an old graph
+    uint64_t fallback_syncs;                            // host syncs of the synchronous copy fallback
+    uint64_t graphs;                                    // graphs computed
+    uint64_t reallocs;                                  // graphs whose allocation forced a re-reservation (syncs all backends)
+    uint64_t reallocs_ids_changed;                      // of which because a node changed backend
+    uint64_t plan_switches;                             // graphs allocated from a kept plan instead of re-reserving (PLANS)
+    uint64_t plan_switch_drains;                        // of which with graphs in flight (synchronized all backends)
+    uint64_t offload_owner;                             // offloaded ops placed on the layer's own backend
+    // where the host thread spends its time (microseconds): blocking waits by cause, and the submission of
+    // each backend's splits (for a CPU backend that is its compute, for a GPU the kernel launches)
+    int64_t  host_wait_us[GGML_SCHED_PP_WAIT_COUNT];    // by cause (ggml_sched_pp_wait)
+    uint64_t host_wait_n[GGML_SCHED_PP_WAIT_COUNT];
+    int64_t  submit_us[GGML_SCHED_MAX_BACKENDS];        // ggml_backend_graph_compute_async per backend
+    int64_t  compute_async_us;                          // all of ggml_backend_sched_graph_compute_async
+    int64_t  alloc_us;                                  // all of ggml_backend_sched_alloc_graph
+    int64_t  synchronize_us;                            // all of ggml_backend_sched_synchronize
+    uint64_t staged_bytes[GGML_SCHED_MAX_BACKENDS];     // host-weight bytes uploaded from pageable memory through pinned staging (STAGING)
+    uint64_t overlap_uploads[GGML_SCHED_MAX_BACKENDS];  // host-weight uploads issued on the upload stream (OVERLAP)
+    uint64_t stage_waits;                               // host waits for a staging slot the device was still reading
+    int64_t  stage_wait_us;                             // time of those waits (part of the "upload" host wait)
+    char     last_realloc[384];                         // why the last re-reservation happened
+    char     realloc_log[4][384];                       // the first four reasons since the stats were reset
+    int      realloc_log_n;
+    int      graph_nodes_min;                           // scheduler graph sizes (nodes incl. input copies)
+    int      graph_nodes_max;
+    uint64_t cache_ops[GGML_SCHED_MAX_BACKENDS];        // expert ops that read the device's expert cache (EXPERT_CACHE)
+    uint64_t cache_hits[GGML_SCHED_MAX_BACKENDS];       // ... lookups of an expert in its layer's slots that found it
+    uint64_t cache_misses[GGML_SCHED_MAX_BACKENDS];     // ... that did not (the expert was loaded into a slot)
+    uint64_t cache_evictions[GGML_SCHED_MAX_BACKENDS];  // ... of those, misses that replaced a cached expert
+    uint64_t cache_bytes[GGML_SCHED_MAX_BACKENDS];      // host-weight bytes uploaded into the slots
+};
+
+// The switches as a scheduler reads them: the switch table (ggml_sched_pp_params) is copied here once, when the
+// scheduler is created, so hot paths read a field, never a name. Each mechanism adds its own fields.
+struct ggml_sched_pp_cfg {
+    int64_t owner_offload;        // OWNER_OFFLOAD
+    int64_t early_inputs;         // EARLY_INPUTS
+    int64_t upload_all;           // UPLOAD_ALL
+    int64_t upload_all_min;       // UPLOAD_ALL_MIN
+    int64_t upload_all_min_cov;   // UPLOAD_ALL_MIN_COV
+    int64_t links;                // LINKS
+    int64_t staging;              // STAGING
+    int64_t direct;               // DIRECT
+    int64_t overlap;              // OVERLAP
+    int64_t gather;               // GATHER
+    int64_t prefetch;             // PREFETCH
+    int64_t prefetch2_min_tokens; // PREFETCH2_MIN_TOKENS
+    int64_t expert_cache;         // EXPERT_CACHE
+};
+
+struct ggml_backend_sched {
+    bool is_reset; // true if the scheduler has been reset since the last graph split
+    bool is_alloc;
+
+    int n_backends;
+
+    ggml_backend_t backends[GGML_SCHED_MAX_BACKENDS];
+    ggml_backend_buffer_type_t bufts[GGML_SCHED_MAX_BACKENDS];
+    ggml_gallocr_t galloc;
+
+    // hash map of the nodes in the graph
+    struct ggml_hash_set  hash_set;
+    int                 * hv_tensor_backend_ids; // [hash_set.size]
+    struct ggml_tensor ** hv_tensor_copies;      // [hash_set.size][n_backends][n_copies]
+
+    int * node_backend_ids; // [graph_size]
+    int * leaf_backend_ids; // [graph_size]
+
+    int * prev_node_backend_ids; // [graph_size]
+    int * prev_leaf_backend_ids; // [graph_size]
+
+    // copy of the graph with modified inputs
+    struct ggml_cgraph graph;
+
+    // graph splits
+    struct ggml_backend_sched_split * splits;
+    int n_splits;
+    int splits_capacity;
+
+    // pipeline parallelism support
+    int n_copies;
+    int cur_copy;
+    int next_copy;
+    ggml_backend_event_t events[GGML_SCHED_MAX_BACKENDS][GGML_SCHED_MAX_COPIES];
+    // recorded after the early upload of user inputs to a backend (GGML_SCHED_PP_EARLY_INPUTS)
+    ggml_backend_event_t input_events[GGML_SCHED_MAX_BACKENDS][GGML_SCHED_MAX_COPIES];
+    bool input_events_pending[GGML_SCHED_MAX_BACKENDS][GGML_SCHED_MAX_COPIES];
+    struct ggml_tensor ** graph_inputs;
+    int n_graph_inputs;
+    int graph_inputs_capacity;
+
+    struct ggml_context * ctx;
+
+    ggml_backend_sched_eval_callback callback_eval;
+    void * callback_eval_user_data;
+
+    char * context_buffer;
+    size_t context_buffer_size;
+
+    bool op_offload;
+
+    int debug;
+
+    // used for debugging graph reallocations [GGML_SCHED_DEBUG_REALLOC]
+    // ref: https://github.com/ggml-org/llama.cpp/pull/17617
+    int debug_realloc;
+    int debug_graph_size;
+    int debug_prev_graph_size;
+
+    // host-weight pipeline extension (ggml-backend-pp.h)
+    struct ggml_sched_pp_stats pp;
+    struct ggml_sched_pp_cfg   pp_cfg; // the switches, as they were when the scheduler was created
+    int    pp_in_flight;   // graphs submitted since the last synchronize
+    bool   pp_graph_offloads; // the graph being split has offloaded a host-weight op by batch size
+    double pp_cov_ema;     // recent expert coverage measured by id readbacks (-1: none yet)
+    bool   pp_overlap_dropped; // OVERLAP=2's early copies did not fit in the compute buffers: this scheduler runs without
+    int    pp_n_links;        // host links the GPU backends upload over at once (LINKS): the auto coverage bar of upload-all
+    bool   pp_graph_measured; // ... and has measured coverage, or decided not to
+    bool   pp_measure_now;    // an expert op of this graph is to read ids back and measure coverage (not DIRECT)
+    bool   pp_graph_fresh;    // the graph being computed was split and allocated for this compute, not reused
+    uint64_t pp_reallocs_since_reserve;
+    std::unordered_map<std::string, int> * pp_dep_counts; // dependency nodes seen after each node (STABLE_DEPS)
+    char *   pp_layout_names;   // names of the nodes of the graph the buffers were last reserved for
+    int      pp_layout_n;
+    int      pp_layout_cap;
+    struct ggml_sched_pp_stage * pp_stage[GGML_SCHED_MAX_BACKENDS]; // pinned staging slots per backend (STAGING)
+    struct ggml_sched_pp_copier * pp_copier;                        // threads that fill them
+    struct ggml_sched_pp_ring * pp_ring[GGML_SCHED_MAX_BACKENDS];   // PREFETCH=2's lanes (OVERLAP=2)
+    struct ggml_sched_pp_early * pp_early[GGML_SCHED_MAX_BACKENDS]; // early uploads on a second stream (OVERLAP=2)
+    std::unordered_map<const ggml_tensor *, int> * pp_early_copies; // ... the copies ggml-alloc places early: how many splits (1, 2: PREFETCH=2)
+    uint64_t pp_graph_seq;                                          // graphs computed (not reset with the stats)
+    bool pp_prefetch2_graph;                                        // PREFETCH=2 acts on this graph (PREFETCH2_MIN_TOKENS)
+    std::unordered_set<const ggml_tensor *> * pp_shared_copies;     // split-input copies read by a later split too
+    bool pp_direct_dev[GGML_SCHED_MAX_BACKENDS]; // DIRECT: a GPU of a backend whose kernels run on pinned host memory
+    ggml_backend_pp_gather_t pp_gather[GGML_SCHED_MAX_BACKENDS]; // GATHER: the device's gather of used experts (or none)
+    int  pp_gather_pos[GGML_SCHED_MAX_BACKENDS]; // CHAIN: the device's gathers of this graph are queued after everything
+                                                 // its stream had queued before this split (-1: none queued yet)
+    int  pp_gather_pos_mem[GGML_SCHED_MAX_BACKENDS]; // ... after the compute of the splits before this one (a prefetch's
+                                                     // wait: not the split's own input copies, queued before it)
+    bool pp_own_link[GGML_SCHED_MAX_BACKENDS];   // DIRECT's auto mode: no other stage uploads over this backend's host link
+    int  pp_first_gpu;                           // DIRECT: the first GPU backend, which keeps the selective copy (-1: none)
+    struct ggml_sched_pp_cache * pp_cache;       // EXPERT_CACHE: the devices' expert slots (made at the first op it takes)
+};
+
+#define hash_id(tensor) ggml_hash_find_or_insert(&sched->hash_set, tensor)
+
+#define tensor_backend_id(tensor) sched->hv_tensor_backend_ids[hash_id(tensor)]
+
+#define tensor_id_copy(id, backend_id, copy_id) sched->hv_tensor_copies[(id) * sched->n_backends * sched->n_copies + (backend_id) * sched->n_copies + (copy_id)]
+
+#define tensor_copy(tensor, backend_id, copy_id) tensor_id_copy(hash_id(tensor), backend_id, copy_id)
+
+// times one host wait (or one submission) into the extension's counters
+struct ggml_sched_pp_timer {
+    int64_t * acc;
+    uint64_t * n;
+    int64_t t0;
+    ggml_sched_pp_timer(int64_t * acc, uint64_t * n = nullptr) : acc(acc), n(n), t0(ggml_time_us()) {}
+    ~ggml_sched_pp_timer() {
+        *acc += ggml_time_us() - t0;
+        if (n) {
+            (*n)++;
+        }
+    }
+};
+
+#define GGML_SCHED_PP_WAIT(sched, cause) \
+    ggml_sched_pp_timer pp_wait_timer_((sched)->pp.host_wait_us + (cause), (sched)->pp.host_wait_n + (cause))
+
+// the state of one graph's computation (ggml_backend_sched_compute_splits) that the hooks share across its splits
+struct ggml_sched_pp_graph {
+    struct ggml_tensor *       prev_ids_tensor = nullptr; // the ids the used experts below were read from
+    std::vector<int32_t>       ids;
+    std::vector<ggml_bitset_t> used_ids;
+    bool last_events = false;                     // LAST_EVENTS: record events only where they are waited for
+    bool idle        = false;                     // nothing in flight when the graph started
+    int  last_split[GGML_SCHED_MAX_BACKENDS];     // each backend's last split in the graph
+    std::unordered_map<const ggml_tensor *, bool> early_decided; // OVERLAP=2: copies decided (true: uploaded) a split early
+    std::unordered_set<const ggml_tensor *> prefetched;          // ... of those, partly filled by PREFETCH
+};
+
+// DIRECT: a split-input copy pointed at the host weight while its split is submitted (kernel arguments are taken
+// at submission), restored when the split is done with it - so the next graph still finds its own memory
+struct ggml_sched_pp_direct_swap {
+    struct ggml_tensor *  cpy[GGML_SCHED_MAX_SPLIT_INPUTS];
+    void *                data[GGML_SCHED_MAX_SPLIT_INPUTS];
+    ggml_backend_buffer_t buffer[GGML_SCHED_MAX_SPLIT_INPUTS];
+    int n = 0;
+    bool add(struct ggml_tensor * c, const struct ggml_tensor * host) {
+        if (n == GGML_SCHED_MAX_SPLIT_INPUTS) {
+            return false;
+        }
+        cpy[n] = c; data[n] = c->data; buffer[n] = c->buffer; n++;
+        c->data   = host->data;
+        c->buffer = host->buffer; // a weights buffer: no padding to clear (the CUDA backend clears it in compute buffers)
+        return true;
+    }
+    ~ggml_sched_pp_direct_swap() {
+        for (int i = 0; i < n; i++) {
+            cpy[i]->data   = data[i];
+            cpy[i]->buffer = buffer[i];
+        }
+    }
+};
+
+// OVERLAP=2: a second stream of a device and the events that order its early uploads (ggml-backend-pp-overlap.cpp;
+// PREFETCH=2 records its events behind each split here too)
+struct ggml_sched_pp_early {
+    ggml_backend_t       up        = nullptr;
+    ggml_backend_event_t ev_before = nullptr; // compute stream: everything before the split whose early copies go up
+    // upload stream: behind each copy's uploads, until the split that reads the copy waits for it (a split waits
+    // only for its own copies: with PREFETCH=2 the copies of the split after it go up on the same stream)
+    std::unordered_map<const ggml_tensor *, ggml_backend_event_t> ready;
+    std::vector<ggml_backend_event_t> spare;  // events no copy waits for
+    // early copies of pageable weights (STAGING), queued once the split before them is: the host fills the staging
+    // slots while that split computes (filled before it, a slot's wait would hold the split back)
+    struct staged_copy {
+        ggml_tensor *              input;
+        ggml_tensor *              cpy;
+        bool                       selective;
+        std::vector<ggml_bitset_t> used_ids;
+    };
+    std::vector<staged_copy> staged;
+    // PREFETCH=2: compute stream: behind each split of the graph on this backend (index: split id), so that a
+    // prefetch waits only for the last split that used its memory
+    std::vector<ggml_backend_event_t> after_split;
+    std::vector<uint64_t>             after_graph; // ... the graph (pp_graph_seq) each was recorded in
+    bool                 unusable  = false;
+};
+
+// EXPERT_CACHE: expert ops pointed at their device's expert slots while their split is submitted (kernel arguments
+// are taken at submission), restored afterwards, so the graph keeps its own sources for the next compute
+struct ggml_sched_pp_cache_swap {
+    std::vector<struct ggml_tensor *> node, src0, src2;
+    void add(struct ggml_tensor * n, struct ggml_tensor * slots, struct ggml_tensor * ids) {
+        node.push_back(n); src0.push_back(n->src[0]); src2.push_back(n->src[2]);
+        n->src[0] = slots;
+        n->src[2] = ids;
+    }
+    ~ggml_sched_pp_cache_swap() {
+        for (size_t i = 0; i < node.size(); i++) {
+            node[i]->src[0] = src0[i];
+            node[i]->src[2] = src2[i];
+        }
+    }
+};
+
+// hooks: where the scheduler calls the extension, and what the extension's files share, by file
+
+// ggml-backend-pp.cpp: the switches, the counters, the hooks of a scheduler's life
+void ggml_sched_pp_cfg_init(ggml_sched_pp_cfg * cfg);
+void ggml_backend_sched_pp_save_layout(ggml_backend_sched_t sched);
+void ggml_backend_sched_pp_log_realloc(ggml_backend_sched_t sched);
+void ggml_backend_sched_pp_note_realloc(ggml_backend_sched_t sched, bool backend_ids_changed);
+int ggml_backend_sched_pp_scan_devices(ggml_backend_sched_t sched, ggml_backend_t * backends, int n_backends);
+void ggml_backend_sched_pp_graph_begin(ggml_backend_sched_t sched, ggml_sched_pp_graph * g);
+enum ggml_status ggml_backend_sched_pp_failed(ggml_backend_sched_t sched, enum ggml_status ec);
+void ggml_backend_sched_pp_drain(ggml_backend_sched_t sched);
+
+// ggml-backend-pp-experts.cpp: the copy of a host expert tensor
+void ggml_backend_sched_pp_copy_experts(ggml_backend_sched_t sched, ggml_sched_pp_graph * g, int split_id, int input_id,
+                                        ggml_backend_t input_backend, ggml_sched_pp_direct_swap * direct);
+void ggml_backend_sched_pp_upload_whole(ggml_backend_sched_t sched, int backend_id, ggml_tensor * input,
+                                        ggml_tensor * input_cpy, bool transient, ggml_backend_t via);
+void ggml_backend_sched_pp_copy_used_experts(ggml_backend_sched_t sched, int backend_id, ggml_tensor * input,
+                                             ggml_tensor * input_cpy, const std::vector<ggml_bitset_t> & used_ids,
+                                             int64_t n_expert, size_t expert_size, bool transient, ggml_backend_t via);
+
+// ggml-backend-pp-transient.cpp: GATE's transient copies
+bool ggml_backend_sched_pp_transient_src(ggml_backend_sched_t sched, const struct ggml_tensor * src);
+bool ggml_backend_sched_pp_is_transient_copy(ggml_backend_sched_t sched, const struct ggml_tensor * input_cpy);
+bool ggml_backend_sched_pp_is_expert_copy(ggml_backend_sched_t sched, const struct ggml_tensor * node,
+                                          const struct ggml_tensor * cpy);
+
+// ggml-backend-pp-owner.cpp: OWNER_OFFLOAD
+int ggml_backend_sched_pp_owner_backend(ggml_backend_sched_t sched, struct ggml_tensor * op, const struct ggml_tensor * weight);
+int ggml_backend_sched_pp_offload_owner(ggml_backend_sched_t sched, struct ggml_tensor * tensor, const struct ggml_tensor * src);
+
+// ggml-backend-pp-inputs.cpp: EARLY_INPUTS, copy-slot waits and events
+bool ggml_backend_sched_pp_shared_input(ggml_backend_sched_t sched, const struct ggml_tensor * src, int backend_id);
+void ggml_backend_sched_pp_wait_user_input(ggml_backend_sched_t sched, ggml_sched_pp_graph * g, int split_id,
+                                           struct ggml_tensor * input);
+void ggml_backend_sched_pp_wait_source(ggml_backend_sched_t sched, ggml_sched_pp_graph * g, int backend_id,
+                                       ggml_backend_t input_backend);
+bool ggml_backend_sched_pp_record_event(ggml_backend_sched_t sched, const ggml_sched_pp_graph * g, int split_id);
+void ggml_backend_sched_pp_wait_input_events(ggml_backend_sched_t sched);
+bool ggml_backend_sched_pp_early_input(ggml_backend_sched_t sched, int backend_id, const struct ggml_tensor * input);
+void ggml_backend_sched_pp_upload_inputs(ggml_backend_sched_t sched);
+bool ggml_backend_sched_pp_wait_slot(ggml_backend_sched_t sched, int backend_id, bool on_host, bool idle);
+
+// ggml-backend-pp-upload-all.cpp: UPLOAD_ALL and the measured coverage
+int64_t ggml_backend_sched_pp_upload_all_min(ggml_backend_sched_t sched, bool in_flight, int64_t n_expert);
+double ggml_backend_sched_pp_coverage(ggml_backend_sched_t sched);
+int64_t ggml_backend_sched_pp_measure_min(ggml_backend_sched_t sched, int64_t n_expert);
+bool ggml_backend_sched_pp_upload_all(ggml_backend_sched_t sched, int64_t n_sel, int64_t n_expert);
+bool ggml_backend_sched_pp_would_measure(ggml_backend_sched_t sched, int64_t n_sel, int64_t n_expert);
+bool ggml_backend_sched_pp_measures_here(ggml_backend_sched_t sched, int64_t n_sel, int64_t n_expert);
+
+// ggml-backend-pp-staging.cpp: STAGING
+void ggml_backend_sched_pp_stage_free(ggml_backend_sched_t sched);
+void ggml_backend_sched_pp_stage_mark(ggml_backend_sched_t sched);
+bool ggml_backend_sched_pp_buffer_is_pinned(ggml_backend_sched_t sched, ggml_backend_buffer_t buf);
+bool ggml_backend_sched_pp_stages(ggml_backend_sched_t sched, int backend_id, const struct ggml_tensor * weight);
+void ggml_backend_sched_pp_upload(ggml_backend_sched_t sched, int backend_id, const struct ggml_tensor * weight,
+                                  struct ggml_tensor * dst, const void * data, size_t offset, size_t size,
+                                  ggml_backend_t via = nullptr);
+
+// ggml-backend-pp-plans.cpp: STABLE_RESERVE's kept plans and padding
+int ggml_backend_sched_pp_alloc_kept_plan(ggml_backend_sched_t sched);
+int ggml_backend_sched_pp_pad_plan(ggml_backend_sched_t sched, const struct ggml_cgraph * graph,
+                                   const std::unordered_map<ggml_tensor *, std::vector<ggml_tensor *>> & alloc_deps,
+                                   std::vector<int> & pad_after);
+int ggml_backend_sched_pp_add_pad(ggml_backend_sched_t sched, const struct ggml_cgraph * graph, int j, int backend_id,
+                                  const std::vector<int> & pad_after);
+
+// ggml-backend-pp-direct.cpp: DIRECT
+bool ggml_backend_sched_pp_direct_possible(ggml_backend_sched_t sched, int backend_id);
+bool ggml_backend_sched_pp_direct(ggml_backend_sched_t sched, int backend_id, struct ggml_tensor * input,
+                                  bool transient, int64_t n_sel, int64_t n_expert);
+void ggml_backend_sched_pp_find_shared_copies(ggml_backend_sched_t sched);
+
+// ggml-backend-pp-overlap.cpp: OVERLAP=2
+int ggml_backend_sched_pp_early_lead(ggml_backend_sched_t sched, const struct ggml_tensor * input_cpy);
+void ggml_backend_sched_pp_add_early_inputs(ggml_backend_sched_t sched, int i);
+bool ggml_backend_sched_pp_reserve_without_early(ggml_backend_sched_t sched, struct ggml_cgraph * measure_graph);
+void ggml_backend_sched_pp_find_early_copies(ggml_backend_sched_t sched, struct ggml_cgraph * graph);
+void ggml_backend_sched_pp_pool_copies(ggml_backend_sched_t sched, struct ggml_cgraph * graph);
+ggml_sched_pp_early * ggml_backend_sched_pp_early_get(ggml_backend_sched_t sched, int backend_id);
+void ggml_backend_sched_pp_early_wait(ggml_backend_sched_t sched, int backend_id, ggml_backend_t backend,
+                                      const ggml_tensor * cpy);
+void ggml_backend_sched_pp_early_wait_split(ggml_backend_sched_t sched, const ggml_backend_sched_split * split);
+void ggml_backend_sched_pp_early_free(ggml_backend_sched_t sched);
+void ggml_backend_sched_pp_early_uploads(ggml_backend_sched_t sched, int split_id,
+                                         std::unordered_map<const ggml_tensor *, bool> & decided,
+                                         std::unordered_set<const ggml_tensor *> & prefetched,
+                                         const ggml_tensor * ids_read, const std::vector<ggml_bitset_t> & used_ids);
+void ggml_backend_sched_pp_early_staged(ggml_backend_sched_t sched, int split_id);
+
+// ggml-backend-pp-gather.cpp: GATHER
+ggml_backend_pp_gather_t ggml_backend_sched_pp_find_gather(ggml_backend_reg_t reg);
+bool ggml_backend_sched_pp_gather_possible(ggml_backend_sched_t sched, int backend_id);
+bool ggml_backend_sched_pp_gather_fits(ggml_backend_sched_t sched, int backend_id, const struct ggml_tensor * input,
+                                       const struct ggml_tensor * ids, bool transient, bool ids_pending);
+bool ggml_backend_sched_pp_gather(ggml_backend_sched_t sched, int backend_id, ggml_backend_t via,
+                                  struct ggml_tensor * input, struct ggml_tensor * cpy, const struct ggml_tensor * ids,
+                                  int mode = GGML_BACKEND_PP_GATHER_USED, bool chained = false);
+
+// ggml-backend-pp-prefetch.cpp: PREFETCH and PREFETCH=2's lanes
+bool ggml_backend_sched_pp_prefetch_possible(ggml_backend_sched_t sched, int backend_id);
+bool ggml_backend_sched_pp_prefetch2_on(ggml_backend_sched_t sched, int backend_id);
+bool ggml_backend_sched_pp_prefetch2(ggml_backend_sched_t sched, int backend_id);
+void ggml_backend_sched_pp_ring_free(ggml_backend_sched_t sched);
+size_t ggml_backend_sched_pp_ring_bytes(ggml_backend_sched_t sched, int backend_id);
+void ggml_backend_sched_pp_ring_assign(ggml_backend_sched_t sched);
+int ggml_backend_sched_pp_last_user(ggml_backend_sched_t sched, int split_id, const ggml_tensor * cpy);
+void ggml_backend_sched_pp_after_split(ggml_backend_sched_t sched, int split_id);
+ggml_backend_event_t ggml_backend_sched_pp_after_event(ggml_backend_sched_t sched, const ggml_sched_pp_early * e, int split_id);
+
+// ggml-backend-pp-cache.cpp: EXPERT_CACHE
+int  ggml_backend_sched_pp_cache_backend(ggml_backend_sched_t sched, struct ggml_tensor * op, const struct ggml_tensor * weight);
+void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cgraph * graph);
+int  ggml_backend_sched_pp_cache_split(ggml_backend_sched_t sched, const struct ggml_tensor * node);
+void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_id, ggml_sched_pp_cache_swap * swap);
+std::string ggml_backend_sched_pp_cache_json(ggml_backend_sched_t sched, int backend_id);
+void ggml_backend_sched_pp_cache_free(ggml_backend_sched_t sched);

@@ -1,0 +1,109 @@
+#pragma once
+
+// Scheduler extension for pipeline parallelism with host-resident weights.
+//
+// Switches are one typed table (name, type, default, range, meaning), parsed once per process from the environment
+// (GGML_SCHED_PP_<NAME>, e.g. GGML_SCHED_PP_GATE=0), changeable by name, and copied into each scheduler when it is
+// created. Counters are per scheduler.
+// This header only adds functions: the backend module ABI (ggml-backend-impl.h) is unchanged, so
+// backend modules built against the pristine tree load into this build.
+
+#include "ggml-backend.h"
+
+#include <stdint.h>
+
+#ifdef  __cplusplus
+extern "C" {
+#endif
+
+#define GGML_SCHED_PP_EXT_VERSION 4
+
+// version of this extension (GGML_SCHED_PP_EXT_VERSION); a build without it has no such symbol
+GGML_API int ggml_backend_sched_pp_ext_version(void);
+
+// switches by name: 0 on success, -1 for an unknown name, -2 for a value the switch does not accept (logged).
+// A scheduler reads the switches once, when it is created: a change applies to schedulers created after it.
+GGML_API int ggml_backend_sched_pp_set_param(const char * name, int64_t value);
+GGML_API int ggml_backend_sched_pp_get_param(const char * name, int64_t * value);
+// current value of a switch (an unknown name is logged as an error and reads as 0)
+GGML_API int64_t ggml_backend_sched_pp_param(const char * name);
+// the i-th switch (0-based): its name, current value and what it does; NULL past the last one
+GGML_API const char * ggml_backend_sched_pp_param_info(int i, int64_t * value, const char ** description);
+// ... its type ("bool" or "int"), default, accepted range [min, max] and, where not every value in the range is
+// accepted, the accepted ones ("0,2"; else NULL)
+GGML_API const char * ggml_backend_sched_pp_param_spec(int i, const char ** type, int64_t * def, int64_t * min,
+                                                       int64_t * max, const char ** values);
+// GGML_SCHED_PP_* environment variables that name no switch or hold a value it does not accept (those keep the
+// default; each is also logged once as an error): how many, and one line each into buf (like snprintf)
+GGML_API int ggml_backend_sched_pp_env_problems(char * buf, size_t size);
+
+// whether uploads from pageable memory to this device can go through pinned staging slots (STAGING on, the
+// device has a pinned host buffer type, async copies and events, and pinning works here)
+GGML_API bool ggml_backend_sched_pp_staging_usable(ggml_backend_dev_t dev);
+
+// per-scheduler counters as one JSON object; returns the length it needs (like snprintf)
+GGML_API size_t ggml_backend_sched_pp_stats_json(ggml_backend_sched_t sched, char * buf, size_t size);
+GGML_API void   ggml_backend_sched_pp_reset_stats(ggml_backend_sched_t sched);
+// host-weight bytes the scheduler moved to `backend` so far: its uploads, and DIRECT's and GATHER's estimates
+// (an RPC server reports its device's to the client)
+GGML_API uint64_t ggml_backend_sched_pp_host_weight_bytes(ggml_backend_sched_t sched, ggml_backend_t backend);
+
+// graph re-reservations forced by ggml_backend_sched_alloc_graph since the last ggml_backend_sched_reserve
+GGML_API uint64_t ggml_backend_sched_pp_reallocs_since_reserve(ggml_backend_sched_t sched);
+
+// why the last re-reservation happened (diagnostics: node backends changed, or the first node that outgrew the
+// reserved layout); also in the stats JSON as "last_realloc"
+GGML_API size_t ggml_gallocr_pp_realloc_reason(struct ggml_gallocr * galloc, struct ggml_cgraph * graph, char * buf, size_t size);
+
+// PLANS: keep up to n earlier allocation plans of a graph allocator (0: none, upstream's behaviour); a reservation
+// keeps the plan it replaces
+GGML_API void ggml_gallocr_pp_keep_plans(struct ggml_gallocr * galloc, int n);
+// make a kept plan that fits the graph (structure, wiring, buffer types, sizes, current buffers) the live one:
+// true, and ggml_gallocr_alloc_graph then allocates the graph from it; false: none fits (nothing changed)
+GGML_API bool ggml_gallocr_pp_use_kept_plan(struct ggml_gallocr * galloc, struct ggml_cgraph * graph,
+                                            const int * node_buffer_ids, const int * leaf_buffer_ids);
+
+// OVERLAP=2: tensors with this flag (transient expert copies, set by the scheduler) are allocated with the size of
+// their pool class - the smallest of `sizes` that is at least theirs and at most 1% more - so the blocks of copies
+// of nearly one size are interchangeable (n = 0: no pooling; at most GGML_PP_POOL_CLASSES classes)
+#define GGML_TENSOR_FLAG_PP_POOLED (1 << 24)
+#define GGML_PP_POOL_CLASSES 16
+GGML_API void ggml_gallocr_pp_set_pool_sizes(struct ggml_gallocr * galloc, const size_t * sizes, int n);
+
+// GATHER: a device that copies the experts its routing ids select without the host reading the ids. Ordered after
+// everything queued on `backend` so far, copy from the pinned host tensor `src` into `dst` (its copy on the device:
+// same type and layout) every expert e (index along ne[2]) that one of the int32 ids in `ids` (in the device's
+// memory) names - the bytes [e*nb[2], (e+1)*nb[2]) and, unless e is the last expert, the next
+// min(nb[2], GGML_BACKEND_PP_GATHER_TAIL) bytes (a kernel may read past an expert's last row, as CUDA's MMQ does:
+// those bytes must be numbers, as the selective copy leaves them) - and order work queued on `backend` afterwards
+// after the copy. Returns false when it cannot; nothing is queued then. A backend offers one through
+// ggml_backend_reg_get_proc_address(reg, "ggml_backend_pp_gather_v4"); a library of its own registers one for a
+// backend registry by name (NULL removes it).
+// `mode` (extension version 4, PREFETCH): GGML_BACKEND_PP_GATHER_USED is the above; every gather with ids also
+// records, on the device, the experts they selected for `src` (its last used set). GGML_BACKEND_PP_GATHER_PREFETCH
+// (`ids` NULL): copy the experts of src's last used set, with their tails, into `dst` before the ids exist, and keep
+// that set for `dst`; false (nothing queued) where the device has no last used set of `src` or cannot.
+// GGML_BACKEND_PP_GATHER_REST: as USED, but leave out the experts the last PREFETCH into `dst` brought (the
+// scheduler asks only right after such a prefetch, ordered after it on `backend`).
+// GGML_BACKEND_PP_GATHER_BESIDE, or-ed into any of the three: compute may run beside this copy on the device (with
+// OVERLAP=2, whose early gathers run on a second stream; the scheduler flags all its gathers then), so a copy that
+// leaves the device's cores to that compute pays. A device that declines a flagged mode is asked again without.
+// GGML_BACKEND_PP_GATHER_CHAINED, or-ed in too (CHAIN): the copy needs nothing queued on `backend` that the gathers
+// the device queued before it (of any backend on the device) were not, together, ordered after, so the device may
+// queue it behind all of them without waiting for `backend`; work queued on `backend` afterwards is still ordered
+// after the copy. A device that declines it is asked again without, after `backend` waited for what the copy needs.
+#define GGML_BACKEND_PP_GATHER_TAIL 512
+enum ggml_backend_pp_gather_mode {
+    GGML_BACKEND_PP_GATHER_USED     = 0,
+    GGML_BACKEND_PP_GATHER_PREFETCH = 1,
+    GGML_BACKEND_PP_GATHER_REST     = 2,
+    GGML_BACKEND_PP_GATHER_BESIDE   = 16,   // a flag
+    GGML_BACKEND_PP_GATHER_CHAINED  = 32,   // a flag
+};
+typedef bool (*ggml_backend_pp_gather_t)(ggml_backend_t backend, struct ggml_tensor * dst, const struct ggml_tensor * src,
+                                         const struct ggml_tensor * ids, int mode /* enum ggml_backend_pp_gather_mode */);
+GGML_API void ggml_backend_sched_pp_set_gather(const char * reg_name, ggml_backend_pp_gather_t fn);
+
+#ifdef  __cplusplus
+}
+#endif
