@@ -4,7 +4,7 @@ Two builds of one pinned llama.cpp tree live in this package: `baseline` (pristi
 series). One process holds one of them (`load`); the A/B runner gives each its own worker process.
 
 The layers, each importing only those below it:
-    errors, _version                       one exception hierarchy; the version
+    errors, _version, defaults             one exception hierarchy; the version; the table of defaults
     binding, _pin                          one variant's native library in this process
     devices, params, counters, stats       data: device specs, Placement / ContextParams, counter sums, statistics
     network                                data: the bytes a ubatch sends over ggml RPC (fit's and the paper's)

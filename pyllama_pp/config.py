@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from . import devices as devspec
+from .defaults import CONTEXT, RUN
 from .errors import ConfigError
 from .jobs import MeasureJob, depth_of
 from .params import ContextParams, Placement, as_placement, check_int, ctx_for
@@ -39,7 +40,8 @@ def check_tests(tests) -> list:
 
 @dataclass
 class RunConfig:
-    """One point of the test matrix; both variants run it (the A/B runner, pyllama_pp.runner).
+    """One point of the test matrix; both variants run it (the A/B runner, pyllama_pp.runner). Defaults:
+    pyllama_pp.defaults.RUN.
 
     Args:
         model: the GGUF file.
@@ -66,14 +68,14 @@ class RunConfig:
     """
 
     model: str
-    devices: str = "cpu"
-    n_batch: int = 512
-    n_ubatch: int = 32
-    n_ctx: int = 0
-    placement: Placement = field(default_factory=lambda: Placement(host_experts="all"))
-    tests: list = field(default_factory=lambda: [["pp", 512]])
-    reps: int = 3
-    flash_attn: int = 1
+    devices: str = RUN.devices
+    n_batch: int = RUN.n_batch
+    n_ubatch: int = RUN.n_ubatch
+    n_ctx: int = RUN.n_ctx
+    placement: Placement = field(default_factory=lambda: Placement(host_experts=RUN.host_experts))
+    tests: list = field(default_factory=lambda: [["pp", n] for n in RUN.pp])
+    reps: int = RUN.reps
+    flash_attn: int = CONTEXT.flash_attn
     switches: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
     label: str = ""
@@ -135,7 +137,7 @@ class RunConfig:
         return ContextParams(n_ctx=ctx_for(longest, self.n_ctx), n_batch=self.n_batch,
                              n_ubatch=min(self.n_ubatch, self.n_batch), flash_attn=self.flash_attn)
 
-    def job(self, variant: str = "patched", **fields) -> MeasureJob:
+    def job(self, variant: str = CONTEXT.variant, **fields) -> MeasureJob:
         """The worker job that runs this configuration on a variant.
 
         Args:
@@ -186,8 +188,9 @@ def check_baseline_devices(devices: str, baseline_devices: str) -> None:
                           "(e.g. --devices rpc://h1:50052,h2:50052 --baseline-devices rpc://h1:50053,h2:50053)")
 
 
-def expand(model: str, devices: Sequence[str] = ("cpu",), n_batch: Sequence[int] = (512,),
-           n_ubatch: Sequence[int] = (32,), placements: Sequence[Placement] = (Placement(host_experts="all"),),
+def expand(model: str, devices: Sequence[str] = (RUN.devices,), n_batch: Sequence[int] = (RUN.n_batch,),
+           n_ubatch: Sequence[int] = (RUN.n_ubatch,),
+           placements: Sequence[Placement] = (Placement(host_experts=RUN.host_experts),),
            **common) -> list[RunConfig]:
     """Cross the given lists like llama-bench's comma-separated values: one RunConfig per combination.
 

@@ -19,21 +19,29 @@ from typing import Optional, Sequence, Union
 
 from . import devices as devspec
 from . import network
+from .defaults import CUDA_LINK_GBPS, FIT, UBATCH_CANDIDATES, margin_for
 from .compute import compute_for, probe
 from .errors import ConfigError, DeviceSpecError, OutOfMemoryError
 from .model_file import check_model_path, embedding_length, expert_bytes_per_layer
 from .params import SPLIT_MODES, ContextParams, as_context
-from .plan import MiB, GiB, Plan, check_plan, plan_from_result, plan_problem
+from .plan import MiB, Plan, check_plan, plan_from_result, plan_problem
 from .worker.client import check_switch_env, run_job
 
-# upstream's default margin per device (common/common.h fit_params_target); VDEV budgets are exact, so none there
-DEFAULT_MARGIN = {"cuda": 1 * GiB, "vdev": 0}
+def fit_context(ctx) -> ContextParams:
+    """The context fit plans for: `ctx` (a ContextParams or its dict), or FIT's sizes (pyllama_pp.defaults).
+
+    Raises:
+        TypeError: for a ctx that is neither a ContextParams nor a dict.
+    """
+    if ctx is None:
+        return ContextParams(n_ctx=FIT.n_ctx, n_batch=FIT.n_batch, n_ubatch=FIT.n_ubatch)
+    return as_context(ctx)
 
 
 def _margins(margin, spec: devspec.DeviceSpec) -> list[int]:
     n = spec.n_devices or 1
     if margin is None:
-        return [DEFAULT_MARGIN.get(spec.kind, GiB)] * n
+        return [margin_for(spec.kind)] * n
     vals = list(margin) if isinstance(margin, (list, tuple)) else [margin]
     negative = [v for v in vals if str(v).strip().startswith("-")]
     if negative:
@@ -93,20 +101,20 @@ def spread_weights(spread, spec: devspec.DeviceSpec, link_gbps=None) -> list:
     raise ConfigError(f"spread takes 'equal', 'links' or one positive weight per device, not {spread!r}")
 
 
-def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant: str = "patched",
-        margin=None, split_mode: str = "layer", n_ctx_min: int = 0, check: bool = True,
-        env: Optional[dict] = None, timeout: Optional[float] = 600, spread="equal", link_gbps=None) -> Plan:
+def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: str = FIT.variant,
+        margin=None, split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True,
+        env: Optional[dict] = None, timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None) -> Plan:
     """Plan the placement of `model` on `devices` with `variant`'s fit (run in a worker process).
 
     Args:
         model: the GGUF file.
         devices: a device spec with accelerators ("cuda", "cuda:0,1", "vdev:2x768MiB@4GBps", a dict, a DeviceSpec);
             each VDEV needs a memory budget.
-        ctx: the context to plan for, a ContextParams or its dict (default ContextParams()); n_ctx 0: fit chooses
-            it, down to n_ctx_min.
+        ctx: the context to plan for, a ContextParams or its dict (default: FIT's sizes, pyllama_pp.defaults); n_ctx
+            0: fit chooses it, down to n_ctx_min.
         variant: "patched" (default: the series' fit, which spreads host experts) or "baseline" (upstream's).
         margin: bytes to leave free on each device (an int or a size such as "256MiB"), one value or one per
-            device; default: upstream's 1 GiB on CUDA, none on VDEVs, whose budgets are exact.
+            device; default: margin_for(kind) of pyllama_pp.defaults (upstream's 1 GiB on CUDA, none on VDEVs).
         split_mode: "layer" (default), "none" or "row" (CUDA only).
         n_ctx_min: the smallest n_ctx fit may choose when ctx.n_ctx is 0.
         check: refuse a plan that leaves whole layers on the CPU or a device over its target (False: return it).
@@ -131,8 +139,8 @@ def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant:
     return _fit(model, devices, ctx, variant, margin, split_mode, n_ctx_min, check, env, timeout, spread, link_gbps)
 
 
-def _fit(model, devices="vdev:2x0@0", ctx=None, variant: str = "patched", margin=None, split_mode: str = "layer",
-         n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None, timeout: Optional[float] = 600,
+def _fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margin=None, split_mode: str = FIT.split_mode,
+         n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None, timeout: Optional[float] = FIT.timeout,
          spread="equal", link_gbps=None, checked: bool = False) -> Plan:
     """fit's work; `checked`: the caller has checked the model file and the switch environment (fit_ubatch, once
     for all its candidates)."""
@@ -150,7 +158,7 @@ def _fit(model, devices="vdev:2x0@0", ctx=None, variant: str = "patched", margin
     if split_mode == "row" and spec.kind == "vdev":
         raise DeviceSpecError(f"split mode row splits tensors by rows over CUDA devices; the VDEVs of {spec} have no "
                               "split buffers (and upstream's fit does not place layers in that mode): use layer")
-    ctx = as_context(ctx)
+    ctx = fit_context(ctx)
     margins = _margins(margin, spec)
     server_copies = _server_copy_bytes(model, spec, variant, env)
     margins = [m + server_copies for m in margins]
@@ -212,8 +220,6 @@ def _server_copy_bytes(model, spec: devspec.DeviceSpec, variant: str, env: Optio
 
 
 
-DEFAULT_CUDA_LINK_GBPS = 55.0   # a PCIe 5 x16 link's measured host -> device rate (docs/RESULTS.md)
-UBATCH_CANDIDATES = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 @dataclass
@@ -240,7 +246,7 @@ class Prediction:
 
 
 def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int) -> list[float]:
-    """Each device's host link rate in GB/s: the ones given, a VDEV's own, or on CUDA DEFAULT_CUDA_LINK_GBPS.
+    """Each device's host link rate in GB/s: the ones given, a VDEV's own, or on CUDA CUDA_LINK_GBPS.
 
     Args:
         spec: the parsed device spec.
@@ -252,7 +258,7 @@ def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int) -> list[floa
         ConfigError: for a rate of 0 or a count other than n_devices.
     """
     rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else \
-        [v.link_gbps for v in spec.vdevs] if spec.kind == "vdev" else [DEFAULT_CUDA_LINK_GBPS] * n_devices
+        [v.link_gbps for v in spec.vdevs] if spec.kind == "vdev" else [CUDA_LINK_GBPS] * n_devices
     return _checked_rates(rates, spec, "--ubatch auto", link_gbps is not None, n_devices)
 
 
@@ -361,7 +367,7 @@ def predicted_ts(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], sh
     return p.ts if p else None
 
 
-def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant: str = "patched",
+def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: str = FIT.variant,
                candidates: Sequence[int] = UBATCH_CANDIDATES, link_gbps=None, shared_link: bool = False,
                count_compute: bool = True, n_tokens: Optional[int] = None, **kw) -> Plan:
     """fit with n_ubatch chosen by the throughput it predicts from bytes per link and measured compute.
@@ -375,7 +381,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
     Args:
         model: the GGUF file.
         devices: a device spec, as fit takes it.
-        ctx: the context, as fit takes it; its n_ubatch and n_batch are replaced (n_ctx 0: 4096).
+        ctx: the context, as fit takes it; its n_ubatch and n_batch are replaced (n_ctx 0: FIT's n_ctx).
         variant: "patched" (default) or "baseline".
         candidates: the n_ubatch values to try.
         link_gbps: each device's host link rate in GB/s (default: a VDEV's own; CUDA 55 GB/s, a PCIe 5 x16 link).
@@ -394,9 +400,9 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
         TypeError: for a ctx that is neither a ContextParams nor a dict.
         WorkerError: when a worker dies or times out.
     """
-    ctx = as_context(ctx)
+    ctx = fit_context(ctx)
     spec = devspec.parse(devices)
-    n_ctx = ctx.n_ctx or 4096
+    n_ctx = ctx.n_ctx or FIT.n_ctx
     check_model_path(model)
     check_switch_env([variant], kw.get("env"))
     expert_bytes = expert_bytes_per_layer(model)
@@ -420,7 +426,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
         placed.append((row, plan))
     n_tokens = n_tokens or n_ctx
     probed = probe(model, devices, [r["n_ubatch"] for r, _ in placed], n_tokens,
-                   timeout=kw.get("timeout") or 600) if count_compute and placed else None
+                   timeout=kw.get("timeout") or FIT.timeout) if count_compute and placed else None
     for row, plan in placed:
         pred = predict(plan, expert_bytes, rates, shared_link, probed, n_tokens, hidden)
         plan.predicted_ts = pred.ts if pred else None
@@ -479,4 +485,4 @@ def _plan_copies(plan: Plan, once, check: bool, env: Optional[dict]) -> Plan:
     return alt
 
 
-__all__ = ["fit", "fit_ubatch", "spread_weights", "link_rates", "predict", "predicted_ts", "Prediction", "DEFAULT_MARGIN"]
+__all__ = ["fit", "fit_ubatch", "spread_weights", "link_rates", "predict", "predicted_ts", "Prediction"]

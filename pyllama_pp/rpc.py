@@ -9,7 +9,6 @@ its own, and an upstream client refuses a 7.1 server at connect.
 """
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import threading
 import time
 from typing import Optional
 
-from . import binding
+from . import binding, defaults
 from . import devices as devspec
 from .errors import DeviceSpecError, PyllamaError, UnsupportedError
 from .session import list_devices, register_devices
@@ -63,7 +62,7 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
     arr = ffi.new("const char *[]", keep)
     endpoint = f"{host}:{int(port)}"
     print(f"serving {names} on {endpoint}", file=announce or sys.stderr, flush=True)
-    threads = threads or len(os.sched_getaffinity(0))
+    threads = defaults.threads(threads)
     native.check(lib.pp_rpc_start_server(endpoint.encode(), arr, len(keep), max(1, int(threads)), int(host_ram)))
 
 

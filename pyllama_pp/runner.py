@@ -21,6 +21,7 @@ from .binding import VARIANTS
 from .config import RunConfig, config_key, load_key
 from .params import ctx_for
 from .counters import ext_add, sum_devices
+from .defaults import CONTEXT, PAIRED, RUN
 from .errors import ConfigError, WorkerError
 from .jobs import MeasureJob, WorkloadJob, test_name
 from .row import Row, RowWriter, frame, read_rows
@@ -224,8 +225,9 @@ def _merge_rounds(results: list[dict], coverage: Optional[list] = None) -> dict:
 
 
 def interleaved(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequence[str] = VARIANTS,
-                rounds: int = 20, out_dir: Optional[Union[str, Path]] = None, progress: bool = True,
-                timeout: Optional[float] = None, seed: int = 0, warmup: int = 0, loads: int = 1):
+                rounds: int = PAIRED.rounds, out_dir: Optional[Union[str, Path]] = None, progress: bool = True,
+                timeout: Optional[float] = None, seed: int = CONTEXT.seed, warmup: int = PAIRED.warmup,
+                loads: int = PAIRED.loads):
     """A/B in paired rounds: per variant one serving worker (the model loaded once), one warm-up, then `rounds`
     rounds, each one rep of every test per variant, the order alternating ABBA (round r: `variants` in order when
     r is even, reversed when odd). Drift over time (clocks, heat, the machine's other load) then falls on both
@@ -409,14 +411,14 @@ def _paired_rows(ci: int, cfg: RunConfig, cfg_meta: dict, variants: Sequence[str
 MIXED_WORKLOAD = [["pp", 64], ["pp", 512], ["pp", 128], ["pp", 2048], ["tg", 16]]
 
 
-def workload_ctx(workload: list, n_ctx: int = 0) -> int:
+def workload_ctx(workload: list, n_ctx: Optional[int] = None) -> int:
     """n_ctx for a workload: a prompt starts from an empty cache, decode steps continue after the last prompt (or
     from position 0), so the longest prompt plus every decoded token."""
     return ctx_for(max((n for k, n in workload if k == "pp"), default=0) + sum(n for k, n in workload if k == "tg") + 8,
                    n_ctx)
 
 
-def mixed_workload(cfg: RunConfig, variants: Sequence[str] = VARIANTS, rounds: int = 3,
+def mixed_workload(cfg: RunConfig, variants: Sequence[str] = VARIANTS, rounds: int = RUN.reps,
                    workload: Optional[list] = None, timeout: Optional[float] = None):
     """Run `workload` `rounds` times in one context per variant (its own worker).
 

@@ -18,7 +18,7 @@ README = PKG.parent / "README.md"
 
 # The floors, lowest first: a module may import modules of lower floors only.
 FLOORS = [
-    ["_version", "errors", "_cdef"],
+    ["_version", "errors", "_cdef", "defaults"],
     ["binding"],
     ["_pin", "devices", "params", "counters", "stats", "synth", "network"],
     ["model_file", "plan", "jobs", "row"],

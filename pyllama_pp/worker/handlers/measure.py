@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 
 from ...counters import ext_add, ext_delta, sum_devices
+from ...defaults import RUN
 from ...errors import ConfigError, PyllamaError
 from ...jobs import MeasureJob, depth_of
 from ...params import ContextParams
 from .base import open_session, random_tokens
 
 
-def run_tests(s, tests, reps: int, seed: int, coverage: bool, warmup: int = 1) -> list[dict]:
+def run_tests(s, tests, reps: int, seed: int, coverage: bool, warmup: int = RUN.warmup) -> list[dict]:
     """Each test is [kind, n] or [kind, n, depth] (llama-bench's -d: the context first holds `depth` prompt
     tokens, untimed; tg then decodes right after them, its first token included); `warmup` untimed runs, then
     `reps` timed ones."""
