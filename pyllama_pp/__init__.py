@@ -12,8 +12,8 @@ The layers, each importing only those below it:
     session                                a model on devices: schedule, eval, KV cache
     worker (client, handlers, loop)        one variant per process: the parent's side, a handler per job kind
     compute                                the compute probe (a layer's compute on a device, measured)
-    fit, soak, check                       planning; the soak's API; the logits check (each runs workers)
-    config, rows, runner                   A/B configurations, rows from results, the A/B runner
+    fit, soak, check, about                fit plans; the soak's API; the logits check; what this install is
+    config, rows, planning, runner         A/B configurations, rows from results, choices to configs, the runner
     report, cli                            tables and plots; the `pyllama-pp` command
 """
 from __future__ import annotations

@@ -4,6 +4,7 @@ measure the same thing (`config_key`) or can share one model load (`load_key`)."
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -38,10 +39,10 @@ def check_tests(tests) -> list:
     return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
-    """One point of the test matrix; both variants run it (the A/B runner, pyllama_pp.runner). Defaults:
-    pyllama_pp.defaults.RUN.
+    """One point of the test matrix; both variants run it (the A/B runner, pyllama_pp.runner). Frozen: a change is a
+    new config (`dataclasses.replace`). Defaults: pyllama_pp.defaults.RUN.
 
     Args:
         model: the GGUF file.
@@ -85,15 +86,16 @@ class RunConfig:
     baseline_devices: str = ""
 
     def __post_init__(self):
-        self.model = str(self.model)
-        self.devices = json.dumps(self.devices) if isinstance(self.devices, dict) else str(self.devices)
+        set_ = functools.partial(object.__setattr__, self)
+        set_("model", str(self.model))
+        set_("devices", json.dumps(self.devices) if isinstance(self.devices, dict) else str(self.devices))
         check_int("n_batch", self.n_batch, 1)
         check_int("n_ubatch", self.n_ubatch, 1)
         check_int("n_ctx", self.n_ctx, 0)
         check_int("reps", self.reps, 1)
-        self.tests = check_tests(self.tests)
-        self.placement = as_placement(self.placement)
-        self.plans = {v: as_placement(p) for v, p in self.plans.items()}
+        set_("tests", check_tests(self.tests))
+        set_("placement", as_placement(self.placement))
+        set_("plans", {v: as_placement(p) for v, p in self.plans.items()})
         if not isinstance(self.switches, dict) or not isinstance(self.env, dict):
             raise ConfigError("switches and env take dicts, NAME -> value")
         if self.baseline_devices:
@@ -104,7 +106,7 @@ class RunConfig:
             rates = [devspec.parse_rate(x) for x in self.link_gbps]
             if any(r <= 0 for r in rates):
                 raise ConfigError(f"link_gbps: every rate must be > 0, got {self.link_gbps!r}")
-            self.link_gbps = rates
+            set_("link_gbps", rates)
 
     def placement_for(self, variant: str) -> Placement:
         """The placement a variant runs.
