@@ -3,18 +3,8 @@
 Two builds of one pinned llama.cpp tree live in this package: `baseline` (pristine) and `patched` (our patch
 series). One process holds one of them (`load`); the A/B runner gives each its own worker process.
 
-The layers, each importing only those below it:
-    errors, _version, defaults             one exception hierarchy; the version; the table of defaults
-    binding, _pin                          one variant's native library in this process
-    devices, params, counters, stats       data: device specs, Placement / ContextParams, counter sums, statistics
-    network                                data: the bytes a ubatch sends over ggml RPC (fit's and the paper's)
-    synth, model_file, plan, jobs, row     model files, a fit plan, worker jobs, the result row
-    session                                a model on devices: schedule, eval, KV cache
-    worker (client, handlers, loop)        one variant per process: the parent's side, a handler per job kind
-    compute                                the compute probe (a layer's compute on a device, measured)
-    fit, soak, check, about                fit plans; the soak's API; the logits check; what this install is
-    config, rows, planning, runner         A/B configurations, rows from results, choices to configs, the runner
-    report, cli                            tables and plots; the `pyllama-pp` command
+The modules sit on floors, each importing only those below it: pyllama_pp.layers.FLOORS lists them (and
+docs/DEVELOPING.md shows the list). The table of defaults every command and function reads is pyllama_pp.defaults.
 """
 from __future__ import annotations
 
