@@ -120,9 +120,9 @@ PAIRED = Defaults(rounds=20, loads=1, warmup=0)
 # the compute probe: the median of 3 timed runs per replica and n_ubatch
 PROBE = Defaults(reps=3, timeout=600)
 
-# the soak: two VDEVs with links, a context of 1024, long enough for its edits
-SOAK = Defaults(devices="vdev:2x256MiB@4GBps", n_ctx=1024, n_batch=512, n_ubatch=128, calls=1000, check_every=50,
-                warmup=0, timeout=3600)
+# the soak: two VDEVs with links, every expert in host RAM, a context of 1024, long enough for its edits
+SOAK = Defaults(devices="vdev:2x256MiB@4GBps", host_experts="all", n_ctx=1024, n_batch=512, n_ubatch=128, calls=1000,
+                check_every=50, warmup=0, timeout=3600)
 
 
 @dataclass(frozen=True)

@@ -213,7 +213,7 @@ def _with_plan_file(c: Choices) -> Choices:
     n_ctx = c.n_ctx or plan.n_ctx
     pp = c.pp
     if pp is None:   # (a default prompt that fits the plan's context, beside the default decode test)
-        room = n_ctx - 8 - max((c.tg if c.tg is not None else RUN.tg) or (0,)) - max(c.depth or (0,))
+        room = n_ctx - 8 - max(c.tg if c.tg is not None else RUN.tg, default=0) - max(c.depth, default=0)
         pp = (min(max(RUN.pp), 1 << (room.bit_length() - 1)),) if room >= 1 else ()
     return dataclasses.replace(c, model=model, n_ctx=n_ctx, pp=pp, **sizes)
 
@@ -259,7 +259,7 @@ def _check_sizes(c: Choices) -> list[str]:
     if c.n_ctx < 0:
         raise ConfigError(f"-c/--ctx takes a context size >= 0 (0: what the tests need), got {c.n_ctx}")
     if c.n_ctx > 0 and not c.workload and (c.pp or c.tg):
-        need = max(n + d for d in (c.depth or (0,)) for n in (c.pp or ()) + (c.tg or ())) + 8
+        need = max(n + d for d in (c.depth or RUN.depth) for n in (c.pp or ()) + (c.tg or ())) + 8
         if c.n_ctx < need and c.plan:
             raise ConfigError(f"the plan {c.plan} was made for n_ctx {c.n_ctx}, and the longest test needs {need} "
                               "positions (tokens, depth and 8 spare). Fix: shorter tests (-p/-n/-d), or a plan made "
@@ -364,7 +364,7 @@ def tests_of(c: Choices) -> list:
     if any(d < 0 for d in c.depth):
         raise ConfigError(f"-d/--n-depth takes token counts >= 0, got {list(c.depth)}")
     tests = []
-    for d in dict.fromkeys(c.depth or (0,)):
+    for d in dict.fromkeys(c.depth or RUN.depth):
         tests += [["pp", n] + ([d] if d else []) for n in c.pp or ()]
         tests += [["tg", n] + ([d] if d else []) for n in c.tg or ()]
     return tests
@@ -375,7 +375,7 @@ def _ubatch_auto(c: Choices, model: str) -> tuple[Choices, Optional[Plan]]:
     plan then stand for -ub, -b and --fit same (both variants on the patched plan's placement)."""
     if c.n_ubatch != "auto":
         return c, None
-    n_ctx = c.n_ctx or max(c.pp) + max(c.depth or (0,)) + AUTO_CTX_SPARE
+    n_ctx = c.n_ctx or max(c.pp) + max(c.depth, default=0) + AUTO_CTX_SPARE
     n_batch = max(c.n_batch or (max(c.pp),))
     plan = fit_ubatch(model, devices=c.devices[0], margin=c.margin, n_tokens=max(c.pp),
                       ctx=ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, CONTEXT.n_ubatch)))

@@ -868,7 +868,7 @@ def list_devices(variant: Optional[str] = None) -> list[dict]:
         VariantError: for an unknown variant.
         BuildError: when the variant to load is not built.
     """
-    native = binding.loaded() or binding.load(variant or "patched")
+    native = binding.loaded() or binding.load(variant or CONTEXT.variant)
     lib, ffi, s = native.lib, native.ffi, native.str
     out = []
     for i in range(lib.pp_device_count()):

@@ -99,7 +99,7 @@ def run(model: str, variant: str = CONTEXT.variant, devices: str = SOAK.devices,
         env: Optional[dict] = None) -> SoakResult:
     """The reference (a fresh session), then the soak, each in its own worker for `variant`; compared here."""
     ctx = ctx or {"n_ctx": SOAK.n_ctx, "n_batch": SOAK.n_batch, "n_ubatch": SOAK.n_ubatch}
-    placement = {"host_experts": "all", **(placement or {})}
+    placement = {"host_experts": SOAK.host_experts, **(placement or {})}
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         base = {"kind": "soak", "model": model, "devices": devices, "placement": placement, "ctx": ctx}
         ref = str(Path(tmp) / "ref.npz")
