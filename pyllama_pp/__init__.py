@@ -25,6 +25,7 @@ _HOME = {
                                    "VariantError", "WorkerError")},
     "ContextParams": "params", "Placement": "params",
     "DevicePlan": "plan", "Plan": "plan", "PlanError": "plan",
+    "Choices": "planning", "RunPlan": "planning", "plan_runs": "planning",
     "Row": "row",
     "ab": "runner", "interleaved": "runner", "mixed_workload": "runner",
     "EvalResult": "session", "Schedule": "session", "Session": "session", "list_devices": "session",
