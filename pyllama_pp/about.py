@@ -38,7 +38,7 @@ def switch_table() -> list[dict]:
         UnsupportedError: when the patched variant is not built.
     """
     if "patched" not in available_variants():
-        raise UnsupportedError("the patched build's switch table is read from the patched build; it is not built")
+        raise UnsupportedError("the switch table is the patched build's, and the patched variant is not built")
     return run_job({"kind": "info"}, "patched", timeout=TIMEOUTS.info).get("switches", [])
 
 

@@ -19,18 +19,18 @@ from .about import about, about_text, switch_table, switches_markdown
 from .binding import VARIANTS
 from .check import check_context, check_logits
 from .defaults import (CHECK, CONTEXT, CUDA_LINK_GBPS, FIT, MAIN_JOB, MARGIN_OTHER, MARGINS, OFFLOAD_MIN_BATCH,
-                       PAIRED, RPC_HOST, RPC_PORT, RUN, TIMEOUTS, UBATCH_CANDIDATES)
+                       PAIRED, RPC_HOST, RPC_PORT, RUN, UBATCH_CANDIDATES)
 from .devices import FORMS
 from .errors import ConfigError, DeviceSpecError, PyllamaError
 from .fit import fit, fit_ubatch
 from .model_file import check_model_path
 from .params import ContextParams, Placement
-from .planning import Choices, check_switches, cpu_only_notes, main_job_model, models_dir, parse_switches, plan_runs
+from .planning import Choices, check_switches, cpu_only_notes, main_job_model, parse_switches, plan_runs
 from .report import any_failed, check_measured, error_lines, markdown, plot, text_table
 from .row import Row, RowWriter, read_rows
 
 JSON_HELP = "print one JSON document on stdout instead of the table (errors too, as {\"error\": ...})"
-__all__ = ["main", "build_parser", "choices_from_args", "switches_markdown", "models_dir"]
+__all__ = ["main", "build_parser", "choices_from_args"]
 
 
 def _emit(args, data, text: str) -> None:
