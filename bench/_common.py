@@ -158,7 +158,7 @@ def vdev_json(spec: str, memories: Sequence[str]) -> Optional[str]:
         p = devspec.parse(spec)
     except Exception:
         return None
-    if p.kind != "vdev" or len(p.vdevs) != len(memories):
+    if not p.vdevs or len(p.vdevs) != len(memories):
         return None
     return json.dumps({"kind": "vdev", "devices": [{"memory": m, "link_gbps": v.link_gbps}
                                                     for m, v in zip(memories, p.vdevs)]}, separators=(",", ":"))

@@ -40,7 +40,8 @@ MiB = 1024**2
 def measure_memory(plan_file: str, variant: str) -> dict:
     """In this process (one variant per process): device memory in use before and after a session from the plan,
     and llama's breakdown per device."""
-    from pyllama_pp.session import Session, list_devices
+    from pyllama_pp.devices import list_devices
+    from pyllama_pp.session import Session
     plan = Plan.load(plan_file)
     used = lambda: {d["name"]: d["memory_total"] - d["memory_free"] for d in list_devices(variant)
                     if d["memory_total"] > 0}

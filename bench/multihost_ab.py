@@ -10,7 +10,7 @@ Rows, each in a process of its own (the same devices, model, sizes and load mode
   (`rpc-server --cpu`), every expert overridden to the CPU device of the server whose device holds its layer -
   upstream's other placement: the servers' CPUs compute the experts, pipelining off;
 - `2 hosts, patched, RPC_HOST=0`: the patched client and servers with the switch off (experts in the client's RAM).
-Each server sits behind a `pyllama_pp.rpc.Link` (a loopback relay) that counts the bytes each way and paces them at
+Each server sits behind a `pyllama_pp.rpc.relay.Link` (a loopback relay) that counts the bytes each way and paces them at
 --net-gbps, so "network bytes per token" is measured, not modelled. Logits of every row are compared with the first
 row's (NMSE). A prompt's bytes are per prompt token, decode's per generated token; both leave the load out. The
 servers share this machine's cores: each gets an equal share for its CPU threads.
@@ -38,7 +38,8 @@ from pyllama_pp.model_file import block_count
 from pyllama_pp.params import ContextParams, Placement
 from pyllama_pp.plan import layer_ranges
 from pyllama_pp.rows import per_gpu
-from pyllama_pp.rpc import Link, spawn_server, wait_listening
+from pyllama_pp.rpc.relay import Link
+from pyllama_pp.rpc.server import spawn_server, wait_listening
 from pyllama_pp.session import Session
 from pyllama_pp.stats import nmse
 

@@ -14,7 +14,7 @@ Placements (what each one does in the pinned tree and the series, as measured on
 - naive-client: experts in the client's RAM: the client's CPU computes them (an RPC device offloads no op), so the
   hidden state crosses the client's NIC twice at every MoE layer, and pipelining is off (tensor overrides).
 
-The network model (pyllama_pp.network, which fit's predictions use too; checked against measurement with --check):
+The network model (pyllama_pp.rpc.network, which fit's predictions use too; checked against measurement with --check):
 per ubatch, the client's NIC carries the hidden state (f32) at every boundary between hosts twice (server ->
 client -> next server: ggml RPC copies between two servers through the client; two GPUs of one host copy on the
 host) and the embeddings to the first device; every device gets its own inputs (the KQ mask, f16, n_kv x n_tokens, n_kv the cache cells in use, padded
@@ -33,8 +33,8 @@ import json
 import sys
 from pathlib import Path
 
-from pyllama_pp import network
-from pyllama_pp.network import n_kv_mean
+from pyllama_pp.rpc import network
+from pyllama_pp.rpc.network import n_kv_mean
 
 # DeepSeek-V3 (its config.json): 61 layers, the first 3 dense; 256 routed experts (8 used) and 1 shared expert of
 # intermediate size 2048; hidden 7168; dense FFN 18432; MLA attention (q_lora 1536, kv_lora 512, 128 heads,
@@ -61,7 +61,7 @@ PROMPT = 32768   # the prompt's length: 8 ubatches; a pipeline of more stages th
 def network_bytes_per_ubatch(hosts: int, gpus: int, layers: int, moe_layers: int, hidden: int, ubatch: int,
                              n_kv: float, placement: str) -> dict:
     """Bytes over the client's NIC per ubatch of `ubatch` tokens, up (client -> servers) and down, by part: the
-    package's per-device model (pyllama_pp.network, which fit's predictions use) summed over hosts x gpus devices,
+    package's per-device model (pyllama_pp.rpc.network, which fit's predictions use) summed over hosts x gpus devices,
     each with an equal share of the layers (a boundary between two GPUs of one host stays on the host); the naive
     placements add a round trip of the hidden state a MoE layer."""
     devices = hosts * gpus

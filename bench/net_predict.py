@@ -3,7 +3,7 @@
 to each server as fit measured it, each server's devices' stages) beside the patched build measured on that
 candidate's plan, at each network rate given.
 
-Two patched rpc-servers, each serving --server-devices, sit behind a `pyllama_pp.rpc.Link` that paces both ways at
+Two patched rpc-servers, each serving --server-devices, sit behind a `pyllama_pp.rpc.relay.Link` that paces both ways at
 the rate; fit measures that network itself (DevicePlan.server_net), the run uses the plan it made. Servers, relays
 and the client share this machine's cores: where the network is fast, their CPU time, which the prediction does not
 count, is what the measurement shows.
@@ -25,7 +25,8 @@ from pyllama_pp.planning import models_dir
 from pyllama_pp.config import RunConfig
 from pyllama_pp.fit import fit, fit_ubatch
 from pyllama_pp.params import ContextParams
-from pyllama_pp.rpc import Link, spawn_server, wait_listening
+from pyllama_pp.rpc.relay import Link
+from pyllama_pp.rpc.server import spawn_server, wait_listening
 from ubatch_auto import table   # (bench/: the same Markdown table)
 
 HOST = "127.0.0.1"

@@ -39,7 +39,7 @@ def resident(devices: str) -> str:
     """The same devices with every weight resident: VDEVs without a memory limit (links and speeds kept); other
     devices as they are (they hold the model)."""
     spec = devspec.parse(devices)
-    if spec.kind != "vdev":
+    if not spec.vdevs:
         return devices
     d = spec.to_dict()
     return json.dumps({"kind": "vdev", "devices": [{**v, "memory": 0} for v in d["devices"]]})
@@ -116,7 +116,7 @@ def main() -> int:
         probed = probe(model, args.devices, ubs, n)
         expert_bytes = expert_bytes_per_layer(model)
         spec = devspec.parse(args.devices)
-        hidden = embedding_length(model) if spec.kind == "rpc" else 0   # (the network to RPC servers)
+        hidden = embedding_length(model) if spec.remote else 0   # (the network to RPC servers)
         for cand in plan.ubatch_auto:
             if not cand.get("predicted_ts"):
                 continue

@@ -28,7 +28,8 @@ _HOME = {
     "Choices": "planning", "RunPlan": "planning", "plan_runs": "planning",
     "Row": "row",
     "ab": "runner", "interleaved": "runner", "mixed_workload": "runner",
-    "EvalResult": "session", "Schedule": "session", "Session": "session", "list_devices": "session",
+    "ExpertTrace": "expert_trace",
+    "EvalResult": "session", "Schedule": "session", "Session": "session", "list_devices": "devices",
     "ServingWorker": "worker", "run_job": "worker",
 }
 

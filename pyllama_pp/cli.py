@@ -12,14 +12,14 @@ from typing import Optional
 
 import pandas as pd
 
-from . import rpc, runner, synth
+from . import runner, synth, trace
 from . import devices as devspec
 from ._version import __version__
 from .about import about, about_text, switch_table, switches_markdown
 from .binding import VARIANTS
 from .check import check_context, check_logits
-from .defaults import (CHECK, CONTEXT, CUDA_LINK_GBPS, FIT, MAIN_JOB, MARGIN_OTHER, MARGINS, OFFLOAD_MIN_BATCH,
-                       PAIRED, RPC_HOST, RPC_PORT, RUN, UBATCH_CANDIDATES)
+from .defaults import (CHECK, CONTEXT, CUDA_LINK_GBPS, FIT, MAIN_JOB, MARGINS, OFFLOAD_MIN_BATCH, PAIRED, RPC_HOST,
+                       RPC_PORT, RUN, TRACE, UBATCH_CANDIDATES)
 from .devices import FORMS
 from .errors import ConfigError, DeviceSpecError, PyllamaError
 from .fit import fit, fit_ubatch
@@ -28,6 +28,7 @@ from .params import ContextParams, Placement
 from .planning import Choices, check_switches, cpu_only_notes, main_job_model, parse_switches, plan_runs
 from .report import any_failed, check_measured, error_lines, markdown, plot, text_table
 from .row import Row, RowWriter, read_rows
+from .rpc import server as rpc_server
 
 JSON_HELP = "print one JSON document on stdout instead of the table (errors too, as {\"error\": ...})"
 __all__ = ["main", "build_parser", "choices_from_args"]
@@ -151,9 +152,18 @@ def cmd_check(args) -> int:
 
 def cmd_rpc_server(args) -> int:
     """Serve this machine's devices over llama.cpp's ggml RPC until killed."""
-    rpc.serve(args.devices, host=args.host, port=args.port, variant=args.variant, threads=args.threads, cpu=args.cpu,
-              host_ram=devspec.parse_size(args.host_ram) if args.host_ram else 0)
+    rpc_server.serve(args.devices, host=args.host, port=args.port, variant=args.variant, threads=args.threads,
+                     cpu=args.cpu, host_ram=devspec.parse_size(args.host_ram) if args.host_ram else 0)
     return 1   # (serve returns only by an error, which it raises)
+
+
+def cmd_trace(args) -> int:
+    """The experts each MoE layer chose for each token (pyllama_pp.trace); -o writes them (.npz)."""
+    tr = trace.record(args.model, n_prompt=args.pp, n_decode=args.tg, seed=args.seed, variant=args.variant,
+                      devices=args.devices, out=args.out)
+    s = trace.summary(tr)
+    _emit(args, {**s, "out": str(args.out) if args.out else None}, trace.describe(s, args.out))
+    return 0
 
 
 # -- run and ab: choices -> planning -> runner -> tables ------------------------------------------------------------
@@ -299,7 +309,7 @@ def _join_dash_values(argv: list[str]) -> list[str]:
 
 
 def _margins_text() -> str:
-    return f"{_size(MARGINS['cuda'])} on CUDA, {_size(MARGINS['vdev'])} on VDEVs, {_size(MARGIN_OTHER)} on others"
+    return f"{_size(MARGINS['cuda'])} on CUDA, {_size(MARGINS['vdev'])} on VDEVs, {_size(MARGINS['other'])} on others"
 
 
 def _add_info(sub) -> None:
@@ -328,9 +338,11 @@ def _add_synth(sub) -> None:
                         "of multiples of 256)")
     p.add_argument("--routing", choices=list(synth.ROUTING_MODES),
                    help="uniform: every expert used about equally; skewed: some experts far more (real models' "
-                        "coverage); natural: plain random weights (default: the preset's, uniform)")
+                        "coverage); locality: consecutive token ids route to slowly changing experts (decode's "
+                        "temporal locality); natural: plain random weights (default: the preset's, uniform)")
     p.add_argument("--skew", type=float,
-                   help=f"with --routing skewed: how strongly (default: {synth.DEFAULT_SKEW}; 0 = uniform)")
+                   help=f"with --routing skewed: how strongly (default: {synth.DEFAULT_SKEW:g}; 0 = uniform); with "
+                        f"locality: its popularity profile (default: {synth.DEFAULT_LOCALITY_SKEW:g})")
     for dim, what in (("n_layer", "layers"), ("n_embd", "embedding width"), ("n_expert", "experts per layer"),
                       ("n_expert_used", "experts used per token"), ("n_ff_exp", "expert FFN width"),
                       ("n_vocab", "vocabulary size")):
@@ -495,6 +507,22 @@ def _add_check(sub) -> None:
     p.set_defaults(func=cmd_check)
 
 
+def _add_trace(sub) -> None:
+    p = sub.add_parser("trace", help="the experts each MoE layer chooses for each token (for expert-cache hit rates)",
+                       formatter_class=_HelpFormatter, epilog="device specs (--devices):" + FORMS)
+    p.add_argument("model", help="GGUF model file")
+    p.add_argument("--devices", default=TRACE.devices, help="device spec (default: %(default)s; forms below)")
+    p.add_argument("--variant", default=TRACE.variant, choices=list(VARIANTS), help="the build (default: %(default)s)")
+    p.add_argument("-p", "--pp", type=int, default=TRACE.pp[0], metavar="N",
+                   help="prompt tokens first (default: %(default)s)")
+    p.add_argument("-n", "--tg", type=int, default=TRACE.tg[0], metavar="N",
+                   help="tokens decoded one by one (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=TRACE.seed, help="the tokens' seed, as run's (default: %(default)s)")
+    p.add_argument("-o", "--out", type=Path, help="write the trace here (.npz: ids [tokens, layers, k] and metadata)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.set_defaults(func=cmd_trace)
+
+
 def _add_rpc_server(sub) -> None:
     p = sub.add_parser("rpc-server", help="serve this machine's devices to other hosts (llama.cpp's ggml RPC)",
                        formatter_class=_HelpFormatter, epilog="device specs (--devices):" + FORMS)
@@ -520,7 +548,7 @@ def _add_rpc_server(sub) -> None:
 
 
 # the subcommands, in the order --help lists them (a new one: a builder here)
-COMMANDS = (_add_info, _add_synth, _add_run, _add_fit, _add_ab, _add_check, _add_rpc_server)
+COMMANDS = (_add_info, _add_synth, _add_run, _add_fit, _add_ab, _add_check, _add_trace, _add_rpc_server)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -101,38 +101,24 @@ def replica(model: Union[str, os.PathLike], n_moe_layers: int, out_dir: Optional
 
 
 def shares_one_gpu(devices) -> bool:
-    """Whether a CUDA spec's devices are parts of one GPU (GGML_CUDA_DEVICES splits a GPU into that many): their
-    compute runs side by side on the same multiprocessors, so it does not add up as separate GPUs' would."""
-    spec = devspec.parse(devices)
-    return spec.kind == "cuda" and int(os.environ.get("GGML_CUDA_DEVICES") or 1) > 1 and \
-        (not spec.cuda_ids or len(spec.cuda_ids) > 1)
+    """Whether a spec's devices are parts of one GPU (GGML_CUDA_DEVICES splits a GPU into that many): their compute
+    runs side by side on the same multiprocessors, so it does not add up as separate GPUs' would
+    (DeviceSpec.shares_one_gpu)."""
+    return devspec.parse(devices).shares_one_gpu
 
 
 def probe_devices(devices) -> list[tuple[list[int], str]]:
-    """The device specs the probe runs on, with the devices each stands for: for VDEVs one per distinct compute
-    speed (unthrottled, no memory limit: only compute is measured); for CUDA the first device (the devices are
-    taken to be alike), or every device together where they are parts of one GPU (shares_one_gpu); "cpu" for the
-    CPU.
+    """The device specs the probe runs on, with the devices each stands for (DeviceSpec.probe_specs): for VDEVs one
+    per distinct compute speed (unthrottled, no memory limit: only compute is measured); for CUDA the first device
+    (the devices are taken to be alike), or every device together where they are parts of one GPU (shares_one_gpu);
+    "cpu" for the CPU.
 
     Args:
         devices: a device spec.
     Returns:
         [(device indices, device spec), ...].
     """
-    spec = devspec.parse(devices)
-    if spec.kind == "vdev":
-        groups: dict = {}
-        for i, v in enumerate(spec.vdevs):
-            groups.setdefault((v.speed, v.threads), []).append(i)
-        return [(idx, json.dumps({"kind": "vdev", "devices": [{"memory": 0, "link_gbps": 0, "speed": speed,
-                                                                "threads": threads}]}))
-                for (speed, threads), idx in groups.items()]
-    if shares_one_gpu(spec):
-        return [(list(range(len(spec.cuda_ids))) if spec.cuda_ids else [-1], spec.label)]
-    if spec.kind == "cuda":
-        first = spec.cuda_ids[0] if spec.cuda_ids else 0
-        return [(list(range(max(spec.n_devices, 1))) if spec.cuda_ids else [-1], f"cuda:{first}")]
-    return [([-1], "cpu")]
+    return devspec.parse(devices).probe_specs()
 
 
 @dataclass

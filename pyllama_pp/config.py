@@ -178,7 +178,7 @@ def check_baseline_devices(devices: str, baseline_devices: str) -> None:
         DeviceSpecError: for a spec that does not parse.
     """
     a, b = devspec.parse(devices), devspec.parse(baseline_devices)
-    if a.kind != "rpc" or b.kind != "rpc":
+    if not a.remote or not b.remote:
         raise ConfigError(f"baseline devices {baseline_devices!r} are for RPC devices: both --devices and "
                           "--baseline-devices name rpc-servers (rpc://HOST:PORT,...). Fix: drop --baseline-devices")
     local = lambda s: s.local.text if s.local else ""

@@ -11,8 +11,10 @@ package.
     PAIRED     paired rounds (`runner.interleaved`, `ab --paired`)
     PROBE      the compute probe (`compute.probe`)
     SOAK       the soak (`soak.run`, the soak job)
-Beside them: memory margins per device kind (`margin_for`), the timeouts of the small worker jobs (`TIMEOUTS`), the
-cores this process may use (`usable_cores`, the default thread count), and `fit_ubatch`'s candidates.
+    TRACE      an expert trace (`trace.record`, `pyllama-pp trace`)
+Beside them: memory margins per device kind (`MARGINS`, read by each kind's class), the timeouts of the small worker
+jobs (`TIMEOUTS`), the cores this process may use (`usable_cores`, the default thread count), and `fit_ubatch`'s
+candidates.
 Also here: where pyllama_pp keeps what it writes once and reuses (`cache_dir`).
 """
 from __future__ import annotations
@@ -125,6 +127,10 @@ SOAK = Defaults(devices="vdev:2x256MiB@4GBps", host_experts="all", n_ctx=1024, n
                 check_every=50, warmup=0, timeout=3600)
 
 
+# an expert trace: no prompt, 128 tokens decoded one by one, on the CPU
+TRACE = Defaults(variant="patched", devices="cpu", pp=(0,), tg=(128,), seed=0)
+
+
 @dataclass(frozen=True)
 class Timeouts:
     """Seconds the small jobs and waits may take.
@@ -142,10 +148,10 @@ class Timeouts:
 
 TIMEOUTS = Timeouts()
 
-# memory fit leaves free on each device, by device kind: upstream's 1 GiB (common/common.h fit_params_target);
-# none on VDEVs, whose budgets are exact
-MARGINS = {"cuda": 1 * GiB, "vdev": 0}
-MARGIN_OTHER = 1 * GiB   # any other kind (rpc: the server's device)
+# memory fit leaves free on each device, by device kind (each kind's DeviceSpec.default_margin): upstream's 1 GiB
+# (common/common.h fit_params_target); none on VDEVs, whose budgets are exact; "other": any other kind (an rpc
+# server's device)
+MARGINS = {"cuda": 1 * GiB, "vdev": 0, "other": 1 * GiB}
 
 RPC_HOST, RPC_PORT = "127.0.0.1", 50052   # rpc-server's address: loopback (the protocol has no authentication)
 CUDA_LINK_GBPS = 55.0   # a PCIe 5 x16 link's measured host -> device rate (docs/RESULTS.md), where none is given
@@ -157,11 +163,6 @@ def cache_dir() -> Path:
     """Where pyllama_pp keeps what it writes once (synthetic models, compute probes): PYLLAMA_PP_CACHE, else
     ~/.cache/pyllama_pp."""
     return Path(os.environ.get("PYLLAMA_PP_CACHE") or Path.home() / ".cache" / "pyllama_pp")
-
-
-def margin_for(kind: str) -> int:
-    """The bytes fit leaves free on a device of `kind` ("cuda", "vdev", "rpc", ...) when none is given."""
-    return MARGINS.get(kind, MARGIN_OTHER)
 
 
 def usable_cores() -> int:

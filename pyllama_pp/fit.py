@@ -18,14 +18,15 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from . import devices as devspec
-from . import network
-from .defaults import CUDA_LINK_GBPS, FIT, UBATCH_CANDIDATES, margin_for
 from .compute import compute_for, probe
+from .defaults import FIT, UBATCH_CANDIDATES
 from .errors import ConfigError, DeviceSpecError, OutOfMemoryError
 from .model_file import check_model_path, embedding_length, expert_bytes_per_layer
 from .params import SPLIT_MODES, ContextParams, as_context
 from .plan import MiB, Plan, check_plan, plan_from_result, plan_problem
+from .rpc.planning import check_server_host_memory, network_seconds, server_copy_bytes
 from .worker.client import check_switch_env, run_job
+
 
 def fit_context(ctx) -> ContextParams:
     """The context fit plans for: `ctx` (a ContextParams or its dict), or FIT's sizes (pyllama_pp.defaults).
@@ -41,7 +42,7 @@ def fit_context(ctx) -> ContextParams:
 def _margins(margin, spec: devspec.DeviceSpec) -> list[int]:
     n = spec.n_devices or 1
     if margin is None:
-        return [margin_for(spec.kind)] * n
+        return [spec.default_margin] * n
     vals = list(margin) if isinstance(margin, (list, tuple)) else [margin]
     negative = [v for v in vals if str(v).strip().startswith("-")]
     if negative:
@@ -79,15 +80,8 @@ def spread_weights(spread, spec: devspec.DeviceSpec, link_gbps=None) -> list:
     if spread in (None, "equal"):
         return []
     if spread == "links":
-        if link_gbps is not None:
-            rates = [devspec.parse_rate(x) for x in link_gbps]
-        elif spec.kind == "vdev":
-            groups: dict = {}
-            for v in spec.vdevs:
-                if v.link_group >= 0:
-                    groups[v.link_group] = groups.get(v.link_group, 0) + 1
-            rates = [v.link_gbps / groups.get(v.link_group, 1) if v.link_group >= 0 else v.link_gbps for v in spec.vdevs]
-        else:
+        rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else spec.link_shares()
+        if rates is None:   # (the spec gives no links: CUDA's are the machine's)
             raise ConfigError("spread='links' on CUDA needs each GPU's host link rate: link_gbps=[55, 25] "
                               "(CLI: --link-gbps 55,25; nvidia-smi shows each link's generation and width)")
         return _checked_rates(rates, spec, "spread='links'", link_gbps is not None, spec.n_devices or 0)
@@ -114,7 +108,7 @@ def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: 
             0: fit chooses it, down to n_ctx_min.
         variant: "patched" (default: the series' fit, which spreads host experts) or "baseline" (upstream's).
         margin: bytes to leave free on each device (an int or a size such as "256MiB"), one value or one per
-            device; default: margin_for(kind) of pyllama_pp.defaults (upstream's 1 GiB on CUDA, none on VDEVs).
+            device; default: upstream's 1 GiB on CUDA, none on VDEVs, whose budgets are exact.
         split_mode: "layer" (default), "none" or "row" (CUDA only).
         n_ctx_min: the smallest n_ctx fit may choose when ctx.n_ctx is 0.
         check: refuse a plan that leaves whole layers on the CPU or a device over its target (False: return it).
@@ -139,28 +133,21 @@ def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: 
     return _fit(model, devices, ctx, variant, margin, split_mode, n_ctx_min, check, env, timeout, spread, link_gbps)
 
 
-def _fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margin=None, split_mode: str = FIT.split_mode,
-         n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None, timeout: Optional[float] = FIT.timeout,
+def _fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margin=None,
+         split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None, timeout: Optional[float] = FIT.timeout,
          spread="equal", link_gbps=None, checked: bool = False) -> Plan:
     """fit's work; `checked`: the caller has checked the model file and the switch environment (fit_ubatch, once
     for all its candidates)."""
     if not checked:
         check_model_path(model)
     spec = devspec.parse(devices)
-    if spec.kind == "cpu":
-        raise DeviceSpecError("fit places layers on accelerators, and the device spec 'cpu' has none: "
-                              "give --devices cuda, cuda:0,1 or vdev:2x768MiB@4GBps")
-    if spec.kind == "vdev" and any(v.memory == 0 for v in spec.vdevs):
-        raise DeviceSpecError(f"fit needs each device's memory, and {spec} has a VDEV without a memory budget "
-                              "(0 = unlimited): give one, e.g. vdev:2x256MiB@4GBps")
+    spec.fit_check(split_mode)   # (no accelerators, a device without a budget, a split its devices lack)
     if split_mode not in SPLIT_MODES:
         raise ConfigError(f"split_mode must be one of {sorted(SPLIT_MODES)}, not {split_mode!r}")
-    if split_mode == "row" and spec.kind == "vdev":
-        raise DeviceSpecError(f"split mode row splits tensors by rows over CUDA devices; the VDEVs of {spec} have no "
-                              "split buffers (and upstream's fit does not place layers in that mode): use layer")
     ctx = fit_context(ctx)
     margins = _margins(margin, spec)
-    server_copies = _server_copy_bytes(model, spec, variant, env)
+    server_copies = server_copy_bytes(model, spec, variant,
+                                      str(_switch_set("GGML_SCHED_PP_RPC_HOST", env)) != "0")
     margins = [m + server_copies for m in margins]
     weights = spread_weights(spread, spec, link_gbps)
     if weights:
@@ -182,42 +169,8 @@ def _fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margi
         if server_copies:
             plan.copies += (f"; on each server, {server_copies / MiB:.1f} MiB of its device kept for its own expert "
                             f"copies (two expert tensors: RPC_HOST with OVERLAP=2), in the margin")
-            plan.copies += _check_server_host_memory(plan, expert_bytes_per_layer(model))
+            plan.copies += check_server_host_memory(plan, expert_bytes_per_layer(model))
     return check_plan(plan, check)
-
-
-def _check_server_host_memory(plan: Plan, expert_bytes: float) -> str:
-    """Each patched RPC server keeps the host experts of its devices' layers in its own RAM (RPC_HOST): the plan's
-    share of each server against the host memory that server reported free. Returns a sentence for the plan.
-
-    Raises:
-        OutOfMemoryError: where a server's share is more than it has free.
-    """
-    need: dict[str, int] = {}
-    free: dict[str, int] = {}
-    for d in plan.devices:
-        if d.server_host_free is not None:
-            need[d.server] = need.get(d.server, 0) + int(d.host_expert_layers * expert_bytes)
-            free[d.server] = d.server_host_free
-    for server, n in need.items():
-        if n > free[server]:
-            raise OutOfMemoryError(
-                f"the RPC server at {server} has {free[server] / MiB:.1f} MiB of host memory free for host experts, "
-                f"and this plan keeps {n / MiB:.1f} MiB of them there. Fix: free memory on that host or start its "
-                f"server with a larger --host-ram, add a host, or run with fewer layers' experts on the host")
-    return "".join(f"; server {k}: {n / MiB:.1f} of its {free[k] / MiB:.1f} MiB free host memory for its experts"
-                   for k, n in need.items())
-
-
-def _server_copy_bytes(model, spec: devspec.DeviceSpec, variant: str, env: Optional[dict]) -> int:
-    """What a patched RPC server's device needs beside what the client allocates there: the server copies the host
-    experts of its layers in (RPC_HOST), into a scheduler of its own - with OVERLAP=2 (the server's default) two expert
-    tensors at a time. The client's dry run does not see those copies; fit keeps room for them in each device's
-    margin. 0 for other devices, the baseline, or RPC_HOST=0."""
-    if spec.kind != "rpc" or variant != "patched" or str(_switch_set("GGML_SCHED_PP_RPC_HOST", env)) == "0":
-        return 0
-    return int(2 * expert_bytes_per_layer(model) / 3 * 1.02) + 4096   # (the largest of three alike, padded)
-
 
 
 
@@ -246,7 +199,8 @@ class Prediction:
 
 
 def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int) -> list[float]:
-    """Each device's host link rate in GB/s: the ones given, a VDEV's own, or on CUDA CUDA_LINK_GBPS.
+    """Each device's host link rate in GB/s: the ones given, the spec's own (a VDEV's), or its kind's default
+    (DeviceSpec.default_link_gbps: a PCIe 5 x16 link's 55 GB/s).
 
     Args:
         spec: the parsed device spec.
@@ -257,31 +211,10 @@ def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int) -> list[floa
     Raises:
         ConfigError: for a rate of 0 or a count other than n_devices.
     """
-    rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else \
-        [v.link_gbps for v in spec.vdevs] if spec.kind == "vdev" else [CUDA_LINK_GBPS] * n_devices
+    rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else spec.link_rates()
+    if rates is None:
+        rates = [spec.default_link_gbps] * n_devices
     return _checked_rates(rates, spec, "--ubatch auto", link_gbps is not None, n_devices)
-
-
-def network_seconds(plan: Plan, hidden: int, n_tokens: int) -> tuple[list, dict]:
-    """Seconds per ubatch on the network to each RPC device's server, from the byte model (pyllama_pp.network) and
-    the rates fit measured: (each device's seconds, its way up and down; each server's devices' indices). Devices
-    of this machine, or not measured: 0. The baseline's client computes the host experts of an RPC device's layers
-    itself: a round trip of the hidden state per such layer."""
-    ub = plan.ctx["n_ubatch"]
-    n_kv = network.n_kv_mean(n_tokens, ub)
-    devs = plan.devices
-    per_device, servers = [0.0] * len(devs), {}
-    for i, d in enumerate(devs):
-        net = d.server_net or {}
-        if not (d.server and hidden and net.get("up_gbps", 0) > 0 and net.get("down_gbps", 0) > 0):
-            continue
-        up, down = network.device_bytes(
-            hidden, ub, n_kv, d.n_layers, act_in=i == 0 or devs[i - 1].server != d.server,
-            act_out=not d.output_layer and (i + 1 == len(devs) or devs[i + 1].server != d.server),
-            round_trips=d.host_expert_layers if plan.variant == "baseline" else 0)
-        per_device[i] = up / (net["up_gbps"] * 1e9) + down / (net["down_gbps"] * 1e9)
-        servers.setdefault(d.server, []).append(i)
-    return per_device, servers
 
 
 def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool = False,
@@ -406,7 +339,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
     check_model_path(model)
     check_switch_env([variant], kw.get("env"))
     expert_bytes = expert_bytes_per_layer(model)
-    hidden = embedding_length(model) if spec.kind == "rpc" else 0   # (the network to RPC servers is counted)
+    hidden = embedding_length(model) if spec.remote else 0   # (the network to RPC servers is counted)
     tried, best, best_score, rates, placed = [], None, 0.0, None, []
     kw.pop("check", None)   # (a candidate that leaves layers on the CPU or a device over its target is out)
     for ub in [c for c in candidates if c <= n_ctx]:

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union
 
-from .defaults import CONTEXT, RUN, SOAK
+from .defaults import CONTEXT, RUN, SOAK, TRACE
 from .errors import ConfigError
 from .params import ContextParams, Placement, as_context, as_placement
 
@@ -135,6 +135,31 @@ class WorkloadJob(Job):
 
 
 @dataclass
+class TraceJob(Job):
+    """Record the experts each MoE layer chooses for each token: a prompt of `n_prompt` tokens, then `n_decode` tokens
+    decoded one by one after it, the tokens chosen as a measure job's are (`seed`; a stream for a locality model)."""
+
+    kind: ClassVar[str] = "trace"
+    n_prompt: int = TRACE.pp[0]
+    n_decode: int = TRACE.tg[0]
+    seed: int = TRACE.seed
+
+    def check(self) -> None:
+        """The job's own checks, before any model load (the parent's and the worker's).
+
+        Raises:
+            ConfigError: for negative counts, no token at all, or more tokens than the context holds.
+        """
+        n_prompt, n_decode = int(self.n_prompt), int(self.n_decode)
+        if n_prompt < 0 or n_decode < 0 or n_prompt + n_decode == 0:
+            raise ConfigError(f"a trace needs prompt and decode tokens >= 0, not both 0; got {n_prompt} and "
+                              f"{n_decode}")
+        if n_prompt + n_decode > self.ctx.n_ctx:
+            raise ConfigError(f"{n_prompt} + {n_decode} tokens do not fit in n_ctx={self.ctx.n_ctx}: raise the "
+                              "context size")
+
+
+@dataclass
 class FitJob(Job):
     """Run the variant's fit (common/fit.cpp) for the model on the devices; per-device margins in bytes."""
 
@@ -159,7 +184,7 @@ class SoakJob(Job):
     out: Optional[str] = None
 
 
-KINDS: dict[str, type] = {c.kind: c for c in (InfoJob, ScheduleJob, LogitsJob, MeasureJob, WorkloadJob, FitJob,
+KINDS: dict[str, type] = {c.kind: c for c in (InfoJob, ScheduleJob, LogitsJob, MeasureJob, WorkloadJob, TraceJob, FitJob,
                                               SoakJob)}
 
 

@@ -12,7 +12,7 @@ import gguf
 
 from .errors import ModelError
 from .params import EXPERT_TENSORS
-from .synth import read_gguf_header
+from .synth import STREAM_ROUTINGS, read_gguf_header
 
 
 def check_model_path(path: Union[str, Path]) -> None:
@@ -90,3 +90,18 @@ def expert_bytes_per_layer(model: Union[str, os.PathLike]) -> float:
         if m:
             per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + int(t.n_bytes)
     return sum(per_layer.values()) / len(per_layer) if per_layer else 0.0
+
+
+def synth_routing(path: Union[str, Path]) -> str:
+    """The routing mode a synthetic model was written with (GGUF key `pyllama_pp.synth.routing`); "" for other files.
+
+    Args:
+        path: the GGUF file (checked by check_model_path first).
+    """
+    return str(read_gguf_header(path)["kv"].get("pyllama_pp.synth.routing", ""))
+
+
+def routes_by_stream(path: Union[str, Path]) -> bool:
+    """Whether the model's routing follows a stream of consecutive token ids (a synthetic model of a mode in
+    synth.STREAM_ROUTINGS, "locality"): its tests feed such a stream, every other model random tokens."""
+    return synth_routing(path) in STREAM_ROUTINGS

@@ -273,11 +273,10 @@ def _check_sizes(c: Choices) -> list[str]:
 def _check_placement(c: Choices, model: Optional[str]) -> None:
     """Devices this build can run, -ngl / -ts in range and matching the devices, host experts within the model."""
     specs = [devspec.parse(spec) for spec in c.devices]
-    for spec in specs:
-        if spec.kind == "cuda" and "CUDA" not in backend_modules():
-            raise DeviceSpecError(f"--devices {spec}: this build has no CUDA backend. Rebuild with CMAKE_ARGS="
-                                  "'-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90', or use --devices cpu / "
-                                  "vdev:2x768MiB@4GBps")
+    for text, spec in zip(c.devices, specs):
+        why = spec.unbuilt(backend_modules())
+        if why:
+            raise DeviceSpecError(f"--devices {text}: {why}")
     if c.n_gpu_layers < -1:
         raise ConfigError(f"-ngl takes -1 (every layer) or a layer count >= 0, got {c.n_gpu_layers}")
     ts = c.tensor_split
@@ -428,7 +427,7 @@ def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, m
 
 def cpu_only_notes(configs: Sequence[RunConfig]) -> list[str]:
     """An A/B on the CPU alone measures no mechanism of the series: the note that says so, where it is."""
-    return [CPU_ONLY_NOTE] if all(devspec.parse(cfg.devices).kind == "cpu" for cfg in configs) else []
+    return [CPU_ONLY_NOTE] if all(not devspec.parse(cfg.devices).accelerators for cfg in configs) else []
 
 
 def plan_runs(choices: Choices) -> RunPlan:

@@ -28,9 +28,9 @@ def link_bound(cfg: RunConfig, h2d: list[int], n_tokens: int) -> tuple[list[floa
     a shared link carries the bytes of all its devices). VDEVs know their links; other devices take
     cfg.link_gbps (e.g. measured host->GPU bandwidth)."""
     spec = devspec.parse(cfg.devices)
-    if spec.kind == "vdev":
-        gbps = [v.link_gbps for v in spec.vdevs]
-        groups = [("g", v.link_group) if v.link_group >= 0 else ("d", i) for i, v in enumerate(spec.vdevs)]
+    gbps = spec.link_rates()
+    if gbps is not None:
+        groups = [("g", g) if g >= 0 else ("d", i) for i, g in enumerate(spec.link_groups())]
     elif cfg.link_gbps:
         gbps = [float(x) for x in cfg.link_gbps][:len(h2d)]
         groups = [("g", 0) if cfg.shared_link else ("d", i) for i in range(len(gbps))]

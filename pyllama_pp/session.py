@@ -19,13 +19,15 @@ import numpy as np
 
 from . import binding
 from . import devices as devspec
-from .counters import COUNTER_FIELDS, device_delta
+from .counters import device_delta
 from .defaults import CONTEXT, threads
-from .errors import (ConfigError, DecodeError, DeviceError, DeviceSpecError, ModelError, OutOfMemoryError,
-                     PyllamaError, UnsupportedError, is_device_fault, one_statement)
+from .errors import (ConfigError, DecodeError, DeviceError, ModelError, OutOfMemoryError, PyllamaError,
+                     UnsupportedError, is_device_fault, one_statement)
+from .expert_trace import ExpertTrace
 from .model_file import check_model_path
 from .params import LOAD_MODES, SPLIT_MODES, ContextParams, Placement, as_context, as_placement
 from .plan import Plan
+from .rpc.client import host_weight_bytes
 
 
 @dataclass
@@ -59,12 +61,16 @@ class BackendInfo:
     compute_buffer_bytes: int
 
 
+# a split input's kind -> the column of its bytes in Schedule.to_frame()
+INPUT_COLUMNS = {"host weight": "host_weight_bytes", "user input": "user_input_bytes", "activation": "activation_bytes"}
+
+
 @dataclass
 class SplitInput:
     """An input of a split: a host weight, a user input or an activation, with its size."""
 
     name: str
-    kind: str          # "host weight", "user input" or "activation"
+    kind: str          # "host weight", "user input" or "activation" (INPUT_COLUMNS)
     bytes: int         # as the scheduler prints it (K/M rounded)
 
 
@@ -76,6 +82,13 @@ class Split:
     backend: str
     n_nodes: int
     inputs: list[SplitInput]
+
+    def input_bytes(self) -> dict:
+        """The bytes of the split's inputs by kind: {"host_weight_bytes", "user_input_bytes", "activation_bytes"}."""
+        out = dict.fromkeys(INPUT_COLUMNS.values(), 0)
+        for i in self.inputs:
+            out[INPUT_COLUMNS[i.kind]] += i.bytes
+        return out
 
 
 def env_problems(native: binding.Native) -> list[str]:
@@ -133,10 +146,7 @@ class Schedule:
         import pandas as pd   # (here, not at the top: worker processes import this module and never need pandas)
         if self.splits:
             return pd.DataFrame([{"split": sp.index, "backend": sp.backend, "n_nodes": sp.n_nodes,
-                                  "n_inputs": len(sp.inputs),
-                                  "host_weight_bytes": sum(i.bytes for i in sp.inputs if i.kind == "host weight"),
-                                  "user_input_bytes": sum(i.bytes for i in sp.inputs if i.kind == "user input"),
-                                  "activation_bytes": sum(i.bytes for i in sp.inputs if i.kind == "activation"),
+                                  "n_inputs": len(sp.inputs), **sp.input_bytes(),
                                   "inputs": ", ".join(i.name for i in sp.inputs)} for sp in self.splits])
         return pd.DataFrame([asdict(b) for b in self.backends])
 
@@ -267,9 +277,9 @@ class LoadedModel:
         """Whether the model was freed."""
         return self.handle is None
 
-    def context(self, params: ContextParams, coverage: bool = False) -> "Context":
+    def context(self, params: ContextParams, coverage: bool = False, trace=None) -> "Context":
         """A new llama context on this model (see Context)."""
-        return Context(self, params, coverage)
+        return Context(self, params, coverage, trace)
 
     def close(self) -> None:
         """Free the model (once; later calls do nothing). Free its contexts first."""
@@ -285,12 +295,14 @@ class Context:
         model: the loaded model.
         params: the context's parameters.
         coverage: record the experts each MoE layer uses (one host sync per layer: never in a timed context).
+        trace: a native pp_trace (cdata) that records each token's expert ids (the same sync; not with coverage);
+            it must outlive the context.
     Raises:
         OutOfMemoryError: when the context's buffers do not fit on the devices.
         DeviceError: when a device fails while they are made.
     """
 
-    def __init__(self, model: LoadedModel, params: ContextParams, coverage: bool = False):
+    def __init__(self, model: LoadedModel, params: ContextParams, coverage: bool = False, trace=None):
         self.native, self.params = model.native, params
         lib, ffi = self.native.lib, self.native.ffi
         p = ffi.new("pp_context_params *")
@@ -301,6 +313,7 @@ class Context:
         p.op_offload = int(params.op_offload)
         p.offload_kqv = int(params.offload_kqv)
         p.coverage = int(coverage)
+        p.trace = trace if trace is not None else ffi.NULL
         handle = lib.pp_context_new(model.handle, p)
         if handle == ffi.NULL:
             raw = self.native.last_error()
@@ -377,7 +390,7 @@ class Session:
         self._ctx: Optional[Context] = None
         self._check_switch_env()
         self._apply_switches(switches or {})
-        dev_names = register_devices(self.native, self.spec)
+        dev_names = self.spec.register(self.native)
         self._model = LoadedModel(self.native, self.path, dev_names, self.placement)
         self.info = self._model.info
         self._ctx = self._model.context(self.ctx_params)
@@ -530,7 +543,7 @@ class Session:
             n = lib.pp_gather_counted(b["name"].encode())
             if n >= 0:
                 b["gather_bytes"] = n
-            n = lib.pp_rpc_host_weight_bytes(b["name"].encode())   # a patched RPC server's own copies
+            n = host_weight_bytes(self.native, b["name"])   # a patched RPC server's own copies
             if n >= 0:
                 b["weight_bytes"] += n
         return stats
@@ -542,13 +555,7 @@ class Session:
             list[dict]: one dict per VDEV: "device" (VDEV0, ...) and its counters (bytes moved per direction,
             syncs, ...); empty for other devices.
         """
-        lib, ffi = self.native.lib, self.native.ffi
-        out = []
-        for i in range(lib.pp_vdev_count() if self.spec.kind == "vdev" else 0):
-            c = ffi.new("struct pp_vdev_counters *")
-            self.native.check(lib.pp_vdev_get_counters(i, c))
-            out.append({"device": f"VDEV{i}", **{k: getattr(c, k) for k in COUNTER_FIELDS}})
-        return out
+        return self.spec.device_counters(self.native)
 
     def reset_counters(self) -> None:
         """Zero the VDEV counters (the peak allocation becomes the current one)."""
@@ -746,6 +753,61 @@ class Session:
                 "experts_used_per_layer_ubatch": mean_used, "coverage": mean_used / n_expert,
                 "n_records": len(recs), "per_layer_mean": {k: float(np.mean(v)) for k, v in sorted(per_layer.items())}}
 
+    def trace_experts(self, tokens: Iterable[int], n_prompt: int = 0, exclusive: bool = False) -> ExpertTrace:
+        """The experts each MoE layer chose for each token, recorded in a separate context (llama's eval callback:
+        one host sync per MoE layer, so never part of a timed run).
+
+        Args:
+            tokens: the run's tokens: the first n_prompt decoded as one prompt (in n_batch chunks, every row an
+                output so that the last layer routes them all), then the others one by one after it.
+            n_prompt: how many of them form the prompt (0: every token decoded one by one).
+            exclusive: free the session's own context meanwhile (as in coverage()).
+        Returns:
+            ExpertTrace: ids [tokens, MoE layers, k], the layers, n_expert, n_prompt.
+        Raises:
+            DecodeError: for an empty sequence, a token out of range, more tokens than n_ctx, n_prompt out of range,
+                or a failed decode; also for a model whose layers choose no experts.
+            TypeError: for tokens that are not ints.
+            OutOfMemoryError: when the tracing context does not fit.
+            PyllamaError: on a closed session.
+        """
+        self._check_open()
+        t = self._tokens(tokens)
+        if not 0 <= n_prompt <= len(t):
+            raise DecodeError(f"n_prompt ({n_prompt}) must be in [0, {len(t)}] (the tokens given)")
+        if len(t) > self.ctx_params.n_ctx:
+            raise DecodeError(f"{len(t)} tokens do not fit in n_ctx={self.ctx_params.n_ctx}: raise n_ctx")
+        lib, ffi = self.native.lib, self.native.ffi
+        max_ids = len(t) * max(self.info.n_layer, 1) * max(self.info.n_expert_used, 1)
+        raw = lib.pp_trace_new(max_ids)
+        if raw == ffi.NULL:
+            raise OutOfMemoryError(self.native.last_error())
+        trace = ffi.gc(raw, lib.pp_trace_free)
+        if exclusive:
+            self._ctx.close()
+        try:
+            with self._model.context(self.ctx_params, trace=trace) as ctx:
+                if n_prompt:
+                    self._decode(ctx, t[:n_prompt], 0, np.arange(n_prompt, dtype=np.int32))
+                for i in range(n_prompt, len(t)):
+                    self._decode(ctx, t[i:i + 1], i, np.zeros(1, dtype=np.int32))
+            sizes = ffi.new("int64_t[3]")
+            self.native.check(lib.pp_trace_size(trace, sizes, sizes + 1, sizes + 2))
+            recs = ffi.new("pp_trace_record[]", max(int(sizes[0]), 1))
+            flat = np.zeros(max(int(sizes[1]), 1), dtype=np.int32)
+            self.native.check(lib.pp_trace_get(trace, recs, sizes[0], ffi.cast("int32_t *", flat.ctypes.data),
+                                               sizes[1]))
+        finally:
+            if exclusive:
+                self._ctx = self._model.context(self.ctx_params)
+        if sizes[0] == 0:
+            raise DecodeError(f"{self.path.name} has no layer that chooses experts: nothing to trace")
+        records = [(recs[i].layer, recs[i].n_tokens, recs[i].k, recs[i].offset) for i in range(int(sizes[0]))]
+        try:
+            return ExpertTrace.from_records(records, flat, len(t), self.info.n_expert, n_prompt)
+        except ValueError as e:
+            raise DecodeError(f"the expert trace is incomplete: {e}") from None
+
     # -- lifetime -------------------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
@@ -770,111 +832,3 @@ class Session:
             self.close()
         except Exception:
             pass
-
-
-def connect_servers(native, spec: "devspec.DeviceSpec") -> list:
-    """Connect to the servers of an rpc spec (ggml RPC registers each endpoint once per process); returns
-    (endpoint, the names of the devices used there) for each, in the spec's order.
-
-    Raises:
-        DeviceSpecError: for a server that cannot be reached, speaks another protocol, offers no devices or not the
-            device asked for.
-    """
-    lib, ffi = native.lib, native.ffi
-    out = []
-    for item in spec.endpoints:
-        ep, _, dev = item.partition("/")   # ("HOST:PORT/N": only the server's device N)
-        buf = ffi.new("char[1024]")
-        try:
-            native.check(lib.pp_rpc_add_server(ep.encode(), buf, 1024))
-        except PyllamaError as e:
-            if "version mismatch" not in str(e):
-                raise
-            # (the patched build speaks RPC protocol 7.1, upstream 7.0: a client refuses a newer server)
-            variant = native.str(lib.pp_variant())
-            raise DeviceSpecError(f"the RPC server at {ep} speaks another protocol than this build ({variant}): "
-                                  f"{str(e).split(': ')[-1]}. Fix: start it from the same variant, `pyllama-pp "
-                                  f"rpc-server --variant {variant} ...`; in `ab`, give the baseline its own servers "
-                                  "with --baseline-devices") from None
-        got = ffi.string(buf).decode()
-        if not got:
-            raise DeviceSpecError(f"the RPC server at {ep} offers no devices")
-        offered = got.split(",")
-        if dev and int(dev) >= len(offered):
-            raise DeviceSpecError(f"the RPC server at {ep} offers {len(offered)} device(s) (0..{len(offered) - 1}), "
-                                  f"not device {dev}. Fix: rpc://{ep}/N with N in 0..{len(offered) - 1}, or "
-                                  f"rpc://{ep} for all of them")
-        out.append((ep, [offered[int(dev)]] if dev else offered))
-    return out
-
-
-def register_devices(native, spec: "devspec.DeviceSpec", servers: Optional[list] = None) -> str:
-    """Set up the devices of `spec` in this process (VDEVs are registered once per process; an rpc spec sets up its
-    local devices first, then connects to its servers, once per endpoint, unless `servers` gives what
-    connect_servers returned for it); returns the device names for pp_model_params.devices ("none": CPU only)."""
-    lib, ffi = native.lib, native.ffi
-    if spec.kind == "cpu":
-        return "none"
-    if spec.kind == "vdev":
-        n = len(spec.vdevs)
-        have = lib.pp_vdev_count()
-        if have and have != n:
-            raise DeviceSpecError(f"this process already has {have} virtual devices; {n} were asked for. "
-                                  "Use one device count per process (workers do this for you).")
-        cfg = ffi.new("struct pp_vdev_config[]", n)
-        for i, v in enumerate(spec.vdevs):
-            cfg[i].memory_bytes = v.memory
-            cfg[i].link_gbps = v.link_gbps
-            cfg[i].link_group = v.link_group
-            cfg[i].compute_factor = v.speed
-            cfg[i].n_threads = v.threads
-            cfg[i].d2d_gbps = v.d2d_gbps
-            cfg[i].direct_read = v.direct_read
-            cfg[i].row_pad = v.row_pad
-            cfg[i].fail_alloc_at = v.fail_alloc_after + 1 if v.fail_alloc_after >= 0 else 0
-            cfg[i].fail_copy_at = v.fail_copy_after + 1 if v.fail_copy_after >= 0 else 0
-            cfg[i].fault_abort = int(v.fault_abort)
-        err = ffi.new("char[512]")
-        if lib.pp_vdev_register(cfg, n, err, 512) != 0:
-            raise DeviceSpecError(f"cannot set up the virtual devices: {ffi.string(err).decode()}")
-        return ",".join(f"VDEV{i}" for i in range(n))
-    if spec.kind == "rpc":
-        names = register_devices(native, spec.local).split(",") if spec.local else []
-        names += [n for _, served in (servers or connect_servers(native, spec)) for n in served]
-        return ",".join(names)
-    # cuda
-    cuda = [d for d in list_devices() if d["backend"] == "CUDA"]
-    if not cuda:
-        raise DeviceSpecError("no CUDA device found: this build has no CUDA backend or the machine has no GPU. "
-                              "Rebuild with CMAKE_ARGS='-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90' or use "
-                              "--devices cpu / vdev:2x768MiB@4GBps")
-    ids = spec.cuda_ids or list(range(len(cuda)))
-    bad = [i for i in ids if i >= len(cuda)]
-    if bad:
-        raise DeviceSpecError(f"CUDA device(s) {bad} do not exist; this machine has {len(cuda)}")
-    return ",".join(cuda[i]["name"] for i in ids)
-
-
-def list_devices(variant: Optional[str] = None) -> list[dict]:
-    """The devices the loaded variant sees (CPU, CUDA GPUs, registered VDEVs).
-
-    Args:
-        variant: the variant to load when this process holds none yet (default: "patched"); ignored when one is
-            loaded.
-    Returns:
-        list[dict]: one dict per device: name, description, backend, type, memory_free, memory_total, and its caps
-        (async, events, host_buffer).
-    Raises:
-        VariantError: for an unknown variant.
-        BuildError: when the variant to load is not built.
-    """
-    native = binding.loaded() or binding.load(variant or CONTEXT.variant)
-    lib, ffi, s = native.lib, native.ffi, native.str
-    out = []
-    for i in range(lib.pp_device_count()):
-        d = ffi.new("pp_device_info *")
-        native.check(lib.pp_device_get(i, d))
-        out.append({"name": s(d.name), "description": s(d.description), "backend": s(d.backend), "type": d.type,
-                    "memory_free": d.memory_free, "memory_total": d.memory_total, "async": bool(d.caps_async),
-                    "events": bool(d.caps_events), "host_buffer": bool(d.caps_host_buffer)})
-    return out

@@ -13,7 +13,7 @@ Routing control
 ---------------
 Random models route most tokens to a few experts (attention averages tokens into a shared
 direction, so the router input stops depending on the token), which hides the expert traffic
-this project is about (the bytes a ubatch moves follow from it).  ``SynthConfig.routing`` picks one of three regimes:
+this project is about (the bytes a ubatch moves follow from it).  ``SynthConfig.routing`` picks one of four regimes:
 
 ``"uniform"``  (default) token embeddings at scale 1.0, attention-output (``attn_output``) and
     expert-down (``ffn_down_exps``) weights at scale 0.0005.  Each layer then adds only a tiny
@@ -40,6 +40,24 @@ this project is about (the bytes a ubatch moves follow from it).  ``SynthConfig.
 
     Real models sit around skew 0.75-1 at ubatch 512 (72-95 of 128 experts in one report);
     ``preset(..., routing="skewed")`` without a skew uses ``DEFAULT_SKEW`` (1.0).
+``"locality"`` as ``skewed`` (a weak profile: ``DEFAULT_LOCALITY_SKEW``), and the token embeddings follow a slow
+    random walk over token ids, so that a stream of consecutive ids routes to slowly changing expert sets, as real
+    models' decode does (temporal locality).  Row i of ``token_embd`` is
+    ``embd_scale * (sqrt(locality) * w_i + sqrt(1 - locality) * z_i)``: ``z_i`` is the token's own N(0, I) part and
+    ``w`` a stationary Gauss-Markov walk, ``w_{i+1} = rho * w_i + sqrt(1 - rho**2) * n_i`` with
+    ``rho = exp(-1 / locality_span)`` (a "topic" that decorrelates over about ``locality_span`` ids).  Consecutive
+    ids' embeddings then correlate by ``locality * rho``; ``locality = 0`` is ``skewed`` with independent tokens and
+    ``locality`` near 1 is very sticky.  Since the residual stays ~ the embedding (as in ``uniform``), the router
+    of every layer sees the walk.  A decode stream must feed consecutive ids to see it: the bench and
+    ``pyllama-pp trace`` do so for files whose ``pyllama_pp.synth.routing`` is ``locality`` (``STREAM_ROUTINGS``).
+    The defaults (``DEFAULT_LOCALITY``, ``DEFAULT_LOCALITY_SPAN``, ``DEFAULT_LOCALITY_SKEW``) are calibrated on
+    the 128-expert, 8-used shape (docs/RESULTS.md, "Expert locality (synthetic routing)") to published
+    measurements of real MoE decode: a per-layer LRU cache of 12.5% of a layer's experts hits ~67% and of 25% ~81%,
+    while a static list of the 6.25% most used experts covers only ~1.5x its share (llama.cpp PR #27861 on a
+    512-expert model: LRU of 64 experts 67%, of 128 81%, a static top-32 list ~10% of the traffic; flash-moe's
+    frequency-weighted LRU reports ~95% hits; Eliseev & Mazur, "Fast Inference of Mixture-of-Experts Language
+    Models with Offloading" (2023), find LRU caching of Mixtral's experts effective because consecutive tokens
+    reuse experts).
 ``"natural"``  plain random initialisation: embeddings at 0.02, every matrix at
     ``1/sqrt(fan_in)``.  Attention and expert outputs dominate the residual, so routing
     concentrates on a minority of experts (as in a plain random model).
@@ -101,6 +119,8 @@ __all__ = [
     "read_gguf_header",
     "TILE_MIN_ELEMENTS",
     "SYNTH_FORMAT_VERSION",
+    "ROUTING_MODES",
+    "STREAM_ROUTINGS",
 ]
 
 #: bumped whenever the bytes written for a given config change
@@ -160,8 +180,15 @@ GATINGS = ("softmax", "sigmoid")
 # deepseek2 files llama.cpp reads as "lite" (no query latent: attn_q instead of attn_q_a/attn_q_b): n_layer 26 or 27
 _DEEPSEEK2_LITE_LAYERS = (26, 27)
 
-ROUTING_MODES = ("uniform", "skewed", "natural")
+ROUTING_MODES = ("uniform", "skewed", "locality", "natural")
 DEFAULT_SKEW = 1.0   # routing="skewed" without a skew (preset(), the CLI): about real models' concentration
+# routing="locality": the share of each token embedding that follows the walk, the walk's correlation length in ids,
+# and the popularity profile's skew (preset(), the CLI) - calibrated in docs/RESULTS.md "Expert locality"
+DEFAULT_LOCALITY = 0.81
+DEFAULT_LOCALITY_SPAN = 16.0
+DEFAULT_LOCALITY_SKEW = 0.13
+#: routing modes whose routing follows a stream of consecutive token ids (the bench feeds them such a stream)
+STREAM_ROUTINGS = ("locality",)
 
 # std of a uniform int8 in [-128, 127]
 _INT8_STD = math.sqrt((256.0 ** 2 - 1.0) / 12.0)
@@ -169,7 +196,7 @@ _INT8_STD = math.sqrt((256.0 ** 2 - 1.0) / 12.0)
 _MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "rope_dim", "v_head_dim")
 # fields added after files were cached: left out of cached_model's config hash while at their defaults (so that a
 # cached file keeps its name)
-_LATER_FIELDS = _MLA_FIELDS + ("gating", "n_swa", "expert_type")
+_LATER_FIELDS = _MLA_FIELDS + ("gating", "n_swa", "expert_type", "locality", "locality_span")
 
 _SCALE_FIELDS = ("embd_scale", "attn_scale", "attn_out_scale", "ffn_scale", "down_scale",
                  "router_scale", "output_scale")
@@ -198,8 +225,12 @@ class SynthConfig:
     ``attn_out_scale``; its router bias is zero and the selection biases (exp_probs_b) are ones, so that routing
     stays the router rows'.
 
-    ``skew`` (only for ``routing="skewed"``): exponent of the Zipf-like profile of router row
-    norms, ``(rank + 1) ** -skew``; 0 = none, ~1 = like real models, 2 = strongly concentrated.
+    ``skew`` (``routing="skewed"`` and ``"locality"``): exponent of the Zipf-like profile of router row
+    norms, ``(rank + 1) ** -skew``; 0 = none, ~1 = like real models' prompts, 2 = strongly concentrated.
+
+    ``locality`` and ``locality_span`` (only for ``routing="locality"``; ``None`` = ``DEFAULT_LOCALITY``,
+    ``DEFAULT_LOCALITY_SPAN``): the share in [0, 1] of each token embedding's variance that follows the random walk
+    over ids, and the walk's correlation length in ids (> 0): see the module docstring.
     """
 
     n_layer: int
@@ -241,6 +272,9 @@ class SynthConfig:
     n_swa: int = 0
     # the routed experts' type (_EXPERT_TYPE): None = type; shared experts and dense layers take type
     expert_type: Optional[str] = None
+    # routing="locality": the walk's share of each token embedding and its correlation length (None: the defaults)
+    locality: Optional[float] = None
+    locality_span: Optional[float] = None
     embd_scale: Optional[float] = None
     attn_scale: Optional[float] = None
     attn_out_scale: Optional[float] = None
@@ -258,6 +292,11 @@ class SynthConfig:
     def sigmoid_gating(self) -> bool:
         """GLM-4.5 and DeepSeek-V3 style: sigmoid gating with a selection bias (exp_probs_b), top-k normalised."""
         return self.arch == "glm4moe" or (self.arch == "deepseek2" and self.gating == "sigmoid")
+
+    def resolved_locality(self) -> Tuple[float, float]:
+        """(locality, locality_span) with the defaults filled in (routing="locality" reads them)."""
+        return (DEFAULT_LOCALITY if self.locality is None else float(self.locality),
+                DEFAULT_LOCALITY_SPAN if self.locality_span is None else float(self.locality_span))
 
     def resolved_scales(self) -> Dict[str, float]:
         """The scale of every weight group, defaults filled in for the routing mode."""
@@ -319,6 +358,13 @@ class SynthConfig:
                              f"got {self.expert_type!r}")
         if self.routing not in ROUTING_MODES:
             raise ValueError(f"SynthConfig.routing must be one of {list(ROUTING_MODES)}, got {self.routing!r}")
+        if self.locality is not None and not (0.0 <= self.locality <= 1.0):
+            raise ValueError(f"SynthConfig.locality must be in [0, 1] (the walk's share of each embedding), "
+                             f"got {self.locality!r}")
+        if self.locality_span is not None and not (self.locality_span > 0 and math.isfinite(self.locality_span)):
+            raise ValueError(f"SynthConfig.locality_span must be finite and > 0 (ids), got {self.locality_span!r}")
+        if (self.locality is not None or self.locality_span is not None) and self.routing != "locality":
+            raise ValueError(f"locality and locality_span are for routing='locality', not {self.routing!r}")
         if not (self.skew >= 0.0 and math.isfinite(self.skew)):
             raise ValueError(f"SynthConfig.skew must be finite and >= 0, got {self.skew!r}")
         if not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
@@ -472,6 +518,8 @@ def preset(name: str, **overrides: Any) -> SynthConfig:
     if overrides.get("routing") == "skewed" and "skew" not in overrides:
         # "skewed" without a skew would be uniform (skew 0): default to real models' level
         overrides["skew"] = DEFAULT_SKEW
+    if overrides.get("routing") == "locality" and "skew" not in overrides:
+        overrides["skew"] = DEFAULT_LOCALITY_SKEW   # (the weak static popularity real decode shows)
     return dataclasses.replace(PRESETS[name], **overrides).validate()
 
 
@@ -496,7 +544,7 @@ class _Tensor:
     name: str
     ne: Tuple[int, ...]  # ggml order: ne[0] is the row length
     gtype: int
-    kind: str  # "ones" | "zeros" | "normal" (F32 biases, sinks) | "router" | "matrix"
+    kind: str  # "ones" | "zeros" | "normal" (F32 biases, sinks) | "router" | "walk" (locality's embeddings) | "matrix"
     scale: float = 0.0
     fresh: bool = True
     layer: int = -1
@@ -536,8 +584,11 @@ def _plan(cfg: SynthConfig) -> List[_Tensor]:
     def latent(fan_in):   # deepseek2's projections from a latent: attn_scale as if their input were n_embd wide
         return s["attn_scale"] * math.sqrt(E / fan_in)
 
+    embd = mat(name(T.TOKEN_EMBD), (E, V), s["embd_scale"], always_fresh=True)
+    if cfg.routing == "locality":
+        embd.kind = "walk"
     ts = [
-        mat(name(T.TOKEN_EMBD), (E, V), s["embd_scale"], always_fresh=True),
+        embd,
         _Tensor(name(T.OUTPUT_NORM), (E,), GGML_F32, "ones"),
         mat(name(T.OUTPUT), (E, V), s["output_scale"]),
     ]
@@ -694,6 +745,10 @@ def _writer(cfg: SynthConfig, tensors: List[_Tensor]) -> "gguf.GGUFWriter":
         w.add_uint32("pyllama_pp.synth.n_swa", cfg.n_swa)
     if cfg.expert_type is not None:   # (files of one type stay as they were)
         w.add_string("pyllama_pp.synth.expert_type", cfg.expert_type)
+    if cfg.routing == "locality":
+        locality, span = cfg.resolved_locality()
+        w.add_float32("pyllama_pp.synth.locality", locality)
+        w.add_float32("pyllama_pp.synth.locality_span", span)
     for field, v in cfg.resolved_scales().items():
         w.add_float32(f"pyllama_pp.synth.{field}", v)
     for t in tensors:   # gguf-py takes numpy's order of dimensions: the reverse of ggml's ne
@@ -883,11 +938,30 @@ def _router_weights(t: _Tensor, cfg: SynthConfig) -> np.ndarray:
         return w
     w /= np.linalg.norm(w, axis=1, keepdims=True)
     mult = np.full(D, t.scale * math.sqrt(E), dtype=np.float64)
-    if cfg.routing == "skewed" and cfg.skew > 0:
+    if cfg.routing in ("skewed", "locality") and cfg.skew > 0:
         rank = g.permutation(D)  # expert e has rank rank[e]
         mult *= (rank + 1.0) ** (-float(cfg.skew))
     w *= mult.astype(np.float32)[:, None]
     return w
+
+
+def _write_walk_embeddings(f: BinaryIO, t: _Tensor, cfg: SynthConfig) -> None:
+    """routing="locality"'s token embeddings (see the module docstring), drawn in float32 and quantized to the
+    tensor's type by gguf-py, in chunks of rows."""
+    E, V = t.ne
+    locality, span = cfg.resolved_locality()
+    rho = math.exp(-1.0 / span)
+    g = _rng(cfg.seed, 0x10CA, _name_key(t.name))
+    state = g.standard_normal(E)   # the walk starts in its stationary distribution
+    rows = max(1, _CHUNK_ELEMS // E)
+    for start in range(0, V, rows):
+        n = min(rows, V - start)
+        walk = g.standard_normal((n, E)) * math.sqrt(1.0 - rho * rho)
+        for i in range(n):
+            state = rho * state + walk[i]
+            walk[i] = state
+        emb = t.scale * (math.sqrt(locality) * walk + math.sqrt(1.0 - locality) * g.standard_normal((n, E)))
+        f.write(gguf.quants.quantize(emb.astype(np.float32), gguf.GGMLQuantizationType(t.gtype)).tobytes())
 
 
 def _write_tensor(f: BinaryIO, t: _Tensor, cfg: SynthConfig, pools: _Pools) -> None:
@@ -900,6 +974,8 @@ def _write_tensor(f: BinaryIO, t: _Tensor, cfg: SynthConfig, pools: _Pools) -> N
         f.write((g.standard_normal(t.n_elements, dtype=np.float32) * np.float32(t.scale)).astype("<f4").tobytes())
     elif t.kind == "router":
         f.write(_router_weights(t, cfg).astype("<f4").tobytes())
+    elif t.kind == "walk":
+        _write_walk_embeddings(f, t, cfg)
     else:
         _write_matrix(f, t, cfg, pools)
     pad = _pad(t.nbytes) - t.nbytes
@@ -917,7 +993,7 @@ def cached_model(directory, preset_name: str = "tiny", **overrides: Any) -> Path
     config is added when it differs from the preset in anything else (n_expert, type, ...), so two configs never
     share a file."""
     cfg = preset(preset_name, **overrides)
-    tag = cfg.routing if cfg.routing != "skewed" else f"skewed{cfg.skew:g}"
+    tag = f"{cfg.routing}{cfg.skew:g}" if cfg.routing in ("skewed", "locality") else cfg.routing
     # (skew as the name writes it: a skew the name rounds gets the hash too)
     named = {"n_layer": cfg.n_layer, "routing": cfg.routing, "skew": float(f"{cfg.skew:g}"), "seed": cfg.seed}
     fields = {k: v for k, v in dataclasses.asdict(cfg).items()

@@ -6,12 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from pyllama_pp import report, runner
 from pyllama_pp.config import RunConfig, expand
 from pyllama_pp.counters import ext_delta
+from pyllama_pp.expert_cache_sim import simulate
+from pyllama_pp.expert_trace import ExpertTrace
 from pyllama_pp.params import Placement
 from pyllama_pp.rows import link_bound, pipe_bound, rows_from_result
 
@@ -412,3 +415,21 @@ print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_cache_hits_writes_the_simulator_s_rates(tmp_path):
+    """bench/cache_hits.py on a saved trace: hits.csv holds expert_cache_sim's numbers, with the table and a plot."""
+    g = np.random.default_rng(0)
+    ids = np.stack([np.stack([g.choice(16, 2, replace=False) for _ in range(40)]) for _ in range(3)], axis=1)
+    tr = ExpertTrace(ids, [0, 1, 2], 16, 8)
+    tr.save(tmp_path / "t.npz")
+    res = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "bench" / "cache_hits.py"),
+                          str(tmp_path / "t.npz"), "--fractions", "0.25,0.5", "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    df = pd.read_csv(tmp_path / "o" / "hits.csv")
+    assert set(df.fraction) == {0.0625, 0.125, 0.25, 0.5}
+    for r in df.itertuples():
+        assert r.hits == simulate(tr, r.fraction, r.policy)["hits"], r
+    assert (tmp_path / "o" / "hits-0.png").stat().st_size > 0
+    assert "belady_12.5%" in (tmp_path / "o" / "results.md").read_text()

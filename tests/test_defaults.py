@@ -29,10 +29,10 @@ ALLOWED = {
     ("rows", "per_gpu", "reps"): "a divisor (values per rep), not a repetition count",
     ("rows", "rows_from_result", "depth"): "a worker result's depth (0: none), not a choice",
     ("worker.handlers.soak", "soak", "calls"): "a counter that starts at 0",
-    # TODO: rpc.py's signatures to read defaults.RPC_HOST, RPC_PORT and CONTEXT.variant, as the CLI does
-    ("rpc", "serve", "variant"): "rpc.py's signatures",
-    ("rpc", "spawn_server", "variant"): "rpc.py's signatures",
-    ("rpc", "wait_listening", "timeout"): "rpc.py's signatures (a server's start, not a job)",
+    # TODO: rpc/server.py's signatures to read defaults.RPC_HOST, RPC_PORT and CONTEXT.variant, as the CLI does
+    ("rpc.server", "serve", "variant"): "rpc/server.py's signatures",
+    ("rpc.server", "spawn_server", "variant"): "rpc/server.py's signatures",
+    ("rpc.server", "wait_listening", "timeout"): "rpc/server.py's signatures (a server's start, not a job)",
 }
 
 
@@ -219,4 +219,6 @@ def test_the_cli_help_shows_the_table():
 def test_threads_are_every_core_this_process_may_use():
     assert defaults.usable_cores() == len(os.sched_getaffinity(0))
     assert defaults.threads(0) == defaults.usable_cores() and defaults.threads(3) == 3
-    assert defaults.margin_for("cuda") == defaults.MARGINS["cuda"] and defaults.margin_for("rpc") == defaults.MARGIN_OTHER
+    from pyllama_pp import devices
+    kinds = ("cuda:0", "vdev:1x1MiB@1GBps", "rpc://127.0.0.1:1")
+    assert [devices.parse(k).default_margin for k in kinds] == [defaults.MARGINS[k] for k in ("cuda", "vdev", "other")]

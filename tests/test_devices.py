@@ -1,4 +1,4 @@
-"""pyllama_pp.devices: device spec parsing (pure Python, no variant loaded)."""
+"""pyllama_pp.devices: device spec parsing and the device kinds (pure Python, no variant loaded)."""
 from __future__ import annotations
 
 import json
@@ -7,6 +7,7 @@ import pytest
 
 from pyllama_pp import DeviceSpecError, devices
 from pyllama_pp.devices import VDevConfig, parse, parse_rate, parse_size
+from pyllama_pp.devices.base import DeviceSpec, forms
 
 MiB, GiB = 1024**2, 1024**3
 
@@ -250,3 +251,70 @@ def test_negative_numbers_in_json_are_refused(dev):
 def test_device_spec_error_is_a_value_error():
     assert issubclass(DeviceSpecError, ValueError)
     assert "vdev:2x768MiB@4GBps,shared" in devices.FORMS
+
+
+# --- kinds: each a DeviceSpec subclass in the registry, asked rather than named -------------------------------
+
+def test_each_kind_answers_what_fit_and_the_cli_ask():
+    """Accelerators, servers, default margins and links come from the kind: VDEV budgets are exact (no margin) and
+    its links are the spec's, split among the devices of a shared link; CUDA and RPC devices take the machine's."""
+    cpu, cuda, vdev, rpc = (parse(t) for t in ("cpu", "cuda:0,1", "vdev:3x1GiB@4GBps,shared", "rpc://h:1"))
+    assert [s.accelerators for s in (cpu, cuda, vdev, rpc)] == [False, True, True, True]
+    assert [s.remote for s in (cpu, cuda, vdev, rpc)] == [False, False, False, True]
+    assert [s.default_margin for s in (cuda, vdev, rpc)] == [GiB, 0, GiB]
+    assert vdev.link_rates() == [4.0] * 3 and vdev.link_shares() == pytest.approx([4 / 3] * 3)
+    assert parse("vdev:2x1GiB@4GBps").link_shares() == [4.0, 4.0], "a link of its own: the whole rate"
+    assert [s.link_rates() for s in (cpu, cuda, rpc)] == [None] * 3 and cuda.link_shares() is None
+    assert [s.unbuilt({"CPU", "RPC"}) is None for s in (cpu, cuda, vdev, rpc)] == [True, False, True, True]
+    assert cuda.unbuilt({"CPU", "CUDA"}) is None
+
+
+@pytest.mark.parametrize("text,split_mode,match", [
+    ("cpu", "layer", "has none"), ("vdev:2x0@0", "layer", "without a memory budget"),
+    ("vdev:2x1GiB@1GBps", "row", "split mode row"),
+])
+def test_fit_check_refuses_what_fit_cannot_plan(text, split_mode, match):
+    with pytest.raises(DeviceSpecError, match=match):
+        parse(text).fit_check(split_mode)
+
+
+def test_fit_check_passes_what_fit_can_plan():
+    for text, split_mode in (("vdev:2x1GiB@1GBps", "layer"), ("cuda:0,1", "row"), ("rpc://h:1", "layer")):
+        assert parse(text).fit_check(split_mode) is None
+
+
+def test_the_registry_holds_every_kind_in_the_order_of_the_forms():
+    assert list(devices.KINDS) == ["cpu", "cuda", "vdev", "rpc"]
+    positions = [devices.FORMS.index(cls.forms.strip().split()[0]) for cls in devices.KINDS.values()]
+    assert positions == sorted(positions)
+    examples = {"cpu": "cpu", "cuda": "cuda:0", "vdev": "vdev:1x0@0", "rpc": "cuda:0+rpc://h:1"}
+    assert {k: type(parse(t)) for k, t in examples.items()} == devices.KINDS
+
+
+def test_a_kind_is_one_class_and_one_registry_entry(monkeypatch):
+    """A new kind: a DeviceSpec subclass with its forms, and its entry in KINDS; parse and the forms find it."""
+    class Npu(DeviceSpec):
+        kind = "npu"
+        forms = "\n  npu                              every NPU"
+
+        @classmethod
+        def from_text(cls, text):
+            return cls(text=text) if text.lower() == "npu" else None
+
+        @classmethod
+        def from_dict(cls, d, text):
+            return cls(text=text)
+
+        @property
+        def n_devices(self):
+            return 0
+
+        def register(self, native, servers=None):
+            return "NPU0"
+
+    monkeypatch.setitem(devices.KINDS, "npu", Npu)
+    assert type(parse("npu")) is Npu and type(parse({"kind": "npu"})) is Npu
+    assert parse("npu").to_dict()["kind"] == "npu" and parse("npu").register(None) == "NPU0"
+    assert "every NPU" in forms()
+    with pytest.raises(DeviceSpecError, match="every NPU"):
+        parse("npu:9")

@@ -420,7 +420,7 @@ def test_prediction_counts_each_servers_network():
     its output down, one after the other (the client relays a device's output to the next); the pipeline runs at the
     slowest cycle, a network slower than every stage names the bound, and the same plan without the rates (or
     without the model's hidden size) is the plan without a network."""
-    from pyllama_pp import network
+    from pyllama_pp.rpc import network
     from pyllama_pp.compute import LayerCompute
     from pyllama_pp.fit import predict
     from pyllama_pp.plan import DevicePlan, Plan

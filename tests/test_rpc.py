@@ -16,7 +16,8 @@ from pyllama_pp import devices as devspec
 from pyllama_pp.fit import fit
 from pyllama_pp.params import ContextParams
 from pyllama_pp.errors import DeviceSpecError, OutOfMemoryError, PyllamaError, WorkerError
-from pyllama_pp.rpc import Link, free_port, spawn_server, wait_listening
+from pyllama_pp.rpc.relay import Link
+from pyllama_pp.rpc.server import free_port, spawn_server, wait_listening
 from pyllama_pp.worker.client import run_job
 
 HOST = "127.0.0.1"

@@ -604,3 +604,64 @@ def test_routing_control_reaches_the_new_families(tmp_path_factory, name):
     E, k = cfg.n_expert, cfg.n_expert_used
     assert used["uniform"] >= 0.95 * E * (1 - (1 - k / E) ** 32), used
     assert used["skewed"] <= 0.7 * used["uniform"], used
+
+
+def test_locality_routing_walks_over_token_ids(tmp_path):
+    """routing="locality": its metadata, bytes fixed by the seed, and embeddings whose consecutive rows correlate by
+    locality * exp(-1 / locality_span) while far rows do not (what makes a stream of ids route with locality)."""
+    cfg = synth.preset("tiny", routing="locality", n_layer=2, n_vocab=2048, seed=3)
+    assert (cfg.skew, cfg.resolved_locality()) == (synth.DEFAULT_LOCALITY_SKEW,
+                                                   (synth.DEFAULT_LOCALITY, synth.DEFAULT_LOCALITY_SPAN))
+    path, again, other = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    synth.write_gguf(path, cfg)
+    synth.write_gguf(again, synth.preset("tiny", routing="locality", n_layer=2, n_vocab=2048, seed=3))
+    synth.write_gguf(other, synth.preset("tiny", routing="locality", n_layer=2, n_vocab=2048, seed=4))
+    assert sha256(path) == sha256(again) != sha256(other)
+    h = synth.read_gguf_header(path)
+    kv = h["kv"]
+    assert kv["pyllama_pp.synth.routing"] == "locality"
+    assert abs(kv["pyllama_pp.synth.locality"] - synth.DEFAULT_LOCALITY) < 1e-6
+    assert abs(kv["pyllama_pp.synth.locality_span"] - synth.DEFAULT_LOCALITY_SPAN) < 1e-6
+    assert abs(kv["pyllama_pp.synth.skew"] - synth.DEFAULT_LOCALITY_SKEW) < 1e-6
+    t = {x["name"]: x for x in h["tensors"]}
+    emb = dequant(path, t["token_embd.weight"])
+    assert abs(emb.std() - 1.0) < 0.1
+    e = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+    want = synth.DEFAULT_LOCALITY * np.exp(-1.0 / synth.DEFAULT_LOCALITY_SPAN)
+    lag1 = float((e[1:] * e[:-1]).sum(1).mean())
+    far = float((e[200:] * e[:-200]).sum(1).mean())
+    assert abs(lag1 - want) < 0.05, (lag1, want)
+    assert abs(far) < 0.05, far
+    # the popularity profile is skewed's, at the weak default
+    norms = np.sort(np.linalg.norm(dequant(path, t["blk.0.ffn_gate_inp.weight"]), axis=1))[::-1]
+    assert np.allclose(norms / norms[0], (np.arange(cfg.n_expert) + 1.0) ** -cfg.skew, rtol=1e-4)
+    # a sticky walk (locality 1, a long span) correlates more; locality 0 leaves independent tokens
+    sticky = synth.preset("tiny", routing="locality", n_layer=1, n_vocab=512, locality=1.0, locality_span=64.0)
+    loose = synth.preset("tiny", routing="locality", n_layer=1, n_vocab=512, locality=0.0)
+    for c, lo, hi in ((sticky, 0.95, 1.0), (loose, -0.05, 0.05)):
+        synth.write_gguf(tmp_path / "x.gguf", c)
+        x = dequant(tmp_path / "x.gguf", next(i for i in synth.read_gguf_header(tmp_path / "x.gguf")["tensors"]
+                                              if i["name"] == "token_embd.weight"))
+        x = x / np.linalg.norm(x, axis=1, keepdims=True)
+        assert lo <= float((x[1:] * x[:-1]).sum(1).mean()) <= hi
+
+
+def test_locality_settings_are_checked_and_named():
+    with pytest.raises(ValueError, match="locality must be in"):
+        synth.preset("tiny", routing="locality", locality=1.5)
+    with pytest.raises(ValueError, match="locality_span"):
+        synth.preset("tiny", routing="locality", locality_span=0.0)
+    with pytest.raises(ValueError, match="routing='locality'"):
+        synth.preset("tiny", locality=0.5)
+    assert synth.preset("tiny", routing="locality", skew=0.0).skew == 0.0
+
+
+def test_cached_locality_models_of_other_settings_get_other_files(tmp_path, monkeypatch):
+    written = []
+    monkeypatch.setattr(synth, "write_gguf", lambda path, cfg: written.append((path, cfg)) or Path(path).touch())
+    a = synth.cached_model(tmp_path, "tiny", routing="locality")
+    b = synth.cached_model(tmp_path, "tiny", routing="locality", skew=0.3)
+    c = synth.cached_model(tmp_path, "tiny", routing="locality", locality=0.5)
+    assert len({a, b, c}) == 3 and len(written) == 3
+    assert a.name == f"tiny-L6-locality{synth.DEFAULT_LOCALITY_SKEW:g}-s0.gguf"
+    assert synth.cached_model(tmp_path, "tiny", routing="locality") == a and len(written) == 3

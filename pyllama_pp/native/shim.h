@@ -29,6 +29,7 @@ extern "C" {
 
 typedef struct pp_model   pp_model;
 typedef struct pp_context pp_context;
+typedef struct pp_trace   pp_trace;
 
 const char * pp_last_error(void);
 const char * pp_variant(void);                 // "baseline" or "patched"
@@ -93,6 +94,8 @@ typedef struct {
     int32_t  op_offload;                       // offload host-weight ops to devices
     int32_t  offload_kqv;
     int32_t  coverage;                         // record experts used per MoE layer per ubatch (one host sync each)
+    pp_trace * trace;                          // record each token's expert ids into it (one host sync per MoE
+                                               // layer); NULL: none; not with coverage
 } pp_context_params;
 
 pp_context * pp_context_new(pp_model * model, const pp_context_params * params);
@@ -156,6 +159,23 @@ int  pp_coverage_get(pp_context * ctx, pp_coverage_row * rows, int32_t max_rows)
 void pp_coverage_reset(pp_context * ctx);
 void pp_coverage_enable(pp_context * ctx, int32_t on);
 
+// ---- expert trace (pp_context_params.trace; trace.cpp) ----------------------------------------------------
+// One record per MoE layer per ubatch, in the order llama computed them: the layer, its tokens, k (experts used),
+// and where its n_tokens x k ids (token-major, each token's ids in top-k order) start in the trace's ids.
+typedef struct {
+    int32_t layer;
+    int32_t n_tokens;
+    int32_t k;
+    int64_t offset;
+} pp_trace_record;
+// A trace that keeps at most max_ids ids (later records are dropped and counted); free it after its contexts.
+pp_trace * pp_trace_new(int64_t max_ids);
+void       pp_trace_free(pp_trace * trace);
+int        pp_trace_size(pp_trace * trace, int64_t * n_records, int64_t * n_ids, int64_t * n_dropped);
+// copies every record and id; PP_ERR_ARG where the buffers are smaller than pp_trace_size says
+int        pp_trace_get(pp_trace * trace, pp_trace_record * records, int64_t max_records, int32_t * ids, int64_t max_ids);
+void       pp_trace_clear(pp_trace * trace);
+
 // ---- fit (upstream's common_fit_params, the variant's own common/fit.cpp) -----------------------------------
 #define PP_FIT_OVERRIDES_LEN 65536
 #define PP_FIT_REPORT_LEN    8192
@@ -210,7 +230,7 @@ int pp_ext_param_spec(int i, char * type, size_t type_size, int64_t * def, int64
 // GGML_SCHED_PP_* environment variables the switch table does not accept (a name it does not know, a value that is
 // not an integer or out of range): how many (0: none), one line each into buf; PP_ERR_UNSUPPORTED without the table
 int pp_ext_env_problems(char * buf, size_t buf_size);
-// ---- RPC (llama.cpp's ggml RPC backend, the module in the backends folder) -------------------------------
+// ---- RPC (llama.cpp's ggml RPC backend, the module in the backends folder; rpc.cpp) ------------------
 // Connect to an rpc-server at endpoint "HOST:PORT", register its devices and write their names, comma-separated,
 // into names. PP_ERR_DEVICE when the server cannot be reached (checked with a TCP connect and a timeout first:
 // the RPC client aborts on a refused connection) or the RPC module is not loaded; PP_ERR_ARG on a bad endpoint.

@@ -17,7 +17,7 @@ import traceback
 from typing import Optional
 
 from ..errors import ConfigError, PyllamaError
-from ..jobs import Job, MeasureJob
+from ..jobs import InfoJob, Job, MeasureJob
 from .handlers import HANDLERS, measure
 from .handlers.base import open_session
 
@@ -66,14 +66,14 @@ class _Server:
         return result
 
     def run(self, job: Job) -> dict:
-        if job.kind == "info":
+        if isinstance(job, InfoJob):
             return HANDLERS["info"](job)
         if self.switches is None:
             self.switches = dict(job.switches)
         elif dict(job.switches) != self.switches:
             raise ConfigError(f"this serving worker runs with the switches {self.switches} (its first job's: "
                               f"they hold for the process), not {dict(job.switches)}: start another worker")
-        if job.kind == "measure":
+        if isinstance(job, MeasureJob):
             return self.measure(job)
         self.drop()   # (never two models at once)
         return HANDLERS[job.kind](job)

@@ -10,7 +10,7 @@ from ...defaults import threads
 from ...errors import DeviceSpecError
 from ...jobs import FitJob
 from ...params import SPLIT_MODES
-from ...session import connect_servers, register_devices
+from ...rpc.client import describe_servers
 
 
 def handle(job: FitJob) -> dict:
@@ -21,48 +21,15 @@ def handle(job: FitJob) -> dict:
     """
     native = binding.load(job.variant)
     spec = devspec.parse(job.devices)
-    servers = connect_servers(native, spec) if spec.kind == "rpc" else []
-    names = register_devices(native, spec, servers)
+    servers = spec.connect(native)   # (rpc-servers: asked for their host memory and network below)
+    names = spec.register(native, servers)
     if names == "none":
         raise DeviceSpecError("fit needs accelerator devices")
     res = run_fit(native, job.model, names, SPLIT_MODES[job.split_mode], job.ctx, list(job.margins),
                   int(job.n_ctx_min))
-    if servers:   # (each RPC device's server, the host memory that server can give host weights, the network to it:
-        # asked once per server, through its first device)
-        server = {n: ep for ep, served in servers for n in served}
-        asked: dict = {}
-        for d in res["devices"]:
-            ep = d["server"] = server.get(d["name"])
-            if ep and ep not in asked:
-                asked[ep] = (server_host_free(native, d["name"]), net_rate(native, d["name"], d["free_bytes"]))
-            d["server_host_free"], d["server_net"] = asked.get(ep, (None, None))
+    if servers:
+        describe_servers(native, servers, res["devices"])
     return res
-
-
-def server_host_free(native, name: str):
-    """The host memory the patched RPC server of device `name` can still give host weights (None: it keeps none)."""
-    free, total = native.ffi.new("uint64_t *"), native.ffi.new("uint64_t *")
-    return int(free[0]) if native.lib.pp_rpc_host_memory(name.encode(), free, total) == 0 else None
-
-
-NET_PROBE_BYTES = (1 << 20, 16 << 20)   # a first measure, and a longer one where the first took under 20 ms
-
-
-def net_rate(native, name: str, free_bytes: int):
-    """The network to the server of RPC device `name`, measured with NET_PROBE_BYTES written there and read back (no
-    more than an eighth of the device's free memory, at least 64 KiB), and a message's round trip: {"up_gbps",
-    "down_gbps", "rtt_s"}, or None where it cannot be measured (a server that drops the connection ends the worker:
-    ggml RPC aborts on a lost server)."""
-    up, down, rtt = (native.ffi.new("double *") for _ in range(3))
-    got, last = None, 0
-    for size in NET_PROBE_BYTES:
-        n = max(64 << 10, min(size, int(free_bytes) // 8))
-        if n == last or native.lib.pp_rpc_net_rate(name.encode(), n, up, down, rtt) != 0:
-            break
-        last, got = n, {"up_gbps": up[0], "down_gbps": down[0], "rtt_s": rtt[0]}
-        if n / (up[0] * 1e9) + n / (down[0] * 1e9) > 0.02:
-            break
-    return got
 
 
 def run_fit(native, model: str, dev_names: str, split_mode: int, ctx, margins: list[int], n_ctx_min: int = 0) -> dict:

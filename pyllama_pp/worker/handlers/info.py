@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from ... import binding
+from ...devices import list_devices
 from ...jobs import InfoJob
-from ...session import env_problems, list_devices
+from ...session import env_problems
 
 
 def handle(job: InfoJob) -> dict:

@@ -8,20 +8,23 @@ from ...counters import ext_add, ext_delta, sum_devices
 from ...defaults import RUN
 from ...errors import ConfigError, PyllamaError
 from ...jobs import MeasureJob, depth_of
+from ...model_file import routes_by_stream
 from ...params import ContextParams
-from .base import open_session, random_tokens
+from .base import bench_tokens, open_session
 
 
-def run_tests(s, tests, reps: int, seed: int, coverage: bool, warmup: int = RUN.warmup) -> list[dict]:
+def run_tests(s, tests, reps: int, seed: int, coverage: bool, warmup: int = RUN.warmup,
+              stream: bool = False) -> list[dict]:
     """Each test is [kind, n] or [kind, n, depth] (llama-bench's -d: the context first holds `depth` prompt
     tokens, untimed; tg then decodes right after them, its first token included); `warmup` untimed runs, then
-    `reps` timed ones."""
+    `reps` timed ones. Tokens: random ones, or with `stream` consecutive ids (base.bench_tokens: for a model whose
+    routing follows such a stream)."""
     results = []
     for test in tests:
         kind, n = test[0], int(test[1])
         depth = depth_of(test)
-        toks = random_tokens(n, s.info.n_vocab, seed)
-        prefix = random_tokens(depth, s.info.n_vocab, seed + 1) if depth else None
+        toks = bench_tokens(n, s.info.n_vocab, seed, stream)
+        prefix = bench_tokens(depth, s.info.n_vocab, seed + 1, stream) if depth else None
         cov = None
         if kind == "pp" and coverage and s.info.n_expert > 0:
             cov = s.coverage(toks, exclusive=True)   # (never two contexts at once: a plan sized one)
@@ -87,17 +90,18 @@ def check(job: MeasureJob) -> None:
 def measure(s, job: MeasureJob) -> dict:
     """Run the job's tests (or its contexts' tests) on the loaded session s."""
     reps, seed, coverage, warmup = int(job.reps), int(job.seed), bool(job.coverage), int(job.warmup)
+    stream = routes_by_stream(s.path)   # (a locality model's tests decode consecutive ids)
     if job.ctx_list is None:
         sched = s.schedule().to_dict()
         return {"model": s.info.to_dict(), "schedule": sched,
-                "tests": run_tests(s, job.tests, reps, seed, coverage, warmup)}
+                "tests": run_tests(s, job.tests, reps, seed, coverage, warmup, stream)}
     runs = []
     for i, entry in enumerate(job.ctx_list):
         try:
             if i > 0:
                 s.set_context(ContextParams(**entry["ctx"]))
             runs.append({"schedule": s.schedule().to_dict(),
-                         "tests": run_tests(s, entry["tests"], reps, seed, coverage, warmup)})
+                         "tests": run_tests(s, entry["tests"], reps, seed, coverage, warmup, stream)})
         except PyllamaError as e:
             runs.append({"error": f"{type(e).__name__}: {e}"})
     return {"model": s.info.to_dict(), "runs": runs}

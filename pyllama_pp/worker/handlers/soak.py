@@ -16,9 +16,9 @@ from typing import Optional
 
 import numpy as np
 
+from ...devices import list_devices
 from ...errors import ConfigError
 from ...jobs import SoakJob
-from ...session import list_devices
 from ...stats import nmse
 from .base import open_session
 
@@ -105,12 +105,8 @@ def run_recipe(s, steps: list[dict]) -> tuple[np.ndarray, int]:
 def cuda_memory(s) -> list[dict]:
     """The session's CUDA devices as CUDA reports them now (ggml's device memory query, cudaMemGetInfo): name,
     description, total_bytes, used_bytes (total - free); empty for other devices."""
-    if s.spec.kind != "cuda":
-        return []
-    cuda = [d for d in list_devices() if d["backend"] == "CUDA"]
-    return [{"name": cuda[i]["name"], "description": cuda[i]["description"], "total_bytes": cuda[i]["memory_total"],
-             "used_bytes": cuda[i]["memory_total"] - cuda[i]["memory_free"]}
-            for i in (s.spec.cuda_ids or range(len(cuda)))]
+    return [{"name": d["name"], "description": d["description"], "total_bytes": d["memory_total"],
+             "used_bytes": d["memory_total"] - d["memory_free"]} for d in s.spec.driver_devices(list_devices())]
 
 
 def _pick(rng, table):

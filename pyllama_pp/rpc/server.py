@@ -1,25 +1,25 @@
-"""Serve this machine's devices to other hosts over llama.cpp's ggml RPC (its rpc-server, in-process), and a relay
-that counts and paces what crosses the network.
+"""Serve this machine's devices to other hosts over llama.cpp's ggml RPC (its rpc-server, in-process: the library part
+of `pyllama-pp rpc-server`), and start such a server in a process of its own (tests, benches).
 
-A client names the server's devices with the device spec `rpc://HOST:PORT` (`devices.py`); `Session` connects to it
-through the same registration as every other kind (`session.register_devices`). The patched variant's server speaks
+A client names the server's devices with the device spec `rpc://HOST:PORT` (pyllama_pp.devices); `Session` connects
+to it through the same registration as every other kind (pyllama_pp.rpc.client). The patched variant's server speaks
 RPC protocol 7.1: it keeps the host weights of the layers its devices hold in its own RAM (pinned where the device
 allows) and its devices copy them in, so only activations cross the network; upstream's (7.0) has no host memory of
 its own, and an upstream client refuses a 7.1 server at connect.
 """
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from typing import Optional
 
-from . import binding, defaults
-from . import devices as devspec
-from .errors import DeviceSpecError, PyllamaError, UnsupportedError
-from .session import list_devices, register_devices
+from .. import binding, defaults
+from .. import devices as devspec
+from ..devices import list_devices
+from ..errors import DeviceSpecError, PyllamaError, UnsupportedError
 
 
 def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: int = 50052,
@@ -44,7 +44,7 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
             baseline variant.
     """
     spec = devspec.parse(devices)
-    if spec.kind == "rpc":
+    if spec.remote:
         raise DeviceSpecError("rpc-server serves this machine's devices: give cpu, cuda[:IDS] or vdev:..., not rpc://")
     if not 1 <= int(port) <= 65535:
         raise DeviceSpecError(f"bad port {port}: use 1..65535")
@@ -52,7 +52,7 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
         raise UnsupportedError("upstream's RPC server (--variant baseline, protocol 7.0) keeps no host memory of its "
                                "own: --host-ram needs the patched variant")
     native = binding.load(variant)
-    names = register_devices(native, spec)
+    names = spec.register(native)
     if names == "none":   # cpu: the CPU device itself
         names = cpu_name()
     elif cpu:
@@ -133,86 +133,3 @@ def wait_listening(port: int, proc: subprocess.Popen, host: str = "127.0.0.1", t
             time.sleep(0.1)
     proc.kill()
     raise PyllamaError(f"rpc-server did not listen on {host}:{port} within {timeout:.0f} s")
-
-
-class Link:
-    """A loopback TCP relay in front of an RPC server: the network between a client and one host, counted and, with
-    a rate, paced (each direction on its own, as a full-duplex link).
-
-    Args:
-        target_port: the server's port on `host`.
-        gbps: each direction's rate in GB/s (0: as fast as loopback carries it).
-        host: where the server listens, and where the relay listens (on a port of its own, `port`).
-    Raises:
-        OSError: when the relay cannot listen.
-
-    >>> link = Link(50052, gbps=1.0)          # clients connect to rpc://127.0.0.1:{link.port}
-    >>> link.bytes_up, link.bytes_down        # client -> server, server -> client
-    """
-
-    def __init__(self, target_port: int, gbps: float = 0.0, host: str = "127.0.0.1"):
-        self.target = (host, int(target_port))
-        self.rate = float(gbps) * 1e9
-        self.bytes_up = 0
-        self.bytes_down = 0
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
-        self._sock.listen(4)
-        self.port = self._sock.getsockname()[1]
-        self._open: list[socket.socket] = []
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._sock.accept()
-                server = socket.create_connection(self.target)
-            except OSError:
-                return
-            for s in (client, server):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self._open.append(s)
-            threading.Thread(target=self._pump, args=(client, server, "bytes_up"), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, "bytes_down"), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, counter: str) -> None:
-        buf = bytearray(1 << 20)
-        view = memoryview(buf)
-        due = time.monotonic()
-        try:
-            while True:
-                n = src.recv_into(buf)
-                if n == 0:
-                    break
-                if self.rate > 0:   # (pace: the bytes leave no sooner than the rate allows)
-                    due = max(due, time.monotonic()) + n / self.rate
-                    wait = due - time.monotonic()
-                    if wait > 0:
-                        time.sleep(wait)
-                dst.sendall(view[:n])
-                setattr(self, counter, getattr(self, counter) + n)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        """Stop relaying: the listening socket and every open connection are closed."""
-        self._closed = True
-        for s in [self._sock] + self._open:
-            try:
-                s.close()
-            except OSError:
-                pass
-
-    def __enter__(self) -> "Link":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

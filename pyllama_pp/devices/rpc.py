@@ -1,0 +1,109 @@
+"""The devices of rpc-servers (llama.cpp's ggml RPC; `pyllama-pp rpc-server`), after this machine's own where the
+spec names them first ("cuda:0+rpc://..." or "vdev:...+rpc://...")."""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from ..rpc.client import connect_servers
+from .base import DeviceSpec, bad, from_dict, parse_part
+
+_ENDPOINT = re.compile(r"(?:rpc://)?([A-Za-z0-9._-]+):(\d{1,5})(?:/(\d{1,2}))?")
+PREFIX = "rpc://"
+
+
+def _endpoints(items: list, text: str) -> list[str]:
+    """The rpc-servers' "HOST:PORT" (or "HOST:PORT/N": only the server's device N) of an rpc spec, checked (a port
+    1..65535; a server either whole or by device, each once)."""
+    out: list[str] = []
+    for item in items:
+        m = _ENDPOINT.fullmatch(item.strip())
+        if not m or not 1 <= int(m.group(2)) <= 65535:
+            raise bad(text, f"bad RPC endpoint {item.strip()!r}: expected HOST:PORT[/DEVICE] with a port 1..65535")
+        ep = f"{m.group(1)}:{int(m.group(2))}" + (f"/{int(m.group(3))}" if m.group(3) else "")
+        server = ep.split("/")[0]
+        if ep in out or (server in out) or ("/" not in ep and any(o.startswith(server + "/") for o in out)):
+            raise bad(text, f"the RPC endpoint {ep} is listed twice")
+        out.append(ep)
+    if len(out) > 16:
+        raise bad(text, "at most 16 RPC servers")
+    return out
+
+
+def _local(spec: DeviceSpec, text: str, why: str) -> DeviceSpec:
+    """`spec` as the devices of this machine before the servers': accelerators of this machine (cuda, vdev)."""
+    if not spec.accelerators or spec.remote:
+        raise bad(text, why)
+    return spec
+
+
+class RpcSpec(DeviceSpec):
+    """The devices of rpc-servers (`endpoints`, in order), after this machine's (`local`, None: none)."""
+
+    kind = "rpc"
+    forms = """
+  rpc://HOST:PORT                  the devices of an rpc-server (llama.cpp's ggml RPC; `pyllama-pp rpc-server`)
+  rpc://10.0.0.2:50052,10.0.0.3:50052  ... of several servers, in this order
+  rpc://10.0.0.2:50052/1           ... only a server's device 1 (its devices count from 0)
+  cuda:0+rpc://10.0.0.2:50052      this machine's devices first (cuda[:IDS] or vdev:...), then the servers'"""
+    remote = True
+
+    @classmethod
+    def from_text(cls, text: str) -> Optional["RpcSpec"]:
+        """The spec for "rpc://ENDPOINT,..." or "LOCAL+rpc://ENDPOINT,..." (any case); None for other text.
+
+        Raises:
+            DeviceSpecError: for a bad endpoint, one listed twice, more than 16, or a part before "+rpc://" that is not
+                this machine's accelerators.
+        """
+        low = text.lower()
+        if "+" + PREFIX in low:   # this machine's devices, then the servers'
+            head, _, tail = text.partition("+")
+            local = _local(parse_part(head), text, f"before +{PREFIX} come this machine's devices (cuda[:IDS] or "
+                                                   f"vdev:...), not {head!r}")
+            return cls(endpoints=_endpoints(tail.strip()[len(PREFIX):].split(","), text), text=text, local=local)
+        if low.startswith(PREFIX):
+            return cls(endpoints=_endpoints(text[len(PREFIX):].split(","), text), text=text)
+        return None
+
+    @classmethod
+    def from_dict(cls, d: dict, text: str) -> "RpcSpec":
+        """The spec for {"kind": "rpc", "endpoints": ["HOST:PORT", ...], "local": {a cuda or vdev spec} or null}.
+
+        Raises:
+            DeviceSpecError: for no endpoints, bad ones, or a "local" that is not this machine's accelerators.
+        """
+        eps = d.get("endpoints")
+        if not isinstance(eps, list) or not eps or not all(isinstance(e, str) for e in eps):
+            raise bad(text, "'endpoints' must be a non-empty list of \"HOST:PORT\" strings")
+        local = d.get("local")
+        if local is not None:
+            why = "'local' must be a cuda or vdev spec (this machine's devices)"
+            if not isinstance(local, dict):
+                raise bad(text, why)
+            local = _local(from_dict(local, text), text, why)
+        return cls(endpoints=_endpoints(eps, text), text=text, local=local)
+
+    @property
+    def n_devices(self) -> int:
+        """int: 0 (a server tells its devices only once connected)."""
+        return 0
+
+    def connect(self, native) -> list[tuple[str, list[str]]]:
+        """Connect to the servers (rpc.client.connect_servers).
+
+        Raises:
+            DeviceSpecError: for a server that cannot be reached, speaks another protocol, or lacks a device asked for.
+        """
+        return connect_servers(native, self.endpoints)
+
+    def register(self, native, servers: Optional[list] = None) -> str:
+        """This machine's devices first, then each server's (connected once per endpoint, unless `servers` gives what
+        connect() returned).
+
+        Raises:
+            DeviceSpecError: where this machine's devices cannot be set up or a server cannot be used.
+        """
+        names = self.local.register(native).split(",") if self.local else []
+        names += [n for _, served in (servers or self.connect(native)) for n in served]
+        return ",".join(names)

@@ -1,0 +1,249 @@
+"""Hit rates of a per-layer expert cache, simulated on a recorded trace of routing decisions.
+
+A decode step with experts in host RAM either computes the used experts on the host CPU or fetches them to the
+device. A per-device cache of the most useful expert slices of each host-expert layer removes the share of that
+work it hits. Whether it pays depends on the routing's temporal locality, which this module measures on a trace
+(:class:`~pyllama_pp.expert_trace.ExpertTrace`, from ``pyllama-pp trace``: expert ids [tokens, layers, k]) for several policies and cache sizes. Published anchors:
+llama.cpp PR #27861 (a per-layer GPU LRU of CPU-held experts; on a 512-expert model a per-layer LRU of 64 experts,
+12.5%, hits ~67% and of 128 ~81%, while a static top-32 list covers ~10% of the traffic), flash-moe (a
+frequency-weighted LRU, ~95% hits), qvac-fabric-llm.cpp #232 (one global LRU over slots), and Eliseev & Mazur,
+"Fast Inference of Mixture-of-Experts Language Models with Offloading" (2023: LRU caching of Mixtral's experts).
+
+The model (every policy follows it; the native cache implements the same LRU, so its hit counters can be compared
+with :func:`simulate` on a known trace):
+
+- Each MoE layer has its own cache of ``capacity = round(fraction * n_expert)`` experts; layers never share.
+- A **lookup** is one (token, layer, expert id) of the trace; a token's k ids at a layer form one **step**.
+  Tokens are taken in trace order. Ids below 0 (a row the trace lacks) are no lookups.
+- A lookup is a **hit** when the expert is in the layer's cache at the start of its step (a token's experts are
+  looked up together, before the step changes the cache).
+- Then the step updates the cache: first its hits are touched, in slot order (the trace's order of the k ids), then
+  its misses are inserted, in slot order. Every touch or insertion takes the next value of one global counter,
+  the entry's *recency* (larger = more recently used).
+- Inserting into a full cache evicts a **victim**, chosen by the policy among the entries that the current step did
+  not look up (a token's experts never evict each other); where there is none (capacity <= the step's hits), the
+  miss is not inserted. Belady's optimum may evict any entry and may decline an insertion (see below).
+- Hits are counted only after a **warm-up**: the first ``warmup`` tokens run through every cache (and pick the
+  static list) without being counted.
+
+Policies (``POLICIES``):
+
+``lru``     evict the least recently used entry (smallest recency).
+``lfu``     evict the entry with the fewest lookups so far (counted for every expert of the layer since the trace
+            began, cached or not: "perfect" LFU); ties go to the least recently used.
+``lfu_aged`` LFU with ageing, the LFU/LRU mix: each lookup adds 1 to the expert's score, and every score halves
+            every ``half_life`` tokens (a score of sum 2 ** (-(t_now - t_lookup) / half_life)). A short half-life
+            approaches LRU, an infinite one LFU; evict the lowest score, ties to the least recently used.
+``static``  a fixed list: the ``capacity`` experts looked up most often in the warm-up (ties to the lower id), never
+            changed; nothing is inserted (empty without a warm-up).
+``belady``  the offline optimum (Belady's MIN with bypass), the ceiling of every policy of this model: it starts
+            the counted part with the best content it could have (the ``capacity`` experts first looked up there),
+            and on a miss in a full cache evicts the entry - any entry, this step's hits too - whose next lookup
+            (after this token) is farthest away, unless the missed expert's own next lookup is at least as far, in
+            which case it is not inserted. Ties (e.g. entries never looked up again) go to the least recently used.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from .expert_trace import ExpertTrace
+
+__all__ = ["POLICIES", "DEFAULT_FRACTIONS", "DEFAULT_HALF_LIFE", "simulate", "hit_rates",
+           "locality_summary"]
+
+POLICIES = ("lru", "lfu", "lfu_aged", "static", "belady")
+#: cache sizes as a fraction of each layer's experts (1/16, 1/8, 1/4, 3/8, 1/2)
+DEFAULT_FRACTIONS = (0.0625, 0.125, 0.25, 0.375, 0.5)
+#: lfu_aged's half-life in tokens
+DEFAULT_HALF_LIFE = 16.0
+
+
+def capacity_of(fraction: float, n_expert: int) -> int:
+    """The experts a layer's cache holds for a fraction of its experts (rounded to the nearest)."""
+    return int(round(fraction * n_expert))
+
+
+def _next_use(steps: Sequence[np.ndarray], n_expert: int) -> np.ndarray:
+    """[T + 1, n_expert]: the first token index >= t that looks the expert up (T: never)."""
+    T = len(steps)
+    nxt = np.full((T + 1, n_expert), T, dtype=np.int64)
+    for t in range(T - 1, -1, -1):
+        nxt[t] = nxt[t + 1]
+        nxt[t, steps[t]] = t
+    return nxt
+
+
+def _layer_hits(steps: list, n_expert: int, capacity: int, policy: str, warmup: int,
+                half_life: float) -> int:
+    """Hits of one layer's cache over the counted tokens (steps[t]: token t's ids in slot order, valid ones)."""
+    T = len(steps)
+    hits = 0
+    if capacity <= 0 or T <= warmup:
+        return 0
+    if policy == "static":
+        counts = np.zeros(n_expert, dtype=np.int64)
+        for ids in steps[:warmup]:
+            counts[ids] += 1
+        order = np.lexsort((np.arange(n_expert), -counts))   # most used first, ties to the lower id
+        listed = np.zeros(n_expert, dtype=bool)
+        listed[order[:capacity][counts[order[:capacity]] > 0]] = True
+        return int(sum(int(listed[ids].sum()) for ids in steps[warmup:]))
+    if policy == "belady":
+        return _belady_hits(steps[warmup:], n_expert, capacity)
+    recency: "OrderedDict[int, int]" = OrderedDict()   # cached expert -> recency, least recent first
+    clock = 0
+    counts = np.zeros(n_expert, dtype=np.float64)
+    decay = 0.5 ** (1.0 / half_life) if policy == "lfu_aged" else 1.0
+    for t, ids in enumerate(steps):
+        if policy == "lfu_aged":
+            counts *= decay
+        here = set(int(e) for e in ids)
+        hit_ids = [int(e) for e in ids if int(e) in recency]
+        if t >= warmup:
+            hits += len(hit_ids)
+        if policy != "lru":
+            counts[ids] += 1.0
+        for e in hit_ids:
+            clock += 1
+            recency[e] = clock
+            recency.move_to_end(e)
+        for e in (int(e) for e in ids if int(e) not in recency):
+            if len(recency) >= capacity:
+                victim = _victim(recency, here, counts, policy)
+                if victim is None:
+                    continue
+                del recency[victim]
+            clock += 1
+            recency[e] = clock
+    return hits
+
+
+def _victim(recency: "OrderedDict[int, int]", here: set, counts: np.ndarray, policy: str) -> Optional[int]:
+    """The entry to evict (not one of this step's experts), or None."""
+    if policy == "lru":
+        return next((e for e in recency if e not in here), None)
+    best, key = None, None
+    for e, r in recency.items():
+        if e in here:
+            continue
+        k = (counts[e], r)
+        if key is None or k < key:
+            best, key = e, k
+    return best
+
+
+def _belady_hits(steps: list, n_expert: int, capacity: int) -> int:
+    T = len(steps)
+    nxt = _next_use(steps, n_expert)
+    cache: dict = {}   # expert -> recency
+    clock = 0
+    for e in np.argsort(nxt[0], kind="stable")[:capacity]:   # the best start: the first looked up
+        if nxt[0, e] < T:
+            clock += 1
+            cache[int(e)] = clock
+    hits = 0
+    for t, ids in enumerate(steps):
+        hit_ids = [int(e) for e in ids if int(e) in cache]
+        hits += len(hit_ids)
+        for e in hit_ids:
+            clock += 1
+            cache[e] = clock
+        for e in (int(e) for e in ids if int(e) not in cache):
+            if len(cache) >= capacity:
+                # farthest next lookup after this token, ties to the least recently used
+                victim = max(cache, key=lambda c: (nxt[t + 1, c], -cache[c]))
+                if nxt[t + 1, victim] <= nxt[t + 1, e]:
+                    continue   # (bypass: the missed expert is needed no sooner than any entry)
+                del cache[victim]
+            clock += 1
+            cache[e] = clock
+    return hits
+
+
+def _steps(trace: ExpertTrace, col: int) -> list:
+    return [row[row >= 0] for row in trace.ids[:, col, :]]
+
+
+def simulate(trace: ExpertTrace, fraction: float, policy: str, warmup: Optional[int] = None,
+             half_life: float = DEFAULT_HALF_LIFE) -> dict:
+    """One policy at one cache size over every MoE layer of a trace.
+
+    Args:
+        trace: the recorded routing.
+        fraction: the cache's size as a fraction of each layer's experts (capacity = round(fraction * n_expert)).
+        policy: one of POLICIES (the module docstring defines each).
+        warmup: tokens run through the caches first without being counted (None: the trace's prompt, or a quarter
+            of the tokens when it has none).
+        half_life: lfu_aged's half-life in tokens.
+    Returns:
+        dict: policy, fraction, capacity, warmup, hits, lookups (counted ones), hit_rate, per_layer (hits per layer).
+    Raises:
+        ValueError: for an unknown policy, a fraction outside [0, 1], or a warm-up outside [0, tokens].
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown cache policy {policy!r}; policies: {', '.join(POLICIES)}")
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"a cache fraction must be in [0, 1], got {fraction!r}")
+    if not half_life > 0:
+        raise ValueError(f"half_life must be > 0 tokens, got {half_life!r}")
+    warmup = default_warmup(trace) if warmup is None else int(warmup)
+    if not 0 <= warmup <= trace.n_tokens:
+        raise ValueError(f"warmup must be in [0, {trace.n_tokens}] tokens, got {warmup}")
+    capacity = capacity_of(fraction, trace.n_expert)
+    per_layer = [_layer_hits(_steps(trace, c), trace.n_expert, capacity, policy, warmup, half_life)
+                 for c in range(len(trace.layers))]
+    lookups = int((trace.ids[warmup:] >= 0).sum())
+    hits = int(sum(per_layer))
+    return {"policy": policy, "fraction": float(fraction), "capacity": capacity, "warmup": warmup, "hits": hits,
+            "lookups": lookups, "hit_rate": hits / lookups if lookups else float("nan"), "per_layer": per_layer}
+
+
+def default_warmup(trace: ExpertTrace) -> int:
+    """The trace's prompt, or a quarter of its tokens when it has none."""
+    return trace.n_prompt if trace.n_prompt > 0 else trace.n_tokens // 4
+
+
+def hit_rates(trace: ExpertTrace, fractions: Iterable[float] = DEFAULT_FRACTIONS,
+              policies: Iterable[str] = POLICIES, warmup: Optional[int] = None,
+              half_life: float = DEFAULT_HALF_LIFE):
+    """simulate() for every policy and fraction, as a pandas DataFrame (one row each, without per_layer).
+
+    Raises:
+        ValueError: as simulate().
+    """
+    import pandas as pd   # (late: the package's facade stays light)
+    rows = []
+    for policy in policies:
+        for fraction in fractions:
+            r = simulate(trace, fraction, policy, warmup, half_life)
+            r.pop("per_layer")
+            rows.append(r)
+    return pd.DataFrame(rows)
+
+
+def locality_summary(trace: ExpertTrace, lags: Sequence[int] = (1, 16)) -> dict:
+    """How much a token's experts overlap with those of the token `lag` steps earlier, averaged over tokens and
+    layers (a share of k), and the same for tokens far apart (random pairs): the locality a cache lives on.
+
+    Returns:
+        dict: "overlap_lag<N>" for each lag, "overlap_random", "k".
+    """
+    ids = trace.ids
+    T, L, k = ids.shape
+    out = {"k": int(k)}
+
+    def overlap(a: np.ndarray, b: np.ndarray) -> float:
+        # a, b: [n, L, k]; the share of a's ids that b has at the same layer
+        same = (a[..., :, None] == b[..., None, :]) & (a[..., :, None] >= 0)
+        return float(same.any(axis=-1).mean()) if a.size else float("nan")
+
+    for lag in lags:
+        out[f"overlap_lag{lag}"] = overlap(ids[lag:], ids[:-lag]) if T > lag else float("nan")
+    g = np.random.default_rng(0)
+    i, j = g.integers(0, T, 4 * T), g.integers(0, T, 4 * T)
+    far = np.abs(i - j) > max(lags)
+    out["overlap_random"] = overlap(ids[i[far]], ids[j[far]])
+    return out
