@@ -51,6 +51,14 @@ class LogitsCheck:
         """The fields and ok, JSON-ready."""
         return {**asdict(self), "ok": self.ok}
 
+    def __str__(self) -> str:
+        on = lambda x: "on" if x else "off"
+        return (f"{Path(self.model).name} on {self.devices}, host experts {self.placement}, {self.n_tokens} tokens, "
+                f"n_ubatch {self.n_ubatch} (pipelining baseline {on(self.baseline_pipeline_parallel)}, patched "
+                f"{on(self.patched_pipeline_parallel)}, {self.patched_n_splits} splits):\n  patched vs baseline "
+                f"logits: NMSE {self.nmse:.3g}, max abs difference {self.max_abs_diff:.3g} -> "
+                + (f"same (NMSE <= {self.nmse_max:g})" if self.ok else f"MISMATCH (NMSE > {self.nmse_max:g})"))
+
 
 def check_context(n_tokens: Optional[int] = None) -> ContextParams:
     """The check's context: CHECK's batch sizes, and n_ctx for `n_tokens` (None: CHECK's n_ctx)."""

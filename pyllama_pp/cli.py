@@ -141,12 +141,7 @@ def cmd_check(args) -> int:
     res = check_logits(model, devices=args.devices,
                        placement=Placement(host_experts=args.host_experts, tensor_split=args.tensor_split),
                        ctx=ctx, n_tokens=args.tokens, seed=args.seed, switches=switches)
-    pp_b, pp_p = ("on" if x else "off" for x in (res.baseline_pipeline_parallel, res.patched_pipeline_parallel))
-    _emit(args, res.to_dict(),
-          f"{Path(model).name} on {res.devices}, host experts {res.placement}, {res.n_tokens} tokens, "
-          f"n_ubatch {res.n_ubatch} (pipelining baseline {pp_b}, patched {pp_p}, {res.patched_n_splits} splits):\n"
-          f"  patched vs baseline logits: NMSE {res.nmse:.3g}, max abs difference {res.max_abs_diff:.3g} -> "
-          + ("same (NMSE <= %g)" % res.nmse_max if res.ok else "MISMATCH (NMSE > %g)" % res.nmse_max))
+    _emit(args, res.to_dict(), str(res))
     return 0 if res.ok else 1
 
 
