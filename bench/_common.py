@@ -28,10 +28,11 @@ if str(REPO) not in sys.path:  # `python bench/qN.py` from anywhere finds the pa
 from pyllama_pp import devices as devspec  # noqa: E402
 from pyllama_pp import synth  # noqa: E402
 
-from pyllama_pp import cli  # noqa: E402
 from pyllama_pp import report  # noqa: E402
 from pyllama_pp.config import RunConfig  # noqa: E402
+from pyllama_pp.defaults import MAIN_JOB_MODEL  # noqa: E402
 from pyllama_pp.params import Placement  # noqa: E402
+from pyllama_pp.planning import models_dir  # noqa: E402
 from pyllama_pp.row import Row  # noqa: E402
 
 # The open questions' setup (the main job's until fit placed it, kept so their rows compare with the history):
@@ -40,7 +41,7 @@ from pyllama_pp.row import Row  # noqa: E402
 # put 3 MoE layers that stream experts on each device.
 DEFAULT_DEVICES = "vdev:2x256MiB@0.1GBps"
 DEFAULT_TS = [3.0, 5.0]
-N_LAYER = cli.MAIN_JOB_N_LAYER
+N_LAYER = MAIN_JOB_MODEL["n_layer"]
 WORKER_TIMEOUT = 600.0
 
 
@@ -120,7 +121,7 @@ def synth_model(routing: str = "uniform", skew: Optional[float] = None, seed: in
                 preset: str = "tiny") -> Path:
     """A synthetic model in the cache, shared with the CLI (written once; same config -> same bytes).
     routing="skewed" without a skew takes synth.DEFAULT_SKEW."""
-    return synth.cached_model(cli.models_dir(), preset, seed=seed, n_layer=n_layer, routing=routing, skew=skew)
+    return synth.cached_model(models_dir(), preset, seed=seed, n_layer=n_layer, routing=routing, skew=skew)
 
 
 # ---------------------------------------------------------------------------------------------------------

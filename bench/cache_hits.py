@@ -24,10 +24,11 @@ from pathlib import Path
 import _common as C
 import pandas as pd
 
-from pyllama_pp import cli, synth
+from pyllama_pp import synth
 from pyllama_pp import trace as tracing
 from pyllama_pp.expert_cache_sim import DEFAULT_FRACTIONS, DEFAULT_HALF_LIFE, POLICIES, hit_rates, locality_summary
 from pyllama_pp.expert_trace import ExpertTrace
+from pyllama_pp.planning import models_dir
 
 # the published anchors the summary sets beside each trace (llama.cpp PR #27861, a 512-expert model)
 ANCHORS = {"lru_12.5%": 0.67, "lru_25%": 0.81}
@@ -53,7 +54,7 @@ def synth_models(preset: str, sets: list[str]) -> list[tuple[str, Path]]:
     for combo in itertools.product(*choices):
         kw = dict(zip(fields, combo))
         label = f"{preset} " + " ".join(f"{k}={v}" for k, v in kw.items())
-        out.append((label.strip(), synth.cached_model(cli.models_dir(), preset, **kw)))
+        out.append((label.strip(), synth.cached_model(models_dir(), preset, **kw)))
     return out
 
 

@@ -17,6 +17,7 @@ Steps, each written to --out as soon as it is done (a cut-off call still returns
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -131,8 +132,8 @@ def main() -> int:
                       link_gbps=[55] * 16 if args.devices.startswith("cuda") else None, shared_link=shared)
         if plans_by_variant:
             # each variant's placement comes from its plan (the rows label it "fit: N overrides")
-            c.plans = {v: p.placement(source="fit") for v, p in plans_by_variant.items()}
-            c.switches = dict(plans_by_variant["patched"].switches)
+            c = dataclasses.replace(c, plans={v: p.placement(source="fit") for v, p in plans_by_variant.items()},
+                                    switches=dict(plans_by_variant["patched"].switches))
         return c
 
 
@@ -202,8 +203,7 @@ def main() -> int:
         log(f"fit --ubatch auto ({time.time() - t:.1f} s, margins {[m // MiB for m in margins]} MiB)\n{p}")
         summary["steps"]["auto"] = {"plan": p.to_dict(), "seconds": time.time() - t}
         save()
-        c = bench_config(p.ctx["n_batch"], p.ctx["n_ubatch"], {"patched": p})
-        c.label = "ubatch auto"
+        c = dataclasses.replace(bench_config(p.ctx["n_batch"], p.ctx["n_ubatch"], {"patched": p}), label="ubatch auto")
         remaining = left(args.budget)
         if remaining > 60:
             df = runner.ab([c], variants=["patched"], out_dir=args.out / "ab-auto", progress=False,

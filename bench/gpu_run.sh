@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build both variants with the shared CUDA module on the GPU machine (no registry there), then run
-# bench/gpu_run.py. Carry: .upstream/upstream.tar.xz (fetch.py --write-trimmed) and .whl/ (cffi, pycparser).
+# bench/gpu_run.py. Carry: .upstream/upstream.tar.xz (fetch.py --write-trimmed) and .whl/ (cffi, pycparser, gguf, pyyaml).
 #   device run, carry [".upstream", ".whl"]:  bash bench/gpu_run.sh [gpu_run.py args]
 #   its arguments: python bench/gpu_run.py --help; PP_* variables: the comments below
 set -euo pipefail

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from pyllama_pp import synth
-from pyllama_pp.cli import models_dir
+from pyllama_pp.planning import models_dir
 from pyllama_pp.model_file import block_count
 from pyllama_pp.params import ContextParams, Placement
 from pyllama_pp.plan import layer_ranges

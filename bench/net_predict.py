@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from pyllama_pp import runner, synth
-from pyllama_pp.cli import models_dir
+from pyllama_pp.planning import models_dir
 from pyllama_pp.config import RunConfig
 from pyllama_pp.fit import fit, fit_ubatch
 from pyllama_pp.params import ContextParams

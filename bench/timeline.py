@@ -152,7 +152,7 @@ def trace_prompt(args) -> tuple[dict, str]:
         raise SystemExit("bench/timeline.py traces with PyTorch's profiler (CUPTI): run it with a Python that has "
                          "PyTorch with CUDA, or give --trace FILE to analyse a trace")
     from pyllama_pp import synth
-    from pyllama_pp.cli import models_dir
+    from pyllama_pp.planning import models_dir
     from pyllama_pp.params import ContextParams, Placement
     from pyllama_pp.session import Session
     model = args.model or str(synth.cached_model(models_dir(), args.preset, seed=1))

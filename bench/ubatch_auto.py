@@ -13,6 +13,7 @@ fit put it)?
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -22,12 +23,12 @@ import pandas as pd
 
 from pyllama_pp import devices as devspec
 from pyllama_pp import runner, synth
-from pyllama_pp.cli import models_dir
 from pyllama_pp.compute import probe
 from pyllama_pp.config import RunConfig
 from pyllama_pp.fit import fit, fit_ubatch, link_rates, predict
 from pyllama_pp.model_file import block_count, embedding_length, expert_bytes_per_layer
 from pyllama_pp.params import ContextParams, Placement
+from pyllama_pp.planning import models_dir
 
 # two VDEVs whose memory holds about half of the tiny preset's experts, on 1 GB/s links, computing 3x slower than
 # a CPU thread: at n_ubatch 512 and above a layer's compute takes longer than moving its experts
@@ -148,7 +149,8 @@ def main() -> int:
         for name, cfg in (("host", host), ("vram", vram)):
             variants = ["baseline", "patched"] if args.baseline and name == "host" else ["patched"]
             if args.baseline:
-                cfg.plans = {v: cfg.plans.get("patched", cfg.placement) for v in variants} if cfg.plans else {}
+                cfg = dataclasses.replace(cfg, plans={v: cfg.plans.get("patched", cfg.placement) for v in variants}
+                                          if cfg.plans else {})
             df = runner.ab([cfg], variants=variants, out_dir=args.out / f"ub{ub}-{name}", progress=False)
             ts = {r["variant"]: r["avg_ts"] for r in df.to_dict("records")}
             got[name] = float(ts.get("patched", float("nan")))

@@ -3,21 +3,8 @@
 Two builds of one pinned llama.cpp tree live in this package: `baseline` (pristine) and `patched` (our patch
 series). One process holds one of them (`load`); the A/B runner gives each its own worker process.
 
-The layers, each importing only those below it:
-    errors, _version                       one exception hierarchy; the version
-    binding, _pin                          one variant's native library in this process
-    params, counters, stats                data: Placement / ContextParams, counter sums, statistics
-    rpc (network, relay, client)           ggml RPC: the bytes a ubatch sends, the loopback relay, the client's side
-    devices (base; cpu, cuda, vdev, rpc)   device specs: one class per kind, and their registry
-    synth, model_file, plan, jobs, row     model files, a fit plan, worker jobs, the result row
-    expert_trace, expert_cache_sim         an expert trace; per-layer expert-cache hit rates simulated on it
-    session, rpc.planning                  a model on devices: schedule, eval, KV cache; fit's sums for RPC servers
-    rpc.server                             serve this machine's devices (`pyllama-pp rpc-server`)
-    worker (client, handlers, loop)        one variant per process: the parent's side, a handler per job kind
-    compute                                the compute probe (a layer's compute on a device, measured)
-    fit, soak, check, trace                planning; the soak's API; the logits check; expert traces (workers)
-    config, rows, runner                   A/B configurations, rows from results, the A/B runner
-    report, cli                            tables and plots; the `pyllama-pp` command
+The modules sit on floors, each importing only those below it: pyllama_pp.layers.FLOORS lists them (and
+docs/DEVELOPING.md shows the list). The table of defaults every command and function reads is pyllama_pp.defaults.
 """
 from __future__ import annotations
 
@@ -38,6 +25,7 @@ _HOME = {
                                    "VariantError", "WorkerError")},
     "ContextParams": "params", "Placement": "params",
     "DevicePlan": "plan", "Plan": "plan", "PlanError": "plan",
+    "Choices": "planning", "RunPlan": "planning", "plan_runs": "planning",
     "Row": "row",
     "ab": "runner", "interleaved": "runner", "mixed_workload": "runner",
     "ExpertTrace": "expert_trace",

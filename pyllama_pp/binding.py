@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .defaults import CONTEXT
 from .errors import (BuildError, DecodeError, DeviceError, DeviceSpecError, ModelError, OutOfMemoryError, PyllamaError,
                      UnsupportedError, VariantError, is_device_fault, one_statement)
 
@@ -119,7 +120,7 @@ def log_level_from_env() -> int:
         return 1
 
 
-def load(variant: str = "patched") -> Native:
+def load(variant: str = CONTEXT.variant) -> Native:
     """Load a variant's native library into this process; loading it again returns the same object.
 
     Both variants ship libraries with the same names, so a process holds one of them; the worker

@@ -12,9 +12,10 @@ from typing import Optional, Union
 
 import numpy as np
 
+from .defaults import CHECK
 from .errors import ConfigError
 from .jobs import LogitsJob
-from .params import ContextParams, Placement, as_context, as_placement, check_int
+from .params import ContextParams, Placement, as_context, as_placement, check_int, ctx_for
 from .stats import max_abs_diff, nmse
 from .worker.client import check_switch_env, run_job
 
@@ -50,18 +51,32 @@ class LogitsCheck:
         """The fields and ok, JSON-ready."""
         return {**asdict(self), "ok": self.ok}
 
+    def __str__(self) -> str:
+        on = lambda x: "on" if x else "off"
+        return (f"{Path(self.model).name} on {self.devices}, host experts {self.placement}, {self.n_tokens} tokens, "
+                f"n_ubatch {self.n_ubatch} (pipelining baseline {on(self.baseline_pipeline_parallel)}, patched "
+                f"{on(self.patched_pipeline_parallel)}, {self.patched_n_splits} splits):\n  patched vs baseline "
+                f"logits: NMSE {self.nmse:.3g}, max abs difference {self.max_abs_diff:.3g} -> "
+                + (f"same (NMSE <= {self.nmse_max:g})" if self.ok else f"MISMATCH (NMSE > {self.nmse_max:g})"))
 
-def check_logits(model: Union[str, Path], devices: str = "vdev:2x0@0",
+
+def check_context(n_tokens: Optional[int] = None) -> ContextParams:
+    """The check's context: CHECK's batch sizes, and n_ctx for `n_tokens` (None: CHECK's n_ctx)."""
+    n_ctx = CHECK.n_ctx if n_tokens is None else ctx_for(n_tokens)
+    return ContextParams(n_ctx=n_ctx, n_batch=CHECK.n_batch, n_ubatch=CHECK.n_ubatch)
+
+
+def check_logits(model: Union[str, Path], devices: str = CHECK.devices,
                  placement: Union[Placement, dict, None] = None, ctx: Union[ContextParams, dict, None] = None,
-                 n_tokens: int = 256, seed: int = 0, switches: Optional[dict] = None,
-                 nmse_max: float = NMSE_MAX, timeout: Optional[float] = 600) -> LogitsCheck:
+                 n_tokens: int = CHECK.n_tokens, seed: int = CHECK.seed, switches: Optional[dict] = None,
+                 nmse_max: float = NMSE_MAX, timeout: Optional[float] = CHECK.timeout) -> LogitsCheck:
     """Run both variants on one placement and compare every token's logits.
 
     Args:
         model: the GGUF file.
         devices: a device spec (default: two unthrottled VDEVs).
         placement: where the weights go (default: every expert in host RAM, the series' case).
-        ctx: the context (default: n_ctx 512, n_batch 256, n_ubatch 64: several ubatches in flight).
+        ctx: the context (default: CHECK's sizes, pyllama_pp.defaults: several ubatches in flight).
         n_tokens: how many random tokens (from `seed`) are decoded, all with logits.
         switches: the patched build's switches.
         nmse_max: the limit on the NMSE.
@@ -72,8 +87,8 @@ def check_logits(model: Union[str, Path], devices: str = "vdev:2x0@0",
         build does not accept; the errors of Session (as WorkerError
         subclasses) when a variant cannot run.
     """
-    placement = as_placement(placement if placement is not None else Placement(host_experts="all"))
-    ctx = as_context(ctx if ctx is not None else ContextParams(n_ctx=512, n_batch=256, n_ubatch=64))
+    placement = as_placement(placement if placement is not None else Placement(host_experts=CHECK.host_experts))
+    ctx = as_context(ctx if ctx is not None else check_context())
     n_tokens = check_int("n_tokens", n_tokens, 1)
     if not 1 <= n_tokens <= ctx.n_ctx:
         raise ConfigError(f"n_tokens must be between 1 and n_ctx ({ctx.n_ctx}), not {n_tokens}")

@@ -22,6 +22,7 @@ from typing import Optional, Sequence, Union
 import gguf
 
 from . import devices as devspec
+from .defaults import PROBE, cache_dir as _cache_root
 from .errors import ConfigError
 from .jobs import MeasureJob
 from .model_file import layer_counts
@@ -35,7 +36,7 @@ REPLICA_LAYERS = (1, 9)
 
 def cache_dir() -> Path:
     """Where replicas and probe results are kept (PYLLAMA_PP_CACHE or ~/.cache/pyllama_pp, then compute/)."""
-    return Path(os.environ.get("PYLLAMA_PP_CACHE") or Path.home() / ".cache" / "pyllama_pp") / "compute"
+    return _cache_root() / "compute"
 
 
 def _model_key(model: Union[str, os.PathLike]) -> str:
@@ -162,8 +163,8 @@ def _prompt_seconds(model: Path, device: str, ubatches: Sequence[int], n_tokens:
     return out
 
 
-def probe(model: Union[str, os.PathLike], devices, ubatches: Sequence[int], n_tokens: int, reps: int = 3,
-          timeout: Optional[float] = 600, cache: bool = True) -> dict[int, LayerCompute]:
+def probe(model: Union[str, os.PathLike], devices, ubatches: Sequence[int], n_tokens: int, reps: int = PROBE.reps,
+          timeout: Optional[float] = PROBE.timeout, cache: bool = True) -> dict[int, LayerCompute]:
     """Measure one MoE layer's compute at each n_ubatch on each kind of device the spec names.
 
     Args:

@@ -4,6 +4,7 @@ measure the same thing (`config_key`) or can share one model load (`load_key`)."
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from . import devices as devspec
+from .defaults import CONTEXT, RUN
 from .errors import ConfigError
 from .jobs import MeasureJob, depth_of
 from .params import ContextParams, Placement, as_placement, check_int, ctx_for
@@ -37,9 +39,10 @@ def check_tests(tests) -> list:
     return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
-    """One point of the test matrix; both variants run it (the A/B runner, pyllama_pp.runner).
+    """One point of the test matrix; both variants run it (the A/B runner, pyllama_pp.runner). Frozen: a change is a
+    new config (`dataclasses.replace`). Defaults: pyllama_pp.defaults.RUN.
 
     Args:
         model: the GGUF file.
@@ -66,14 +69,14 @@ class RunConfig:
     """
 
     model: str
-    devices: str = "cpu"
-    n_batch: int = 512
-    n_ubatch: int = 32
-    n_ctx: int = 0
-    placement: Placement = field(default_factory=lambda: Placement(host_experts="all"))
-    tests: list = field(default_factory=lambda: [["pp", 512]])
-    reps: int = 3
-    flash_attn: int = 1
+    devices: str = RUN.devices
+    n_batch: int = RUN.n_batch
+    n_ubatch: int = RUN.n_ubatch
+    n_ctx: int = RUN.n_ctx
+    placement: Placement = field(default_factory=lambda: Placement(host_experts=RUN.host_experts))
+    tests: list = field(default_factory=lambda: [["pp", n] for n in RUN.pp])
+    reps: int = RUN.reps
+    flash_attn: int = CONTEXT.flash_attn
     switches: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
     label: str = ""
@@ -83,15 +86,16 @@ class RunConfig:
     baseline_devices: str = ""
 
     def __post_init__(self):
-        self.model = str(self.model)
-        self.devices = json.dumps(self.devices) if isinstance(self.devices, dict) else str(self.devices)
+        set_ = functools.partial(object.__setattr__, self)
+        set_("model", str(self.model))
+        set_("devices", json.dumps(self.devices) if isinstance(self.devices, dict) else str(self.devices))
         check_int("n_batch", self.n_batch, 1)
         check_int("n_ubatch", self.n_ubatch, 1)
         check_int("n_ctx", self.n_ctx, 0)
         check_int("reps", self.reps, 1)
-        self.tests = check_tests(self.tests)
-        self.placement = as_placement(self.placement)
-        self.plans = {v: as_placement(p) for v, p in self.plans.items()}
+        set_("tests", check_tests(self.tests))
+        set_("placement", as_placement(self.placement))
+        set_("plans", {v: as_placement(p) for v, p in self.plans.items()})
         if not isinstance(self.switches, dict) or not isinstance(self.env, dict):
             raise ConfigError("switches and env take dicts, NAME -> value")
         if self.baseline_devices:
@@ -102,7 +106,7 @@ class RunConfig:
             rates = [devspec.parse_rate(x) for x in self.link_gbps]
             if any(r <= 0 for r in rates):
                 raise ConfigError(f"link_gbps: every rate must be > 0, got {self.link_gbps!r}")
-            self.link_gbps = rates
+            set_("link_gbps", rates)
 
     def placement_for(self, variant: str) -> Placement:
         """The placement a variant runs.
@@ -135,7 +139,7 @@ class RunConfig:
         return ContextParams(n_ctx=ctx_for(longest, self.n_ctx), n_batch=self.n_batch,
                              n_ubatch=min(self.n_ubatch, self.n_batch), flash_attn=self.flash_attn)
 
-    def job(self, variant: str = "patched", **fields) -> MeasureJob:
+    def job(self, variant: str = CONTEXT.variant, **fields) -> MeasureJob:
         """The worker job that runs this configuration on a variant.
 
         Args:
@@ -186,8 +190,9 @@ def check_baseline_devices(devices: str, baseline_devices: str) -> None:
                           "(e.g. --devices rpc://h1:50052,h2:50052 --baseline-devices rpc://h1:50053,h2:50053)")
 
 
-def expand(model: str, devices: Sequence[str] = ("cpu",), n_batch: Sequence[int] = (512,),
-           n_ubatch: Sequence[int] = (32,), placements: Sequence[Placement] = (Placement(host_experts="all"),),
+def expand(model: str, devices: Sequence[str] = (RUN.devices,), n_batch: Sequence[int] = (RUN.n_batch,),
+           n_ubatch: Sequence[int] = (RUN.n_ubatch,),
+           placements: Sequence[Placement] = (Placement(host_experts=RUN.host_experts),),
            **common) -> list[RunConfig]:
     """Cross the given lists like llama-bench's comma-separated values: one RunConfig per combination.
 

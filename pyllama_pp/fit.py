@@ -19,12 +19,24 @@ from typing import Optional, Sequence, Union
 
 from . import devices as devspec
 from .compute import compute_for, probe
+from .defaults import FIT, UBATCH_CANDIDATES
 from .errors import ConfigError, DeviceSpecError, OutOfMemoryError
 from .model_file import check_model_path, embedding_length, expert_bytes_per_layer
 from .params import SPLIT_MODES, ContextParams, as_context
 from .plan import MiB, Plan, check_plan, plan_from_result, plan_problem
 from .rpc.planning import check_server_host_memory, network_seconds, server_copy_bytes
 from .worker.client import check_switch_env, run_job
+
+
+def fit_context(ctx) -> ContextParams:
+    """The context fit plans for: `ctx` (a ContextParams or its dict), or FIT's sizes (pyllama_pp.defaults).
+
+    Raises:
+        TypeError: for a ctx that is neither a ContextParams nor a dict.
+    """
+    if ctx is None:
+        return ContextParams(n_ctx=FIT.n_ctx, n_batch=FIT.n_batch, n_ubatch=FIT.n_ubatch)
+    return as_context(ctx)
 
 
 def _margins(margin, spec: devspec.DeviceSpec) -> list[int]:
@@ -83,17 +95,17 @@ def spread_weights(spread, spec: devspec.DeviceSpec, link_gbps=None) -> list:
     raise ConfigError(f"spread takes 'equal', 'links' or one positive weight per device, not {spread!r}")
 
 
-def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant: str = "patched",
-        margin=None, split_mode: str = "layer", n_ctx_min: int = 0, check: bool = True,
-        env: Optional[dict] = None, timeout: Optional[float] = 600, spread="equal", link_gbps=None) -> Plan:
+def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: str = FIT.variant,
+        margin=None, split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True,
+        env: Optional[dict] = None, timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None) -> Plan:
     """Plan the placement of `model` on `devices` with `variant`'s fit (run in a worker process).
 
     Args:
         model: the GGUF file.
         devices: a device spec with accelerators ("cuda", "cuda:0,1", "vdev:2x768MiB@4GBps", a dict, a DeviceSpec);
             each VDEV needs a memory budget.
-        ctx: the context to plan for, a ContextParams or its dict (default ContextParams()); n_ctx 0: fit chooses
-            it, down to n_ctx_min.
+        ctx: the context to plan for, a ContextParams or its dict (default: FIT's sizes, pyllama_pp.defaults); n_ctx
+            0: fit chooses it, down to n_ctx_min.
         variant: "patched" (default: the series' fit, which spreads host experts) or "baseline" (upstream's).
         margin: bytes to leave free on each device (an int or a size such as "256MiB"), one value or one per
             device; default: upstream's 1 GiB on CUDA, none on VDEVs, whose budgets are exact.
@@ -121,8 +133,8 @@ def fit(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant:
     return _fit(model, devices, ctx, variant, margin, split_mode, n_ctx_min, check, env, timeout, spread, link_gbps)
 
 
-def _fit(model, devices="vdev:2x0@0", ctx=None, variant: str = "patched", margin=None, split_mode: str = "layer",
-         n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None, timeout: Optional[float] = 600,
+def _fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margin=None,
+         split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None, timeout: Optional[float] = FIT.timeout,
          spread="equal", link_gbps=None, checked: bool = False) -> Plan:
     """fit's work; `checked`: the caller has checked the model file and the switch environment (fit_ubatch, once
     for all its candidates)."""
@@ -132,7 +144,7 @@ def _fit(model, devices="vdev:2x0@0", ctx=None, variant: str = "patched", margin
     spec.fit_check(split_mode)   # (no accelerators, a device without a budget, a split its devices lack)
     if split_mode not in SPLIT_MODES:
         raise ConfigError(f"split_mode must be one of {sorted(SPLIT_MODES)}, not {split_mode!r}")
-    ctx = as_context(ctx)
+    ctx = fit_context(ctx)
     margins = _margins(margin, spec)
     server_copies = server_copy_bytes(model, spec, variant,
                                       str(_switch_set("GGML_SCHED_PP_RPC_HOST", env)) != "0")
@@ -161,7 +173,6 @@ def _fit(model, devices="vdev:2x0@0", ctx=None, variant: str = "patched", margin
     return check_plan(plan, check)
 
 
-UBATCH_CANDIDATES = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 @dataclass
@@ -289,7 +300,7 @@ def predicted_ts(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], sh
     return p.ts if p else None
 
 
-def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, variant: str = "patched",
+def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: str = FIT.variant,
                candidates: Sequence[int] = UBATCH_CANDIDATES, link_gbps=None, shared_link: bool = False,
                count_compute: bool = True, n_tokens: Optional[int] = None, **kw) -> Plan:
     """fit with n_ubatch chosen by the throughput it predicts from bytes per link and measured compute.
@@ -303,7 +314,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
     Args:
         model: the GGUF file.
         devices: a device spec, as fit takes it.
-        ctx: the context, as fit takes it; its n_ubatch and n_batch are replaced (n_ctx 0: 4096).
+        ctx: the context, as fit takes it; its n_ubatch and n_batch are replaced (n_ctx 0: FIT's n_ctx).
         variant: "patched" (default) or "baseline".
         candidates: the n_ubatch values to try.
         link_gbps: each device's host link rate in GB/s (default: a VDEV's own; CUDA 55 GB/s, a PCIe 5 x16 link).
@@ -322,9 +333,9 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
         TypeError: for a ctx that is neither a ContextParams nor a dict.
         WorkerError: when a worker dies or times out.
     """
-    ctx = as_context(ctx)
+    ctx = fit_context(ctx)
     spec = devspec.parse(devices)
-    n_ctx = ctx.n_ctx or 4096
+    n_ctx = ctx.n_ctx or FIT.n_ctx
     check_model_path(model)
     check_switch_env([variant], kw.get("env"))
     expert_bytes = expert_bytes_per_layer(model)
@@ -348,7 +359,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices="vdev:2x0@0", ctx=None, v
         placed.append((row, plan))
     n_tokens = n_tokens or n_ctx
     probed = probe(model, devices, [r["n_ubatch"] for r, _ in placed], n_tokens,
-                   timeout=kw.get("timeout") or 600) if count_compute and placed else None
+                   timeout=kw.get("timeout") or FIT.timeout) if count_compute and placed else None
     for row, plan in placed:
         pred = predict(plan, expert_bytes, rates, shared_link, probed, n_tokens, hidden)
         plan.predicted_ts = pred.ts if pred else None

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union
 
+from .defaults import CONTEXT, RUN, SOAK, TRACE
 from .errors import ConfigError
 from .params import ContextParams, Placement, as_context, as_placement
 
@@ -34,9 +35,9 @@ class Job:
     """Fields every job has. `model` is a GGUF path (not needed by `info`)."""
 
     kind: ClassVar[str] = ""
-    variant: str = "patched"
+    variant: str = CONTEXT.variant
     model: Optional[str] = None
-    devices: Union[str, dict] = "cpu"                 # a device spec, or its dict form (devices.DeviceSpec.to_dict)
+    devices: Union[str, dict] = CONTEXT.devices      # a device spec, or its dict form (devices.DeviceSpec.to_dict)
     placement: Placement = field(default_factory=Placement)
     ctx: ContextParams = field(default_factory=ContextParams)
     switches: dict = field(default_factory=dict)     # the patched build's switches, NAME -> value
@@ -102,8 +103,8 @@ class LogitsJob(Job):
 
     kind: ClassVar[str] = "logits"
     tokens: Optional[list] = None
-    n_tokens: int = 64
-    seed: int = 0
+    n_tokens: int = CONTEXT.n_tokens
+    seed: int = CONTEXT.seed
     logits: str = "all"
     out: Optional[str] = None
 
@@ -114,10 +115,10 @@ class MeasureJob(Job):
     the model is loaded once and each entry gets a fresh context."""
 
     kind: ClassVar[str] = "measure"
-    tests: list = field(default_factory=lambda: [["pp", 512]])
-    reps: int = 3
-    warmup: int = 1      # untimed runs of each test first (0: a paired round of runner.interleaved, warmed up before)
-    seed: int = 0
+    tests: list = field(default_factory=lambda: [["pp", n] for n in RUN.pp])
+    reps: int = RUN.reps
+    warmup: int = RUN.warmup   # untimed runs of each test first (0: a paired round of runner.interleaved, warmed up before)
+    seed: int = CONTEXT.seed
     coverage: bool = True
     ctx_list: Optional[list] = None
 
@@ -128,8 +129,8 @@ class WorkloadJob(Job):
 
     kind: ClassVar[str] = "workload"
     workload: list = field(default_factory=list)
-    rounds: int = 2
-    seed: int = 0
+    rounds: int = RUN.reps
+    seed: int = CONTEXT.seed
     out: Optional[str] = None
 
 
@@ -139,9 +140,9 @@ class TraceJob(Job):
     decoded one by one after it, the tokens chosen as a measure job's are (`seed`; a stream for a locality model)."""
 
     kind: ClassVar[str] = "trace"
-    n_prompt: int = 0
-    n_decode: int = 64
-    seed: int = 0
+    n_prompt: int = TRACE.pp[0]
+    n_decode: int = TRACE.tg[0]
+    seed: int = TRACE.seed
 
     def check(self) -> None:
         """The job's own checks, before any model load (the parent's and the worker's).
@@ -163,7 +164,7 @@ class FitJob(Job):
     """Run the variant's fit (common/fit.cpp) for the model on the devices; per-device margins in bytes."""
 
     kind: ClassVar[str] = "fit"
-    split_mode: str = "layer"
+    split_mode: str = CONTEXT.split_mode
     margins: list = field(default_factory=list)
     n_ctx_min: int = 0
 
@@ -175,10 +176,10 @@ class SoakJob(Job):
     checkpoint recipes, once each, in this fresh session, their logits written to `out`."""
 
     kind: ClassVar[str] = "soak"
-    calls: int = 1000
-    seed: int = 0
-    check_every: int = 50
-    warmup: int = 0
+    calls: int = SOAK.calls
+    seed: int = CONTEXT.seed
+    check_every: int = SOAK.check_every
+    warmup: int = SOAK.warmup
     reference: bool = False
     out: Optional[str] = None
 

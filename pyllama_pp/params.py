@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional, Tuple, Union
 
+from .defaults import CONTEXT
 from .errors import ConfigError
 
 # upstream's patterns for expert tensors (common/fit.cpp LAYER_FRACTION_MOE)
@@ -35,8 +36,9 @@ def check_int(name: str, value, lowest: int, highest: int = INT32_MAX) -> int:
     return value
 
 
-def ctx_for(n_tokens: int, n_ctx: int = 0) -> int:
-    """n_ctx for runs of up to n_tokens positions: `n_ctx` when set, else n_tokens rounded up to 256 (at least 256)."""
+def ctx_for(n_tokens: int, n_ctx: Optional[int] = None) -> int:
+    """n_ctx for runs of up to n_tokens positions: `n_ctx` when set (not None or 0), else n_tokens rounded up to 256
+    (at least 256)."""
     return n_ctx or max(256, int(math.ceil(n_tokens / 256.0)) * 256)
 
 
@@ -109,12 +111,12 @@ class Placement:
         ConfigError: for a value out of range or of the wrong kind.
     """
 
-    n_gpu_layers: int = -1
-    split_mode: str = "layer"
+    n_gpu_layers: int = CONTEXT.n_gpu_layers
+    split_mode: str = CONTEXT.split_mode
     tensor_split: Optional[Tuple[float, ...]] = None
-    host_experts: HostExperts = "none"
+    host_experts: HostExperts = CONTEXT.host_experts
     overrides: Tuple[str, ...] = ()
-    load_mode: str = "none"
+    load_mode: str = CONTEXT.load_mode
     no_host: bool = False
     main_gpu: int = 0
     source: str = ""
@@ -181,7 +183,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class ContextParams:
-    """The llama_context_params that matter here.
+    """The llama_context_params that matter here (defaults: pyllama_pp.defaults.CONTEXT, llama.cpp's own).
 
     Args:
         n_ctx: context size in positions (fit: 0 lets fit choose it).
@@ -195,11 +197,11 @@ class ContextParams:
         ConfigError: for a value out of range, or n_ubatch > n_batch.
     """
 
-    n_ctx: int = 4096
-    n_batch: int = 2048
-    n_ubatch: int = 512
-    n_threads: int = 0
-    flash_attn: int = 1
+    n_ctx: int = CONTEXT.n_ctx
+    n_batch: int = CONTEXT.n_batch
+    n_ubatch: int = CONTEXT.n_ubatch
+    n_threads: int = CONTEXT.n_threads
+    flash_attn: int = CONTEXT.flash_attn
     op_offload: bool = True
     offload_kqv: bool = True
 

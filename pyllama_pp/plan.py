@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from . import devices as devspec
+from .defaults import CONTEXT
 from .errors import ConfigError, ModelError, OutOfMemoryError
 from .params import ContextParams, Placement
 
@@ -314,7 +315,7 @@ class Plan:
                 raise PlanError(f"this plan was made for other devices ({self.devices_spec.get('text') or 'another spec'}),"
                                 f" not {spec}: make a new one with `pyllama-pp fit {p} --devices {spec}`")
 
-    def placement(self, load_mode: str = "none", source: str = "plan") -> Placement:
+    def placement(self, load_mode: str = CONTEXT.load_mode, source: str = "plan") -> Placement:
         """The Placement that applies this plan: its layers, split and tensor overrides.
 
         Args:
@@ -325,7 +326,7 @@ class Plan:
         Raises:
             ConfigError: for a load_mode or source out of range.
         """
-        return Placement(n_gpu_layers=self.n_gpu_layers, split_mode=self.ctx.get("split_mode", "layer"),
+        return Placement(n_gpu_layers=self.n_gpu_layers, split_mode=self.ctx.get("split_mode", CONTEXT.split_mode),
                          tensor_split=tuple(self.tensor_split) if any(self.tensor_split) else None,
                          overrides=tuple(self.tensor_overrides), load_mode=load_mode, source=source)
 

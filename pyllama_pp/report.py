@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from . import devices as devspec
-from .errors import DeviceSpecError
+from .errors import ConfigError, DeviceSpecError
 
 # what the table's columns mean, printed under it (and in results.md)
 LEGEND = """\
@@ -35,6 +35,40 @@ def devices_label(text) -> str:
 def failed(r) -> bool:
     """Did this row's run fail (a worker error, a crash)?"""
     return r is not None and isinstance(r.get("error"), str) and bool(r.get("error"))
+
+
+def any_failed(df) -> bool:
+    """Any error row (a worker that failed or was killed)?"""
+    return "error" in df and bool(df["error"].fillna("").astype(str).str.len().gt(0).any())
+
+
+def check_measured(df) -> None:
+    """Refuse an empty result: nothing matched the options.
+
+    Raises:
+        ConfigError: saying which options to check.
+    """
+    if df.empty:
+        raise ConfigError("nothing was measured: no test matched the options (check -p/-n/-b/-ub)")
+
+
+def error_lines(df) -> str:
+    """Each distinct error once, for under a table: which run, and the worker's one-line message."""
+    if "error" not in df:
+        return ""
+    seen, lines = set(), []
+    for r in df[df["error"].fillna("").astype(str).str.len() > 0].to_dict("records"):
+        key = (r.get("variant"), r.get("devices"), r.get("n_ubatch"), r["error"])
+        if key not in seen:
+            seen.add(key)
+            lines.append(f"  {r.get('variant')} {r.get('devices')} ub={r.get('n_ubatch')}: {r['error']}")
+    return ("\nerrors:\n" + "\n".join(lines)) if lines else ""
+
+
+def text_table(df, cols: list[str]) -> str:
+    """The rows' given columns (those the frame has) as a plain table, with error_lines under it."""
+    cols = [c for c in cols if c in df.columns]
+    return df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}") + error_lines(df)
 
 
 def num(x, fmt: str = "{:.0f}") -> str:

@@ -76,7 +76,7 @@ def per_gpu(ext: dict, key: str, reps: int = 1, plus: tuple = ()) -> Optional[li
     return [int((b[key] + sum(b.get(k, 0) for k in plus)) / reps) for b in backends if b["name"] != "CPU"]
 
 
-def all_gpus(ext: dict, key: str, reps: int = 1) -> Optional[int]:
+def all_gpus(ext: dict, key: str, reps: int) -> Optional[int]:
     """per_gpu's values summed over the devices, per rep; None where the stats do not have `key`."""
     v = per_gpu(ext, key, reps)
     return None if v is None else sum(v)

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
@@ -21,6 +22,7 @@ from .binding import VARIANTS
 from .config import RunConfig, config_key, load_key
 from .params import ctx_for
 from .counters import ext_add, sum_devices
+from .defaults import CONTEXT, PAIRED, RUN
 from .errors import ConfigError, WorkerError
 from .jobs import MeasureJob, WorkloadJob, test_name
 from .row import Row, RowWriter, frame, read_rows
@@ -116,8 +118,107 @@ def _finish_config(per_variant: dict[str, list[Row]]) -> None:
                 r.speedup = r.avg_ts / b.avg_ts
 
 
-def ab(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequence[str] = VARIANTS, out_dir: Optional[Union[str, Path]] = None,
-       progress: bool = True, timeout: Optional[float] = None, group: bool = True, resume: bool = False):
+def _warn(progress: bool, e: WorkerError, then: str) -> None:
+    """A worker that died or was killed (not one that reported an error): a warning on stderr, the run goes on."""
+    if progress and (e.exit_code is None or e.exit_code < 0):
+        print(f"\npyllama-pp: warning: {error_text(e)}; {then}", file=sys.stderr)
+
+
+# -- ab: every config in a fresh worker per variant ---------------------------------------------------------------
+@dataclass
+class _Sweep:
+    """`ab` in progress: its settings, the rows of an earlier run it may reuse, the rows so far, the progress bar."""
+
+    variants: list[str]
+    writer: RowWriter
+    prev: dict                 # (config_key, variant) -> {test: Row} of an earlier run without an error (resume)
+    timeout: Optional[float]
+    progress: bool
+    bar: Optional[tqdm]
+    rows: list[Row] = field(default_factory=list)
+
+
+@dataclass
+class _Group:
+    """Consecutive configs that share one worker per variant (one model load): each config's index, meta and rows
+    per variant."""
+
+    items: list[tuple[int, RunConfig]]
+    metas: list[dict]
+    per_cfg: list[dict[str, list[Row]]]
+
+
+def _reuse(sweep: _Sweep, grp: _Group, v: str) -> list[int]:
+    """The group's configs that `v` must measure (by position); the others take their rows from the earlier run."""
+    todo = []
+    for k, (_, cfg) in enumerate(grp.items):
+        old = _reusable(sweep.prev, cfg, v)
+        if old is None:
+            todo.append(k)
+        else:
+            grp.per_cfg[k][v] = old
+    return todo
+
+
+def _measure(sweep: _Sweep, grp: _Group, v: str, todo: list[int]) -> None:
+    """One worker of `v` measures the configs `todo` (one job; a group's configs each in a fresh context); a worker
+    that fails gives them error rows."""
+    sub = [grp.items[k] for k in todo]
+    lead = sub[0][1]
+    if sweep.bar:
+        sweep.bar.set_postfix_str(f"{v} {lead.devices} ub={','.join(str(c.n_ubatch) for _, c in sub)}")
+    # the switches are the patched build's; coverage is a property of model, tokens and ubatch, not of the
+    # variant: measure it once
+    job = lead.job(v, coverage=not any(grp.per_cfg[k] for k in todo),
+                   ctx_list=[{"ctx": cfg.context().to_dict(), "tests": cfg.tests} for _, cfg in sub]
+                   if len(sub) > 1 else None)
+    try:
+        res = run_job(job, v, timeout=sweep.timeout, env=lead.env)
+    except WorkerError as e:
+        _warn(sweep.progress, e, "carrying on with the next run")
+        for k in todo:
+            grp.per_cfg[k][v] = error_rows(grp.items[k][1], v, error_text(e), grp.metas[k])
+        return
+    runs = res["runs"] if len(sub) > 1 else [res]
+    for j, k in enumerate(todo):
+        cfg, run = grp.items[k][1], runs[j]
+        grp.per_cfg[k][v] = (error_rows(cfg, v, run["error"], grp.metas[k]) if "error" in run else
+                             rows_from_result(cfg, v, {"model": res["model"], **run}, grp.metas[k]))
+
+
+def _run_group(sweep: _Sweep, items: list[tuple[int, RunConfig]]) -> None:
+    """Every variant on one group; each variant's new rows written as soon as measured (Ctrl-C in the next variant
+    keeps them)."""
+    grp = _Group(items, [meta(cfg) for _, cfg in items], [{} for _ in items])
+    for v in sweep.variants:
+        todo = _reuse(sweep, grp, v)
+        if todo:
+            _measure(sweep, grp, v, todo)
+        if sweep.bar:
+            sweep.bar.update(len(items))
+        for k, (ci, _) in enumerate(items):
+            _finish_config(grp.per_cfg[k])
+            for r in grp.per_cfg[k][v]:
+                r.config = ci
+            if k in todo:
+                sweep.writer.write(grp.per_cfg[k][v])
+    for per_variant in grp.per_cfg:
+        for rows in per_variant.values():
+            sweep.rows.extend(rows)
+
+
+def _previous(out_dir, resume: bool) -> tuple[list[Row], dict]:
+    """An earlier run's rows in out_dir (resume), and those without an error by (config_key, variant) and test."""
+    prev_rows = read_rows(out_dir) if (resume and out_dir) else []
+    prev: dict = {}
+    for r in prev_rows:
+        if r.config_key and not r.error:
+            prev.setdefault((r.config_key, r.variant), {})[r.test] = r
+    return prev_rows, prev
+
+
+def ab(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequence[str] = VARIANTS,
+       out_dir: Optional[Union[str, Path]] = None, progress: bool = True, timeout: Optional[float] = None, group: bool = True, resume: bool = False):
     """Run every config on every variant, each variant in its own worker process.
 
     Rows go to out_dir's results.jsonl/csv as each variant finishes (a crash or Ctrl-C keeps them); a worker that
@@ -142,73 +243,26 @@ def ab(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequence[str] =
     """
     configs = _as_configs(configs)
     _check_envs(configs, variants)
-    writer = RowWriter(Path(out_dir) if out_dir else None)
-    prev_rows = read_rows(out_dir) if (resume and out_dir) else []
-    prev: dict = {}
-    for r in prev_rows:
-        if r.config_key and not r.error:
-            prev.setdefault((r.config_key, r.variant), {})[r.test] = r
+    prev_rows, prev = _previous(out_dir, resume)
     if out_dir:
         save_sweep(out_dir, configs, variants)
     bar = tqdm(total=len(configs) * len(variants), desc="A/B" if len(variants) > 1 else variants[0],
                unit="run", dynamic_ncols=True) if progress else None
-    all_rows: list[Row] = []
+    sweep = _Sweep(list(variants), RowWriter(Path(out_dir) if out_dir else None), prev, timeout, progress, bar)
     try:
-        for grp in _groups(configs, group):
-            metas = [meta(cfg) for _, cfg in grp]
-            per_cfg: list[dict[str, list[Row]]] = [{} for _ in grp]
-            for v in variants:
-                todo = []
-                for k, (_, cfg) in enumerate(grp):
-                    old = _reusable(prev, cfg, v)
-                    if old is None:
-                        todo.append(k)
-                    else:
-                        per_cfg[k][v] = old
-                if todo:
-                    sub = [grp[k] for k in todo]
-                    lead = sub[0][1]
-                    if bar:
-                        bar.set_postfix_str(f"{v} {lead.devices} ub={','.join(str(c.n_ubatch) for _, c in sub)}")
-                    # the switches are the patched build's; coverage is a property of model, tokens and ubatch,
-                    # not of the variant: measure it once
-                    job = lead.job(v, coverage=not any(per_cfg[k] for k in todo),
-                                   ctx_list=[{"ctx": cfg.context().to_dict(), "tests": cfg.tests} for _, cfg in sub]
-                                   if len(sub) > 1 else None)
-                    try:
-                        res = run_job(job, v, timeout=timeout, env=lead.env)
-                        runs = res["runs"] if len(sub) > 1 else [res]
-                        for j, k in enumerate(todo):
-                            cfg, run = grp[k][1], runs[j]
-                            per_cfg[k][v] = (error_rows(cfg, v, run["error"], metas[k]) if "error" in run else
-                                             rows_from_result(cfg, v, {"model": res["model"], **run}, metas[k]))
-                    except WorkerError as e:
-                        if progress and (e.exit_code is None or e.exit_code < 0):
-                            print(f"\npyllama-pp: warning: {error_text(e)}; carrying on with the next run",
-                                  file=sys.stderr)
-                        for k in todo:
-                            per_cfg[k][v] = error_rows(grp[k][1], v, error_text(e), metas[k])
-                if bar:
-                    bar.update(len(grp))
-                for k, (ci, _) in enumerate(grp):
-                    _finish_config(per_cfg[k])
-                    for r in per_cfg[k][v]:
-                        r.config = ci
-                    if k in todo:
-                        writer.write(per_cfg[k][v])   # as soon as measured: Ctrl-C in the next variant keeps them
-            for k in range(len(grp)):
-                for rows in per_cfg[k].values():
-                    all_rows.extend(rows)
+        for items in _groups(configs, group):
+            _run_group(sweep, items)
     finally:
         if bar:
             bar.close()
     if resume and prev_rows:
         # each row once: this sweep's rows (reused or new), then earlier rows of configs no longer in it
         keys = {config_key(cfg) for cfg in configs}
-        writer.rewrite(all_rows + [r for r in prev_rows if r.config_key not in keys])
-    return frame(all_rows)
+        sweep.writer.rewrite(sweep.rows + [r for r in prev_rows if r.config_key not in keys])
+    return frame(sweep.rows)
 
 
+# -- interleaved: paired rounds in one serving worker per variant ---------------------------------------------------
 def _merge_rounds(results: list[dict], coverage: Optional[list] = None) -> dict:
     """One variant's round results (bench jobs of one rep each) as one result of len(results) reps: times in round
     order, counters added up (rows divide them by the reps), levels as after the last round."""
@@ -223,9 +277,171 @@ def _merge_rounds(results: list[dict], coverage: Optional[list] = None) -> dict:
     return {"model": last["model"], "schedule": last["schedule"], "tests": tests}
 
 
+@dataclass
+class _Rounds:
+    """One config's paired rounds so far: its rows are made of them, and Ctrl-C keeps their complete AB / BA pairs."""
+
+    index: int
+    cfg: RunConfig
+    meta: dict
+    got: dict[str, list[dict]]                              # variant -> each round's result, in order
+    failed: dict[str, str] = field(default_factory=dict)    # variant -> why its worker failed
+    coverage: Optional[list] = None   # per test, from the first warm-up that ran (None: none ran yet)
+    groups: list[int] = field(default_factory=list)        # each round's load
+    done_loads: int = 0                                     # loads whose rounds every variant ran
+
+
+@dataclass
+class _Paired:
+    """`interleaved` in progress: its settings, one serving worker per variant, the runs in the order they happened,
+    the config in progress and the rows so far."""
+
+    variants: list[str]
+    rounds: int
+    warmup: int
+    loads: int
+    timeout: Optional[float]
+    progress: bool
+    seed: int
+    writer: RowWriter
+    bar: Optional[tqdm]
+    servers: dict[str, tuple[str, ServingWorker]] = field(default_factory=dict)
+    order: list[list] = field(default_factory=list)        # [config, round, variant]; round -1: a warm-up
+    current: Optional[_Rounds] = None
+    rows: list[Row] = field(default_factory=list)
+
+
+def _server(run: _Paired, cfg: RunConfig, v: str) -> ServingWorker:
+    """The variant's worker for cfg: the one running, when its environment and switches are cfg's."""
+    key = json.dumps([cfg.env, cfg.switches if v == "patched" else {}], sort_keys=True, default=str)
+    old = run.servers.get(v)
+    if old and old[0] == key and old[1].alive:
+        return old[1]
+    if old:
+        old[1].close()
+    run.servers[v] = (key, ServingWorker(v, env=cfg.env))   # (in `servers` before it starts: a Ctrl-C kills it)
+    return run.servers[v][1].start()
+
+
+def _close_servers(run: _Paired, kill: bool = False) -> None:
+    """Every serving worker closed (kill: first killed, no waiting for a job in progress)."""
+    for _, w in run.servers.values():
+        if kill:
+            w.kill()
+        w.close()
+
+
+def _run_once(run: _Paired, cur: _Rounds, v: str, r: int, job: MeasureJob) -> Optional[dict]:
+    """One job of round r (-1: the warm-up) on v's worker; None when v has failed (now or before)."""
+    if v in cur.failed:
+        return None
+    try:
+        res = _server(run, cur.cfg, v).run(job, timeout=run.timeout)
+    except WorkerError as e:
+        cur.failed[v] = error_text(e)
+        _warn(run.progress, e, f"carrying on without {v}")
+        return None
+    run.order.append([cur.index, r, v])
+    return res
+
+
+def _warm_up(run: _Paired, cur: _Rounds, vs: list[str]) -> None:
+    """Each variant's warm-up (and its model load), in the load's order; coverage measured by the first that runs."""
+    for v in vs:
+        res = _run_once(run, cur, v, -1, cur.cfg.job(v, reps=1, warmup=1, coverage=cur.coverage is None))
+        if res is not None and cur.coverage is None:
+            cur.coverage = [t.get("coverage") for t in res["tests"]]
+    if run.bar:
+        run.bar.update(1)
+
+
+def _run_rounds(run: _Paired, cur: _Rounds, load: int, vs: list[str]) -> None:
+    """The load's rounds, the order alternating (vs, then vs reversed); stops early when every variant failed."""
+    jobs = {v: cur.cfg.job(v, reps=1, warmup=run.warmup, coverage=False) for v in run.variants}
+    for r in range(run.rounds):
+        for v in (vs if r % 2 == 0 else vs[::-1]):
+            res = _run_once(run, cur, v, load * run.rounds + r, jobs[v])
+            if res is not None:
+                cur.got[v].append(res)
+        cur.groups.append(load)
+        if run.bar:
+            run.bar.update(1)
+        if len(cur.failed) == len(run.variants):
+            break
+
+
+def _end_of_load(run: _Paired, cur: _Rounds, load: int) -> bool:
+    """After a load: True to go on with the next. A failure in a later load keeps the loads before it whole (a
+    reload out of memory, say); in the first, the variant that failed gets error rows, the other its rounds."""
+    if cur.failed and cur.done_loads:
+        if run.progress:
+            print(f"\npyllama-pp: warning: load {load + 1} of {run.loads} failed ({'; '.join(cur.failed.values())}); "
+                  f"the rows hold the {cur.done_loads} loads before it", file=sys.stderr)
+        for v in run.variants:
+            cur.got[v] = cur.got[v][:cur.done_loads * run.rounds]
+        cur.groups = cur.groups[:cur.done_loads * run.rounds]
+        cur.failed.clear()
+        return False
+    if cur.failed:
+        return False
+    cur.done_loads += 1
+    return True
+
+
+def _run_config(run: _Paired, ci: int, cfg: RunConfig) -> None:
+    """One config: `loads` times a warm-up and the rounds (fresh workers for every load, the variants' order reversed
+    every other load), then its rows, written."""
+    cur = run.current = _Rounds(ci, cfg, meta(cfg), {v: [] for v in run.variants})
+    for load in range(run.loads):
+        if run.loads > 1 and run.servers:   # the model loaded again, the other variant first
+            _close_servers(run)
+            run.servers.clear()
+        vs = run.variants if load % 2 == 0 else run.variants[::-1]
+        _warm_up(run, cur, vs)
+        _run_rounds(run, cur, load, vs)
+        if not _end_of_load(run, cur, load):
+            break
+    per_v = _paired_rows(cur, run.variants, cur.got, cur.failed, cur.groups, cur.done_loads, run.seed)
+    run.current = None
+    for v in run.variants:
+        run.writer.write(per_v[v])
+        run.rows.extend(per_v[v])
+
+
+def _keep_interrupted(run: _Paired) -> None:
+    """Ctrl-C: the config in progress keeps its complete AB / BA pairs (rounds every variant ran) as rows, once a
+    warm-up has run (`rounds` on the rows says how many were kept)."""
+    cur = run.current
+    if cur is None or cur.coverage is None:
+        return
+    n = min(len(cur.got[v]) for v in run.variants) // 2 * 2
+    if n < 2:
+        return
+    kept = {v: cur.got[v][:n] for v in run.variants}
+    loads = len(set(cur.groups[:n]))
+    per_v = _paired_rows(cur, run.variants, kept, {}, cur.groups[:n], loads if loads > 1 else 0, run.seed)
+    for v in run.variants:
+        run.writer.write(per_v[v])
+
+
+def _check_paired_args(rounds, warmup, loads, variants) -> list[str]:
+    """interleaved's arguments checked; its variants as a list."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 2 or rounds % 2:
+        raise ValueError(f"rounds must be an even whole number of at least 2 (AB and BA pairs), got {rounds!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a whole number of at least 0, got {warmup!r}")
+    if isinstance(loads, bool) or not isinstance(loads, int) or loads < 1:
+        raise ValueError(f"loads must be a whole number of at least 1, got {loads!r}")
+    variants = list(variants)
+    if not variants or len(set(variants)) != len(variants) or not set(variants) <= set(VARIANTS):
+        raise ValueError(f"variants must be distinct names of {list(VARIANTS)}, got {variants!r}")
+    return variants
+
+
 def interleaved(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequence[str] = VARIANTS,
-                rounds: int = 20, out_dir: Optional[Union[str, Path]] = None, progress: bool = True,
-                timeout: Optional[float] = None, seed: int = 0, warmup: int = 0, loads: int = 1):
+                rounds: int = PAIRED.rounds, out_dir: Optional[Union[str, Path]] = None, progress: bool = True,
+                timeout: Optional[float] = None, seed: int = CONTEXT.seed, warmup: int = PAIRED.warmup,
+                loads: int = PAIRED.loads):
     """A/B in paired rounds: per variant one serving worker (the model loaded once), one warm-up, then `rounds`
     rounds, each one rep of every test per variant, the order alternating ABBA (round r: `variants` in order when
     r is even, reversed when odd). Drift over time (clocks, heat, the machine's other load) then falls on both
@@ -258,138 +474,40 @@ def interleaved(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequen
         OSError: when out_dir cannot be written.
     """
     cfgs = _as_configs(configs)
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 2 or rounds % 2:
-        raise ValueError(f"rounds must be an even whole number of at least 2 (AB and BA pairs), got {rounds!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be a whole number of at least 0, got {warmup!r}")
-    if isinstance(loads, bool) or not isinstance(loads, int) or loads < 1:
-        raise ValueError(f"loads must be a whole number of at least 1, got {loads!r}")
-    variants = list(variants)
-    if not variants or len(set(variants)) != len(variants) or not set(variants) <= set(VARIANTS):
-        raise ValueError(f"variants must be distinct names of {list(VARIANTS)}, got {variants!r}")
+    variants = _check_paired_args(rounds, warmup, loads, variants)
     _check_envs(cfgs, variants)
-    writer = RowWriter(Path(out_dir) if out_dir else None)
     bar = tqdm(total=len(cfgs) * loads * (rounds + 1), desc="paired A/B", unit="round",
                dynamic_ncols=True) if progress else None
-    servers: dict[str, tuple[str, ServingWorker]] = {}
-    order: list[list] = []
-    all_rows: list[Row] = []
+    run = _Paired(variants, rounds, warmup, loads, timeout, progress, seed,
+                  RowWriter(Path(out_dir) if out_dir else None), bar)
     done = False
-    current = None   # the config in progress (for Ctrl-C: its complete rounds are kept)
-
-    def server(cfg: RunConfig, v: str) -> ServingWorker:
-        """The variant's worker for cfg: the one running, when its environment and switches are cfg's."""
-        key = json.dumps([cfg.env, cfg.switches if v == "patched" else {}], sort_keys=True, default=str)
-        old = servers.get(v)
-        if old and old[0] == key and old[1].alive:
-            return old[1]
-        if old:
-            old[1].close()
-        servers[v] = (key, ServingWorker(v, env=cfg.env))   # (in `servers` before it starts: a Ctrl-C kills it)
-        return servers[v][1].start()
-
     try:
         for ci, cfg in enumerate(cfgs):
-            cfg_meta = meta(cfg)
-            failed: dict[str, str] = {}
-            got: dict[str, list[dict]] = {v: [] for v in variants}
-            coverage = None
-
-            def run(v: str, r: int, job: MeasureJob) -> Optional[dict]:
-                if v in failed:
-                    return None
-                try:
-                    res = server(cfg, v).run(job, timeout=timeout)
-                except WorkerError as e:
-                    failed[v] = error_text(e)
-                    if progress and (e.exit_code is None or e.exit_code < 0):
-                        print(f"\npyllama-pp: warning: {error_text(e)}; carrying on without {v}", file=sys.stderr)
-                    return None
-                order.append([ci, r, v])
-                return res
-
-            jobs = {v: cfg.job(v, reps=1, warmup=warmup, coverage=False) for v in variants}
-            groups: list[int] = []
-            done_loads = 0   # loads whose rounds every variant ran
-            current = (ci, cfg, cfg_meta, got, groups)
-            for load in range(loads):
-                if loads > 1 and servers:   # fresh workers for every load: the model loaded again, the other variant first
-                    for _, w in servers.values():
-                        w.close()
-                    servers.clear()
-                vs = variants if load % 2 == 0 else variants[::-1]
-                for v in vs:   # the warm-up (and the model load); coverage measured once
-                    res = run(v, -1, cfg.job(v, reps=1, warmup=1, coverage=coverage is None))
-                    if res is not None and coverage is None:
-                        coverage = [t.get("coverage") for t in res["tests"]]
-                        current = (ci, cfg, cfg_meta, got, groups, coverage)
-                if bar:
-                    bar.update(1)
-                for r in range(rounds):
-                    for v in (vs if r % 2 == 0 else vs[::-1]):
-                        res = run(v, load * rounds + r, jobs[v])
-                        if res is not None:
-                            got[v].append(res)
-                    groups.append(load)
-                    if bar:
-                        bar.update(1)
-                    if len(failed) == len(variants):
-                        break
-                if failed and done_loads:
-                    # a later load failed (out of memory on reloading, say): keep the loads before it whole
-                    if progress:
-                        print(f"\npyllama-pp: warning: load {load + 1} of {loads} failed "
-                              f"({'; '.join(failed.values())}); the rows hold the {done_loads} loads before it",
-                              file=sys.stderr)
-                    for v in variants:
-                        got[v] = got[v][:done_loads * rounds]
-                    groups = groups[:done_loads * rounds]
-                    failed.clear()
-                    break
-                if failed:   # (in the first load: the variant that failed gets error rows, the other its rounds)
-                    break
-                done_loads += 1
-            per_v = _paired_rows(ci, cfg, cfg_meta, variants, got, failed, coverage, groups, done_loads, seed)
-            current = None
-            for v in variants:
-                writer.write(per_v[v])
-                all_rows.extend(per_v[v])
+            _run_config(run, ci, cfg)
         done = True
     except KeyboardInterrupt:
-        # Ctrl-C: the config in progress keeps its complete AB/BA pairs (rounds both variants ran), as rows
-        if current is not None and len(current) == 6:
-            ci, cfg, cfg_meta, got, groups, coverage = current
-            n = min(len(got[v]) for v in variants) // 2 * 2
-            if n >= 2:
-                kept = {v: got[v][:n] for v in variants}
-                per_v = _paired_rows(ci, cfg, cfg_meta, variants, kept, {}, coverage, groups[:n],
-                                     len(set(groups[:n])) if len(set(groups[:n])) > 1 else 0, seed)
-                for v in variants:   # (`rounds` on the rows says how many were kept)
-                    writer.write(per_v[v])
+        _keep_interrupted(run)
         raise
     finally:
-        for _, w in servers.values():
-            if not done:   # (Ctrl-C, an error: no waiting for a job in progress)
-                w.kill()
-            w.close()
+        _close_servers(run, kill=not done)   # (Ctrl-C, an error: no waiting for a job in progress)
         if bar:
             bar.close()
-    df = frame(all_rows)
-    df.attrs["order"] = order
+    df = frame(run.rows)
+    df.attrs["order"] = run.order
     return df
 
 
-def _paired_rows(ci: int, cfg: RunConfig, cfg_meta: dict, variants: Sequence[str], got: dict, failed: dict,
-                 coverage, groups: list, done_loads: int, seed: int) -> dict[str, list[Row]]:
+def _paired_rows(cur: _Rounds, variants: Sequence[str], got: dict, failed: dict, groups: list, done_loads: int,
+                 seed: int) -> dict[str, list[Row]]:
     """One config's rows of a paired run: each variant's rounds merged, the paired speedup with its interval
     (`groups`: the load of each round; with done_loads > 1 the interval counts each load once)."""
-    merged = {v: _merge_rounds(got[v], coverage) for v in variants if v not in failed}
-    per_v = {v: rows_from_result(cfg, v, merged[v], cfg_meta) if v in merged else
-             error_rows(cfg, v, failed[v], cfg_meta) for v in variants}
+    merged = {v: _merge_rounds(got[v], cur.coverage) for v in variants if v not in failed}
+    per_v = {v: rows_from_result(cur.cfg, v, merged[v], cur.meta) if v in merged else
+             error_rows(cur.cfg, v, failed[v], cur.meta) for v in variants}
     _finish_config(per_v)
     for v, rows in per_v.items():
         for i, row in enumerate(rows):
-            row.config = ci
+            row.config = cur.index
             if v not in merged:
                 continue
             row.rounds = len(got[v])
@@ -409,14 +527,14 @@ def _paired_rows(ci: int, cfg: RunConfig, cfg_meta: dict, variants: Sequence[str
 MIXED_WORKLOAD = [["pp", 64], ["pp", 512], ["pp", 128], ["pp", 2048], ["tg", 16]]
 
 
-def workload_ctx(workload: list, n_ctx: int = 0) -> int:
+def workload_ctx(workload: list, n_ctx: Optional[int] = None) -> int:
     """n_ctx for a workload: a prompt starts from an empty cache, decode steps continue after the last prompt (or
     from position 0), so the longest prompt plus every decoded token."""
     return ctx_for(max((n for k, n in workload if k == "pp"), default=0) + sum(n for k, n in workload if k == "tg") + 8,
                    n_ctx)
 
 
-def mixed_workload(cfg: RunConfig, variants: Sequence[str] = VARIANTS, rounds: int = 3,
+def mixed_workload(cfg: RunConfig, variants: Sequence[str] = VARIANTS, rounds: int = RUN.reps,
                    workload: Optional[list] = None, timeout: Optional[float] = None):
     """Run `workload` `rounds` times in one context per variant (its own worker).
 

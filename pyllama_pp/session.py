@@ -20,6 +20,7 @@ import numpy as np
 from . import binding
 from . import devices as devspec
 from .counters import device_delta
+from .defaults import CONTEXT, threads
 from .errors import (ConfigError, DecodeError, DeviceError, ModelError, OutOfMemoryError, PyllamaError,
                      UnsupportedError, is_device_fault, one_statement)
 from .expert_trace import ExpertTrace
@@ -101,14 +102,6 @@ def env_problems(native: binding.Native) -> list[str]:
         return []
     native.check(n)
     return [line for line in native.str(buf).splitlines() if line] if n > 0 else []
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity: taskset, a container's cpuset), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):   # (no sched_getaffinity outside Linux)
-        return max(1, os.cpu_count() or 1)
 
 
 @dataclass
@@ -315,7 +308,7 @@ class Context:
         p = ffi.new("pp_context_params *")
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = params.n_ctx, params.n_batch, params.n_ubatch, 1
         # llama's default (4) oversubscribes small machines and starves big ones; llama-bench uses the cores
-        p.n_threads = params.n_threads if params.n_threads > 0 else usable_cores()
+        p.n_threads = threads(params.n_threads)
         p.flash_attn = params.flash_attn
         p.op_offload = int(params.op_offload)
         p.offload_kqv = int(params.offload_kqv)
@@ -370,9 +363,10 @@ class Session:
     ...     s.schedule().pipeline_parallel, s.eval(range(64)).logits.shape
     """
 
-    def __init__(self, model: Union[str, os.PathLike], devices: Union[str, dict, devspec.DeviceSpec, None] = "cpu",
+    def __init__(self, model: Union[str, os.PathLike],
+                 devices: Union[str, dict, devspec.DeviceSpec, None] = CONTEXT.devices,
                  placement: Union[Placement, dict, None] = None, ctx: Union[ContextParams, dict, None] = None,
-                 variant: str = "patched", switches: Optional[dict] = None, plan: Union[Plan, str, os.PathLike, None] = None):
+                 variant: str = CONTEXT.variant, switches: Optional[dict] = None, plan: Union[Plan, str, os.PathLike, None] = None):
         self.path = Path(model)
         check_model_path(self.path)
         if switches is not None and not isinstance(switches, dict):

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .defaults import CONTEXT, SOAK, TIMEOUTS
 from .worker.client import run_job
 
 NMSE_MAX = 1e-6
@@ -84,20 +85,21 @@ def cuda_pair(devices: str, found: list[dict]) -> str:
     return "cuda:0,1" if n >= 2 else "cuda:0" if n == 1 else devices
 
 
-def soak_devices(devices: str, variant: str = "patched", timeout: float = 120.0, env: Optional[dict] = None) -> str:
+def soak_devices(devices: str, variant: str = CONTEXT.variant, timeout: float = TIMEOUTS.info,
+                 env: Optional[dict] = None) -> str:
     """cuda_pair with the devices an info job (a worker of `variant`) finds; other specs without a worker."""
     if devices.strip().lower() != "cuda":
         return devices
     return cuda_pair(devices, run_job({"kind": "info"}, variant, timeout=timeout, env=env)["devices"])
 
 
-def run(model: str, variant: str = "patched", devices: str = "vdev:2x256MiB@4GBps", calls: int = 1000,
-        seed: int = 0, check_every: int = 50, warmup: int = 0, ctx: Optional[dict] = None,
-        placement: Optional[dict] = None, workdir: Optional[str] = None, timeout: float = 3600.0,
+def run(model: str, variant: str = CONTEXT.variant, devices: str = SOAK.devices, calls: int = SOAK.calls,
+        seed: int = CONTEXT.seed, check_every: int = SOAK.check_every, warmup: int = SOAK.warmup, ctx: Optional[dict] = None,
+        placement: Optional[dict] = None, workdir: Optional[str] = None, timeout: float = SOAK.timeout,
         env: Optional[dict] = None) -> SoakResult:
     """The reference (a fresh session), then the soak, each in its own worker for `variant`; compared here."""
-    ctx = ctx or {"n_ctx": 1024, "n_batch": 512, "n_ubatch": 128}
-    placement = {"host_experts": "all", **(placement or {})}
+    ctx = ctx or {"n_ctx": SOAK.n_ctx, "n_batch": SOAK.n_batch, "n_ubatch": SOAK.n_ubatch}
+    placement = {"host_experts": SOAK.host_experts, **(placement or {})}
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         base = {"kind": "soak", "model": model, "devices": devices, "placement": placement, "ctx": ctx}
         ref = str(Path(tmp) / "ref.npz")

@@ -7,6 +7,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .defaults import CONTEXT
+
 
 def nmse(a, b) -> float:
     """Normalized mean squared error of logits `a` against the reference `b`: sum((a-b)^2) / sum(b^2), in float64.
@@ -68,7 +70,7 @@ def t_quantile(p: float, df: int) -> float:
     return 0.5 * (lo + hi)
 
 
-def paired_ci(ratios: Sequence[float], level: float = 0.95, n_boot: int = 10_000, seed: int = 0,
+def paired_ci(ratios: Sequence[float], level: float = 0.95, n_boot: int = 10_000, seed: int = CONTEXT.seed,
               groups: Optional[Sequence] = None) -> tuple:
     """The median speedup of ABBA rounds and its confidence interval: (median, lo, hi).
 

@@ -103,6 +103,8 @@ from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 import gguf
 import numpy as np
 
+from .defaults import CONTEXT
+
 __all__ = [
     "SynthConfig",
     "ARCHS",
@@ -244,7 +246,7 @@ class SynthConfig:
     type: str = "q8_0"
     routing: str = "uniform"
     skew: float = 0.0
-    seed: int = 0
+    seed: int = CONTEXT.seed
     preset: str = "custom"
     rms_eps: float = 1e-6
     rope_freq_base: float = 1e6

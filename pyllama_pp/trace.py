@@ -17,14 +17,15 @@ from .expert_trace import ExpertTrace
 from .jobs import TraceJob
 from .model_file import check_model_path
 from .params import ContextParams, Placement, as_placement, ctx_for
+from .defaults import TRACE
 from .worker.client import run_job
 
 #: the cache sizes (fractions of a layer's experts) whose LRU hit rate the summary shows
 SUMMARY_FRACTIONS = (0.125, 0.25)
 
 
-def record(model: Union[str, Path], n_prompt: int = 0, n_decode: int = 64, seed: int = 0, variant: str = "patched",
-           devices: Union[str, dict] = "cpu", placement: Union[Placement, dict, None] = None,
+def record(model: Union[str, Path], n_prompt: int = TRACE.pp[0], n_decode: int = TRACE.tg[0],
+           seed: int = TRACE.seed, variant: str = TRACE.variant, devices: Union[str, dict] = TRACE.devices, placement: Union[Placement, dict, None] = None,
            ctx: Optional[ContextParams] = None, out: Union[str, Path, None] = None,
            timeout: Optional[float] = None) -> ExpertTrace:
     """The experts each MoE layer of `model` chose for each token of a prompt and a decode after it.

@@ -206,13 +206,14 @@ def test_tests_at_a_depth_start_after_a_filled_context(tiny_model, tmp_path):
 
 
 def test_cli_depth_option_builds_tests_per_depth():
-    from pyllama_pp import cli
+    from pyllama_pp import cli, planning
     from pyllama_pp.errors import PyllamaError
 
-    args = cli.build_parser().parse_args(["ab", "-p", "64", "-n", "8", "-d", "0,512"])
-    assert cli._config_kwargs(args)["tests"] == [["pp", 64], ["tg", 8], ["pp", 64, 512], ["tg", 8, 512]]
+    choices = lambda argv: cli.choices_from_args(cli.build_parser().parse_args(argv))
+    assert planning.tests_of(choices(["ab", "-p", "64", "-n", "8", "-d", "0,512"])) == \
+        [["pp", 64], ["tg", 8], ["pp", 64, 512], ["tg", 8, 512]]
     with pytest.raises(PyllamaError, match="n-depth"):
-        cli._config_kwargs(cli.build_parser().parse_args(["ab", "-d", "-1"]))
+        planning.tests_of(choices(["ab", "-d", "-1"]))
 
 
 def test_depth_positions_and_clears():

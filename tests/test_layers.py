@@ -13,36 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from pyllama_pp import layers
+
 PKG = Path(__file__).resolve().parents[1] / "pyllama_pp"
 README = PKG.parent / "README.md"
 
-# The floors, lowest first: a module may import modules of lower floors only.
-FLOORS = [
-    ["_version", "errors", "_cdef"],
-    ["binding"],
-    ["_pin", "devices.base", "params", "counters", "stats", "synth", "rpc.network", "rpc.relay", "rpc.client", "expert_trace"],
-    ["devices.cpu", "devices.cuda", "devices.vdev", "devices.rpc"],   # one module per device kind
-    ["devices"],   # the registry of kinds and the public API of device specs
-    ["model_file", "plan", "jobs", "row", "expert_cache_sim"],
-    ["session", "rpc.planning", "rpc.server"],
-    ["rpc"],
-    ["worker.client"],
-    ["worker"],
-    ["worker.handlers.base"],
-    ["worker.handlers.info", "worker.handlers.schedule", "worker.handlers.logits", "worker.handlers.measure",
-     "worker.handlers.workload", "worker.handlers.fit", "worker.handlers.soak", "worker.handlers.trace"],
-    ["worker.handlers"],
-    ["worker.loop"],
-    ["worker.__main__"],
-    ["compute"],
-    ["fit", "soak", "check", "trace"],
-    ["config"],
-    ["rows"],
-    ["runner"],
-    ["report"],
-    ["cli"],
-    [""],   # the package's __init__: the public facade, on top
-]
+# The floors, lowest first (pyllama_pp.layers.FLOORS: one list, printed into docs/DEVELOPING.md)
+FLOORS = [list(mods) for mods, _ in layers.FLOORS]
 FLOOR = {m: i for i, names in enumerate(FLOORS) for m in names}
 # heavy dependencies a function may import where only it needs them (each such line says why in a comment)
 LAZY_OK = {"pandas", "matplotlib", "matplotlib.pyplot"}
@@ -104,7 +81,7 @@ def imports(mod: str, path: Path):
 
 def test_every_module_has_a_floor():
     missing = sorted(set(modules()) - set(FLOOR))
-    assert not missing, f"modules without a floor in tests/test_layers.py FLOORS: {missing}"
+    assert not missing, f"modules without a floor in pyllama_pp/layers.py FLOORS: {missing}"
     gone = sorted(m for m in FLOOR if m and m not in modules())
     assert not gone, f"FLOORS names modules that do not exist: {gone}"
 
@@ -149,6 +126,13 @@ def test_no_circle():
     for m in graph:
         visit(m)
     assert len(seen) == len(graph)
+
+
+def test_developing_md_lists_the_floors():
+    """docs/DEVELOPING.md's layer table is what `python -m pyllama_pp.layers` prints (regenerate it with that)."""
+    text = (PKG.parent / "docs" / "DEVELOPING.md").read_text()
+    section = text.split(layers.BEGIN, 1)[1].split(layers.END, 1)[0].strip()
+    assert section == layers.markdown(), "docs/DEVELOPING.md's layers section is stale: paste `python -m pyllama_pp.layers`"
 
 
 def test_the_check_sees_an_upward_import(tmp_path):

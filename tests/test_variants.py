@@ -213,7 +213,7 @@ def test_the_baseline_reads_no_switches(runner):
 def test_readme_switch_section_is_the_librarys_table():
     """The README's switch section is generated from the patched library's table (pyllama-pp info
     --markdown-switches): they agree."""
-    from pyllama_pp.cli import switches_markdown
+    from pyllama_pp.about import switches_markdown
     info = run_job({"kind": "info"}, "patched", timeout=JOB_TIMEOUT)
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     m = re.search(r"<!-- switches:begin -->\n(.*?)\n<!-- switches:end -->", text, re.S)

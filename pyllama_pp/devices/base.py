@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional, Union
 
 from .. import binding
+from ..defaults import CONTEXT, CUDA_LINK_GBPS, MARGINS
 from ..errors import DeviceSpecError
 
 GiB = 1024**3
 # a device's host link where the spec gives none: a PCIe 5 x16 link's measured host -> device rate (docs/RESULTS.md)
-DEFAULT_LINK_GBPS = 55.0
+DEFAULT_LINK_GBPS = CUDA_LINK_GBPS
 # the kind of a JSON spec without "kind"
 DEFAULT_JSON_KIND = "vdev"
 # the JSON form, after every kind's own forms
@@ -102,7 +103,7 @@ class DeviceSpec(ABC):
     forms: ClassVar[str] = ""            # its lines of the accepted forms (FORMS)
     accelerators: ClassVar[bool] = True  # it names accelerator devices (the CPU alone: not)
     remote: ClassVar[bool] = False       # its devices sit on rpc-servers: a network in between, the servers' own RAM
-    default_margin: ClassVar[int] = GiB  # what fit leaves free on each device by default (upstream's fit_params_target)
+    default_margin: ClassVar[int] = MARGINS["other"]   # what fit leaves free on each device by default
     default_link_gbps: ClassVar[float] = DEFAULT_LINK_GBPS   # a device's host link where the spec gives none
 
     cuda_ids: list[int] = field(default_factory=list)
@@ -347,7 +348,7 @@ def list_devices(variant: Optional[str] = None) -> list[dict]:
         VariantError: for an unknown variant.
         BuildError: when the variant to load is not built.
     """
-    native = binding.loaded() or binding.load(variant or "patched")
+    native = binding.loaded() or binding.load(variant or CONTEXT.variant)
     lib, ffi, s = native.lib, native.ffi, native.str
     out = []
     for i in range(lib.pp_device_count()):

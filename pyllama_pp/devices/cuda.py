@@ -5,6 +5,7 @@ import os
 import re
 from typing import Optional
 
+from ..defaults import MARGINS
 from ..errors import DeviceSpecError
 from .base import DeviceSpec, bad, list_devices
 
@@ -21,6 +22,7 @@ class CudaSpec(DeviceSpec):
     """CUDA devices, by index (`cuda_ids`; empty: every device the machine has)."""
 
     kind = "cuda"
+    default_margin = MARGINS["cuda"]   # upstream's fit_params_target
     forms = """
   cuda                             every CUDA device
   cuda:0,1                         CUDA devices 0 and 1"""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..counters import COUNTER_FIELDS
+from ..defaults import MARGINS
 from ..errors import DeviceSpecError
 from .base import DeviceSpec, bad, parse_rate, parse_size, whole
 
@@ -106,7 +107,7 @@ class VdevSpec(DeviceSpec):
                                    ggml cannot report a failed copy, so (as on CUDA) it aborts: pyllama_pp's
                                    abort callback makes that an error (DeviceError)
   vdev:2x0@0,fail_copy_after=N,abort  ... and the failed copy aborts the process itself (SIGABRT: the worker dies)"""
-    default_margin = 0   # the budgets are exact
+    default_margin = MARGINS["vdev"]   # the budgets are exact
 
     @classmethod
     def from_text(cls, text: str) -> Optional["VdevSpec"]:

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Optional
 
-from .. import binding
+from .. import binding, defaults
 from .. import devices as devspec
 from ..devices import list_devices
 from ..errors import DeviceSpecError, PyllamaError, UnsupportedError
@@ -62,7 +62,7 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
     arr = ffi.new("const char *[]", keep)
     endpoint = f"{host}:{int(port)}"
     print(f"serving {names} on {endpoint}", file=announce or sys.stderr, flush=True)
-    threads = threads or len(os.sched_getaffinity(0))
+    threads = defaults.threads(threads)
     native.check(lib.pp_rpc_start_server(endpoint.encode(), arr, len(keep), max(1, int(threads)), int(host_ram)))
 
 

@@ -18,6 +18,7 @@ import sys
 import threading
 from typing import Optional, Union
 
+from ..defaults import TIMEOUTS
 from ..errors import ConfigError, WorkerError, worker_error
 from ..jobs import Job, as_job
 
@@ -36,7 +37,7 @@ def _stop(proc: subprocess.Popen) -> None:
     except OSError:
         pass
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=TIMEOUTS.worker_exit)
     except subprocess.TimeoutExpired:   # (SIGKILL cannot be ignored: only a process stuck in the kernel gets here)
         pass
 
@@ -219,7 +220,7 @@ class ServingWorker:
         if self._proc is not None and self._proc.returncode is None:
             _stop(self._proc)
 
-    def close(self, timeout: float = 30) -> Optional[int]:
+    def close(self, timeout: float = TIMEOUTS.worker_exit) -> Optional[int]:
         """End the worker's input: it frees its session and exits.
 
         Args:
@@ -238,7 +239,7 @@ class ServingWorker:
         except subprocess.TimeoutExpired:
             _stop(self._proc)
         for t in self._threads:
-            t.join(timeout=5)
+            t.join(timeout=TIMEOUTS.reader_join)
         return self._proc.returncode
 
     def __enter__(self) -> "ServingWorker":
@@ -294,10 +295,10 @@ class ServingWorker:
         if line is None:   # EOF: the worker is gone
             self._lines.put(None)   # (for every later call too)
             try:
-                self._proc.wait(timeout=30)
+                self._proc.wait(timeout=TIMEOUTS.worker_exit)
             except subprocess.TimeoutExpired:
                 _stop(self._proc)
-            self._threads[1].join(timeout=5)
+            self._threads[1].join(timeout=TIMEOUTS.reader_join)
             raise _died(self.variant, self._proc.returncode, self.stderr_tail(100_000))
         try:
             result = json.loads(line)
@@ -346,7 +347,7 @@ def check_switch_env(variants, env: Optional[dict] = None) -> None:
     given = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
     if "patched" not in variants or not any(k.startswith(SWITCH_ENV_PREFIX) for k in given):
         return
-    problems = run_job({"kind": "info"}, "patched", timeout=120, env=env).get("env_problems") or []
+    problems = run_job({"kind": "info"}, "patched", timeout=TIMEOUTS.info, env=env).get("env_problems") or []
     if problems:
         raise ConfigError("the patched scheduler does not accept " + "; ".join(problems)
                           + ". Fix: unset or correct the variable (`pyllama-pp info` lists the switches)")

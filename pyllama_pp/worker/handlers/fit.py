@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 
 from ... import binding
 from ... import devices as devspec
+from ...defaults import threads
 from ...errors import DeviceSpecError
 from ...jobs import FitJob
 from ...params import SPLIT_MODES
@@ -43,7 +43,7 @@ def run_fit(native, model: str, dev_names: str, split_mode: int, ctx, margins: l
         p.margins[i] = int(m)
     c = ffi.new("pp_context_params *")
     c.n_ctx, c.n_batch, c.n_ubatch, c.n_seq_max = ctx.n_ctx, ctx.n_batch, ctx.n_ubatch, 1
-    c.n_threads = ctx.n_threads if ctx.n_threads > 0 else max(1, os.cpu_count() or 1)
+    c.n_threads = threads(ctx.n_threads)
     c.flash_attn, c.op_offload, c.offload_kqv = ctx.flash_attn, int(ctx.op_offload), int(ctx.offload_kqv)
     out = ffi.new("pp_fit_result *")
     t0 = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from ...counters import ext_add, ext_delta, sum_devices
+from ...defaults import RUN
 from ...errors import ConfigError, PyllamaError
 from ...jobs import MeasureJob, depth_of
 from ...model_file import routes_by_stream
@@ -12,7 +13,8 @@ from ...params import ContextParams
 from .base import bench_tokens, open_session
 
 
-def run_tests(s, tests, reps: int, seed: int, coverage: bool, warmup: int = 1, stream: bool = False) -> list[dict]:
+def run_tests(s, tests, reps: int, seed: int, coverage: bool, warmup: int = RUN.warmup,
+              stream: bool = False) -> list[dict]:
     """Each test is [kind, n] or [kind, n, depth] (llama-bench's -d: the context first holds `depth` prompt
     tokens, untimed; tg then decodes right after them, its first token included); `warmup` untimed runs, then
     `reps` timed ones. Tokens: random ones, or with `stream` consecutive ids (base.bench_tokens: for a model whose

@@ -59,8 +59,10 @@ def band(n: int, n_expert: int, n_used: int) -> str:
 
 # ---------------------------------------------------------------------------------------------------------
 # checkpoint recipes: fixed steps from an empty context, run in the soak and once in a fresh session
+RECIPE_SEED = 12345   # the recipes' own tokens, the same in every soak (not the soak's seed)
 
-def recipes(n_vocab: int, seed: int = 12345) -> list[list[dict]]:
+
+def recipes(n_vocab: int, seed: int = RECIPE_SEED) -> list[list[dict]]:
     """Steps: {"op": "eval", "tokens", "pos0", "clear", "logits"} | {"op": "shift", "keep", "discard"} |
     {"op": "rm", "p0"}. The logits of the eval steps that return some, in order, are the recipe's result."""
     rng = np.random.default_rng(seed)

@@ -1,0 +1,60 @@
+"""The package's floors, lowest first: a module imports only modules on lower floors, so data flows one way and no
+import circle is possible (tests/test_layers.py checks every import against this list). docs/DEVELOPING.md shows the
+list as `python -m pyllama_pp.layers` prints it (tests/test_layers.py compares them)."""
+from __future__ import annotations
+
+# (modules of one floor, what they hold)
+FLOORS = (
+    (("_version", "errors", "_cdef", "defaults", "layers"),
+     "the version; one exception hierarchy; the shim's cdef; the table of defaults; this list"),
+    (("binding",), "one variant's cffi module in this process"),
+    (("_pin", "devices.base", "params", "counters", "stats", "synth", "rpc.network", "rpc.relay", "rpc.client",
+      "expert_trace"),
+     "data: the upstream pin, what every device kind shares (`DeviceSpec`, the registry), `Placement` / "
+     "`ContextParams` (frozen, checked once), counter sums, statistics (`nmse`, `paired_ci`), synthetic GGUFs; ggml "
+     "RPC's bytes per ubatch, the loopback relay, the client's side; an expert trace"),
+    (("devices.cpu", "devices.cuda", "devices.vdev", "devices.rpc"), "one module per device kind"),
+    (("devices",), "the registry of kinds and the public API of device specs"),
+    (("model_file", "plan", "jobs", "row", "expert_cache_sim"),
+     "a GGUF checked before native code reads it; a fit `Plan`; the worker contract (one dataclass per job kind, "
+     "`Job.load_key`); `Row` (the result row's fields, types and values, its JSONL/CSV writer, `frame`); expert-cache "
+     "hit rates simulated on a trace"),
+    (("session", "rpc.planning", "rpc.server"),
+     "`Session` over two owners, `LoadedModel` and `Context`; fit's sums for RPC servers; a server of this machine's "
+     "devices"),
+    (("rpc",), "the ggml RPC package"),
+    (("worker.client",), "the parent's side of a worker: `run_job`, `ServingWorker`"),
+    (("worker",), "the worker package"),
+    (("worker.handlers.base",), "what every job handler shares"),
+    (("worker.handlers.info", "worker.handlers.schedule", "worker.handlers.logits", "worker.handlers.measure",
+      "worker.handlers.workload", "worker.handlers.fit", "worker.handlers.soak", "worker.handlers.trace"),
+     "one module per job kind: `handle(job) -> dict`"),
+    (("worker.handlers",), "the handlers by job kind"),
+    (("worker.loop",), "the worker process: `python -m pyllama_pp.worker [--serve]`"),
+    (("worker.__main__",), "its entry point"),
+    (("compute",), "the compute probe (a layer's compute on a device, measured)"),
+    (("fit", "soak", "check", "trace", "about"),
+     "fit plans (`fit`, `fit_ubatch`), the soak's API, the logits check, expert traces, what this install is "
+     "(`pyllama-pp info`)"),
+    (("config",), "A/B configurations: `RunConfig`, `expand`, `config_key`, `load_key`"),
+    (("rows", "planning"), "rows from results; a user's choices to frozen RunConfigs and plans (`plan_runs`)"),
+    (("runner",), "the A/B runner: `ab`, `interleaved`, `mixed_workload`"),
+    (("report",), "Markdown and text tables, the plot"),
+    (("cli",), "the `pyllama-pp` command: parse, plan, run, print"),
+    (("",), "the public facade, on top"),
+)
+
+# section markers in docs/DEVELOPING.md
+BEGIN, END = "<!-- layers:begin -->", "<!-- layers:end -->"
+
+
+def markdown() -> str:
+    """The floors as docs/DEVELOPING.md lists them (between its layers markers): a table, lowest first."""
+    lines = ["| floor | modules | what |", "| ---: | --- | --- |"]
+    for i, (mods, what) in enumerate(FLOORS):
+        lines.append(f"| {i} | {', '.join(f'`{m}`' if m else '`__init__`' for m in mods)} | {what} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown())

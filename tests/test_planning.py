@@ -1,0 +1,96 @@
+"""The CLI's planning is the library's: for the same choices, `pyllama-pp run/ab`'s options and
+`planning.plan_runs(Choices(...))` give equal, frozen configs (defaults filled in from pyllama_pp.defaults, plan
+sizes, --fit and --plan placements), and switches are parsed once, into ConfigErrors."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pyllama_pp import ConfigError, cli, defaults
+from pyllama_pp.params import ContextParams
+from pyllama_pp.planning import Choices, parse_switches, plan_runs
+
+
+def from_cli(argv: list[str]):
+    return plan_runs(cli.choices_from_args(cli.build_parser().parse_args(cli._join_dash_values(argv))))
+
+
+@pytest.fixture(scope="module")
+def plan_path(tiny_model, tmp_path_factory):
+    from pyllama_pp import fit
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    fit(tiny_model, devices="vdev:2x4MiB@4GBps", ctx=ContextParams(n_ctx=512, n_batch=2048, n_ubatch=128)).save(path)
+    return str(path)
+
+
+CASES = {
+    "run, swept batch sizes": (["run", "{m}", "-p", "64", "-n", "4", "-b", "64", "-ub", "32,64,128"],
+                               dict(command="run", model="{m}", pp=(64,), tg=(4,), n_batch=(64,), n_ubatch=(32, 64, 128))),
+    "ab, two specs, host experts, depth": (["ab", "{m}", "--devices", "vdev:2x0@0;cpu", "--host-experts", "all,2",
+                                           "-d", "0,32", "-n", "0", "-p", "32", "-r", "2"],
+                                          dict(model="{m}", devices=("vdev:2x0@0", "cpu"), host_experts=("all", "2"),
+                                               depth=(0, 32), tg=(), pp=(32,), reps=2)),
+    "run baseline, defaults": (["run", "{m}", "--variant", "baseline", "--offload-min-batch", "64"],
+                               dict(command="run", model="{m}", variant="baseline", offload_min_batch=64)),
+    "ab with a plan and no model": (["ab", "--plan", "{plan}", "-n", "0"], dict(plan="{plan}", tg=())),
+    "ab, each variant's fit": (["ab", "{m}", "--devices", "vdev:2x4MiB@0.1GBps", "--fit", "-n", "0", "-p", "64",
+                                "-ub", "64", "-b", "256", "--switch", "upload_all=0"],
+                               dict(model="{m}", devices=("vdev:2x4MiB@0.1GBps",), fit="each", tg=(), pp=(64,),
+                                    n_ubatch=(64,), n_batch=(256,), switches={"UPLOAD_ALL": 0})),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_cli_and_the_api_give_equal_configs(case, tiny_model, plan_path):
+    argv, kw = CASES[case]
+    fill = lambda v: v.format(m=tiny_model, plan=plan_path) if isinstance(v, str) else v
+    by_cli = from_cli([fill(a) for a in argv])
+    by_api = plan_runs(Choices(**{k: fill(v) for k, v in kw.items()}))
+    assert by_cli.configs == by_api.configs and by_cli.variants == by_api.variants, case
+    assert by_cli.choices == by_api.choices and len(by_cli.plans) == len(by_api.plans), case
+    cfg = by_api.configs[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.n_ubatch = 1
+
+
+def test_defaults_and_placements_come_through(tiny_model, plan_path):
+    run = from_cli(["run", tiny_model])
+    assert [(c.devices, c.n_batch, c.n_ubatch, c.reps) for c in run.configs] == \
+        [(defaults.RUN.devices, defaults.RUN.n_batch, defaults.RUN.n_ubatch, defaults.RUN.reps)]
+    assert run.configs[0].tests == [["pp", n] for n in defaults.RUN.pp] + [["tg", n] for n in defaults.RUN.tg]
+    assert run.variants == ("patched",) and run.plans == ()
+    planned = from_cli(["ab", "--plan", plan_path, "-n", "0"])
+    cfg = planned.configs[0]
+    assert (cfg.model, cfg.n_batch, cfg.n_ubatch, cfg.n_ctx) == (tiny_model, 2048, 128, 512), cfg
+    assert cfg.devices == "vdev:2x4MiB@4GBps" and set(cfg.plans) == {"baseline", "patched"}
+    assert all(p.source == "plan" for p in cfg.plans.values()) and cfg.switches.get("OVERLAP") is not None
+    fitted = from_cli(["ab", tiny_model, "--devices", "vdev:2x4MiB@0.1GBps", "--fit", "same", "-n", "0", "-p", "64",
+                       "-ub", "64", "-b", "256"])
+    cfg = fitted.configs[0]
+    assert len(fitted.plans) == 1 and cfg.plans["baseline"] == cfg.plans["patched"] and \
+        cfg.plans["patched"].source == "fit"
+
+
+def test_skipped_pairs_and_cpu_only_runs_are_notes(tiny_model):
+    notes = from_cli(["ab", tiny_model, "-b", "64", "-ub", "32,128", "-n", "0", "-p", "32"]).notes
+    assert any("skipping -b 64 -ub 128" in n for n in notes) and any("no mechanism" in n for n in notes), notes
+
+
+def test_switches_are_parsed_once_into_config_errors():
+    assert parse_switches(["upload_all=0", "OVERLAP=2"]) == {"UPLOAD_ALL": 0, "OVERLAP": 2}
+    assert parse_switches(None) == {}
+    for bad, words in (("UPLOAD_ALL", "takes NAME=VALUE"), ("=1", "takes NAME=VALUE"),
+                       ("UPLOAD_ALL=yes", "must be an integer")):
+        with pytest.raises(ConfigError, match=words):
+            parse_switches([bad])
+
+
+def test_choices_refused_before_any_worker(plan_path, no_worker, tiny_model):
+    for kw, words in ((dict(command="run"), "run needs a MODEL"),
+                      (dict(model=tiny_model, workload="mixed", paired=4), "--workload has rounds"),
+                      (dict(model=tiny_model, loads=2), "--loads 2 repeats paired rounds"),
+                      (dict(model=tiny_model, fit="each", plan=plan_path), "not both"),
+                      (dict(model=tiny_model, n_ubatch="auto", devices=("cpu", "vdev:2x0@0")), "-ub auto plans")):
+        with pytest.raises(ConfigError, match=words):
+            plan_runs(Choices(**kw))
