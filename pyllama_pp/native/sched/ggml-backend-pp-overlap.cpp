@@ -184,13 +184,16 @@ void ggml_backend_sched_pp_find_early_copies(ggml_backend_sched_t sched, struct 
             // routing as its own expert op (up and down after gate); elsewhere placing it early only costs memory)
             // (PREFETCH's copies only from pinned memory: its gathers read host memory; a pageable weight goes up
             // through the staging slots, one split early)
-            const bool whole = upload_all && n_sel_graph >= ggml_backend_sched_pp_upload_all_min(sched, true, input->ne[2]);
+            // (LAYER_MAJOR: a copy the expert ops of later splits read too goes up whole, one split early; ggml-alloc
+            // keeps it until the last of them)
+            const bool again = ggml_backend_sched_pp_read_again(sched, cpy);
+            const bool whole = again || (upload_all && n_sel_graph >= ggml_backend_sched_pp_upload_all_min(sched, true, input->ne[2]));
             const bool pinned = input->buffer != nullptr && ggml_backend_sched_pp_buffer_is_pinned(sched, input->buffer);
             if (ggml_backend_sched_pp_is_expert_copy(sched, node, cpy) && input->buffer != nullptr &&
                 ((pinned && (lead2 || same_ids || prefetch || whole)) ||
                  (!pinned && (same_ids || whole) && ggml_backend_sched_pp_stages(sched, b, input))) &&
-                ggml_backend_sched_pp_read_only_by(reader, cpy, i + 1)) {
-                early[cpy] = pinned && lead2 ? 2 : 1;
+                (again || ggml_backend_sched_pp_read_only_by(reader, cpy, i + 1))) {
+                early[cpy] = pinned && lead2 && !again ? 2 : 1;
             }
         }
     }
@@ -447,7 +450,9 @@ void ggml_backend_sched_pp_early_uploads(ggml_backend_sched_t sched, int split_i
             } else if (it->second != lead) {
                 continue;
             }
-            const bool all = ggml_backend_sched_pp_upload_all(sched, node->src[2]->ne[0] * node->src[2]->ne[1], input->ne[2]);
+            // (LAYER_MAJOR: a copy later splits read too, whole)
+            const bool again = ggml_backend_sched_pp_read_again(sched, cpy);
+            const bool all   = again || ggml_backend_sched_pp_upload_all(sched, node->src[2]->ne[0] * node->src[2]->ne[1], input->ne[2]);
             // not all: a selective copy now, if its ids are on the host already (this split's own expert op read the
             // same routing back) and DIRECT cannot take the op there (its decision is not made early: it measures)
             const bool selective = !all && ids_read != nullptr && node->src[2] == ids_read &&
