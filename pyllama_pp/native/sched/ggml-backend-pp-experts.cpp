@@ -33,7 +33,7 @@ void ggml_backend_sched_pp_copy_experts(ggml_backend_sched_t sched, ggml_sched_p
     }
 
     // LAYER_MAJOR: later expert ops read this copy too (with ids of their own, maybe where this op has none)
-    if (ggml_backend_sched_pp_read_again(sched, input_cpy)) {
+    if (ggml_backend_sched_pp_read_again(sched, input)) {
         ggml_backend_sched_pp_upload_whole(sched, split_backend_id, input, input_cpy, transient, nullptr);
         sched->pp.upload_all++;
         return;
@@ -152,7 +152,7 @@ void ggml_backend_sched_pp_upload_whole(ggml_backend_sched_t sched, int backend_
     if (transient) {
         sched->pp.transient_bytes[backend_id] += ggml_nbytes(input);
     }
-    sched->pp.read_again += ggml_backend_sched_pp_read_again(sched, input_cpy) ? 1 : 0;
+    sched->pp.read_again += ggml_backend_sched_pp_read_again(sched, input) ? 1 : 0;
 }
 
 // the selective copy: the experts the routing ids use, grouped into runs of consecutive ids, uploaded into the

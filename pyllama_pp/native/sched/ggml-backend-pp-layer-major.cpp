@@ -5,6 +5,7 @@
 #include "ggml-backend-pp-impl.h"
 
 #include <ctype.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <algorithm>
@@ -134,31 +135,132 @@ void ggml_backend_sched_pp_note_layer_major(ggml_backend_sched_t sched, int n_ub
     sched->pp.layer_major_ubatches += (uint64_t) n_ubatches;
 }
 
-// after pass 5 of split_graph (nodes read the split-input copies): the host expert copies that several expert ops
-// read - in a layer-major graph the first split uploads a layer's copy, the other ubatches' expert ops of that
-// layer read it too. Such a copy must hold every expert any of them uses, which no selection made for the first op
-// holds (a selective copy, a gather, a direct read): it is uploaded whole (ggml-backend-pp-experts.cpp), early
-// where OVERLAP=2 places it (ggml-backend-pp-overlap.cpp). A graph of one ubatch has none.
+// The scheduler's side. A layer-major graph's expert ops of a layer read the copy of its host expert weight that the
+// first of them uploads: the weight is read again. Such a copy must hold every expert any of them uses, which no
+// selection made for the first op holds (a selective copy, a gather, a direct read): it is uploaded whole
+// (ggml-backend-pp-experts.cpp). Its first reader starts a split (pass 5), so that with OVERLAP=2 the copy goes up
+// on the device's second stream while the layer before computes (placed where that layer's copy of the same weight
+// was: the ubatches of that layer hide the upload). Graphs of one ubatch read no weight again: none of this acts.
+
+// before pass 5 of split_graph: the host weights that several expert ops read
 void ggml_backend_sched_pp_find_read_again(ggml_backend_sched_t sched, const struct ggml_cgraph * graph) {
     if (sched->pp_read_again == nullptr) {
         sched->pp_read_again = new std::unordered_set<const ggml_tensor *>();
+        sched->pp_again      = new std::vector<ggml_sched_pp_again>();
     }
     std::unordered_set<const ggml_tensor *> & again = *sched->pp_read_again;
     again.clear();
+    sched->pp_again->clear();
     std::unordered_set<const ggml_tensor *> read;
     for (int i = 0; i < graph->n_nodes; i++) {
         const ggml_tensor * node = graph->nodes[i];
         const ggml_tensor * w    = node->src[0];
-        // (a weight read where it is has its buffer; a copy is allocated later)
-        if (node->op == GGML_OP_MUL_MAT_ID && w != nullptr && w->buffer == nullptr && w->view_src == nullptr &&
-            !read.insert(w).second) {
+        if (node->op == GGML_OP_MUL_MAT_ID && w != nullptr && w->buffer != nullptr &&
+            ggml_backend_buffer_get_usage(w->buffer) == GGML_BACKEND_BUFFER_USAGE_WEIGHTS &&
+            ggml_backend_buffer_is_host(w->buffer) && !read.insert(w).second) {
             again.insert(w);
         }
     }
 }
 
-bool ggml_backend_sched_pp_read_again(ggml_backend_sched_t sched, const struct ggml_tensor * cpy) {
-    return sched->pp_read_again != nullptr && sched->pp_read_again->count(cpy) > 0;
+bool ggml_backend_sched_pp_read_again(ggml_backend_sched_t sched, const struct ggml_tensor * weight) {
+    return sched->pp_read_again != nullptr && !sched->pp_read_again->empty() && sched->pp_read_again->count(weight) > 0;
+}
+
+// pass 5: `node` is the first expert op on `backend_id` to read a weight read again, which that backend copies
+// (the split it starts has the copy as its input, its first node reads it: OVERLAP=2 can place it early)
+bool ggml_backend_sched_pp_first_read(ggml_backend_sched_t sched, const struct ggml_tensor * node, int backend_id) {
+    ggml_tensor * w = node->src[0];
+    return node->op == GGML_OP_MUL_MAT_ID && ggml_backend_sched_pp_read_again(sched, w) &&
+           tensor_copy(w, backend_id, 0) == nullptr && tensor_backend_id(w) != backend_id &&
+           !ggml_backend_supports_buft(sched->backends[backend_id], ggml_backend_buffer_get_type(w->buffer));
+}
+
+// the layer and the rest of a weight's name ("blk.12.ffn_up_exps.weight": 12, "ffn_up_exps.weight"), or -1
+static int ggml_backend_pp_weight_layer(const char * name, const char ** rest) {
+    int il = -1;
+    int n  = 0;
+    if (sscanf(name, "blk.%d.%n", &il, &n) != 1 || n == 0) {
+        return -1;
+    }
+    *rest = name + n;
+    return il;
+}
+
+// OVERLAP=2 (find_early_copies): the split a copy read again (`input` of split `split_id`, its first reader, whose
+// split before runs on the same backend) is placed and uploaded at, as a lead (splits before its reader): where the
+// previous layer's copy of the same weight was read first on that backend, so its upload overlaps that layer's
+// ubatches; else the split before
+int ggml_backend_sched_pp_again_lead(ggml_backend_sched_t sched, int split_id, struct ggml_tensor * input) {
+    const int b = sched->splits[split_id].backend_id;
+    int at = split_id - 1;
+    const char * rest = nullptr;
+    const int il = ggml_backend_pp_weight_layer(input->name, &rest);
+    for (int s = split_id - 1; il > 0 && s >= 0 && at == split_id - 1; s--) {
+        const ggml_backend_sched_split * split = &sched->splits[s];
+        for (int j = 0; j < split->n_inputs && split->backend_id == b; j++) {
+            const char * rest_j = nullptr;
+            if (ggml_backend_sched_pp_read_again(sched, split->inputs[j]) &&
+                ggml_backend_pp_weight_layer(split->inputs[j]->name, &rest_j) == il - 1 && strcmp(rest_j, rest) == 0) {
+                at = s;
+                break;
+            }
+        }
+    }
+    sched->pp_again->push_back({ at, split_id, input });
+    return split_id - at;
+}
+
+// split_graph: the copies placed at split i, before its nodes (as add_early_inputs does)
+void ggml_backend_sched_pp_add_again_inputs(ggml_backend_sched_t sched, int i) {
+    if (sched->pp_again == nullptr) {
+        return;
+    }
+    struct ggml_cgraph * graph_copy = &sched->graph;
+    for (const ggml_sched_pp_again & a : *sched->pp_again) {
+        if (a.at != i) {
+            continue;
+        }
+        const int b = sched->splits[a.owner].backend_id;
+        const size_t input_id = hash_id(a.input);
+        // a dependency to the input source so that it is not freed before the copy is done, then the copy
+        struct ggml_tensor * input_dep = ggml_view_tensor(sched->ctx, a.input);
+        input_dep->src[0] = a.input;
+        sched->node_backend_ids[graph_copy->n_nodes] = sched->hv_tensor_backend_ids[input_id];
+        graph_copy->nodes[graph_copy->n_nodes++] = input_dep;
+        sched->node_backend_ids[graph_copy->n_nodes] = b;
+        graph_copy->nodes[graph_copy->n_nodes++] = tensor_id_copy(input_id, b, sched->cur_copy);
+    }
+}
+
+// OVERLAP=2 (early_uploads, at split `split_id` before it is queued): the copies placed here go up whole on the
+// device's second stream, after everything queued on its compute stream so far (the last users of their memory);
+// their first readers wait for them
+void ggml_backend_sched_pp_again_uploads(ggml_backend_sched_t sched, int split_id,
+                                         std::unordered_map<const ggml_tensor *, bool> & decided) {
+    if (sched->pp_again == nullptr) {
+        return;
+    }
+    bool before[GGML_SCHED_MAX_BACKENDS] = {};
+    for (const ggml_sched_pp_again & a : *sched->pp_again) {
+        const int b = sched->splits[a.owner].backend_id;
+        ggml_sched_pp_early * e = a.at == split_id ? ggml_backend_sched_pp_early_get(sched, b) : nullptr;
+        if (e == nullptr) {
+            continue; // (no second stream: the reader's split uploads it)
+        }
+        ggml_tensor * cpy = tensor_copy(a.input, b, sched->cur_copy);
+        if (!before[b]) {
+            ggml_backend_event_record(e->ev_before, sched->backends[b]);
+            ggml_backend_event_wait(e->up, e->ev_before);
+            before[b] = true;
+        }
+        decided[cpy] = true;
+        if (ggml_backend_sched_pp_stages(sched, b, a.input)) {
+            e->staged.push_back({ a.input, cpy, false, std::vector<ggml_bitset_t>() });
+            continue;
+        }
+        ggml_backend_sched_pp_early_copy(sched, b, a.input, cpy, false, std::vector<ggml_bitset_t>());
+    }
 }
 
 // LAYER_MAJOR's inputs (ggml_backend_pp_inputs_hold, release, restore)
