@@ -1093,10 +1093,16 @@ def test_layer_major_needs_host_weights(runner):
 
 def test_layer_major_reserves_a_groups_activations(runner):
     """The reserved worst case is a group of ubatches (n_batch / n_ubatch of them): the devices' compute buffers
-    grow by the activations the group keeps, so fit plans them; a batch that uses them re-reserves nothing."""
+    grow by the activations the group keeps and a layer more of expert copies; a batch that uses them re-reserves
+    nothing, and fit (with its host experts: 5 MiB devices) plans them."""
     kw = {"devices": DEVS, "placement": HOST_ALL, "ctx": {"n_ctx": 512, "n_batch": 128, "n_ubatch": 32}}
     off = _vdev_compute_buffers(runner.schedule("patched", **kw))
     on = _vdev_compute_buffers(runner.schedule("patched", env=LAYER_MAJOR, **kw))
     assert all(on[n] > 1.5 * off[n] for n in off), (off, on)
     r = runner.logits("patched", env=LAYER_MAJOR, **_groups(32, 4, 128, logits="last"))
     assert r["ext"]["layer_major_graphs"] == 1 and r["ext"]["reallocs"] == 0, r["ext"]
+    # fit's dry runs (the switch in its environment, as pyllama_pp.fit passes switches) reserve the same
+    job = {"kind": "fit", "devices": "vdev:2x5MiB@0", "ctx": kw["ctx"]}
+    fit_off, fit_on = runner.run("patched", job), runner.run("patched", job, env=LAYER_MAJOR)
+    assert fit_off["status"] == fit_on["status"] == 0 and fit_on["overrides"], fit_on
+    assert sum(d["compute_bytes"] for d in fit_on["devices"]) > 1.5 * sum(d["compute_bytes"] for d in fit_off["devices"])
