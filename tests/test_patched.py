@@ -1106,3 +1106,16 @@ def test_layer_major_reserves_a_groups_activations(runner):
     fit_off, fit_on = runner.run("patched", job), runner.run("patched", job, env=LAYER_MAJOR)
     assert fit_off["status"] == fit_on["status"] == 0 and fit_on["overrides"], fit_on
     assert sum(d["compute_bytes"] for d in fit_on["devices"]) > 1.5 * sum(d["compute_bytes"] for d in fit_off["devices"])
+
+
+def test_layer_major_without_room_runs_the_ubatches_one_by_one(runner):
+    """4 MiB VDEVs hold a group whose ubatches before the last have no outputs (the reserved worst case, without
+    OVERLAP=2's early copies), but not one where every token has logits: that group's graph finds no room, its KV
+    cells go again and its ubatches, and the rest of the prompt, run one by one. Same logits either way."""
+    kw = {"devices": "vdev:2x4MiB@0", "placement": HOST_ALL, "ctx": {"n_ctx": 640, "n_batch": 256, "n_ubatch": 64},
+          "n_tokens": 512}
+    for logits, graphs in (("last", 2), ("all", 0)):
+        b = runner.logits("baseline", logits=logits, **kw)
+        on = runner.logits("patched", env=LAYER_MAJOR, logits=logits, **kw)
+        assert np.array_equal(on["logits"], b["logits"]), logits
+        assert on["ext"]["layer_major_graphs"] == graphs and on["ext"]["overlap_dropped"] == 1, (logits, on["ext"])

@@ -205,6 +205,7 @@ struct ggml_backend_sched {
     std::unordered_set<const ggml_tensor *> * pp_shared_copies;     // split-input copies read by a later split too
     std::unordered_set<const ggml_tensor *> * pp_read_again;        // LAYER_MAJOR: host expert weights several expert ops read
     std::vector<struct ggml_sched_pp_again> * pp_again;             // ... their copies placed a layer early (OVERLAP=2)
+    bool pp_no_groups;                                              // ... a merged graph found no room: no more of them
     bool pp_direct_dev[GGML_SCHED_MAX_BACKENDS]; // DIRECT: a GPU of a backend whose kernels run on pinned host memory
     ggml_backend_pp_gather_t pp_gather[GGML_SCHED_MAX_BACKENDS]; // GATHER: the device's gather of used experts (or none)
     int  pp_gather_pos[GGML_SCHED_MAX_BACKENDS]; // CHAIN: the device's gathers of this graph are queued after everything

@@ -126,11 +126,15 @@ struct ggml_cgraph * ggml_backend_pp_layer_major_graph(struct ggml_context * ctx
     return merged;
 }
 
-size_t ggml_backend_sched_pp_graph_capacity(ggml_backend_sched_t sched) {
-    return sched->hash_set.size;
+int ggml_backend_sched_pp_max_group(ggml_backend_sched_t sched, size_t graph_nodes) {
+    return sched->pp_no_groups || graph_nodes == 0 ? 1 : (int) (sched->hash_set.size / graph_nodes);
 }
 
 void ggml_backend_sched_pp_note_layer_major(ggml_backend_sched_t sched, int n_ubatches) {
+    if (n_ubatches <= 0) {
+        sched->pp_no_groups = true;
+        return;
+    }
     sched->pp.layer_major_graphs++;
     sched->pp.layer_major_ubatches += (uint64_t) n_ubatches;
 }

@@ -113,9 +113,11 @@ GGML_API void ggml_backend_sched_pp_set_gather(const char * reg_name, ggml_backe
 // nodes (ggml_graph_overhead_custom).
 GGML_API size_t ggml_backend_pp_layer_major_size(struct ggml_cgraph ** graphs, int n);
 GGML_API struct ggml_cgraph * ggml_backend_pp_layer_major_graph(struct ggml_context * ctx, struct ggml_cgraph ** graphs, int n);
-// nodes + leafs a graph of this scheduler may have (the graph size it was created with)
-GGML_API size_t ggml_backend_sched_pp_graph_capacity(ggml_backend_sched_t sched);
-// counts a layer-major graph of n_ubatches ubatches (stats: layer_major_graphs, layer_major_ubatches)
+// the most graphs of `graph_nodes` nodes (and leafs) each that a merged graph of this scheduler may hold: its graph
+// size over graph_nodes, or 1 once a merged graph found no room (ggml_backend_sched_pp_note_layer_major)
+GGML_API int ggml_backend_sched_pp_max_group(ggml_backend_sched_t sched, size_t graph_nodes);
+// counts a layer-major graph of n_ubatches ubatches (stats: layer_major_graphs, layer_major_ubatches); 0: one could
+// not be allocated - the scheduler takes no more (max_group 1)
 GGML_API void ggml_backend_sched_pp_note_layer_major(ggml_backend_sched_t sched, int n_ubatches);
 
 // LAYER_MAJOR: inputs set before their graph is allocated. The graphs of a batch's ubatches are built, and their

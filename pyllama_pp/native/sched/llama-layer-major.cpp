@@ -55,10 +55,11 @@ ggml_cgraph * llama_layer_major::reserve_graph(const llama_context & lctx, uint3
                                                const llama_ubatch & ubatch, const llama_memory_context_i * mctx,
                                                const build_fn & build) {
     const llama_cparams & cparams = lctx.get_cparams();
+    const uint32_t max_nodes = lctx.graph_max_nodes(std::min(cparams.n_ctx, cparams.n_ubatch));
+    group = std::min<uint32_t>(group, (uint32_t) ggml_backend_sched_pp_max_group(lctx.get_sched(), max_nodes));
     if (group < 2 || gf == nullptr || ubatch.n_tokens < std::min(cparams.n_ctx, cparams.n_ubatch)) {
         return gf;
     }
-    const uint32_t max_nodes = lctx.graph_max_nodes(ubatch.n_tokens);
     std::vector<ggml_cgraph *> graphs;
     res.clear();
     for (uint32_t k = 0; k + 1 < group; k++) {
@@ -80,9 +81,9 @@ llama_layer_major::llama_layer_major(llama_context & lctx, uint32_t group, uint3
     : lctx(&lctx), n_tokens_all(n_tokens_all), n_outputs_all(n_outputs_all), build(std::move(build)) {
     // no larger than the scheduler was made for (its graph size: LAYER_MAJOR as it was at the last reservation)
     const llama_cparams & cparams = lctx.get_cparams();
-    const size_t max_nodes = lctx.graph_max_nodes(std::min(cparams.n_ctx, cparams.n_ubatch));
-    const size_t fits = lctx.get_sched() != nullptr ? ggml_backend_sched_pp_graph_capacity(lctx.get_sched()) / max_nodes : 0;
-    this->group = (uint32_t) std::min<size_t>(group, fits);
+    const uint32_t max_nodes = lctx.graph_max_nodes(std::min(cparams.n_ctx, cparams.n_ubatch));
+    const int fits = lctx.get_sched() != nullptr ? ggml_backend_sched_pp_max_group(lctx.get_sched(), max_nodes) : 1;
+    this->group = std::min<uint32_t>(group, (uint32_t) fits);
 }
 
 llama_layer_major::~llama_layer_major() {
@@ -112,6 +113,9 @@ bool llama_layer_major::take(llama_memory_context_i * mctx, llm_graph_result * &
         return false; // the batch's last ubatch, alone
     }
     if (!build_group(*kv, n, status)) {
+        if (status == GGML_STATUS_ALLOC_FAILED) {
+            return false; // (no room for the group's graph: llama_decode processes its ubatches one by one)
+        }
         r = nullptr;
         return true;
     }
@@ -173,8 +177,12 @@ bool llama_layer_major::build_group(const llama_kv_cache_context & at, uint32_t 
 
     ggml_cgraph * merged = llama_layer_major_merge(ctx_merged, graphs);
     if (merged == nullptr || !ggml_backend_sched_alloc_graph(sched, merged)) {
-        LLAMA_LOG_ERROR("%s: failed to allocate the graph of a group of %u ubatches\n", __func__, n);
-        forget(1, n);
+        // no room for it (a group whose ubatches before the last have outputs needs more than the reserved worst
+        // case): its KV cells go, and the ubatches run one by one, as do later ones on this scheduler
+        LLAMA_LOG_WARN("%s: no room for the graph of a group of %u ubatches: running them one by one\n", __func__, n);
+        forget(0, n);
+        ggml_backend_sched_pp_note_layer_major(sched, 0);
+        group  = 0;
         status = GGML_STATUS_ALLOC_FAILED;
         return false;
     }
@@ -190,8 +198,8 @@ bool llama_layer_major::build_group(const llama_kv_cache_context & at, uint32_t 
     return true;
 }
 
-// a failed group: the KV cells of its ubatches [first, end) go (llama_decode removes the first ubatch's), from
-// each sequence's first position in them on, as llama_decode does for a failed ubatch
+// a group that failed (llama_decode removes its first ubatch's cells) or found no room: the KV cells of its ubatches
+// [first, end) go, from each sequence's first position in them on, as llama_decode does for a failed ubatch
 void llama_layer_major::forget(uint32_t first, uint32_t end) {
     ggml_backend_pp_inputs_free(inputs);
     inputs = nullptr;
@@ -205,7 +213,7 @@ void llama_layer_major::forget(uint32_t first, uint32_t end) {
         }
     }
     for (const auto & [s, p] : pos_min) {
-        LLAMA_LOG_WARN("%s: removing memory module entries for seq_id = %d, pos = [%d, +inf)\n", __func__, s, p);
+        LLAMA_LOG_DEBUG("%s: removing memory module entries for seq_id = %d, pos = [%d, +inf)\n", __func__, s, p);
         lctx->get_memory()->seq_rm(s, p, -1);
     }
 }

@@ -32,8 +32,9 @@ public:
                                bool has_samplers);
 
     // the worst case to reserve for a prompt: group - 1 graphs of `ubatch` with one output each (a prompt's ubatches
-    // before its last have none), then `gf` (the same ubatch with its outputs), merged; `gf` itself for group < 2 or
-    // a ubatch smaller than n_ubatch. The merged graph and the graphs it adds live as long as this object.
+    // before its last have none), then `gf` (the same ubatch with its outputs), merged - no more than the scheduler
+    // has room for (its graph size); `gf` itself for group < 2 or a ubatch smaller than n_ubatch. The merged graph
+    // and the graphs it adds live as long as this object.
     ggml_cgraph * reserve_graph(const llama_context & lctx, uint32_t group, ggml_cgraph * gf, const llama_ubatch & ubatch,
                                 const llama_memory_context_i * mctx, const build_fn & build);
 
@@ -44,9 +45,10 @@ public:
 
     // the ubatch llama_decode's `mctx` is at, computed in a group: the first of a group builds the graphs of the
     // group's ubatches (each with its KV cells applied and its inputs set, as llama_decode would), merges and
-    // computes them; the others were computed with it. False: the ubatch is in no group (llama_decode processes it
-    // alone; nothing was done). True with res == nullptr: the group failed (status), and the KV cells of its
-    // ubatches after this one are removed (llama_decode removes this one's).
+    // computes them; the others were computed with it. False: the ubatch is in no group, or its group's graph found
+    // no room (then the group's KV cells are removed again, and no more groups form on this scheduler): llama_decode
+    // processes it alone. True with res == nullptr: the group failed (status), and the KV cells of its ubatches after
+    // this one are removed (llama_decode removes this one's).
     bool take(llama_memory_context_i * mctx, llm_graph_result * & res, ggml_status & status);
 
 private:
