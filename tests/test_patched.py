@@ -1111,11 +1111,14 @@ def test_layer_major_reserves_a_groups_activations(runner):
 def test_layer_major_without_room_runs_the_ubatches_one_by_one(runner):
     """4 MiB VDEVs hold a group whose ubatches before the last have no outputs (the reserved worst case, without
     OVERLAP=2's early copies), but not one where every token has logits: that group's graph finds no room, its KV
-    cells go again and its ubatches, and the rest of the prompt, run one by one. Same logits either way."""
-    kw = {"devices": "vdev:2x4MiB@0", "placement": HOST_ALL, "ctx": {"n_ctx": 640, "n_batch": 256, "n_ubatch": 64},
-          "n_tokens": 512}
-    for logits, graphs in (("last", 2), ("all", 0)):
-        b = runner.logits("baseline", logits=logits, **kw)
-        on = runner.logits("patched", env=LAYER_MAJOR, logits=logits, **kw)
-        assert np.array_equal(on["logits"], b["logits"]), logits
-        assert on["ext"]["layer_major_graphs"] == graphs and on["ext"]["overlap_dropped"] == 1, (logits, on["ext"])
+    cells go again and its ubatches, and the rest of the prompt, run one by one. 3 MiB ones hold no group at all:
+    the context reserves without groups, with OVERLAP=2's copies, as without the switch. Same logits each time."""
+    for mem, logits, graphs, dropped in (("4MiB", "last", 2, 1), ("4MiB", "all", 0, 1), ("3MiB", "last", 0, 0)):
+        kw = {"devices": f"vdev:2x{mem}@0", "placement": HOST_ALL, "ctx": {"n_ctx": 640, "n_batch": 256, "n_ubatch": 64},
+              "n_tokens": 512, "logits": logits}
+        b = runner.logits("baseline", **kw)
+        on = runner.logits("patched", env=LAYER_MAJOR, **kw)
+        assert np.array_equal(on["logits"], b["logits"]), (mem, logits)
+        e = on["ext"]
+        assert e["layer_major_graphs"] == graphs and e["overlap_dropped"] == dropped, (mem, logits, e)
+    assert _vdev_compute_buffers(on) == _vdev_compute_buffers(runner.logits("patched", **kw))
