@@ -6,12 +6,14 @@ n_ubatch without it, and are the logits still the baseline's?
 The patched build with every expert in host RAM, at each n_ubatch, with n_batch = --batches x n_ubatch: without the
 switch and with GGML_SCHED_PP_LAYER_MAJOR=--group (1: every ubatch of a batch in one group); t/s, the speedup, the
 host -> device bytes per run of each device and their ratio; then the logits of the baseline and of the patched
-build with the switch on the same placement (NMSE, max abs difference; --check-tokens 0 skips it). Defaults: the
-tiny preset on throttled VDEVs (one device, and two, each on a 0.2 GB/s link of its own), where the expert uploads
-dominate. Rows into bench/out/layer/ (results.jsonl, results.csv, results.md) unless --out says.
+build with the switch on the same placement (NMSE, max abs difference; --check-tokens 0 skips it, --check-ubatch
+sets its n_ubatch). Defaults: the tiny preset on throttled VDEVs (one device, and two, each on a 0.2 GB/s link of
+its own), where the expert uploads dominate. Rows into bench/out/layer/ (results.jsonl, results.csv, results.md)
+unless --out says.
 
     python bench/layer_major.py [--reps N] [--ubatch 32,64]
-    python bench/layer_major.py --devices cuda --model M --ubatch 2048,4096 --batches 4 --pp 16384 --check-tokens 0
+    python bench/layer_major.py --devices cuda --model M --ubatch 2048,4096 --batches 4 --pp 16384 \
+        --check-tokens 4096 --check-ubatch 512
 """
 from __future__ import annotations
 
@@ -33,7 +35,11 @@ def main() -> int:
     ap.add_argument("--group", type=int, default=1,
                     help="GGML_SCHED_PP_LAYER_MAJOR with the switch on (1: all the ubatches of a batch; default 1)")
     ap.add_argument("--check-tokens", type=int, default=-1,
-                    help="tokens of the logits check (default: two batches; 0: no check)")
+                    help="tokens of the logits check, every one with logits (default: two batches with the default "
+                         "model, none with --model; 0: no check)")
+    ap.add_argument("--check-ubatch", type=int, default=0,
+                    help="n_ubatch of the logits check, in batches of --batches ubatches (default: each row's; a "
+                         "smaller one keeps a large vocabulary's logits small)")
     args = ap.parse_args()
     ctx = C.setup(args)
     ubatches = [int(x) for x in args.ubatch.split(",") if x.strip()]
@@ -54,11 +60,12 @@ def main() -> int:
         off, lm = (df[df.label == cfgs[j].label].iloc[0] for j in (i, i + 1))
         cfg = cfgs[i + 1]
         check = ""
-        n_check = 2 * cfg.n_batch if args.check_tokens < 0 else args.check_tokens
+        check_ub = args.check_ubatch or cfg.n_ubatch
+        n_check = (2 * args.batches * check_ub if ctx["default_model"] else 0) if args.check_tokens < 0 else args.check_tokens
         if n_check > 0:
             c = check_logits(cfg.model, devices=cfg.devices,
                              placement=Placement(host_experts="all", tensor_split=cfg.placement.tensor_split),
-                             ctx=ContextParams(n_ctx=n_check + 256, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch),
+                             ctx=ContextParams(n_ctx=n_check + 256, n_batch=args.batches * check_ub, n_ubatch=check_ub),
                              n_tokens=n_check, switches=on, timeout=args.timeout)
             check = f"{c.nmse:.1e} / {c.max_abs_diff:.1e}"
         h_off, h_on = off.get("h2d_bytes_per_device") or [], lm.get("h2d_bytes_per_device") or []
