@@ -21,7 +21,8 @@ except (ValueError, TypeError) as e:
     pytest.exit(f"PP_FUZZ_FORCE must be a JSON object of switches, e.g. '{{\"GGML_SCHED_PP_OVERLAP\": 2}}': {e}", returncode=4)
 # the live switches of the patched build's table (tests/test_variants.py SWITCH_NAMES), with values worth drawing
 SWITCHES = {"OVERLAP": [0, 2], "DIRECT": [-1, 0, 2], "UPLOAD_ALL": [0, 1], "EARLY_INPUTS": [0, 1], "STAGING": [0, 1],
-            "OWNER_OFFLOAD": [0, 1], "STABLE_RESERVE": [0, 1], "GATHER": [-1, 0], "PREFETCH": [0, 1, 2]}
+            "OWNER_OFFLOAD": [0, 1], "STABLE_RESERVE": [0, 1], "GATHER": [-1, 0], "PREFETCH": [0, 1, 2],
+            "LAYER_MAJOR": [0, 1, 2]}
 # (and EXPERT_CACHE, drawn in _case)
 
 

@@ -1001,3 +1001,124 @@ def test_bench_reports_the_prefetch_lanes(runner, tiny_cfg):
     assert {r["name"]: r["ring_bytes"] for r in on["ext_ring"]} == {"VDEV0": 3 * one_expert_tensor,
                                                                      "VDEV1": 3 * one_expert_tensor, "CPU": 0}
     assert all(r["ring_bytes"] == 0 for r in off["ext_ring"])
+
+
+# === 0015 LAYER_MAJOR: a batch's ubatches through each layer together, a layer's experts up once a group ===========
+
+
+LAYER_MAJOR = {"GGML_SCHED_PP_LAYER_MAJOR": 1}
+
+
+def _groups(ub: int, n_ubatches: int, n_tokens: int, devs: str = DEVS, logits: str = "all") -> dict:
+    """Logits-job arguments: batches of n_ubatches ubatches of ub tokens, n_tokens tokens."""
+    return {"devices": devs, "placement": HOST_ALL, "ctx": {"n_ctx": 512, "n_batch": n_ubatches * ub, "n_ubatch": ub},
+            "n_tokens": n_tokens, "logits": logits}
+
+
+@pytest.mark.parametrize("devs", [DEVS, "vdev:1x0@0"], ids=["two", "one"])
+@pytest.mark.parametrize("group,graphs,ubatches", [(1, 2, 8), (2, 4, 8), (3, 2, 6)], ids=["all", "two", "three"])
+def test_layer_major_logits_are_the_baselines_bit_for_bit(runner, devs, group, graphs, ubatches):
+    """A prompt of two batches of four ubatches of 32 and one of 8 tokens: with LAYER_MAJOR=1 each batch runs as one
+    graph of four ubatches (the last batch's one ubatch alone), with 2 as two of two, with 3 as one of three and
+    its fourth alone. Each ubatch's ops are the ones it runs alone, on the same devices: every logit is the
+    baseline's, to the bit, and without the switch too."""
+    kw = _groups(32, 4, 264, devs)
+    b = runner.logits("baseline", **kw)
+    off = runner.logits("patched", **kw)
+    on = runner.logits("patched", env={"GGML_SCHED_PP_LAYER_MAJOR": group}, **kw)
+    for name, r in (("off", off), (f"LAYER_MAJOR={group}", on)):
+        diff = float(np.max(np.abs(r["logits"] - b["logits"])))
+        assert r["logits"].shape == b["logits"].shape and diff == 0.0, f"{name} on {devs}: max abs diff {diff:.3e}"
+    assert off["ext"]["layer_major_graphs"] == 0 and off["ext"]["read_again"] == 0, off["ext"]
+    e = on["ext"]
+    assert e["layer_major_graphs"] == graphs and e["layer_major_ubatches"] == ubatches, e
+    # (every copy a group reads went up whole; only the ubatches that ran alone gathered their experts)
+    assert e["read_again"] > 0 and (e["gather"] == 0) == (ubatches == 8) and e["selective"] == 0, e
+
+
+def test_layer_major_uploads_each_expert_tensor_once_per_group(runner, tiny_cfg):
+    """Every expert tensor uploaded whole (upload-all forced): without the switch each of the 4 ubatches of the
+    batch moves each one, with it the group moves each once. Per device the host-weight bytes are exactly a quarter
+    (each expert tensor of the tiny model once per device that owns its layer), and the link bytes, which add the
+    activations and inputs, about a quarter."""
+    kw = _groups(32, 4, 128)
+    off = runner.logits("patched", env=FORCE_UPLOAD_ALL, **kw)
+    on = runner.logits("patched", env={**FORCE_UPLOAD_ALL, **LAYER_MAJOR}, **kw)
+    assert np.array_equal(on["logits"], off["logits"])
+    w_off = {b["name"]: b["weight_bytes"] for b in off["ext"]["backends"] if b["name"].startswith("VDEV")}
+    w_on = {b["name"]: b["weight_bytes"] for b in on["ext"]["backends"] if b["name"].startswith("VDEV")}
+    assert w_on and all(w_off[n] == 4 * w_on[n] > 0 for n in w_on), (w_off, w_on)
+    assert sum(w_on.values()) == tiny_cfg.n_layer * synth.expert_bytes_per_layer(tiny_cfg), w_on
+    h_off, h_on = _h2d_by_device(off), _h2d_by_device(on)
+    assert all(h_on[d] < 0.27 * h_off[d] for d in h_on), (h_off, h_on)
+    assert on["ext"]["read_again"] == 3 * tiny_cfg.n_layer, on["ext"]
+
+
+def test_layer_major_copies_go_up_early_on_the_second_stream(runner, assert_logits_match):
+    """OVERLAP=2 (the default): the copy a group reads again goes up whole on the second stream while the split
+    before computes - where it is not its device's first split of the graph; with OVERLAP=0 on the split's own
+    stream. The same bytes either way."""
+    kw = _groups(32, 4, 128)
+    on = runner.logits("patched", env=LAYER_MAJOR, **kw)
+    no_overlap = runner.logits("patched", env={**LAYER_MAJOR, **OVERLAP_OFF}, **kw)
+    assert np.array_equal(on["logits"], no_overlap["logits"])
+    assert _early_uploads(on["ext"]) > 0 and _early_uploads(no_overlap["ext"]) == 0
+    assert on["ext"]["read_again"] == no_overlap["ext"]["read_again"] > 0
+    assert _h2d_by_device(on) == _h2d_by_device(no_overlap)
+
+
+def test_layer_major_leaves_decode_alone(runner, assert_logits_match):
+    """Prompts of 2 and 4 ubatches, then 4 decoded tokens, twice, in one context: the prompts run as groups, each
+    decoded token alone, with the bytes and logits of the run without the switch."""
+    b = _mixed(runner, "baseline", None)
+    off = _mixed(runner, "patched", None)
+    on = _mixed(runner, "patched", LAYER_MAJOR)
+    assert np.array_equal(on["logits"], b["logits"]), "LAYER_MAJOR, mixed workload"
+    for s_on, s_off in zip(on["steps"], off["steps"]):
+        assert (s_on["kind"], s_on["n"]) == (s_off["kind"], s_off["n"])
+        groups = s_on["ext"]["layer_major_graphs"]
+        if s_on["kind"] == "tg":
+            assert groups == 0 and s_on["h2d_bytes_per_device"] == s_off["h2d_bytes_per_device"], (s_on, s_off)
+        else:
+            assert groups == 1, s_on["ext"]
+
+
+def test_layer_major_needs_host_weights(runner):
+    """Every weight in VRAM: nothing to upload, no groups (the graphs stay as they are)."""
+    kw = {**_groups(32, 4, 128), "placement": {"host_experts": "none"}}
+    on = runner.logits("patched", env=LAYER_MAJOR, **kw)
+    assert np.array_equal(on["logits"], runner.logits("baseline", **kw)["logits"])
+    assert on["ext"]["layer_major_graphs"] == 0, on["ext"]
+
+
+def test_layer_major_reserves_a_groups_activations(runner):
+    """The reserved worst case is a group of ubatches (n_batch / n_ubatch of them): the devices' compute buffers
+    grow by the activations the group keeps and a layer more of expert copies; a batch that uses them re-reserves
+    nothing, and fit (with its host experts: 5 MiB devices) plans them."""
+    kw = {"devices": DEVS, "placement": HOST_ALL, "ctx": {"n_ctx": 512, "n_batch": 128, "n_ubatch": 32}}
+    off = _vdev_compute_buffers(runner.schedule("patched", **kw))
+    on = _vdev_compute_buffers(runner.schedule("patched", env=LAYER_MAJOR, **kw))
+    assert all(on[n] > 1.5 * off[n] for n in off), (off, on)
+    r = runner.logits("patched", env=LAYER_MAJOR, **_groups(32, 4, 128, logits="last"))
+    assert r["ext"]["layer_major_graphs"] == 1 and r["ext"]["reallocs"] == 0, r["ext"]
+    # fit's dry runs (the switch in its environment, as pyllama_pp.fit passes switches) reserve the same
+    job = {"kind": "fit", "devices": "vdev:2x5MiB@0", "ctx": kw["ctx"]}
+    fit_off, fit_on = runner.run("patched", job), runner.run("patched", job, env=LAYER_MAJOR)
+    assert fit_off["status"] == fit_on["status"] == 0 and fit_on["overrides"], fit_on
+    assert sum(d["compute_bytes"] for d in fit_on["devices"]) > 1.5 * sum(d["compute_bytes"] for d in fit_off["devices"])
+
+
+def test_layer_major_without_room_runs_the_ubatches_one_by_one(runner):
+    """4 MiB VDEVs hold a group whose ubatches before the last have no outputs (the reserved worst case, without
+    OVERLAP=2's early copies), but not one where every token has logits: that group's graph finds no room, its KV
+    cells go again and its ubatches, and the rest of the prompt, run one by one. 3 MiB ones hold no group at all:
+    the context reserves without groups, with OVERLAP=2's copies, as without the switch. Same logits each time."""
+    for mem, logits, graphs, dropped in (("4MiB", "last", 2, 1), ("4MiB", "all", 0, 1), ("3MiB", "last", 0, 0)):
+        kw = {"devices": f"vdev:2x{mem}@0", "placement": HOST_ALL, "ctx": {"n_ctx": 640, "n_batch": 256, "n_ubatch": 64},
+              "n_tokens": 512, "logits": logits}
+        b = runner.logits("baseline", **kw)
+        on = runner.logits("patched", env=LAYER_MAJOR, **kw)
+        assert np.array_equal(on["logits"], b["logits"]), (mem, logits)
+        e = on["ext"]
+        assert e["layer_major_graphs"] == graphs and e["overlap_dropped"] == dropped, (mem, logits, e)
+    assert _vdev_compute_buffers(on) == _vdev_compute_buffers(runner.logits("patched", **kw))

@@ -17,7 +17,8 @@ VARIANTS = ("baseline", "patched")
 # the patched build's switch table, in order (one off-switch per mechanism and the tuning knobs)
 SWITCH_NAMES = ["GATE", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL", "UPLOAD_ALL_MIN", "UPLOAD_ALL_MIN_COV", "LINKS",
                 "STAGING", "STABLE_RESERVE", "DIRECT", "OVERLAP", "GATHER", "PREFETCH", "PREFETCH2_MIN_TOKENS", "RPC_HOST",
-                "EXPERT_CACHE"]
+                "EXPERT_CACHE",
+                "LAYER_MAJOR"]
 
 
 def _worker_error(runner, variant: str, job: dict) -> str:
@@ -55,7 +56,7 @@ def test_info(variant):
             assert not s["values"] or s["default"] in s["values"], s
         # the defaults README and docs/DEVELOPING.md state
         documented = {"GATE": 1, "OVERLAP": 2, "DIRECT": -1, "GATHER": -1, "PREFETCH": 1, "PREFETCH2_MIN_TOKENS": 1024,
-                      "STAGING": 1, "LINKS": 0, "UPLOAD_ALL_MIN": -1, "UPLOAD_ALL_MIN_COV": -1}
+                      "STAGING": 1, "LINKS": 0, "UPLOAD_ALL_MIN": -1, "UPLOAD_ALL_MIN_COV": -1, "LAYER_MAJOR": 0}
         assert {k: sw[k]["value"] for k in documented} == documented
         assert sw["OVERLAP"]["values"] == [0, 2] and sw["DIRECT"]["values"] == [-1, 0, 2]
     else:

@@ -27,6 +27,18 @@ void ggml_backend_sched_pp_copy_experts(ggml_backend_sched_t sched, ggml_sched_p
 
     ggml_backend_synchronize(input_backend);
 
+    const auto early_it = g->early_decided.find(input_cpy);
+    if (early_it != g->early_decided.end() && early_it->second) {
+        return; // uploaded while the split before computed (OVERLAP=2), counted there
+    }
+
+    // LAYER_MAJOR: later expert ops read this copy too (with ids of their own, maybe where this op has none)
+    if (ggml_backend_sched_pp_read_again(sched, input)) {
+        ggml_backend_sched_pp_upload_whole(sched, split_backend_id, input, input_cpy, transient, nullptr);
+        sched->pp.upload_all++;
+        return;
+    }
+
     // get the ids
     ggml_tensor * ids_tensor = node->src[2];
     ggml_backend_t ids_backend = split_backend;
@@ -35,10 +47,6 @@ void ggml_backend_sched_pp_copy_experts(ggml_backend_sched_t sched, ggml_sched_p
         return;
     }
 
-    const auto early_it = g->early_decided.find(input_cpy);
-    if (early_it != g->early_decided.end() && early_it->second) {
-        return; // uploaded while the split before computed (OVERLAP=2), counted there
-    }
     // PREFETCH: whatever fills the rest of this copy on this stream (a gather, a readback's selective
     // copy) goes after the prefetch (on the device's second stream) - no two writers at once
     const bool rest = g->prefetched.count(input_cpy) > 0;
@@ -144,6 +152,7 @@ void ggml_backend_sched_pp_upload_whole(ggml_backend_sched_t sched, int backend_
     if (transient) {
         sched->pp.transient_bytes[backend_id] += ggml_nbytes(input);
     }
+    sched->pp.read_again += ggml_backend_sched_pp_read_again(sched, input) ? 1 : 0;
 }
 
 // the selective copy: the experts the routing ids use, grouped into runs of consecutive ids, uploaded into the

@@ -82,6 +82,9 @@ struct ggml_sched_pp_stats {
     uint64_t plan_switches;                             // graphs allocated from a kept plan instead of re-reserving (PLANS)
     uint64_t plan_switch_drains;                        // of which with graphs in flight (synchronized all backends)
     uint64_t offload_owner;                             // offloaded ops placed on the layer's own backend
+    uint64_t layer_major_graphs;                        // graphs that ran several ubatches layer by layer (LAYER_MAJOR)
+    uint64_t layer_major_ubatches;                      // ... the ubatches they ran
+    uint64_t read_again;                                // host expert copies uploaded whole because later splits read them too
     // where the host thread spends its time (microseconds): blocking waits by cause, and the submission of
     // each backend's splits (for a CPU backend that is its compute, for a GPU the kernel launches)
     int64_t  host_wait_us[GGML_SCHED_PP_WAIT_COUNT];    // by cause (ggml_sched_pp_wait)
@@ -207,6 +210,9 @@ struct ggml_backend_sched {
     uint64_t pp_graph_seq;                                          // graphs computed (not reset with the stats)
     bool pp_prefetch2_graph;                                        // PREFETCH=2 acts on this graph (PREFETCH2_MIN_TOKENS)
     std::unordered_set<const ggml_tensor *> * pp_shared_copies;     // split-input copies read by a later split too
+    std::unordered_set<const ggml_tensor *> * pp_read_again;        // LAYER_MAJOR: host expert weights several expert ops read
+    std::vector<struct ggml_sched_pp_again> * pp_again;             // ... their copies placed a layer early (OVERLAP=2)
+    bool pp_no_groups;                                              // ... a merged graph found no room: no more of them
     bool pp_direct_dev[GGML_SCHED_MAX_BACKENDS]; // DIRECT: a GPU of a backend whose kernels run on pinned host memory
     ggml_backend_pp_gather_t pp_gather[GGML_SCHED_MAX_BACKENDS]; // GATHER: the device's gather of used experts (or none)
     int  pp_gather_pos[GGML_SCHED_MAX_BACKENDS]; // CHAIN: the device's gathers of this graph are queued after everything
@@ -277,6 +283,14 @@ struct ggml_sched_pp_direct_swap {
             cpy[i]->buffer = buffer[i];
         }
     }
+};
+
+// LAYER_MAJOR with OVERLAP=2: the copy of a weight that several expert ops read, placed for its first reader (split
+// `owner`) at split `at` and uploaded there on the second stream (ggml-backend-pp-layer-major.cpp)
+struct ggml_sched_pp_again {
+    int           at;
+    int           owner;
+    ggml_tensor * input;
 };
 
 // OVERLAP=2: a second stream of a device and the events that order its early uploads (ggml-backend-pp-overlap.cpp;
@@ -411,6 +425,8 @@ void ggml_backend_sched_pp_early_uploads(ggml_backend_sched_t sched, int split_i
                                          std::unordered_set<const ggml_tensor *> & prefetched,
                                          const ggml_tensor * ids_read, const std::vector<ggml_bitset_t> & used_ids);
 void ggml_backend_sched_pp_early_staged(ggml_backend_sched_t sched, int split_id);
+void ggml_backend_sched_pp_early_copy(ggml_backend_sched_t sched, int b, ggml_tensor * input, ggml_tensor * cpy,
+                                      bool selective, const std::vector<ggml_bitset_t> & used_ids);
 
 // ggml-backend-pp-gather.cpp: GATHER
 ggml_backend_pp_gather_t ggml_backend_sched_pp_find_gather(ggml_backend_reg_t reg);
@@ -420,6 +436,15 @@ bool ggml_backend_sched_pp_gather_fits(ggml_backend_sched_t sched, int backend_i
 bool ggml_backend_sched_pp_gather(ggml_backend_sched_t sched, int backend_id, ggml_backend_t via,
                                   struct ggml_tensor * input, struct ggml_tensor * cpy, const struct ggml_tensor * ids,
                                   int mode = GGML_BACKEND_PP_GATHER_USED, bool chained = false);
+
+// ggml-backend-pp-layer-major.cpp: LAYER_MAJOR
+void ggml_backend_sched_pp_find_read_again(ggml_backend_sched_t sched, const struct ggml_cgraph * graph);
+bool ggml_backend_sched_pp_read_again(ggml_backend_sched_t sched, const struct ggml_tensor * weight);
+bool ggml_backend_sched_pp_first_read(ggml_backend_sched_t sched, const struct ggml_tensor * node, int backend_id);
+int ggml_backend_sched_pp_again_lead(ggml_backend_sched_t sched, int split_id, struct ggml_tensor * input);
+void ggml_backend_sched_pp_add_again_inputs(ggml_backend_sched_t sched, int i);
+void ggml_backend_sched_pp_again_uploads(ggml_backend_sched_t sched, int split_id,
+                                         std::unordered_map<const ggml_tensor *, bool> & decided);
 
 // ggml-backend-pp-prefetch.cpp: PREFETCH and PREFETCH=2's lanes
 bool ggml_backend_sched_pp_prefetch_possible(ggml_backend_sched_t sched, int backend_id);

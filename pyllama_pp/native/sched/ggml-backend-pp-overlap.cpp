@@ -24,6 +24,7 @@ int ggml_backend_sched_pp_early_lead(ggml_backend_sched_t sched, const struct gg
 // inputs, so ggml-alloc keeps their memory apart from everything split i uses (as upstream adds a split's inputs)
 void ggml_backend_sched_pp_add_early_inputs(ggml_backend_sched_t sched, int i) {
     struct ggml_cgraph * graph_copy = &sched->graph;
+    ggml_backend_sched_pp_add_again_inputs(sched, i); // (LAYER_MAJOR's, placed a layer early)
     for (int lead = 1; lead <= 2; lead++) {
         if (i + lead >= sched->n_splits) {
             break;
@@ -33,8 +34,8 @@ void ggml_backend_sched_pp_add_early_inputs(ggml_backend_sched_t sched, int i) {
             struct ggml_tensor * input = owner->inputs[j];
             const size_t input_id = hash_id(input);
             struct ggml_tensor * input_cpy = tensor_id_copy(input_id, owner->backend_id, sched->cur_copy);
-            if (ggml_backend_sched_pp_early_lead(sched, input_cpy) != lead) {
-                continue; // not an early copy of that split
+            if (ggml_backend_sched_pp_early_lead(sched, input_cpy) != lead || ggml_backend_sched_pp_read_again(sched, input)) {
+                continue; // not an early copy of that split (or LAYER_MAJOR's)
             }
             assert(graph_copy->size > (graph_copy->n_nodes + 1));
 
@@ -179,6 +180,14 @@ void ggml_backend_sched_pp_find_early_copies(ggml_backend_sched_t sched, struct 
         for (int j = 0; j < split->n_inputs; j++) {
             ggml_tensor * input = split->inputs[j];
             const ggml_tensor * cpy = tensor_id_copy(hash_id(input), b, sched->cur_copy);
+            if (ggml_backend_sched_pp_read_again(sched, input)) {
+                // LAYER_MAJOR: a copy that later splits read too, placed where its layer's copies go up
+                if (ggml_backend_sched_pp_is_expert_copy(sched, node, cpy) && input->buffer != nullptr &&
+                    (ggml_backend_sched_pp_buffer_is_pinned(sched, input->buffer) || ggml_backend_sched_pp_stages(sched, b, input))) {
+                    early[cpy] = ggml_backend_sched_pp_again_lead(sched, i + 1, input);
+                }
+                continue;
+            }
             // (only where the copy can go up early: an upload-all, so an ubatch whose selections could reach the
             // lower upload-all bar, or a selective copy with the ids the split before already read back - the same
             // routing as its own expert op (up and down after gate); elsewhere placing it early only costs memory)
@@ -331,9 +340,6 @@ void ggml_backend_sched_pp_early_free(ggml_backend_sched_t sched) {
     sched->pp_early_copies = nullptr;
 }
 
-static void ggml_backend_sched_pp_early_copy(ggml_backend_sched_t sched, int b, ggml_tensor * input, ggml_tensor * cpy,
-                                             bool selective, const std::vector<ggml_bitset_t> & used_ids);
-
 // OVERLAP=2: at split `split_id`, before it is queued, upload the early copies (find_early_copies) of the next
 // split - and with PREFETCH=2 of the one after - on the device's second stream, once everything queued on the
 // compute stream so far has run (a PREFETCH=2 prefetch: once the last split that used its memory has); `decided`
@@ -346,6 +352,7 @@ void ggml_backend_sched_pp_early_uploads(ggml_backend_sched_t sched, int split_i
     if (sched->pp_early_copies == nullptr || sched->pp_early_copies->empty()) {
         return;
     }
+    ggml_backend_sched_pp_again_uploads(sched, split_id, decided); // (LAYER_MAJOR's, a layer early)
     const std::unordered_map<const ggml_tensor *, int> & early = *sched->pp_early_copies;
     const int b = sched->splits[split_id].backend_id;
     // the expert op this split starts with (its ids are computed before this split)
@@ -416,7 +423,8 @@ void ggml_backend_sched_pp_early_uploads(ggml_backend_sched_t sched, int split_i
             ggml_tensor * input = next->inputs[j];
             ggml_tensor * cpy   = tensor_copy(input, b, sched->cur_copy);
             const auto it = early.find(cpy);
-            if (it == early.end() || node->src[0] != cpy || ggml_nelements(node->src[2]) == 0) {
+            if (it == early.end() || node->src[0] != cpy || ggml_nelements(node->src[2]) == 0 ||
+                ggml_backend_sched_pp_read_again(sched, input)) {
                 continue;
             }
             if (e == nullptr && (e = ggml_backend_sched_pp_early_get(sched, b)) == nullptr) {
@@ -507,8 +515,8 @@ void ggml_backend_sched_pp_early_uploads(ggml_backend_sched_t sched, int split_i
 }
 
 // an early copy on the second stream, and the event its split waits for
-static void ggml_backend_sched_pp_early_copy(ggml_backend_sched_t sched, int b, ggml_tensor * input, ggml_tensor * cpy,
-                                             bool selective, const std::vector<ggml_bitset_t> & used_ids) {
+void ggml_backend_sched_pp_early_copy(ggml_backend_sched_t sched, int b, ggml_tensor * input, ggml_tensor * cpy,
+                                      bool selective, const std::vector<ggml_bitset_t> & used_ids) {
     ggml_sched_pp_early * e = sched->pp_early[b];
     if (selective) {
         ggml_backend_sched_pp_copy_used_experts(sched, b, input, cpy, used_ids, input->ne[2], input->nb[2],

@@ -229,7 +229,8 @@ struct ggml_sched_pp_param {
     { name, type, def, min, max, values, field, help, def }
 
 // The switch table: one off-switch per mechanism and the tuning knobs. Defaults: every patched behaviour on, except
-// the opt-in PREFETCH=2. Thresholds in tokens x experts used per token of a MUL_MAT_ID.
+// the opt-in PREFETCH=2 and LAYER_MAJOR (off until measured on a GPU). Thresholds in tokens x experts used per token
+// of a MUL_MAT_ID.
 // Each mechanism's patch adds its rows; the last row ends the table.
 static ggml_sched_pp_param ggml_sched_pp_params[] = {
     GGML_SCHED_PP_ROW("GATE", GGML_SCHED_PP_BOOL, 1, 0, 1, nullptr, nullptr,
@@ -264,6 +265,8 @@ static ggml_sched_pp_param ggml_sched_pp_params[] = {
         "host weights of a layer on an RPC device are kept in its server's host memory and copied in by its device there (llama; a server of the patched protocol 7.1); 0: in this host's RAM, as upstream"),
     GGML_SCHED_PP_ROW("EXPERT_CACHE", GGML_SCHED_PP_INT, 0, -65536, INT32_MAX, nullptr, &ggml_sched_pp_cfg::expert_cache,
         "MiB of expert slots per device (-N: N slots per layer): an expert op on host weights below op offload's threshold (decode) runs on its layer's device, reading the experts from a per-layer LRU of slots there, not on the CPU (0: off)"),
+    GGML_SCHED_PP_ROW("LAYER_MAJOR", GGML_SCHED_PP_INT, 0, 0, 64, nullptr, nullptr,
+        "run the ubatches of a batch through each layer together, as one graph, so a layer's host experts go up once for all of them (llama; 1: all the ubatches of a batch, N >= 2: at most N per graph; 0: off); their activations stay in the compute buffers"),
     GGML_SCHED_PP_ROW(nullptr, GGML_SCHED_PP_INT, 0, 0, 0, nullptr, nullptr, nullptr),
 };
 
@@ -527,6 +530,9 @@ size_t ggml_backend_sched_pp_stats_json(ggml_backend_sched_t sched, char * buf, 
     num("plan_switches", st.plan_switches);
     num("plan_switch_drains", st.plan_switch_drains);
     num("offload_owner", st.offload_owner);
+    num("layer_major_graphs", st.layer_major_graphs);
+    num("layer_major_ubatches", st.layer_major_ubatches);
+    num("read_again", st.read_again);
     num("compute_async_us", st.compute_async_us);
     num("alloc_us", st.alloc_us);
     num("synchronize_us", st.synchronize_us);

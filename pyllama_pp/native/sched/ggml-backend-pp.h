@@ -104,6 +104,34 @@ typedef bool (*ggml_backend_pp_gather_t)(ggml_backend_t backend, struct ggml_ten
                                          const struct ggml_tensor * ids, int mode /* enum ggml_backend_pp_gather_mode */);
 GGML_API void ggml_backend_sched_pp_set_gather(const char * reg_name, ggml_backend_pp_gather_t fn);
 
+// LAYER_MAJOR: the graphs of n ubatches of one batch as one graph that runs them through each layer in turn: a
+// layer's nodes of graph 0, then of graph 1, ... A node's layer is the number its name ends in (llama names nodes
+// "ffn_moe_gate-12"), else the largest of its sources'; a node with neither goes with its first consumer's layer.
+// Each graph keeps its own order, and graph k writes a layer's KV cache before graph k + 1 reads it. The scheduler
+// uploads a host weight that splits of several graphs read once per graph (the first split's copy serves the later
+// ones). The merged graph shares the graphs' tensors; `ctx` must hold a graph of ggml_backend_pp_layer_major_size
+// nodes (ggml_graph_overhead_custom).
+GGML_API size_t ggml_backend_pp_layer_major_size(struct ggml_cgraph ** graphs, int n);
+GGML_API struct ggml_cgraph * ggml_backend_pp_layer_major_graph(struct ggml_context * ctx, struct ggml_cgraph ** graphs, int n);
+// the most graphs of `graph_nodes` nodes (and leafs) each that a merged graph of this scheduler may hold: its graph
+// size over graph_nodes, or 1 once a merged graph found no room (ggml_backend_sched_pp_note_layer_major)
+GGML_API int ggml_backend_sched_pp_max_group(ggml_backend_sched_t sched, size_t graph_nodes);
+// counts a layer-major graph of n_ubatches ubatches (stats: layer_major_graphs, layer_major_ubatches); 0: one could
+// not be allocated - the scheduler takes no more (max_group 1)
+GGML_API void ggml_backend_sched_pp_note_layer_major(ggml_backend_sched_t sched, int n_ubatches);
+
+// LAYER_MAJOR: inputs set before their graph is allocated. The graphs of a batch's ubatches are built, and their
+// inputs set, one after the other (each with the KV cache as it is for that ubatch), before the merged graph is
+// allocated: hold() gives the unallocated input tensors of a graph host memory of their own, release() takes it
+// back from them (keeping what was set) so the scheduler allocates them, and restore() writes what was set into
+// them once it has.
+typedef struct ggml_backend_pp_inputs * ggml_backend_pp_inputs_t;
+GGML_API ggml_backend_pp_inputs_t ggml_backend_pp_inputs_new(void);
+GGML_API void ggml_backend_pp_inputs_free(ggml_backend_pp_inputs_t inputs);
+GGML_API bool ggml_backend_pp_inputs_hold(ggml_backend_pp_inputs_t inputs, struct ggml_cgraph * graph);
+GGML_API void ggml_backend_pp_inputs_release(ggml_backend_pp_inputs_t inputs);
+GGML_API void ggml_backend_pp_inputs_restore(ggml_backend_pp_inputs_t inputs);
+
 #ifdef  __cplusplus
 }
 #endif
