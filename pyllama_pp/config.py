@@ -9,6 +9,7 @@ import hashlib
 import itertools
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Sequence
 
 from . import devices as devspec
@@ -220,8 +221,9 @@ def expand(model: str, devices: Sequence[str] = (RUN.devices,), n_batch: Sequenc
 
 def config_key(cfg: RunConfig) -> str:
     """What a config measures (model, devices, placements, batch sizes, tests, reps, switches, environment, label) as
-    a short hash: rows with the same key and variant measure the same thing (a resumed sweep reuses them)."""
-    what = [cfg.job().to_dict(), {v: p.to_dict() for v, p in sorted(cfg.plans.items())}, cfg.switches, cfg.env,
+    a short hash: rows with the same key and variant measure the same thing (a resumed sweep reuses them). The model
+    counts as the file it names, however its path was written (relative to any working directory, or absolute)."""
+    what = [{**cfg.job().to_dict(), "model": str(Path(cfg.model).resolve())}, {v: p.to_dict() for v, p in sorted(cfg.plans.items())}, cfg.switches, cfg.env,
             cfg.label] + ([cfg.baseline_devices] if cfg.baseline_devices else [])
     return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
