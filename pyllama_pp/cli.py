@@ -30,6 +30,8 @@ from .report import any_failed, check_measured, error_lines, markdown, plot, tex
 from .row import Row, RowWriter, read_rows
 from .rpc import server as rpc_server
 
+BASELINE_SERVERS = ("`pyllama-pp rpc-server --variant baseline` beside each patched one; upstream's client refuses "
+                    "patched servers")
 JSON_HELP = "print one JSON document on stdout instead of the table (errors too, as {\"error\": ...})"
 __all__ = ["main", "build_parser", "choices_from_args"]
 
@@ -140,7 +142,8 @@ def cmd_check(args) -> int:
     ctx = ContextParams(n_ctx=check_context(args.tokens).n_ctx, n_batch=args.batch, n_ubatch=args.ubatch)
     res = check_logits(model, devices=args.devices,
                        placement=Placement(host_experts=args.host_experts, tensor_split=args.tensor_split),
-                       ctx=ctx, n_tokens=args.tokens, seed=args.seed, switches=switches)
+                       ctx=ctx, n_tokens=args.tokens, seed=args.seed, switches=switches,
+                       baseline_devices=args.baseline_devices)
     _emit(args, res.to_dict(), str(res))
     return 0 if res.ok else 1
 
@@ -433,8 +436,7 @@ def _add_ab(sub) -> None:
                         "--plan on GPUs, plan for half of each device")
     p.add_argument("--baseline-devices", type=_specs, default=None, metavar="SPEC",
                    help="for RPC devices: the baseline's own servers on the same hosts, in the same order "
-                        "(`pyllama-pp rpc-server --variant baseline` beside each patched one; upstream's client "
-                        "refuses patched servers). ';'-separated, one per --devices spec")
+                        f"({BASELINE_SERVERS}). ';'-separated, one per --devices spec")
     p.add_argument("--loads", type=_positive, default=PAIRED.loads, metavar="K",
                    help="with --paired: K fresh loads of both workers, N rounds each, the variants' load order "
                         "alternating; the interval then resamples whole loads (where each process's memory lands can "
@@ -486,6 +488,8 @@ def _add_check(sub) -> None:
                        formatter_class=_HelpFormatter, epilog="device specs (--devices):" + FORMS)
     p.add_argument("model", nargs="?", help="GGUF model file (default: the main job's model)")
     p.add_argument("--devices", default=CHECK.devices, help="device spec (default: %(default)s, two VDEVs; forms below)")
+    p.add_argument("--baseline-devices", default=None, metavar="SPEC",
+                   help=f"for RPC devices: the baseline's own servers on the same hosts, in the same order ({BASELINE_SERVERS})")
     p.add_argument("--host-experts", default=CHECK.host_experts,
                    help="experts in host RAM: all, none or N (the first N layers) (default: %(default)s)")
     p.add_argument("-ts", "--tensor-split", type=_floats, default=None,

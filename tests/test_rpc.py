@@ -214,6 +214,20 @@ def test_ab_gives_the_baseline_its_own_servers(tiny_model, tmp_path, two_patched
         RunConfig(tiny_model, devices="vdev:2x0@0", baseline_devices=spec_of(two_rpc_servers))
 
 
+def test_check_runs_the_baseline_on_its_own_servers(tiny_model, two_patched_servers, two_rpc_servers, capsys):
+    """`check --baseline-devices`: the patched build's RPC path (host experts in the servers' RAM) against upstream's
+    servers of the same hosts, logits compared; servers that do not match the devices are refused before a worker."""
+    from pyllama_pp import cli
+    assert cli.main(["check", tiny_model, "--devices", spec_of(two_patched_servers), "--baseline-devices",
+                     spec_of(two_rpc_servers), "-n", "64", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["ok"] and res["patched_pipeline_parallel"] and not res["baseline_pipeline_parallel"], res
+    assert res["baseline_devices"] == spec_of(two_rpc_servers), res
+    assert cli.main(["check", tiny_model, "--devices", spec_of(two_patched_servers), "--baseline-devices",
+                     spec_of(two_rpc_servers[:1])]) == 2
+    assert "do not match" in capsys.readouterr().err
+
+
 def test_network_bytes_per_token_are_counted_and_activations_only(runner, two_patched_servers):
     """Through a Link per host (a counting relay): with the experts on their servers, a prompt token costs fewer
     network bytes than with the experts in the client's RAM (RPC_HOST=0), where every layer's expert op runs on the
