@@ -291,19 +291,19 @@ def _running(pid: int) -> bool:
 
 # -- resume ------------------------------------------------------------------------------------------------------
 def _counting(monkeypatch, stop_at: int = 0, fail_first: bool = False) -> list:
-    """runner.run_job, counted: the call number `stop_at` raises KeyboardInterrupt (Ctrl-C) instead."""
+    """The runner's worker jobs, counted: the call number `stop_at` raises KeyboardInterrupt (Ctrl-C) instead."""
     calls: list = []
-    real = worker.run_job
+    real = worker.ServingWorker.run
 
-    def run(job, variant, **kw):
-        calls.append((job.devices, variant))
+    def run(self, job, timeout=None):
+        calls.append((job.devices, self.variant))
         if len(calls) == stop_at:
             raise KeyboardInterrupt
         if fail_first and len(calls) == 1:
             raise WorkerError("baseline worker died (killed by signal SIGKILL) without a result")
-        return real(job, variant, **kw)
+        return real(self, job, timeout=timeout)
 
-    monkeypatch.setattr(runner, "run_job", run)
+    monkeypatch.setattr(runner.ServingWorker, "run", run)
     return calls
 
 
@@ -376,6 +376,7 @@ def test_bad_resume_options(capsys, tmp_path, tiny_model, argv, words, monkeypat
     def refuse(*a, **k):
         raise AssertionError("a worker was started")
     monkeypatch.setattr(runner, "run_job", refuse)
+    monkeypatch.setattr(runner.ServingWorker, "start", refuse)
     (tmp_path / "done").mkdir()
     runner.save_sweep(tmp_path / "done", [_cfg(tiny_model, "cpu")], ["baseline"])
     argv = [a.format(tmp=tmp_path, model=tiny_model) for a in argv]

@@ -21,6 +21,16 @@ def _job(model, **kw):
             "warmup": 0, "ctx": CTX, **kw}
 
 
+def test_progress_is_one_named_step_per_round(tiny_model, progress_bars):
+    """`--paired 4`: four steps per config, each named by its round and the config's tests (the warm-up is no step)."""
+    cfg = RunConfig(tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["pp", 32]])
+    runner.interleaved([cfg, cfg], rounds=4, progress=True)
+    bar, = progress_bars
+    assert bar.total == 8 and [n for n, _ in bar.steps] == [1] * 8, bar.steps
+    assert [name.split(" ")[:2] for _, name in bar.steps] == [["round", f"{r}/4"] for r in (1, 2, 3, 4)] * 2
+    assert all("ub=32 pp32" in name for _, name in bar.steps), bar.steps
+
+
 def test_serving_worker_loads_once_for_many_jobs(tiny_model):
     """Three jobs on one model: one process, one load; a job with another context gets a fresh context on the same
     model (its ubatch shows in the schedule), and EOF ends the worker with exit 0."""

@@ -374,6 +374,43 @@ def test_a_server_that_fails_mid_run_ends_the_job_with_an_error(tiny_model, faul
     assert all(proc.returncode is not None for _, proc in started)
 
 
+def test_a_server_that_goes_away_mid_sweep_keeps_the_finished_rows_and_is_named(tiny_model, tmp_path, monkeypatch):
+    """`run -ub 32,64,128` over two servers, one killed once the first config's rows are written: those rows stay,
+    the later configs' error rows name the server that went away and what to do (not ggml-rpc's source line), and
+    this process goes on."""
+    from pyllama_pp import runner as ab_runner
+    from pyllama_pp.config import RunConfig, expand
+    from pyllama_pp.row import RowWriter
+    started = [start_server("patched") for _ in range(2)]
+    try:
+        for port, proc in started:
+            wait_listening(port, proc, HOST)
+        victim_port, victim = started[1]
+        real = RowWriter.write
+
+        def write(self, rows):   # the first config's rows reach the disk, then its server dies
+            real(self, rows)
+            if victim.poll() is None:
+                victim.kill()
+                victim.wait(timeout=10)
+        monkeypatch.setattr(RowWriter, "write", write)
+        cfgs = expand(tiny_model, devices=[spec_of([p for p, _ in started])], n_batch=[512], n_ubatch=[32, 64, 128],
+                      tests=[["pp", 256]], reps=1)
+        assert len(cfgs) == 3 and all(isinstance(c, RunConfig) for c in cfgs)
+        df = ab_runner.ab(cfgs, variants=["patched"], out_dir=tmp_path, progress=False, timeout=120)
+    finally:
+        for _, proc in started:
+            stop(proc)
+    rows = {r["n_ubatch"]: r for r in df.to_dict("records")}
+    error = {ub: r["error"] if isinstance(r["error"], str) else "" for ub, r in rows.items()}
+    assert not error[32] and rows[32]["avg_ts"] > 0, error[32]
+    assert len(Path(tmp_path / "results.jsonl").read_text().splitlines()) == 3
+    for ub in (64, 128):
+        err = error[ub]
+        assert f"127.0.0.1:{victim_port}" in err and "rpc-server" in err and "ggml-rpc.cpp" not in err, (ub, err)
+        assert f"127.0.0.1:{started[0][0]}" not in err, err
+
+
 def test_local_and_remote_devices_in_one_spec(runner, two_patched_servers, assert_logits_match):
     """`vdev:...+rpc://...`: this machine's device holds the first layers, with their experts in this host's pinned
     RAM; the server's device the rest, with their experts in the server's RAM; pipelined, the baseline's logits."""

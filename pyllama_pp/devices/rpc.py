@@ -38,6 +38,12 @@ def _local(spec: DeviceSpec, text: str, why: str) -> DeviceSpec:
     return spec
 
 
+def _refuse_unreachable(spec: DeviceSpec) -> None:
+    why = spec.unreachable()
+    if why:
+        raise DeviceSpecError(why)
+
+
 class RpcSpec(DeviceSpec):
     """The devices of rpc-servers (`endpoints`, in order), after this machine's (`local`, None: none)."""
 
@@ -106,16 +112,16 @@ class RpcSpec(DeviceSpec):
         Raises:
             DeviceSpecError: naming the first server that does not answer, and the fix.
         """
-        why = self.unreachable()
-        if why:
-            raise DeviceSpecError(why)
+        _refuse_unreachable(self)
 
     def connect(self, native) -> list[tuple[str, list[str]]]:
         """Connect to the servers (rpc.client.connect_servers).
 
         Raises:
-            DeviceSpecError: for a server that cannot be reached, speaks another protocol, or lacks a device asked for.
+            DeviceSpecError: for a server that cannot be reached (named with the fix, as `unreachable` says it),
+                speaks another protocol, or lacks a device asked for.
         """
+        _refuse_unreachable(self)
         return connect_servers(native, self.endpoints)
 
     def register(self, native, servers: Optional[list] = None) -> str:
