@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -113,7 +115,14 @@ def cmd_synth(args) -> int:
     return 0
 
 
+def _device_notes(args, *specs) -> None:
+    """How the device specs were read (a default they left to us), as notes on stderr."""
+    for note in [n for spec in specs if spec for n in devspec.parse(spec).notes] if not args.json else ():
+        print(f"pyllama-pp: note: {note}", file=sys.stderr)
+
+
 def cmd_fit(args) -> int:
+    _device_notes(args, args.devices)
     auto = args.ubatch == "auto"
     if not auto and args.batch < args.ubatch:
         raise ConfigError(f"-ub/--ubatch ({args.ubatch}) is larger than -b/--batch ({args.batch}). Fix: -ub <= -b")
@@ -135,6 +144,7 @@ def cmd_check(args) -> int:
     """Both variants on one placement, every token's logits compared; exit 1 on a mismatch."""
     model = args.model or main_job_model()
     check_model_path(model)
+    _device_notes(args, args.devices, args.baseline_devices)
     switches = parse_switches(args.switch)
     check_switches(switches, ["patched"])
     if args.ubatch > args.batch:
@@ -264,6 +274,13 @@ def cmd_measure(args) -> int:
     _emit(args, {"rows": rows, "files": files, "notes": notes},
           md + error_lines(df) + "\n" + "\n".join(f"{k}: {v}" for k, v in files.items() if v))
     return 1 if any_failed(df) else 0
+
+
+def _closed_pipe() -> int:
+    """stdout's reader went away: nothing more to say (stdout goes to /dev/null, so that the flush at exit cannot
+    fail again), and the exit status a shell gives a process that SIGPIPE ended."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 # -- the parser: one small builder per subcommand --------------------------------------------------------------------
@@ -566,6 +583,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:   # (the reader went away: `pyllama-pp info | head -1`)
+        return _closed_pipe()
     except (PyllamaError, ValueError, OSError) as e:
         kind = getattr(e, "error_type", None) or type(e).__name__
         if getattr(args, "json", False):

@@ -164,7 +164,7 @@ class RunPlan:
         configs: the RunConfigs, frozen, with each variant's placement from a plan where one placed it.
         variants: the variants that run them, in order.
         plans: the fit plans made (`-ub auto`, `--fit`), in the order they were made.
-        notes: notes for the user (pairs left out, a CPU-only A/B).
+        notes: notes for the user (pairs left out, how a device spec was read, a CPU-only A/B).
         choices: the choices with every default filled in (what ran).
     """
 
@@ -467,6 +467,7 @@ def plan_runs(choices: Choices) -> RunPlan:
         cfgs = [_with_plan(cfg, plan, model, variants, c, "fit" if auto else "plan") for cfg in cfgs]
     elif c.fit:
         cfgs = [_with_fit(cfg, model, variants, c, made) for cfg in cfgs]
+    notes += [n for spec in dict.fromkeys(c.devices + (c.baseline_devices or ())) for n in devspec.parse(spec).notes]
     if c.command == "ab":
         notes += cpu_only_notes(cfgs)
     return RunPlan(model=model, configs=tuple(cfgs), variants=tuple(variants), plans=tuple(made),

@@ -2,11 +2,24 @@
 from __future__ import annotations
 
 import numbers
+import textwrap
 from pathlib import Path
 from typing import Optional, Union
 
 from . import devices as devspec
 from .errors import ConfigError, DeviceSpecError
+from .worker.client import SWITCH_ENV_PREFIX
+
+# the causes of the patched build's host waits (the scheduler's ggml_sched_pp_wait_names), as the legend explains them
+WAIT_CAUSES = {
+    "input_events": "early input uploads of an older graph: the host ran ahead of the pipeline, expected",
+    "fallback": "a synchronous copy between two devices that have no asynchronous one (the host waits for each)",
+    "user_input": "a synchronous upload of the user's inputs",
+    "split_switch": "a split without inputs after one on another device",
+    "ids": "the routing-id readback of the selective expert copy",
+    "realloc": "a re-reservation of the graph's buffers (every device synchronized)",
+    "upload": "issuing host-weight uploads (blocks while a device's queue is full)",
+}
 
 # what the table's columns mean, printed under it (and in results.md)
 LEGEND = """\
@@ -18,8 +31,12 @@ LEGEND = """\
 - **bytes/dev**: host-to-device bytes per device per run (what crossed each link).
 - **bound t/s**: the patched build's throughput if every link moved its bytes at its rate and nothing else took time
   (links), and the same with the pipeline's fill and drain (with fill).
-- **re-reservations, host waits**: graph re-reservations of the patched build (each drains the pipeline), and the
-  time its host thread waited, with the largest cause (input_events: the host ran ahead of the pipeline, expected)."""
+""" + textwrap.fill("- **re-reservations, host waits**: graph re-reservations of the patched build (each drains the "
+                    "pipeline), and the time its host thread waited, with the largest cause: "
+                    + "; ".join(f"*{k}*: {v}" for k, v in WAIT_CAUSES.items()) + ".", width=118, subsequent_indent="  ",
+                    break_on_hyphens=False)
+SWITCHES_NOTE = ("- **patched switches**: the patched scheduler's switches the run set (`--switch`, a plan's, "
+                 "`GGML_SCHED_PP_*`); the others at their defaults (`pyllama-pp info`).")
 DECODE_NOTE = ("- **tg rows without `--paired`**: each variant's model was loaded once, and where a process's memory "
                "lands moves decode by a few percent; for a decode claim use `--paired N --loads K` (an interval).")
 
@@ -89,13 +106,28 @@ def fmt_bytes(b) -> str:
         b /= 1024
 
 
+def switches_text(r) -> str:
+    """The patched switches a row's run set (its `switches`, and GGML_SCHED_PP_* in its environment), "NAME=V ..."."""
+    if r is None:
+        return ""
+    env = r.get("env") if isinstance(r.get("env"), dict) else {}
+    given = {k.removeprefix(SWITCH_ENV_PREFIX): v for k, v in env.items() if k.startswith(SWITCH_ENV_PREFIX)}
+    given.update(r.get("switches") if isinstance(r.get("switches"), dict) else {})
+    return " ".join(f"{k}={v}" for k, v in sorted(given.items()))
+
+
 def markdown(df) -> str:
-    """A compare-llama-bench-like table: one line per config and test, baseline vs patched."""
+    """A compare-llama-bench-like table: one line per config and test, baseline vs patched (and the patched
+    switches the runs set, where any did)."""
     if df.empty:
         return "(no rows)\n"
+    patched = df[df.variant == "patched"].to_dict("records") if "variant" in df else []
+    with_switches = any(switches_text(r) for r in patched)
     lines = ["| devices | host experts | n_batch | n_ubatch | test | coverage | baseline t/s | patched t/s | speedup "
-             "| PP b/p | bytes/dev baseline | bytes/dev patched | bound t/s (patched): links, with fill | patched: re-reservations, host waits (largest cause) |",
-             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | --- |"]
+             "| PP b/p | bytes/dev baseline | bytes/dev patched | bound t/s (patched): links, with fill | patched: re-reservations, host waits (largest cause) |"
+             + (" patched switches |" if with_switches else ""),
+             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | --- |"
+             + (" --- |" if with_switches else "")]
     for (cfg, test), g in df.groupby(["config", "test"], sort=True):
         b = g[g.variant == "baseline"].iloc[0] if (g.variant == "baseline").any() else None
         p = g[g.variant == "patched"].iloc[0] if (g.variant == "patched").any() else None
@@ -142,10 +174,11 @@ def markdown(df) -> str:
             f"| {devices_label(ref['devices'])} | {placed} | {ref['n_batch']} "
             f"| {ref['n_ubatch']} | {test} | {cov_s} | {ts(b)} | {ts(p)} "
             f"| {sp_s} | {pp(b)}/{pp(p)} | {per_dev(b)} | {per_dev(p)} "
-            f"| {bound} | {blocked(p)} |")
+            f"| {bound} | {blocked(p)} |" + (f" {switches_text(p)} |" if with_switches else ""))
     unpaired_tg = "test" in df and df["test"].astype(str).str.startswith("tg").any() and (
         "speedup_ci_lo" not in df or df["speedup_ci_lo"].isna().all())
-    return "\n".join(lines) + "\n\n" + LEGEND + ("\n" + DECODE_NOTE if unpaired_tg else "") + "\n"
+    return ("\n".join(lines) + "\n\n" + LEGEND + ("\n" + SWITCHES_NOTE if with_switches else "")
+            + ("\n" + DECODE_NOTE if unpaired_tg else "") + "\n")
 
 
 def plot(df, path: Union[str, Path], title: str = "pyllama_pp A/B") -> Optional[Path]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -226,6 +227,20 @@ def test_check_runs_the_baseline_on_its_own_servers(tiny_model, two_patched_serv
     assert cli.main(["check", tiny_model, "--devices", spec_of(two_patched_servers), "--baseline-devices",
                      spec_of(two_rpc_servers[:1])]) == 2
     assert "do not match" in capsys.readouterr().err
+
+
+def test_a_server_on_a_busy_port_says_so_before_its_banner():
+    """rpc-server on a port something else listens on: one error line, exit 2, and no "serving" / "Starting RPC
+    server" banner before it."""
+    with socket.socket() as taken:
+        taken.bind((HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "pyllama_pp.cli", "rpc-server", "--devices", "vdev:1x0@0",
+                              "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stdout == "", (res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{HOST}:{port}" in lines[0] and "--port" in lines[0], res.stderr
 
 
 def test_network_bytes_per_token_are_counted_and_activations_only(runner, two_patched_servers):

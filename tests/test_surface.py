@@ -160,3 +160,24 @@ def test_ab_ubatch_auto_needs_one_spec_and_a_prompt(usage_error, no_worker, tiny
     assert "-ub auto plans for one --devices spec" in usage_error(
         ["ab", tiny_model, "--devices", "vdev:2x8MiB@4GBps;vdev:2x6MiB@4GBps", "-ub", "auto"])
     assert "give -p N" in usage_error(["ab", tiny_model, "--devices", "vdev:2x8MiB@4GBps", "-ub", "auto", "-p", "0"])
+
+
+def test_the_legend_explains_every_host_wait_cause_and_the_table_shows_the_switches():
+    """Every cause the patched scheduler names for a host wait (its source's list) is in the legend where the table
+    shows it; the switches a run used are in the table (its own column), none when no switch was set."""
+    from pathlib import Path
+    import re
+    src = (Path(report.__file__).parent / "native" / "sched" / "ggml-backend-pp.cpp").read_text()
+    causes = re.findall(r'"(\w+)"', re.search(r"ggml_sched_pp_wait_names\[[^]]*\] = \{([^}]*)\}", src).group(1))
+    assert "fallback" in causes and len(causes) >= 7, causes
+    for cause in causes:
+        df = _frame(error=False)
+        df["host_wait_s"] = [{cause: 0.5}] * len(df)
+        md = report.markdown(df)
+        assert f"0.50 s ({cause})" in md and f"*{cause}*" in md.split("\n\n", 1)[1], (cause, md)
+    df = _frame(error=False)
+    df["switches"] = [{} if v == "baseline" else {"OVERLAP": 0} for v in df["variant"]]
+    md = report.markdown(df)
+    assert "patched switches" in md.splitlines()[0] and "| OVERLAP=0 |" in md, md
+    df["switches"] = [{}] * len(df)
+    assert "switches" not in report.markdown(df).splitlines()[0]
