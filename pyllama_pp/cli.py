@@ -28,7 +28,7 @@ from .fit import fit, fit_ubatch
 from .model_file import check_model_path
 from .params import ContextParams, Placement
 from .planning import Choices, check_switches, cpu_only_notes, main_job_model, parse_switches, plan_runs
-from .report import any_failed, check_measured, error_lines, markdown, plot, text_table
+from .report import any_failed, check_measured, error_lines, markdown, noise_warnings, plot, text_table
 from .row import Row, RowWriter, read_rows
 from .rpc import server as rpc_server
 
@@ -260,10 +260,12 @@ def cmd_measure(args) -> int:
         return _interrupted(out, args.cmd, resumable=not paired)
     check_measured(df)
     rows = json.loads(df.to_json(orient="records"))
+    warnings = noise_warnings(df)
     if not ab:
-        _emit(args, {"rows": rows, "notes": notes}, text_table(df, ["variant", "devices", "n_batch", "n_ubatch", "test",
-                                                                 "avg_ts", "stddev_ts", "pipeline_parallel",
-                                                                 "coverage", "h2d_bytes"]))
+        _emit(args, {"rows": rows, "notes": notes, "warnings": warnings},
+              text_table(df, ["variant", "devices", "n_batch", "n_ubatch", "test", "avg_ts", "stddev_ts",
+                              "pipeline_parallel", "coverage", "h2d_bytes"]))
+        _warnings(args, warnings)
         return 1 if any_failed(df) else 0
     out = Path(out)
     md = markdown(df)
@@ -271,9 +273,15 @@ def cmd_measure(args) -> int:
     png = plot(df, out / "ab.png", title=f"{Path(cfgs[0].model).name}: baseline vs patched")
     files = {"jsonl": str(out / "results.jsonl"), "csv": str(out / "results.csv"), "markdown": str(out / "results.md"),
              "plot": str(png) if png else None}
-    _emit(args, {"rows": rows, "files": files, "notes": notes},
+    _emit(args, {"rows": rows, "files": files, "notes": notes, "warnings": warnings},
           md + error_lines(df) + "\n" + "\n".join(f"{k}: {v}" for k, v in files.items() if v))
+    _warnings(args, warnings)
     return 1 if any_failed(df) else 0
+
+
+def _warnings(args, warnings: list[str]) -> None:
+    for w in warnings if not args.json else ():
+        print(f"pyllama-pp: warning: {w}", file=sys.stderr)
 
 
 def _closed_pipe() -> int:

@@ -8,6 +8,7 @@ from typing import Optional, Union
 
 from . import devices as devspec
 from .errors import ConfigError, DeviceSpecError
+from .stats import Contention
 from .worker.client import SWITCH_ENV_PREFIX
 
 # the causes of the patched build's host waits (the scheduler's ggml_sched_pp_wait_names), as the legend explains them
@@ -80,6 +81,41 @@ def error_lines(df) -> str:
             seen.add(key)
             lines.append(f"  {r.get('variant')} {r.get('devices')} ub={r.get('n_ubatch')}: {r['error']}")
     return ("\nerrors:\n" + "\n".join(lines)) if lines else ""
+
+
+RERUN = ("rerun on an idle machine: decode on the CPU moves with every other process there (decode claims: "
+         "`--paired N --loads K`)")
+
+
+def noise_warnings(df) -> list[str]:
+    """What makes the rows' numbers doubtful, each a sentence with the advice to rerun: samples that spread more than
+    their mean, a paired interval wider than its estimate, other processes on the CPU while a config ran
+    (stats.Contention). None for steady rows on an idle machine."""
+    if df.empty:
+        return []
+    rows = [r for r in df.to_dict("records") if not failed(r)]
+    spread = []
+    for r in rows:
+        name = f"{r.get('variant')} {r.get('test')} ({devices_label(r.get('devices'))}, ub={r.get('n_ubatch')})"
+        avg, sd = r.get("avg_ts"), r.get("stddev_ts")
+        if isinstance(sd, numbers.Real) and isinstance(avg, numbers.Real) and sd == sd and sd > avg:
+            spread.append(f"{name}: {avg:.1f} ± {sd:.1f} t/s")
+        med, lo, hi = (r.get(k) for k in ("speedup_median", "speedup_ci_lo", "speedup_ci_hi"))
+        if all(isinstance(x, numbers.Real) and x == x for x in (med, lo, hi)) and hi - lo > med:
+            spread.append(f"{name}: paired {med:.3f} [{lo:.3f}, {hi:.3f}]")
+    out = [f"the samples spread more than their estimate ({'; '.join(spread)}); {RERUN}"] if spread else []
+    seen: dict = {}
+    for r in rows:
+        c = r.get("contention")
+        if isinstance(c, dict) and Contention(**c).contended:
+            seen.setdefault(r.get("config"), Contention(**c))
+    if seen:
+        c = max(seen.values(), key=lambda x: x.others_cores)
+        who = ", ".join(f"{name} (pid {pid}: {cores:.2f} cores)" for name, pid, cores in c.busy[:3]) or "many small ones"
+        out.append(f"other processes used {c.others_cores:.1f} cores while {len(seen)} of "
+                   f"{df['config'].nunique()} configs ran ({who}; load {c.load_1m:.1f} on {c.cores} usable cores); "
+                   + RERUN)
+    return out
 
 
 def text_table(df, cols: list[str]) -> str:

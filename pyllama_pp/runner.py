@@ -29,7 +29,7 @@ from .errors import ConfigError, WorkerError
 from .jobs import MeasureJob, WorkloadJob, test_name
 from .row import Row, RowWriter, frame, read_rows
 from .rows import error_rows, error_text, meta, rows_from_result, workload_step_row
-from .stats import paired_ci
+from .stats import CpuWatch, paired_ci
 from .worker.client import ServingWorker, check_switch_env, run_job
 
 SWEEP_FILE = "sweep.json"
@@ -162,6 +162,10 @@ class _Worker:
             self.worker.start()
         return self.worker.run(job, timeout=timeout)
 
+    @property
+    def pid(self) -> Optional[int]:
+        return self.worker.pid if self.worker is not None else None
+
     def close(self, kill: bool = False) -> None:
         if self.worker is not None:
             if kill:
@@ -173,7 +177,7 @@ class _Worker:
 def _measure(sweep: _Sweep, w: _Worker, cfg: RunConfig, v: str, cfg_meta: dict, coverage: bool) -> list[Row]:
     """One config's rows for `v`, test by test on the group's worker (one job and one progress step per test, in one
     context); a test that fails gives the config error rows, and a worker that dies loses no other config's rows."""
-    tests, res = [], None
+    tests, res, watch = [], None, CpuWatch()
     for i, t in enumerate(cfg.tests):
         if sweep.bar:
             sweep.bar.set_postfix_str(f"{v} {step_name(cfg, v, [t])}")
@@ -188,7 +192,17 @@ def _measure(sweep: _Sweep, w: _Worker, cfg: RunConfig, v: str, cfg_meta: dict, 
         tests += res["tests"]
         if sweep.bar:
             sweep.bar.update(1)
-    return rows_from_result(cfg, v, {**res, "tests": tests}, cfg_meta)
+    return _watched(rows_from_result(cfg, v, {**res, "tests": tests}, cfg_meta), cfg, watch, [w.pid])
+
+
+def _watched(rows: list[Row], cfg: RunConfig, watch: CpuWatch, workers: list) -> list[Row]:
+    """Rows of a config run on this machine's CPU, with what other processes took of it meanwhile (not watched for
+    RPC devices, whose servers' work is the measurement's)."""
+    if not devspec.parse(cfg.devices).remote:
+        seen = watch.stop(exclude=[pid for pid in workers if pid]).to_dict()
+        for r in rows:
+            r.contention = seen
+    return rows
 
 
 def _run_group(sweep: _Sweep, items: list[tuple[int, RunConfig]]) -> None:
@@ -412,6 +426,7 @@ def _run_config(run: _Paired, ci: int, cfg: RunConfig) -> None:
     """One config: `loads` times a warm-up and the rounds (fresh workers for every load, the variants' order reversed
     every other load), then its rows, written."""
     cur = run.current = _Rounds(ci, cfg, meta(cfg), {v: [] for v in run.variants})
+    watch = CpuWatch()
     for load in range(run.loads):
         if run.loads > 1 and run.servers:   # the model loaded again, the other variant first
             _close_servers(run)
@@ -422,6 +437,7 @@ def _run_config(run: _Paired, ci: int, cfg: RunConfig) -> None:
         if not _end_of_load(run, cur, load):
             break
     per_v = _paired_rows(cur, run.variants, cur.got, cur.failed, cur.groups, cur.done_loads, run.seed)
+    _watched([r for rows in per_v.values() for r in rows], cfg, watch, [w.pid for _, w in run.servers.values()])
     run.current = None
     for v in run.variants:
         run.writer.write(per_v[v])
