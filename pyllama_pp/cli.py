@@ -12,8 +12,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import pandas as pd
-
 from . import runner, synth, trace
 from . import devices as devspec
 from ._version import __version__
@@ -29,7 +27,7 @@ from .model_file import check_model_path
 from .params import ContextParams, Placement
 from .planning import Choices, check_switches, cpu_only_notes, main_job_model, parse_switches, plan_runs
 from .report import any_failed, check_measured, error_lines, markdown, noise_warnings, plot, text_table
-from .row import Row, RowWriter, read_rows
+from .row import read_rows
 from .rpc import server as rpc_server
 
 BASELINE_SERVERS = ("`pyllama-pp rpc-server --variant baseline` beside each patched one; upstream's client refuses "
@@ -208,24 +206,11 @@ def _interrupted(out: Optional[Path], cmd: str, resumable: bool = True) -> int:
         print(f"pyllama-pp: interrupted; the {n} row{'' if n == 1 else 's'} measured so far "
               f"{'is' if n == 1 else 'are'} in {Path(out) / 'results.jsonl'}; "
               + (f"continue with `pyllama-pp {cmd} --resume {out}`" if resumable else "run the rest again (a paired run "
-                 "cannot be resumed)"), file=sys.stderr)
+                 "or a workload cannot be resumed)"), file=sys.stderr)
     else:
         print("pyllama-pp: interrupted (" + ("nothing was measured yet" if out else "rows stay on disk only with -o DIR")
               + ")", file=sys.stderr)
     return 130
-
-
-def _workload(args, cfgs: list, variants: list[str], rounds: int) -> int:
-    """--workload mixed: runner.MIXED_WORKLOAD in one context per variant, -r rounds, on every device spec."""
-    dfs = [runner.mixed_workload(cfg, variants=variants, rounds=rounds) for cfg in cfgs]
-    df = pd.concat(dfs, ignore_index=True) if dfs else pd.DataFrame()
-    check_measured(df)
-    rows = json.loads(df.to_json(orient="records"))
-    if args.out:
-        RowWriter(Path(args.out)).write(Row.from_dict(r) for r in rows)
-    _emit(args, {"rows": rows}, text_table(df, ["variant", "devices", "test", "avg_ts", "speedup", "re_reservations",
-                                            "plan_switches", "host_syncs"]))
-    return 1 if any_failed(df) else 0
 
 
 def _planned(args):
@@ -246,25 +231,27 @@ def cmd_measure(args) -> int:
     cfgs, variants, choices, notes = _planned(args)
     for note in notes if not args.json else ():
         print(f"pyllama-pp: note: {note}", file=sys.stderr)
-    if choices is not None and choices.workload:
-        return _workload(args, cfgs, variants, choices.reps)
     ab, paired = args.cmd == "ab", getattr(args, "paired", None)
     out = args.resume or args.out or (Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S") if ab else None)
+    workload = choices is not None and choices.workload
     try:
-        if paired:
+        if workload:
+            df = runner.mixed_workload(cfgs, variants=variants, rounds=choices.reps, out_dir=out)
+        elif paired:
             df = runner.interleaved(cfgs, variants=variants, rounds=paired, out_dir=out, progress=not args.json,
                                     loads=args.loads)
         else:
             df = runner.ab(cfgs, variants=variants, out_dir=out, progress=not args.json, resume=bool(args.resume))
-    except KeyboardInterrupt:   # (rows of a paired run come whole, per config; there is no sweep to resume)
-        return _interrupted(out, args.cmd, resumable=not paired)
+    except KeyboardInterrupt:   # (rows of a paired run or a workload come whole; there is no sweep to resume)
+        return _interrupted(out, args.cmd, resumable=not paired and not workload)
     check_measured(df)
     rows = json.loads(df.to_json(orient="records"))
     warnings = noise_warnings(df)
     if not ab:
         _emit(args, {"rows": rows, "notes": notes, "warnings": warnings},
               text_table(df, ["variant", "devices", "n_batch", "n_ubatch", "test", "avg_ts", "stddev_ts",
-                              "pipeline_parallel", "coverage", "h2d_bytes"]))
+                              "pipeline_parallel", "coverage", "h2d_bytes"]
+                         + (["re_reservations", "plan_switches", "host_syncs"] if workload else [])))
         _warnings(args, warnings)
         return 1 if any_failed(df) else 0
     out = Path(out)

@@ -156,9 +156,11 @@ def switches_text(r) -> str:
 
 def _groups(df) -> list:
     """The table's lines: (config, test) and the baseline's and patched build's row of each (None: that variant did
-    not run it)."""
+    not run it); by config, then its tests in the order they ran (a workload's steps too)."""
     out = []
-    for (cfg, test), g in df.groupby(["config", "test"], sort=True):
+    ordered = sorted(df.reset_index(drop=True).groupby(["config", "test"], sort=False),
+                     key=lambda kv: (kv[0][0], kv[1].index.min()))
+    for (cfg, test), g in ordered:
         pick = lambda v: g[g.variant == v].iloc[0] if (g.variant == v).any() else None
         out.append(((cfg, test), pick("baseline"), pick("patched")))
     return out
@@ -225,8 +227,10 @@ def markdown(df) -> str:
         def blocked(r):
             # where the patched host thread waited (per run): re-reservations (each drains the pipeline), total wait
             # and its largest cause (input_events = the host ran ahead and waits for the pipeline: expected)
-            if r is None or not isinstance(r.get("host_wait_s"), dict):
+            if r is None:
                 return ""
+            if not isinstance(r.get("host_wait_s"), dict):   # (a workload step: its re-reservations only)
+                return num(r.get("re_reservations"))
             waits = r["host_wait_s"]
             total = sum(waits.values())
             top = max(waits, key=waits.get) if waits else ""

@@ -171,7 +171,7 @@ class _Worker:
             if kill:
                 self.worker.kill()
             self.worker.close()
-            self.worker = None
+            self.worker = None   # (only once closed: a Ctrl-C while it closes leaves it to close(kill=True))
 
 
 def _measure(sweep: _Sweep, w: _Worker, cfg: RunConfig, v: str, cfg_meta: dict, coverage: bool) -> list[Row]:
@@ -226,10 +226,10 @@ def _run_group(sweep: _Sweep, items: list[tuple[int, RunConfig]]) -> None:
                     r.config = ci
                 if old is None:
                     sweep.writer.write(per_cfg[k][v])
+            w.close()
         except BaseException:
-            w.close(kill=True)   # (Ctrl-C, an error: no waiting for a job in progress)
+            w.close(kill=True)   # (Ctrl-C, an error, even while it was closing: no waiting for a job in progress)
             raise
-        w.close()
     for per_variant in per_cfg:
         for rows in per_variant.values():
             sweep.rows.extend(rows)
@@ -570,23 +570,28 @@ def workload_ctx(workload: list, n_ctx: Optional[int] = None) -> int:
                    n_ctx)
 
 
-def mixed_workload(cfg: RunConfig, variants: Sequence[str] = VARIANTS, rounds: int = RUN.reps,
-                   workload: Optional[list] = None, timeout: Optional[float] = None):
-    """Run `workload` `rounds` times in one context per variant (its own worker).
+def mixed_workload(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequence[str] = VARIANTS,
+                   rounds: int = RUN.reps, workload: Optional[list] = None, timeout: Optional[float] = None,
+                   out_dir: Optional[Union[str, Path]] = None):
+    """Run `workload` `rounds` times in one context per variant (its own worker), for each configuration.
 
     Args:
-        cfg: the configuration (its tests are not used; its context is sized for the workload).
+        configs: one RunConfig or several (their tests are not used; the context is sized for the workload).
         variants: which builds run it.
         rounds: how many times the workload runs in the one context.
         workload: steps ["pp" or "tg", tokens] (default MIXED_WORKLOAD).
         timeout: seconds per worker.
+        out_dir: a folder for results.jsonl and results.csv, written as each variant finishes (None: nothing).
     Returns:
-        pandas.DataFrame: Row's columns, one row per variant and step: `test` ("r2 pp512"), `avg_ts`, `speedup`
-        (patched over baseline, same step), `re_reservations` and `plan_switches` (patched build), `host_syncs`,
-        bytes per device; a variant whose worker failed has one row with `error` set.
+        pandas.DataFrame: Row's columns, one row per config, variant and step: `config` (its index), `test`
+        ("r2 pp512"), `avg_ts`, `speedup` (patched over baseline, same step), `re_reservations` and `plan_switches`
+        (patched build), `host_syncs`, bytes per device; a variant whose worker failed has one row with `error` set.
     Raises:
         ConfigError: for rounds < 1 or a malformed workload.
+        TypeError: when configs are not RunConfig objects.
+        OSError: when out_dir cannot be written.
     """
+    cfgs = _as_configs(configs)
     workload = MIXED_WORKLOAD if workload is None else workload
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ConfigError(f"rounds must be a whole number of at least 1, got {rounds!r}")
@@ -595,7 +600,16 @@ def mixed_workload(cfg: RunConfig, variants: Sequence[str] = VARIANTS, rounds: i
     if not workload or bad:
         raise ConfigError(f"a workload is a non-empty list of steps [\"pp\" or \"tg\", tokens >= 1], such as "
                           f"{MIXED_WORKLOAD}; got {bad[0] if bad else workload!r}")
-    _check_envs([cfg], variants)
+    _check_envs(cfgs, variants)
+    writer, rows = RowWriter(Path(out_dir) if out_dir else None), []
+    for ci, cfg in enumerate(cfgs):
+        rows += _workload_rows(ci, cfg, variants, rounds, workload, timeout, writer)
+    return frame(rows)
+
+
+def _workload_rows(ci: int, cfg: RunConfig, variants: Sequence[str], rounds: int, workload: list,
+                   timeout: Optional[float], writer: RowWriter) -> list[Row]:
+    """One config's workload rows, each variant's written as soon as it ran."""
     ctx = dataclasses.replace(cfg.context(), n_ctx=workload_ctx(workload, cfg.n_ctx))
     cfg_meta = meta(cfg)
     rows: list[Row] = []
@@ -604,18 +618,19 @@ def mixed_workload(cfg: RunConfig, variants: Sequence[str] = VARIANTS, rounds: i
         job = WorkloadJob(variant=v, model=bj.model, devices=bj.devices, placement=bj.placement, ctx=ctx,
                           switches=bj.switches, workload=[list(st) for st in workload], rounds=rounds)
         pl = cfg.placement_for(v)
+        common = dict(variant=v, model=Path(cfg.model).name, devices=cfg.devices_for(v), host_experts=pl.label,
+                      tensor_buft_overrides=";".join(pl.all_overrides()), n_ctx=ctx.n_ctx, n_batch=cfg.n_batch,
+                      n_ubatch=ctx.n_ubatch, config=ci, switches=bj.switches, **cfg_meta)
         try:
             res = run_job(job, v, timeout=timeout, env=cfg.env)
         except WorkerError as e:
-            rows.append(Row(variant=v, devices=cfg.devices_for(v), host_experts=pl.label, test="workload",
-                            error=error_text(e)[:2000], **cfg_meta))
-            continue
-        for st in res["steps"]:
-            rows.append(Row(variant=v, model=Path(cfg.model).name, devices=cfg.devices_for(v), host_experts=pl.label,
-                            n_ctx=ctx.n_ctx, n_batch=cfg.n_batch, n_ubatch=ctx.n_ubatch, **workload_step_row(st, res),
-                            seconds=st["seconds"], switches=bj.switches, **cfg_meta))
-    base = {r.test: r.avg_ts for r in rows if r.variant == "baseline" and not r.error}
-    for r in rows:
-        if r.variant == "patched" and base.get(r.test):
-            r.speedup = r.avg_ts / base[r.test]
-    return frame(rows)
+            mine = [Row(test="workload", error=error_text(e)[:2000], **common)]
+        else:
+            mine = [Row(**common, **workload_step_row(st, res), seconds=st["seconds"]) for st in res["steps"]]
+        base = {r.test: r.avg_ts for r in rows if r.variant == "baseline" and not r.error}
+        for r in mine:
+            if r.variant == "patched" and base.get(r.test):
+                r.speedup = r.avg_ts / base[r.test]
+        writer.write(mine)
+        rows += mine
+    return rows

@@ -293,6 +293,23 @@ def test_cli_workload_option(capsys):
         assert "at least 1" in capsys.readouterr().err
 
 
+def test_ab_workload_gives_the_outputs_of_every_ab(tiny_model, tmp_path, monkeypatch, capsys):
+    """`ab --workload mixed`: the Markdown table with its legend, the results folder (pyllama_pp_out/ab-* without
+    -o) with results.{jsonl,csv,md} and the plot, as every `ab` gives them."""
+    from pyllama_pp import cli
+    monkeypatch.chdir(tmp_path)
+    argv = ["ab", tiny_model, "--devices", "vdev:2x0@0", "--workload", "mixed", "-r", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| devices | host experts |" in out and "| r1 pp2048 |" in out and "**re-reservations" in out, out
+    folder, = (tmp_path / "pyllama_pp_out").iterdir()
+    assert {p.name for p in folder.iterdir()} >= {"results.jsonl", "results.csv", "results.md", "ab.png"}
+    assert len((folder / "results.jsonl").read_text().splitlines()) == 2 * len(runner.MIXED_WORKLOAD)
+    assert cli.main(argv + ["-o", str(tmp_path / "o"), "--json"]) == 0
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert all(Path(files[k]).exists() for k in ("jsonl", "csv", "markdown", "plot")), files
+
+
 def test_mixed_workload_rejects_bad_steps_before_any_run(tiny_model):
     """A custom workload or round count that cannot run is a ValueError naming the problem, raised before a
     worker starts."""
