@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_pp import cli, devices, fit, synth
+from pyllama_pp import cli, devices, fit, planning, synth
 from pyllama_pp.defaults import MAIN_JOB, MAIN_JOB_MODEL, UBATCH_CANDIDATES
 from pyllama_pp.errors import OutOfMemoryError
 from pyllama_pp.model_file import block_count
+from pyllama_pp.fit import fit_ubatch
 from pyllama_pp.params import ContextParams, Placement
 from pyllama_pp.planning import main_job_model, plan_runs
 
@@ -138,28 +139,33 @@ def test_readme_model_and_spread_comments_are_the_tools(tmp_path):
     assert weights == ":".join(f"{r:g}" for r in rates)
 
 
-def _every_candidate_on_host(args, n_ctx: int, cmd: str, devices=None) -> None:
-    """For `-ub auto`: every n_ubatch it may choose (what it picks depends on the compute it measures) has a plan
-    with experts in host RAM, so the example does whichever it picks."""
-    if args.ubatch != "auto":
-        return
-    placed = 0
-    for ub in UBATCH_CANDIDATES:
-        try:
-            plan = fit(args.model, devices=devices or args.devices, ctx=ContextParams(n_ctx=n_ctx, n_batch=8 * ub,
-                                                                                      n_ubatch=ub))
-        except OutOfMemoryError:
-            continue
-        placed += 1
-        assert sum(d.host_expert_layers for d in plan.devices) > 0, (cmd, ub)
-    assert placed >= 2, cmd
+def _every_candidate_on_host(checked: list):
+    """fit_ubatch for `-ub auto`, checking that every n_ubatch it may choose (what it picks depends on the compute it
+    measures) has a plan with experts in host RAM, so that the example does whichever it picks; each candidate is
+    planned as fit_ubatch plans it, without the compute probe, until one has no placement (larger ones need more)."""
+    def check(model, devices, ctx=None, candidates=UBATCH_CANDIDATES, **kw):
+        kw.pop("count_compute", None)
+        placed = []
+        for ub in sorted(candidates):
+            try:
+                placed.append(fit_ubatch(model, devices=devices, ctx=ctx, candidates=[ub], count_compute=False, **kw))
+            except OutOfMemoryError:
+                break
+        assert len(placed) >= 2, (devices, ctx)
+        for plan in placed:
+            assert sum(d.host_expert_layers for d in plan.devices) > 0, (devices, plan.ctx)
+        checked.append(devices)
+        return placed[0]
+    return check
 
 
 def test_every_readme_example_keeps_experts_in_host_ram(tmp_path, monkeypatch, capsys):
     """Each `run`, `ab`, `fit` and `check` example of the usage block (run in order in one folder, as CI does) places
     experts in host RAM: fit's plans keep some there, and the rest name --host-experts (all by default)."""
     monkeypatch.chdir(tmp_path)
-    checked = []
+    checked, auto = [], []
+    monkeypatch.setattr(cli, "fit_ubatch", _every_candidate_on_host(auto))
+    monkeypatch.setattr(planning, "fit_ubatch", _every_candidate_on_host(auto))
     for c in _readme_commands_with_comments():
         argv = shlex.split(c["cmd"])[1:]
         if c["comment"].startswith("GPU"):
@@ -171,7 +177,6 @@ def test_every_readme_example_keeps_experts_in_host_ram(tmp_path, monkeypatch, c
             assert cli.main(argv + ["--json"]) == 0
             plan = json.loads(capsys.readouterr().out)
             assert any("exps" in o for o in plan["tensor_overrides"]), (c["cmd"], plan["tensor_overrides"])
-            _every_candidate_on_host(args, plan["ctx"]["n_ctx"], c["cmd"])
             checked.append(c["cmd"])
         elif args.cmd in ("run", "ab") and not args.resume:
             planned = plan_runs(cli.choices_from_args(args))
@@ -179,10 +184,9 @@ def test_every_readme_example_keeps_experts_in_host_ram(tmp_path, monkeypatch, c
                 for v in planned.variants:
                     pl = cfg.placement_for(v)
                     assert any("exps" in o for o in pl.all_overrides(block_count(cfg.model))), (c["cmd"], v, pl)
-                _every_candidate_on_host(args, cfg.context().n_ctx, c["cmd"], cfg.devices)
             checked.append(c["cmd"])
         elif args.cmd == "check":
             assert Placement(host_experts=args.host_experts).all_overrides(), c["cmd"]
             checked.append(c["cmd"])
         capsys.readouterr()
-    assert len(checked) >= 10, checked
+    assert len(checked) >= 10 and len(auto) == sum("-ub auto" in c for c in checked), (checked, auto)
