@@ -259,7 +259,8 @@ def ab(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequence[str] =
         variants: which builds run them, in that order (default: baseline, then patched).
         out_dir: a folder for results.jsonl, results.csv and sweep.json (None: nothing written).
         progress: show a progress bar and warnings on stderr.
-        timeout: seconds per worker job (None: no limit).
+        timeout: seconds per worker job, one test of a config (the first of a worker includes its model load; None:
+            no limit).
         group: consecutive configs that differ only in batch sizes and tests share one serving worker per variant,
             which loads the model once (a 30 GB model takes longer to load than to benchmark); each config gets a
             fresh context on it.
