@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+import re
 import textwrap
 from pathlib import Path
 from typing import Optional, Union
@@ -277,10 +278,21 @@ def _group_labels(groups: list) -> tuple[list[str], str]:
                        f"ub={ref['n_ubatch']}", str(test)])
     varies = [len({f[i] for f in fields}) > 1 for i in range(len(fields[0]))]
     varies[-1] = varies[-1] or not any(varies)   # (every group named by something: its test at least)
-    wrap = lambda text: textwrap.fill(text, width=PLOT_LABEL_CHARS, break_on_hyphens=False)
-    labels = ["\n".join(wrap(x) for x, v in zip(f, varies) if v) for f in fields]
+    labels = ["\n".join(_wrap(x, PLOT_LABEL_CHARS) for x, v in zip(f, varies) if v) for f in fields]
     shared = ", ".join(x for x, v in zip(fields[0], varies) if not v)
     return labels, shared
+
+
+def _wrap(text: str, width: int) -> str:
+    """`text` in lines of at most `width` characters, broken after a comma or semicolon where it can (a device spec
+    has no spaces), else at spaces, else anywhere."""
+    lines, cur = [], ""
+    for part in re.split(r"(?<=[,;])", text):
+        if cur and len(cur) + len(part) > width:
+            lines.append(cur)
+            cur = ""
+        cur += part
+    return "\n".join(textwrap.fill(ln, width=width, break_on_hyphens=False) for ln in lines + [cur])
 
 
 PLOT_GROUP_INCHES = 2.0   # the width each group's bars and label get
@@ -318,7 +330,11 @@ def plot_figure(df, title: str = "pyllama_pp A/B"):
     heights = np.array([e[0] if _real(e[0]) else 0.0 for e in est])
     lo = np.array([e[0] - e[1] if e[3] else 0.0 for e in est])
     hi = np.array([e[2] - e[0] if e[3] else 0.0 for e in est])
-    axs.bar(xs, heights, 0.5, yerr=[lo, hi], color="#1f77b4", capsize=4)
+    axs.bar(xs, heights, 0.5, color="#1f77b4")
+    paired = [i for i, e in enumerate(est) if e[3]]
+    if paired:   # (the paired median's 95% interval; a ratio of means has none)
+        axs.errorbar(xs[paired], heights[paired], yerr=[lo[paired], hi[paired]], fmt="none", ecolor="black",
+                     capsize=4)
     axs.axhline(1.0, color="#444444", linewidth=0.8)
     for x, (m, a, z, paired) in zip(xs, est):
         if _real(m):
