@@ -52,6 +52,27 @@ def tg_run(s: Session, toks: np.ndarray, n: int) -> float:
     return time.perf_counter() - t0
 
 
+def switch_contexts(s: Session, sets: list, ctxp: ContextParams) -> list:
+    """A context of s's model per switch set (each from the switches as they are now: the defaults, or what the
+    environment set), all at once; the session's own context is closed and the sets' take its place in turn."""
+    base = {sw["name"]: sw["value"] for sw in HANDLERS["info"](InfoJob(variant="patched"))["switches"]}
+    ctxs = []
+    for sw in sets:
+        s._apply_switches({**base, **sw})
+        ctxs.append(s._model.context(ctxp, coverage=False))
+    s._apply_switches(base)
+    s._ctx.close()
+    return ctxs
+
+
+def close_contexts(s: Session, ctxs: list) -> None:
+    """Free switch_contexts' contexts, then the session."""
+    for c in ctxs:
+        c.close()
+    s._ctx = None
+    s.close()
+
+
 def waits(ext: dict) -> dict:
     """Host wait (us) by cause, and submit time (us) per backend, from the patched counters."""
     out = {f"wait_{k}": v for k, v in (ext.get("host_wait_us") or {}).items()}
@@ -90,14 +111,7 @@ def main() -> int:
     ctxp = ContextParams(n_ctx=args.n_ctx, n_batch=512, n_ubatch=512)
     s = Session(model, devices=args.devices, placement=Placement(host_experts="all"), ctx=ctxp, variant="patched")
     log(f"loaded {model}")
-    # the switches as they are now (the defaults, or what the environment set): each set starts from them
-    base = {sw["name"]: sw["value"] for sw in HANDLERS["info"](InfoJob(variant="patched"))["switches"]}
-    ctxs = []
-    for sw in sets:
-        s._apply_switches({**base, **sw})
-        ctxs.append(s._model.context(ctxp, coverage=False))
-    s._apply_switches(base)
-    s._ctx.close()   # the session's own context: the sets' contexts take its place in turn
+    ctxs = switch_contexts(s, sets, ctxp)
     toks = np.random.default_rng(1).integers(0, s.info.n_vocab, args.n + 1, dtype=np.int64)
     pp = []
     for c in ctxs:
@@ -144,10 +158,7 @@ def main() -> int:
     table = "\n".join(lines)
     (out / "decode_probe.md").write_text(f"{model} on {args.devices}, tg{args.n}\n\n{table}\n")
     print(table)
-    for c in ctxs:
-        c.close()
-    s._ctx = None
-    s.close()
+    close_contexts(s, ctxs)
     return 0
 
 

@@ -43,6 +43,8 @@ class Row:
         realloc_reason, realloc_log, graph_nodes, host_wait_s, host_submit_s, host_sched_s, staged_bytes_per_device,
             gather_bytes_est_per_device, compute_buffer_bytes, ring_bytes_per_device: the patched scheduler's
             reallocations, graph sizes, host-side times and buffer bytes.
+        expert_cache_hits, expert_cache_misses, expert_cache_evictions: the expert cache's lookups per run (EXPERT_CACHE;
+            all devices; its uploads are in h2d_bytes).
         label, config, config_key: the configuration's label, its index in its sweep, and a hash of what it
             measures (a resumed sweep reuses rows with the same key).
         env, switches, build, machine, date: the environment, the patched build's switches ({} for the baseline),
@@ -114,6 +116,9 @@ class Row:
     gather_bytes_est_per_device: Optional[list] = None
     compute_buffer_bytes: Optional[list] = None
     ring_bytes_per_device: Optional[list] = None
+    expert_cache_hits: Optional[int] = None
+    expert_cache_misses: Optional[int] = None
+    expert_cache_evictions: Optional[int] = None
     # where and how
     label: str = ""
     config: Optional[int] = None                 # the configuration's index in its sweep

@@ -76,6 +76,12 @@ def per_gpu(ext: dict, key: str, reps: int = 1, plus: tuple = ()) -> Optional[li
     return [int((b[key] + sum(b.get(k, 0) for k in plus)) / reps) for b in backends if b["name"] != "CPU"]
 
 
+def all_gpus(ext: dict, key: str, reps: int) -> Optional[int]:
+    """per_gpu's values summed over the devices, per rep; None where the stats do not have `key`."""
+    v = per_gpu(ext, key, reps)
+    return None if v is None else sum(v)
+
+
 def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> list[Row]:
     """A row per test of a measure job's result `res` for `variant` (counters per run: divided by the reps)."""
     rows = []
@@ -144,6 +150,8 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
             "compute_buffer_bytes": [b["compute_buffer_bytes"] for b in sched["backends"]],
             # PREFETCH=2's lanes per device (VRAM outside the compute buffers; a level, not a delta)
             "ring_bytes_per_device": per_gpu({"backends": t.get("ext_ring")}, "ring_bytes"),
+            # EXPERT_CACHE's lookups, all devices
+            **{f"expert_{k}": all_gpus(ext, k, reps) for k in ("cache_hits", "cache_misses", "cache_evictions")},
             "label": cfg.label, "config_key": config_key(cfg),
             "switches": cfg.switches if variant == "patched" else {}, **meta}))
     return rows

@@ -22,6 +22,7 @@ except (ValueError, TypeError) as e:
 # the live switches of the patched build's table (tests/test_variants.py SWITCH_NAMES), with values worth drawing
 SWITCHES = {"OVERLAP": [0, 2], "DIRECT": [-1, 0, 2], "UPLOAD_ALL": [0, 1], "EARLY_INPUTS": [0, 1], "STAGING": [0, 1],
             "OWNER_OFFLOAD": [0, 1], "STABLE_RESERVE": [0, 1], "GATHER": [-1, 0], "PREFETCH": [0, 1, 2]}
+# (and EXPERT_CACHE, drawn in _case)
 
 
 def _case(i: int) -> dict:
@@ -40,13 +41,18 @@ def _case(i: int) -> dict:
     env = {f"GGML_SCHED_PP_{k}": rng.choice(v) for k, v in SWITCHES.items() if rng.random() < 0.5}
     if env.get("GGML_SCHED_PP_PREFETCH") == 2:   # (the fuzz's ubatches are below PREFETCH=2's default 1024 tokens)
         env["GGML_SCHED_PP_PREFETCH2_MIN_TOKENS"] = rng.choice([1, 1024])
-    env.update(FORCE)
     placement = {"host_experts": rng.choice(["all", "all", 3])}
     if rng.random() < 0.2:
         placement["load_mode"] = "mmap"
-    return {"routing": rng.choice(["uniform", "skew1", "skew2"]), "devices": devs, "placement": placement,
+    case = {"routing": rng.choice(["uniform", "skew1", "skew2"]), "devices": devs, "placement": placement,
             "ctx": {"n_ctx": max(256, 2 * nb + 64), "n_batch": nb, "n_ubatch": ub}, "n_tokens": nb * rng.choice([1, 2]),
             "env": env}
+    # EXPERT_CACHE, drawn last: a seed's other draws do not depend on it (it serves ubatches below op offload's 32
+    # tokens: 16 tokens x 2 ids need 32 slots a layer, which 64 MiB and -32 give and -2 does not)
+    if rng.random() < 0.5:
+        env["GGML_SCHED_PP_EXPERT_CACHE"] = rng.choice([64, -32, -2])
+    env.update(FORCE)
+    return case
 
 
 @pytest.fixture(scope="module")

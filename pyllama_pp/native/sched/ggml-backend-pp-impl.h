@@ -13,6 +13,7 @@
 #include <unordered_set>
 #include <vector>
 
+struct ggml_sched_pp_cache;
 struct ggml_sched_pp_copier;
 struct ggml_sched_pp_early;
 struct ggml_sched_pp_ring;
@@ -98,6 +99,11 @@ struct ggml_sched_pp_stats {
     int      realloc_log_n;
     int      graph_nodes_min;                           // scheduler graph sizes (nodes incl. input copies)
     int      graph_nodes_max;
+    uint64_t cache_ops[GGML_SCHED_MAX_BACKENDS];        // expert ops that read the device's expert cache (EXPERT_CACHE)
+    uint64_t cache_hits[GGML_SCHED_MAX_BACKENDS];       // ... lookups of an expert in its layer's slots that found it
+    uint64_t cache_misses[GGML_SCHED_MAX_BACKENDS];     // ... that did not (the expert was loaded into a slot)
+    uint64_t cache_evictions[GGML_SCHED_MAX_BACKENDS];  // ... of those, misses that replaced a cached expert
+    uint64_t cache_bytes[GGML_SCHED_MAX_BACKENDS];      // host-weight bytes uploaded into the slots
 };
 
 // The switches as a scheduler reads them: the switch table (ggml_sched_pp_params) is copied here once, when the
@@ -115,6 +121,7 @@ struct ggml_sched_pp_cfg {
     int64_t gather;               // GATHER
     int64_t prefetch;             // PREFETCH
     int64_t prefetch2_min_tokens; // PREFETCH2_MIN_TOKENS
+    int64_t expert_cache;         // EXPERT_CACHE
 };
 
 struct ggml_backend_sched {
@@ -208,6 +215,7 @@ struct ggml_backend_sched {
                                                      // wait: not the split's own input copies, queued before it)
     bool pp_own_link[GGML_SCHED_MAX_BACKENDS];   // DIRECT's auto mode: no other stage uploads over this backend's host link
     int  pp_first_gpu;                           // DIRECT: the first GPU backend, which keeps the selective copy (-1: none)
+    struct ggml_sched_pp_cache * pp_cache;       // EXPERT_CACHE: the devices' expert slots (made at the first op it takes)
 };
 
 #define hash_id(tensor) ggml_hash_find_or_insert(&sched->hash_set, tensor)
@@ -294,6 +302,23 @@ struct ggml_sched_pp_early {
     std::vector<ggml_backend_event_t> after_split;
     std::vector<uint64_t>             after_graph; // ... the graph (pp_graph_seq) each was recorded in
     bool                 unusable  = false;
+};
+
+// EXPERT_CACHE: expert ops pointed at their device's expert slots while their split is submitted (kernel arguments
+// are taken at submission), restored afterwards, so the graph keeps its own sources for the next compute
+struct ggml_sched_pp_cache_swap {
+    std::vector<struct ggml_tensor *> node, src0, src2;
+    void add(struct ggml_tensor * n, struct ggml_tensor * slots, struct ggml_tensor * ids) {
+        node.push_back(n); src0.push_back(n->src[0]); src2.push_back(n->src[2]);
+        n->src[0] = slots;
+        n->src[2] = ids;
+    }
+    ~ggml_sched_pp_cache_swap() {
+        for (size_t i = 0; i < node.size(); i++) {
+            node[i]->src[0] = src0[i];
+            node[i]->src[2] = src2[i];
+        }
+    }
 };
 
 // hooks: where the scheduler calls the extension, and what the extension's files share, by file
@@ -406,3 +431,11 @@ void ggml_backend_sched_pp_ring_assign(ggml_backend_sched_t sched);
 int ggml_backend_sched_pp_last_user(ggml_backend_sched_t sched, int split_id, const ggml_tensor * cpy);
 void ggml_backend_sched_pp_after_split(ggml_backend_sched_t sched, int split_id);
 ggml_backend_event_t ggml_backend_sched_pp_after_event(ggml_backend_sched_t sched, const ggml_sched_pp_early * e, int split_id);
+
+// ggml-backend-pp-cache.cpp: EXPERT_CACHE
+int  ggml_backend_sched_pp_cache_backend(ggml_backend_sched_t sched, struct ggml_tensor * op, const struct ggml_tensor * weight);
+void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cgraph * graph);
+int  ggml_backend_sched_pp_cache_split(ggml_backend_sched_t sched, const struct ggml_tensor * node);
+void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_id, ggml_sched_pp_cache_swap * swap);
+std::string ggml_backend_sched_pp_cache_json(ggml_backend_sched_t sched, int backend_id);
+void ggml_backend_sched_pp_cache_free(ggml_backend_sched_t sched);

@@ -262,6 +262,8 @@ static ggml_sched_pp_param ggml_sched_pp_params[] = {
         "PREFETCH=2 acts only on graphs whose largest expert op routes at least this many tokens (below: PREFETCH=1)"),
     GGML_SCHED_PP_ROW("RPC_HOST", GGML_SCHED_PP_BOOL, 1, 0, 1, nullptr, nullptr,
         "host weights of a layer on an RPC device are kept in its server's host memory and copied in by its device there (llama; a server of the patched protocol 7.1); 0: in this host's RAM, as upstream"),
+    GGML_SCHED_PP_ROW("EXPERT_CACHE", GGML_SCHED_PP_INT, 0, -65536, INT32_MAX, nullptr, &ggml_sched_pp_cfg::expert_cache,
+        "MiB of expert slots per device (-N: N slots per layer): an expert op on host weights below op offload's threshold (decode) runs on its layer's device, reading the experts from a per-layer LRU of slots there, not on the CPU (0: off)"),
     GGML_SCHED_PP_ROW(nullptr, GGML_SCHED_PP_INT, 0, 0, 0, nullptr, nullptr, nullptr),
 };
 
@@ -566,7 +568,8 @@ size_t ggml_backend_sched_pp_stats_json(ggml_backend_sched_t sched, char * buf, 
                ",\"ring_bytes\":" + std::to_string(ggml_backend_sched_pp_ring_bytes(sched, b)) +
                ",\"overlap_uploads\":" + std::to_string(st.overlap_uploads[b]) +
                ",\"direct_bytes_est\":" + std::to_string(st.direct_bytes_est[b]) +
-               ",\"gather_bytes_est\":" + std::to_string(st.gather_bytes_est[b]) + "}";
+               ",\"gather_bytes_est\":" + std::to_string(st.gather_bytes_est[b]) +
+               ggml_backend_sched_pp_cache_json(sched, b) + "}";
     }
     out += "],\"params\":{";
     bool first = true;

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Decode with host experts against the expert cache (EXPERT_CACHE, patch 0014): tokens/s at each cache size, the
+cache's hit rate and the bytes it fetches per token, beside the baseline build (its experts on the host CPU); and the
+logits of 16 tokens decoded with each size against size 0's (on a GPU: its kernels against the host CPU's, which
+test-backend-ops holds to an NMSE of 5e-4 for MUL_MAT_ID; on VDEVs both are the CPU's: 0).
+
+    python bench/cache_decode.py                                   # tiny preset, one VDEV on a 1 GB/s link
+    python bench/cache_decode.py --preset small --devices "vdev:1x0@4GBps" --sizes 0,-8,-16,-32,-128
+    python bench/cache_decode.py --model M.gguf --devices cuda --sizes 0,-16,-32,-64 -n 64   # GPU machine
+
+The patched build runs in this process: the model is loaded once, each size gets its own context (a scheduler
+copies the switches when it is made), all at once, so each size's slots stay warm between its runs; rounds run
+every size once, the order reversed every other round, and each size's speed is paired with size 0's (the path
+without the cache) by round (median ratio with its bootstrap interval). The first run of every size fills its
+cache and is not counted. The baseline runs in a worker process (its own model load). A size is EXPERT_CACHE's
+value: MiB per device, or -N: N slots per layer (0: off); every size's slots take device memory at once.
+
+Routing decides the hit rate: a synthetic model's default ("uniform") routes consecutive tokens independently,
+so an LRU of S of E experts hits about S/E; "locality" routes a stream of consecutive token ids to slowly changing
+experts, as real decode does, and is fed such a stream (the tokens a measure job's tg would decode: bench_tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:   # `python bench/cache_decode.py` from anywhere finds the package of this checkout
+    sys.path.insert(0, str(REPO))
+
+from pyllama_pp import synth  # noqa: E402
+from pyllama_pp.model_file import routes_by_stream  # noqa: E402
+from pyllama_pp.params import ContextParams, Placement  # noqa: E402
+from pyllama_pp.session import Session  # noqa: E402
+from pyllama_pp.stats import nmse, paired_ci  # noqa: E402
+from pyllama_pp.worker import run_job  # noqa: E402
+from pyllama_pp.worker.handlers.base import bench_tokens  # noqa: E402
+
+from _clock import left, log  # noqa: E402   (bench/_clock.py; this script's folder is on sys.path)
+from decode_probe import close_contexts, switch_contexts, tg_run  # noqa: E402   (bench/decode_probe.py)
+
+CACHE_KEYS = ("cache_ops", "cache_hits", "cache_misses", "cache_evictions", "cache_bytes")
+
+
+def cache_totals(ext: dict) -> dict:
+    """The cache's counters over all backends, and its levels (slots per layer: the smallest; bytes: all devices)."""
+    out = {k: sum(b.get(k, 0) for b in ext["backends"]) for k in CACHE_KEYS}
+    out["cache_buffer_bytes"] = sum(b.get("cache_buffer_bytes", 0) for b in ext["backends"])
+    slots = [b["cache_slots"] for b in ext["backends"] if b.get("cache_layers")]
+    out["cache_slots"] = min(slots) if slots else 0
+    return out
+
+
+def decode_logits(s: Session, toks: np.ndarray, n: int) -> np.ndarray:
+    """The logits of n tokens decoded one by one from an empty KV cache ([n, n_vocab])."""
+    return np.concatenate([s.eval(toks[i: i + 1], logits="last", pos0=i, clear=i == 0, stats=False).logits
+                           for i in range(n)])
+
+
+def h2d(s: Session) -> int:
+    """Host-to-device bytes the VDEVs counted since their last reset (none on other devices)."""
+    return sum(d["h2d_bytes"] for d in s.device_counters())
+
+
+def baseline_ts(model: str, devices: str, ctx: ContextParams, n: int, reps: int) -> float:
+    """The baseline build's tg t/s on the same placement, in a worker (mean of `reps` timed runs; random tokens: its
+    host CPU computes the experts, whatever the routing)."""
+    res = run_job({"kind": "measure", "model": model, "devices": devices, "placement": {"host_experts": "all"},
+                   "ctx": ctx.to_dict(), "tests": [["tg", n]], "reps": reps, "coverage": False}, "baseline",
+                  timeout=3600)
+    secs = res["tests"][0]["seconds"]
+    return float(np.mean([n / s for s in secs]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="GGUF model (default: --preset written once into /tmp/pp_models)")
+    ap.add_argument("--preset", default="tiny", help="synthetic preset when no --model (default tiny)")
+    ap.add_argument("--routing", default="uniform", help=f"the preset's routing mode (this synth: {', '.join(synth.ROUTING_MODES)})")
+    ap.add_argument("--devices", default="vdev:1x0@1GBps", help="device spec (default one VDEV on a 1 GB/s link; cuda)")
+    ap.add_argument("--sizes", default="0,-4,-8,-16,-64",
+                    help="EXPERT_CACHE values, comma-separated: MiB per device, -N slots per layer, 0 first (off)")
+    ap.add_argument("-n", type=int, default=32, help="tokens per tg run (default 32)")
+    ap.add_argument("--rounds", type=int, default=10, help="rounds, even (default 10)")
+    ap.add_argument("--n-ctx", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="host CPU threads of both builds (0: every core); a VDEV computes with its spec's threads "
+                         "(threads=N, default 1): --threads 1 gives the host's experts the device's compute")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the baseline build's run")
+    ap.add_argument("--budget", type=float, default=0, help="stop starting rounds after this many seconds (0: none)")
+    ap.add_argument("--out", default=str(REPO / "bench" / "out" / "cache_decode"),
+                    help="folder for cache_decode.json / .md (default bench/out/cache_decode, git-ignored)")
+    args = ap.parse_args()
+    if args.rounds < 2 or args.rounds % 2:
+        ap.error(f"--rounds must be an even number of at least 2 (rounds pair up), got {args.rounds}")
+    try:
+        sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--sizes takes integers (MiB, or -N slots per layer), got {args.sizes!r}")
+    if not sizes or sizes[0] != 0:
+        ap.error("--sizes must start with 0 (the path without the cache, which the others are paired with)")
+    if args.routing not in synth.ROUTING_MODES:
+        ap.error(f"--routing must be one of {', '.join(synth.ROUTING_MODES)} in this build of synth")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if not model:
+        model = str(synth.cached_model("/tmp/pp_models", args.preset, seed=1, routing=args.routing))
+    ctxp = ContextParams(n_ctx=args.n_ctx, n_batch=512, n_ubatch=512, n_threads=args.threads)
+    s = Session(model, devices=args.devices, placement=Placement(host_experts="all"), ctx=ctxp, variant="patched")
+    log(f"loaded {model} on {args.devices}")
+    consecutive = routes_by_stream(model)   # (a locality model: a stream of consecutive ids; else random ones)
+    toks = bench_tokens(args.n + 1, s.info.n_vocab, seed=1, stream=consecutive)
+
+    # a context per size, each with its own scheduler and slots (the switch is read when a scheduler is made)
+    ctxs = switch_contexts(s, [{"EXPERT_CACHE": v} for v in sizes], ctxp)
+    for c in ctxs:
+        s._ctx = c
+        tg_run(s, toks, args.n)   # warm-up: fills the cache (the context's: it stays warm between tg runs)
+    samples = [[] for _ in sizes]
+    counts = [{k: 0 for k in CACHE_KEYS + ("h2d_bytes", "ids_wait_us")} for _ in sizes]
+    per_round = None
+    for r in range(args.rounds):
+        if args.budget and per_round and left(args.budget) < 2 * per_round and r % 2 == 0:
+            log(f"budget: stopping after {r} rounds")
+            break
+        t_r = time.time()
+        for i in (range(len(sizes)) if r % 2 == 0 else reversed(range(len(sizes)))):
+            s._ctx = ctxs[i]
+            e0 = s.ext_stats()
+            s.reset_counters()
+            dt = tg_run(s, toks, args.n)
+            moved = h2d(s)
+            e1 = s.ext_stats()
+            samples[i].append(args.n / dt)
+            c0, c1 = cache_totals(e0), cache_totals(e1)
+            for k in CACHE_KEYS:
+                counts[i][k] += c1[k] - c0[k]
+            counts[i]["h2d_bytes"] += moved
+            counts[i]["ids_wait_us"] += e1["host_wait_us"]["ids"] - e0["host_wait_us"]["ids"]
+        per_round = time.time() - t_r
+    levels, logits = [], []
+    for c in ctxs:
+        s._ctx = c
+        levels.append(cache_totals(s.ext_stats()))
+        logits.append(decode_logits(s, toks, min(args.n, 16)))   # against size 0's (the CPU computes its experts)
+    base = None if args.no_baseline else baseline_ts(model, args.devices, ctxp, args.n, 3)
+
+    vdev = s.spec.kind == "vdev"   # (only VDEVs count their links' bytes)
+    rows = []
+    for i, v in enumerate(sizes):
+        ts = np.asarray(samples[i])
+        med, lo, hi = paired_ci(ts / np.asarray(samples[0])) if i else (1.0, 1.0, 1.0)
+        c = counts[i]
+        tokens = len(ts) * args.n
+        lookups = c["cache_hits"] + c["cache_misses"]
+        rows.append({"expert_cache": v, "slots_per_layer": levels[i]["cache_slots"], "nmse_vs_off": nmse(logits[i], logits[0]),
+                     "cache_mib": levels[i]["cache_buffer_bytes"] / 2**20, "avg_ts": float(ts.mean()),
+                     "stddev_ts": float(ts.std(ddof=1)) if len(ts) > 1 else 0.0, "vs_off": med, "vs_off_lo": lo,
+                     "vs_off_hi": hi, "vs_baseline": float(ts.mean()) / base if base else None,
+                     "hit_rate": c["cache_hits"] / lookups if lookups else None,
+                     "fetched_mb_per_token": c["cache_bytes"] / tokens / 1e6 if tokens else None,
+                     "h2d_mb_per_token": c["h2d_bytes"] / tokens / 1e6 if tokens and vdev else None,
+                     "ids_wait_us_per_token": c["ids_wait_us"] / tokens if tokens else None,
+                     "cache_ops_per_token": c["cache_ops"] / tokens if tokens else None,
+                     "rounds": len(ts), "samples_ts": ts.tolist()})
+    doc = {"model": model, "devices": args.devices, "n": args.n, "routing": args.routing, "threads": args.threads,
+           "tokens": "consecutive" if consecutive else "random", "baseline_ts": base,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
+    (out / "cache_decode.json").write_text(json.dumps(doc, indent=1))
+    fmt = lambda x, f: "" if x is None else format(x, f)   # noqa: E731
+    lines = [f"| EXPERT_CACHE | slots/layer | MiB | t/s | vs off (paired, 95%) | vs baseline | hit rate | "
+             "fetched MB/token | h2d MB/token | ids wait us/token | logits NMSE vs off |",
+             "| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for x in rows:
+        lines.append(f"| {x['expert_cache']} | {x['slots_per_layer']} | {x['cache_mib']:.1f} | "
+                     f"{x['avg_ts']:.1f} ± {x['stddev_ts']:.1f} | {x['vs_off']:.3f} [{x['vs_off_lo']:.3f}, "
+                     f"{x['vs_off_hi']:.3f}] ({x['rounds']}) | {fmt(x['vs_baseline'], '.2f')} | "
+                     f"{fmt(x['hit_rate'], '.3f')} | {fmt(x['fetched_mb_per_token'], '.3f')} | "
+                     f"{fmt(x['h2d_mb_per_token'], '.3f')} | {fmt(x['ids_wait_us_per_token'], '.0f')} | "
+                     f"{x['nmse_vs_off']:.2e} |")
+    table = "\n".join(lines)
+    head = (f"{Path(model).name} on {args.devices}, tg{args.n}, routing {args.routing}, {args.threads or 'all'} host threads, "
+            f"{'consecutive' if consecutive else 'random'} tokens; baseline {fmt(base, '.1f')} t/s")
+    (out / "cache_decode.md").write_text(f"{head}\n\n{table}\n")
+    print(head)
+    print(table)
+    close_contexts(s, ctxs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,509 @@
+// pyllama_pp: EXPERT_CACHE - host-resident experts cached in device memory for small batches (decode).
+//
+// Below op offload's threshold (a batch the owning device does not want: CUDA and VDEV take 32 tokens and more) an
+// expert op on a host weight runs on the host CPU, so a generated token runs at the CPU's expert-matmul speed. With
+// EXPERT_CACHE=MiB the op runs on the device that owns its layer instead, reading the experts from slots in that
+// device's memory: per layer, a slot map shared by the layer's expert weights (gate, up, down: the ops that route by
+// one ids tensor), per weight a tensor of n_slots experts. Before the op's split is submitted the scheduler reads the
+// routing ids back, looks each id up in the layer's slots, uploads the missed experts' bytes from the host weight into
+// their slots on the device's own stream (so a slot is rewritten only after every graph queued before has read it),
+// writes the slot numbers as the op's ids and points the op at the slots - no copy of the whole weight. Only the
+// generic backend API is used (async sets, a readback), so CUDA, VDEV and RPC devices work alike.
+//
+// The slots come from the device's buffer type, outside the graph allocator: EXPERT_CACHE=N gives each device N MiB,
+// split evenly over the layers whose expert ops it takes (as many slots per layer as fit, at most n_expert);
+// EXPERT_CACHE=-N gives each such layer N slots (at most n_expert), whatever memory that takes. An op whose batch
+// could use more experts than its layer has slots (tokens x experts per token, at most n_expert) stays on the CPU, as
+// does every op where the device has no room.
+//
+// Replacement, per layer: a least-recently-used list with the rule of pyllama_pp/expert_cache_sim.py's "lru" (a
+// simulator that follows it gets the same counts). The routing ids are looked up once per layer and graph (the
+// layer's later expert ops use the first op's lookups), token by token; a token's ids (in top-k order) form a step.
+// A lookup is a hit when its expert is cached at the start of the step. The step then touches its hits in top-k
+// order, then inserts its misses in top-k order; each touch or insertion makes the expert the most recently used. An
+// insertion takes an empty slot while there is one (the lowest first), else evicts the least recently used expert
+// (an eviction) - never one of the step's own: an op uses at most as many experts as its layer has slots.
+// Counters per device (ggml_sched_pp_stats: cache_hits, cache_misses, cache_evictions, cache_bytes, cache_ops).
+
+#include "ggml-backend-pp-impl.h"
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+// tokens an op may route at most (the ids the device holds per layer: n_expert_used x this)
+#define GGML_SCHED_PP_CACHE_MAX_TOKENS 64
+
+// one host expert weight and its slots on the device
+struct ggml_sched_pp_cache_weight {
+    const ggml_tensor *  host  = nullptr;  // the host weight [.., .., n_expert]
+    ggml_tensor *        slots = nullptr;  // its experts on the device [.., .., n_slots] (nullptr: no room)
+    std::vector<int32_t> content;          // the expert each slot of `slots` holds (-1: none yet)
+};
+
+// the slot map of one layer, shared by the layer's expert weights
+struct ggml_sched_pp_cache_layer {
+    int     backend_id = -1;
+    int64_t n_expert   = 0;
+    int64_t n_used     = 0;       // routing ids per token
+    int     n_slots    = 0;       // 0: not cached (no room)
+    std::vector<int32_t>  slot_expert;   // per slot: its expert (-1: empty)
+    std::vector<int32_t>  expert_slot;   // per expert: its slot (-1: not cached)
+    std::vector<uint64_t> last_use;      // per slot: the lookup that last used it (0: never)
+    ggml_tensor *              remap = nullptr; // int32 [n_used x MAX_TOKENS] on the device: the ops' slot numbers
+    std::vector<ggml_tensor *> views;           // ... viewed as [n_used, n_tokens], by n_tokens (made on first use)
+    ggml_context *             views_ctx = nullptr;
+    // the ids read back and the slot numbers sent up, in pinned host memory where the device has a host buffer type
+    // (an async copy from pageable memory makes the host wait; one layer's are reused only after its next readback,
+    // which waits for the copies queued before)
+    int32_t *            ids_host   = nullptr;   // [ids_cap]
+    int32_t *            remap_host = nullptr;   // [n_used x MAX_TOKENS]
+    size_t               ids_cap    = 0;
+    std::vector<int32_t> ids_own, remap_own;     // (where the device has no pinned memory)
+    std::vector<int32_t> ids_more;               // (ids that take more than ids_cap)
+    std::vector<std::pair<int32_t, int32_t>> used; // (expert, slot) pairs of the last lookup
+    uint64_t           lookup_seq = 0;              // the graph (pp_graph_seq) and ids of the last lookup
+    const ggml_tensor * lookup_ids = nullptr;
+};
+
+// an expert op of the graph being computed that reads its device's slots
+struct ggml_sched_pp_cache_op {
+    ggml_tensor *                node;
+    int                          index;  // in the graph (its split: the one whose node range holds it)
+    int                          split;  // -1: not known yet
+    bool                         first;  // the first op of its layer in the graph: starts a split, reads the ids back
+    ggml_sched_pp_cache_weight * weight;
+    ggml_sched_pp_cache_layer *  layer;
+};
+
+struct ggml_sched_pp_cache {
+    std::vector<std::unique_ptr<ggml_sched_pp_cache_layer>> layers;
+    std::unordered_map<const ggml_tensor *, std::unique_ptr<ggml_sched_pp_cache_weight>> weights; // by host weight
+    std::unordered_map<const ggml_tensor *, ggml_sched_pp_cache_layer *> layer_of;               // by host weight
+    std::vector<ggml_context *>         ctxs;
+    std::vector<ggml_backend_buffer_t>  bufs;
+    size_t   bytes[GGML_SCHED_MAX_BACKENDS] = {};   // device memory the slots take, per backend
+    uint64_t clock = 0;                             // lookups so far (the LRU's time)
+
+    std::vector<std::pair<ggml_tensor *, int>>   candidates; // pass 1: expert ops given to their owner (op, owner)
+    std::vector<ggml_sched_pp_cache_op>          ops;        // the graph's ops that read the slots, in graph order
+    std::unordered_map<const ggml_tensor *, int> op_of;      // node -> index in ops
+    bool     splits_known = false;
+    uint64_t seq          = 0;   // the graph computed last (pp_graph_seq) ...
+    size_t   next         = 0;   // ... and its first op not prepared yet
+};
+
+// Pass 1 of split_graph, for an expert op on a host weight that no device wants (below op offload's threshold):
+// the backend that owns its layer if the cache may take it (decided for good after pass 1, by
+// ggml_backend_sched_pp_cache_plan), else -1
+int ggml_backend_sched_pp_cache_backend(ggml_backend_sched_t sched, struct ggml_tensor * op, const struct ggml_tensor * weight) {
+    if (sched->pp_cfg.expert_cache == 0 || op->op != GGML_OP_MUL_MAT_ID || op->src[0] != weight ||
+        weight->view_src != nullptr || weight->data == nullptr || !ggml_is_contiguous(weight) ||
+        op->src[2] == nullptr || op->src[2]->type != GGML_TYPE_I32 || ggml_nelements(op) == 0) {
+        return -1; // (no data: a dry run that only measures)
+    }
+    const int owner = ggml_backend_sched_pp_owner_backend(sched, op, weight);
+    if (owner == -1 || !ggml_backend_supports_op(sched->backends[owner], op) ||
+        ggml_backend_offload_op(sched->backends[owner], op)) {
+        return -1;
+    }
+    if (sched->pp_cache == nullptr) {
+        sched->pp_cache = new ggml_sched_pp_cache();
+    }
+    sched->pp_cache->candidates.emplace_back(op, owner);
+    return owner;
+}
+
+// the host side of the layers' ids: per layer room for the ids of MAX_TOKENS tokens as the router lays them out (a
+// view of the sorted experts: up to n_expert a token) and the slot numbers, pinned where the device can
+static void ggml_sched_pp_cache_host_ids(ggml_backend_sched_t sched, int b, const std::vector<ggml_sched_pp_cache_layer *> & layers) {
+    ggml_sched_pp_cache * c = sched->pp_cache;
+    size_t need = 0;
+    for (const auto * l : layers) {
+        need += (size_t) (l->n_expert + l->n_used) * GGML_SCHED_PP_CACHE_MAX_TOKENS;
+    }
+    ggml_backend_buffer_type_t host_buft = ggml_backend_dev_host_buffer_type(ggml_backend_get_device(sched->backends[b]));
+    ggml_backend_buffer_t hbuf = need > 0 && host_buft != nullptr ?
+        ggml_backend_buft_alloc_buffer(host_buft, need * sizeof(int32_t)) : nullptr;
+    int32_t * p = hbuf != nullptr ? (int32_t *) ggml_backend_buffer_get_base(hbuf) : nullptr;
+    if (hbuf != nullptr) {
+        c->bufs.push_back(hbuf);
+    }
+    for (auto * l : layers) {
+        l->ids_cap = (size_t) l->n_expert * GGML_SCHED_PP_CACHE_MAX_TOKENS;
+        const size_t n_remap = (size_t) l->n_used * GGML_SCHED_PP_CACHE_MAX_TOKENS;
+        if (p != nullptr) {
+            l->ids_host   = p;
+            l->remap_host = p + l->ids_cap;
+            p += l->ids_cap + n_remap;
+        } else {
+            l->ids_own.resize(l->ids_cap);
+            l->remap_own.resize(n_remap);
+            l->ids_host   = l->ids_own.data();
+            l->remap_host = l->remap_own.data();
+        }
+    }
+}
+
+// the slots of `layers` (new, all on backend b, with their new `weights`) and of the new `joining` weights of layers
+// that have slots already: one buffer of the backend's buffer type; false where it does not fit
+static bool ggml_sched_pp_cache_alloc(ggml_backend_sched_t sched, int b, const std::vector<ggml_sched_pp_cache_layer *> & layers,
+                                      const std::vector<ggml_sched_pp_cache_weight *> & weights) {
+    ggml_sched_pp_cache * c = sched->pp_cache;
+    ggml_backend_buffer_type_t buft = sched->bufts[b];
+    const int64_t cfg    = sched->pp_cfg.expert_cache;
+    const size_t  budget = cfg > 0 ? (size_t) cfg * 1024 * 1024 : SIZE_MAX; // (-N: N slots a layer, whatever they take)
+    const size_t  left   = budget > c->bytes[b] ? budget - c->bytes[b] : 0;
+
+    // bytes of one slot of every new layer, and what else the buffer holds (ids, alignment, padding)
+    size_t per_slot = 0, other = 0;
+    int64_t max_slots = 0;
+    for (const auto * w : weights) {
+        const ggml_sched_pp_cache_layer * l = c->layer_of.at(w->host);
+        if (l->n_slots == 0) {
+            per_slot += w->host->nb[2];
+        }
+        other += ggml_backend_buft_get_alignment(buft) + GGML_BACKEND_PP_GATHER_TAIL;
+    }
+    for (const auto * l : layers) {
+        other += ggml_backend_buft_get_alignment(buft) + (size_t) l->n_used * GGML_SCHED_PP_CACHE_MAX_TOKENS * sizeof(int32_t);
+        max_slots = std::max(max_slots, l->n_expert);
+    }
+    int64_t n_slots = cfg < 0 ? -cfg : per_slot > 0 && left > other ? (int64_t) ((left - other) / per_slot) : 0;
+    n_slots = std::min(n_slots, max_slots);
+
+    // the tensors: a few tries, with fewer slots where the padding the buffer type adds went past the budget
+    for (int attempt = 0; attempt < 4; attempt++) {
+        for (auto * l : layers) {
+            l->n_slots = (int) std::min(n_slots, l->n_expert);
+        }
+        if (!layers.empty() && n_slots < 1) {
+            for (auto * l : layers) {
+                l->n_slots = 0;
+            }
+            return false;
+        }
+        const size_t n_tensors = weights.size() + layers.size() * (1 + GGML_SCHED_PP_CACHE_MAX_TOKENS);
+        ggml_init_params params = { n_tensors * ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
+        ggml_context * ctx = ggml_init(params);
+        if (ctx == nullptr) {
+            return false;
+        }
+        for (auto * w : weights) {
+            const ggml_sched_pp_cache_layer * l = c->layer_of.at(w->host);
+            w->slots = ggml_new_tensor_4d(ctx, w->host->type, w->host->ne[0], w->host->ne[1], l->n_slots, 1);
+            ggml_format_name(w->slots, "%s (cache)", w->host->name);
+            GGML_ASSERT(w->slots->nb[2] == w->host->nb[2]);
+        }
+        for (auto * l : layers) {
+            l->remap = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, l->n_used * GGML_SCHED_PP_CACHE_MAX_TOKENS);
+            ggml_set_name(l->remap, "expert cache ids");
+        }
+        const size_t need = ggml_backend_alloc_ctx_tensors_from_buft_size(ctx, buft);
+        if (need > left && !layers.empty() && n_slots > 1 && attempt < 3) {
+            ggml_free(ctx);
+            n_slots = std::max<int64_t>(1, n_slots - (int64_t) ((need - left + per_slot - 1) / per_slot));
+            continue;
+        }
+        // (not past the device's free memory: an allocation that fails there is logged as an error by some backends)
+        size_t free_mem = 0, total_mem = 0;
+        ggml_backend_dev_memory(ggml_backend_get_device(sched->backends[b]), &free_mem, &total_mem);
+        const bool fits = (need <= left || layers.empty()) && (total_mem == 0 || need <= free_mem);
+        ggml_backend_buffer_t buf = fits ? ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft) : nullptr;
+        if (buf == nullptr) {
+            GGML_LOG_WARN("%s: no room for %zu bytes of expert slots on %s (EXPERT_CACHE=%lld): its expert ops stay on the CPU\n",
+                          __func__, need, ggml_backend_name(sched->backends[b]), (long long) sched->pp_cfg.expert_cache);
+            ggml_free(ctx);
+            for (auto * w : weights) {
+                w->slots = nullptr;
+            }
+            for (auto * l : layers) {
+                l->n_slots = 0;
+                l->remap   = nullptr;
+            }
+            return false;
+        }
+        ggml_backend_buffer_clear(buf, 0); // every byte a number: kernels may read past an expert's last row
+        c->ctxs.push_back(ctx);
+        c->bufs.push_back(buf);
+        c->bytes[b] += ggml_backend_buffer_get_size(buf);
+        ggml_sched_pp_cache_host_ids(sched, b, layers);
+        for (auto * w : weights) {
+            w->content.assign(c->layer_of.at(w->host)->n_slots, -1);
+        }
+        for (auto * l : layers) {
+            l->slot_expert.assign(l->n_slots, -1);
+            l->expert_slot.assign(l->n_expert, -1);
+            l->last_use.assign(l->n_slots, 0);
+            l->views.assign(GGML_SCHED_PP_CACHE_MAX_TOKENS + 1, nullptr);
+            l->views_ctx = ctx;
+        }
+        return true;
+    }
+    return false;
+}
+
+// After pass 1 of split_graph: which of the expert ops pass 1 gave to their owner read the owner's slots (the slots
+// of layers met for the first time are allocated here); the others go back to the CPU, where upstream puts them
+void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cgraph * graph) {
+    ggml_sched_pp_cache * c = sched->pp_cache;
+    if (c == nullptr) {
+        return;
+    }
+    c->ops.clear();
+    c->op_of.clear();
+    c->splits_known = false;
+    if (c->candidates.empty()) {
+        return;
+    }
+    std::unordered_map<const ggml_tensor *, int> owner_of(c->candidates.begin(), c->candidates.end());
+    c->candidates.clear();
+
+    std::vector<std::pair<int, ggml_tensor *>> cands; // (graph index, op) in graph order
+    for (int i = 0; i < graph->n_nodes; i++) {
+        if (owner_of.count(graph->nodes[i])) {
+            cands.emplace_back(i, graph->nodes[i]);
+        }
+    }
+
+    // the layer of each op: its weight's, else that of the ops routed by the same ids, else a new one
+    std::unordered_map<const ggml_tensor *, ggml_sched_pp_cache_layer *> layer_of_ids;
+    for (const auto & [i, op] : cands) {
+        const auto it = c->layer_of.find(op->src[0]);
+        if (it != c->layer_of.end()) {
+            layer_of_ids.emplace(op->src[2], it->second);
+        }
+    }
+    std::vector<ggml_sched_pp_cache_layer *>  new_layers[GGML_SCHED_MAX_BACKENDS];
+    std::vector<ggml_sched_pp_cache_weight *> new_weights[GGML_SCHED_MAX_BACKENDS];
+    for (const auto & [i, op] : cands) {
+        const ggml_tensor * w = op->src[0];
+        if (c->layer_of.count(w)) {
+            continue;
+        }
+        ggml_sched_pp_cache_layer *& l = layer_of_ids[op->src[2]];
+        if (l == nullptr) {
+            c->layers.emplace_back(new ggml_sched_pp_cache_layer());
+            l = c->layers.back().get();
+            l->backend_id = owner_of.at(op);
+            l->n_expert   = w->ne[2];
+            l->n_used     = op->src[2]->ne[0];
+            new_layers[l->backend_id].push_back(l);
+        }
+        c->layer_of[w] = l;
+        auto & cw = c->weights[w];
+        cw.reset(new ggml_sched_pp_cache_weight());
+        cw->host = w;
+        if (l->n_slots > 0 || std::find(new_layers[l->backend_id].begin(), new_layers[l->backend_id].end(), l) != new_layers[l->backend_id].end()) {
+            new_weights[l->backend_id].push_back(cw.get());
+        }
+    }
+    for (int b = 0; b < sched->n_backends; b++) {
+        if (!new_weights[b].empty()) {
+            ggml_sched_pp_cache_alloc(sched, b, new_layers[b], new_weights[b]);
+        }
+    }
+
+    // the ops whose layer has slots enough for every expert the batch could use
+    std::unordered_set<const ggml_tensor *> ids_seen;
+    for (const auto & [i, op] : cands) {
+        ggml_sched_pp_cache_layer *  l = c->layer_of.at(op->src[0]);
+        ggml_sched_pp_cache_weight * w = c->weights.at(op->src[0]).get();
+        const ggml_tensor * ids = op->src[2];
+        const int64_t need = std::min(ids->ne[0] * ids->ne[1], l->n_expert);
+        if (w->slots == nullptr || l->n_slots < need || l->backend_id != owner_of.at(op) || ids->ne[0] != l->n_used ||
+            ids->ne[1] > GGML_SCHED_PP_CACHE_MAX_TOKENS || ids->ne[2] != 1 || ids->ne[3] != 1 || w->host->ne[2] != l->n_expert) {
+            tensor_backend_id(op) = sched->n_backends - 1;
+            continue;
+        }
+        const bool first = ids_seen.insert(ids).second;
+        c->op_of[op] = (int) c->ops.size();
+        c->ops.push_back({ op, i, -1, first, w, l });
+    }
+}
+
+// Pass 5 of split_graph: -1 for a node that does not read the slots; else whether it starts a split of its own (the
+// first expert op of its layer: its ids are read back before the split is submitted, so they come from an earlier one)
+int ggml_backend_sched_pp_cache_split(ggml_backend_sched_t sched, const struct ggml_tensor * node) {
+    const ggml_sched_pp_cache * c = sched->pp_cache;
+    if (c == nullptr || c->ops.empty()) {
+        return -1;
+    }
+    const auto it = c->op_of.find(node);
+    return it == c->op_of.end() ? -1 : (c->ops[it->second].first ? 1 : 0);
+}
+
+// a missed expert into the layer's slots (see the replacement rule at the top): its slot
+static int32_t ggml_sched_pp_cache_insert(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l, int32_t e) {
+    const int b = l->backend_id;
+    const int32_t s = (int32_t) (std::min_element(l->last_use.begin(), l->last_use.end()) - l->last_use.begin());
+    if (l->slot_expert[s] >= 0) {
+        l->expert_slot[l->slot_expert[s]] = -1;
+        sched->pp.cache_evictions[b]++;
+    }
+    l->slot_expert[s] = e;
+    l->expert_slot[e] = s;
+    l->last_use[s]    = ++sched->pp_cache->clock;
+    return s;
+}
+
+// the layer's lookups for the ids of `op` (read back from the device): the slot numbers go up to the device
+static void ggml_sched_pp_cache_look_up(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l, const ggml_tensor * ids) {
+    ggml_backend_t backend = sched->backends[l->backend_id];
+    int32_t * ids_host = l->ids_host;
+    if (ggml_nbytes(ids) > l->ids_cap * sizeof(int32_t)) {
+        l->ids_more.resize(ggml_nbytes(ids) / sizeof(int32_t) + 1);
+        ids_host = l->ids_more.data();
+    }
+    {
+        GGML_SCHED_PP_WAIT(sched, GGML_SCHED_PP_WAIT_IDS);
+        if (ids->buffer != nullptr && ggml_backend_buffer_get_type(ids->buffer) == sched->bufts[l->backend_id]) {
+            ggml_backend_tensor_get_async(backend, ids, ids_host, 0, ggml_nbytes(ids));
+            ggml_backend_synchronize(backend);
+        } else {
+            ggml_backend_synchronize(backend);
+            ggml_backend_tensor_get(ids, ids_host, 0, ggml_nbytes(ids));
+        }
+    }
+    sched->pp.id_readbacks++;
+
+    const int b = l->backend_id;
+    const int64_t n_used = ids->ne[0], n_tokens = ids->ne[1];
+    std::fill(l->remap_host, l->remap_host + n_used * n_tokens, -1);
+    l->used.clear();
+    auto id_at = [&](int64_t t, int64_t k) {
+        const int32_t e = ids_host[(t * ids->nb[1] + k * ids->nb[0]) / sizeof(int32_t)];
+        GGML_ASSERT(e >= 0 && e < l->n_expert);
+        return e;
+    };
+    for (int64_t t = 0; t < n_tokens; t++) {
+        int32_t * slot = l->remap_host + t * n_used;
+        // a step: the token's hits (cached at its start) are touched, then its misses inserted, each in top-k order
+        for (int64_t k = 0; k < n_used; k++) {
+            const int32_t s = l->expert_slot[id_at(t, k)];
+            if (s >= 0) {
+                sched->pp.cache_hits[b]++;
+                l->last_use[s] = ++sched->pp_cache->clock;
+                slot[k] = s;
+            }
+        }
+        for (int64_t k = 0; k < n_used; k++) {
+            if (slot[k] < 0) {
+                const int32_t e = id_at(t, k);
+                sched->pp.cache_misses[b]++;
+                slot[k] = l->expert_slot[e] >= 0 ? l->expert_slot[e] : ggml_sched_pp_cache_insert(sched, l, e);
+            }
+        }
+        for (int64_t k = 0; k < n_used; k++) {
+            const auto es = std::make_pair(id_at(t, k), slot[k]);
+            if (std::find(l->used.begin(), l->used.end(), es) == l->used.end()) {
+                l->used.push_back(es);
+            }
+        }
+    }
+    ggml_backend_tensor_set_async(backend, l->remap, l->remap_host, 0, (size_t) (n_used * n_tokens) * sizeof(int32_t));
+}
+
+// the remapped ids of a layer as an op with n_tokens reads them: [n_used, n_tokens], contiguous
+static ggml_tensor * ggml_sched_pp_cache_ids_view(ggml_sched_pp_cache_layer * l, int64_t n_tokens) {
+    ggml_tensor *& v = l->views[n_tokens];
+    if (v == nullptr) {
+        v = ggml_view_2d(l->views_ctx, l->remap, l->n_used, n_tokens, l->n_used * sizeof(int32_t), 0);
+        v->data = nullptr; // (ggml_backend_view_init sets data and buffer)
+        GGML_ASSERT(ggml_backend_view_init(v) == GGML_STATUS_SUCCESS);
+    }
+    return v;
+}
+
+// Before split_id is submitted: the lookups of its expert ops that read slots, the missed experts uploaded into their
+// slots and the slot numbers as the ops' ids, all on the device's stream; the ops pointed at the slots until `swap`
+// ends (after the submission)
+void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_id, ggml_sched_pp_cache_swap * swap) {
+    ggml_sched_pp_cache * c = sched->pp_cache;
+    if (c == nullptr || c->ops.empty()) {
+        return;
+    }
+    if (!c->splits_known) {
+        int s = 0;
+        for (auto & op : c->ops) {
+            while (s < sched->n_splits && op.index >= sched->splits[s].i_end) {
+                s++;
+            }
+            op.split = s;
+        }
+        c->splits_known = true;
+    }
+    if (c->seq != sched->pp_graph_seq) {
+        c->seq  = sched->pp_graph_seq;
+        c->next = 0;
+    }
+    for (; c->next < c->ops.size() && c->ops[c->next].split <= split_id; c->next++) {
+        const ggml_sched_pp_cache_op & op = c->ops[c->next];
+        if (op.split < split_id) {
+            continue; // (a split not computed: an eval callback stopped the graph)
+        }
+        ggml_sched_pp_cache_layer *  l = op.layer;
+        ggml_sched_pp_cache_weight * w = op.weight;
+        ggml_backend_t backend = sched->backends[l->backend_id];
+        const ggml_tensor * ids = op.node->src[2];
+        if (l->lookup_seq != sched->pp_graph_seq || l->lookup_ids != ids) {
+            ggml_sched_pp_cache_look_up(sched, l, ids);
+            l->lookup_seq = sched->pp_graph_seq;
+            l->lookup_ids = ids;
+        }
+        const size_t expert_size = w->host->nb[2];
+        for (const auto & [e, s] : l->used) {
+            if (w->content[s] != e) {
+                ggml_backend_tensor_set_async(backend, w->slots, (const char *) w->host->data + e * expert_size,
+                                              (size_t) s * expert_size, expert_size);
+                w->content[s] = e;
+                sched->pp.cache_bytes[l->backend_id]  += expert_size;
+                sched->pp.weight_bytes[l->backend_id] += expert_size;
+            }
+        }
+        sched->pp.cache_ops[l->backend_id]++;
+        swap->add(op.node, w->slots, ggml_sched_pp_cache_ids_view(l, ids->ne[1]));
+    }
+}
+
+// the cache's counters of a backend for the stats JSON (",\"key\":value" each), and the slots it holds
+std::string ggml_backend_sched_pp_cache_json(ggml_backend_sched_t sched, int backend_id) {
+    const ggml_sched_pp_stats & st = sched->pp;
+    const ggml_sched_pp_cache * c = sched->pp_cache;
+    int layers = 0, slots_min = 0;
+    if (c != nullptr) {
+        for (const auto & l : c->layers) {
+            if (l->backend_id == backend_id && l->n_slots > 0) {
+                slots_min = layers == 0 ? l->n_slots : std::min(slots_min, l->n_slots);
+                layers++;
+            }
+        }
+    }
+    return ",\"cache_ops\":" + std::to_string(st.cache_ops[backend_id]) +
+           ",\"cache_hits\":" + std::to_string(st.cache_hits[backend_id]) +
+           ",\"cache_misses\":" + std::to_string(st.cache_misses[backend_id]) +
+           ",\"cache_evictions\":" + std::to_string(st.cache_evictions[backend_id]) +
+           ",\"cache_bytes\":" + std::to_string(st.cache_bytes[backend_id]) +
+           ",\"cache_buffer_bytes\":" + std::to_string(c != nullptr ? c->bytes[backend_id] : 0) +
+           ",\"cache_layers\":" + std::to_string(layers) +
+           ",\"cache_slots\":" + std::to_string(slots_min);
+}
+
+void ggml_backend_sched_pp_cache_free(ggml_backend_sched_t sched) {
+    ggml_sched_pp_cache * c = sched->pp_cache;
+    if (c == nullptr) {
+        return;
+    }
+    // (the caller has synchronized: no graph still reads the slots; the backends may be gone already)
+    for (auto * buf : c->bufs) {
+        ggml_backend_buffer_free(buf);
+    }
+    for (auto * ctx : c->ctxs) {
+        ggml_free(ctx);
+    }
+    delete c;
+    sched->pp_cache = nullptr;
+}

@@ -1,0 +1,249 @@
+"""EXPERT_CACHE (patch 0014) on VDEVs with every expert in host RAM: below op offload's threshold the expert ops run on
+their layer's device, reading the experts from a per-layer LRU of slots there. The logits equal the baseline's
+(test-backend-ops allows a CPU-vs-GPU MUL_MAT_ID an NMSE of 5e-4; on VDEVs both sides run the CPU's kernels on the
+same bytes, so the bar is the suite's 1e-6, and they come out exact); 0 is the path without the cache; the counters
+follow the LRU; device memory stays flat; ops the slots cannot serve stay on the CPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyllama_pp import soak, synth
+from pyllama_pp.expert_cache_sim import simulate
+from pyllama_pp.expert_trace import ExpertTrace
+from pyllama_pp.rpc.server import spawn_server, wait_listening
+
+DECODE = {"n_ctx": 64, "n_batch": 1, "n_ubatch": 1}   # every token a batch of its own: below the threshold
+HOST_ALL = {"host_experts": "all"}
+TWO = "vdev:2x0@0.5"
+
+
+def cache(value) -> dict:
+    """EXPERT_CACHE=value: MiB per device, or -N slots per layer."""
+    return {"GGML_SCHED_PP_EXPERT_CACHE": value}
+
+
+def totals(ext: dict) -> dict:
+    """The cache's counters over all backends."""
+    keys = ("cache_ops", "cache_hits", "cache_misses", "cache_evictions", "cache_bytes", "cache_buffer_bytes")
+    return {k: sum(b[k] for b in ext["backends"]) for k in keys}
+
+
+def expert_bytes_of_layer(cfg: synth.SynthConfig) -> int:
+    """One expert of one layer in all its weights (gate, up, down)."""
+    return synth.expert_bytes_per_layer(cfg) // cfg.n_expert
+
+
+def _decode(runner, variant: str, env=None, devices: str = TWO, n_tokens: int = 12, **kw) -> dict:
+    return runner.logits(variant, devices=devices, placement=HOST_ALL, ctx=DECODE, n_tokens=n_tokens, env=env, **kw)
+
+
+@pytest.fixture(scope="module")
+def baseline_decode(runner):
+    return _decode(runner, "baseline")
+
+
+# --- numerics ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [64, 1, -2])
+def test_decode_logits_equal_the_baseline(runner, baseline_decode, assert_logits_match, tiny_info, value):
+    """Every size, from all 64 experts a layer down to the 2 a token uses: each expert op of each token reads the cache
+    (3 ops per layer and token), and every token's logits are the baseline's."""
+    p = _decode(runner, "patched", cache(value))
+    assert_logits_match(p["logits"], baseline_decode["logits"], f"EXPERT_CACHE={value}")
+    t = totals(p["ext"])
+    assert t["cache_ops"] == 3 * tiny_info["n_layer"] * 12
+    assert t["cache_hits"] + t["cache_misses"] == tiny_info["n_layer"] * 12 * tiny_info["n_expert_used"]
+    assert t["cache_buffer_bytes"] > 0
+
+
+# the other families' tiny presets (attention, shared experts, dense first layers, gating and expert types differ)
+FAMILIES = [("mixtral-tiny", {}), ("qwen2moe-tiny", {}), ("glm4moe-tiny", {}), ("deepseek2-tiny", {}),
+            ("gptoss-tiny", {}), ("mixtral-tiny", {"n_embd": 256, "head_dim": 64, "expert_type": "q4_k"}),
+            ("qwen2moe-tiny", {"expert_type": "bf16"})]
+
+
+@pytest.mark.parametrize("name, overrides", FAMILIES, ids=[n + "".join(f"-{v}" for v in o.values()) for n, o in FAMILIES])
+def test_decode_logits_equal_the_baseline_in_every_family(tmp_path_factory, assert_logits_match, name, overrides):
+    from conftest import JobRunner
+    cfg = synth.preset(name, seed=1, **overrides)
+    path = synth.cached_model(tmp_path_factory.getbasetemp() / "families", name, seed=1, **overrides)
+    runner = JobRunner(str(path), tmp_path_factory.mktemp(name + "-logits"))
+    b = _decode(runner, "baseline", n_tokens=6)
+    p = _decode(runner, "patched", cache(64), n_tokens=6)
+    assert_logits_match(p["logits"], b["logits"], name)
+    moe_layers = cfg.n_layer - cfg.n_layer_dense_lead
+    assert totals(p["ext"])["cache_ops"] == 3 * moe_layers * 6
+
+
+@pytest.fixture
+def upstream_servers():
+    """Two of upstream's rpc-servers on loopback, a VDEV each: the experts stay in the client's RAM."""
+    started = [spawn_server("vdev:1x0@0", "baseline", "127.0.0.1") for _ in range(2)]
+    try:
+        for port, proc in started:
+            wait_listening(port, proc, "127.0.0.1")
+        yield "rpc://" + ",".join(f"127.0.0.1:{port}" for port, _ in started)
+    finally:
+        for _, proc in started:
+            proc.kill()
+            proc.wait(timeout=10)
+            proc.stderr.close()
+
+
+def test_rpc_devices_read_their_cache_over_the_network(runner, upstream_servers, baseline_decode,
+                                                       assert_logits_match, tiny_info):
+    """Only the generic backend API: RPC devices (upstream's servers) take the slots, the missed experts and the
+    slot numbers as tensor sets over the network, and decode to the baseline's logits."""
+    p = _decode(runner, "patched", cache(-16), devices=upstream_servers)
+    assert_logits_match(p["logits"], baseline_decode["logits"], "RPC devices")
+    rpc = [b for b in p["ext"]["backends"] if b["name"].startswith("RPC")]
+    assert len(rpc) == 2 and all(b["cache_slots"] == 16 and b["cache_ops"] > 0 for b in rpc)
+    assert sum(b["cache_ops"] for b in rpc) == 3 * tiny_info["n_layer"] * 12
+
+
+def test_small_prompt_ubatches_read_the_cache_too(runner, assert_logits_match):
+    """A prompt in ubatches of 16 tokens (below the threshold) on two devices: 16 x 2 ids need 32 slots a layer."""
+    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": {"n_ctx": 128, "n_batch": 64, "n_ubatch": 16}, "n_tokens": 40}
+    b = runner.logits("baseline", **kw)
+    p = runner.logits("patched", env=cache(-32), **kw)
+    assert_logits_match(p["logits"], b["logits"], "ub16, 32 slots")
+    assert totals(p["ext"])["cache_ops"] > 0
+
+
+# --- off, and the fallbacks ----------------------------------------------------------------------------------------
+
+STABLE = ("h2d_bytes", "d2h_bytes", "d2d_bytes", "h2d_copies", "d2h_copies", "d2d_copies", "graph_computes",
+          "host_syncs", "alloc_bytes", "peak_alloc_bytes", "buffer_allocs")
+
+
+def _counts(r: dict) -> tuple:
+    """What a run moved and computed, without times: device counters and the scheduler's event counts."""
+    devs = [{k: d[k] for k in STABLE if k in d} for d in r["counters"]["devices"]]
+    ext = {k: v for k, v in r["ext"].items() if isinstance(v, int) and not k.endswith("_us")}
+    backends = [{k: v for k, v in b.items() if k == "name" or (isinstance(v, int) and not k.endswith("_us"))}
+                for b in r["ext"]["backends"]]
+    return devs, ext, backends
+
+
+def test_zero_is_the_path_without_the_cache(runner, baseline_decode):
+    """EXPERT_CACHE=0 (the default): the same logits bit for bit, and the same bytes, copies, syncs, graphs and
+    allocations as a run that does not name the switch; the cache's counters stay 0 and it holds no memory."""
+    p = _decode(runner, "patched")
+    z = _decode(runner, "patched", cache(0))
+    assert np.array_equal(z["logits"], p["logits"]) and np.array_equal(z["logits"], baseline_decode["logits"])
+    assert _counts(z) == _counts(p)
+    assert not any(totals(z["ext"]).values())
+
+
+def test_batches_the_slots_cannot_serve_stay_on_the_cpu(runner, assert_logits_match):
+    """2 slots a layer serve a token (2 ids), not a ubatch of 4 (up to 8 experts): those ops run on the CPU, as
+    without the cache, and move no expert bytes."""
+    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": {"n_ctx": 64, "n_batch": 16, "n_ubatch": 4}, "n_tokens": 16}
+    b = runner.logits("baseline", **kw)
+    p = runner.logits("patched", env=cache(-2), **kw)
+    assert_logits_match(p["logits"], b["logits"], "ub4, 2 slots")
+    t = totals(p["ext"])
+    assert t["cache_ops"] == t["cache_hits"] + t["cache_misses"] == 0
+    assert sum(x["h2d_bytes"] for x in p["counters"]["devices"]) == sum(x["h2d_bytes"] for x in b["counters"]["devices"])
+
+
+def test_a_device_without_room_keeps_its_experts_on_the_cpu(runner, assert_logits_match):
+    """64 slots a layer (10 MB on the tiny model's 6 layers) do not fit next to the layers on a 6 MiB device: the
+    cache warns, asks for no memory the device does not have, and the ops stay on the CPU."""
+    p = _decode(runner, "patched", cache(-64), devices="vdev:1x6MiB@0.5")
+    b = _decode(runner, "baseline", devices="vdev:1x6MiB@0.5")
+    assert_logits_match(p["logits"], b["logits"], "no room")
+    t = totals(p["ext"])
+    assert t["cache_ops"] == t["cache_buffer_bytes"] == 0
+    assert not any(d["failed_allocs"] for d in p["counters"]["devices"])
+
+
+# --- the counters ----------------------------------------------------------------------------------------------------
+
+def test_misses_of_a_full_cache_are_the_distinct_experts_of_a_prompt(runner, tiny_cfg, tiny_info):
+    """A 24-token prompt in one ubatch with a slot for every expert: each layer misses exactly the experts the ubatch
+    uses (the coverage measurement, read through llama's eval callback) and hits the rest of its lookups; the last
+    layer routes only the output row (2 misses). Every miss uploads the expert once to each of the layer's three
+    weights; nothing is evicted."""
+    job = {"kind": "measure", "devices": "vdev:1x0@0.5", "placement": HOST_ALL,
+           "ctx": {"n_ctx": 64, "n_batch": 32, "n_ubatch": 32}, "tests": [["pp", 24]], "reps": 1, "warmup": 0,
+           "coverage": True}
+    r = runner.run("patched", job, env=cache(-64))
+    test = r["tests"][0]
+    per_layer = test["coverage"]["per_layer_mean"]
+    n_layer, k = tiny_info["n_layer"], tiny_info["n_expert_used"]
+    assert sorted(int(x) for x in per_layer) == list(range(n_layer - 1))
+    distinct = sum(int(v) for v in per_layer.values())
+    t = totals(test["ext"])
+    assert t["cache_misses"] == distinct + k
+    assert t["cache_hits"] == (n_layer - 1) * 24 * k + k - t["cache_misses"]
+    assert t["cache_evictions"] == 0
+    assert t["cache_bytes"] == t["cache_misses"] * expert_bytes_of_layer(tiny_cfg)
+
+
+@pytest.mark.parametrize("slots, n_ubatch", [(2, 1), (5, 1), (16, 1), (64, 1), (16, 4), (64, 4)])
+def test_hits_are_the_simulators_lru_on_the_traced_ids(runner, slots, n_ubatch):
+    """The routing ids of 40 tokens recorded by the trace (decoded one by one, or in ubatches of 4 with every row an
+    output), then the same tokens decoded the same way with the cache: its hits are those of
+    pyllama_pp.expert_cache_sim's LRU with as many slots, counted from the first token."""
+    ctx = {"n_ctx": 64, "n_batch": n_ubatch, "n_ubatch": n_ubatch}
+    n_prompt, n_decode = (40, 0) if n_ubatch > 1 else (0, 40)
+    tr = runner.run("patched", {"kind": "trace", "devices": "vdev:1x0@0.5", "placement": HOST_ALL, "ctx": ctx,
+                                "n_prompt": n_prompt, "n_decode": n_decode, "seed": 7})
+    trace = ExpertTrace(tr["ids"], tr["layers"], tr["n_expert"])
+    sim = simulate(trace, slots / trace.n_expert, "lru", warmup=0)
+    assert sim["capacity"] == slots
+    p = runner.logits("patched", devices="vdev:1x0@0.5", placement=HOST_ALL, ctx=ctx, tokens=tr["tokens"],
+                      env=cache(-slots))
+    t = totals(p["ext"])
+    assert t["cache_hits"] + t["cache_misses"] == sim["lookups"]
+    assert t["cache_hits"] == sim["hits"], (t, sim["hits"])
+
+
+def test_lru_counts_follow_the_number_of_slots(runner, tiny_cfg, tiny_info):
+    """The same 40-token decode with 2, 8 and 64 slots a layer. An LRU keeps what a smaller one keeps (the inclusion
+    property), so hits never fall as slots grow; with 2 slots (the 2 ids of a token) every miss after a layer's first
+    token evicts, with 64 none does; each miss moves one expert of the layer's three weights."""
+    n, k, n_layer = 40, tiny_info["n_expert_used"], tiny_info["n_layer"]
+    runs = {s: totals(_decode(runner, "patched", cache(-s), devices="vdev:1x0@0.5", n_tokens=n)["ext"]) for s in (2, 8, 64)}
+    for s, t in runs.items():
+        assert t["cache_hits"] + t["cache_misses"] == n * n_layer * k, s
+        assert t["cache_bytes"] == t["cache_misses"] * expert_bytes_of_layer(tiny_cfg), s
+    assert runs[2]["cache_hits"] <= runs[8]["cache_hits"] <= runs[64]["cache_hits"]
+    assert runs[2]["cache_evictions"] == runs[2]["cache_misses"] - n_layer * k
+    assert runs[64]["cache_evictions"] == 0 and runs[64]["cache_misses"] <= n_layer * tiny_info["n_expert"]
+    assert runs[64]["cache_hits"] > runs[2]["cache_hits"]   # (40 tokens of 2 of 64 experts: some come back)
+
+
+def test_the_slots_take_what_the_switch_gives(runner, tiny_cfg):
+    """-N: N slots in every layer of every device; N MiB: as many slots as fit in N MiB per device, the same in each
+    of its layers."""
+    one = expert_bytes_of_layer(tiny_cfg)
+    for value in (-5, 1):
+        r = _decode(runner, "patched", cache(value), n_tokens=2)
+        for b in r["ext"]["backends"]:
+            if b["name"] == "CPU":
+                assert b["cache_buffer_bytes"] == b["cache_layers"] == 0
+                continue
+            assert b["cache_layers"] > 0
+            slots_bytes = b["cache_slots"] * b["cache_layers"] * one
+            if value < 0:
+                assert b["cache_slots"] == 5 and slots_bytes <= b["cache_buffer_bytes"] < slots_bytes + (64 << 10)
+            else:
+                assert b["cache_buffer_bytes"] <= 1 << 20 < slots_bytes + b["cache_layers"] * one + (64 << 10)
+
+
+# --- memory over many calls -------------------------------------------------------------------------------------------
+
+def test_device_memory_stays_flat_over_many_calls(tiny_model, tiny_cfg, tmp_path_factory):
+    """The soak's mixed calls (prompts, decodes, rewinds, shifts) with a cache smaller than the experts: the slots are
+    allocated once, before the first call, and the devices' memory never moves after the warm-up; every checkpoint's
+    logits equal a fresh session's. Calls below the threshold now fetch experts (without the cache: a few KB of
+    inputs a call, tests/test_soak.py)."""
+    r = soak.run(tiny_model, "patched", devices="vdev:2x256MiB@4GBps", calls=40, check_every=10,
+                 workdir=str(tmp_path_factory.mktemp("soak-cache")), timeout=120, env=cache(1))
+    assert r.problems == [] and r.ok
+    assert all(a == r.alloc_bytes[0] for a in r.alloc_bytes)
+    below = r.bands["below offload"]
+    assert below["h2d_bytes"] > below["calls"] * expert_bytes_of_layer(tiny_cfg)
