@@ -12,8 +12,9 @@ from typing import Optional, Union
 
 import numpy as np
 
+from . import devices as devspec
 from .defaults import CHECK
-from .errors import ConfigError
+from .errors import ConfigError, DeviceSpecError
 from .jobs import LogitsJob
 from .params import ContextParams, Placement, as_context, as_placement, check_int, ctx_for
 from .stats import max_abs_diff, nmse
@@ -41,6 +42,7 @@ class LogitsCheck:
     baseline_pipeline_parallel: bool
     patched_pipeline_parallel: bool
     patched_n_splits: int
+    baseline_devices: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -53,7 +55,8 @@ class LogitsCheck:
 
     def __str__(self) -> str:
         on = lambda x: "on" if x else "off"
-        return (f"{Path(self.model).name} on {self.devices}, host experts {self.placement}, {self.n_tokens} tokens, "
+        base = f" (baseline on {self.baseline_devices})" if self.baseline_devices else ""
+        return (f"{Path(self.model).name} on {self.devices}{base}, host experts {self.placement}, {self.n_tokens} tokens, "
                 f"n_ubatch {self.n_ubatch} (pipelining baseline {on(self.baseline_pipeline_parallel)}, patched "
                 f"{on(self.patched_pipeline_parallel)}, {self.patched_n_splits} splits):\n  patched vs baseline "
                 f"logits: NMSE {self.nmse:.3g}, max abs difference {self.max_abs_diff:.3g} -> "
@@ -69,12 +72,15 @@ def check_context(n_tokens: Optional[int] = None) -> ContextParams:
 def check_logits(model: Union[str, Path], devices: str = CHECK.devices,
                  placement: Union[Placement, dict, None] = None, ctx: Union[ContextParams, dict, None] = None,
                  n_tokens: int = CHECK.n_tokens, seed: int = CHECK.seed, switches: Optional[dict] = None,
-                 nmse_max: float = NMSE_MAX, timeout: Optional[float] = CHECK.timeout) -> LogitsCheck:
+                 nmse_max: float = NMSE_MAX, timeout: Optional[float] = CHECK.timeout,
+                 baseline_devices: Optional[str] = None) -> LogitsCheck:
     """Run both variants on one placement and compare every token's logits.
 
     Args:
         model: the GGUF file.
         devices: a device spec (default: two unthrottled VDEVs).
+        baseline_devices: for RPC devices, the baseline's own servers on the same hosts, in the same order (upstream's
+            client refuses the patched servers); None: the baseline runs on `devices` too.
         placement: where the weights go (default: every expert in host RAM, the series' case).
         ctx: the context (default: CHECK's sizes, pyllama_pp.defaults: several ubatches in flight).
         n_tokens: how many random tokens (from `seed`) are decoded, all with logits.
@@ -83,21 +89,29 @@ def check_logits(model: Union[str, Path], devices: str = CHECK.devices,
     Returns:
         A LogitsCheck (its `ok` says whether the logits match).
     Raises:
-        ConfigError: for n_tokens that do not fit in the context, or GGML_SCHED_PP_* variables the patched
-        build does not accept; the errors of Session (as WorkerError
+        ConfigError: for n_tokens that do not fit in the context, baseline servers that do not match the devices,
+        or GGML_SCHED_PP_* variables the patched build does not accept; the errors of Session (as WorkerError
         subclasses) when a variant cannot run.
+        DeviceSpecError: for a spec that does not parse or an RPC server that cannot be reached (before any worker).
     """
     placement = as_placement(placement if placement is not None else Placement(host_experts=CHECK.host_experts))
     ctx = as_context(ctx if ctx is not None else check_context())
     n_tokens = check_int("n_tokens", n_tokens, 1)
     if not 1 <= n_tokens <= ctx.n_ctx:
         raise ConfigError(f"n_tokens must be between 1 and n_ctx ({ctx.n_ctx}), not {n_tokens}")
+    if baseline_devices:
+        devspec.check_baseline_devices(devices, baseline_devices)
+    on = {"patched": devices, "baseline": baseline_devices or devices}
+    for spec in dict.fromkeys(on.values()):
+        why = devspec.parse(spec).unreachable()
+        if why:
+            raise DeviceSpecError(why)
     check_switch_env(["patched"])
     got, facts = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for v in ("baseline", "patched"):
             out = str(Path(tmp) / f"{v}.npy")
-            job = LogitsJob(variant=v, model=str(model), devices=devices, placement=placement, ctx=ctx,
+            job = LogitsJob(variant=v, model=str(model), devices=on[v], placement=placement, ctx=ctx,
                             switches=dict(switches or {}) if v == "patched" else {}, n_tokens=n_tokens, seed=seed,
                             logits="all", out=out)
             facts[v] = run_job(job, v, timeout=timeout)["schedule"]
@@ -107,4 +121,4 @@ def check_logits(model: Union[str, Path], devices: str = CHECK.devices,
                        max_abs_diff=max_abs_diff(got["patched"], got["baseline"]), nmse_max=nmse_max,
                        baseline_pipeline_parallel=facts["baseline"]["pipeline_parallel"],
                        patched_pipeline_parallel=facts["patched"]["pipeline_parallel"],
-                       patched_n_splits=facts["patched"]["n_splits"])
+                       patched_n_splits=facts["patched"]["n_splits"], baseline_devices=baseline_devices or None)

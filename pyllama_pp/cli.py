@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Optional
-
-import pandas as pd
 
 from . import runner, synth, trace
 from . import devices as devspec
@@ -26,10 +26,12 @@ from .fit import fit, fit_ubatch
 from .model_file import check_model_path
 from .params import ContextParams, Placement
 from .planning import Choices, check_switches, cpu_only_notes, main_job_model, parse_switches, plan_runs
-from .report import any_failed, check_measured, error_lines, markdown, plot, text_table
-from .row import Row, RowWriter, read_rows
+from .report import any_failed, check_measured, error_lines, markdown, noise_warnings, plot, text_table
+from .row import read_rows
 from .rpc import server as rpc_server
 
+BASELINE_SERVERS = ("`pyllama-pp rpc-server --variant baseline` beside each patched one; upstream's client refuses "
+                    "patched servers")
 JSON_HELP = "print one JSON document on stdout instead of the table (errors too, as {\"error\": ...})"
 __all__ = ["main", "build_parser", "choices_from_args"]
 
@@ -111,7 +113,14 @@ def cmd_synth(args) -> int:
     return 0
 
 
+def _device_notes(args, *specs) -> None:
+    """How the device specs were read (a default they left to us), as notes on stderr."""
+    for note in [n for spec in specs if spec for n in devspec.parse(spec).notes] if not args.json else ():
+        print(f"pyllama-pp: note: {note}", file=sys.stderr)
+
+
 def cmd_fit(args) -> int:
+    _device_notes(args, args.devices)
     auto = args.ubatch == "auto"
     if not auto and args.batch < args.ubatch:
         raise ConfigError(f"-ub/--ubatch ({args.ubatch}) is larger than -b/--batch ({args.batch}). Fix: -ub <= -b")
@@ -133,6 +142,7 @@ def cmd_check(args) -> int:
     """Both variants on one placement, every token's logits compared; exit 1 on a mismatch."""
     model = args.model or main_job_model()
     check_model_path(model)
+    _device_notes(args, args.devices, args.baseline_devices)
     switches = parse_switches(args.switch)
     check_switches(switches, ["patched"])
     if args.ubatch > args.batch:
@@ -140,7 +150,8 @@ def cmd_check(args) -> int:
     ctx = ContextParams(n_ctx=check_context(args.tokens).n_ctx, n_batch=args.batch, n_ubatch=args.ubatch)
     res = check_logits(model, devices=args.devices,
                        placement=Placement(host_experts=args.host_experts, tensor_split=args.tensor_split),
-                       ctx=ctx, n_tokens=args.tokens, seed=args.seed, switches=switches)
+                       ctx=ctx, n_tokens=args.tokens, seed=args.seed, switches=switches,
+                       baseline_devices=args.baseline_devices)
     _emit(args, res.to_dict(), str(res))
     return 0 if res.ok else 1
 
@@ -195,24 +206,11 @@ def _interrupted(out: Optional[Path], cmd: str, resumable: bool = True) -> int:
         print(f"pyllama-pp: interrupted; the {n} row{'' if n == 1 else 's'} measured so far "
               f"{'is' if n == 1 else 'are'} in {Path(out) / 'results.jsonl'}; "
               + (f"continue with `pyllama-pp {cmd} --resume {out}`" if resumable else "run the rest again (a paired run "
-                 "cannot be resumed)"), file=sys.stderr)
+                 "or a workload cannot be resumed)"), file=sys.stderr)
     else:
         print("pyllama-pp: interrupted (" + ("nothing was measured yet" if out else "rows stay on disk only with -o DIR")
               + ")", file=sys.stderr)
     return 130
-
-
-def _workload(args, cfgs: list, variants: list[str], rounds: int) -> int:
-    """--workload mixed: runner.MIXED_WORKLOAD in one context per variant, -r rounds, on every device spec."""
-    dfs = [runner.mixed_workload(cfg, variants=variants, rounds=rounds) for cfg in cfgs]
-    df = pd.concat(dfs, ignore_index=True) if dfs else pd.DataFrame()
-    check_measured(df)
-    rows = json.loads(df.to_json(orient="records"))
-    if args.out:
-        RowWriter(Path(args.out)).write(Row.from_dict(r) for r in rows)
-    _emit(args, {"rows": rows}, text_table(df, ["variant", "devices", "test", "avg_ts", "speedup", "re_reservations",
-                                            "plan_switches", "host_syncs"]))
-    return 1 if any_failed(df) else 0
 
 
 def _planned(args):
@@ -233,24 +231,28 @@ def cmd_measure(args) -> int:
     cfgs, variants, choices, notes = _planned(args)
     for note in notes if not args.json else ():
         print(f"pyllama-pp: note: {note}", file=sys.stderr)
-    if choices is not None and choices.workload:
-        return _workload(args, cfgs, variants, choices.reps)
     ab, paired = args.cmd == "ab", getattr(args, "paired", None)
     out = args.resume or args.out or (Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S") if ab else None)
+    workload = choices is not None and choices.workload
     try:
-        if paired:
+        if workload:
+            df = runner.mixed_workload(cfgs, variants=variants, rounds=choices.reps, out_dir=out)
+        elif paired:
             df = runner.interleaved(cfgs, variants=variants, rounds=paired, out_dir=out, progress=not args.json,
                                     loads=args.loads)
         else:
             df = runner.ab(cfgs, variants=variants, out_dir=out, progress=not args.json, resume=bool(args.resume))
-    except KeyboardInterrupt:   # (rows of a paired run come whole, per config; there is no sweep to resume)
-        return _interrupted(out, args.cmd, resumable=not paired)
+    except KeyboardInterrupt:   # (rows of a paired run or a workload come whole; there is no sweep to resume)
+        return _interrupted(out, args.cmd, resumable=not paired and not workload)
     check_measured(df)
     rows = json.loads(df.to_json(orient="records"))
+    warnings = noise_warnings(df)
     if not ab:
-        _emit(args, {"rows": rows, "notes": notes}, text_table(df, ["variant", "devices", "n_batch", "n_ubatch", "test",
-                                                                 "avg_ts", "stddev_ts", "pipeline_parallel",
-                                                                 "coverage", "h2d_bytes"]))
+        _emit(args, {"rows": rows, "notes": notes, "warnings": warnings},
+              text_table(df, ["variant", "devices", "n_batch", "n_ubatch", "test", "avg_ts", "stddev_ts",
+                              "pipeline_parallel", "coverage", "h2d_bytes"]
+                         + (["re_reservations", "plan_switches", "host_syncs"] if workload else [])))
+        _warnings(args, warnings)
         return 1 if any_failed(df) else 0
     out = Path(out)
     md = markdown(df)
@@ -258,9 +260,22 @@ def cmd_measure(args) -> int:
     png = plot(df, out / "ab.png", title=f"{Path(cfgs[0].model).name}: baseline vs patched")
     files = {"jsonl": str(out / "results.jsonl"), "csv": str(out / "results.csv"), "markdown": str(out / "results.md"),
              "plot": str(png) if png else None}
-    _emit(args, {"rows": rows, "files": files, "notes": notes},
+    _emit(args, {"rows": rows, "files": files, "notes": notes, "warnings": warnings},
           md + error_lines(df) + "\n" + "\n".join(f"{k}: {v}" for k, v in files.items() if v))
+    _warnings(args, warnings)
     return 1 if any_failed(df) else 0
+
+
+def _warnings(args, warnings: list[str]) -> None:
+    for w in warnings if not args.json else ():
+        print(f"pyllama-pp: warning: {w}", file=sys.stderr)
+
+
+def _closed_pipe() -> int:
+    """stdout's reader went away: nothing more to say (stdout goes to /dev/null, so that the flush at exit cannot
+    fail again), and the exit status a shell gives a process that SIGPIPE ended."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 # -- the parser: one small builder per subcommand --------------------------------------------------------------------
@@ -433,8 +448,7 @@ def _add_ab(sub) -> None:
                         "--plan on GPUs, plan for half of each device")
     p.add_argument("--baseline-devices", type=_specs, default=None, metavar="SPEC",
                    help="for RPC devices: the baseline's own servers on the same hosts, in the same order "
-                        "(`pyllama-pp rpc-server --variant baseline` beside each patched one; upstream's client "
-                        "refuses patched servers). ';'-separated, one per --devices spec")
+                        f"({BASELINE_SERVERS}). ';'-separated, one per --devices spec")
     p.add_argument("--loads", type=_positive, default=PAIRED.loads, metavar="K",
                    help="with --paired: K fresh loads of both workers, N rounds each, the variants' load order "
                         "alternating; the interval then resamples whole loads (where each process's memory lands can "
@@ -486,6 +500,8 @@ def _add_check(sub) -> None:
                        formatter_class=_HelpFormatter, epilog="device specs (--devices):" + FORMS)
     p.add_argument("model", nargs="?", help="GGUF model file (default: the main job's model)")
     p.add_argument("--devices", default=CHECK.devices, help="device spec (default: %(default)s, two VDEVs; forms below)")
+    p.add_argument("--baseline-devices", default=None, metavar="SPEC",
+                   help=f"for RPC devices: the baseline's own servers on the same hosts, in the same order ({BASELINE_SERVERS})")
     p.add_argument("--host-experts", default=CHECK.host_experts,
                    help="experts in host RAM: all, none or N (the first N layers) (default: %(default)s)")
     p.add_argument("-ts", "--tensor-split", type=_floats, default=None,
@@ -562,6 +578,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:   # (the reader went away: `pyllama-pp info | head -1`)
+        return _closed_pipe()
     except (PyllamaError, ValueError, OSError) as e:
         kind = getattr(e, "error_type", None) or type(e).__name__
         if getattr(args, "json", False):

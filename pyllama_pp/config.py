@@ -9,10 +9,12 @@ import hashlib
 import itertools
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Sequence
 
 from . import devices as devspec
 from .defaults import CONTEXT, RUN
+from .devices import check_baseline_devices
 from .errors import ConfigError
 from .jobs import MeasureJob, depth_of
 from .params import ContextParams, Placement, as_placement, check_int, ctx_for
@@ -168,28 +170,6 @@ class RunConfig:
         return d
 
 
-def check_baseline_devices(devices: str, baseline_devices: str) -> None:
-    """The baseline's servers match `devices`: both RPC specs, the same devices of this machine first, as many
-    servers, each with the same device form (all of a server's devices, or device N). That they run on the same
-    hosts is the caller's to keep (a host's servers listen on different ports).
-
-    Raises:
-        ConfigError: where they do not match.
-        DeviceSpecError: for a spec that does not parse.
-    """
-    a, b = devspec.parse(devices), devspec.parse(baseline_devices)
-    if not a.remote or not b.remote:
-        raise ConfigError(f"baseline devices {baseline_devices!r} are for RPC devices: both --devices and "
-                          "--baseline-devices name rpc-servers (rpc://HOST:PORT,...). Fix: drop --baseline-devices")
-    local = lambda s: s.local.text if s.local else ""
-    dev = lambda e: e.partition("/")[2]
-    if local(a) != local(b) or len(a.endpoints) != len(b.endpoints) or \
-            [dev(e) for e in a.endpoints] != [dev(e) for e in b.endpoints]:
-        raise ConfigError(f"the baseline's devices {baseline_devices!r} do not match {devices!r}: give a baseline "
-                          "server for each server, in the same order, with the same devices of this machine first "
-                          "(e.g. --devices rpc://h1:50052,h2:50052 --baseline-devices rpc://h1:50053,h2:50053)")
-
-
 def expand(model: str, devices: Sequence[str] = (RUN.devices,), n_batch: Sequence[int] = (RUN.n_batch,),
            n_ubatch: Sequence[int] = (RUN.n_ubatch,),
            placements: Sequence[Placement] = (Placement(host_experts=RUN.host_experts),),
@@ -220,8 +200,9 @@ def expand(model: str, devices: Sequence[str] = (RUN.devices,), n_batch: Sequenc
 
 def config_key(cfg: RunConfig) -> str:
     """What a config measures (model, devices, placements, batch sizes, tests, reps, switches, environment, label) as
-    a short hash: rows with the same key and variant measure the same thing (a resumed sweep reuses them)."""
-    what = [cfg.job().to_dict(), {v: p.to_dict() for v, p in sorted(cfg.plans.items())}, cfg.switches, cfg.env,
+    a short hash: rows with the same key and variant measure the same thing (a resumed sweep reuses them). The model
+    counts as the file it names, however its path was written (relative to any working directory, or absolute)."""
+    what = [{**cfg.job().to_dict(), "model": str(Path(cfg.model).resolve())}, {v: p.to_dict() for v, p in sorted(cfg.plans.items())}, cfg.switches, cfg.env,
             cfg.label] + ([cfg.baseline_devices] if cfg.baseline_devices else [])
     return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

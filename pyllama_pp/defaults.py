@@ -139,11 +139,13 @@ class Timeouts:
         info: an info job (the switch table, the devices, the environment's switch problems).
         worker_exit: a serving worker's exit after its input is closed (it is killed after that).
         reader_join: a worker's stdout / stderr reader thread after the worker exited.
+        rpc_connect: a TCP connection to an rpc-server (as the shim's own probe before ggml RPC connects).
     """
 
     info: float = 120
     worker_exit: float = 30
     reader_join: float = 5
+    rpc_connect: float = 3
 
 
 TIMEOUTS = Timeouts()

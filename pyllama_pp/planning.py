@@ -164,7 +164,7 @@ class RunPlan:
         configs: the RunConfigs, frozen, with each variant's placement from a plan where one placed it.
         variants: the variants that run them, in order.
         plans: the fit plans made (`-ub auto`, `--fit`), in the order they were made.
-        notes: notes for the user (pairs left out, a CPU-only A/B).
+        notes: notes for the user (pairs left out, how a device spec was read, a CPU-only A/B).
         choices: the choices with every default filled in (what ran).
     """
 
@@ -271,12 +271,15 @@ def _check_sizes(c: Choices) -> list[str]:
 
 
 def _check_placement(c: Choices, model: Optional[str]) -> None:
-    """Devices this build can run, -ngl / -ts in range and matching the devices, host experts within the model."""
+    """Devices this build can run and servers that answer, -ngl / -ts in range and matching the devices, host experts
+    within the model."""
     specs = [devspec.parse(spec) for spec in c.devices]
-    for text, spec in zip(c.devices, specs):
-        why = spec.unbuilt(backend_modules())
-        if why:
-            raise DeviceSpecError(f"--devices {text}: {why}")
+    for flag, texts in (("--devices", c.devices), ("--baseline-devices", c.baseline_devices or ())):
+        for text in texts:
+            spec = devspec.parse(text)
+            why = spec.unbuilt(backend_modules()) or spec.unreachable()
+            if why:
+                raise DeviceSpecError(f"{flag} {text}: {why}")
     if c.n_gpu_layers < -1:
         raise ConfigError(f"-ngl takes -1 (every layer) or a layer count >= 0, got {c.n_gpu_layers}")
     ts = c.tensor_split
@@ -330,17 +333,21 @@ def check_choices(c: Choices, model: Optional[str] = None) -> list[str]:
     Raises:
         ConfigError: naming the option that is wrong and how to fix it.
         ModelError: for a missing or bad model file.
-        DeviceSpecError: for a spec that does not parse, or CUDA without a CUDA build.
+        DeviceSpecError: for a spec that does not parse, CUDA without a CUDA build, or an RPC server that cannot be
+            reached.
     """
     if model is not None:
         check_model_path(model)
     notes = _check_sizes(c)
+    if c.baseline_devices:
+        if len(c.baseline_devices) != len(c.devices):
+            raise ConfigError(f"--baseline-devices gives {len(c.baseline_devices)} spec(s) and --devices "
+                              f"{len(c.devices)}: give the baseline's servers for each --devices spec, ';'-separated "
+                              "in the same order")
+        for devices, baseline in zip(c.devices, c.baseline_devices):
+            devspec.check_baseline_devices(devices, baseline)
     _check_placement(c, model)
     _check_modes(c)
-    if c.baseline_devices and len(c.baseline_devices) != len(c.devices):
-        raise ConfigError(f"--baseline-devices gives {len(c.baseline_devices)} spec(s) and --devices "
-                          f"{len(c.devices)}: give the baseline's servers for each --devices spec, ';'-separated in "
-                          "the same order")
     return notes
 
 
@@ -460,6 +467,7 @@ def plan_runs(choices: Choices) -> RunPlan:
         cfgs = [_with_plan(cfg, plan, model, variants, c, "fit" if auto else "plan") for cfg in cfgs]
     elif c.fit:
         cfgs = [_with_fit(cfg, model, variants, c, made) for cfg in cfgs]
+    notes += [n for spec in dict.fromkeys(c.devices + (c.baseline_devices or ())) for n in devspec.parse(spec).notes]
     if c.command == "ab":
         notes += cpu_only_notes(cfgs)
     return RunPlan(model=model, configs=tuple(cfgs), variants=tuple(variants), plans=tuple(made),

@@ -2,11 +2,28 @@
 from __future__ import annotations
 
 import numbers
+import re
+import textwrap
 from pathlib import Path
 from typing import Optional, Union
 
+import numpy as np
+
 from . import devices as devspec
 from .errors import ConfigError, DeviceSpecError
+from .stats import Contention
+from .worker.client import SWITCH_ENV_PREFIX
+
+# the causes of the patched build's host waits (the scheduler's ggml_sched_pp_wait_names), as the legend explains them
+WAIT_CAUSES = {
+    "input_events": "early input uploads of an older graph: the host ran ahead of the pipeline, expected",
+    "fallback": "a synchronous copy between two devices that have no asynchronous one (the host waits for each)",
+    "user_input": "a synchronous upload of the user's inputs",
+    "split_switch": "a split without inputs after one on another device",
+    "ids": "the routing-id readback of the selective expert copy",
+    "realloc": "a re-reservation of the graph's buffers (every device synchronized)",
+    "upload": "issuing host-weight uploads (blocks while a device's queue is full)",
+}
 
 # what the table's columns mean, printed under it (and in results.md)
 LEGEND = """\
@@ -18,8 +35,12 @@ LEGEND = """\
 - **bytes/dev**: host-to-device bytes per device per run (what crossed each link).
 - **bound t/s**: the patched build's throughput if every link moved its bytes at its rate and nothing else took time
   (links), and the same with the pipeline's fill and drain (with fill).
-- **re-reservations, host waits**: graph re-reservations of the patched build (each drains the pipeline), and the
-  time its host thread waited, with the largest cause (input_events: the host ran ahead of the pipeline, expected)."""
+""" + textwrap.fill("- **re-reservations, host waits**: graph re-reservations of the patched build (each drains the "
+                    "pipeline), and the time its host thread waited, with the largest cause: "
+                    + "; ".join(f"*{k}*: {v}" for k, v in WAIT_CAUSES.items()) + ".", width=118, subsequent_indent="  ",
+                    break_on_hyphens=False)
+SWITCHES_NOTE = ("- **patched switches**: the patched scheduler's switches the run set (`--switch`, a plan's, "
+                 "`GGML_SCHED_PP_*`); the others at their defaults (`pyllama-pp info`).")
 DECODE_NOTE = ("- **tg rows without `--paired`**: each variant's model was loaded once, and where a process's memory "
                "lands moves decode by a few percent; for a decode claim use `--paired N --loads K` (an interval).")
 
@@ -65,6 +86,41 @@ def error_lines(df) -> str:
     return ("\nerrors:\n" + "\n".join(lines)) if lines else ""
 
 
+RERUN = ("rerun on an idle machine: decode on the CPU moves with every other process there (decode claims: "
+         "`--paired N --loads K`)")
+
+
+def noise_warnings(df) -> list[str]:
+    """What makes the rows' numbers doubtful, each a sentence with the advice to rerun: samples that spread more than
+    their mean, a paired interval wider than its estimate, other processes on the CPU while a config ran
+    (stats.Contention). None for steady rows on an idle machine."""
+    if df.empty:
+        return []
+    rows = [r for r in df.to_dict("records") if not failed(r)]
+    spread = []
+    for r in rows:
+        name = f"{r.get('variant')} {r.get('test')} ({devices_label(r.get('devices'))}, ub={r.get('n_ubatch')})"
+        avg, sd = r.get("avg_ts"), r.get("stddev_ts")
+        if isinstance(sd, numbers.Real) and isinstance(avg, numbers.Real) and sd == sd and sd > avg:
+            spread.append(f"{name}: {avg:.1f} ± {sd:.1f} t/s")
+        med, lo, hi = (r.get(k) for k in ("speedup_median", "speedup_ci_lo", "speedup_ci_hi"))
+        if all(isinstance(x, numbers.Real) and x == x for x in (med, lo, hi)) and hi - lo > med:
+            spread.append(f"{name}: paired {med:.3f} [{lo:.3f}, {hi:.3f}]")
+    out = [f"the samples spread more than their estimate ({'; '.join(spread)}); {RERUN}"] if spread else []
+    seen: dict = {}
+    for r in rows:
+        c = r.get("contention")
+        if isinstance(c, dict) and Contention(**c).contended:
+            seen.setdefault(r.get("config"), Contention(**c))
+    if seen:
+        c = max(seen.values(), key=lambda x: x.others_cores)
+        who = ", ".join(f"{name} (pid {pid}: {cores:.2f} cores)" for name, pid, cores in c.busy[:3]) or "many small ones"
+        out.append(f"other processes used {c.others_cores:.1f} cores while {len(seen)} of "
+                   f"{df['config'].nunique()} configs ran ({who}; load {c.load_1m:.1f} on {c.cores} usable cores); "
+                   + RERUN)
+    return out
+
+
 def text_table(df, cols: list[str]) -> str:
     """The rows' given columns (those the frame has) as a plain table, with error_lines under it."""
     cols = [c for c in cols if c in df.columns]
@@ -89,16 +145,67 @@ def fmt_bytes(b) -> str:
         b /= 1024
 
 
+def switches_text(r) -> str:
+    """The patched switches a row's run set (its `switches`, and GGML_SCHED_PP_* in its environment), "NAME=V ..."."""
+    if r is None:
+        return ""
+    env = r.get("env") if isinstance(r.get("env"), dict) else {}
+    given = {k.removeprefix(SWITCH_ENV_PREFIX): v for k, v in env.items() if k.startswith(SWITCH_ENV_PREFIX)}
+    given.update(r.get("switches") if isinstance(r.get("switches"), dict) else {})
+    return " ".join(f"{k}={v}" for k, v in sorted(given.items()))
+
+
+def _groups(df) -> list:
+    """The table's lines: (config, test) and the baseline's and patched build's row of each (None: that variant did
+    not run it); by config, then its tests in the order they ran (a workload's steps too)."""
+    out = []
+    ordered = sorted(df.reset_index(drop=True).groupby(["config", "test"], sort=False),
+                     key=lambda kv: (kv[0][0], kv[1].index.min()))
+    for (cfg, test), g in ordered:
+        pick = lambda v: g[g.variant == v].iloc[0] if (g.variant == v).any() else None
+        out.append(((cfg, test), pick("baseline"), pick("patched")))
+    return out
+
+
+def devices_cell(b, p) -> str:
+    """The devices of a table line (and a plot's group): the patched build's, and the baseline's where it ran on
+    others (its own RPC servers)."""
+    ref = p if p is not None else b
+    text = devices_label(ref["devices"])
+    if b is not None and p is not None and b["devices"] != p["devices"]:
+        text += f" (baseline: {devices_label(b['devices'])})"
+    return text
+
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and x == x
+
+
+def speedup_estimate(p) -> tuple:
+    """The speedup a table line reports: (estimate, lo, hi, paired); with paired rounds their median and its 95%
+    interval, else patched / baseline avg_ts (no interval); NaNs where there is none."""
+    nan = float("nan")
+    if p is None:
+        return nan, nan, nan, False
+    if _real(p.get("speedup_ci_lo")) and _real(p.get("speedup_median")):
+        return p["speedup_median"], p["speedup_ci_lo"], p["speedup_ci_hi"], True
+    sp = p.get("speedup")
+    return (sp if _real(sp) else nan), nan, nan, False
+
+
 def markdown(df) -> str:
-    """A compare-llama-bench-like table: one line per config and test, baseline vs patched."""
+    """A compare-llama-bench-like table: one line per config and test, baseline vs patched (and the patched
+    switches the runs set, where any did)."""
     if df.empty:
         return "(no rows)\n"
+    patched = df[df.variant == "patched"].to_dict("records") if "variant" in df else []
+    with_switches = any(switches_text(r) for r in patched)
     lines = ["| devices | host experts | n_batch | n_ubatch | test | coverage | baseline t/s | patched t/s | speedup "
-             "| PP b/p | bytes/dev baseline | bytes/dev patched | bound t/s (patched): links, with fill | patched: re-reservations, host waits (largest cause) |",
-             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | --- |"]
-    for (cfg, test), g in df.groupby(["config", "test"], sort=True):
-        b = g[g.variant == "baseline"].iloc[0] if (g.variant == "baseline").any() else None
-        p = g[g.variant == "patched"].iloc[0] if (g.variant == "patched").any() else None
+             "| PP b/p | bytes/dev baseline | bytes/dev patched | bound t/s (patched): links, with fill | patched: re-reservations, host waits (largest cause) |"
+             + (" patched switches |" if with_switches else ""),
+             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | --- |"
+             + (" --- |" if with_switches else "")]
+    for (cfg, test), b, p in _groups(df):
         ref = p if p is not None else b
 
         def ts(r):
@@ -106,7 +213,8 @@ def markdown(df) -> str:
                 return ""
             if failed(r):
                 return "**error**"
-            return f"{r['avg_ts']:.1f} ± {r['stddev_ts']:.1f}"
+            sd = f" ± {r['stddev_ts']:.1f}" if _real(r.get("stddev_ts")) else ""
+            return f"{r['avg_ts']:.1f}{sd}"
 
         def per_dev(r):
             if r is None or not isinstance(r.get("h2d_bytes_per_device"), list):
@@ -120,69 +228,138 @@ def markdown(df) -> str:
         def blocked(r):
             # where the patched host thread waited (per run): re-reservations (each drains the pipeline), total wait
             # and its largest cause (input_events = the host ran ahead and waits for the pipeline: expected)
-            if r is None or not isinstance(r.get("host_wait_s"), dict):
+            if r is None:
                 return ""
+            if not isinstance(r.get("host_wait_s"), dict):   # (a workload step: its re-reservations only)
+                return num(r.get("re_reservations"))
             waits = r["host_wait_s"]
             total = sum(waits.values())
             top = max(waits, key=waits.get) if waits else ""
             return f"{num(r.get('re_reservations')) or '?'}, {total:.2f} s" + (f" ({top})" if total > 0 else "")
 
         cov = ref.get("coverage")
-        cov_s = f"{100 * cov:.0f}%" if isinstance(cov, float) and cov == cov else ""
+        cov_s = f"{100 * cov:.0f}%" if isinstance(cov, float) and cov == cov and _on_host(ref) else ""
         sp = p.get("speedup") if p is not None else None
         sp_s = "" if sp is None or sp != sp else f"{sp:.2f}"
-        lo = p.get("speedup_ci_lo") if p is not None else None
-        if sp_s and isinstance(lo, float) and lo == lo:   # bench.interleaved: the paired median, its 95% interval
+        med, lo, hi, paired = speedup_estimate(p)
+        if sp_s and paired:   # bench.interleaved: the paired median, its 95% interval
             loads = p.get("loads")
-            loads_s = f" in {loads:.0f} loads" if isinstance(loads, numbers.Real) and loads == loads and loads > 1 else ""
-            sp_s += f" (paired {p['speedup_median']:.3f} [{lo:.3f}, {p['speedup_ci_hi']:.3f}], {p['rounds']:.0f} rounds{loads_s})"
+            loads_s = f" in {loads:.0f} loads" if _real(loads) and loads > 1 else ""
+            sp_s += f" (paired {med:.3f} [{lo:.3f}, {hi:.3f}], {p['rounds']:.0f} rounds{loads_s})"
         bound = "" if p is None else ", ".join(filter(None, (num(p.get("bound_ts")), num(p.get("bound_pipe_ts")))))
         placed = " / ".join(dict.fromkeys(str(r.get("host_experts") or "") for r in (b, p) if r is not None))
         lines.append(
-            f"| {devices_label(ref['devices'])} | {placed} | {ref['n_batch']} "
+            f"| {devices_cell(b, p)} | {placed} | {ref['n_batch']} "
             f"| {ref['n_ubatch']} | {test} | {cov_s} | {ts(b)} | {ts(p)} "
             f"| {sp_s} | {pp(b)}/{pp(p)} | {per_dev(b)} | {per_dev(p)} "
-            f"| {bound} | {blocked(p)} |")
+            f"| {bound} | {blocked(p)} |" + (f" {switches_text(p)} |" if with_switches else ""))
     unpaired_tg = "test" in df and df["test"].astype(str).str.startswith("tg").any() and (
         "speedup_ci_lo" not in df or df["speedup_ci_lo"].isna().all())
-    return "\n".join(lines) + "\n\n" + LEGEND + ("\n" + DECODE_NOTE if unpaired_tg else "") + "\n"
+    return ("\n".join(lines) + "\n\n" + LEGEND + ("\n" + SWITCHES_NOTE if with_switches else "")
+            + ("\n" + DECODE_NOTE if unpaired_tg else "") + "\n")
 
 
-def plot(df, path: Union[str, Path], title: str = "pyllama_pp A/B") -> Optional[Path]:
-    """Bar chart of avg_ts per config/test for both variants (error bars = stddev), with speedups on top."""
+def _on_host(r) -> bool:
+    """Whether a row's placement kept experts in host RAM (a coverage is about those); True where unknown."""
+    overrides, label = r.get("tensor_buft_overrides"), str(r.get("host_experts") or "")
+    if isinstance(overrides, str):
+        return bool(overrides)
+    return label not in ("none", "0") and not label.endswith(": 0 overrides")
+
+
+def _group_labels(groups: list) -> tuple[list[str], str]:
+    """Each plot group's label (what differs between the groups: devices, host experts, n_batch, n_ubatch, test),
+    wrapped to fit under its bars, and what they all share (for the title)."""
+    fields = []
+    for (_, test), b, p in groups:
+        ref = p if p is not None else b
+        placed = " / ".join(dict.fromkeys(str(r.get("host_experts") or "") for r in (b, p) if r is not None))
+        fields.append([devices_cell(b, p), f"experts on host: {placed}", f"b={ref['n_batch']}",
+                       f"ub={ref['n_ubatch']}", str(test)])
+    varies = [len({f[i] for f in fields}) > 1 for i in range(len(fields[0]))]
+    varies[-1] = varies[-1] or not any(varies)   # (every group named by something: its test at least)
+    labels = ["\n".join(_wrap(x, PLOT_LABEL_CHARS) for x, v in zip(f, varies) if v) for f in fields]
+    shared = ", ".join(x for x, v in zip(fields[0], varies) if not v)
+    return labels, shared
+
+
+def _wrap(text: str, width: int) -> str:
+    """`text` in lines of at most `width` characters, broken after a comma or semicolon where it can (a device spec
+    has no spaces), else at spaces, else anywhere."""
+    lines, cur = [], ""
+    for part in re.split(r"(?<=[,;])", text):
+        if cur and len(cur) + len(part) > width:
+            lines.append(cur)
+            cur = ""
+        cur += part
+    return "\n".join(textwrap.fill(ln, width=width, break_on_hyphens=False) for ln in lines + [cur])
+
+
+PLOT_GROUP_INCHES = 2.0   # the width each group's bars and label get
+PLOT_LABEL_CHARS = 24     # characters of a label line at its font size within that width
+
+
+def plot_figure(df, title: str = "pyllama_pp A/B"):
+    """The A/B plot as a matplotlib Figure: above, avg_ts of each table line for both variants (error bars: stddev_ts,
+    never below 0 t/s); below, the speedup the table reports (with paired rounds their median and its 95% interval);
+    each group labelled by what differs between them, the rest in the title. None without a measurement."""
     import matplotlib   # (imported here: only a plot needs it, and it takes a second to import)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt   # (with matplotlib, above)
 
     if df.empty or "avg_ts" not in df or df["avg_ts"].isna().all():
         return None
-    groups = list(df.groupby(["config", "test"], sort=True))
-    labels = [f"{devices_label(g.iloc[0]['devices'])}\nub={g.iloc[0]['n_ubatch']} {test}" for (c, test), g in groups]
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4.5))
-    width = 0.38
+    groups = _groups(df)
+    labels, shared = _group_labels(groups)
+    fig, (ax, axs) = plt.subplots(2, 1, sharex=True, height_ratios=(3, 1.4),
+                                  figsize=(max(6.0, PLOT_GROUP_INCHES * len(groups)), 6.0))
+    width, xs = 0.38, np.arange(len(groups))
     top_all = df["avg_ts"].max()
     for k, v in enumerate(("baseline", "patched")):
-        mine = [g[g.variant == v] for _, g in groups]
-        vals = [m["avg_ts"].mean() if m["avg_ts"].notna().any() else 0 for m in mine]
-        errs = [m["stddev_ts"].mean() if m["stddev_ts"].notna().any() else 0 for m in mine]
-        xs = [i + (k - 0.5) * width for i in range(len(groups))]
-        ax.bar(xs, vals, width, yerr=errs, label=v, color=("#8c8c8c", "#1f77b4")[k], capsize=3)
-        for x, m in zip(xs, mine):   # a failed run is marked, not drawn as a zero bar
-            if not m.empty and m["avg_ts"].isna().all():
+        rows = [b if v == "baseline" else p for _, b, p in groups]
+        vals = np.array([r["avg_ts"] if r is not None and _real(r.get("avg_ts")) else 0.0 for r in rows])
+        sds = np.array([r["stddev_ts"] if r is not None and _real(r.get("stddev_ts")) else 0.0 for r in rows])
+        at = xs + (k - 0.5) * width
+        ax.bar(at, vals, width, yerr=[np.minimum(sds, vals), sds], label=v, color=("#8c8c8c", "#1f77b4")[k],
+               capsize=3)
+        for x, r in zip(at, rows):   # a failed run is marked, not drawn as a zero bar
+            if r is not None and failed(r):
                 ax.text(x, top_all * 0.02, "failed", rotation=90, ha="center", va="bottom", color="#d62728",
                         fontsize=9, fontweight="bold")
-    for i, (_, g) in enumerate(groups):
-        sp = g[g.variant == "patched"]["speedup"].mean() if (g.variant == "patched").any() else float("nan")
-        top = g["avg_ts"].max()
-        if sp == sp:
-            ax.text(i + 0.5 * width, top * 1.02, f"{sp:.2f}x", ha="center", va="bottom", fontsize=9)
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels(labels, fontsize=8)
-    ax.set_ylabel("tokens / s (avg_ts, error bars: stddev_ts)")
-    ax.set_title(title)
-    ax.legend(title="above the bars: patched / baseline", fontsize=8, title_fontsize=8)
-    ax.margins(y=0.15)
+    est = [speedup_estimate(p) for _, _, p in groups]
+    heights = np.array([e[0] if _real(e[0]) else 0.0 for e in est])
+    lo = np.array([e[0] - e[1] if e[3] else 0.0 for e in est])
+    hi = np.array([e[2] - e[0] if e[3] else 0.0 for e in est])
+    axs.bar(xs, heights, 0.5, color="#1f77b4")
+    paired = [i for i, e in enumerate(est) if e[3]]
+    if paired:   # (the paired median's 95% interval; a ratio of means has none)
+        axs.errorbar(xs[paired], heights[paired], yerr=[lo[paired], hi[paired]], fmt="none", ecolor="black",
+                     capsize=4)
+    axs.axhline(1.0, color="#444444", linewidth=0.8)
+    for x, (m, a, z, paired) in zip(xs, est):
+        if _real(m):
+            axs.text(x, (z if paired else m) * 1.02, f"{m:.3f}x [{a:.3f}, {z:.3f}]" if paired else f"{m:.2f}x",
+                     ha="center", va="bottom", fontsize=8, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+    axs.set_xticks(xs)
+    axs.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("tokens / s\n(avg_ts, bars: stddev_ts)", fontsize=9)
+    axs.set_ylabel("patched / baseline" + ("\n(paired median, 95%)" if any(e[3] for e in est) else ""), fontsize=9)
+    ax.set_title(title + (f"\n{shared}" if shared else ""), fontsize=10)
+    ax.legend(fontsize=8)
+    ax.set_ylim(bottom=0)
+    axs.set_ylim(bottom=0)
+    axs.margins(y=0.25)
     fig.set_layout_engine("constrained")   # (tight_layout warns when labels are long; this one makes room)
+    return fig
+
+
+def plot(df, path: Union[str, Path], title: str = "pyllama_pp A/B") -> Optional[Path]:
+    """The A/B plot (plot_figure) written to `path` (PNG); None when there is nothing to plot."""
+    import matplotlib.pyplot as plt   # (imported here: only a plot needs it, and it takes a second to import)
+
+    fig = plot_figure(df, title)
+    if fig is None:
+        return None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

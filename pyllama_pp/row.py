@@ -49,6 +49,8 @@ class Row:
             measures (a resumed sweep reuses rows with the same key).
         env, switches, build, machine, date: the environment, the patched build's switches ({} for the baseline),
             the build, the machine and when.
+        contention: what other processes took of the CPU while the config ran (stats.Contention's fields; None
+            where it was not watched: RPC devices, workloads).
         error: why the run failed (then avg_ts is NaN); None when it did not.
         rounds, loads, ratios, speedup_median, speedup_ci_lo, speedup_ci_hi: paired rounds (runner.interleaved):
             over `loads` model loads, the per-round ratios to the baseline, their median and its 95% interval.
@@ -127,6 +129,7 @@ class Row:
     build: Optional[dict] = None
     machine: Optional[str] = None
     date: Optional[str] = None
+    contention: Optional[dict] = None            # other processes on the CPU meanwhile (stats.Contention)
     # paired rounds (runner.interleaved): over `loads` model loads, the per-round ratios to the baseline, their
     # median and its 95% interval
     rounds: Optional[int] = None

@@ -1,8 +1,9 @@
 """The A/B runner: configurations (pyllama_pp.config) run on the baseline and the patched build.
 
 `ab` runs every configuration in a fresh worker process per variant (same model, placement, batch sizes and load
-mode for both), appends rows to JSONL/CSV as they come (a crash or Ctrl-C loses nothing already measured) and turns
-a worker that dies into error rows. `interleaved` runs the variants round by round instead (one serving worker each,
+mode for both; consecutive configs that share a model load share the worker, one job per test), appends each
+configuration's rows to JSONL/CSV as soon as a variant measured them (a crash, a dead worker or Ctrl-C loses nothing
+already measured) and turns a worker that dies into error rows of the configuration it was measuring. `interleaved` runs the variants round by round instead (one serving worker each,
 the model loaded once, ABBA order): drift over time then hits both alike, and each round's ratio gives a paired
 speedup with a confidence interval. `mixed_workload` runs a server's mixed load in one context per variant.
 """
@@ -18,6 +19,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 from tqdm import tqdm
 
+from . import devices as devspec
 from .binding import VARIANTS
 from .config import RunConfig, config_key, load_key
 from .params import ctx_for
@@ -27,7 +29,7 @@ from .errors import ConfigError, WorkerError
 from .jobs import MeasureJob, WorkloadJob, test_name
 from .row import Row, RowWriter, frame, read_rows
 from .rows import error_rows, error_text, meta, rows_from_result, workload_step_row
-from .stats import paired_ci
+from .stats import CpuWatch, paired_ci
 from .worker.client import ServingWorker, check_switch_env, run_job
 
 SWEEP_FILE = "sweep.json"
@@ -138,71 +140,97 @@ class _Sweep:
     rows: list[Row] = field(default_factory=list)
 
 
+def step_name(cfg: RunConfig, variant: str, tests: list) -> str:
+    """How the progress bar names what it measures: the variant's devices, the batch sizes and the tests."""
+    return (f"{devspec.parse(cfg.devices_for(variant)).label} b={cfg.n_batch} ub={min(cfg.n_ubatch, cfg.n_batch)} "
+            + ",".join(test_name(t) for t in tests))
+
+
 @dataclass
-class _Group:
-    """Consecutive configs that share one worker per variant (one model load): each config's index, meta and rows
-    per variant."""
+class _Worker:
+    """The serving worker a variant measures a group's configs on (started at the first config; after one dies, a
+    fresh one takes the next config)."""
 
-    items: list[tuple[int, RunConfig]]
-    metas: list[dict]
-    per_cfg: list[dict[str, list[Row]]]
+    variant: str
+    env: dict
+    worker: Optional[ServingWorker] = None
+
+    def run(self, job: MeasureJob, timeout: Optional[float]) -> dict:
+        if self.worker is None or not self.worker.alive:
+            self.close()
+            self.worker = ServingWorker(self.variant, env=self.env)   # (held before it starts: a Ctrl-C kills it)
+            self.worker.start()
+        return self.worker.run(job, timeout=timeout)
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.worker.pid if self.worker is not None else None
+
+    def close(self, kill: bool = False) -> None:
+        if self.worker is not None:
+            if kill:
+                self.worker.kill()
+            self.worker.close()
+            self.worker = None   # (only once closed: a Ctrl-C while it closes leaves it to close(kill=True))
 
 
-def _reuse(sweep: _Sweep, grp: _Group, v: str) -> list[int]:
-    """The group's configs that `v` must measure (by position); the others take their rows from the earlier run."""
-    todo = []
-    for k, (_, cfg) in enumerate(grp.items):
-        old = _reusable(sweep.prev, cfg, v)
-        if old is None:
-            todo.append(k)
-        else:
-            grp.per_cfg[k][v] = old
-    return todo
+def _measure(sweep: _Sweep, w: _Worker, cfg: RunConfig, v: str, cfg_meta: dict, coverage: bool) -> list[Row]:
+    """One config's rows for `v`, test by test on the group's worker (one job and one progress step per test, in one
+    context); a test that fails gives the config error rows, and a worker that dies loses no other config's rows."""
+    tests, res, watch = [], None, CpuWatch()
+    for i, t in enumerate(cfg.tests):
+        if sweep.bar:
+            sweep.bar.set_postfix_str(f"{v} {step_name(cfg, v, [t])}")
+        try:
+            # coverage is a property of model, tokens and ubatch, not of the variant: measured by the first one
+            res = w.run(cfg.job(v, tests=[list(t)], coverage=coverage), sweep.timeout)
+        except WorkerError as e:
+            _warn(sweep.progress, e, "carrying on with the next run")
+            if sweep.bar:
+                sweep.bar.update(len(cfg.tests) - i)
+            return error_rows(cfg, v, error_text(e), cfg_meta)
+        tests += res["tests"]
+        if sweep.bar:
+            sweep.bar.update(1)
+    return _watched(rows_from_result(cfg, v, {**res, "tests": tests}, cfg_meta), cfg, watch, [w.pid])
 
 
-def _measure(sweep: _Sweep, grp: _Group, v: str, todo: list[int]) -> None:
-    """One worker of `v` measures the configs `todo` (one job; a group's configs each in a fresh context); a worker
-    that fails gives them error rows."""
-    sub = [grp.items[k] for k in todo]
-    lead = sub[0][1]
-    if sweep.bar:
-        sweep.bar.set_postfix_str(f"{v} {lead.devices} ub={','.join(str(c.n_ubatch) for _, c in sub)}")
-    # the switches are the patched build's; coverage is a property of model, tokens and ubatch, not of the
-    # variant: measure it once
-    job = lead.job(v, coverage=not any(grp.per_cfg[k] for k in todo),
-                   ctx_list=[{"ctx": cfg.context().to_dict(), "tests": cfg.tests} for _, cfg in sub]
-                   if len(sub) > 1 else None)
-    try:
-        res = run_job(job, v, timeout=sweep.timeout, env=lead.env)
-    except WorkerError as e:
-        _warn(sweep.progress, e, "carrying on with the next run")
-        for k in todo:
-            grp.per_cfg[k][v] = error_rows(grp.items[k][1], v, error_text(e), grp.metas[k])
-        return
-    runs = res["runs"] if len(sub) > 1 else [res]
-    for j, k in enumerate(todo):
-        cfg, run = grp.items[k][1], runs[j]
-        grp.per_cfg[k][v] = (error_rows(cfg, v, run["error"], grp.metas[k]) if "error" in run else
-                             rows_from_result(cfg, v, {"model": res["model"], **run}, grp.metas[k]))
+def _watched(rows: list[Row], cfg: RunConfig, watch: CpuWatch, workers: list) -> list[Row]:
+    """Rows of a config run on this machine's CPU, with what other processes took of it meanwhile (not watched for
+    RPC devices, whose servers' work is the measurement's)."""
+    if not devspec.parse(cfg.devices).remote:
+        seen = watch.stop(exclude=[pid for pid in workers if pid]).to_dict()
+        for r in rows:
+            r.contention = seen
+    return rows
 
 
 def _run_group(sweep: _Sweep, items: list[tuple[int, RunConfig]]) -> None:
-    """Every variant on one group; each variant's new rows written as soon as measured (Ctrl-C in the next variant
-    keeps them)."""
-    grp = _Group(items, [meta(cfg) for _, cfg in items], [{} for _ in items])
+    """Every variant on one group of configs that share a model load, in one serving worker per variant; each
+    config's rows are written as soon as the variant measured them (Ctrl-C or a dead worker keeps them)."""
+    metas = [meta(cfg) for _, cfg in items]
+    per_cfg: list[dict[str, list[Row]]] = [{} for _ in items]
     for v in sweep.variants:
-        todo = _reuse(sweep, grp, v)
-        if todo:
-            _measure(sweep, grp, v, todo)
-        if sweep.bar:
-            sweep.bar.update(len(items))
-        for k, (ci, _) in enumerate(items):
-            _finish_config(grp.per_cfg[k])
-            for r in grp.per_cfg[k][v]:
-                r.config = ci
-            if k in todo:
-                sweep.writer.write(grp.per_cfg[k][v])
-    for per_variant in grp.per_cfg:
+        w = _Worker(v, items[0][1].env)
+        try:
+            for k, (ci, cfg) in enumerate(items):
+                old = _reusable(sweep.prev, cfg, v)
+                if old is not None:
+                    per_cfg[k][v] = old
+                    if sweep.bar:
+                        sweep.bar.update(len(cfg.tests))
+                else:
+                    per_cfg[k][v] = _measure(sweep, w, cfg, v, metas[k], coverage=not per_cfg[k])
+                _finish_config(per_cfg[k])
+                for r in per_cfg[k][v]:
+                    r.config = ci
+                if old is None:
+                    sweep.writer.write(per_cfg[k][v])
+            w.close()
+        except BaseException:
+            w.close(kill=True)   # (Ctrl-C, an error, even while it was closing: no waiting for a job in progress)
+            raise
+    for per_variant in per_cfg:
         for rows in per_variant.values():
             sweep.rows.extend(rows)
 
@@ -221,17 +249,21 @@ def ab(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequence[str] =
        out_dir: Optional[Union[str, Path]] = None, progress: bool = True, timeout: Optional[float] = None, group: bool = True, resume: bool = False):
     """Run every config on every variant, each variant in its own worker process.
 
-    Rows go to out_dir's results.jsonl/csv as each variant finishes (a crash or Ctrl-C keeps them); a worker that
-    fails or dies becomes error rows and the sweep carries on.
+    Rows go to out_dir's results.jsonl/csv as each config's variant finishes (a crash or Ctrl-C keeps them); a
+    worker that fails or dies becomes error rows of the config it was measuring and the sweep carries on (a fresh
+    worker takes the next config). The progress bar steps once per row, named by its variant, devices, batch sizes
+    and test.
 
     Args:
         configs: the RunConfigs (e.g. from `expand`).
         variants: which builds run them, in that order (default: baseline, then patched).
         out_dir: a folder for results.jsonl, results.csv and sweep.json (None: nothing written).
         progress: show a progress bar and warnings on stderr.
-        timeout: seconds per worker job (None: no limit).
-        group: consecutive configs that differ only in batch sizes and tests share one worker per variant, which
-            loads the model once (a 30 GB model takes longer to load than to benchmark).
+        timeout: seconds per worker job, one test of a config (the first of a worker includes its model load; None:
+            no limit).
+        group: consecutive configs that differ only in batch sizes and tests share one serving worker per variant,
+            which loads the model once (a 30 GB model takes longer to load than to benchmark); each config gets a
+            fresh context on it.
         resume: a config whose rows for a variant are all in out_dir's results.jsonl without an error is not
             measured again (error rows are), and the files are rewritten at the end with each row once.
     Returns:
@@ -246,8 +278,8 @@ def ab(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequence[str] =
     prev_rows, prev = _previous(out_dir, resume)
     if out_dir:
         save_sweep(out_dir, configs, variants)
-    bar = tqdm(total=len(configs) * len(variants), desc="A/B" if len(variants) > 1 else variants[0],
-               unit="run", dynamic_ncols=True) if progress else None
+    bar = tqdm(total=sum(len(c.tests) for c in configs) * len(variants), desc="A/B" if len(variants) > 1 else
+               variants[0], unit="row", dynamic_ncols=True) if progress else None
     sweep = _Sweep(list(variants), RowWriter(Path(out_dir) if out_dir else None), prev, timeout, progress, bar)
     try:
         for items in _groups(configs, group):
@@ -347,18 +379,21 @@ def _run_once(run: _Paired, cur: _Rounds, v: str, r: int, job: MeasureJob) -> Op
 
 def _warm_up(run: _Paired, cur: _Rounds, vs: list[str]) -> None:
     """Each variant's warm-up (and its model load), in the load's order; coverage measured by the first that runs."""
+    if run.bar:
+        run.bar.set_postfix_str(f"warm-up {step_name(cur.cfg, vs[0], cur.cfg.tests)}")
     for v in vs:
         res = _run_once(run, cur, v, -1, cur.cfg.job(v, reps=1, warmup=1, coverage=cur.coverage is None))
         if res is not None and cur.coverage is None:
             cur.coverage = [t.get("coverage") for t in res["tests"]]
-    if run.bar:
-        run.bar.update(1)
 
 
 def _run_rounds(run: _Paired, cur: _Rounds, load: int, vs: list[str]) -> None:
     """The load's rounds, the order alternating (vs, then vs reversed); stops early when every variant failed."""
     jobs = {v: cur.cfg.job(v, reps=1, warmup=run.warmup, coverage=False) for v in run.variants}
+    of_load = f" load {load + 1}/{run.loads}" if run.loads > 1 else ""
     for r in range(run.rounds):
+        if run.bar:
+            run.bar.set_postfix_str(f"round {r + 1}/{run.rounds}{of_load} {step_name(cur.cfg, vs[0], cur.cfg.tests)}")
         for v in (vs if r % 2 == 0 else vs[::-1]):
             res = _run_once(run, cur, v, load * run.rounds + r, jobs[v])
             if res is not None:
@@ -392,6 +427,7 @@ def _run_config(run: _Paired, ci: int, cfg: RunConfig) -> None:
     """One config: `loads` times a warm-up and the rounds (fresh workers for every load, the variants' order reversed
     every other load), then its rows, written."""
     cur = run.current = _Rounds(ci, cfg, meta(cfg), {v: [] for v in run.variants})
+    watch = CpuWatch()
     for load in range(run.loads):
         if run.loads > 1 and run.servers:   # the model loaded again, the other variant first
             _close_servers(run)
@@ -402,6 +438,7 @@ def _run_config(run: _Paired, ci: int, cfg: RunConfig) -> None:
         if not _end_of_load(run, cur, load):
             break
     per_v = _paired_rows(cur, run.variants, cur.got, cur.failed, cur.groups, cur.done_loads, run.seed)
+    _watched([r for rows in per_v.values() for r in rows], cfg, watch, [w.pid for _, w in run.servers.values()])
     run.current = None
     for v in run.variants:
         run.writer.write(per_v[v])
@@ -476,8 +513,8 @@ def interleaved(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequen
     cfgs = _as_configs(configs)
     variants = _check_paired_args(rounds, warmup, loads, variants)
     _check_envs(cfgs, variants)
-    bar = tqdm(total=len(cfgs) * loads * (rounds + 1), desc="paired A/B", unit="round",
-               dynamic_ncols=True) if progress else None
+    bar = tqdm(total=len(cfgs) * loads * rounds, desc="paired A/B", unit="round", dynamic_ncols=True) \
+        if progress else None
     run = _Paired(variants, rounds, warmup, loads, timeout, progress, seed,
                   RowWriter(Path(out_dir) if out_dir else None), bar)
     done = False
@@ -534,23 +571,28 @@ def workload_ctx(workload: list, n_ctx: Optional[int] = None) -> int:
                    n_ctx)
 
 
-def mixed_workload(cfg: RunConfig, variants: Sequence[str] = VARIANTS, rounds: int = RUN.reps,
-                   workload: Optional[list] = None, timeout: Optional[float] = None):
-    """Run `workload` `rounds` times in one context per variant (its own worker).
+def mixed_workload(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequence[str] = VARIANTS,
+                   rounds: int = RUN.reps, workload: Optional[list] = None, timeout: Optional[float] = None,
+                   out_dir: Optional[Union[str, Path]] = None):
+    """Run `workload` `rounds` times in one context per variant (its own worker), for each configuration.
 
     Args:
-        cfg: the configuration (its tests are not used; its context is sized for the workload).
+        configs: one RunConfig or several (their tests are not used; the context is sized for the workload).
         variants: which builds run it.
         rounds: how many times the workload runs in the one context.
         workload: steps ["pp" or "tg", tokens] (default MIXED_WORKLOAD).
         timeout: seconds per worker.
+        out_dir: a folder for results.jsonl and results.csv, written as each variant finishes (None: nothing).
     Returns:
-        pandas.DataFrame: Row's columns, one row per variant and step: `test` ("r2 pp512"), `avg_ts`, `speedup`
-        (patched over baseline, same step), `re_reservations` and `plan_switches` (patched build), `host_syncs`,
-        bytes per device; a variant whose worker failed has one row with `error` set.
+        pandas.DataFrame: Row's columns, one row per config, variant and step: `config` (its index), `test`
+        ("r2 pp512"), `avg_ts`, `speedup` (patched over baseline, same step), `re_reservations` and `plan_switches`
+        (patched build), `host_syncs`, bytes per device; a variant whose worker failed has one row with `error` set.
     Raises:
         ConfigError: for rounds < 1 or a malformed workload.
+        TypeError: when configs are not RunConfig objects.
+        OSError: when out_dir cannot be written.
     """
+    cfgs = _as_configs(configs)
     workload = MIXED_WORKLOAD if workload is None else workload
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ConfigError(f"rounds must be a whole number of at least 1, got {rounds!r}")
@@ -559,7 +601,16 @@ def mixed_workload(cfg: RunConfig, variants: Sequence[str] = VARIANTS, rounds: i
     if not workload or bad:
         raise ConfigError(f"a workload is a non-empty list of steps [\"pp\" or \"tg\", tokens >= 1], such as "
                           f"{MIXED_WORKLOAD}; got {bad[0] if bad else workload!r}")
-    _check_envs([cfg], variants)
+    _check_envs(cfgs, variants)
+    writer, rows = RowWriter(Path(out_dir) if out_dir else None), []
+    for ci, cfg in enumerate(cfgs):
+        rows += _workload_rows(ci, cfg, variants, rounds, workload, timeout, writer)
+    return frame(rows)
+
+
+def _workload_rows(ci: int, cfg: RunConfig, variants: Sequence[str], rounds: int, workload: list,
+                   timeout: Optional[float], writer: RowWriter) -> list[Row]:
+    """One config's workload rows, each variant's written as soon as it ran."""
     ctx = dataclasses.replace(cfg.context(), n_ctx=workload_ctx(workload, cfg.n_ctx))
     cfg_meta = meta(cfg)
     rows: list[Row] = []
@@ -568,18 +619,19 @@ def mixed_workload(cfg: RunConfig, variants: Sequence[str] = VARIANTS, rounds: i
         job = WorkloadJob(variant=v, model=bj.model, devices=bj.devices, placement=bj.placement, ctx=ctx,
                           switches=bj.switches, workload=[list(st) for st in workload], rounds=rounds)
         pl = cfg.placement_for(v)
+        common = dict(variant=v, model=Path(cfg.model).name, devices=cfg.devices_for(v), host_experts=pl.label,
+                      tensor_buft_overrides=";".join(pl.all_overrides()), n_ctx=ctx.n_ctx, n_batch=cfg.n_batch,
+                      n_ubatch=ctx.n_ubatch, config=ci, switches=bj.switches, **cfg_meta)
         try:
             res = run_job(job, v, timeout=timeout, env=cfg.env)
         except WorkerError as e:
-            rows.append(Row(variant=v, devices=cfg.devices_for(v), host_experts=pl.label, test="workload",
-                            error=error_text(e)[:2000], **cfg_meta))
-            continue
-        for st in res["steps"]:
-            rows.append(Row(variant=v, model=Path(cfg.model).name, devices=cfg.devices_for(v), host_experts=pl.label,
-                            n_ctx=ctx.n_ctx, n_batch=cfg.n_batch, n_ubatch=ctx.n_ubatch, **workload_step_row(st, res),
-                            seconds=st["seconds"], switches=bj.switches, **cfg_meta))
-    base = {r.test: r.avg_ts for r in rows if r.variant == "baseline" and not r.error}
-    for r in rows:
-        if r.variant == "patched" and base.get(r.test):
-            r.speedup = r.avg_ts / base[r.test]
-    return frame(rows)
+            mine = [Row(test="workload", error=error_text(e)[:2000], **common)]
+        else:
+            mine = [Row(**common, **workload_step_row(st, res), seconds=st["seconds"]) for st in res["steps"]]
+        base = {r.test: r.avg_ts for r in rows if r.variant == "baseline" and not r.error}
+        for r in mine:
+            if r.variant == "patched" and base.get(r.test):
+                r.speedup = r.avg_ts / base[r.test]
+        writer.write(mine)
+        rows += mine
+    return rows

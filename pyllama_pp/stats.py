@@ -1,13 +1,18 @@
-"""Statistics of the measurements: logits compared (`nmse`, `max_abs_diff`) and the paired speedup's interval
-(`paired_ci`, with `t_quantile`: numpy has no t distribution)."""
+"""Statistics of the measurements: logits compared (`nmse`, `max_abs_diff`), the paired speedup's interval
+(`paired_ci`, with `t_quantile`: numpy has no t distribution), and how much of the CPU other processes took while a
+measurement ran (`CpuWatch`, `Contention`): decode on the CPU moves with it."""
 from __future__ import annotations
 
 import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
-from .defaults import CONTEXT
+from .defaults import CONTEXT, usable_cores
 
 
 def nmse(a, b) -> float:
@@ -108,3 +113,74 @@ def paired_ci(ratios: Sequence[float], level: float = 0.95, n_boot: int = 10_000
     meds = np.median(x[rng.integers(0, x.size, (n_boot, x.size))], axis=1)
     lo, hi = np.quantile(meds, [(1 - level) / 2, (1 + level) / 2])
     return float(np.median(x)), float(lo), float(hi)
+
+
+BUSY_SHARE = 0.5   # a process that used at least this much of one core while a measurement ran holds the CPU
+
+
+@dataclass
+class Contention:
+    """Other processes on the CPU while a measurement ran.
+
+    Attributes:
+        cores: the cores this process may use (defaults.usable_cores); cpus: the machine's.
+        load_1m: the 1-minute load average at the end (every runnable thread, the measurement's own too).
+        others_cores: CPU time of every process but this one and its workers over the window, in cores.
+        busy: [name, pid, cores] of each other process that used at least BUSY_SHARE of a core.
+    """
+
+    cores: int
+    cpus: int
+    load_1m: float
+    others_cores: float
+    busy: list = field(default_factory=list)
+
+    @property
+    def contended(self) -> bool:
+        """Whether other processes took more than half a core beyond the cores this process may not use."""
+        return self.others_cores > max(0, self.cpus - self.cores) + BUSY_SHARE
+
+    def to_dict(self) -> dict:
+        """The fields as JSON-ready data; Contention(**d) makes it again."""
+        return asdict(self)
+
+
+def _cpu_seconds() -> dict[int, tuple[str, float]]:
+    """Each process's name and CPU seconds so far, from /proc ({} where there is none)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            raw = (d / "stat").read_text()
+        except OSError:   # (gone meanwhile)
+            continue
+        name, rest = raw[raw.index("(") + 1:raw.rindex(")")], raw[raw.rindex(")") + 2:].split()
+        out[int(d.name)] = (name, (int(rest[11]) + int(rest[12])) / tick)   # utime, stime
+    return out
+
+
+class CpuWatch:
+    """The CPU other processes use while something runs: made at the start, `stop()` at the end (Linux /proc; a
+    machine without it reports none)."""
+
+    def __init__(self):
+        self._t0, self._before = time.monotonic(), _cpu_seconds()
+
+    def stop(self, exclude: Sequence[int] = (), busy_share: float = BUSY_SHARE) -> Contention:
+        """What other processes used since the start.
+
+        Args:
+            exclude: pids of processes that are part of the measurement (its workers); this process is left out too.
+            busy_share: the share of one core from which a process is listed as busy.
+        Returns:
+            Contention: the cores, the load, other processes' CPU in cores and the busy ones.
+        """
+        after, wall = _cpu_seconds(), max(time.monotonic() - self._t0, 1e-6)
+        mine = {os.getpid(), *exclude}
+        used = {pid: (name, (secs - self._before.get(pid, (name, 0.0))[1]) / wall)
+                for pid, (name, secs) in after.items() if pid not in mine}
+        busy = sorted(([name, pid, round(c, 2)] for pid, (name, c) in used.items() if c >= busy_share),
+                      key=lambda b: -b[2])
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        return Contention(cores=usable_cores(), cpus=os.cpu_count() or 1, load_1m=round(load, 2),
+                          others_cores=round(sum(c for _, c in used.values()), 2), busy=busy)

@@ -167,3 +167,30 @@ def usage_error(capsys):
         return lines[0]
     return run
 
+
+
+class _ProgressBar:
+    """A progress bar that records each step with the name it showed (stands in for the runner's tqdm)."""
+
+    def __init__(self, made: list, total=None, **kw):
+        self.total, self.name, self.steps = total, "", []
+        made.append(self)
+
+    def set_postfix_str(self, s, refresh=True):
+        self.name = s
+
+    def update(self, n=1):
+        self.steps.append((n, self.name))
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def progress_bars(monkeypatch) -> list:
+    """The A/B runner's progress bars, recorded: each has `total` and `steps`, [(n, the name shown), ...]."""
+    from pyllama_pp import runner
+
+    made: list = []
+    monkeypatch.setattr(runner, "tqdm", lambda *a, **k: _ProgressBar(made, *a, **k))
+    return made

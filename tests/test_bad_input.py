@@ -4,13 +4,15 @@ context too small for the tests, CUDA without a CUDA build, two variants in one 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
 import pytest
 
-from pyllama_pp import DecodeError, DeviceSpecError, cli, worker
+from pyllama_pp import DecodeError, DeviceSpecError, cli, runner, worker
 from pyllama_pp.binding import backend_modules
+from pyllama_pp.rpc.server import free_port
 
 
 def _argparse_error(capsys, argv: list[str]) -> str:
@@ -74,6 +76,30 @@ def test_bad_values_named(usage_error, no_worker, tiny_model, argv, words):
     one argument', not a run that records it as given)."""
     line = usage_error([a.format(m=tiny_model) for a in argv])
     assert words in line, line
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "{m}", "--devices", "{spec}"],
+    ["ab", "{m}", "--devices", "{spec}", "-o", "{tmp}/o"],
+    ["ab", "{m}", "--devices", "{spec}", "--baseline-devices", "{spec}", "--paired", "2"],
+    ["check", "{m}", "--devices", "{spec}"],
+    ["fit", "{m}", "--devices", "{spec}"],
+])
+def test_an_rpc_server_that_cannot_be_reached_is_one_line_before_any_worker(usage_error, no_worker, tiny_model,
+                                                                            tmp_path, monkeypatch, argv):
+    """A wrong port among the servers: one line naming it and the fix, exit 2, no worker, no rows, no folder."""
+    def refuse(*a, **k):
+        raise AssertionError("a measuring worker was started")
+    monkeypatch.setattr(runner, "run_job", refuse)
+    monkeypatch.setattr(worker.ServingWorker, "start", refuse)
+    with socket.socket() as listening:   # (one server that answers, one port where nothing listens)
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        good, wrong = listening.getsockname()[1], free_port()
+        spec = f"rpc://127.0.0.1:{good},127.0.0.1:{wrong}"
+        line = usage_error([a.format(m=tiny_model, spec=spec, tmp=tmp_path) for a in argv])
+    assert f"cannot reach the RPC server at 127.0.0.1:{wrong}" in line and "rpc-server" in line, line
+    assert f"server at 127.0.0.1:{good}" not in line and not (tmp_path / "o").exists()
 
 
 def test_misspelled_switch_in_the_environment(usage_error, capsys, tiny_model, tmp_path, monkeypatch):

@@ -27,6 +27,19 @@ def _cfgs(model, **kw):
                       tests=[["pp", 64]], reps=50)]
 
 
+def test_progress_is_one_named_step_per_row(tiny_model, progress_bars):
+    """`-ub 16,32` with a prompt and a decode test: a step per row as it is measured, with the row's name (not one
+    jump per worker, not a step per variant of a group)."""
+    cfgs = expand(str(tiny_model), devices=["vdev:2x0@0"], n_batch=[64], n_ubatch=[16, 32],
+                  tests=[["pp", 32], ["tg", 2]], reps=1)
+    df = runner.ab(cfgs, progress=True, timeout=120)
+    bar, = progress_bars
+    assert bar.total == len(df) == 8 and [n for n, _ in bar.steps] == [1] * 8, bar.steps
+    for r in df.to_dict("records"):
+        assert sum(r["variant"] in name and f"ub={r['n_ubatch']}" in name and name.endswith(r["test"])
+                   for _, name in bar.steps) == 1, (r["variant"], r["n_ubatch"], r["test"], bar.steps)
+
+
 def test_killed_worker_leaves_error_row_and_finished_rows(tiny_model, tmp_path):
     # 4 s: the quick config needs well under one, the killed one far more (two variants: 8 s in all)
     df = runner.ab(_cfgs(str(tiny_model)), out_dir=tmp_path, progress=False, timeout=4)
@@ -73,17 +86,21 @@ def test_grouped_configs_share_one_worker_and_match_separate_runs(tiny_model, tm
     """Configs differing only in batch sizes run in one worker per variant (model loaded once); each still
     gets its own schedule, rows and speedup, and an impossible context becomes an error row of its own."""
     calls = []
-    real = runner.run_job
+    real = runner.ServingWorker.run
 
-    def counting(job, variant, **kw):
-        calls.append((variant, len(job.ctx_list or [None])))
-        return real(job, variant, **kw)
+    def counting(self, job, timeout=None):   # (each worker's jobs, one per config here, and its model loads)
+        res = real(self, job, timeout=timeout)
+        if calls and calls[-1][0] == self.pid:
+            calls[-1] = (self.pid, self.variant, calls[-1][2] + 1, res["served"]["loads"])
+        else:
+            calls.append((self.pid, self.variant, 1, res["served"]["loads"]))
+        return res
 
-    monkeypatch.setattr(runner, "run_job", counting)
+    monkeypatch.setattr(runner.ServingWorker, "run", counting)
     cfgs = [RunConfig(model=str(tiny_model), devices="vdev:2x0@0", n_batch=nb, n_ubatch=ub,
                       tests=[["pp", 64]], reps=1, label=f"ub{ub}") for nb, ub in ((64, 16), (64, 64))]
     df = runner.ab(cfgs, progress=False, timeout=120)
-    assert calls == [("baseline", 2), ("patched", 2)]
+    assert [c[1:] for c in calls] == [("baseline", 2, 1), ("patched", 2, 1)]
     assert len(df) == 4 and df.error.isna().all()
     assert sorted(df[df.variant == "patched"].n_ubatch) == [16, 64]
     p = df[df.variant == "patched"].set_index("n_ubatch")
@@ -94,7 +111,7 @@ def test_grouped_configs_share_one_worker_and_match_separate_runs(tiny_model, tm
     assert pd.notna(p.loc[16, "re_reservations"]) and isinstance(p.loc[16, "host_wait_s"], dict)
     calls.clear()
     sep = runner.ab(cfgs, progress=False, timeout=120, group=False)
-    assert calls == [("baseline", 1), ("patched", 1)] * 2
+    assert [c[1:] for c in calls] == [("baseline", 1, 1), ("patched", 1, 1)] * 2
     assert list(sep.n_ubatch) == list(df.n_ubatch)
 
 
@@ -274,6 +291,23 @@ def test_cli_workload_option(capsys):
             cli.build_parser().parse_args(["ab", "--workload", "mixed", "-r", reps])
         assert e.value.code == 2
         assert "at least 1" in capsys.readouterr().err
+
+
+def test_ab_workload_gives_the_outputs_of_every_ab(tiny_model, tmp_path, monkeypatch, capsys):
+    """`ab --workload mixed`: the Markdown table with its legend, the results folder (pyllama_pp_out/ab-* without
+    -o) with results.{jsonl,csv,md} and the plot, as every `ab` gives them."""
+    from pyllama_pp import cli
+    monkeypatch.chdir(tmp_path)
+    argv = ["ab", tiny_model, "--devices", "vdev:2x0@0", "--workload", "mixed", "-r", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| devices | host experts |" in out and "| r1 pp2048 |" in out and "**re-reservations" in out, out
+    folder, = (tmp_path / "pyllama_pp_out").iterdir()
+    assert {p.name for p in folder.iterdir()} >= {"results.jsonl", "results.csv", "results.md", "ab.png"}
+    assert len((folder / "results.jsonl").read_text().splitlines()) == 2 * len(runner.MIXED_WORKLOAD)
+    assert cli.main(argv + ["-o", str(tmp_path / "o"), "--json"]) == 0
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert all(Path(files[k]).exists() for k in ("jsonl", "csv", "markdown", "plot")), files
 
 
 def test_mixed_workload_rejects_bad_steps_before_any_run(tiny_model):

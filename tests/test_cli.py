@@ -154,3 +154,28 @@ def test_every_subcommand_end_to_end_through_the_console_script(tmp_path):
     assert all(r["speedup"] > 0 for r in rows if r["variant"] == "patched"), rows
     for kind in ("jsonl", "csv", "markdown", "plot"):
         assert Path(ab["files"][kind]).is_file(), (kind, ab["files"])
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`pyllama-pp info | head -1`: the reader went away; no "Broken pipe" error, the exit status of a process that
+    a closed pipe ended (128 + SIGPIPE), as a shell reports one."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        res = subprocess.run([sys.executable, "-m", "pyllama_pp.cli", "info"], stdout=w, stderr=subprocess.PIPE,
+                             text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert res.stderr == "" and res.returncode == 128 + 13, (res.returncode, res.stderr)
+
+
+def test_vdevs_without_a_rate_say_their_links_are_unthrottled(capsys, tiny_model):
+    """`vdev:2x64MiB` (no @RATE): accepted, with a note that its links are unthrottled (as @0)."""
+    from pyllama_pp.planning import Choices, plan_runs
+    notes = plan_runs(Choices(command="run", model=tiny_model, devices=("vdev:2x64MiB",))).notes
+    assert any("vdev:2x64MiB" in n and "unthrottled" in n and "@0" in n for n in notes), notes
+    assert not any("unthrottled" in n for n in plan_runs(Choices(command="run", model=tiny_model,
+                                                                 devices=("vdev:2x64MiB@4GBps",))).notes)
+    from pyllama_pp import cli
+    assert cli.main(["fit", tiny_model, "--devices", "vdev:2x64MiB", "-c", "256"]) == 0
+    assert "note: vdev:2x64MiB" in capsys.readouterr().err

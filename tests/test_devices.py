@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
@@ -279,8 +280,12 @@ def test_fit_check_refuses_what_fit_cannot_plan(text, split_mode, match):
 
 
 def test_fit_check_passes_what_fit_can_plan():
-    for text, split_mode in (("vdev:2x1GiB@1GBps", "layer"), ("cuda:0,1", "row"), ("rpc://h:1", "layer")):
-        assert parse(text).fit_check(split_mode) is None
+    with socket.socket() as server:   # (an rpc server is planned where it answers)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        rpc = f"rpc://127.0.0.1:{server.getsockname()[1]}"
+        for text, split_mode in (("vdev:2x1GiB@1GBps", "layer"), ("cuda:0,1", "row"), (rpc, "layer")):
+            assert parse(text).fit_check(split_mode) is None
 
 
 def test_the_registry_holds_every_kind_in_the_order_of_the_forms():

@@ -291,19 +291,19 @@ def _running(pid: int) -> bool:
 
 # -- resume ------------------------------------------------------------------------------------------------------
 def _counting(monkeypatch, stop_at: int = 0, fail_first: bool = False) -> list:
-    """runner.run_job, counted: the call number `stop_at` raises KeyboardInterrupt (Ctrl-C) instead."""
+    """The runner's worker jobs, counted: the call number `stop_at` raises KeyboardInterrupt (Ctrl-C) instead."""
     calls: list = []
-    real = worker.run_job
+    real = worker.ServingWorker.run
 
-    def run(job, variant, **kw):
-        calls.append((job.devices, variant))
+    def run(self, job, timeout=None):
+        calls.append((job.devices, self.variant))
         if len(calls) == stop_at:
             raise KeyboardInterrupt
         if fail_first and len(calls) == 1:
             raise WorkerError("baseline worker died (killed by signal SIGKILL) without a result")
-        return real(job, variant, **kw)
+        return real(self, job, timeout=timeout)
 
-    monkeypatch.setattr(runner, "run_job", run)
+    monkeypatch.setattr(runner.ServingWorker, "run", run)
     return calls
 
 
@@ -345,6 +345,26 @@ def test_resume_measures_error_rows_again(tiny_model, tmp_path, monkeypatch, cap
     assert len(rows) == 2 and all(not r.get("error") for r in rows) and rows[0]["devices"] == "cpu", rows
 
 
+def test_resume_of_a_sweep_with_a_relative_model_path_reuses_every_row(tiny_model, tmp_path, monkeypatch):
+    """The README's sweep (`ab tiny.gguf ... -o sweep`, a relative path), resumed from the folder it ran in and from
+    another: nothing is measured again and no row is there twice (what a config measures does not depend on how its
+    model's path was written)."""
+    (tmp_path / "tiny.gguf").symlink_to(tiny_model)
+    monkeypatch.chdir(tmp_path)
+    argv = ["ab", "tiny.gguf", "--devices", "vdev:2x0@0", "-ub", "16,32", "-b", "64", "-p", "32", "-n", "0", "-r", "1",
+            "-o", "sweep"]
+    assert cli.main(argv) == 0
+    first = (tmp_path / "sweep" / "results.jsonl").read_text().splitlines()
+    assert len(first) == 4
+    for cwd in (tmp_path, tmp_path / "sweep"):
+        monkeypatch.chdir(cwd)
+        assert cli.main(["ab", "--resume", str(tmp_path / "sweep")]) == 0
+        again = (tmp_path / "sweep" / "results.jsonl").read_text().splitlines()
+        assert sorted(again) == sorted(first), "rows measured again or written twice"
+    monkeypatch.chdir(tmp_path)
+    assert runner.config_key(RunConfig("tiny.gguf")) == runner.config_key(RunConfig(str(tmp_path / "tiny.gguf")))
+
+
 @pytest.mark.parametrize("argv,words", [
     (["ab", "--resume", "{tmp}/none"], "no such folder"),
     (["ab", "--resume", "{tmp}"], "has no sweep.json"),
@@ -356,6 +376,7 @@ def test_bad_resume_options(capsys, tmp_path, tiny_model, argv, words, monkeypat
     def refuse(*a, **k):
         raise AssertionError("a worker was started")
     monkeypatch.setattr(runner, "run_job", refuse)
+    monkeypatch.setattr(runner.ServingWorker, "start", refuse)
     (tmp_path / "done").mkdir()
     runner.save_sweep(tmp_path / "done", [_cfg(tiny_model, "cpu")], ["baseline"])
     argv = [a.format(tmp=tmp_path, model=tiny_model) for a in argv]

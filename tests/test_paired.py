@@ -21,6 +21,16 @@ def _job(model, **kw):
             "warmup": 0, "ctx": CTX, **kw}
 
 
+def test_progress_is_one_named_step_per_round(tiny_model, progress_bars):
+    """`--paired 4`: four steps per config, each named by its round and the config's tests (the warm-up is no step)."""
+    cfg = RunConfig(tiny_model, devices="vdev:2x0@0", n_batch=64, n_ubatch=32, tests=[["pp", 32]])
+    runner.interleaved([cfg, cfg], rounds=4, progress=True)
+    bar, = progress_bars
+    assert bar.total == 8 and [n for n, _ in bar.steps] == [1] * 8, bar.steps
+    assert [name.split(" ")[:2] for _, name in bar.steps] == [["round", f"{r}/4"] for r in (1, 2, 3, 4)] * 2
+    assert all("ub=32 pp32" in name for _, name in bar.steps), bar.steps
+
+
 def test_serving_worker_loads_once_for_many_jobs(tiny_model):
     """Three jobs on one model: one process, one load; a job with another context gets a fresh context on the same
     model (its ubatch shows in the schedule), and EOF ends the worker with exit 0."""
@@ -278,3 +288,64 @@ def test_cli_ab_paired(tiny_model, tmp_path, capsys, usage_error, no_worker):
     with pytest.raises(SystemExit) as e:   # (argparse: its usage and the error line)
         cli.main(["ab", tiny_model, "--paired", "3"])
     assert e.value.code == 2 and "expected an even number of rounds" in capsys.readouterr().err
+
+
+def _decode_frame(samples: dict, contention=None) -> "object":
+    """Rows of one decode config: variant -> its samples (t/s)."""
+    import statistics
+    from pyllama_pp.row import Row, frame
+    rows = [Row(variant=v, devices="vdev:2x256MiB@0.1GBps", n_batch=512, n_ubatch=32, test="tg32", n_gen=32,
+                avg_ts=statistics.fmean(xs), stddev_ts=statistics.stdev(xs), samples_ts=xs, config=0,
+                contention=contention) for v, xs in samples.items()]
+    return frame(rows)
+
+
+def test_noisy_decode_and_a_contended_cpu_are_warned_of_with_the_advice_to_rerun():
+    """The issue's samples (5 to 1,540 t/s) spread more than their mean; another process held a core while they ran:
+    each is one warning that says so and to rerun; steady samples on an idle machine give none."""
+    from pyllama_pp.stats import Contention
+    noisy = _decode_frame({"baseline": [5.0, 12.0, 1540.0, 8.0, 20.0, 3.0], "patched": [300.0, 310.0, 305.0]})
+    warnings = report.noise_warnings(noisy)
+    assert len(warnings) == 1 and "baseline tg32" in warnings[0] and "rerun" in warnings[0], warnings
+    busy = Contention(cores=2, cpus=2, load_1m=3.2, others_cores=1.0, busy=[["spin", 4242, 0.98]])
+    steady = {"baseline": [300.0, 302.0, 301.0], "patched": [310.0, 309.0, 311.0]}
+    warnings = report.noise_warnings(_decode_frame(steady, busy.to_dict()))
+    assert len(warnings) == 1 and "spin (pid 4242" in warnings[0] and "2 usable cores" in warnings[0] \
+        and "rerun" in warnings[0], warnings
+    idle = Contention(cores=2, cpus=2, load_1m=1.9, others_cores=0.05, busy=[])
+    assert report.noise_warnings(_decode_frame(steady, idle.to_dict())) == []
+
+
+def test_a_process_that_holds_a_core_is_found():
+    """CpuWatch over a window in which another process spins: it is named with its share of a core; this process
+    and those it is told to leave out are not."""
+    import subprocess
+    import sys
+    import time
+    from pyllama_pp.stats import CpuWatch
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        watch = CpuWatch()
+        time.sleep(1.0)
+        seen = watch.stop(busy_share=0.1)
+        left_out = CpuWatch()
+        time.sleep(0.5)
+        quiet = left_out.stop(exclude=[spin.pid], busy_share=0.1)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert [b for b in seen.busy if b[1] == spin.pid] and seen.others_cores > 0.1, seen
+    assert not [b for b in quiet.busy if b[1] == spin.pid], quiet
+    assert seen.cores >= 1 and seen.load_1m >= 0
+
+
+def test_the_cli_prints_the_warnings_under_the_table(tiny_model, tmp_path, monkeypatch, capsys):
+    noisy = _decode_frame({"baseline": [5.0, 12.0, 1540.0, 8.0], "patched": [300.0, 310.0, 305.0]})
+    monkeypatch.setattr(runner, "ab", lambda *a, **k: noisy)
+    assert cli.main(["ab", tiny_model, "--devices", "vdev:2x0@0", "-p", "0", "-n", "32", "-o", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "pyllama-pp: warning: " in err and "rerun" in err, err
+    assert cli.main(["ab", tiny_model, "--devices", "vdev:2x0@0", "-p", "0", "-n", "32", "-o", str(tmp_path),
+                     "--json"]) == 0
+    assert any("rerun" in w for w in json.loads(capsys.readouterr().out)["warnings"])

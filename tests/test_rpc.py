@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -214,6 +215,34 @@ def test_ab_gives_the_baseline_its_own_servers(tiny_model, tmp_path, two_patched
         RunConfig(tiny_model, devices="vdev:2x0@0", baseline_devices=spec_of(two_rpc_servers))
 
 
+def test_check_runs_the_baseline_on_its_own_servers(tiny_model, two_patched_servers, two_rpc_servers, capsys):
+    """`check --baseline-devices`: the patched build's RPC path (host experts in the servers' RAM) against upstream's
+    servers of the same hosts, logits compared; servers that do not match the devices are refused before a worker."""
+    from pyllama_pp import cli
+    assert cli.main(["check", tiny_model, "--devices", spec_of(two_patched_servers), "--baseline-devices",
+                     spec_of(two_rpc_servers), "-n", "64", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["ok"] and res["patched_pipeline_parallel"] and not res["baseline_pipeline_parallel"], res
+    assert res["baseline_devices"] == spec_of(two_rpc_servers), res
+    assert cli.main(["check", tiny_model, "--devices", spec_of(two_patched_servers), "--baseline-devices",
+                     spec_of(two_rpc_servers[:1])]) == 2
+    assert "do not match" in capsys.readouterr().err
+
+
+def test_a_server_on_a_busy_port_says_so_before_its_banner():
+    """rpc-server on a port something else listens on: one error line, exit 2, and no "serving" / "Starting RPC
+    server" banner before it."""
+    with socket.socket() as taken:
+        taken.bind((HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "pyllama_pp.cli", "rpc-server", "--devices", "vdev:1x0@0",
+                              "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stdout == "", (res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{HOST}:{port}" in lines[0] and "--port" in lines[0], res.stderr
+
+
 def test_network_bytes_per_token_are_counted_and_activations_only(runner, two_patched_servers):
     """Through a Link per host (a counting relay): with the experts on their servers, a prompt token costs fewer
     network bytes than with the experts in the client's RAM (RPC_HOST=0), where every layer's expert op runs on the
@@ -358,6 +387,43 @@ def test_a_server_that_fails_mid_run_ends_the_job_with_an_error(tiny_model, faul
                 os.kill(proc.pid, signal.SIGCONT)
             stop(proc)
     assert all(proc.returncode is not None for _, proc in started)
+
+
+def test_a_server_that_goes_away_mid_sweep_keeps_the_finished_rows_and_is_named(tiny_model, tmp_path, monkeypatch):
+    """`run -ub 32,64,128` over two servers, one killed once the first config's rows are written: those rows stay,
+    the later configs' error rows name the server that went away and what to do (not ggml-rpc's source line), and
+    this process goes on."""
+    from pyllama_pp import runner as ab_runner
+    from pyllama_pp.config import RunConfig, expand
+    from pyllama_pp.row import RowWriter
+    started = [start_server("patched") for _ in range(2)]
+    try:
+        for port, proc in started:
+            wait_listening(port, proc, HOST)
+        victim_port, victim = started[1]
+        real = RowWriter.write
+
+        def write(self, rows):   # the first config's rows reach the disk, then its server dies
+            real(self, rows)
+            if victim.poll() is None:
+                victim.kill()
+                victim.wait(timeout=10)
+        monkeypatch.setattr(RowWriter, "write", write)
+        cfgs = expand(tiny_model, devices=[spec_of([p for p, _ in started])], n_batch=[512], n_ubatch=[32, 64, 128],
+                      tests=[["pp", 256]], reps=1)
+        assert len(cfgs) == 3 and all(isinstance(c, RunConfig) for c in cfgs)
+        df = ab_runner.ab(cfgs, variants=["patched"], out_dir=tmp_path, progress=False, timeout=120)
+    finally:
+        for _, proc in started:
+            stop(proc)
+    rows = {r["n_ubatch"]: r for r in df.to_dict("records")}
+    error = {ub: r["error"] if isinstance(r["error"], str) else "" for ub, r in rows.items()}
+    assert not error[32] and rows[32]["avg_ts"] > 0, error[32]
+    assert len(Path(tmp_path / "results.jsonl").read_text().splitlines()) == 3
+    for ub in (64, 128):
+        err = error[ub]
+        assert f"127.0.0.1:{victim_port}" in err and "rpc-server" in err and "ggml-rpc.cpp" not in err, (ub, err)
+        assert f"127.0.0.1:{started[0][0]}" not in err, err
 
 
 def test_local_and_remote_devices_in_one_spec(runner, two_patched_servers, assert_logits_match):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import warnings
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -160,3 +161,91 @@ def test_ab_ubatch_auto_needs_one_spec_and_a_prompt(usage_error, no_worker, tiny
     assert "-ub auto plans for one --devices spec" in usage_error(
         ["ab", tiny_model, "--devices", "vdev:2x8MiB@4GBps;vdev:2x6MiB@4GBps", "-ub", "auto"])
     assert "give -p N" in usage_error(["ab", tiny_model, "--devices", "vdev:2x8MiB@4GBps", "-ub", "auto", "-p", "0"])
+
+
+def test_the_legend_explains_every_host_wait_cause_and_the_table_shows_the_switches():
+    """Every cause the patched scheduler names for a host wait (its source's list) is in the legend where the table
+    shows it; the switches a run used are in the table (its own column), none when no switch was set."""
+    from pathlib import Path
+    import re
+    src = (Path(report.__file__).parent / "native" / "sched" / "ggml-backend-pp.cpp").read_text()
+    causes = re.findall(r'"(\w+)"', re.search(r"ggml_sched_pp_wait_names\[[^]]*\] = \{([^}]*)\}", src).group(1))
+    assert "fallback" in causes and len(causes) >= 7, causes
+    for cause in causes:
+        df = _frame(error=False)
+        df["host_wait_s"] = [{cause: 0.5}] * len(df)
+        md = report.markdown(df)
+        assert f"0.50 s ({cause})" in md and f"*{cause}*" in md.split("\n\n", 1)[1], (cause, md)
+    df = _frame(error=False)
+    df["switches"] = [{} if v == "baseline" else {"OVERLAP": 0} for v in df["variant"]]
+    md = report.markdown(df)
+    assert "patched switches" in md.splitlines()[0] and "| OVERLAP=0 |" in md, md
+    df["switches"] = [{}] * len(df)
+    assert "switches" not in report.markdown(df).splitlines()[0]
+
+
+def _groups_frame(n: int, devices: str, paired: bool = False, baseline_devices: str = "") -> pd.DataFrame:
+    """n configs (ub 16, 32, ...) of one pp test on `devices`; noisy baseline samples (stddev above the mean)."""
+    rows = []
+    for i in range(n):
+        base = {"config": i, "n_batch": 2048, "n_ubatch": 16 << i, "host_experts": "all", "test": "pp512",
+                "coverage": 0.5, "pipeline_parallel": True, "error": None}
+        rows.append({**base, "variant": "baseline", "devices": baseline_devices or devices, "avg_ts": 100.0,
+                     "stddev_ts": 150.0, "speedup": None})
+        rows.append({**base, "variant": "patched", "devices": devices, "avg_ts": 91.0, "stddev_ts": 5.0,
+                     "speedup": 0.91, **({"speedup_median": 0.865, "speedup_ci_lo": 0.80, "speedup_ci_hi": 0.93,
+                                          "rounds": 6, "loads": 1} if paired else {})})
+    return pd.DataFrame(rows)
+
+
+def _drawn(fig):
+    fig.canvas.draw()
+    return fig.canvas.get_renderer()
+
+
+def test_plot_labels_of_four_groups_do_not_overlap():
+    import matplotlib.pyplot as plt   # (the plot's own import)
+    spec = "vdev:2x256MiB@0.1GBps,speed=1:2,direct=0.5"
+    df = pd.concat([_groups_frame(2, spec), _groups_frame(2, spec.replace("256", "128")).assign(
+        config=lambda d: d["config"] + 2)])
+    fig = report.plot_figure(df)
+    r = _drawn(fig)
+    ax = fig.axes[-1]   # (the labels sit under the lower panel)
+    boxes = sorted((t.get_window_extent(r) for t in ax.get_xticklabels() if t.get_text()), key=lambda b: b.x0)
+    assert len(boxes) == 4 and all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), [(b.x0, b.x1) for b in boxes]
+    plt.close(fig)
+
+
+def test_paired_plot_shows_the_tables_estimate_bounded_error_bars_and_the_tables_devices():
+    """With --paired the speedup drawn is the table's (the paired median, 0.865, with its interval), not the ratio of
+    the means (0.91); no error bar reaches below 0 t/s; with the baseline on its own servers, the plot names the
+    devices as the table does."""
+    import matplotlib.pyplot as plt
+    df = _groups_frame(3, "rpc://127.0.0.1:50052", paired=True, baseline_devices="rpc://127.0.0.1:50053")
+    md = report.markdown(df)
+    cell = "rpc://127.0.0.1:50052 (baseline: rpc://127.0.0.1:50053)"
+    assert f"| {cell} |" in md and "paired 0.865 [0.800, 0.930]" in md, md
+    fig = report.plot_figure(df)
+    _drawn(fig)
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts + ax.get_xticklabels() + [ax.title]]
+    texts += [fig._suptitle.get_text()] if fig._suptitle else []
+    assert any("0.865x" in t for t in texts) and not any("0.91x" in t for t in texts), texts
+    assert any(cell in t.replace("\n", "") for t in texts), texts
+    lows = [seg[:, 1].min() for ax in fig.axes for c in ax.collections for seg in c.get_segments()]
+    assert lows and min(lows) >= 0, lows
+    speed = fig.axes[1]   # the speedup's panel: the median's bar and its interval
+    bars = [p.get_height() for p in speed.patches]
+    assert np.allclose(bars, 0.865), bars
+    whiskers = [seg[:, 1] for c in speed.collections for seg in c.get_segments()]
+    assert any(np.allclose(sorted(w), [0.80, 0.93]) for w in whiskers), whiskers
+    plt.close(fig)
+
+
+def test_coverage_is_shown_only_where_experts_are_in_host_ram():
+    """Coverage is the share of the host-resident experts a ubatch used: a placement that keeps none there (fit put
+    every layer in VRAM) shows none."""
+    df = _frame(error=False)
+    df["host_experts"], df["tensor_buft_overrides"] = "fit: 0 overrides", ""
+    assert "| 50% |" not in report.markdown(df)
+    df["host_experts"], df["tensor_buft_overrides"] = "fit: 3 overrides", "blk\\.3\\.ffn_(up|down|gate)_exps=CPU"
+    assert "| 50% |" in report.markdown(df)

@@ -12,11 +12,12 @@ from __future__ import annotations
 from .base import KINDS, DeviceSpec, forms, list_devices, parse, parse_rate, parse_size
 from .cpu import CpuSpec
 from .cuda import CudaSpec
-from .rpc import RpcSpec
+from .rpc import RpcSpec, check_baseline_devices
 from .vdev import VDevConfig, VdevSpec
 
 KINDS.update((k.kind, k) for k in (CpuSpec, CudaSpec, VdevSpec, RpcSpec))   # the registry, in FORMS order
 
 FORMS = forms()
 
-__all__ = ["DeviceSpec", "FORMS", "KINDS", "VDevConfig", "list_devices", "parse", "parse_rate", "parse_size"]
+__all__ = ["DeviceSpec", "FORMS", "KINDS", "VDevConfig", "check_baseline_devices", "list_devices", "parse",
+           "parse_rate", "parse_size"]

@@ -226,6 +226,20 @@ class DeviceSpec(ABC):
         """
         return None
 
+    @property
+    def notes(self) -> list[str]:
+        """What a user should know about how the spec was read (a default it left to us), one sentence each."""
+        return []
+
+    def unreachable(self) -> Optional[str]:
+        """Why a process cannot use these devices now, found without loading a variant (a server that does not
+        answer): checked before any worker starts.
+
+        Returns:
+            A sentence with the fix, or None where nothing stands in the way.
+        """
+        return None
+
     # -- how a process sets the devices up --------------------------------------------------------------------
     def connect(self, native) -> list[tuple[str, list[str]]]:
         """Connect to the spec's servers (ggml RPC).

@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from ..rpc.client import connect_servers
-from .base import DeviceSpec, bad, from_dict, parse_part
+from ..errors import ConfigError, DeviceSpecError
+from ..rpc.client import connect_servers, tcp_probe
+from .base import DeviceSpec, bad, from_dict, parse, parse_part
 
 _ENDPOINT = re.compile(r"(?:rpc://)?([A-Za-z0-9._-]+):(\d{1,5})(?:/(\d{1,2}))?")
 PREFIX = "rpc://"
@@ -35,6 +36,12 @@ def _local(spec: DeviceSpec, text: str, why: str) -> DeviceSpec:
     if not spec.accelerators or spec.remote:
         raise bad(text, why)
     return spec
+
+
+def _refuse_unreachable(spec: DeviceSpec) -> None:
+    why = spec.unreachable()
+    if why:
+        raise DeviceSpecError(why)
 
 
 class RpcSpec(DeviceSpec):
@@ -89,12 +96,32 @@ class RpcSpec(DeviceSpec):
         """int: 0 (a server tells its devices only once connected)."""
         return 0
 
+    def unreachable(self) -> Optional[str]:
+        """The first server that does not take a TCP connection, with the fix (None: every one does)."""
+        for ep in dict.fromkeys(e.split("/")[0] for e in self.endpoints):
+            why = tcp_probe(ep)
+            if why:
+                host, _, port = ep.rpartition(":")
+                return (f"cannot reach the RPC server at {ep} ({why}). Fix: start `pyllama-pp rpc-server --host {host} "
+                        f"--port {port}` on {host}, or correct the address")
+        return None
+
+    def fit_check(self, split_mode: str) -> None:
+        """Refuse servers that cannot be reached (before fit's worker starts).
+
+        Raises:
+            DeviceSpecError: naming the first server that does not answer, and the fix.
+        """
+        _refuse_unreachable(self)
+
     def connect(self, native) -> list[tuple[str, list[str]]]:
         """Connect to the servers (rpc.client.connect_servers).
 
         Raises:
-            DeviceSpecError: for a server that cannot be reached, speaks another protocol, or lacks a device asked for.
+            DeviceSpecError: for a server that cannot be reached (named with the fix, as `unreachable` says it),
+                speaks another protocol, or lacks a device asked for.
         """
+        _refuse_unreachable(self)
         return connect_servers(native, self.endpoints)
 
     def register(self, native, servers: Optional[list] = None) -> str:
@@ -107,3 +134,27 @@ class RpcSpec(DeviceSpec):
         names = self.local.register(native).split(",") if self.local else []
         names += [n for _, served in (servers or self.connect(native)) for n in served]
         return ",".join(names)
+
+
+def check_baseline_devices(devices, baseline_devices) -> None:
+    """The baseline's servers match `devices`: both RPC specs, the same devices of this machine first, as many
+    servers, each with the same device form (all of a server's devices, or device N). That they run on the same
+    hosts is the caller's to keep (a host's servers listen on different ports). Upstream's client speaks RPC protocol
+    7.0 and refuses the patched servers (7.1), so an A/B or a logits check over RPC needs a server of each variant per
+    host.
+
+    Raises:
+        ConfigError: where they do not match.
+        DeviceSpecError: for a spec that does not parse.
+    """
+    a, b = parse(devices), parse(baseline_devices)
+    if not a.remote or not b.remote:
+        raise ConfigError(f"baseline devices {baseline_devices!r} are for RPC devices: both --devices and "
+                          "--baseline-devices name rpc-servers (rpc://HOST:PORT,...). Fix: drop --baseline-devices")
+    local = lambda s: s.local.text if s.local else ""
+    dev = lambda e: e.partition("/")[2]
+    if local(a) != local(b) or len(a.endpoints) != len(b.endpoints) or \
+            [dev(e) for e in a.endpoints] != [dev(e) for e in b.endpoints]:
+        raise ConfigError(f"the baseline's devices {baseline_devices!r} do not match {devices!r}: give a baseline "
+                          "server for each server, in the same order, with the same devices of this machine first "
+                          "(e.g. --devices rpc://h1:50052,h2:50052 --baseline-devices rpc://h1:50053,h2:50053)")

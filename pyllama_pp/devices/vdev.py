@@ -100,7 +100,8 @@ class VdevSpec(DeviceSpec):
   vdev:2x768MiB@4GBps,direct=0.5   ... kernels that read pinned host memory (DIRECT) get half the link's rate
                                    (the default: about what the 2xH200 box shows; 1 = the copy engine's rate)
   vdev:2x0@0,pad=512               ... quantized tensors get CUDA's row padding in their alloc size (VRAM as on CUDA)
-  vdev:2x0@0                       2 unthrottled VDEVs without a memory limit
+  vdev:2x0@0                       2 unthrottled VDEVs without a memory limit (no @RATE: unthrottled too, with a
+                                   note)
   vdev:2x0@0,fail_alloc_after=N    injected fault: each device's buffer allocations after its first N fail
                                    (0: at model load; a full device from then on; tests of the error paths)
   vdev:2x0@0,fail_copy_after=N     injected fault: each device's host<->device copy after its first N fails;
@@ -195,6 +196,14 @@ class VdevSpec(DeviceSpec):
         if any(v.speed != 1.0 for v in self.vdevs):
             out += ",speed=" + ":".join(f"{v.speed:g}" for v in self.vdevs)
         return out
+
+    @property
+    def notes(self) -> list[str]:
+        """The text form without @RATE: its links are unthrottled (as @0), said once."""
+        if self.text and self.text.lower().startswith("vdev:") and "@" not in self.text:
+            return [f"{self.text} names no link rate: its host links are unthrottled (as @0). Give one, e.g. "
+                    f"{self.text.split(',')[0]}@4GBps, for links of that rate"]
+        return []
 
     def link_rates(self) -> Optional[list[float]]:
         """Each VDEV's own link rate (GB/s; 0: unthrottled)."""

@@ -7,7 +7,22 @@ Every function takes the loaded variant (`binding.Native`); the shim's `pp_rpc_*
 """
 from __future__ import annotations
 
+import socket
+from typing import Optional
+
+from ..defaults import TIMEOUTS
 from ..errors import DeviceSpecError, PyllamaError
+
+
+def tcp_probe(endpoint: str, timeout: float = TIMEOUTS.rpc_connect) -> Optional[str]:
+    """Why a TCP connection to an rpc-server's "HOST:PORT" fails ("Connection refused", "timed out"), or None when it
+    connects (the server then waits for the next client, as it does after the shim's own probe)."""
+    host, _, port = endpoint.partition("/")[0].rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return None
+    except OSError as e:
+        return e.strerror or str(e) or type(e).__name__
 
 
 def connect_servers(native, endpoints: list[str]) -> list[tuple[str, list[str]]]:
@@ -37,8 +52,8 @@ def connect_servers(native, endpoints: list[str]) -> list[tuple[str, list[str]]]
             variant = native.str(lib.pp_variant())
             raise DeviceSpecError(f"the RPC server at {ep} speaks another protocol than this build ({variant}): "
                                   f"{str(e).split(': ')[-1]}. Fix: start it from the same variant, `pyllama-pp "
-                                  f"rpc-server --variant {variant} ...`; in `ab`, give the baseline its own servers "
-                                  "with --baseline-devices") from None
+                                  f"rpc-server --variant {variant} ...`; in `ab` and `check`, give the baseline its own "
+                                  "servers with --baseline-devices") from None
         got = ffi.string(buf).decode()
         if not got:
             raise DeviceSpecError(f"the RPC server at {ep} offers no devices")

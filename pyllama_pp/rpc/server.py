@@ -19,7 +19,7 @@ from typing import Optional
 from .. import binding, defaults
 from .. import devices as devspec
 from ..devices import list_devices
-from ..errors import DeviceSpecError, PyllamaError, UnsupportedError
+from ..errors import ConfigError, DeviceSpecError, PyllamaError, UnsupportedError
 
 
 def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: int = 50052,
@@ -40,8 +40,8 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
             of its own); the patched variant only.
     Raises:
         DeviceSpecError: for an rpc spec, a bad port, or devices that cannot be set up.
-        PyllamaError: when the server cannot start (e.g. the port is taken); UnsupportedError for host_ram with the
-            baseline variant.
+        ConfigError: for an address it cannot listen on (a port in use), before anything is announced.
+        PyllamaError: when the server cannot start; UnsupportedError for host_ram with the baseline variant.
     """
     spec = devspec.parse(devices)
     if spec.remote:
@@ -51,6 +51,7 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
     if host_ram and variant == "baseline":
         raise UnsupportedError("upstream's RPC server (--variant baseline, protocol 7.0) keeps no host memory of its "
                                "own: --host-ram needs the patched variant")
+    check_port(host, int(port))
     native = binding.load(variant)
     names = spec.register(native)
     if names == "none":   # cpu: the CPU device itself
@@ -64,6 +65,22 @@ def serve(devices: "str | devspec.DeviceSpec", host: str = "127.0.0.1", port: in
     print(f"serving {names} on {endpoint}", file=announce or sys.stderr, flush=True)
     threads = defaults.threads(threads)
     native.check(lib.pp_rpc_start_server(endpoint.encode(), arr, len(keep), max(1, int(threads)), int(host_ram)))
+
+
+def check_port(host: str, port: int) -> None:
+    """Whether a server can listen at HOST:PORT, tried as ggml RPC's server binds (SO_REUSEADDR), before anything is
+    loaded or announced.
+
+    Raises:
+        ConfigError: naming the address, why (in use, an address of another host) and the fix.
+    """
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"rpc-server cannot listen on {host}:{port} ({e.strerror or e}). Fix: another --port, "
+                              "or stop what listens there (--host must be an address of this machine)") from None
 
 
 def cpu_name() -> str:

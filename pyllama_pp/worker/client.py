@@ -18,9 +18,11 @@ import sys
 import threading
 from typing import Optional, Union
 
+from .. import devices as devspec
 from ..defaults import TIMEOUTS
-from ..errors import ConfigError, WorkerError, worker_error
+from ..errors import ConfigError, PyllamaError, WorkerError, worker_error
 from ..jobs import Job, as_job
+from ..rpc.client import tcp_probe
 
 
 def _signal_name(signum: int) -> str:
@@ -59,17 +61,46 @@ def _worker_env(env: Optional[dict]) -> dict:
     return full_env
 
 
-def _died(variant: str, returncode: int, stderr: str) -> WorkerError:
+# what ggml-rpc's client says when a server's connection breaks mid-run; it then aborts the process (from its
+# dispatcher thread, where no abort callback can turn it into an error)
+RPC_LOST = ("Remote RPC server crashed", "RPC handshake failed")
+
+
+def _lost_server(variant: str, devices, said: str, how: str = "") -> Optional[str]:
+    """Where a worker died or failed because an RPC server of `devices` went away (ggml-rpc's message in `said`):
+    which server no longer answers, and what to do; None for anything else."""
+    if not devices or not any(m in said for m in RPC_LOST):
+        return None
+    try:
+        spec = devspec.parse(devices)
+    except (PyllamaError, ValueError, OSError):
+        return None
+    servers = list(dict.fromkeys(e.split("/")[0] for e in spec.endpoints))
+    gone = [ep for ep in servers if tcp_probe(ep)]
+    which = (f"lost the RPC server at {', '.join(gone)}: it went away" if gone else
+             f"lost an RPC server of {', '.join(servers)}: one closed its connection (each answers again now)")
+    return (f"{variant} worker {which} during the run (ggml RPC then ends the worker{': ' + how if how else ''}). "
+            "Fix: restart `pyllama-pp rpc-server` there, then measure the rest again (`--resume DIR` keeps the "
+            "finished rows)")
+
+
+def _died(variant: str, returncode: int, stderr: str, devices=None) -> WorkerError:
     how = f"killed by signal {_signal_name(-returncode)}" if returncode < 0 else f"exit code {returncode}"
+    lost = _lost_server(variant, devices, stderr, how)
+    if lost:
+        return worker_error("DeviceError", lost, returncode, stderr[-2000:])
     last = _last_words(stderr)
     return worker_error("WorkerError", f"{variant} worker died ({how}) without a result"
                         + (f"; its last words: {last[:300]}" if last else ""), returncode, stderr[-2000:])
 
 
-def _answered_error(variant: str, result: dict, code: int, stderr: str) -> WorkerError:
+def _answered_error(variant: str, result: dict, code: int, stderr: str, devices=None) -> WorkerError:
     """The error a worker answered (its class and its one message, here too); code 4: a bug in pyllama_pp."""
     kind, msg = str(result.get("type") or "WorkerError"), str(result["error"])
-    if code == 4:
+    lost = _lost_server(variant, devices, msg)
+    if lost:
+        kind, msg = "DeviceError", lost
+    elif code == 4:
         msg = f"{variant} worker hit an unexpected error (a bug in pyllama_pp, please report it): {msg}"
     return worker_error(kind, msg, code, result.get("traceback") or stderr)
 
@@ -95,7 +126,8 @@ def run_job(job: Union[Job, dict], variant: str, timeout: Optional[float] = None
         WorkerError: when the job fails in the worker (the raised object is also an instance of the worker's own
             error class: ModelError, OutOfMemoryError, ...), or the worker dies or times out.
     """
-    payload = as_job(job, variant).to_json()   # a malformed job fails here, before a worker starts
+    job = as_job(job, variant)
+    payload = job.to_json()   # a malformed job fails here, before a worker starts
     full_env = _worker_env(env)
     # SIGINT stays blocked while the worker is made, so that a Ctrl-C cannot land between its fork and the `try`
     # that kills it; the worker keeps it blocked (the caller decides what a Ctrl-C does: it kills the worker)
@@ -126,9 +158,9 @@ def run_job(job: Union[Job, dict], variant: str, timeout: Optional[float] = None
         except json.JSONDecodeError:
             result = None
     if isinstance(result, dict) and "error" in result:
-        raise _answered_error(variant, result, proc.returncode, stderr[-2000:])
+        raise _answered_error(variant, result, proc.returncode, stderr[-2000:], job.devices)
     if proc.returncode != 0 or not isinstance(result, dict):
-        raise _died(variant, proc.returncode, stderr)
+        raise _died(variant, proc.returncode, stderr, job.devices)
     return result
 
 
@@ -160,6 +192,7 @@ class ServingWorker:
         self._stderr: collections.deque = collections.deque(maxlen=400)
         self._threads: list = []
         self._timed_out = False
+        self._devices: collections.deque = collections.deque()   # each job sent and not answered yet: its devices
 
     # -- lifetime
     def start(self) -> "ServingWorker":
@@ -260,9 +293,11 @@ class ServingWorker:
             ConfigError: for a malformed job (checked here, before it is sent).
             TypeError: for a placement or context of the wrong type.
         """
-        payload = as_job(job, self.variant).to_json()
+        job = as_job(job, self.variant)
+        payload = job.to_json()
         if self._proc is None:
             self.start()
+        self._devices.append(job.devices)
         try:
             self._proc.stdin.write(payload + "\n")
             self._proc.stdin.flush()
@@ -282,9 +317,10 @@ class ServingWorker:
         """
         if self._proc is None:
             raise WorkerError(f"this {self.variant} worker was not started")
+        devices = self._devices.popleft() if self._devices else None
         if self._timed_out:
             self._proc.wait()
-            raise _died(self.variant, self._proc.returncode, self.stderr_tail(100_000))
+            raise _died(self.variant, self._proc.returncode, self.stderr_tail(100_000), devices)
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
@@ -299,7 +335,7 @@ class ServingWorker:
             except subprocess.TimeoutExpired:
                 _stop(self._proc)
             self._threads[1].join(timeout=TIMEOUTS.reader_join)
-            raise _died(self.variant, self._proc.returncode, self.stderr_tail(100_000))
+            raise _died(self.variant, self._proc.returncode, self.stderr_tail(100_000), devices)
         try:
             result = json.loads(line)
         except json.JSONDecodeError:
@@ -308,7 +344,7 @@ class ServingWorker:
             raise worker_error("WorkerError", f"{self.variant} worker answered something other than a result: "
                                f"{line.strip()[:200]!r}", None, self.stderr_tail())
         if "error" in result:
-            raise _answered_error(self.variant, result, result.get("code", 3), self.stderr_tail())
+            raise _answered_error(self.variant, result, result.get("code", 3), self.stderr_tail(), devices)
         return result
 
     def run(self, job: Union[Job, dict], timeout: Optional[float] = None) -> dict:
