@@ -544,7 +544,7 @@ class _Tensor:
     name: str
     ne: Tuple[int, ...]  # ggml order: ne[0] is the row length
     gtype: int
-    kind: str  # "ones" | "zeros" | "normal" (F32 biases, sinks) | "router" | "walk" (locality's embeddings) | "matrix"
+    fill: str  # "ones" | "zeros" | "normal" (F32 biases, sinks) | "router" | "walk" (locality's embeddings) | "matrix"
     scale: float = 0.0
     fresh: bool = True
     layer: int = -1
@@ -572,8 +572,8 @@ def _plan(cfg: SynthConfig) -> List[_Tensor]:
         t.fresh = always_fresh or t.n_elements <= TILE_MIN_ELEMENTS
         return t
 
-    def f32(name, ne, kind, layer, scale=0.0):   # norms ("ones"), biases and sinks ("normal", "zeros")
-        return _Tensor(name, tuple(ne), GGML_F32, kind, scale, layer=layer)
+    def f32(name, ne, fill, layer, scale=0.0):   # norms ("ones"), biases and sinks ("normal", "zeros")
+        return _Tensor(name, tuple(ne), GGML_F32, fill, scale, layer=layer)
 
     T = gguf.MODEL_TENSOR
 
@@ -586,7 +586,7 @@ def _plan(cfg: SynthConfig) -> List[_Tensor]:
 
     embd = mat(name(T.TOKEN_EMBD), (E, V), s["embd_scale"], always_fresh=True)
     if cfg.routing == "locality":
-        embd.kind = "walk"
+        embd.fill = "walk"
     ts = [
         embd,
         _Tensor(name(T.OUTPUT_NORM), (E,), GGML_F32, "ones"),
@@ -965,16 +965,16 @@ def _write_walk_embeddings(f: BinaryIO, t: _Tensor, cfg: SynthConfig) -> None:
 
 
 def _write_tensor(f: BinaryIO, t: _Tensor, cfg: SynthConfig, pools: _Pools) -> None:
-    if t.kind == "ones":
+    if t.fill == "ones":
         f.write(np.ones(t.n_elements, dtype="<f4").tobytes())
-    elif t.kind == "zeros":
+    elif t.fill == "zeros":
         f.write(np.zeros(t.n_elements, dtype="<f4").tobytes())
-    elif t.kind == "normal":   # F32 biases and sinks (small: drawn whole)
+    elif t.fill == "normal":   # F32 biases and sinks (small: drawn whole)
         g = _rng(cfg.seed, 0xB1A5, _name_key(t.name))
         f.write((g.standard_normal(t.n_elements, dtype=np.float32) * np.float32(t.scale)).astype("<f4").tobytes())
-    elif t.kind == "router":
+    elif t.fill == "router":
         f.write(_router_weights(t, cfg).astype("<f4").tobytes())
-    elif t.kind == "walk":
+    elif t.fill == "walk":
         _write_walk_embeddings(f, t, cfg)
     else:
         _write_matrix(f, t, cfg, pools)

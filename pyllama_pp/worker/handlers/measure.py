@@ -21,12 +21,12 @@ def run_tests(s, tests, reps: int, seed: int, coverage: bool, warmup: int = RUN.
     routing follows such a stream)."""
     results = []
     for test in tests:
-        kind, n = test[0], int(test[1])
+        test_type, n = test[0], int(test[1])
         depth = depth_of(test)
         toks = bench_tokens(n, s.info.n_vocab, seed, stream)
         prefix = bench_tokens(depth, s.info.n_vocab, seed + 1, stream) if depth else None
         cov = None
-        if kind == "pp" and coverage and s.info.n_expert > 0:
+        if test_type == "pp" and coverage and s.info.n_expert > 0:
             cov = s.coverage(toks, exclusive=True)   # (never two contexts at once: a plan sized one)
         times, devs, ext = [], [], None
         for r in range(warmup + reps):
@@ -35,7 +35,7 @@ def run_tests(s, tests, reps: int, seed: int, coverage: bool, warmup: int = RUN.
                 s.eval(prefix, logits="last", stats=False)   # the context's depth (not timed, not counted)
                 s.reset_counters()
             e0 = s.ext_stats()
-            if kind == "pp":
+            if test_type == "pp":
                 res = s.eval(toks, logits="last", pos0=depth, clear=not depth, stats=False)   # stats read around it
                 dt, dev = res.seconds, res.counters["devices"]
             else:
@@ -61,7 +61,7 @@ def run_tests(s, tests, reps: int, seed: int, coverage: bool, warmup: int = RUN.
         # PREFETCH=2's lanes per backend are a level (in the deltas above it subtracts to 0): as it stands after the last rep
         ring = [{"name": b["name"], "ring_bytes": b["ring_bytes"]} for b in e1["backends"]] \
             if e1 and e1.get("backends") and "ring_bytes" in e1["backends"][0] else None
-        results.append({"kind": kind, "n": n, "depth": depth, "seconds": times, "devices": sum_devices(devs),
+        results.append({"kind": test_type, "n": n, "depth": depth, "seconds": times, "devices": sum_devices(devs),
                         "ext": ext, "ext_ring": ring, "coverage": cov, "reps": reps})
     return results
 

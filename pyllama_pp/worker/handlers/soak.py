@@ -172,17 +172,17 @@ def soak(s, calls: int, seed: int, check_every: int, warmup: int, ref: str) -> d
     for i in range(calls):
         n = _size(rng, warm_sizes, i)
         if i < len(warm_sizes):
-            kind, outk = kinds_cycle[i % len(kinds_cycle)], outs_cycle[i % len(outs_cycle)]
+            call, outk = kinds_cycle[i % len(kinds_cycle)], outs_cycle[i % len(outs_cycle)]
         else:
-            kind, outk = _pick(rng, KINDS), _pick(rng, OUTPUTS)
-        if pos == 0 and kind != "prompt":
-            kind = "prompt"
-        if kind == "rewind":
+            call, outk = _pick(rng, KINDS), _pick(rng, OUTPUTS)
+        if pos == 0 and call != "prompt":
+            call = "prompt"
+        if call == "rewind":
             p0 = int(rng.integers(0, pos))
             s.kv_remove(p0)
             n_rm += 1
             pos = p0
-        if kind == "shift" or (kind != "prompt" and pos + n > n_ctx):
+        if call == "shift" or (call != "prompt" and pos + n > n_ctx):
             keep = int(rng.integers(0, min(64, pos)))
             discard = max(1, (pos - keep) // 2)
             if pos + n - discard > n_ctx:   # a long call: make room for it
@@ -191,8 +191,8 @@ def soak(s, calls: int, seed: int, check_every: int, warmup: int, ref: str) -> d
                 pos = s.context_shift(keep, discard)
                 n_shift += 1
             if pos + n > n_ctx:
-                kind = "prompt"
-        clear = kind == "prompt"
+                call = "prompt"
+        clear = call == "prompt"
         pos0 = 0 if clear else pos
         n_clear += clear
         if outk == "rows":
@@ -207,7 +207,7 @@ def soak(s, calls: int, seed: int, check_every: int, warmup: int, ref: str) -> d
         pos = pos0 + n
         if s.kv_pos_max() != pos - 1:
             raise AssertionError(f"call {i}: the cache ends at {s.kv_pos_max()}, not {pos - 1}")
-        counts[kind] = counts.get(kind, 0) + 1
+        counts[call] = counts.get(call, 0) + 1
         counts["out " + outk] = counts.get("out " + outk, 0) + 1
         b = bands.setdefault(band(n, n_expert, n_used), {"calls": 0, "tokens": 0, "h2d_bytes": 0})
         b["calls"] += 1

@@ -24,7 +24,7 @@ def handle(job: WorkloadJob) -> dict:
         steps = []
         for rnd in range(int(job.rounds)):
             pos = 0
-            for kind, n in job.workload:
+            for test_type, n in job.workload:
                 s.synchronize()
                 before = s.device_counters()
                 s.reset_counters()        # peak_alloc_bytes := alloc_bytes
@@ -32,7 +32,7 @@ def handle(job: WorkloadJob) -> dict:
                 e0 = s.ext_stats()
                 per = []
                 t0 = time.perf_counter()
-                if kind == "pp":
+                if test_type == "pp":
                     toks = rng.integers(0, s.info.n_vocab, n)
                     res = s.eval(toks, logits="last", pos0=0, clear=True, stats=False)   # read around it (e0, ext)
                     per.append(res.counters["devices"])
@@ -53,7 +53,7 @@ def handle(job: WorkloadJob) -> dict:
                 cb_after = [b.compute_buffer_bytes for b in s.schedule().backends]
                 moved = sum_devices(per)
                 steps.append({
-                    "round": rnd, "kind": kind, "n": n, "seconds": dt, "ts": n / dt if dt > 0 else float("nan"),
+                    "round": rnd, "kind": test_type, "n": n, "seconds": dt, "ts": n / dt if dt > 0 else float("nan"),
                     "h2d_bytes_per_device": [d.get("h2d_bytes", 0) for d in moved],
                     "host_syncs": sum(d.get("host_syncs", 0) for d in moved),
                     "alloc_before": [d["alloc_bytes"] for d in before],
