@@ -18,9 +18,10 @@ HOST_ALL = {"host_experts": "all"}
 TWO = "vdev:2x0@0.5"
 
 
-def cache(value) -> dict:
-    """EXPERT_CACHE=value: MiB per device, or -N slots per layer."""
-    return {"GGML_SCHED_PP_EXPERT_CACHE": value}
+def cache(value, min_hit: int = 0) -> dict:
+    """EXPERT_CACHE=value: MiB per device, or -N slots per layer; EXPERT_CACHE_MIN_HIT=min_hit (0: no guard, every op
+    the slots can serve reads them)."""
+    return {"GGML_SCHED_PP_EXPERT_CACHE": value, "GGML_SCHED_PP_EXPERT_CACHE_MIN_HIT": min_hit}
 
 
 def totals(ext: dict) -> dict:
