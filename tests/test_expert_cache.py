@@ -7,12 +7,13 @@ follow the LRU; device memory stays flat; ops the slots cannot serve stay on the
 on the traced ids, and changes neither the logits nor what the CPU path moves."""
 from __future__ import annotations
 
+import json
 from typing import Optional
 
 import numpy as np
 import pytest
 
-from pyllama_pp import soak, synth
+from pyllama_pp import cli, soak, synth
 from pyllama_pp.expert_cache_sim import guard, simulate
 from pyllama_pp.expert_trace import ExpertTrace
 from pyllama_pp.rpc.server import spawn_server, wait_listening
@@ -369,3 +370,17 @@ def test_on_the_cpu_a_layer_moves_and_waits_as_without_the_cache(runner, tiny_in
     t0, t1 = totals(runs[100, 48]["ext"]), totals(runs[100, 64]["ext"])
     assert t1["cache_ops"] == t0["cache_ops"]
     assert t1["cache_cpu_ops"] - t0["cache_cpu_ops"] == OPS * tiny_info["n_layer"] * 16
+
+
+def test_rows_carry_the_guards_counters(tiny_model, tiny_info, capsys):
+    """`pyllama-pp run` rows (tg48, a floor of 100, 8 slots): the timed run's expert ops, in the slots and on the CPU,
+    add up to all of them, some on the CPU; the slots looked up the experts of the ops that read them (a layer's three
+    ops share one lookup), its shadow every routed expert."""
+    argv = ["run", tiny_model, "--variant", "patched", "--devices", "vdev:1x0@1", "-p", "0", "-n", "48", "-r", "1",
+            "-c", "64", "--switch", "EXPERT_CACHE=-8", "--switch", "EXPERT_CACHE_MIN_HIT=100", "--json"]
+    assert cli.main(argv) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    n_layer = tiny_info["n_layer"]
+    assert row["expert_cache_ops"] + row["expert_cache_cpu_ops"] == OPS * n_layer * 48 and row["expert_cache_cpu_ops"] > 0
+    assert row["expert_cache_shadow_hits"] + row["expert_cache_shadow_misses"] == n_layer * 48 * tiny_info["n_expert_used"]
+    assert row["expert_cache_hits"] + row["expert_cache_misses"] == row["expert_cache_ops"] // OPS * tiny_info["n_expert_used"]
