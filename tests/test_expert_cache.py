@@ -21,6 +21,7 @@ from pyllama_pp.rpc.server import spawn_server, wait_listening
 DECODE = {"n_ctx": 64, "n_batch": 1, "n_ubatch": 1}   # every token a batch of its own: below the threshold
 HOST_ALL = {"host_experts": "all"}
 TWO = "vdev:2x0@0.5"
+OPS = 3   # expert ops of a tiny layer (gate, up, down)
 
 
 def cache(value, min_hit: Optional[int] = 0) -> dict:
@@ -112,13 +113,16 @@ def test_rpc_devices_read_their_cache_over_the_network(runner, upstream_servers,
     assert sum(b["cache_ops"] for b in rpc) == 3 * tiny_info["n_layer"] * 12
 
 
-def test_small_prompt_ubatches_read_the_cache_too(runner, assert_logits_match):
-    """A prompt in ubatches of 16 tokens (below the threshold) on two devices: 16 x 2 ids need 32 slots a layer."""
+def test_small_prompt_ubatches_read_the_cache_too(runner, assert_logits_match, tiny_info):
+    """A prompt in ubatches of 16 tokens (below the threshold) on two devices: 16 x 2 ids need 32 slots a layer. Every
+    expert op of the three ubatches (16, 16, 8 tokens) read the slots: none fell back to the CPU."""
     kw = {"devices": TWO, "placement": HOST_ALL, "ctx": {"n_ctx": 128, "n_batch": 64, "n_ubatch": 16}, "n_tokens": 40}
     b = runner.logits("baseline", **kw)
     p = runner.logits("patched", env=cache(-32), **kw)
     assert_logits_match(p["logits"], b["logits"], "ub16, 32 slots")
-    assert totals(p["ext"])["cache_ops"] > 0
+    t = totals(p["ext"])
+    assert t["cache_ops"] == OPS * tiny_info["n_layer"] * 3
+    assert t["cache_hits"] + t["cache_misses"] == 40 * tiny_info["n_layer"] * tiny_info["n_expert_used"]
 
 
 # --- off, and the fallbacks ----------------------------------------------------------------------------------------
@@ -262,7 +266,6 @@ def test_device_memory_stays_flat_over_many_calls(tiny_model, tiny_cfg, tmp_path
 # --- the hit-rate guard (EXPERT_CACHE_MIN_HIT) -----------------------------------------------------------------------
 
 GUARD_CTX = {"n_ctx": 160, "n_batch": 1, "n_ubatch": 1}
-OPS = 3   # expert ops of a tiny layer (gate, up, down)
 
 
 @pytest.fixture(scope="module")
