@@ -7,17 +7,32 @@ test-backend-ops holds to an NMSE of 5e-4 for MUL_MAT_ID; on VDEVs both are the 
     python bench/cache_decode.py                                   # tiny preset, one VDEV on a 1 GB/s link
     python bench/cache_decode.py --preset small --devices "vdev:1x0@4GBps" --sizes 0,-8,-16,-32,-128
     python bench/cache_decode.py --model M.gguf --devices cuda --sizes 0,-16,-32,-64 -n 64   # GPU machine
+    python bench/cache_decode.py --ci                              # the CI case (CI_CASE below)
 
 The patched build runs in this process: the model is loaded once, each size gets its own context (a scheduler
 copies the switches when it is made), all at once, so each size's slots stay warm between its runs; rounds run
 every size once, the order reversed every other round, and each size's speed is paired with size 0's (the path
 without the cache) by round (median ratio with its bootstrap interval). The first run of every size fills its
 cache and is not counted. The baseline runs in a worker process (its own model load). A size is EXPERT_CACHE's
-value: MiB per device, or -N: N slots per layer (0: off); every size's slots take device memory at once.
+value: MiB per device, or -N: N slots per layer (0: off); every size's slots take device memory at once. Each size
+runs once per --min-hit value (EXPERT_CACHE_MIN_HIT, the guard's floor: 0 none; a layer whose cache's shadow hits
+less goes back to the CPU). The logits check counts the ops that read the slots while it decodes (logits_cache_ops):
+an NMSE of 0 with none of them compared the CPU path with itself.
 
 Routing decides the hit rate: a synthetic model's default ("uniform") routes consecutive tokens independently,
 so an LRU of S of E experts hits about S/E; "locality" routes a stream of consecutive token ids to slowly changing
 experts, as real decode does, and is fed such a stream (the tokens a measure job's tg would decode: bench_tokens).
+
+The CI case (--ci, VDEVs, no GPU): both paths cost a token a fixed part plus, on the cached path, the misses' uploads:
+t(h) = t_dev + (1 - h) t_miss against t_cpu, so the cache wins where t_dev < t_cpu and the misses are few and cheap.
+On the GPU machine t_cpu - t_dev is the host's expert matmuls, which the GPU does many times faster, and PCIe moves
+an expert about as fast as the host's cores read one. On a VDEV, which computes with the host's kernels on as many
+threads here, it is the CPU path's per-layer round trip: the activations and ids copied to the host synchronously
+(a handoff with the VDEV's stream thread each), the host's split, the result copied back. CI_CASE keeps the
+structure: locality routing calibrated to real decode (the small preset's LRU hits 81% / 89% at 32 / 64 of 128
+slots; tg128 rounds, so that the tokens a round repeats do not fit the slots), 128 slots (every expert: the cached
+path's fixed part alone, t_dev), a throttled link fast enough that a miss costs less than a hit saves (16 GB/s: an
+expert of 156 KB in 10 us), and host and VDEV on one thread each, so that neither side computes faster.
 """
 from __future__ import annotations
 
@@ -37,29 +52,38 @@ from pyllama_pp import synth  # noqa: E402
 from pyllama_pp.model_file import routes_by_stream  # noqa: E402
 from pyllama_pp.params import ContextParams, Placement  # noqa: E402
 from pyllama_pp.session import Session  # noqa: E402
-from pyllama_pp.stats import nmse, paired_ci  # noqa: E402
+from pyllama_pp.stats import max_abs_diff, nmse, paired_ci  # noqa: E402
 from pyllama_pp.worker import run_job  # noqa: E402
 from pyllama_pp.worker.handlers.base import bench_tokens  # noqa: E402
 
 from _clock import left, log  # noqa: E402   (bench/_clock.py; this script's folder is on sys.path)
 from decode_probe import close_contexts, switch_contexts, tg_run  # noqa: E402   (bench/decode_probe.py)
 
-CACHE_KEYS = ("cache_ops", "cache_hits", "cache_misses", "cache_evictions", "cache_bytes")
+CACHE_KEYS = ("cache_ops", "cache_hits", "cache_misses", "cache_evictions", "cache_bytes", "cache_cpu_ops",
+              "cache_leaves", "cache_returns", "cache_shadow_hits", "cache_shadow_misses")
+# the CI case (module docstring): argument defaults --ci sets (options given explicitly still win)
+CI_CASE = {"preset": "small", "routing": "locality", "devices": "vdev:1x0@16GBps", "threads": 1,
+           "sizes": "0,-32,-64,-128", "rounds": 20, "n": 128}
 
 
 def cache_totals(ext: dict) -> dict:
     """The cache's counters over all backends, and its levels (slots per layer: the smallest; bytes: all devices)."""
     out = {k: sum(b.get(k, 0) for b in ext["backends"]) for k in CACHE_KEYS}
     out["cache_buffer_bytes"] = sum(b.get("cache_buffer_bytes", 0) for b in ext["backends"])
+    out["cache_cpu_layers"] = sum(b.get("cache_cpu_layers", 0) for b in ext["backends"])
     slots = [b["cache_slots"] for b in ext["backends"] if b.get("cache_layers")]
     out["cache_slots"] = min(slots) if slots else 0
     return out
 
 
-def decode_logits(s: Session, toks: np.ndarray, n: int) -> np.ndarray:
-    """The logits of n tokens decoded one by one from an empty KV cache ([n, n_vocab])."""
-    return np.concatenate([s.eval(toks[i: i + 1], logits="last", pos0=i, clear=i == 0, stats=False).logits
-                           for i in range(n)])
+def decode_logits(s: Session, toks: np.ndarray, n: int) -> tuple:
+    """The logits of n tokens decoded one by one from an empty KV cache ([n, n_vocab]), and the expert ops that read
+    the slots and that the guard ran on the CPU meanwhile (all 0 without the cache)."""
+    before = cache_totals(s.ext_stats())
+    logits = np.concatenate([s.eval(toks[i: i + 1], logits="last", pos0=i, clear=i == 0, stats=False).logits
+                             for i in range(n)])
+    after = cache_totals(s.ext_stats())
+    return logits, after["cache_ops"] - before["cache_ops"], after["cache_cpu_ops"] - before["cache_cpu_ops"]
 
 
 def h2d(s: Session) -> int:
@@ -85,6 +109,11 @@ def main() -> int:
     ap.add_argument("--devices", default="vdev:1x0@1GBps", help="device spec (default one VDEV on a 1 GB/s link; cuda)")
     ap.add_argument("--sizes", default="0,-4,-8,-16,-64",
                     help="EXPERT_CACHE values, comma-separated: MiB per device, -N slots per layer, 0 first (off)")
+    ap.add_argument("--min-hit", default="",
+                    help="EXPERT_CACHE_MIN_HIT values, comma-separated, each with every size but 0 (default: the "
+                         "switch's value in this process)")
+    ap.add_argument("--ci", action="store_true",
+                    help="the CI case: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in CI_CASE.items()))
     ap.add_argument("-n", type=int, default=32, help="tokens per tg run (default 32)")
     ap.add_argument("--rounds", type=int, default=10, help="rounds, even (default 10)")
     ap.add_argument("--n-ctx", type=int, default=512)
@@ -96,6 +125,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "out" / "cache_decode"),
                     help="folder for cache_decode.json / .md (default bench/out/cache_decode, git-ignored)")
     args = ap.parse_args()
+    if args.ci:
+        ap.set_defaults(**CI_CASE)
+        args = ap.parse_args()
     if args.rounds < 2 or args.rounds % 2:
         ap.error(f"--rounds must be an even number of at least 2 (rounds pair up), got {args.rounds}")
     try:
@@ -104,6 +136,12 @@ def main() -> int:
         ap.error(f"--sizes takes integers (MiB, or -N slots per layer), got {args.sizes!r}")
     if not sizes or sizes[0] != 0:
         ap.error("--sizes must start with 0 (the path without the cache, which the others are paired with)")
+    try:
+        min_hits = [int(x) for x in args.min_hit.split(",") if x.strip()] or [None]
+    except ValueError:
+        ap.error(f"--min-hit takes integers 0..100 (percent), got {args.min_hit!r}")
+    if any(m is not None and not 0 <= m <= 100 for m in min_hits):
+        ap.error(f"--min-hit takes integers 0..100 (percent), got {args.min_hit!r}")
     if args.routing not in synth.ROUTING_MODES:
         ap.error(f"--routing must be one of {', '.join(synth.ROUTING_MODES)} in this build of synth")
     out = Path(args.out)
@@ -117,8 +155,12 @@ def main() -> int:
     consecutive = routes_by_stream(model)   # (a locality model: a stream of consecutive ids; else random ones)
     toks = bench_tokens(args.n + 1, s.info.n_vocab, seed=1, stream=consecutive)
 
-    # a context per size, each with its own scheduler and slots (the switch is read when a scheduler is made)
-    ctxs = switch_contexts(s, [{"EXPERT_CACHE": v} for v in sizes], ctxp)
+    # a context per size and floor, each with its own scheduler and slots (the switches are read when a scheduler is
+    # made); size 0 once
+    own = s.ext_stats()["params"]["EXPERT_CACHE_MIN_HIT"]
+    sets = [(0, own)] + [(v, own if m is None else m) for v in sizes[1:] for m in min_hits]
+    sizes = [v for v, _ in sets]
+    ctxs = switch_contexts(s, [{"EXPERT_CACHE": v, "EXPERT_CACHE_MIN_HIT": m} for v, m in sets], ctxp)
     for c in ctxs:
         s._ctx = c
         tg_run(s, toks, args.n)   # warm-up: fills the cache (the context's: it stays warm between tg runs)
@@ -159,7 +201,11 @@ def main() -> int:
         c = counts[i]
         tokens = len(ts) * args.n
         lookups = c["cache_hits"] + c["cache_misses"]
-        rows.append({"expert_cache": v, "slots_per_layer": levels[i]["cache_slots"], "nmse_vs_off": nmse(logits[i], logits[0]),
+        shadow = c["cache_shadow_hits"] + c["cache_shadow_misses"]
+        rows.append({"expert_cache": v, "min_hit": sets[i][1], "slots_per_layer": levels[i]["cache_slots"],
+                     "nmse_vs_off": nmse(logits[i][0], logits[0][0]),
+                     "max_abs_vs_off": max_abs_diff(logits[i][0], logits[0][0]),
+                     "logits_cache_ops": logits[i][1], "logits_cpu_ops": logits[i][2],
                      "cache_mib": levels[i]["cache_buffer_bytes"] / 2**20, "avg_ts": float(ts.mean()),
                      "stddev_ts": float(ts.std(ddof=1)) if len(ts) > 1 else 0.0, "vs_off": med, "vs_off_lo": lo,
                      "vs_off_hi": hi, "vs_baseline": float(ts.mean()) / base if base else None,
@@ -168,22 +214,30 @@ def main() -> int:
                      "h2d_mb_per_token": c["h2d_bytes"] / tokens / 1e6 if tokens and vdev else None,
                      "ids_wait_us_per_token": c["ids_wait_us"] / tokens if tokens else None,
                      "cache_ops_per_token": c["cache_ops"] / tokens if tokens else None,
+                     "cpu_ops_per_token": c["cache_cpu_ops"] / tokens if tokens else None,
+                     "switches": c["cache_leaves"] + c["cache_returns"], "cpu_layers": levels[i]["cache_cpu_layers"],
+                     "shadow_hit_rate": c["cache_shadow_hits"] / shadow if shadow else None,
                      "rounds": len(ts), "samples_ts": ts.tolist()})
     doc = {"model": model, "devices": args.devices, "n": args.n, "routing": args.routing, "threads": args.threads,
+           "command": " ".join(sys.argv[1:]), "ci": args.ci,
            "tokens": "consecutive" if consecutive else "random", "baseline_ts": base,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
     (out / "cache_decode.json").write_text(json.dumps(doc, indent=1))
     fmt = lambda x, f: "" if x is None else format(x, f)   # noqa: E731
-    lines = [f"| EXPERT_CACHE | slots/layer | MiB | t/s | vs off (paired, 95%) | vs baseline | hit rate | "
-             "fetched MB/token | h2d MB/token | ids wait us/token | logits NMSE vs off |",
-             "| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| EXPERT_CACHE | MIN_HIT | slots/layer | MiB | t/s | vs off (paired, 95%) | vs baseline | hit rate | "
+             "shadow hit rate | CPU ops/token (switches) | fetched MB/token | h2d MB/token | ids wait us/token | "
+             "logits NMSE vs off (slot ops / CPU ops in that check) |",
+             "| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for x in rows:
-        lines.append(f"| {x['expert_cache']} | {x['slots_per_layer']} | {x['cache_mib']:.1f} | "
+        lines.append(f"| {x['expert_cache']} | {x['min_hit'] if x['expert_cache'] else ''} | {x['slots_per_layer']} | "
+                     f"{x['cache_mib']:.1f} | "
                      f"{x['avg_ts']:.1f} ± {x['stddev_ts']:.1f} | {x['vs_off']:.3f} [{x['vs_off_lo']:.3f}, "
                      f"{x['vs_off_hi']:.3f}] ({x['rounds']}) | {fmt(x['vs_baseline'], '.2f')} | "
-                     f"{fmt(x['hit_rate'], '.3f')} | {fmt(x['fetched_mb_per_token'], '.3f')} | "
+                     f"{fmt(x['hit_rate'], '.3f')} | {fmt(x['shadow_hit_rate'], '.3f')} | "
+                     f"{fmt(x['cpu_ops_per_token'], '.1f')} ({x['switches']}) | "
+                     f"{fmt(x['fetched_mb_per_token'], '.3f')} | "
                      f"{fmt(x['h2d_mb_per_token'], '.3f')} | {fmt(x['ids_wait_us_per_token'], '.0f')} | "
-                     f"{x['nmse_vs_off']:.2e} |")
+                     f"{x['nmse_vs_off']:.2e} ({x['logits_cache_ops']} / {x['logits_cpu_ops']}) |")
     table = "\n".join(lines)
     head = (f"{Path(model).name} on {args.devices}, tg{args.n}, routing {args.routing}, {args.threads or 'all'} host threads, "
             f"{'consecutive' if consecutive else 'random'} tokens; baseline {fmt(base, '.1f')} t/s")

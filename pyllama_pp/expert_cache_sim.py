@@ -51,14 +51,19 @@ import numpy as np
 
 from .expert_trace import ExpertTrace
 
-__all__ = ["POLICIES", "DEFAULT_FRACTIONS", "DEFAULT_HALF_LIFE", "simulate", "hit_rates",
-           "locality_summary"]
+__all__ = ["POLICIES", "DEFAULT_FRACTIONS", "DEFAULT_HALF_LIFE", "GUARD_WINDOW", "GUARD_MARGIN", "simulate",
+           "hit_rates", "guard", "locality_summary"]
 
 POLICIES = ("lru", "lfu", "lfu_aged", "static", "belady")
 #: cache sizes as a fraction of each layer's experts (1/16, 1/8, 1/4, 3/8, 1/2)
 DEFAULT_FRACTIONS = (0.0625, 0.125, 0.25, 0.375, 0.5)
 #: lfu_aged's half-life in tokens
 DEFAULT_HALF_LIFE = 16.0
+#: the native cache's hit-rate guard (EXPERT_CACHE_MIN_HIT, patch 0014; GGML_SCHED_PP_CACHE_GUARD_WINDOW and _MARGIN
+#: in ggml-backend-pp-cache.cpp): the tokens whose shadow hits decide, and the points above the floor at which a layer
+#: returns to its cache
+GUARD_WINDOW = 32
+GUARD_MARGIN = 10
 
 
 def capacity_of(fraction: float, n_expert: int) -> int:
@@ -76,11 +81,48 @@ def _next_use(steps: Sequence[np.ndarray], n_expert: int) -> np.ndarray:
     return nxt
 
 
+class _Cache:
+    """One layer's cache of `capacity` experts under an online policy (lru, lfu, lfu_aged), a step (a token's ids) at
+    a time. Its LRU is the native cache's slots and its guard's shadow of them."""
+
+    def __init__(self, capacity: int, policy: str = "lru", n_expert: int = 0, half_life: float = DEFAULT_HALF_LIFE):
+        self.capacity, self.policy = capacity, policy
+        self.recency: "OrderedDict[int, int]" = OrderedDict()   # cached expert -> recency, least recent first
+        self.clock = 0
+        self.counts = None if policy == "lru" else np.zeros(n_expert, dtype=np.float64)
+        self.decay = 0.5 ** (1.0 / half_life) if policy == "lfu_aged" else 1.0
+
+    @property
+    def full(self) -> bool:
+        return len(self.recency) >= self.capacity
+
+    def step(self, ids: Iterable[int]) -> int:
+        """The step's hits (cached at its start); then its hits are touched and its misses inserted, in slot order."""
+        if self.decay != 1.0:
+            self.counts *= self.decay
+        ids = [int(e) for e in ids]
+        hit_ids = [e for e in ids if e in self.recency]
+        if self.counts is not None:
+            self.counts[ids] += 1.0
+        for e in hit_ids:
+            self.clock += 1
+            self.recency[e] = self.clock
+            self.recency.move_to_end(e)
+        for e in (e for e in ids if e not in self.recency):
+            if self.full:
+                victim = _victim(self.recency, set(ids), self.counts, self.policy)
+                if victim is None:
+                    continue
+                del self.recency[victim]
+            self.clock += 1
+            self.recency[e] = self.clock
+        return len(hit_ids)
+
+
 def _layer_hits(steps: list, n_expert: int, capacity: int, policy: str, warmup: int,
                 half_life: float) -> int:
     """Hits of one layer's cache over the counted tokens (steps[t]: token t's ids in slot order, valid ones)."""
     T = len(steps)
-    hits = 0
     if capacity <= 0 or T <= warmup:
         return 0
     if policy == "static":
@@ -93,32 +135,8 @@ def _layer_hits(steps: list, n_expert: int, capacity: int, policy: str, warmup: 
         return int(sum(int(listed[ids].sum()) for ids in steps[warmup:]))
     if policy == "belady":
         return _belady_hits(steps[warmup:], n_expert, capacity)
-    recency: "OrderedDict[int, int]" = OrderedDict()   # cached expert -> recency, least recent first
-    clock = 0
-    counts = np.zeros(n_expert, dtype=np.float64)
-    decay = 0.5 ** (1.0 / half_life) if policy == "lfu_aged" else 1.0
-    for t, ids in enumerate(steps):
-        if policy == "lfu_aged":
-            counts *= decay
-        here = set(int(e) for e in ids)
-        hit_ids = [int(e) for e in ids if int(e) in recency]
-        if t >= warmup:
-            hits += len(hit_ids)
-        if policy != "lru":
-            counts[ids] += 1.0
-        for e in hit_ids:
-            clock += 1
-            recency[e] = clock
-            recency.move_to_end(e)
-        for e in (int(e) for e in ids if int(e) not in recency):
-            if len(recency) >= capacity:
-                victim = _victim(recency, here, counts, policy)
-                if victim is None:
-                    continue
-                del recency[victim]
-            clock += 1
-            recency[e] = clock
-    return hits
+    cache = _Cache(capacity, policy, n_expert, half_life)
+    return sum(h for t, h in enumerate(cache.step(ids) for ids in steps) if t >= warmup)
 
 
 def _victim(recency: "OrderedDict[int, int]", here: set, counts: np.ndarray, policy: str) -> Optional[int]:
@@ -204,6 +222,61 @@ def simulate(trace: ExpertTrace, fraction: float, policy: str, warmup: Optional[
 def default_warmup(trace: ExpertTrace) -> int:
     """The trace's prompt, or a quarter of its tokens when it has none."""
     return trace.n_prompt if trace.n_prompt > 0 else trace.n_tokens // 4
+
+
+def guard(trace: ExpertTrace, slots: int, min_hit: int, tokens_per_graph: int = 1, window: int = GUARD_WINDOW,
+          margin: int = GUARD_MARGIN) -> dict:
+    """The native cache's hit-rate guard (EXPERT_CACHE_MIN_HIT) on a trace decoded in graphs of `tokens_per_graph`
+    tokens, every layer with `slots` slots (ggml-backend-pp-cache.cpp states the rule; this follows it):
+
+    - each layer keeps a shadow LRU of `slots` experts that follows every token, and the real LRU (the slots) follows
+      the tokens of the graphs its layer runs on the device;
+    - a token whose step begins with the shadow full adds its shadow hits to the layer's window (its last `window`
+      such tokens);
+    - after each graph, once the window is full: a layer on the device whose window hit less than `min_hit` % of its
+      lookups (window x k) leaves for the CPU, one on the CPU whose window hit `min_hit` + `margin` % or more returns;
+      the next graph runs the layer where that leaves it. `min_hit` 0: never leaves.
+
+    Returns:
+        dict: per_layer_cpu (bool [tokens, layers]: where each token's expert ops ran), cached_tokens, cpu_tokens (token
+        x layer pairs on each side), cached_graphs, cpu_graphs (graph x layer pairs: a layer's expert ops run once per
+        graph), cpu_layers (on the CPU after the last decision), leaves, returns, shadow_hits, shadow_lookups, hits
+        and lookups (the slots', over the cached tokens).
+    Raises:
+        ValueError: for fewer slots than a token's ids, a floor outside [0, 100], or tokens_per_graph < 1.
+    """
+    T, L, k = trace.ids.shape
+    if slots < k or slots > trace.n_expert:
+        raise ValueError(f"slots must be in [{k}, {trace.n_expert}] (a token's {k} ids .. every expert), got {slots}")
+    if not 0 <= min_hit <= 100 or tokens_per_graph < 1:
+        raise ValueError(f"min_hit must be in [0, 100] and tokens_per_graph >= 1, got {min_hit}, {tokens_per_graph}")
+    on_cpu = np.zeros((T, L), dtype=bool)
+    out = {"leaves": 0, "returns": 0, "shadow_hits": 0, "hits": 0, "cpu_graphs": 0, "cached_graphs": 0, "cpu_layers": 0}
+    for c in range(L):
+        steps = _steps(trace, c)
+        shadow, slots_lru, seen, to_cpu = _Cache(slots), _Cache(slots), [], False
+        for g0 in range(0, T, tokens_per_graph):
+            out["cpu_graphs" if to_cpu else "cached_graphs"] += 1
+            for t in range(g0, min(g0 + tokens_per_graph, T)):
+                on_cpu[t, c] = to_cpu
+                full = shadow.full
+                h = shadow.step(steps[t])
+                out["shadow_hits"] += h
+                if full:
+                    seen.append(h)
+                if not to_cpu:
+                    out["hits"] += slots_lru.step(steps[t])
+            if len(seen) < window or min_hit == 0:
+                continue
+            hits = sum(seen[-window:])
+            if not to_cpu and hits * 100 < min_hit * window * k:
+                to_cpu, out["leaves"] = True, out["leaves"] + 1
+            elif to_cpu and hits * 100 >= (min_hit + margin) * window * k:
+                to_cpu, out["returns"] = False, out["returns"] + 1
+        out["cpu_layers"] += int(to_cpu)
+    valid = trace.ids >= 0
+    return {"per_layer_cpu": on_cpu, "cached_tokens": int((~on_cpu).sum()), "cpu_tokens": int(on_cpu.sum()), **out,
+            "shadow_lookups": int(valid.sum()), "lookups": int((valid & ~on_cpu[:, :, None]).sum())}
 
 
 def hit_rates(trace: ExpertTrace, fractions: Iterable[float] = DEFAULT_FRACTIONS,

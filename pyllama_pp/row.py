@@ -45,6 +45,9 @@ class Row:
             reallocations, graph sizes, host-side times and buffer bytes.
         expert_cache_hits, expert_cache_misses, expert_cache_evictions: the expert cache's lookups per run (EXPERT_CACHE;
             all devices; its uploads are in h2d_bytes).
+        expert_cache_ops, expert_cache_cpu_ops, expert_cache_switches, expert_cache_shadow_hits,
+            expert_cache_shadow_misses: its expert ops per run that read the slots and that its guard ran on the CPU
+            (EXPERT_CACHE_MIN_HIT), the guard's decisions (a layer to the CPU or back), and its shadow's lookups.
         label, config, config_key: the configuration's label, its index in its sweep, and a hash of what it
             measures (a resumed sweep reuses rows with the same key).
         env, switches, build, machine, date: the environment, the patched build's switches ({} for the baseline),
@@ -119,6 +122,11 @@ class Row:
     expert_cache_hits: Optional[int] = None
     expert_cache_misses: Optional[int] = None
     expert_cache_evictions: Optional[int] = None
+    expert_cache_ops: Optional[int] = None
+    expert_cache_cpu_ops: Optional[int] = None
+    expert_cache_switches: Optional[int] = None
+    expert_cache_shadow_hits: Optional[int] = None
+    expert_cache_shadow_misses: Optional[int] = None
     # where and how
     label: str = ""
     config: Optional[int] = None                 # the configuration's index in its sweep

@@ -151,7 +151,12 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
             # PREFETCH=2's lanes per device (VRAM outside the compute buffers; a level, not a delta)
             "ring_bytes_per_device": per_gpu({"backends": t.get("ext_ring")}, "ring_bytes"),
             # EXPERT_CACHE's lookups, all devices
-            **{f"expert_{k}": all_gpus(ext, k, reps) for k in ("cache_hits", "cache_misses", "cache_evictions")},
+            **{f"expert_{k}": all_gpus(ext, k, reps) for k in ("cache_hits", "cache_misses", "cache_evictions",
+                                                                "cache_ops", "cache_cpu_ops", "cache_shadow_hits",
+                                                                "cache_shadow_misses")},
+            # ... and its guard's decisions (EXPERT_CACHE_MIN_HIT: a layer to the CPU, or back to its slots)
+            "expert_cache_switches": (None if all_gpus(ext, "cache_leaves", reps) is None else
+                                      all_gpus(ext, "cache_leaves", reps) + all_gpus(ext, "cache_returns", reps)),
             "label": cfg.label, "config_key": config_key(cfg),
             "switches": cfg.switches if variant == "patched" else {}, **meta}))
     return rows

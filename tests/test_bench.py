@@ -467,3 +467,22 @@ def test_cache_hits_writes_the_simulator_s_rates(tmp_path):
         assert r.hits == simulate(tr, r.fraction, r.policy)["hits"], r
     assert (tmp_path / "o" / "hits-0.png").stat().st_size > 0
     assert "belady_12.5%" in (tmp_path / "o" / "results.md").read_text()
+
+
+def test_cache_decode_logits_check_reads_the_slots(tiny_model, tmp_path):
+    """bench/cache_decode.py's logits check (an NMSE of 0 against size 0 on VDEVs): it decodes its 16 tokens through
+    the slots - every expert op of each token read them - so it compares the cached path with the CPU path, not the
+    CPU path with itself, and says where it did not: with the guard's floor at 100, 8 slots a layer have left for the
+    CPU by then (a full cache never does)."""
+    res = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "bench" / "cache_decode.py"), "--model",
+                          tiny_model, "--sizes", "0,-64,-8", "--min-hit", "0,100", "-n", "48", "--rounds", "2",
+                          "--no-baseline", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {(r["expert_cache"], r["min_hit"]): r for r in json.loads((tmp_path / "cache_decode.json").read_text())["rows"]}
+    ops = 3 * 6 * 16   # (the tiny model: 6 layers of 3 expert ops; the check decodes min(n, 16) tokens)
+    off = next(r for k, r in rows.items() if k[0] == 0)
+    assert off["logits_cache_ops"] == off["logits_cpu_ops"] == 0
+    for mh in (0, 100):
+        assert rows[-64, mh]["logits_cache_ops"] == ops and rows[-64, mh]["nmse_vs_off"] == 0.0
+    assert rows[-8, 0]["logits_cache_ops"] == ops
+    assert rows[-8, 100]["logits_cache_ops"] == 0 and rows[-8, 100]["logits_cpu_ops"] == ops

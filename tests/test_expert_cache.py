@@ -2,30 +2,41 @@
 their layer's device, reading the experts from a per-layer LRU of slots there. The logits equal the baseline's
 (test-backend-ops allows a CPU-vs-GPU MUL_MAT_ID an NMSE of 5e-4; on VDEVs both sides run the CPU's kernels on the
 same bytes, so the bar is the suite's 1e-6, and they come out exact); 0 is the path without the cache; the counters
-follow the LRU; device memory stays flat; ops the slots cannot serve stay on the CPU."""
+follow the LRU; device memory stays flat; ops the slots cannot serve stay on the CPU. The hit-rate guard
+(EXPERT_CACHE_MIN_HIT) sends layers whose cache does not pay back to the CPU path, exactly as the simulator's guard does
+on the traced ids, and changes neither the logits nor what the CPU path moves."""
 from __future__ import annotations
+
+import json
+from typing import Optional
 
 import numpy as np
 import pytest
 
-from pyllama_pp import soak, synth
-from pyllama_pp.expert_cache_sim import simulate
+from pyllama_pp import cli, soak, synth
+from pyllama_pp.expert_cache_sim import guard, simulate
 from pyllama_pp.expert_trace import ExpertTrace
 from pyllama_pp.rpc.server import spawn_server, wait_listening
 
 DECODE = {"n_ctx": 64, "n_batch": 1, "n_ubatch": 1}   # every token a batch of its own: below the threshold
 HOST_ALL = {"host_experts": "all"}
 TWO = "vdev:2x0@0.5"
+OPS = 3   # expert ops of a tiny layer (gate, up, down)
 
 
-def cache(value) -> dict:
-    """EXPERT_CACHE=value: MiB per device, or -N slots per layer."""
-    return {"GGML_SCHED_PP_EXPERT_CACHE": value}
+def cache(value, min_hit: Optional[int] = 0) -> dict:
+    """EXPERT_CACHE=value: MiB per device, or -N slots per layer; EXPERT_CACHE_MIN_HIT=min_hit (0: no guard, every op
+    the slots can serve reads them; None: the switch's default)."""
+    return {"GGML_SCHED_PP_EXPERT_CACHE": value,
+            **({} if min_hit is None else {"GGML_SCHED_PP_EXPERT_CACHE_MIN_HIT": min_hit})}
+
+
+GUARD = ("cache_cpu_ops", "cache_leaves", "cache_returns", "cache_shadow_hits", "cache_shadow_misses", "cache_cpu_layers")
 
 
 def totals(ext: dict) -> dict:
-    """The cache's counters over all backends."""
-    keys = ("cache_ops", "cache_hits", "cache_misses", "cache_evictions", "cache_bytes", "cache_buffer_bytes")
+    """The cache's counters over all backends (its guard's too)."""
+    keys = ("cache_ops", "cache_hits", "cache_misses", "cache_evictions", "cache_bytes", "cache_buffer_bytes") + GUARD
     return {k: sum(b[k] for b in ext["backends"]) for k in keys}
 
 
@@ -102,13 +113,16 @@ def test_rpc_devices_read_their_cache_over_the_network(runner, upstream_servers,
     assert sum(b["cache_ops"] for b in rpc) == 3 * tiny_info["n_layer"] * 12
 
 
-def test_small_prompt_ubatches_read_the_cache_too(runner, assert_logits_match):
-    """A prompt in ubatches of 16 tokens (below the threshold) on two devices: 16 x 2 ids need 32 slots a layer."""
+def test_small_prompt_ubatches_read_the_cache_too(runner, assert_logits_match, tiny_info):
+    """A prompt in ubatches of 16 tokens (below the threshold) on two devices: 16 x 2 ids need 32 slots a layer. Every
+    expert op of the three ubatches (16, 16, 8 tokens) read the slots: none fell back to the CPU."""
     kw = {"devices": TWO, "placement": HOST_ALL, "ctx": {"n_ctx": 128, "n_batch": 64, "n_ubatch": 16}, "n_tokens": 40}
     b = runner.logits("baseline", **kw)
     p = runner.logits("patched", env=cache(-32), **kw)
     assert_logits_match(p["logits"], b["logits"], "ub16, 32 slots")
-    assert totals(p["ext"])["cache_ops"] > 0
+    t = totals(p["ext"])
+    assert t["cache_ops"] == OPS * tiny_info["n_layer"] * 3
+    assert t["cache_hits"] + t["cache_misses"] == 40 * tiny_info["n_layer"] * tiny_info["n_expert_used"]
 
 
 # --- off, and the fallbacks ----------------------------------------------------------------------------------------
@@ -247,3 +261,129 @@ def test_device_memory_stays_flat_over_many_calls(tiny_model, tiny_cfg, tmp_path
     assert all(a == r.alloc_bytes[0] for a in r.alloc_bytes)
     below = r.bands["below offload"]
     assert below["h2d_bytes"] > below["calls"] * expert_bytes_of_layer(tiny_cfg)
+
+
+# --- the hit-rate guard (EXPERT_CACHE_MIN_HIT) -----------------------------------------------------------------------
+
+GUARD_CTX = {"n_ctx": 160, "n_batch": 1, "n_ubatch": 1}
+
+
+@pytest.fixture(scope="module")
+def locality_runner(tmp_path_factory):
+    """The tiny model with routing "locality": a stream of consecutive ids routes to slowly changing experts."""
+    from conftest import JobRunner
+    path = synth.cached_model(tmp_path_factory.getbasetemp() / "locality", "tiny", seed=1, routing="locality")
+    return JobRunner(str(path), tmp_path_factory.mktemp("locality-logits"))
+
+
+def shadow_rate(t: dict) -> float:
+    return t["cache_shadow_hits"] / (t["cache_shadow_hits"] + t["cache_shadow_misses"])
+
+
+@pytest.mark.parametrize("routing", ["uniform", "locality"])
+def test_the_guard_sends_layers_without_locality_to_the_cpu(runner, locality_runner, tiny_info, routing):
+    """8 slots of 64 a layer, the floor at its default: uniform routing hits about 1/8 of its lookups, so every layer
+    leaves for the CPU once its shadow has seen 32 tokens full, and stays there; locality routing (a stream of ids) hits
+    most of them, and every layer stays. Each run computed expert ops from the slots and, uniform, on the CPU, and its
+    logits are the baseline's bit for bit."""
+    r = runner if routing == "uniform" else locality_runner
+    n, n_layer = 64, tiny_info["n_layer"]
+    toks = list(range(200, 200 + n)) if routing == "locality" else None
+    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": GUARD_CTX, "n_tokens": n, "tokens": toks, "seed": 3}
+    b = r.logits("baseline", **kw)
+    p = r.logits("patched", env=cache(-8, min_hit=None), **kw)
+    assert np.array_equal(p["logits"], b["logits"]), routing
+    t = totals(p["ext"])
+    assert t["cache_ops"] > 0 and t["cache_ops"] + t["cache_cpu_ops"] == OPS * n_layer * n
+    assert t["cache_shadow_hits"] + t["cache_shadow_misses"] == n_layer * n * tiny_info["n_expert_used"]
+    if routing == "uniform":
+        assert t["cache_leaves"] == t["cache_cpu_layers"] == n_layer and t["cache_returns"] == 0
+        assert t["cache_cpu_ops"] > 0 and shadow_rate(t) < 0.2
+    else:
+        assert t["cache_leaves"] == t["cache_cpu_ops"] == t["cache_cpu_layers"] == 0 and shadow_rate(t) > 0.5
+
+
+# (routing, slots, floor, tokens a graph): all leave; leaves and returns on locality; the same in ubatches of 4
+GUARD_CASES = [("uniform", 8, 30, 1), ("locality", 8, 60, 1), ("uniform", 16, 20, 4)]
+
+
+@pytest.mark.parametrize("routing, slots, min_hit, n_ubatch", GUARD_CASES)
+def test_the_guards_decisions_are_the_simulators_on_the_traced_ids(runner, locality_runner, routing, slots, min_hit,
+                                                                  n_ubatch):
+    """128 tokens traced (decoded one by one, or in ubatches of 4 with every row an output), then decoded the same way
+    with the guard: where each layer's ops ran graph by graph, its leaves and returns, its shadow's hits and the
+    slots' hits are those of pyllama_pp.expert_cache_sim.guard on the trace's ids."""
+    r = runner if routing == "uniform" else locality_runner
+    ctx = {**GUARD_CTX, "n_batch": n_ubatch, "n_ubatch": n_ubatch}
+    n_prompt, n_decode = (128, 0) if n_ubatch > 1 else (0, 128)
+    tr = r.run("patched", {"kind": "trace", "devices": "vdev:1x0@0.5", "placement": HOST_ALL, "ctx": ctx,
+                           "n_prompt": n_prompt, "n_decode": n_decode, "seed": 7})
+    sim = guard(ExpertTrace(tr["ids"], tr["layers"], tr["n_expert"]), slots, min_hit, tokens_per_graph=n_ubatch)
+    assert sim["leaves"] > 0 and (sim["returns"] > 0 or routing == "uniform")   # (the case reaches both sides)
+    p = r.logits("patched", devices="vdev:1x0@0.5", placement=HOST_ALL, ctx=ctx, tokens=tr["tokens"],
+                 env=cache(-slots, min_hit))
+    t = totals(p["ext"])
+    assert (t["cache_ops"], t["cache_cpu_ops"]) == (OPS * sim["cached_graphs"], OPS * sim["cpu_graphs"])
+    assert (t["cache_leaves"], t["cache_returns"]) == (sim["leaves"], sim["returns"])
+    assert t["cache_shadow_hits"] == sim["shadow_hits"]
+    assert t["cache_shadow_hits"] + t["cache_shadow_misses"] == sim["shadow_lookups"]
+    assert (t["cache_hits"], t["cache_hits"] + t["cache_misses"]) == (sim["hits"], sim["lookups"])
+    assert t["cache_cpu_layers"] == sim["cpu_layers"]
+
+
+def _without_shadow(r: dict) -> tuple:
+    devs, ext, backends = _counts(r)
+    return devs, ext, [{k: v for k, v in b.items() if not k.startswith("cache_shadow")} for b in backends]
+
+
+def test_a_floor_of_zero_keeps_no_guard(runner):
+    """EXPERT_CACHE_MIN_HIT=0: uniform routing's 8 slots, which a floor of 30 leaves, serve every op; no shadow is kept.
+    A floor of 1, which that shadow never falls below, keeps one and otherwise changes nothing: the same logits and
+    the same bytes, copies, syncs, graphs and counters. So the guard acts through its decisions alone."""
+    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": GUARD_CTX, "n_tokens": 64, "seed": 3}
+    z = runner.logits("patched", env=cache(-8, 0), **kw)
+    one = runner.logits("patched", env=cache(-8, 1), **kw)
+    tz, t1 = totals(z["ext"]), totals(one["ext"])
+    assert tz["cache_ops"] == t1["cache_ops"] > 0 and tz["cache_shadow_hits"] + tz["cache_shadow_misses"] == 0
+    assert not any(tz[k] for k in GUARD) and t1["cache_shadow_hits"] > 0 and t1["cache_leaves"] == 0
+    assert np.array_equal(z["logits"], one["logits"])
+    assert _without_shadow(z) == _without_shadow(one)
+
+
+def test_on_the_cpu_a_layer_moves_and_waits_as_without_the_cache(runner, tiny_info):
+    """A floor of 100: every layer leaves once its shadow has seen 32 tokens full (by token 48 here) and never returns.
+    The 16 tokens after that cost each device exactly what they cost the path without the cache - the same bytes
+    each way, copies, host syncs and graph computes - and read no ids back: the guard reads the ids the CPU's split
+    holds already."""
+    toks = list(np.random.default_rng(5).integers(0, tiny_info["n_vocab"], 64))
+    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": GUARD_CTX}
+    runs = {(mh, n): runner.logits("patched", env=cache(-8 if mh else 0, mh), tokens=[int(x) for x in toks[:n]], **kw)
+            for mh in (100, 0) for n in (48, 64)}
+    assert totals(runs[100, 48]["ext"])["cache_cpu_layers"] == tiny_info["n_layer"]
+
+    def tail(mh: int) -> dict:
+        """What the tokens 48..63 added (device counters per device, and the scheduler's)."""
+        (d0, e0, b0), (d1, e1, b1) = _counts(runs[mh, 48]), _counts(runs[mh, 64])
+        devs = [{k: a[k] - b[k] for k in a if k not in ("alloc_bytes", "peak_alloc_bytes")} for a, b in zip(d1, d0)]
+        return {"devices": devs, "id_readbacks": e1["id_readbacks"] - e0["id_readbacks"],
+                "graphs": e1["graphs"] - e0["graphs"], "reallocs": e1["reallocs"] - e0["reallocs"]}
+
+    guarded, plain = tail(100), tail(0)
+    assert guarded == plain and guarded["id_readbacks"] == 0 and guarded["graphs"] == 16
+    t0, t1 = totals(runs[100, 48]["ext"]), totals(runs[100, 64]["ext"])
+    assert t1["cache_ops"] == t0["cache_ops"]
+    assert t1["cache_cpu_ops"] - t0["cache_cpu_ops"] == OPS * tiny_info["n_layer"] * 16
+
+
+def test_rows_carry_the_guards_counters(tiny_model, tiny_info, capsys):
+    """`pyllama-pp run` rows (tg48, a floor of 100, 8 slots): the timed run's expert ops, in the slots and on the CPU,
+    add up to all of them, some on the CPU; the slots looked up the experts of the ops that read them (a layer's three
+    ops share one lookup), its shadow every routed expert."""
+    argv = ["run", tiny_model, "--variant", "patched", "--devices", "vdev:1x0@1", "-p", "0", "-n", "48", "-r", "1",
+            "-c", "64", "--switch", "EXPERT_CACHE=-8", "--switch", "EXPERT_CACHE_MIN_HIT=100", "--json"]
+    assert cli.main(argv) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    n_layer = tiny_info["n_layer"]
+    assert row["expert_cache_ops"] + row["expert_cache_cpu_ops"] == OPS * n_layer * 48 and row["expert_cache_cpu_ops"] > 0
+    assert row["expert_cache_shadow_hits"] + row["expert_cache_shadow_misses"] == n_layer * 48 * tiny_info["n_expert_used"]
+    assert row["expert_cache_hits"] + row["expert_cache_misses"] == row["expert_cache_ops"] // OPS * tiny_info["n_expert_used"]

@@ -24,6 +24,19 @@
 // insertion takes an empty slot while there is one (the lowest first), else evicts the least recently used expert
 // (an eviction) - never one of the step's own: an op uses at most as many experts as its layer has slots.
 // Counters per device (ggml_sched_pp_stats: cache_hits, cache_misses, cache_evictions, cache_bytes, cache_ops).
+//
+// The hit-rate guard (EXPERT_CACHE_MIN_HIT=P percent; 0: off): a layer whose cache does not pay goes back to the
+// host CPU path, and comes back when it would pay. Each layer keeps a shadow of its slots - an LRU of as many experts
+// with the same rule - that follows every token its expert ops route, wherever they run: on the device from the ids
+// read back for the lookups, on the CPU from the ids the CPU's split already holds in host memory (the router's ids
+// are an input of that split, copied there synchronously: the CPU backend has no async copy), read after the split,
+// so the CPU path gains no host wait. The shadow's hits over the layer's last GUARD_WINDOW tokens decide, once per
+// graph after the layer's lookups, as soon as it has seen as many tokens whose step began with every slot of the
+// shadow full (a cold cache's misses only fill it): below P% of their lookups the layer's ops run on the CPU in the
+// graphs split from then on (exactly the path without the cache), at P + GUARD_MARGIN % or more they read the slots
+// again. A decision that changes the placement of a graph llama would reuse makes llama split it again
+// (ggml_backend_sched_pp_resplit). The slots keep what they hold while their layer is on the CPU; only the shadow
+// follows its tokens. Counters per device: cache_cpu_ops, cache_leaves, cache_returns, cache_shadow_hits/misses.
 
 #include "ggml-backend-pp-impl.h"
 
@@ -36,6 +49,60 @@
 
 // tokens an op may route at most (the ids the device holds per layer: n_expert_used x this)
 #define GGML_SCHED_PP_CACHE_MAX_TOKENS 64
+// the guard: the tokens whose shadow hits decide, and the points above EXPERT_CACHE_MIN_HIT at which a layer returns
+// (pyllama_pp/expert_cache_sim.py's GUARD_WINDOW and GUARD_MARGIN)
+#define GGML_SCHED_PP_CACHE_GUARD_WINDOW 32
+#define GGML_SCHED_PP_CACHE_GUARD_MARGIN 10
+
+// a least-recently-used set of a layer's experts in n_slots slots (the replacement rule above): the layer's slots,
+// and the guard's shadow of them
+struct ggml_sched_pp_cache_lru {
+    std::vector<int32_t>  slot_expert;   // per slot: its expert (-1: empty)
+    std::vector<int32_t>  expert_slot;   // per expert: its slot (-1: not held)
+    std::vector<uint64_t> last_use;      // per slot: the lookup that last used it (0: never)
+    int                   held = 0;      // slots that hold an expert
+
+    void init(int n_slots, int64_t n_expert) {
+        slot_expert.assign(n_slots, -1);
+        expert_slot.assign(n_expert, -1);
+        last_use.assign(n_slots, 0);
+        held = 0;
+    }
+
+    // a missed expert into the slots: its slot
+    int32_t insert(int32_t e, uint64_t & clock, uint64_t & evictions) {
+        const int32_t s = (int32_t) (std::min_element(last_use.begin(), last_use.end()) - last_use.begin());
+        if (slot_expert[s] >= 0) {
+            expert_slot[slot_expert[s]] = -1;
+            evictions++;
+        } else {
+            held++;
+        }
+        slot_expert[s] = e;
+        expert_slot[e] = s;
+        last_use[s]    = ++clock;
+        return s;
+    }
+
+    // one token's step over its n ids (top-k order): its hits (held at the step's start) are touched, then its misses
+    // inserted; slot[k]: the slot of ids[k]. Returns the hits.
+    int step(const int32_t * ids, int64_t n, int32_t * slot, uint64_t & clock, uint64_t & evictions) {
+        int hits = 0;
+        for (int64_t k = 0; k < n; k++) {
+            slot[k] = expert_slot[ids[k]];
+            if (slot[k] >= 0) {
+                hits++;
+                last_use[slot[k]] = ++clock;
+            }
+        }
+        for (int64_t k = 0; k < n; k++) {
+            if (slot[k] < 0) {
+                slot[k] = expert_slot[ids[k]] >= 0 ? expert_slot[ids[k]] : insert(ids[k], clock, evictions);
+            }
+        }
+        return hits;
+    }
+};
 
 // one host expert weight and its slots on the device
 struct ggml_sched_pp_cache_weight {
@@ -50,9 +117,7 @@ struct ggml_sched_pp_cache_layer {
     int64_t n_expert   = 0;
     int64_t n_used     = 0;       // routing ids per token
     int     n_slots    = 0;       // 0: not cached (no room)
-    std::vector<int32_t>  slot_expert;   // per slot: its expert (-1: empty)
-    std::vector<int32_t>  expert_slot;   // per expert: its slot (-1: not cached)
-    std::vector<uint64_t> last_use;      // per slot: the lookup that last used it (0: never)
+    ggml_sched_pp_cache_lru lru;         // what the slots hold
     ggml_tensor *              remap = nullptr; // int32 [n_used x MAX_TOKENS] on the device: the ops' slot numbers
     std::vector<ggml_tensor *> views;           // ... viewed as [n_used, n_tokens], by n_tokens (made on first use)
     ggml_context *             views_ctx = nullptr;
@@ -67,9 +132,18 @@ struct ggml_sched_pp_cache_layer {
     std::vector<std::pair<int32_t, int32_t>> used; // (expert, slot) pairs of the last lookup
     uint64_t           lookup_seq = 0;              // the graph (pp_graph_seq) and ids of the last lookup
     const ggml_tensor * lookup_ids = nullptr;
+    std::vector<int32_t> token;                     // (one token's ids, and their slots)
+    std::vector<int32_t> token_slot;
+    // the guard (EXPERT_CACHE_MIN_HIT)
+    ggml_sched_pp_cache_lru shadow;                 // the slots as every token's lookup would have left them
+    uint8_t window[GGML_SCHED_PP_CACHE_GUARD_WINDOW] = {}; // the shadow's hits of the layer's last tokens (a ring)
+    uint64_t window_n   = 0;                        // tokens it has seen (since the shadow was full)
+    int     window_hits = 0;                        // the hits of those it holds
+    bool    to_cpu      = false;                    // the guard's decision for the graphs split from now: the CPU
+    bool    on_cpu      = false;                    // where the ops of the graph split last run
 };
 
-// an expert op of the graph being computed that reads its device's slots
+// an expert op of the graph being computed that reads its device's slots (or, in cpu_ops, that the guard runs on the CPU)
 struct ggml_sched_pp_cache_op {
     ggml_tensor *                node;
     int                          index;  // in the graph (its split: the one whose node range holds it)
@@ -91,9 +165,12 @@ struct ggml_sched_pp_cache {
     std::vector<std::pair<ggml_tensor *, int>>   candidates; // pass 1: expert ops given to their owner (op, owner)
     std::vector<ggml_sched_pp_cache_op>          ops;        // the graph's ops that read the slots, in graph order
     std::unordered_map<const ggml_tensor *, int> op_of;      // node -> index in ops
+    std::vector<ggml_sched_pp_cache_op>          cpu_ops;    // the graph's ops the guard gave to the CPU, in graph order
+    std::vector<ggml_sched_pp_cache_layer *>     planned;    // the layers of both
     bool     splits_known = false;
     uint64_t seq          = 0;   // the graph computed last (pp_graph_seq) ...
-    size_t   next         = 0;   // ... and its first op not prepared yet
+    size_t   next         = 0;   // ... its first op not prepared yet
+    size_t   next_cpu     = 0;   // ... and its first CPU op whose split has not run
 };
 
 // Pass 1 of split_graph, for an expert op on a host weight that no device wants (below op offload's threshold):
@@ -235,9 +312,8 @@ static bool ggml_sched_pp_cache_alloc(ggml_backend_sched_t sched, int b, const s
             w->content.assign(c->layer_of.at(w->host)->n_slots, -1);
         }
         for (auto * l : layers) {
-            l->slot_expert.assign(l->n_slots, -1);
-            l->expert_slot.assign(l->n_expert, -1);
-            l->last_use.assign(l->n_slots, 0);
+            l->lru.init(l->n_slots, l->n_expert);
+            l->shadow.init(l->n_slots, l->n_expert);
             l->views.assign(GGML_SCHED_PP_CACHE_MAX_TOKENS + 1, nullptr);
             l->views_ctx = ctx;
         }
@@ -255,6 +331,8 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
     }
     c->ops.clear();
     c->op_of.clear();
+    c->cpu_ops.clear();
+    c->planned.clear();
     c->splits_known = false;
     if (c->candidates.empty()) {
         return;
@@ -319,10 +397,33 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
             tensor_backend_id(op) = sched->n_backends - 1;
             continue;
         }
+        if (std::find(c->planned.begin(), c->planned.end(), l) == c->planned.end()) {
+            c->planned.push_back(l);
+        }
+        l->on_cpu = l->to_cpu;
+        if (l->on_cpu) {
+            // the guard: this layer's cache does not pay; its ops run on the CPU, where its shadow follows them
+            tensor_backend_id(op) = sched->n_backends - 1;
+            c->cpu_ops.push_back({ op, i, -1, false, w, l });
+            continue;
+        }
         const bool first = ids_seen.insert(ids).second;
         c->op_of[op] = (int) c->ops.size();
         c->ops.push_back({ op, i, -1, first, w, l });
     }
+}
+
+bool ggml_backend_sched_pp_resplit(ggml_backend_sched_t sched) {
+    const ggml_sched_pp_cache * c = sched->pp_cache;
+    if (c == nullptr) {
+        return false;
+    }
+    for (const auto * l : c->planned) {
+        if (l->to_cpu != l->on_cpu) {
+            return true;
+        }
+    }
+    return false;
 }
 
 // Pass 5 of split_graph: -1 for a node that does not read the slots; else whether it starts a split of its own (the
@@ -336,18 +437,51 @@ int ggml_backend_sched_pp_cache_split(ggml_backend_sched_t sched, const struct g
     return it == c->op_of.end() ? -1 : (c->ops[it->second].first ? 1 : 0);
 }
 
-// a missed expert into the layer's slots (see the replacement rule at the top): its slot
-static int32_t ggml_sched_pp_cache_insert(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l, int32_t e) {
+// the guard's part of a token's lookup: its ids into the layer's shadow, and the shadow's hits into the window where
+// every slot of the shadow held an expert at the step's start (a cold cache's misses only fill it)
+static void ggml_sched_pp_cache_shadow_step(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l) {
     const int b = l->backend_id;
-    const int32_t s = (int32_t) (std::min_element(l->last_use.begin(), l->last_use.end()) - l->last_use.begin());
-    if (l->slot_expert[s] >= 0) {
-        l->expert_slot[l->slot_expert[s]] = -1;
-        sched->pp.cache_evictions[b]++;
+    uint64_t evictions = 0;
+    const int64_t n = (int64_t) l->token.size();
+    const bool full = l->shadow.held == l->n_slots;
+    const int hits = l->shadow.step(l->token.data(), n, l->token_slot.data(), sched->pp_cache->clock, evictions);
+    sched->pp.cache_shadow_hits[b]   += hits;
+    sched->pp.cache_shadow_misses[b] += n - hits;
+    if (!full) {
+        return;
     }
-    l->slot_expert[s] = e;
-    l->expert_slot[e] = s;
-    l->last_use[s]    = ++sched->pp_cache->clock;
-    return s;
+    uint8_t & oldest = l->window[l->window_n % GGML_SCHED_PP_CACHE_GUARD_WINDOW];
+    l->window_hits += hits - (l->window_n >= GGML_SCHED_PP_CACHE_GUARD_WINDOW ? oldest : 0);
+    oldest = (uint8_t) hits;
+    l->window_n++;
+}
+
+// the guard's decision after a layer's lookups of a graph: where its ops run in the graphs split from now
+static void ggml_sched_pp_cache_decide(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l) {
+    if (l->window_n < GGML_SCHED_PP_CACHE_GUARD_WINDOW) {
+        return;
+    }
+    const int64_t floor   = sched->pp_cfg.expert_cache_min_hit;
+    const int64_t lookups = GGML_SCHED_PP_CACHE_GUARD_WINDOW * l->n_used;
+    if (!l->to_cpu && l->window_hits * 100 < floor * lookups) {
+        l->to_cpu = true;
+        sched->pp.cache_leaves[l->backend_id]++;
+    } else if (l->to_cpu && l->window_hits * 100 >= (floor + GGML_SCHED_PP_CACHE_GUARD_MARGIN) * lookups) {
+        l->to_cpu = false;
+        sched->pp.cache_returns[l->backend_id]++;
+    }
+}
+
+// token t's ids (of n_used) from ids laid out as `ids` in the host memory at `base`, into l->token
+static void ggml_sched_pp_cache_token(ggml_sched_pp_cache_layer * l, const ggml_tensor * ids, const int32_t * base, int64_t t) {
+    const int64_t n_used = ids->ne[0];
+    l->token.resize(n_used);
+    l->token_slot.resize(n_used);
+    for (int64_t k = 0; k < n_used; k++) {
+        const int32_t e = base[(t * ids->nb[1] + k * ids->nb[0]) / sizeof(int32_t)];
+        GGML_ASSERT(e >= 0 && e < l->n_expert);
+        l->token[k] = e;
+    }
 }
 
 // the layer's lookups for the ids of `op` (read back from the device): the slot numbers go up to the device
@@ -372,37 +506,27 @@ static void ggml_sched_pp_cache_look_up(ggml_backend_sched_t sched, ggml_sched_p
 
     const int b = l->backend_id;
     const int64_t n_used = ids->ne[0], n_tokens = ids->ne[1];
-    std::fill(l->remap_host, l->remap_host + n_used * n_tokens, -1);
+    const bool guard = sched->pp_cfg.expert_cache_min_hit > 0;
     l->used.clear();
-    auto id_at = [&](int64_t t, int64_t k) {
-        const int32_t e = ids_host[(t * ids->nb[1] + k * ids->nb[0]) / sizeof(int32_t)];
-        GGML_ASSERT(e >= 0 && e < l->n_expert);
-        return e;
-    };
     for (int64_t t = 0; t < n_tokens; t++) {
         int32_t * slot = l->remap_host + t * n_used;
+        ggml_sched_pp_cache_token(l, ids, ids_host, t);
         // a step: the token's hits (cached at its start) are touched, then its misses inserted, each in top-k order
+        const int hits = l->lru.step(l->token.data(), n_used, slot, sched->pp_cache->clock, sched->pp.cache_evictions[b]);
+        sched->pp.cache_hits[b]   += hits;
+        sched->pp.cache_misses[b] += n_used - hits;
         for (int64_t k = 0; k < n_used; k++) {
-            const int32_t s = l->expert_slot[id_at(t, k)];
-            if (s >= 0) {
-                sched->pp.cache_hits[b]++;
-                l->last_use[s] = ++sched->pp_cache->clock;
-                slot[k] = s;
-            }
-        }
-        for (int64_t k = 0; k < n_used; k++) {
-            if (slot[k] < 0) {
-                const int32_t e = id_at(t, k);
-                sched->pp.cache_misses[b]++;
-                slot[k] = l->expert_slot[e] >= 0 ? l->expert_slot[e] : ggml_sched_pp_cache_insert(sched, l, e);
-            }
-        }
-        for (int64_t k = 0; k < n_used; k++) {
-            const auto es = std::make_pair(id_at(t, k), slot[k]);
+            const auto es = std::make_pair(l->token[k], slot[k]);
             if (std::find(l->used.begin(), l->used.end(), es) == l->used.end()) {
                 l->used.push_back(es);
             }
         }
+        if (guard) {
+            ggml_sched_pp_cache_shadow_step(sched, l);
+        }
+    }
+    if (guard) {
+        ggml_sched_pp_cache_decide(sched, l);
     }
     ggml_backend_tensor_set_async(backend, l->remap, l->remap_host, 0, (size_t) (n_used * n_tokens) * sizeof(int32_t));
 }
@@ -423,22 +547,25 @@ static ggml_tensor * ggml_sched_pp_cache_ids_view(ggml_sched_pp_cache_layer * l,
 // ends (after the submission)
 void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_id, ggml_sched_pp_cache_swap * swap) {
     ggml_sched_pp_cache * c = sched->pp_cache;
-    if (c == nullptr || c->ops.empty()) {
+    if (c == nullptr || (c->ops.empty() && c->cpu_ops.empty())) {
         return;
     }
     if (!c->splits_known) {
-        int s = 0;
-        for (auto & op : c->ops) {
-            while (s < sched->n_splits && op.index >= sched->splits[s].i_end) {
-                s++;
+        for (auto * list : { &c->ops, &c->cpu_ops }) {
+            int s = 0;
+            for (auto & op : *list) {
+                while (s < sched->n_splits && op.index >= sched->splits[s].i_end) {
+                    s++;
+                }
+                op.split = s;
             }
-            op.split = s;
         }
         c->splits_known = true;
     }
     if (c->seq != sched->pp_graph_seq) {
-        c->seq  = sched->pp_graph_seq;
-        c->next = 0;
+        c->seq      = sched->pp_graph_seq;
+        c->next     = 0;
+        c->next_cpu = 0;
     }
     for (; c->next < c->ops.size() && c->ops[c->next].split <= split_id; c->next++) {
         const ggml_sched_pp_cache_op & op = c->ops[c->next];
@@ -469,16 +596,52 @@ void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_i
     }
 }
 
+// After split_id ran: the guard's lookups of its expert ops that the guard gave to the CPU. Their ids are the CPU's
+// copy of the router's ids, an input of a CPU split (that split or one before), which the CPU backend, having no
+// async copy, fills synchronously before the split runs: in host memory already, without another wait.
+void ggml_backend_sched_pp_cache_after_split(ggml_backend_sched_t sched, int split_id) {
+    ggml_sched_pp_cache * c = sched->pp_cache;
+    if (c == nullptr || c->cpu_ops.empty() || c->seq != sched->pp_graph_seq) {
+        return;
+    }
+    for (; c->next_cpu < c->cpu_ops.size() && c->cpu_ops[c->next_cpu].split <= split_id; c->next_cpu++) {
+        const ggml_sched_pp_cache_op & op = c->cpu_ops[c->next_cpu];
+        if (op.split < split_id) {
+            continue; // (a split not computed: an eval callback stopped the graph)
+        }
+        ggml_sched_pp_cache_layer * l = op.layer;
+        sched->pp.cache_cpu_ops[l->backend_id]++;
+        const ggml_tensor * ids = op.node->src[2];
+        if (l->lookup_seq == sched->pp_graph_seq && l->lookup_ids == ids) {
+            continue; // (the layer's ids of this graph are counted)
+        }
+        l->lookup_seq = sched->pp_graph_seq;
+        l->lookup_ids = ids;
+        const int32_t * base = (const int32_t *) ids->data;
+        if (ids->buffer == nullptr || !ggml_backend_buffer_is_host(ids->buffer)) {
+            l->ids_more.resize(ggml_nbytes(ids) / sizeof(int32_t) + 1);   // (not the CPU's copy: read it back)
+            ggml_backend_tensor_get(ids, l->ids_more.data(), 0, ggml_nbytes(ids));
+            base = l->ids_more.data();
+        }
+        for (int64_t t = 0; t < ids->ne[1]; t++) {
+            ggml_sched_pp_cache_token(l, ids, base, t);
+            ggml_sched_pp_cache_shadow_step(sched, l);
+        }
+        ggml_sched_pp_cache_decide(sched, l);
+    }
+}
+
 // the cache's counters of a backend for the stats JSON (",\"key\":value" each), and the slots it holds
 std::string ggml_backend_sched_pp_cache_json(ggml_backend_sched_t sched, int backend_id) {
     const ggml_sched_pp_stats & st = sched->pp;
     const ggml_sched_pp_cache * c = sched->pp_cache;
-    int layers = 0, slots_min = 0;
+    int layers = 0, slots_min = 0, cpu_layers = 0;
     if (c != nullptr) {
         for (const auto & l : c->layers) {
             if (l->backend_id == backend_id && l->n_slots > 0) {
                 slots_min = layers == 0 ? l->n_slots : std::min(slots_min, l->n_slots);
                 layers++;
+                cpu_layers += l->to_cpu ? 1 : 0;
             }
         }
     }
@@ -489,7 +652,13 @@ std::string ggml_backend_sched_pp_cache_json(ggml_backend_sched_t sched, int bac
            ",\"cache_bytes\":" + std::to_string(st.cache_bytes[backend_id]) +
            ",\"cache_buffer_bytes\":" + std::to_string(c != nullptr ? c->bytes[backend_id] : 0) +
            ",\"cache_layers\":" + std::to_string(layers) +
-           ",\"cache_slots\":" + std::to_string(slots_min);
+           ",\"cache_slots\":" + std::to_string(slots_min) +
+           ",\"cache_cpu_ops\":" + std::to_string(st.cache_cpu_ops[backend_id]) +
+           ",\"cache_leaves\":" + std::to_string(st.cache_leaves[backend_id]) +
+           ",\"cache_returns\":" + std::to_string(st.cache_returns[backend_id]) +
+           ",\"cache_shadow_hits\":" + std::to_string(st.cache_shadow_hits[backend_id]) +
+           ",\"cache_shadow_misses\":" + std::to_string(st.cache_shadow_misses[backend_id]) +
+           ",\"cache_cpu_layers\":" + std::to_string(cpu_layers);
 }
 
 void ggml_backend_sched_pp_cache_free(ggml_backend_sched_t sched) {

@@ -107,6 +107,11 @@ struct ggml_sched_pp_stats {
     uint64_t cache_misses[GGML_SCHED_MAX_BACKENDS];     // ... that did not (the expert was loaded into a slot)
     uint64_t cache_evictions[GGML_SCHED_MAX_BACKENDS];  // ... of those, misses that replaced a cached expert
     uint64_t cache_bytes[GGML_SCHED_MAX_BACKENDS];      // host-weight bytes uploaded into the slots
+    uint64_t cache_cpu_ops[GGML_SCHED_MAX_BACKENDS];    // expert ops of cached layers the guard ran on the CPU (EXPERT_CACHE_MIN_HIT)
+    uint64_t cache_leaves[GGML_SCHED_MAX_BACKENDS];     // ... the guard's decisions: a layer to the CPU
+    uint64_t cache_returns[GGML_SCHED_MAX_BACKENDS];    // ... a layer back to its cache
+    uint64_t cache_shadow_hits[GGML_SCHED_MAX_BACKENDS];   // ... lookups in its shadow of the slots that found the expert
+    uint64_t cache_shadow_misses[GGML_SCHED_MAX_BACKENDS]; // ... that did not
 };
 
 // The switches as a scheduler reads them: the switch table (ggml_sched_pp_params) is copied here once, when the
@@ -125,6 +130,7 @@ struct ggml_sched_pp_cfg {
     int64_t prefetch;             // PREFETCH
     int64_t prefetch2_min_tokens; // PREFETCH2_MIN_TOKENS
     int64_t expert_cache;         // EXPERT_CACHE
+    int64_t expert_cache_min_hit; // EXPERT_CACHE_MIN_HIT
 };
 
 struct ggml_backend_sched {
@@ -462,5 +468,6 @@ int  ggml_backend_sched_pp_cache_backend(ggml_backend_sched_t sched, struct ggml
 void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cgraph * graph);
 int  ggml_backend_sched_pp_cache_split(ggml_backend_sched_t sched, const struct ggml_tensor * node);
 void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_id, ggml_sched_pp_cache_swap * swap);
+void ggml_backend_sched_pp_cache_after_split(ggml_backend_sched_t sched, int split_id);
 std::string ggml_backend_sched_pp_cache_json(ggml_backend_sched_t sched, int backend_id);
 void ggml_backend_sched_pp_cache_free(ggml_backend_sched_t sched);

@@ -265,6 +265,8 @@ static ggml_sched_pp_param ggml_sched_pp_params[] = {
         "host weights of a layer on an RPC device are kept in its server's host memory and copied in by its device there (llama; a server of the patched protocol 7.1); 0: in this host's RAM, as upstream"),
     GGML_SCHED_PP_ROW("EXPERT_CACHE", GGML_SCHED_PP_INT, 0, -65536, INT32_MAX, nullptr, &ggml_sched_pp_cfg::expert_cache,
         "MiB of expert slots per device (-N: N slots per layer): an expert op on host weights below op offload's threshold (decode) runs on its layer's device, reading the experts from a per-layer LRU of slots there, not on the CPU (0: off)"),
+    GGML_SCHED_PP_ROW("EXPERT_CACHE_MIN_HIT", GGML_SCHED_PP_INT, 30, 0, 100, nullptr, &ggml_sched_pp_cfg::expert_cache_min_hit,
+        "with EXPERT_CACHE: percent of hits below which a layer's expert ops go back to the CPU, judged by a shadow of its slots over its last 32 tokens, until it hits this + 10 again (0: never)"),
     GGML_SCHED_PP_ROW("LAYER_MAJOR", GGML_SCHED_PP_INT, 0, 0, 64, nullptr, nullptr,
         "run the ubatches of a batch through each layer together, as one graph, so a layer's host experts go up once for all of them (llama; 1: all the ubatches of a batch, N >= 2: at most N per graph; 0: off); their activations stay in the compute buffers"),
     GGML_SCHED_PP_ROW(nullptr, GGML_SCHED_PP_INT, 0, 0, 0, nullptr, nullptr, nullptr),

@@ -48,6 +48,10 @@ GGML_API void   ggml_backend_sched_pp_reset_stats(ggml_backend_sched_t sched);
 // (an RPC server reports its device's to the client)
 GGML_API uint64_t ggml_backend_sched_pp_host_weight_bytes(ggml_backend_sched_t sched, ggml_backend_t backend);
 
+// whether the next graph must be split again rather than reused as it was split (llama asks before it reuses one):
+// the scheduler moved ops between backends since (EXPERT_CACHE_MIN_HIT: a layer between the CPU and its cache)
+GGML_API bool ggml_backend_sched_pp_resplit(ggml_backend_sched_t sched);
+
 // graph re-reservations forced by ggml_backend_sched_alloc_graph since the last ggml_backend_sched_reserve
 GGML_API uint64_t ggml_backend_sched_pp_reallocs_since_reserve(ggml_backend_sched_t sched);
 
