@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from tqdm import tqdm
+
 from . import devices as devspec
-from .compute import compute_for, probe
-from .defaults import FIT, UBATCH_CANDIDATES
+from .compute import Probe, compute_for
+from .defaults import FIT, PROBE, UBATCH_CANDIDATES
 from .errors import ConfigError, DeviceSpecError, OutOfMemoryError
 from .model_file import check_model_path, embedding_length, expert_bytes_per_layer
 from .params import SPLIT_MODES, ContextParams, as_context
-from .plan import MiB, Plan, check_plan, plan_from_result, plan_problem
+from .plan import MiB, Plan, check_plan, grouped_rows, plan_from_result, plan_problem
 from .rpc.planning import check_server_host_memory, network_seconds, server_copy_bytes
 from .worker.client import check_switch_env, run_job
 
@@ -134,10 +137,38 @@ def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: 
 
 
 def _fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margin=None,
-         split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None, timeout: Optional[float] = FIT.timeout,
-         spread="equal", link_gbps=None, checked: bool = False) -> Plan:
+         split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None,
+         timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None, checked: bool = False) -> Plan:
     """fit's work; `checked`: the caller has checked the model file and the switch environment (fit_ubatch, once
     for all its candidates)."""
+    return check_plan(_fit_plan(model, devices, ctx, variant, margin, split_mode, n_ctx_min, check, env, timeout,
+                                spread, link_gbps, checked), check)
+
+
+def reserved_bytes(model, spec: devspec.DeviceSpec, variant: str, env: Optional[dict]) -> dict[str, int]:
+    """Memory fit keeps free on each device beside its margin, by what it is for: what a mechanism needs there that
+    the dry run does not see (one entry per mechanism; each is added to every device's margin).
+
+    Args:
+        model: the GGUF file.
+        spec: the parsed device spec.
+        variant: "patched" or "baseline".
+        env: the workers' environment, NAME -> value (the switches in force).
+    Returns:
+        name -> bytes per device; empty where nothing is kept.
+    """
+    out = {}
+    copies = server_copy_bytes(model, spec, variant, str(_switch_set("GGML_SCHED_PP_RPC_HOST", env)) != "0")
+    if copies:
+        out["rpc_server_copies"] = copies
+    return out
+
+
+def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margin=None,
+              split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None,
+              timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None, checked: bool = False) -> Plan:
+    """fit's plan before its check (`check` decides whether the patched build plans again without OVERLAP=2's
+    copies where they leave no room)."""
     if not checked:
         check_model_path(model)
     spec = devspec.parse(devices)
@@ -146,9 +177,9 @@ def _fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margi
         raise ConfigError(f"split_mode must be one of {sorted(SPLIT_MODES)}, not {split_mode!r}")
     ctx = fit_context(ctx)
     margins = _margins(margin, spec)
-    server_copies = server_copy_bytes(model, spec, variant,
-                                      str(_switch_set("GGML_SCHED_PP_RPC_HOST", env)) != "0")
-    margins = [m + server_copies for m in margins]
+    reserved = reserved_bytes(model, spec, variant, env)
+    margins = [m + sum(reserved.values()) for m in margins]
+    server_copies = reserved.get("rpc_server_copies", 0)
     weights = spread_weights(spread, spec, link_gbps)
     if weights:
         env = {**(env or {}), "LLAMA_FIT_SPREAD_WEIGHTS": ",".join(f"{w:g}" for w in weights)}
@@ -170,7 +201,7 @@ def _fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margi
             plan.copies += (f"; on each server, {server_copies / MiB:.1f} MiB of its device kept for its own expert "
                             f"copies (two expert tensors: RPC_HOST with OVERLAP=2), in the margin")
             plan.copies += check_server_host_memory(plan, expert_bytes_per_layer(model))
-    return check_plan(plan, check)
+    return plan
 
 
 
@@ -218,7 +249,8 @@ def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int) -> list[floa
 
 
 def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool = False,
-            compute: Optional[dict] = None, n_tokens: Optional[int] = None, hidden: int = 0) -> Optional[Prediction]:
+            compute: Optional[dict] = None, n_tokens: Optional[int] = None, hidden: int = 0,
+            n_batch: Optional[int] = None) -> Optional[Prediction]:
     """A plan's prompt throughput from the bytes each link moves and, with `compute`, each device's compute.
 
     Per ubatch a device moves its host-expert layers' experts (near-full coverage: whole tensors) over its link, x
@@ -228,8 +260,8 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
     experts beside the compute of the layer before (OVERLAP=2): the first copy is exposed, then each layer takes the
     longer of its copy and the compute before it (x + c + (h - 1) max(x, c) + (n - h) c); with OVERLAP=0 copies and
     compute add up. Pipelined stages overlap: a batch of k ubatches takes (k - 1) times the slowest stage plus every
-    stage once (the fill); devices on one link also wait for the link's total. The baseline's stages and copies run
-    one after the other. With `hidden`, RPC devices whose network fit measured (DevicePlan.server_net) also
+    stage once (the fill; a batch's last ubatch may be shorter, and counts as a whole one); devices on one link also
+    wait for the link's total. The baseline's stages and copies run one after the other. With `hidden`, RPC devices whose network fit measured (DevicePlan.server_net) also
     wait for their server's network (network_seconds): ggml RPC copies a device's output to the next device through
     the client, which waits for it before it sends that server the next ubatch, so a server's cycle per ubatch is
     its inputs up, its devices' stages and its output down, one after the other; the pipeline runs at the slowest
@@ -245,10 +277,12 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
         compute: device index -> compute.LayerCompute (the probe); None: the bytes bound alone.
         n_tokens: the prompt's length (default: the plan's n_ctx).
         hidden: the model's hidden size (n_embd), for the network to RPC servers; 0: the network is not counted.
+        n_batch: the batch to predict for (default: the plan's n_batch; at least its n_ubatch).
     Returns:
         A Prediction, or None when nothing moves and compute is not counted (the bytes bound says nothing).
     """
-    ub, nb, nd = plan.ctx["n_ubatch"], plan.ctx["n_batch"], len(plan.devices)
+    ub, nd = plan.ctx["n_ubatch"], len(plan.devices)
+    nb = max(n_batch or plan.ctx["n_batch"], ub)
     n_tokens = n_tokens or plan.n_ctx
     xs = [expert_bytes / (r * 1e9) for r in link_gbps]
     transfer = [d.host_expert_layers * x for d, x in zip(plan.devices, xs)]
@@ -268,7 +302,7 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
         stage.append(x + c + (h - 1) * max(x, c) + rest if overlap and h > 0 else t + k)
     fill = sum(stage) + sum(net_dev)
     net = {k: sum(net_dev[i] + stage[i] for i in idx) for k, idx in servers.items()}   # (each server's cycle)
-    n_ub = max(1, nb // ub)
+    n_ub = -(-nb // ub)
     chunks, tail = divmod(n_tokens, nb)
     if patched and compute and compute_for(compute, 0).shared:
         # parts of one GPU, pipelined: the probe ran them together, so a layer's time is what it adds to the whole
@@ -300,33 +334,94 @@ def predicted_ts(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], sh
     return p.ts if p else None
 
 
+# a candidate is out, not probed, where even its best case is below the best prediction so far: its copies as its
+# plan has them, attention's part as calibrated and this share of the cheapest per-token compute measured
+CLEARLY_SLOWER = 0.75
+
+
+def batch_choices(n_ubatch: int, cap: int) -> list[int]:
+    """The n_batch values fit_ubatch predicts for an n_ubatch: n_ubatch times 1, 2, 4, ... below `cap`, and `cap` (the
+    prompt, or the largest n_batch given)."""
+    out, nb = [], n_ubatch
+    while nb < cap:
+        out.append(nb)
+        nb *= 2
+    return out + [cap]
+
+
+def best_batch(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool, compute: Optional[dict],
+               n_tokens: int, hidden: int, cap: int) -> tuple[int, Optional[Prediction]]:
+    """The n_batch (of batch_choices) whose prediction for the plan is the highest (ties: the larger), and that
+    prediction (None: predict says nothing)."""
+    best, best_pred = cap, None
+    for nb in batch_choices(plan.ctx["n_ubatch"], cap):
+        pred = predict(plan, expert_bytes, link_gbps, shared_link, compute, n_tokens, hidden, n_batch=nb)
+        if pred is not None and (best_pred is None or pred.ts >= best_pred.ts):
+            best, best_pred = nb, pred
+    return best, best_pred
+
+
+_WHY = re.compile(r"leaves (?:all \d+ layers and the output layer|\d+ of \d+ layers \(\S+\)) on the CPU|planned "
+                  r"[\d.]+ MiB on \S+, over its target of [\d.]+ MiB|found no placement[^\n]*?(?=\. Fix:|$)|host memory "
+                  r"free for host experts[^\n]*?(?=\. Fix:|$)")
+
+
+def _why(problem: Exception) -> str:
+    """What keeps a candidate's plan from being used, from its error, in a few words."""
+    m = _WHY.search(str(problem))
+    return m.group(0) if m else str(problem).split(". Fix:")[0][-160:]
+
+
+def _memory_fix(fit_at, n_ctx: int, n_ubatch: int, margins: Sequence[int]) -> str:
+    """How to make room for a candidate without a placement: a smaller context where one places it (checked with
+    fit_at(n_ctx) -> problem or None, at most two), a smaller margin, more device memory."""
+    fixes = []
+    for smaller in (n_ctx // 2, n_ctx // 4):
+        if smaller < max(n_ubatch, 256):
+            break
+        if fit_at(smaller) is None:
+            fixes.append(f"n_ctx {smaller} places it (-c {smaller}, or a shorter prompt)")
+            break
+    if any(margins):
+        fixes.append(f"a smaller --margin (now {max(margins) / MiB:.0f} MiB a device)")
+    return "; ".join(fixes + ["devices with more memory"])
+
+
 def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: str = FIT.variant,
                candidates: Sequence[int] = UBATCH_CANDIDATES, link_gbps=None, shared_link: bool = False,
-               count_compute: bool = True, n_tokens: Optional[int] = None, **kw) -> Plan:
-    """fit with n_ubatch chosen by the throughput it predicts from bytes per link and measured compute.
+               count_compute: bool = True, n_tokens: Optional[int] = None, n_batch: Optional[int] = None,
+               progress: bool = False, **kw) -> Plan:
+    """fit with (n_batch, n_ubatch) chosen together by the throughput predict() gives from bytes per link and
+    measured compute.
 
-    Each candidate (up to n_ctx) is planned with n_batch = 8 x n_ubatch (at most n_ctx, at least ctx.n_batch, a
-    multiple of n_ubatch), so that a batch keeps the pipeline full; a candidate whose compute buffers leave no
-    placement is out. With count_compute (the default) a probe measures a layer's compute on the devices at every
-    candidate (compute.probe, cached); each plan's prediction (predict) counts its copies, its compute and the
-    pipeline's fill; the highest wins (ties: the larger n_ubatch).
+    The candidates are the n_ubatch values up to the prompt and n_batch (and the prompt, or n_batch, itself). Each is
+    planned at the largest n_batch (what a batch holds past n_ubatch changes no device's memory: a pipeline keeps a
+    fixed number of ubatches in flight); the first without a placement ends the search upward (a larger ubatch needs
+    larger compute buffers), and each is named with why and a fix. With count_compute (the default) a probe measures
+    a layer's compute on the devices (compute.Probe, cached, within PROBE.budget), candidates in the order of their
+    bytes bound, skipping one that even its best case (CLEARLY_SLOWER) shows slower than the best so far. Each
+    candidate's n_batch is the one of batch_choices whose prediction (its copies, its compute, the pipeline's fill
+    once a batch) is the highest; the pair predicted fastest wins (ties: the larger n_ubatch).
 
     Args:
         model: the GGUF file.
         devices: a device spec, as fit takes it.
-        ctx: the context, as fit takes it; its n_ubatch and n_batch are replaced (n_ctx 0: FIT's n_ctx).
+        ctx: the context, as fit takes it; its n_ubatch and n_batch are chosen (n_ctx 0: FIT's n_ctx).
         variant: "patched" (default) or "baseline".
         candidates: the n_ubatch values to try.
         link_gbps: each device's host link rate in GB/s (default: a VDEV's own; CUDA 55 GB/s, a PCIe 5 x16 link).
         shared_link: the devices share one link (one GPU split in two).
         count_compute: probe the devices' compute and count it (False: the bytes bound alone).
         n_tokens: the prompt's length the prediction is for (default: n_ctx).
+        n_batch: the largest n_batch to take (default: the prompt's length).
+        progress: say what it plans and probes, with progress bars on stderr.
         **kw: more of fit's arguments (margin, split_mode, env, timeout, spread, ...); check is ignored (a
             candidate that fails the check is out).
     Returns:
-        Plan: the winner, with predicted_ts and every candidate's prediction (Plan.ubatch_auto).
+        Plan: the winner, with predicted_ts and every candidate's row (Plan.ubatch_auto: n_ubatch, n_batch, the
+        prediction and what binds it, or why it is out and the fix).
     Raises:
-        OutOfMemoryError: when no candidate has a placement.
+        OutOfMemoryError: when no candidate has a placement (each named, with the fix).
         ConfigError: for link rates of 0 or of the wrong count, or fit's ConfigErrors.
         DeviceSpecError: for a spec that does not parse, or that fit refuses.
         ModelError: for a missing model file, or one llama.cpp cannot load.
@@ -336,45 +431,91 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
     ctx = fit_context(ctx)
     spec = devspec.parse(devices)
     n_ctx = ctx.n_ctx or FIT.n_ctx
+    n_tokens = n_tokens or n_ctx
     check_model_path(model)
     check_switch_env([variant], kw.get("env"))
+    kw.pop("check", None)   # (a candidate that leaves layers on the CPU or a device over its target is out)
+    cap = min(n_tokens, n_batch or n_tokens)
+    ubs = sorted({u for u in candidates if u <= cap} | ({cap} if cap < max(candidates) else set()))
     expert_bytes = expert_bytes_per_layer(model)
     hidden = embedding_length(model) if spec.remote else 0   # (the network to RPC servers is counted)
-    tried, best, best_score, rates, placed = [], None, 0.0, None, []
-    kw.pop("check", None)   # (a candidate that leaves layers on the CPU or a device over its target is out)
-    for ub in [c for c in candidates if c <= n_ctx]:
-        nb = min(n_ctx, max(ctx.n_batch, 8 * ub)) // ub * ub
-        c = ContextParams(**{**ctx.to_dict(), "n_ctx": n_ctx, "n_batch": nb, "n_ubatch": ub})
-        row = {"n_ubatch": ub, "n_batch": nb}
+
+    def plan_at(n: int, u: int) -> Plan:
+        c = ContextParams(**{**ctx.to_dict(), "n_ctx": n, "n_batch": max(u, min(cap, n)), "n_ubatch": u})
+        return _fit_plan(model, devices=devices, ctx=c, variant=variant, link_gbps=link_gbps, check=True,
+                         checked=True, **kw)
+
+    def problem_at(n: int, u: int) -> Optional[Exception]:
         try:
-            plan = _fit(model, devices=devices, ctx=c, variant=variant, link_gbps=link_gbps, check=True, checked=True,
-                        **kw)
+            return plan_problem(plan_at(n, u), True)
         except OutOfMemoryError as e:
-            m = re.search(r"leaves (all \d+ layers and the output layer|\d+ of \d+ layers \(\S+\)) on the CPU|over its "
-                          r"target", str(e))
-            tried.append({**row, "why": f"no placement ({m.group(0) if m else str(e).split('. Fix:')[0][-80:]})"})
+            return e
+
+    rows, placed, failed = [], [], None
+    say = (lambda text: print(text, file=sys.stderr)) if progress else (lambda text: None)
+    say(f"--ubatch auto: planning n_ubatch {ubs[0]}..{ubs[-1]} (n_batch up to {cap}) for a prompt of {n_tokens} "
+        f"tokens on {spec}")
+    for u in tqdm(ubs, desc="fit", unit="n_ubatch", file=sys.stderr, disable=not progress, leave=False):
+        row = {"n_ubatch": u, "n_batch": cap}
+        if failed is not None:
+            rows.append({**row, "why": f"not planned: n_ubatch {failed['n_ubatch']} has no placement already (a larger "
+                                       "ubatch needs larger compute buffers)", "fix": failed["fix"]})
             continue
-        if rates is None:   # (the devices' links: known from the spec, or once the first plan counts the GPUs)
-            rates = link_rates(spec, link_gbps, len(plan.devices))
+        try:
+            plan = plan_at(n_ctx, u)
+            problem = plan_problem(plan, True)
+        except OutOfMemoryError as e:   # (an RPC server's host memory)
+            plan, problem = None, e
+        if problem is not None and not isinstance(problem, OutOfMemoryError):
+            raise problem   # (fit refused these parameters: so it does every candidate)
+        if problem is not None:
+            margins = plan.margins if plan is not None else []
+            failed = {**row, "why": _why(problem),
+                      "fix": _memory_fix(lambda n: problem_at(n, u), n_ctx, u, margins)}
+            rows.append(failed)
+            continue
         placed.append((row, plan))
-    n_tokens = n_tokens or n_ctx
-    probed = probe(model, devices, [r["n_ubatch"] for r, _ in placed], n_tokens,
-                   timeout=kw.get("timeout") or FIT.timeout) if count_compute and placed else None
-    for row, plan in placed:
-        pred = predict(plan, expert_bytes, rates, shared_link, probed, n_tokens, hidden)
-        plan.predicted_ts = pred.ts if pred else None
-        tried.append({**row, "host_expert_layers": plan.host_expert_layers, "predicted_ts": plan.predicted_ts,
-                      "bound": pred.bound if pred else None,
-                      "stage_s": pred.stage_s if pred else None, "transfer_s": pred.transfer_s if pred else None,
-                      "compute_s": pred.compute_s if pred else None, "network_s": pred.network_s if pred else {},
-                      "why": "" if plan.predicted_ts else "no host experts: compute binds"})
-        score = plan.predicted_ts or float("inf")   # (no host experts, compute not counted: the bound says nothing)
-        if best is None or score >= best_score:
-            best, best_score = plan, score
-    if best is None:
-        raise OutOfMemoryError(f"--ubatch auto: no n_ubatch of {list(candidates)} up to n_ctx {n_ctx} has a placement "
-                               f"for {Path(model).name} on {spec}: " + "; ".join(t["why"] for t in tried))
-    best.ubatch_auto = sorted(tried, key=lambda t: t["n_ubatch"])
+    if not placed:
+        raise OutOfMemoryError(f"--ubatch auto: no candidate has a placement for {Path(model).name} on {spec} "
+                               f"(n_ctx {n_ctx}):\n" + "\n".join("  " + line for line in grouped_rows(rows)))
+    rates = link_rates(spec, link_gbps, len(placed[0][1].devices))
+    score = lambda pred: pred.ts if pred else float("inf")   # (nothing moves and compute not counted: no bound)
+    # the most promising first (the bytes bound: compute not counted), so that the rest can be skipped
+    order = sorted(placed, key=lambda rp: (-score(best_batch(rp[1], expert_bytes, rates, shared_link, None, n_tokens,
+                                                             hidden, cap)[1]), rp[0]["n_ubatch"]))
+    probe = Probe(model, devices, n_tokens, [r["n_ubatch"] for r, _ in placed],
+                  # (an RPC server speaks its own variant's protocol; elsewhere every weight resident computes alike)
+                  variant=variant if spec.remote else PROBE.variant, servers=[d.server for d in placed[0][1].devices],
+                  timeout=kw.get("timeout") or FIT.timeout, progress=progress) if count_compute else None
+    best, best_ts = None, 0.0
+    try:
+        for row, plan in order:
+            u = row["n_ubatch"]
+            if best is not None and probe is not None:
+                bound = probe.optimistic(u, CLEARLY_SLOWER)
+                ub_ts = score(best_batch(plan, expert_bytes, rates, shared_link, bound, n_tokens, hidden, cap)[1])
+                if ub_ts < best_ts:
+                    probe.skip(u)
+                    rows.append({**row, "host_expert_layers": plan.host_expert_layers,
+                                 "why": f"clearly slower: at most {ub_ts:.0f} t/s by the model (its compute at "
+                                        f"{CLEARLY_SLOWER:g} of the cheapest measured), the best so far "
+                                        f"{best_ts:.0f} t/s"})
+                    continue
+            compute = probe.compute(u) if probe is not None else None
+            nb, pred = best_batch(plan, expert_bytes, rates, shared_link, compute, n_tokens, hidden, cap)
+            plan.ctx["n_batch"], plan.predicted_ts = nb, pred.ts if pred else None
+            how = sorted({compute_for(compute, i).how.get(u, "") for i in range(len(plan.devices))}) if compute else []
+            rows.append({**row, "n_batch": nb, "host_expert_layers": plan.host_expert_layers,
+                         "predicted_ts": plan.predicted_ts, "bound": pred.bound if pred else None,
+                         "stage_s": pred.stage_s if pred else None, "transfer_s": pred.transfer_s if pred else None,
+                         "compute_s": pred.compute_s if pred else None, "network_s": pred.network_s if pred else {},
+                         "compute": "; ".join(how), "why": "" if pred else "no host experts: compute binds"})
+            if best is None or (score(pred), u) > (best_ts, best.ctx["n_ubatch"]):
+                best, best_ts = plan, score(pred)
+    finally:
+        if probe is not None:
+            probe.close()
+    best.ubatch_auto = sorted(rows, key=lambda t: t["n_ubatch"])
     return best
 
 
@@ -418,4 +559,5 @@ def _plan_copies(plan: Plan, once, check: bool, env: Optional[dict]) -> Plan:
     return alt
 
 
-__all__ = ["fit", "fit_ubatch", "spread_weights", "link_rates", "predict", "predicted_ts", "Prediction"]
+__all__ = ["fit", "fit_ubatch", "spread_weights", "link_rates", "predict", "predicted_ts", "Prediction", "best_batch",
+           "batch_choices", "reserved_bytes"]

@@ -113,8 +113,10 @@ class Plan:
             the baseline).
         copies: which early expert copies were planned, and why, in words.
         spread_weights: the patched fit's share weights (spread="links" or given weights; [] for equal shares).
-        predicted_ts: fit_ubatch: the prompt t/s the bytes bound predicts (None: not predicted, or compute binds).
-        ubatch_auto: fit_ubatch: every n_ubatch tried, with its prediction or why it was out.
+        predicted_ts: fit_ubatch: the prompt t/s predicted for the plan's (n_batch, n_ubatch) (None: not predicted:
+            nothing moves and compute was not counted).
+        ubatch_auto: fit_ubatch: every candidate n_ubatch with the n_batch it takes, its prediction, or why it is out
+            and the fix.
     """
 
     variant: str
@@ -142,7 +144,7 @@ class Plan:
     switches: dict = field(default_factory=dict)
     copies: str = ""
     spread_weights: list = field(default_factory=list)   # spread="links" or weights: the patched fit's weights
-    # fit_ubatch: the throughput the bytes bound predicts for this plan (prompt t/s), and every n_ubatch it tried
+    # fit_ubatch: the throughput predicted for this plan's pair (prompt t/s), and every candidate it tried
     predicted_ts: Optional[float] = None
     ubatch_auto: list = field(default_factory=list)
 
@@ -239,11 +241,10 @@ class Plan:
         if self.spread_weights:
             lines.append(f"  spread: host-expert layers weighted {', '.join(f'{w:g}' for w in self.spread_weights)}")
         if self.ubatch_auto:
-            lines.append("  --ubatch auto: " + "; ".join(
-                f"ub{c['n_ubatch']}: " + (f"{c['predicted_ts']:.0f} t/s" + (f" ({c['bound']}-bound)" if c.get("bound")
-                                                                              else "")
-                                          if c.get("predicted_ts") else c.get("why", "-"))
-                for c in self.ubatch_auto) + f" -> n_ubatch {self.ctx.get('n_ubatch')}, n_batch {self.ctx.get('n_batch')}")
+            lines.append(f"  --ubatch auto: n_batch {self.ctx.get('n_batch')}, n_ubatch {self.ctx.get('n_ubatch')}"
+                         + (f" predicted fastest ({self.predicted_ts:.0f} t/s)" if self.predicted_ts else "") + "; "
+                         "each candidate:")
+            lines += ["    " + line for line in grouped_rows(self.ubatch_auto)]
         if self.message:
             lines.append(f"  fit: {self.message}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -340,6 +341,37 @@ class Plan:
         """
         c = {k: v for k, v in self.ctx.items() if k in ContextParams.__dataclass_fields__}
         return ContextParams(**{**c, "n_ctx": self.n_ctx})
+
+
+def _row_text(row: dict) -> str:
+    """One fit_ubatch candidate's outcome in words: its prediction and what binds it, or why it is out."""
+    if row.get("predicted_ts"):
+        return (f"{row['predicted_ts']:.0f} t/s" + (f", {row['bound']}-bound" if row.get("bound") else "")
+                + (f" (compute {row['compute']})" if row.get("compute") else ""))
+    return row.get("why") or "-"
+
+
+def grouped_rows(rows: Sequence[dict]) -> list[str]:
+    """fit_ubatch's candidate rows as lines, one per candidate, candidates next to each other with the same n_batch,
+    outcome and fix in one line: "n_ubatch 512..16384 (n_batch 16384): why. Fix: ...".
+
+    Args:
+        rows: Plan.ubatch_auto's rows (n_ubatch, n_batch, predicted_ts / why, fix), in n_ubatch order.
+    Returns:
+        The lines.
+    """
+    groups: list = []
+    for row in rows:
+        key = (row.get("n_batch"), _row_text(row), row.get("fix", ""))
+        if groups and groups[-1][0] == key and not row.get("predicted_ts"):
+            groups[-1][1].append(row["n_ubatch"])
+        else:
+            groups.append((key, [row["n_ubatch"]]))
+    out = []
+    for (nb, text, fix), ubs in groups:
+        which = f"n_ubatch {ubs[0]}" + (f"..{ubs[-1]}" if len(ubs) > 1 else "")
+        out.append(f"{which} (n_batch {nb}): {text}" + (f". Fix: {fix}" if fix else ""))
+    return out
 
 
 def _spec_key(d: dict) -> str:

@@ -208,9 +208,12 @@ class DeviceSpec(ABC):
         """bool: the devices are parts of one GPU, whose compute runs side by side on the same multiprocessors."""
         return False
 
-    def probe_specs(self) -> list[tuple[list[int], str]]:
+    def probe_specs(self, servers: Optional[list] = None) -> list[tuple[list[int], str]]:
         """The device specs the compute probe runs on, with the devices each stands for.
 
+        Args:
+            servers: each device's RPC server (HOST:PORT, None for a device of this machine), as a fit plan names
+                them; kinds whose devices sit on servers probe there.
         Returns:
             [(device indices, device spec), ...]; here the CPU for every device ([-1]).
         """

@@ -218,7 +218,7 @@ class VdevSpec(DeviceSpec):
                                   "have no split buffers (and upstream's fit does not place layers in that mode): use "
                                   "layer")
 
-    def probe_specs(self) -> list[tuple[list[int], str]]:
+    def probe_specs(self, servers: Optional[list] = None) -> list[tuple[list[int], str]]:
         """One unthrottled VDEV without a memory limit per distinct compute speed (only compute is measured).
 
         Returns:
