@@ -191,12 +191,16 @@ class _Device:
         if cache and self.path.exists():
             self.data = json.loads(self.path.read_text())
         self.workers: dict[int, ServingWorker] = {}
+        # an RPC server serves one client at a time: one replica's worker at a time, the other one closed
+        self.exclusive = devspec.parse(spec).remote
         self.kv: Optional[tuple[float, float]] = None   # (seconds a layer-token outside attention, b)
 
     # -- runs
     def _seconds(self, n_layers: int, n_ubatch: int, n_tokens: int) -> float:
         """The median seconds of a prompt of n_tokens at n_ubatch on the replica of n_layers MoE layers."""
         if n_layers not in self.workers:
+            if self.exclusive:
+                self.close()
             self.workers[n_layers] = ServingWorker(self.variant).start()
         job = MeasureJob(variant=self.variant, model=str(replica(self.model, n_layers)), devices=self.spec,
                          placement=Placement(), tests=[["pp", n_tokens]], reps=self.reps, warmup=1, coverage=False,
@@ -212,9 +216,10 @@ class _Device:
         """Both replicas' seconds on a prompt of n_tokens at n_ubatch (measured once, then cached)."""
         key = f"{n_ubatch}:{n_tokens}"
         if key not in self.data["runs"]:
-            lo = self._seconds(self.n_lo, n_ubatch, n_tokens)
-            hi = self._seconds(self.n_hi, n_ubatch, n_tokens) if self.n_hi > self.n_lo else lo
-            self.data["runs"][key] = [lo, hi]
+            # (the replica loaded now first: with one worker at a time, one load a candidate)
+            first = self.n_hi if self.n_hi in self.workers else self.n_lo
+            got = {n: self._seconds(n, n_ubatch, n_tokens) for n in dict.fromkeys((first, self.n_lo, self.n_hi))}
+            self.data["runs"][key] = [got[self.n_lo], got[self.n_hi]]
             self._save()
         return self.data["runs"][key]
 
