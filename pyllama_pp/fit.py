@@ -11,8 +11,10 @@ them (path "spread"), else it takes upstream's steps and says why (path "upstrea
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,7 @@ from tqdm import tqdm
 
 from . import devices as devspec
 from .compute import Probe, compute_for
-from .defaults import FIT, PROBE, UBATCH_CANDIDATES
+from .defaults import CONTEXT, FIT, PROBE, UBATCH_CANDIDATES, cache_dir, usable_cores
 from .errors import ConfigError, DeviceSpecError, OutOfMemoryError
 from .model_file import check_model_path, embedding_length, expert_bytes_per_layer
 from .params import SPLIT_MODES, ContextParams, as_context
@@ -166,9 +168,10 @@ def reserved_bytes(model, spec: devspec.DeviceSpec, variant: str, env: Optional[
 
 def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margin=None,
               split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None,
-              timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None, checked: bool = False) -> Plan:
+              timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None, checked: bool = False,
+              rates: Sequence[str] = ()) -> Plan:
     """fit's plan before its check (`check` decides whether the patched build plans again without OVERLAP=2's
-    copies where they leave no room)."""
+    copies where they leave no room); `rates`: what the fit job also measures (FitJob.rates), into the plan."""
     if not checked:
         check_model_path(model)
     spec = devspec.parse(devices)
@@ -189,7 +192,8 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
            "split_mode": split_mode, "margins": margins, "n_ctx_min": n_ctx_min}
 
     def once(extra: dict) -> Plan:
-        res = run_job(job, variant, timeout=timeout, env={**(env or {}), **extra} or None)
+        res = run_job({**job, "rates": list(rates) if not extra else []}, variant, timeout=timeout,
+                      env={**(env or {}), **extra} or None)
         return plan_from_result(res, variant, str(model), spec, {**ctx.to_dict(), "split_mode": split_mode}, margins)
 
     plan = once({})
@@ -229,28 +233,34 @@ class Prediction:
     network_s: dict = field(default_factory=dict)
 
 
-def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int) -> list[float]:
-    """Each device's host link rate in GB/s: the ones given, the spec's own (a VDEV's), or its kind's default
-    (DeviceSpec.default_link_gbps: a PCIe 5 x16 link's 55 GB/s).
+def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int, measured: Optional[Sequence] = None,
+               source: str = "pinned") -> list[float]:
+    """Each device's host link rate in GB/s: the ones given, else as fit measured it (DevicePlan.link), else the
+    spec's own (a VDEV's) or its kind's default (DeviceSpec.default_link_gbps: a PCIe 5 x16 link's 55 GB/s).
 
     Args:
         spec: the parsed device spec.
         link_gbps: rates given (numbers or "55GBps"), or None.
         n_devices: how many devices the plan has.
+        measured: each device's measured link ({"pinned_gbps", "pageable_gbps"}, or None: not measured).
+        source: which measured rate: "pinned" (host weights in pinned memory, or staged into it) or "pageable"
+            (copies straight from an mmap-ed model: the baseline's).
     Returns:
         One rate per device.
     Raises:
         ConfigError: for a rate of 0 or a count other than n_devices.
     """
-    rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else spec.link_rates()
-    if rates is None:
-        rates = [spec.default_link_gbps] * n_devices
-    return _checked_rates(rates, spec, "--ubatch auto", link_gbps is not None, n_devices)
+    if link_gbps is not None:
+        return _checked_rates([devspec.parse_rate(x) for x in link_gbps], spec, "--ubatch auto", True, n_devices)
+    own = spec.link_rates() or [spec.default_link_gbps] * n_devices
+    if measured is not None and len(measured) == len(own):
+        own = [(m or {}).get(f"{source}_gbps") or r for m, r in zip(measured, own)]
+    return _checked_rates(own, spec, "--ubatch auto", False, n_devices)
 
 
 def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool = False,
             compute: Optional[dict] = None, n_tokens: Optional[int] = None, hidden: int = 0,
-            n_batch: Optional[int] = None) -> Optional[Prediction]:
+            n_batch: Optional[int] = None, staging_gbps: Optional[float] = None) -> Optional[Prediction]:
     """A plan's prompt throughput from the bytes each link moves and, with `compute`, each device's compute.
 
     Per ubatch a device moves its host-expert layers' experts (near-full coverage: whole tensors) over its link, x
@@ -278,14 +288,21 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
         n_tokens: the prompt's length (default: the plan's n_ctx).
         hidden: the model's hidden size (n_embd), for the network to RPC servers; 0: the network is not counted.
         n_batch: the batch to predict for (default: the plan's n_batch; at least its n_ubatch).
+        staging_gbps: the host's copy into pinned memory (Plan.host_copy_gbps), for the patched build on an mmap-ed
+            model: every expert copy goes through it first, beside the link (slots), and one copier serves every
+            device, so a copy moves at the slower of the two and each ubatch waits for all devices' bytes at its
+            rate; None: host weights are pinned.
     Returns:
         A Prediction, or None when nothing moves and compute is not counted (the bytes bound says nothing).
     """
     ub, nd = plan.ctx["n_ubatch"], len(plan.devices)
     nb = max(n_batch or plan.ctx["n_batch"], ub)
     n_tokens = n_tokens or plan.n_ctx
-    xs = [expert_bytes / (r * 1e9) for r in link_gbps]
+    rates = [min(r, staging_gbps) for r in link_gbps] if staging_gbps else list(link_gbps)
+    xs = [expert_bytes / (r * 1e9) for r in rates]
     transfer = [d.host_expert_layers * x for d, x in zip(plan.devices, xs)]
+    staged = sum(d.host_expert_layers for d in plan.devices) * expert_bytes / (staging_gbps * 1e9) if staging_gbps \
+        else 0.0   # (one copier for every device)
     net_dev, servers = network_seconds(plan, hidden, n_tokens)
     if compute is None and not any(transfer) and not servers:
         return None
@@ -308,10 +325,10 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
         # parts of one GPU, pipelined: the probe ran them together, so a layer's time is what it adds to the whole
         # pipeline; every part's copies share the link and go beside that compute, the first one exposed
         n_ubatches = chunks * n_ub + (-(-tail // ub) if tail else 0)
-        c_all, x_all = sum(comp), sum(transfer)
+        c_all, x_all = sum(comp), max(sum(transfer), staged)
         total = n_ubatches * (max(c_all, x_all) if overlap else c_all + x_all) + (xs[0] if overlap and x_all else 0.0)
     elif patched:
-        slowest = max(max(stage), sum(transfer) if shared_link else 0.0, max(net.values(), default=0.0))
+        slowest = max(max(stage), sum(transfer) if shared_link else 0.0, staged, max(net.values(), default=0.0))
         total = chunks * ((n_ub - 1) * slowest + fill)
         if tail:
             total += (-(-tail // ub) - 1) * slowest + fill
@@ -349,13 +366,12 @@ def batch_choices(n_ubatch: int, cap: int) -> list[int]:
     return out + [cap]
 
 
-def best_batch(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool, compute: Optional[dict],
-               n_tokens: int, hidden: int, cap: int) -> tuple[int, Optional[Prediction]]:
-    """The n_batch (of batch_choices) whose prediction for the plan is the highest (ties: the larger), and that
-    prediction (None: predict says nothing)."""
+def best_batch(plan: Plan, cap: int, compute: Optional[dict] = None, **kw) -> tuple[int, Optional[Prediction]]:
+    """The n_batch (of batch_choices up to `cap`) whose prediction for the plan is the highest (ties: the larger),
+    and that prediction (None: predict says nothing); kw: predict's other arguments."""
     best, best_pred = cap, None
     for nb in batch_choices(plan.ctx["n_ubatch"], cap):
-        pred = predict(plan, expert_bytes, link_gbps, shared_link, compute, n_tokens, hidden, n_batch=nb)
+        pred = predict(plan, compute=compute, n_batch=nb, **kw)
         if pred is not None and (best_pred is None or pred.ts >= best_pred.ts):
             best, best_pred = nb, pred
     return best, best_pred
@@ -390,11 +406,13 @@ def _memory_fix(fit_at, n_ctx: int, n_ubatch: int, margins: Sequence[int]) -> st
 def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: str = FIT.variant,
                candidates: Sequence[int] = UBATCH_CANDIDATES, link_gbps=None, shared_link: bool = False,
                count_compute: bool = True, n_tokens: Optional[int] = None, n_batch: Optional[int] = None,
-               progress: bool = False, **kw) -> Plan:
+               load_mode: str = CONTEXT.load_mode, progress: bool = False, **kw) -> Plan:
     """fit with (n_batch, n_ubatch) chosen together by the throughput predict() gives from bytes per link and
     measured compute.
 
-    The candidates are the n_ubatch values up to the prompt and n_batch (and the prompt, or n_batch, itself). Each is
+    The links' rates are measured once (the first dry run's process: each device's copy from pinned and pageable
+    memory; the host's staging copy, cached) unless given. The candidates are the n_ubatch values up to the prompt
+    and n_batch (and the prompt, or n_batch, itself). Each is
     planned at the largest n_batch (what a batch holds past n_ubatch changes no device's memory: a pipeline keeps a
     fixed number of ubatches in flight); the first without a placement ends the search upward (a larger ubatch needs
     larger compute buffers), and each is named with why and a fix. With count_compute (the default) a probe measures
@@ -414,6 +432,8 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
         count_compute: probe the devices' compute and count it (False: the bytes bound alone).
         n_tokens: the prompt's length the prediction is for (default: n_ctx).
         n_batch: the largest n_batch to take (default: the prompt's length).
+        load_mode: how the run keeps host weights: "none" (pinned) or "mmap" (pageable: the patched build stages
+            them through pinned slots at the host's copy rate, the baseline copies them as they are).
         progress: say what it plans and probes, with progress bars on stderr.
         **kw: more of fit's arguments (margin, split_mode, env, timeout, spread, ...); check is ignored (a
             candidate that fails the check is out).
@@ -440,10 +460,21 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
     expert_bytes = expert_bytes_per_layer(model)
     hidden = embedding_length(model) if spec.remote else 0   # (the network to RPC servers is counted)
 
+    mmap = load_mode == "mmap"
+    staging = mmap and variant == "patched"
+    rated: dict = {}   # what the first dry run's process measured: each device's link, the host's staging copy
+
     def plan_at(n: int, u: int) -> Plan:
         c = ContextParams(**{**ctx.to_dict(), "n_ctx": n, "n_batch": max(u, min(cap, n)), "n_ubatch": u})
-        return _fit_plan(model, devices=devices, ctx=c, variant=variant, link_gbps=link_gbps, check=True,
-                         checked=True, **kw)
+        want = [] if rated or link_gbps is not None and not staging else \
+            ["links"] + (["host_copy"] if staging and cached_host_copy() is None else [])
+        plan = _fit_plan(model, devices=devices, ctx=c, variant=variant, link_gbps=link_gbps, check=True,
+                         checked=True, rates=want, **kw)
+        if want:
+            rated.update(links=[d.link for d in plan.devices], host_copy=plan.host_copy_gbps or cached_host_copy())
+            if plan.host_copy_gbps:
+                cache_host_copy(plan.host_copy_gbps)
+        return plan
 
     def problem_at(n: int, u: int) -> Optional[Exception]:
         try:
@@ -478,11 +509,13 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
     if not placed:
         raise OutOfMemoryError(f"--ubatch auto: no candidate has a placement for {Path(model).name} on {spec} "
                                f"(n_ctx {n_ctx}):\n" + "\n".join("  " + line for line in grouped_rows(rows)))
-    rates = link_rates(spec, link_gbps, len(placed[0][1].devices))
+    rates = link_rates(spec, link_gbps, len(placed[0][1].devices), rated.get("links"),
+                       "pageable" if mmap and not staging else "pinned")
+    pkw = dict(expert_bytes=expert_bytes, link_gbps=rates, shared_link=shared_link, n_tokens=n_tokens, hidden=hidden,
+               staging_gbps=rated.get("host_copy") if staging else None)
     score = lambda pred: pred.ts if pred else float("inf")   # (nothing moves and compute not counted: no bound)
     # the most promising first (the bytes bound: compute not counted), so that the rest can be skipped
-    order = sorted(placed, key=lambda rp: (-score(best_batch(rp[1], expert_bytes, rates, shared_link, None, n_tokens,
-                                                             hidden, cap)[1]), rp[0]["n_ubatch"]))
+    order = sorted(placed, key=lambda rp: (-score(best_batch(rp[1], cap, **pkw)[1]), rp[0]["n_ubatch"]))
     probe = Probe(model, devices, n_tokens, [r["n_ubatch"] for r, _ in placed],
                   # (an RPC server speaks its own variant's protocol; elsewhere every weight resident computes alike)
                   variant=variant if spec.remote else PROBE.variant, servers=[d.server for d in placed[0][1].devices],
@@ -493,7 +526,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
             u = row["n_ubatch"]
             if best is not None and probe is not None:
                 bound = probe.optimistic(u, CLEARLY_SLOWER)
-                ub_ts = score(best_batch(plan, expert_bytes, rates, shared_link, bound, n_tokens, hidden, cap)[1])
+                ub_ts = score(best_batch(plan, cap, bound, **pkw)[1])
                 if ub_ts < best_ts:
                     probe.skip(u)
                     rows.append({**row, "host_expert_layers": plan.host_expert_layers,
@@ -502,7 +535,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
                                         f"{best_ts:.0f} t/s"})
                     continue
             compute = probe.compute(u) if probe is not None else None
-            nb, pred = best_batch(plan, expert_bytes, rates, shared_link, compute, n_tokens, hidden, cap)
+            nb, pred = best_batch(plan, cap, compute, **pkw)
             plan.ctx["n_batch"], plan.predicted_ts = nb, pred.ts if pred else None
             how = sorted({compute_for(compute, i).how.get(u, "") for i in range(len(plan.devices))}) if compute else []
             rows.append({**row, "n_batch": nb, "host_expert_layers": plan.host_expert_layers,
@@ -516,7 +549,38 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
         if probe is not None:
             probe.close()
     best.ubatch_auto = sorted(rows, key=lambda t: t["n_ubatch"])
+    best.host_copy_gbps = best.host_copy_gbps or rated.get("host_copy")
+    for d, link in zip(best.devices, rated.get("links") or []):
+        d.link = d.link or link
     return best
+
+
+def _rates_path() -> Path:
+    return cache_dir() / "rates.json"
+
+
+def cached_host_copy() -> Optional[float]:
+    """The host's staging copy rate measured before on this machine (PYLLAMA_PP_CACHE/rates.json, by host name and
+    usable cores), or None."""
+    try:
+        return json.loads(_rates_path().read_text()).get("host_copy_gbps", {}).get(_host_key())
+    except (OSError, ValueError):
+        return None
+
+
+def cache_host_copy(gbps: float) -> None:
+    """Keep the host's staging copy rate for later plans on this machine."""
+    try:
+        d = json.loads(_rates_path().read_text())
+    except (OSError, ValueError):
+        d = {}
+    d.setdefault("host_copy_gbps", {})[_host_key()] = gbps
+    _rates_path().parent.mkdir(parents=True, exist_ok=True)
+    _rates_path().write_text(json.dumps(d, indent=1))
+
+
+def _host_key() -> str:
+    return f"{socket.gethostname()}:{usable_cores()}"
 
 
 OVERLAP_VAR = "GGML_SCHED_PP_OVERLAP"
@@ -556,6 +620,9 @@ def _plan_copies(plan: Plan, once, check: bool, env: Optional[dict]) -> Plan:
     alt.copies = (f"OVERLAP=0: no room for OVERLAP=2's early expert copies (with them, compute {compute} MiB and "
                   f"{why}); planned without them")
     alt.seconds += plan.seconds
+    alt.host_copy_gbps = plan.host_copy_gbps   # (the rates the first dry run's process measured)
+    for a, d in zip(alt.devices, plan.devices):
+        a.link = d.link
     return alt
 
 

@@ -51,6 +51,9 @@ class DevicePlan:
             weights when fit ran (None: another device, or a server that keeps none).
         server_net: for an RPC device, the network to its server as fit measured it: {"up_gbps", "down_gbps",
             "rtt_s"} (each way's rate, a message's round trip; None: a device of this machine, or not measured).
+        link: the device's host link as fit measured it: {"pinned_gbps", "pageable_gbps", "copy_bytes"} (copies of
+            one expert tensor from pinned and from pageable host memory; None: not measured, or a device on an RPC
+            server).
     """
 
     name: str
@@ -67,6 +70,7 @@ class DevicePlan:
     server: Optional[str] = None             # an RPC device's server, HOST:PORT
     server_host_free: Optional[int] = None   # a patched RPC server's free host memory for host weights
     server_net: Optional[dict] = None        # the network to an RPC device's server: rates and round trip
+    link: Optional[dict] = None              # the host link as measured: pinned and pageable rates
 
     @property
     def expected_bytes(self) -> int:
@@ -117,6 +121,8 @@ class Plan:
             nothing moves and compute was not counted).
         ubatch_auto: fit_ubatch: every candidate n_ubatch with the n_batch it takes, its prediction, or why it is out
             and the fix.
+        host_copy_gbps: the host's copy from pageable into pinned memory as the patched build's staging runs it, as
+            measured (GB/s; None: not measured): what an mmap-ed model's host experts go through first.
     """
 
     variant: str
@@ -147,6 +153,7 @@ class Plan:
     # fit_ubatch: the throughput predicted for this plan's pair (prompt t/s), and every candidate it tried
     predicted_ts: Optional[float] = None
     ubatch_auto: list = field(default_factory=list)
+    host_copy_gbps: Optional[float] = None
 
     # -- views -----------------------------------------------------------------------------------------------
     @property
@@ -238,6 +245,11 @@ class Plan:
                 f"{k} up {n.get('up_gbps', 0):.3g} / down {n.get('down_gbps', 0):.3g} GB/s, round trip "
                 f"{n.get('rtt_s', 0) * 1e3:.2f} ms"
                 for k, n in nets.items()))
+        links = [(d.name, d.link) for d in self.devices if d.link]
+        if links or self.host_copy_gbps:
+            lines.append("  links (measured, host -> device): " + "; ".join(
+                f"{name} {x['pinned_gbps']:.3g} GB/s pinned, {x['pageable_gbps']:.3g} pageable" for name, x in links)
+                + (f"; host staging copy {self.host_copy_gbps:.3g} GB/s" if self.host_copy_gbps else ""))
         if self.spread_weights:
             lines.append(f"  spread: host-expert layers weighted {', '.join(f'{w:g}' for w in self.spread_weights)}")
         if self.ubatch_auto:
@@ -474,7 +486,7 @@ def plan_from_result(res: dict, variant: str, model: str, spec: devspec.DeviceSp
                                compute_bytes=d["compute_bytes"], free_bytes=d["free_bytes"],
                                target_bytes=d["free_bytes"] - margins[i],
                                server=d.get("server"), server_host_free=d.get("server_host_free"),
-                               server_net=d.get("server_net")))
+                               server_net=d.get("server_net"), link=res.get("rates", {}).get("links", {}).get(d["name"])))
     size = Path(model).stat().st_size
     # (the model's absolute path: `run/ab --plan PLAN.json` without a model finds it from any working directory)
     return Plan(variant=variant, model=str(Path(model).resolve()), model_size=size,
@@ -482,7 +494,8 @@ def plan_from_result(res: dict, variant: str, model: str, spec: devspec.DeviceSp
                 status=status, path=path, reasons=reasons, n_gpu_layers=res["n_gpu_layers"],
                 tensor_split=list(res["tensor_split"])[:ndev], tensor_overrides=overrides,
                 n_ctx=res["n_ctx"], n_layer=n_layer, n_expert=res["n_expert"], margins=margins, devices=devs,
-                host=res.get("host", {}), message=res.get("message", ""), seconds=res.get("seconds", 0.0))
+                host=res.get("host", {}), message=res.get("message", ""), seconds=res.get("seconds", 0.0),
+                host_copy_gbps=res.get("rates", {}).get("host_copy_gbps"))
 
 
 def _on_cpu_text(on_cpu: int, n_layer: int) -> str:

@@ -380,7 +380,7 @@ def _ubatch_auto(c: Choices, model: str, progress: bool) -> tuple[Choices, Optio
         return c, None
     n_ctx = c.n_ctx or max(c.pp) + max(c.depth, default=0) + AUTO_CTX_SPARE
     plan = fit_ubatch(model, devices=c.devices[0], margin=c.margin, n_tokens=max(c.pp),
-                      n_batch=max(c.n_batch) if c.n_batch else None, progress=progress,
+                      n_batch=max(c.n_batch) if c.n_batch else None, load_mode=c.load_mode, progress=progress,
                       ctx=ContextParams(n_ctx=n_ctx, n_batch=CONTEXT.n_batch, n_ubatch=CONTEXT.n_ubatch))
     return dataclasses.replace(c, n_ubatch=(plan.ctx["n_ubatch"],), n_batch=(plan.ctx["n_batch"],)), plan
 

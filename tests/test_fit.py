@@ -382,16 +382,18 @@ def test_ubatch_auto_picks_the_fastest_pair_the_bytes_bound_predicts(model):
     eb = expert_bytes_per_layer(model)
     for u, c in ok.items():   # each candidate's n_batch: the best of its choices (ties: the larger)
         p.ctx["n_ubatch"] = u
-        preds = {nb: predict(p, eb, [4.0, 4.0], n_tokens=1024, n_batch=nb).ts for nb in batch_choices(u, 1024)}
+        preds = {nb: predict(p, eb, [d.link["pinned_gbps"] for d in p.devices], n_tokens=1024, n_batch=nb).ts
+                 for nb in batch_choices(u, 1024)}
         assert c["n_batch"] == max(preds, key=lambda nb: (preds[nb], nb)) and c["n_batch"] <= 1024, (u, c, preds)
     best = max(ok.values(), key=lambda c: (c["predicted_ts"], c["n_ubatch"]))
     p.ctx["n_ubatch"] = best["n_ubatch"]
     assert (p.ctx["n_ubatch"], p.ctx["n_batch"]) == (best["n_ubatch"], best["n_batch"])
-    assert p.predicted_ts == pytest.approx(predicted_ts(p, eb, [4.0, 4.0]))
-    # by hand: each stage moves its host experts once per ubatch over 4 GB/s; a batch of k ubatches takes k - 1
+    rates = [d.link["pinned_gbps"] for d in p.devices]   # (each link as measured)
+    assert p.predicted_ts == pytest.approx(predicted_ts(p, eb, rates))
+    # by hand: each stage moves its host experts once per ubatch over its link; a batch of k ubatches takes k - 1
     # times the slowest stage and every stage once (the pipeline's fill)
     ub, nb = p.ctx["n_ubatch"], p.ctx["n_batch"]
-    stages = [h * eb / 4e9 for h in p.host_expert_layers]
+    stages = [h * eb / (r * 1e9) for h, r in zip(p.host_expert_layers, rates)]
     chunks = 1024 // nb
     assert p.predicted_ts == pytest.approx(1024 / (chunks * ((-(-nb // ub) - 1) * max(stages) + sum(stages))))
     text = str(p)
@@ -623,3 +625,41 @@ def test_parts_of_one_gpu_are_probed_together(monkeypatch):
     assert compute.probe_devices("cuda:0,1") == [([0, 1], "cuda:0,1")]
     assert compute.probe_devices("cuda:1") == [([0], "cuda:1")] and not compute.shares_one_gpu("cuda:1")
     assert not compute.shares_one_gpu("vdev:2x0@0")
+
+
+def test_links_are_measured_and_predictions_use_them(model, tmp_path, monkeypatch):
+    """fit_ubatch measures each device's host link once (pinned and pageable copies) and, for an mmap-ed model, the
+    host's staging copy (cached for later plans); a rate given wins, then the measured one, then the spec's own."""
+    from pyllama_pp import devices as devspec
+    from pyllama_pp.fit import cached_host_copy, fit_ubatch, link_rates
+    monkeypatch.setenv("PYLLAMA_PP_CACHE", str(tmp_path))
+    p = fit_ubatch(model, devices=TWO_EQUAL, ctx=ContextParams(n_ctx=512), count_compute=False, load_mode="mmap",
+                   candidates=(64, 128), timeout=120)
+    assert all(d.link and d.link["pinned_gbps"] > 0 and d.link["pageable_gbps"] > 0 for d in p.devices), p.devices
+    assert p.host_copy_gbps and cached_host_copy() == p.host_copy_gbps
+    assert "links (measured" in str(p) and "host staging copy" in str(p)
+    spec = devspec.parse(TWO_EQUAL)
+    measured = [{"pinned_gbps": 3.0, "pageable_gbps": 2.0}, None]
+    assert link_rates(spec, None, 2, measured) == [3.0, 4.0]            # (the second: the spec's own)
+    assert link_rates(spec, None, 2, measured, "pageable") == [2.0, 4.0]
+    assert link_rates(spec, [5, 6], 2, measured) == [5.0, 6.0]
+
+
+def test_an_mmap_ed_models_copies_wait_for_the_staging_copy():
+    """The patched build stages an mmap-ed model's experts through pinned slots: a copy moves at the slower of the
+    link and the host's copy, and one copier serves every device (each ubatch waits for all devices' bytes)."""
+    from pyllama_pp.fit import predict
+    from pyllama_pp.plan import DevicePlan, Plan
+    dev = lambda first, end: DevicePlan(name="VDEV", layers=[first, end], full_layers=0, host_expert_layers=end - first,
+                                        model_bytes=0, context_bytes=0, compute_bytes=0, free_bytes=0, target_bytes=0)
+    plan = Plan(variant="patched", model="m", model_size=0, devices_spec={}, ctx={"n_ubatch": 1000, "n_batch": 4000},
+                status="success", path="spread", reasons=[], n_gpu_layers=7, tensor_split=[], tensor_overrides=[],
+                n_ctx=4000, n_layer=6, n_expert=8, margins=[0, 0], devices=[dev(0, 3), dev(3, 6)],
+                switches={"OVERLAP": 0})
+    pinned = predict(plan, 1e6, [1.0, 1.0], n_tokens=4000)
+    assert pinned.ts == pytest.approx(4000 / (3 * 3e-3 + 6e-3))
+    fast_copy = predict(plan, 1e6, [1.0, 1.0], n_tokens=4000, staging_gbps=10.0)   # 6 MB a ubatch at 10 GB/s: 0.6 ms
+    assert fast_copy.ts == pytest.approx(pinned.ts)
+    slow_copy = predict(plan, 1e6, [1.0, 1.0], n_tokens=4000, staging_gbps=0.5)   # each copy at 0.5 GB/s: 2 ms
+    assert slow_copy.stage_s == pytest.approx([6e-3, 6e-3])
+    assert slow_copy.ts == pytest.approx(4000 / (3 * 12e-3 + 12e-3))              # all six copies through one copier
