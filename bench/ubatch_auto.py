@@ -24,7 +24,6 @@ import pandas as pd
 from pyllama_pp import devices as devspec
 from pyllama_pp import runner, synth
 from pyllama_pp.compute import probe
-from pyllama_pp.defaults import PROBE
 from pyllama_pp.config import RunConfig
 from pyllama_pp.fit import fit, fit_ubatch, link_rates, predict
 from pyllama_pp.model_file import block_count, embedding_length, expert_bytes_per_layer
@@ -107,30 +106,28 @@ def main() -> int:
     links = [float(x) for x in args.link_gbps.split(",")] if args.link_gbps else None
     plan = fit_ubatch(model, devices=args.devices, ctx=ContextParams(n_ctx=n + 256), margin=args.margin,
                       link_gbps=links, shared_link=args.shared_link, n_tokens=n, load_mode=args.load_mode,
-                      progress=not args.json, **kw)
+                      skip=False, progress=not args.json, **kw)
     fit_s = time.time() - t0
     print(plan, file=sys.stderr)
-    # every candidate with a placement gets a prediction here, those the planner skipped too (their compute probed
-    # now): the planner's own rates (measured links, the staging copy) and its model
     spec = devspec.parse(args.devices)
-    staging = args.load_mode == "mmap"
-    rates = link_rates(spec, links, len(plan.devices), [d.link for d in plan.devices])   # (patched: pinned, or staged)
-    hidden = embedding_length(model) if spec.remote else 0   # (the network to RPC servers)
-    expert_bytes = expert_bytes_per_layer(model)
-    placed = [c for c in plan.ubatch_auto if "host_expert_layers" in c]
-    probed = probe(model, args.devices, [c["n_ubatch"] for c in placed], n,
-                   variant="patched" if spec.remote else PROBE.variant, servers=[d.server for d in plan.devices])
+    placed = [c for c in plan.ubatch_auto if c.get("predicted_ts")]
     for cand in placed:
-        p = fit(model, devices=args.devices, margin=args.margin, check=False,
-                ctx=ContextParams(n_ctx=n + 256, n_batch=cand["n_batch"], n_ubatch=cand["n_ubatch"]))
-        if args.host_experts_all:   # every expert on host: fit's split and context, all its layers host-expert
+        cand["plan"] = fit(model, devices=args.devices, margin=args.margin, check=False,
+                           ctx=ContextParams(n_ctx=n + 256, n_batch=cand["n_batch"], n_ubatch=cand["n_ubatch"]))
+    if args.host_experts_all:
+        # every expert on host: each candidate's plan keeps fit's split and context, all its layers host-expert,
+        # predicted with the planner's rates (measured links, the staging copy) and its probe (cached)
+        rates = link_rates(spec, links, len(plan.devices), [d.link for d in plan.devices])
+        probed = probe(model, args.devices, [c["n_ubatch"] for c in placed], n)
+        for cand in placed:
+            p = cand["plan"]
             for d in p.devices:
                 d.host_expert_layers, d.full_layers = d.n_layers, 0
-        pred = predict(p, expert_bytes, rates, args.shared_link, probed, n, hidden,
-                       staging_gbps=plan.host_copy_gbps if staging else None)
-        cand.update(predicted_ts=pred.ts, bound=pred.bound, host_expert_layers=[d.host_expert_layers for d in p.devices],
-                    skipped=bool(cand.get("why")), plan=p)
-    t_start = time.time()
+            pred = predict(p, expert_bytes_per_layer(model), rates, args.shared_link, probed, n,
+                           embedding_length(model) if spec.remote else 0,
+                           staging_gbps=plan.host_copy_gbps if args.load_mode == "mmap" else None)
+            cand.update(predicted_ts=pred.ts, bound=pred.bound, host_expert_layers=[d.n_layers for d in p.devices])
+    rows, t_start = [], time.time()
     for cand in sorted(plan.ubatch_auto, key=lambda c: -c["n_ubatch"]):
         if not cand.get("predicted_ts"):
             continue
@@ -158,7 +155,7 @@ def main() -> int:
             if name == "host" and "baseline" in ts:
                 got["baseline"] = float(ts["baseline"])
         rows.append({"n_ubatch": ub, "n_batch": nb, "host_expert_layers": cand["host_expert_layers"],
-                     "skipped": cand["skipped"], "bound": cand["bound"], "predicted_ts": cand["predicted_ts"],
+                     "compute": cand.get("compute", ""), "bound": cand["bound"], "predicted_ts": cand["predicted_ts"],
                      "measured_ts": got["host"],
                      "error_pct": 100 * (cand["predicted_ts"] / got["host"] - 1),
                      "all_in_vram_ts": got["vram"], "of_vram_pct": 100 * got["host"] / got["vram"],
@@ -168,7 +165,9 @@ def main() -> int:
               f"{got['vram']:.0f} t/s", file=sys.stderr, flush=True)
     df = pd.DataFrame(rows).sort_values("n_ubatch") if rows else pd.DataFrame(rows)
     best = df.loc[df["measured_ts"].idxmax()] if len(df) else None
-    chosen = plan.ctx["n_ubatch"]
+    # (every expert on host: the candidate predicted fastest with them; else the planner's own choice)
+    chosen = max(placed, key=lambda c: (c["predicted_ts"], c["n_ubatch"]))["n_ubatch"] if args.host_experts_all \
+        and placed else plan.ctx["n_ubatch"]
     chosen_ts = float(df.loc[df["n_ubatch"] == chosen, "measured_ts"].iloc[0]) if chosen in set(df["n_ubatch"]) else None
     configured = spec.link_rates() or []
     summary = {"model": model, "devices": args.devices, "n_tokens": n, "fit_seconds": fit_s, "chosen_n_ubatch": chosen,

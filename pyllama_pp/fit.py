@@ -406,7 +406,7 @@ def _memory_fix(fit_at, n_ctx: int, n_ubatch: int, margins: Sequence[int]) -> st
 def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: str = FIT.variant,
                candidates: Sequence[int] = UBATCH_CANDIDATES, link_gbps=None, shared_link: bool = False,
                count_compute: bool = True, n_tokens: Optional[int] = None, n_batch: Optional[int] = None,
-               load_mode: str = CONTEXT.load_mode, progress: bool = False, **kw) -> Plan:
+               load_mode: str = CONTEXT.load_mode, skip: bool = True, progress: bool = False, **kw) -> Plan:
     """fit with (n_batch, n_ubatch) chosen together by the throughput predict() gives from bytes per link and
     measured compute.
 
@@ -434,6 +434,8 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
         n_batch: the largest n_batch to take (default: the prompt's length).
         load_mode: how the run keeps host weights: "none" (pinned) or "mmap" (pageable: the patched build stages
             them through pinned slots at the host's copy rate, the baseline copies them as they are).
+        skip: leave out, unprobed, a candidate even its best case shows slower than the best so far (False: predict
+            every candidate with a placement, as a bench that measures them all needs).
         progress: say what it plans and probes, with progress bars on stderr.
         **kw: more of fit's arguments (margin, split_mode, env, timeout, spread, ...); check is ignored (a
             candidate that fails the check is out).
@@ -524,7 +526,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
     try:
         for row, plan in order:
             u = row["n_ubatch"]
-            if best is not None and probe is not None:
+            if skip and best is not None and probe is not None:
                 bound = probe.optimistic(u, CLEARLY_SLOWER)
                 ub_ts = score(best_batch(plan, cap, bound, **pkw)[1])
                 if ub_ts < best_ts:
