@@ -366,8 +366,8 @@ def _add_measure_options(p, model_required: bool) -> None:
     p.add_argument("-ub", "--ubatch", type=lambda x: x if x == "auto" else _ints(x), default=None,
                    metavar="N[,N]|auto",
                    help=f"n_ubatch, comma-separated to sweep (default: {RUN.n_ubatch}; the main job: "
-                        f"{MAIN_JOB.n_ubatch}); auto: the one fit --ubatch auto predicts fastest for the longest "
-                        "prompt, with its plan for both variants")
+                        f"{MAIN_JOB.n_ubatch}); auto: the pair (n_batch up to the longest prompt or the largest -b, "
+                        "n_ubatch) fit --ubatch auto predicts fastest for that prompt, with its plan for both variants")
     p.add_argument("-c", "--ctx", type=int, default=RUN.n_ctx, metavar="N",
                    help="n_ctx (default: %(default)s, just what the tests need)")
     p.add_argument("-ngl", "--ngl", type=int, default=RUN.n_gpu_layers, metavar="N",

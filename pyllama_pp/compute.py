@@ -370,25 +370,33 @@ class Probe:
             if longer > self.short:
                 d.calibrate(min(self.pending), (self.short, longer))
         self.spent += time.perf_counter() - t0
-        est = sum(self._plan(u)[1] for u in todo)
+        est, pending = self.spent, len(self.pending)
+        for i, u in enumerate(todo):   # (as compute() will choose, candidate by candidate, the budget shrinking)
+            est += self._plan(u, est, pending, measured=i > 0)[1]
+            pending -= 1
         self._say(f"probing compute at n_ubatch {todo[0]}..{todo[-1]} on {len(self.devices)} device "
                   f"spec{'s' if len(self.devices) > 1 else ''} ({', '.join(devspec.parse(d.spec).label for d in self.devices)}), "
-                  f"~{est + self.spent:.0f} s{f' (budget {self.budget:g} s)' if self.budget else ''}; "
+                  f"~{est:.0f} s{f' (budget {self.budget:g} s)' if self.budget else ''}; "
                   f"cached in {self.devices[0].path.parent}")
         self.bar = tqdm(total=len(self.pending), desc="compute probe", unit="n_ubatch", file=sys.stderr,
                         disable=not self.progress, leave=False)
 
-    def _plan(self, n_ubatch: int) -> tuple[Optional[int], float]:
-        """The prompt length to measure n_ubatch at within the budget (None: estimate it), and its cost (seconds)."""
+    def _plan(self, n_ubatch: int, spent: Optional[float] = None, pending: Optional[int] = None,
+              measured: Optional[bool] = None) -> tuple[Optional[int], float]:
+        """The prompt length to measure n_ubatch at within the budget (None: estimate it), and its cost (seconds),
+        with `spent` seconds spent, `pending` candidates left and something `measured` to stand for it (default: as
+        they stand)."""
         full = self.n_tokens
         short = min(full, max(n_ubatch, self.short))
         cost = lambda n: max(d.cost(n_ubatch, n) for d in self.devices)
         if self.budget is None or full <= self.short:
             return full, 0.0 if full <= self.short else cost(full)
-        left = self.budget - self.spent
-        if cost(full) <= left / max(1, len(self.pending)):
+        left = self.budget - (self.spent if spent is None else spent)
+        if cost(full) <= left / max(1, len(self.pending) if pending is None else pending):
             return full, cost(full)
-        if cost(short) <= left or any(d.nearest(n_ubatch, full) is None for d in self.devices):
+        if measured is None:
+            measured = all(d.nearest(n_ubatch, full) is not None for d in self.devices)
+        if cost(short) <= left or not measured:
             return short, cost(short)   # (within the budget, or nothing measured yet to stand for it)
         return None, 0.0
 

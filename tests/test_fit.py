@@ -402,20 +402,25 @@ def test_ubatch_auto_picks_the_fastest_pair_the_bytes_bound_predicts(model):
     assert sum(1 for line in text.splitlines() if "Fix:" in line) == 2, text
 
 
+def _all_host_plan(n_batch: int) -> Plan:
+    """A patched plan of six layers on two devices, every layer's experts in host RAM, n_ubatch 1000, OVERLAP=0."""
+    from pyllama_pp.plan import DevicePlan
+    dev = lambda first, end: DevicePlan(name="VDEV", layers=[first, end], full_layers=0, host_expert_layers=end - first,
+                                        model_bytes=0, context_bytes=0, compute_bytes=0, free_bytes=0, target_bytes=0)
+    return Plan(variant="patched", model="m", model_size=0, devices_spec={}, ctx={"n_ubatch": 1000, "n_batch": n_batch},
+                status="success", path="spread", reasons=[], n_gpu_layers=7, tensor_split=[], tensor_overrides=[],
+                n_ctx=8000, n_layer=6, n_expert=8, margins=[0, 0], devices=[dev(0, 3), dev(3, 6)],
+                switches={"OVERLAP": 0})
+
+
 def test_batch_choices_and_the_fill_per_batch():
     """n_batch choices are n_ubatch times powers of two below the cap, and the cap; a batch's fill is paid once per
     batch, so the prediction rises with n_batch and one ubatch a batch pipelines nothing; a last short ubatch counts
     as a whole one."""
     from pyllama_pp.fit import batch_choices, predict
-    from pyllama_pp.plan import DevicePlan, Plan
     assert batch_choices(64, 1000) == [64, 128, 256, 512, 1000]
     assert batch_choices(512, 512) == [512] and batch_choices(300, 1000) == [300, 600, 1000]
-    dev = lambda first, end: DevicePlan(name="VDEV", layers=[first, end], full_layers=0, host_expert_layers=end - first,
-                                        model_bytes=0, context_bytes=0, compute_bytes=0, free_bytes=0, target_bytes=0)
-    plan = Plan(variant="patched", model="m", model_size=0, devices_spec={}, ctx={"n_ubatch": 1000, "n_batch": 1000},
-                status="success", path="spread", reasons=[], n_gpu_layers=7, tensor_split=[], tensor_overrides=[],
-                n_ctx=8000, n_layer=6, n_expert=8, margins=[0, 0], devices=[dev(0, 3), dev(3, 6)],
-                switches={"OVERLAP": 0})
+    plan = _all_host_plan(n_batch=1000)
     x = 1e6 / 1e9   # 1 ms a layer's copy
     ts = {nb: predict(plan, 1e6, [1.0, 1.0], n_tokens=8000, n_batch=nb).ts for nb in (1000, 2000, 4000, 8000)}
     assert ts[1000] == pytest.approx(8000 / (8 * 6 * x))                 # one ubatch a batch: the stages in turn
@@ -649,13 +654,7 @@ def test_an_mmap_ed_models_copies_wait_for_the_staging_copy():
     """The patched build stages an mmap-ed model's experts through pinned slots: a copy moves at the slower of the
     link and the host's copy, and one copier serves every device (each ubatch waits for all devices' bytes)."""
     from pyllama_pp.fit import predict
-    from pyllama_pp.plan import DevicePlan, Plan
-    dev = lambda first, end: DevicePlan(name="VDEV", layers=[first, end], full_layers=0, host_expert_layers=end - first,
-                                        model_bytes=0, context_bytes=0, compute_bytes=0, free_bytes=0, target_bytes=0)
-    plan = Plan(variant="patched", model="m", model_size=0, devices_spec={}, ctx={"n_ubatch": 1000, "n_batch": 4000},
-                status="success", path="spread", reasons=[], n_gpu_layers=7, tensor_split=[], tensor_overrides=[],
-                n_ctx=4000, n_layer=6, n_expert=8, margins=[0, 0], devices=[dev(0, 3), dev(3, 6)],
-                switches={"OVERLAP": 0})
+    plan = _all_host_plan(n_batch=4000)
     pinned = predict(plan, 1e6, [1.0, 1.0], n_tokens=4000)
     assert pinned.ts == pytest.approx(4000 / (3 * 3e-3 + 6e-3))
     fast_copy = predict(plan, 1e6, [1.0, 1.0], n_tokens=4000, staging_gbps=10.0)   # 6 MB a ubatch at 10 GB/s: 0.6 ms

@@ -65,6 +65,18 @@ void pp_shim::copy_str(char * dst, size_t n, const char * src) {
     snprintf(dst, n, "%s", src ? src : "");
 }
 
+int pp_shim::alloc_scratch(ggml_backend_dev_t dev, const char * dev_name, uint64_t bytes, scratch_tensor & out) {
+    ggml_init_params ip = {ggml_tensor_overhead(), nullptr, true};
+    out.ctx.reset(ggml_init(ip));
+    out.t = out.ctx ? ggml_new_tensor_1d(out.ctx.get(), GGML_TYPE_I8, (int64_t) bytes) : nullptr;
+    out.buf.reset(out.t ? ggml_backend_alloc_ctx_tensors_from_buft(out.ctx.get(), ggml_backend_dev_buffer_type(dev))
+                        : nullptr);
+    if (!out.buf) {
+        return fail(PP_ERR_MEMORY, std::string("cannot allocate ") + std::to_string(bytes) + " bytes on " + dev_name);
+    }
+    return PP_OK;
+}
+
 using namespace pp_shim;
 
 namespace {
@@ -291,15 +303,11 @@ PP_EXPORT int pp_link_rate(const char * dev_name, uint64_t bytes, int32_t copies
         if (!dev) {
             return fail(PP_ERR_DEVICE, std::string("unknown device '") + dev_name + "'");
         }
-        ggml_init_params ip = {ggml_tensor_overhead(), nullptr, true};
-        std::unique_ptr<ggml_context, decltype(&ggml_free)> ctx(ggml_init(ip), ggml_free);
-        ggml_tensor * t = ctx ? ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I8, (int64_t) bytes) : nullptr;
-        ggml_backend_buffer_t buf = t ? ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), ggml_backend_dev_buffer_type(dev))
-                                      : nullptr;
-        if (!buf) {
-            return fail(PP_ERR_MEMORY, std::string("cannot allocate ") + std::to_string(bytes) + " bytes on " + dev_name);
+        scratch_tensor s;
+        if (int rc = alloc_scratch(dev, dev_name, bytes, s); rc != PP_OK) {
+            return rc;
         }
-        std::unique_ptr<ggml_backend_buffer, decltype(&ggml_backend_buffer_free)> keep(buf, ggml_backend_buffer_free);
+        ggml_tensor * t = s.t;
         ggml_backend_buffer_type_t host = ggml_backend_dev_host_buffer_type(dev);
         ggml_backend_buffer_t hbuf = host ? ggml_backend_buft_alloc_buffer(host, bytes) : nullptr;
         std::unique_ptr<ggml_backend_buffer, decltype(&ggml_backend_buffer_free)> keep_host(hbuf, ggml_backend_buffer_free);
