@@ -264,9 +264,10 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
     """A plan's prompt throughput from the bytes each link moves and, with `compute`, each device's compute.
 
     Per ubatch a device moves its host-expert layers' experts (near-full coverage: whole tensors) over its link, x
-    seconds a layer, and computes its layers, c seconds a layer (the probe's). Devices that are parts of one GPU
-    (a probe that ran them together: LayerCompute.shared) do not compute side by side as separate GPUs do: each
-    ubatch takes the longer of all their layers' compute and all their copies (beside it, the first one exposed). The patched build copies a layer's
+    seconds a layer, and computes its layers, c seconds a layer (the probe's). Devices that are parts of one
+    processor (a probe that ran them together: LayerCompute.shared) do not compute side by side as separate devices
+    do: each ubatch takes the longer of all their layers' compute and their copies (all of them on one link, the
+    longest device's otherwise; beside the compute, the first one exposed). The patched build copies a layer's
     experts beside the compute of the layer before (OVERLAP=2): the first copy is exposed, then each layer takes the
     longer of its copy and the compute before it (x + c + (h - 1) max(x, c) + (n - h) c); with OVERLAP=0 copies and
     compute add up. Pipelined stages overlap: a batch of k ubatches takes (k - 1) times the slowest stage plus every
@@ -322,10 +323,10 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
     n_ub = -(-nb // ub)
     chunks, tail = divmod(n_tokens, nb)
     if patched and compute and compute_for(compute, 0).shared:
-        # parts of one GPU, pipelined: the probe ran them together, so a layer's time is what it adds to the whole
-        # pipeline; every part's copies share the link and go beside that compute, the first one exposed
+        # parts of one processor, pipelined: the probe ran them together, so a layer's time is what it adds to the
+        # whole pipeline; the parts' copies (adding up on one link) go beside that compute, the first one exposed
         n_ubatches = chunks * n_ub + (-(-tail // ub) if tail else 0)
-        c_all, x_all = sum(comp), max(sum(transfer), staged)
+        c_all, x_all = sum(comp), max(sum(transfer) if shared_link else max(transfer), staged)
         total = n_ubatches * (max(c_all, x_all) if overlap else c_all + x_all) + (xs[0] if overlap and x_all else 0.0)
     elif patched:
         slowest = max(max(stage), sum(transfer) if shared_link else 0.0, staged, max(net.values(), default=0.0))
@@ -452,6 +453,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
     """
     ctx = fit_context(ctx)
     spec = devspec.parse(devices)
+    shared_link = shared_link or spec.one_link
     n_ctx = ctx.n_ctx or FIT.n_ctx
     n_tokens = n_tokens or n_ctx
     check_model_path(model)

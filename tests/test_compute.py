@@ -93,9 +93,11 @@ def test_a_second_probe_reuses_the_cache(tiny_model, tmp_path, monkeypatch, caps
     assert all(v > 0 for v in got.values()) and list((tmp_path / "compute").glob("compute-*.json"))
 
 
-def test_rpc_devices_are_probed_on_their_servers():
+def test_rpc_devices_are_probed_on_their_servers(monkeypatch):
     """A server computes its devices' layers itself: one of its devices stands for them (not the client's CPU);
     this machine's devices before them are probed as their kind is."""
+    from pyllama_pp.devices import vdev
+    monkeypatch.setattr(vdev, "usable_cores", lambda: 16)   # (VDEVs with a core each: one of each speed)
     spec = "rpc://10.0.0.2:50052,10.0.0.3:50052/1"
     assert compute.probe_devices(spec, ["10.0.0.2:50052", "10.0.0.2:50052", "10.0.0.3:50052"]) == \
         [([0, 1], "rpc://10.0.0.2:50052/0"), ([2], "rpc://10.0.0.3:50052/1")]

@@ -487,12 +487,15 @@ def test_prediction_counts_compute_beside_the_copies():
     assert fast_link.ts == pytest.approx(4000 / (3 * 0.007 + 2 * 0.007))   # one batch of 4 ubatches, 2 stages
     plan.switches = {"OVERLAP": 0}
     assert predict(plan, 1e6, [1.0, 1.0], compute={-1: lc}).stage_s == pytest.approx([0.002 + 0.006, 0.003 + 0.006])
-    # parts of one GPU (the probe ran them together): a ubatch takes all six layers' compute or all five copies,
-    # whichever is longer, and the first copy is exposed once
+    # parts of one GPU (the probe ran them together): a ubatch takes all six layers' compute or all five copies on
+    # its one link, whichever is longer, and the first copy is exposed once; parts with links of their own (VDEVs
+    # sharing a CPU's cores) wait for the longest device's copies
     plan.switches = {"OVERLAP": 2}
     shared = LayerCompute("cuda", n_tokens=4000, layer_s={1000: 0.008}, outside_s={1000: 0.0}, shared=True)
-    assert predict(plan, 1e6, [1.0, 1.0], compute={-1: shared}).ts == pytest.approx(4000 / (4 * 0.012 + 0.001))
-    assert predict(plan, 3e6, [1.0, 1.0], compute={-1: shared}).ts == pytest.approx(4000 / (4 * 0.015 + 0.003))
+    one_link = lambda eb: predict(plan, eb, [1.0, 1.0], shared_link=True, compute={-1: shared}).ts
+    assert one_link(1e6) == pytest.approx(4000 / (4 * 0.012 + 0.001))
+    assert one_link(3e6) == pytest.approx(4000 / (4 * 0.015 + 0.003))
+    assert predict(plan, 3e6, [1.0, 1.0], compute={-1: shared}).ts == pytest.approx(4000 / (4 * 0.012 + 0.003))
 
 
 def test_prediction_counts_each_servers_network():
@@ -629,7 +632,22 @@ def test_parts_of_one_gpu_are_probed_together(monkeypatch):
     assert compute.probe_devices("cuda") == [([-1], "cuda")]
     assert compute.probe_devices("cuda:0,1") == [([0, 1], "cuda:0,1")]
     assert compute.probe_devices("cuda:1") == [([0], "cuda:1")] and not compute.shares_one_gpu("cuda:1")
-    assert not compute.shares_one_gpu("vdev:2x0@0")
+
+
+def test_vdevs_outnumbering_the_cores_are_probed_together(monkeypatch):
+    """VDEVs compute on this machine's CPU: where their threads outnumber its cores they take turns on them, so the
+    probe runs them together (as parts of one GPU), speeds kept; with a core each, one VDEV of each speed stands for
+    its kind; VDEVs of one link group copy over one link."""
+    from pyllama_pp import compute
+    from pyllama_pp import devices as devspec
+    from pyllama_pp.devices import vdev
+    monkeypatch.setattr(vdev, "usable_cores", lambda: 2)
+    assert compute.shares_one_gpu("vdev:3x0@0") and not compute.shares_one_gpu("vdev:2x0@0")
+    ((idx, spec),) = compute.probe_devices("vdev:3x8MiB@1GBps,speed=1:3:3")
+    assert idx == [0, 1, 2] and [(d["speed"], d["memory"], d["link_gbps"]) for d in json.loads(spec)["devices"]] == \
+        [(1.0, 0, 0), (3.0, 0, 0), (3.0, 0, 0)]
+    assert [idx for idx, _ in compute.probe_devices("vdev:2x8MiB@1GBps,speed=1:3")] == [[0], [1]]
+    assert devspec.parse("vdev:2x8MiB@1GBps,shared").one_link and not devspec.parse("vdev:2x8MiB@1GBps").one_link
 
 
 def test_links_are_measured_and_predictions_use_them(model, tmp_path, monkeypatch):
