@@ -37,6 +37,7 @@ from .errors import ConfigError
 from .jobs import MeasureJob
 from .model_file import layer_counts
 from .params import ContextParams, Placement, ctx_for
+from .rpc import network
 from .worker.client import ServingWorker
 
 # MoE layers of the two replicas: their difference is eight layers' compute (fewer where the model has fewer), enough
@@ -179,8 +180,9 @@ class _Device:
     land) and attention's calibration."""
 
     def __init__(self, model, spec: str, indices: list[int], variant: str, reps: int, timeout: Optional[float],
-                 cache: bool):
+                 cache: bool, net: Optional[dict] = None, hidden: int = 0):
         self.model, self.spec, self.indices, self.variant = model, spec, indices, variant
+        self.net, self.hidden = net if net and net.get("up_gbps") and net.get("down_gbps") else None, hidden
         self.reps, self.timeout, self.cache = reps, timeout, cache
         self.n_hi = min(REPLICA_LAYERS[1], moe_layers(model))
         self.n_lo = max(1, min(REPLICA_LAYERS[0], self.n_hi - 1))
@@ -251,11 +253,21 @@ class _Device:
         self.calibrate(u, sorted(lengths)[:1] + sorted(lengths)[-1:])
 
     # -- what a layer costs
-    def _split(self, lo: float, hi: float) -> tuple[float, float]:
-        """(one layer's seconds, the seconds outside the layers) of both replicas' seconds."""
+    def _split(self, n_ubatch: int, n_tokens: int) -> tuple[float, float]:
+        """(one layer's seconds, the seconds outside the layers) of both replicas' seconds on a prompt of n_tokens at
+        n_ubatch. On an RPC server the replicas' messages crossed the network too: a layer's graph message, the
+        activations and inputs of each ubatch (rpc.network's bytes at the rates fit measured), which predict counts
+        as network time, are taken out here."""
+        lo, hi = self.data["runs"][f"{n_ubatch}:{n_tokens}"]
         layer = (hi - lo) / (self.n_hi - self.n_lo) if self.n_hi > self.n_lo else lo / self.n_lo
-        layer = max(layer, 0.0)
-        return layer, max(lo - self.n_lo * layer, 0.0)
+        outside = lo - self.n_lo * layer
+        if self.net:
+            n_ub = -(-n_tokens // n_ubatch)
+            up, down = network.device_bytes(self.hidden, n_ubatch, network.n_kv_mean(n_tokens, n_ubatch), 0,
+                                            act_out=False)
+            layer -= n_ub * network.graph_bytes(1) / (self.net["up_gbps"] * 1e9)
+            outside -= n_ub * (up / (self.net["up_gbps"] * 1e9) + down / (self.net["down_gbps"] * 1e9))
+        return max(layer, 0.0), max(outside, 0.0)
 
     def measured(self, n_ubatch: int, n_tokens: int) -> list[int]:
         """The prompt lengths up to n_tokens measured at n_ubatch, longest first."""
@@ -269,7 +281,7 @@ class _Device:
         if not lengths:
             return None
         m = lengths[0]
-        layer, outside = self._split(*self.data["runs"][f"{n_ubatch}:{m}"])
+        layer, outside = self._split(n_ubatch, m)
         b = self.kv[1] if self.kv else 0.0
         return max(layer - b * key_count(m, n_ubatch), 0.0) / m, outside / m, m
 
@@ -277,7 +289,7 @@ class _Device:
         """(one layer's seconds over the prompt, the seconds outside the layers, how) at n_ubatch: measured on the
         prompt, carried from a shorter one, or with `like`'s per-token part; None where nothing stands for it."""
         if f"{n_ubatch}:{n_tokens}" in self.data["runs"]:
-            return (*self._split(*self.data["runs"][f"{n_ubatch}:{n_tokens}"]), "measured")
+            return (*self._split(n_ubatch, n_tokens), "measured")
         got = self.per_token(n_ubatch if like is None else like, n_tokens)
         if got is None:
             return None
@@ -326,6 +338,9 @@ class Probe:
         timeout: seconds one replica's run may take.
         cache: read and write measurements under cache_dir().
         progress: say what it probes and show a progress bar on stderr.
+        networks: each RPC server's network as fit measured it (HOST:PORT -> DevicePlan.server_net): what the
+            replicas' messages took there is not compute.
+        hidden: the model's hidden size (n_embd), for those messages' bytes.
     Raises:
         ConfigError: when the model has too few layers.
     """
@@ -333,11 +348,12 @@ class Probe:
     def __init__(self, model: Union[str, os.PathLike], devices, n_tokens: int, candidates: Sequence[int] = (),
                  variant: str = PROBE.variant, servers: Optional[Sequence[Optional[str]]] = None, reps: int = PROBE.reps,
                  budget: Optional[float] = PROBE.budget, timeout: Optional[float] = PROBE.timeout, cache: bool = True,
-                 progress: bool = False):
+                 progress: bool = False, networks: Optional[dict] = None, hidden: int = 0):
         self.n_tokens, self.budget, self.progress = n_tokens, budget, progress
         shared = shares_one_gpu(devices)
-        self.devices = [_Device(model, spec, idx, variant, reps, timeout, cache)
-                        for idx, spec in probe_devices(devices, servers)]
+        server = lambda spec: spec[len("rpc://"):].split("/")[0] if spec.startswith("rpc://") else None
+        self.devices = [_Device(model, spec, idx, variant, reps, timeout, cache, (networks or {}).get(server(spec)),
+                                hidden) for idx, spec in probe_devices(devices, servers)]
         self.results = {i: LayerCompute(d.spec, n_tokens, shared=shared) for d in self.devices for i in d.indices}
         self.pending = sorted(set(candidates))
         self.short = min(n_tokens, PROBE.n_tokens)

@@ -523,7 +523,8 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
     probe = Probe(model, devices, n_tokens, [r["n_ubatch"] for r, _ in placed],
                   # (an RPC server speaks its own variant's protocol; elsewhere every weight resident computes alike)
                   variant=variant if spec.remote else PROBE.variant, servers=[d.server for d in placed[0][1].devices],
-                  timeout=kw.get("timeout") or FIT.timeout, progress=progress) if count_compute else None
+                  timeout=kw.get("timeout") or FIT.timeout, progress=progress, hidden=hidden,
+                  networks={d.server: d.server_net for d in placed[0][1].devices if d.server}) if count_compute else None
     best, best_ts = None, 0.0
     try:
         for row, plan in order:

@@ -104,3 +104,22 @@ def test_rpc_devices_are_probed_on_their_servers(monkeypatch):
     assert compute.probe_devices(spec) == [([-1], "rpc://10.0.0.2:50052/0")]
     local = compute.probe_devices("vdev:2x8MiB@1GBps,speed=1:2+rpc://10.0.0.2:50052", [None, None, "10.0.0.2:50052"])
     assert [idx for idx, _ in local] == [[0], [1], [2]] and local[2][1] == "rpc://10.0.0.2:50052/0"
+
+
+def test_an_rpc_servers_messages_are_not_compute(tiny_model):
+    """On an RPC server the replicas' messages cross the network as well: each layer's graph message and each
+    ubatch's activations and inputs, at the rates fit measured, come off the layer's and the outside's time (predict
+    counts them as the network's)."""
+    from pyllama_pp.rpc import network
+    net = {"up_gbps": 0.01, "down_gbps": 0.02}
+    d = compute._Device(tiny_model, "rpc://127.0.0.1:50052/0", [-1], "patched", reps=3, timeout=60, cache=False,
+                        net=net, hidden=64)
+    plain = compute._Device(tiny_model, "rpc://127.0.0.1:50052/0", [-1], "patched", reps=3, timeout=60, cache=False)
+    for x in (d, plain):
+        x.data["runs"]["64:512"] = [0.60, 1.50]   # (0.225 s a layer, 0.15 s outside)
+    n_ub = 512 // 64
+    (layer, outside, _), (layer0, outside0, _) = d.layer(64, 512), plain.layer(64, 512)
+    assert layer == pytest.approx(layer0 - n_ub * network.graph_bytes(1) / 0.01e9)
+    up, down = network.device_bytes(64, 64, network.n_kv_mean(512, 64), 0, act_out=False)
+    assert outside == pytest.approx(outside0 - n_ub * (up / 0.01e9 + down / 0.02e9))
+    assert 0 < layer < layer0 and 0 <= outside < outside0
