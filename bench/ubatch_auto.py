@@ -103,32 +103,31 @@ def main() -> int:
         args.margin = host_share_margins(model, args.devices, n, max(kw.get("candidates") or [n]), args.host_share)
         print(f"margins for a host share of {args.host_share:g}: {[m // 2**20 for m in args.margin]} MiB",
               file=sys.stderr)
-    plan = fit_ubatch(model, devices=args.devices, ctx=ContextParams(n_ctx=n + 256, n_batch=n), margin=args.margin,
-                      link_gbps=args.link_gbps.split(",") if args.link_gbps else None, shared_link=args.shared_link,
-                      n_tokens=n, **kw)
+    links = [float(x) for x in args.link_gbps.split(",")] if args.link_gbps else None
+    plan = fit_ubatch(model, devices=args.devices, ctx=ContextParams(n_ctx=n + 256), margin=args.margin,
+                      link_gbps=links, shared_link=args.shared_link, n_tokens=n, load_mode=args.load_mode,
+                      skip=False, progress=not args.json, **kw)
     fit_s = time.time() - t0
     print(plan, file=sys.stderr)
-    rows = []
-    links = [float(x) for x in args.link_gbps.split(",")] if args.link_gbps else None
+    spec = devspec.parse(args.devices)
+    placed = [c for c in plan.ubatch_auto if c.get("predicted_ts")]
+    for cand in placed:
+        cand["plan"] = fit(model, devices=args.devices, margin=args.margin, check=False,
+                           ctx=ContextParams(n_ctx=n + 256, n_batch=cand["n_batch"], n_ubatch=cand["n_ubatch"]))
     if args.host_experts_all:
-        # every expert on host: each candidate's plan keeps fit's split and context, all its layers host-expert
-        ubs = [c["n_ubatch"] for c in plan.ubatch_auto if c.get("predicted_ts")]
-        probed = probe(model, args.devices, ubs, n)
-        expert_bytes = expert_bytes_per_layer(model)
-        spec = devspec.parse(args.devices)
-        hidden = embedding_length(model) if spec.remote else 0   # (the network to RPC servers)
-        for cand in plan.ubatch_auto:
-            if not cand.get("predicted_ts"):
-                continue
-            p = fit(model, devices=args.devices, margin=args.margin, check=False,
-                    ctx=ContextParams(n_ctx=n + 256, n_batch=cand["n_batch"], n_ubatch=cand["n_ubatch"]))
+        # every expert on host: each candidate's plan keeps fit's split and context, all its layers host-expert,
+        # predicted with the planner's rates (measured links, the staging copy) and its probe (cached)
+        rates = link_rates(spec, links, len(plan.devices), [d.link for d in plan.devices])
+        probed = probe(model, args.devices, [c["n_ubatch"] for c in placed], n)
+        for cand in placed:
+            p = cand["plan"]
             for d in p.devices:
                 d.host_expert_layers, d.full_layers = d.n_layers, 0
-            pred = predict(p, expert_bytes, link_rates(spec, links, len(p.devices)), args.shared_link, probed, n,
-                           hidden)
-            cand.update(predicted_ts=pred.ts, bound=pred.bound, host_expert_layers=[d.n_layers for d in p.devices],
-                        plan=p)
-    t_start = time.time()
+            pred = predict(p, expert_bytes_per_layer(model), rates, args.shared_link, probed, n,
+                           embedding_length(model) if spec.remote else 0,
+                           staging_gbps=plan.host_copy_gbps if args.load_mode == "mmap" else None)
+            cand.update(predicted_ts=pred.ts, bound=pred.bound, host_expert_layers=[d.n_layers for d in p.devices])
+    rows, t_start = [], time.time()
     for cand in sorted(plan.ubatch_auto, key=lambda c: -c["n_ubatch"]):
         if not cand.get("predicted_ts"):
             continue
@@ -136,8 +135,7 @@ def main() -> int:
             print(f"(budget spent: ub{cand['n_ubatch']} not measured)", file=sys.stderr)
             continue
         ub, nb = cand["n_ubatch"], cand["n_batch"]
-        p = cand.get("plan") or fit(model, devices=args.devices, margin=args.margin, check=False,
-                                    ctx=ContextParams(n_ctx=n + 256, n_batch=nb, n_ubatch=ub))
+        p = cand["plan"]
         ctx = dict(n_batch=nb, n_ubatch=ub, n_ctx=n + 256, tests=[["pp", n]], reps=args.reps)
         placement = p.placement(args.load_mode, source="fit")
         if args.host_experts_all:
@@ -157,7 +155,8 @@ def main() -> int:
             if name == "host" and "baseline" in ts:
                 got["baseline"] = float(ts["baseline"])
         rows.append({"n_ubatch": ub, "n_batch": nb, "host_expert_layers": cand["host_expert_layers"],
-                     "bound": cand["bound"], "predicted_ts": cand["predicted_ts"], "measured_ts": got["host"],
+                     "compute": cand.get("compute", ""), "bound": cand["bound"], "predicted_ts": cand["predicted_ts"],
+                     "measured_ts": got["host"],
                      "error_pct": 100 * (cand["predicted_ts"] / got["host"] - 1),
                      "all_in_vram_ts": got["vram"], "of_vram_pct": 100 * got["host"] / got["vram"],
                      **({"baseline_ts": got["baseline"], "speedup": got["host"] / got["baseline"]}
@@ -166,10 +165,15 @@ def main() -> int:
               f"{got['vram']:.0f} t/s", file=sys.stderr, flush=True)
     df = pd.DataFrame(rows).sort_values("n_ubatch") if rows else pd.DataFrame(rows)
     best = df.loc[df["measured_ts"].idxmax()] if len(df) else None
-    ok = [c for c in plan.ubatch_auto if c.get("predicted_ts")]
-    chosen = max(ok, key=lambda c: (c["predicted_ts"], c["n_ubatch"]))["n_ubatch"] if ok else plan.ctx["n_ubatch"]
+    # (every expert on host: the candidate predicted fastest with them; else the planner's own choice)
+    chosen = max(placed, key=lambda c: (c["predicted_ts"], c["n_ubatch"]))["n_ubatch"] if args.host_experts_all \
+        and placed else plan.ctx["n_ubatch"]
     chosen_ts = float(df.loc[df["n_ubatch"] == chosen, "measured_ts"].iloc[0]) if chosen in set(df["n_ubatch"]) else None
+    configured = spec.link_rates() or []
     summary = {"model": model, "devices": args.devices, "n_tokens": n, "fit_seconds": fit_s, "chosen_n_ubatch": chosen,
+               "chosen_n_batch": plan.ctx["n_batch"], "load_mode": args.load_mode,
+               "links_measured": [d.link for d in plan.devices], "links_configured": configured,
+               "host_copy_gbps": plan.host_copy_gbps,
                "host_experts_all": args.host_experts_all, "measure_seconds": time.time() - t_start,
                "best_measured_n_ubatch": int(best["n_ubatch"]) if best is not None else None,
                "chosen_of_best_pct": 100 * chosen_ts / float(best["measured_ts"]) if chosen_ts else None,

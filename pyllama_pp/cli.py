@@ -122,15 +122,16 @@ def _device_notes(args, *specs) -> None:
 def cmd_fit(args) -> int:
     _device_notes(args, args.devices)
     auto = args.ubatch == "auto"
-    if not auto and args.batch < args.ubatch:
-        raise ConfigError(f"-ub/--ubatch ({args.ubatch}) is larger than -b/--batch ({args.batch}). Fix: -ub <= -b")
-    ctx = ContextParams(n_ctx=args.ctx, n_batch=args.batch,
-                        n_ubatch=min(args.batch, FIT.n_ubatch) if auto else args.ubatch,
+    batch = args.batch or FIT.n_batch
+    if not auto and batch < args.ubatch:
+        raise ConfigError(f"-ub/--ubatch ({args.ubatch}) is larger than -b/--batch ({batch}). Fix: -ub <= -b")
+    ctx = ContextParams(n_ctx=args.ctx, n_batch=batch, n_ubatch=min(batch, FIT.n_ubatch) if auto else args.ubatch,
                         op_offload=not args.no_op_offload, offload_kqv=not args.no_kv_offload)
     spread = args.spread if args.spread in ("equal", "links") else args.spread.split(",")
     kw = dict(devices=args.devices, ctx=ctx, variant=args.variant, margin=args.margin, split_mode=args.split_mode,
               check=not args.no_check, spread=spread, link_gbps=args.link_gbps)
-    plan = fit_ubatch(args.model, shared_link=args.shared_link, **kw) if auto else fit(args.model, **kw)
+    plan = fit_ubatch(args.model, shared_link=args.shared_link, n_batch=args.batch, progress=not args.json, **kw) \
+        if auto else fit(args.model, **kw)
     if args.out:
         plan.save(args.out)
     _emit(args, {"pyllama_pp_plan": 1, **plan.to_dict()},
@@ -220,7 +221,7 @@ def _planned(args):
     if args.resume:
         cfgs, variants = _resumed(args)
         return cfgs, variants, None, (cpu_only_notes(cfgs) if args.cmd == "ab" else [])
-    planned = plan_runs(choices_from_args(args))
+    planned = plan_runs(choices_from_args(args), progress=not args.json)
     for plan in planned.plans if not args.json else ():
         print(plan, file=sys.stderr)
     return list(planned.configs), list(planned.variants), planned.choices, list(planned.notes)
@@ -380,8 +381,8 @@ def _add_measure_options(p, model_required: bool) -> None:
     p.add_argument("-ub", "--ubatch", type=lambda x: x if x == "auto" else _ints(x), default=None,
                    metavar="N[,N]|auto",
                    help=f"n_ubatch, comma-separated to sweep (default: {RUN.n_ubatch}; the main job: "
-                        f"{MAIN_JOB.n_ubatch}); auto: the one fit --ubatch auto predicts fastest for the longest "
-                        "prompt, with its plan for both variants")
+                        f"{MAIN_JOB.n_ubatch}); auto: the pair (n_batch up to the longest prompt or the largest -b, "
+                        "n_ubatch) fit --ubatch auto predicts fastest for that prompt, with its plan for both variants")
     p.add_argument("-c", "--ctx", type=int, default=RUN.n_ctx, metavar="N",
                    help="n_ctx (default: %(default)s, just what the tests need)")
     p.add_argument("-ngl", "--ngl", type=int, default=RUN.n_gpu_layers, metavar="N",
@@ -466,12 +467,13 @@ def _add_fit(sub) -> None:
                         "upstream's (default: %(default)s)")
     p.add_argument("-c", "--ctx", type=int, default=FIT.n_ctx, metavar="N",
                    help="n_ctx to plan for; 0: fit chooses it (default: %(default)s)")
-    p.add_argument("-b", "--batch", type=_positive, default=FIT.n_batch, metavar="N",
-                   help="n_batch (default: %(default)s)")
+    p.add_argument("-b", "--batch", type=_positive, default=None, metavar="N",
+                   help=f"n_batch (default: {FIT.n_batch}; with --ubatch auto: the largest n_batch to take, default "
+                        "the prompt, n_ctx)")
     p.add_argument("-ub", "--ubatch", type=lambda x: x if x == "auto" else _positive(x), default=FIT.n_ubatch,
-                   metavar="N|auto", help=f"n_ubatch; auto: the n_ubatch ({min(UBATCH_CANDIDATES)}-"
-                                          f"{max(UBATCH_CANDIDATES)}, and an n_batch of 8 of them) whose plan the "
-                                          "bytes bound predicts fastest (default: %(default)s)")
+                   metavar="N|auto", help=f"n_ubatch; auto: the pair (n_batch, n_ubatch {min(UBATCH_CANDIDATES)}-"
+                                          f"{max(UBATCH_CANDIDATES)}, up to the prompt) predicted fastest from bytes "
+                                          "per link and a compute probe (cached) (default: %(default)s)")
     p.add_argument("--margin", type=_margin_arg, default=None, metavar="SIZE[,SIZE]",
                    help="memory to leave free on each device, one value or one per device "
                         f"(default: {_margins_text()}; upstream's on CUDA, VDEV budgets are exact)")

@@ -2,24 +2,34 @@
 
 A prompt's ubatch moves every host-expert layer's experts over the device's link and computes every layer the
 device holds. Bytes per link are known from the plan; compute is not, and at a large n_ubatch it is what binds.
-The probe measures it on the device itself, with the model's own layers: two replicas of the model with the first
-`lead + 1` and `lead + 9` layers (lead: the leading dense layers some families have; at most the model's own),
-every weight resident on one device, each running the prompt at every candidate n_ubatch. The difference of the two
-times is eight MoE layers' compute; what is left of the shorter is the per-prompt cost outside the layers
-(embeddings, output). Results are
-cached per model file, device and sizes (PYLLAMA_PP_CACHE/compute/).
+The probe measures it on the device itself (for an RPC server's devices: on the server), with the model's own layers:
+two replicas of the model with the first `lead + 2` and `lead + 10` layers (lead: the leading dense layers some
+families have; fewer where the model has fewer), every weight resident on one device. The difference of their times
+is eight MoE layers' compute; what is left of the shorter is the cost outside the layers (embeddings, output).
+
+A layer's time over a prompt of P tokens in ubatches of u is P a(u) + b K(P, u): a per-token part that depends on the
+ubatch (the matrix products, the experts a ubatch uses) and attention's, b seconds per key a query reads, K(P, u) the
+keys in all (`key_count`). Each candidate runs the prompt itself where that fits the time budget (PROBE.budget,
+pyllama_pp.defaults); else a short prompt (one ubatch, at least PROBE.n_tokens) whose result b carries to the prompt's
+length (b: calibrated once, the shorter replica at two lengths); a candidate whose short prompt does not fit the
+budget either takes the per-token part of the nearest candidate measured ("estimated"). Each measurement is cached as
+it lands, per model file, device spec and replica (PYLLAMA_PP_CACHE/compute/), and serves later probes of any length.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-from dataclasses import asdict, dataclass, field
+import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 from typing import Optional, Sequence, Union
 
 import gguf
+from tqdm import tqdm
 
 from . import devices as devspec
 from .defaults import PROBE, cache_dir as _cache_root
@@ -27,11 +37,16 @@ from .errors import ConfigError
 from .jobs import MeasureJob
 from .model_file import layer_counts
 from .params import ContextParams, Placement, ctx_for
-from .worker.client import run_job
+from .rpc import network
+from .worker.client import ServingWorker
 
 # MoE layers of the two replicas: their difference is eight layers' compute (fewer where the model has fewer), enough
-# to stand above the run-to-run noise of a prompt's time on a GPU
-REPLICA_LAYERS = (1, 9)
+# to stand above the run-to-run noise of a prompt's time on a GPU; the shorter has two, as one layer's experts can
+# stay in a CPU's cache from ubatch to ubatch where a model's many layers' do not (measured: the small preset's one
+# layer ran at a third of the per-layer time of two or more)
+REPLICA_LAYERS = (2, 10)
+# attention's calibration: the shorter replica on the short prompt and on this many times its length
+CALIBRATION_SPAN = 4
 
 
 def cache_dir() -> Path:
@@ -107,23 +122,32 @@ def shares_one_gpu(devices) -> bool:
     return devspec.parse(devices).shares_one_gpu
 
 
-def probe_devices(devices) -> list[tuple[list[int], str]]:
+def probe_devices(devices, servers: Optional[Sequence[Optional[str]]] = None) -> list[tuple[list[int], str]]:
     """The device specs the probe runs on, with the devices each stands for (DeviceSpec.probe_specs): for VDEVs one
     per distinct compute speed (unthrottled, no memory limit: only compute is measured); for CUDA the first device
     (the devices are taken to be alike), or every device together where they are parts of one GPU (shares_one_gpu);
-    "cpu" for the CPU.
+    for RPC servers a device of each server; "cpu" for the CPU.
 
     Args:
         devices: a device spec.
+        servers: each device's RPC server, HOST:PORT or None, as a fit plan names them (for specs with servers).
     Returns:
         [(device indices, device spec), ...].
     """
-    return devspec.parse(devices).probe_specs()
+    return devspec.parse(devices).probe_specs(servers)
+
+
+def key_count(n_tokens: int, n_ubatch: int) -> int:
+    """The keys a prompt's queries read in all, as attention's mask lays them out: each ubatch's tokens against every
+    cell in use once it is in (n_tokens in ubatches of n_ubatch)."""
+    full, tail = divmod(n_tokens, n_ubatch)
+    total = n_ubatch * n_ubatch * full * (full + 1) // 2   # (ubatch i of full ones: n_ubatch x (i + 1) n_ubatch)
+    return total + tail * n_tokens
 
 
 @dataclass
 class LayerCompute:
-    """What the probe measured on one device: seconds one MoE layer takes over a prompt of n_tokens at each n_ubatch,
+    """What the probe found for one device: seconds one MoE layer takes over a prompt of n_tokens at each n_ubatch,
     and the seconds outside the layers (embeddings, output) per prompt.
 
     Attributes:
@@ -133,6 +157,9 @@ class LayerCompute:
         outside_s: n_ubatch -> seconds outside the layers over the whole prompt.
         shared: measured on every device of a spec whose devices are parts of one GPU, pipelined together: a layer's
             time is what one more layer adds to the whole pipeline, wherever it is.
+        how: n_ubatch -> how it was found: "measured" (on the prompt itself), "measured at N tokens" (a short prompt,
+            carried to n_tokens by attention's part) or "estimated from n_ubatch U" (not run: U's per-token part).
+        kv_s: attention's part: seconds one layer takes per key a query reads (0: not calibrated, or not needed).
     """
 
     device: str
@@ -140,32 +167,333 @@ class LayerCompute:
     layer_s: dict = field(default_factory=dict)
     outside_s: dict = field(default_factory=dict)
     shared: bool = False
+    how: dict = field(default_factory=dict)
+    kv_s: float = 0.0
 
     def per_ubatch(self, n_ubatch: int) -> float:
         """Seconds one MoE layer computes one ubatch of n_ubatch tokens (the prompt's mean)."""
         return self.layer_s[n_ubatch] * n_ubatch / self.n_tokens
 
 
-def _prompt_seconds(model: Path, device: str, ubatches: Sequence[int], n_tokens: int, reps: int,
-                    timeout: Optional[float]) -> dict:
-    """Median seconds of a prompt of n_tokens at each n_ubatch, every weight resident on the device."""
-    n_ctx = ctx_for(n_tokens + 8)
-    ctxs = [ContextParams(n_ctx=n_ctx, n_batch=n_tokens, n_ubatch=ub) for ub in ubatches]
-    job = MeasureJob(variant="baseline", model=str(model), devices=device, placement=Placement(), ctx=ctxs[0],
-                     tests=[["pp", n_tokens]], reps=reps, warmup=1, coverage=False,
-                     ctx_list=[{"ctx": c.to_dict(), "tests": [["pp", n_tokens]]} for c in ctxs])
-    res = run_job(job, "baseline", timeout=timeout)
-    out = {}
-    for ub, run in zip(ubatches, res["runs"]):
-        if "error" in run:
-            raise ConfigError(f"the compute probe could not run n_ubatch {ub} on {device}: {run['error']}")
-        out[ub] = median(run["tests"][0]["seconds"])
-    return out
+class _Device:
+    """The probe of one device spec: its replicas' workers (one each, kept loaded), its measurements (cached as they
+    land) and attention's calibration."""
+
+    def __init__(self, model, spec: str, indices: list[int], variant: str, reps: int, timeout: Optional[float],
+                 cache: bool, net: Optional[dict] = None, hidden: int = 0):
+        self.model, self.spec, self.indices, self.variant = model, spec, indices, variant
+        self.net, self.hidden = net if net and net.get("up_gbps") and net.get("down_gbps") else None, hidden
+        self.reps, self.timeout, self.cache = reps, timeout, cache
+        self.n_hi = min(REPLICA_LAYERS[1], moe_layers(model))
+        self.n_lo = max(1, min(REPLICA_LAYERS[0], self.n_hi - 1))
+        key = hashlib.sha1(json.dumps([_model_key(model), spec, os.environ.get("GGML_CUDA_DEVICES", ""), variant,
+                                       self.n_lo, self.n_hi]).encode()).hexdigest()[:16]
+        self.path = cache_dir() / f"compute-{key}.json"
+        self.data = {"device": spec, "runs": {}, "calibration": {}}
+        if cache and self.path.exists():
+            self.data = json.loads(self.path.read_text())
+        self.workers: dict[int, ServingWorker] = {}
+        # an RPC server serves one client at a time: one replica's worker at a time, the other one closed
+        self.exclusive = devspec.parse(spec).remote
+        self.kv: Optional[tuple[float, float]] = None   # (seconds a layer-token outside attention, b)
+
+    # -- runs
+    def _seconds(self, n_layers: int, n_ubatch: int, n_tokens: int) -> float:
+        """The median seconds of a prompt of n_tokens at n_ubatch on the replica of n_layers MoE layers."""
+        if n_layers not in self.workers:
+            if self.exclusive:
+                self.close()
+            self.workers[n_layers] = ServingWorker(self.variant).start()
+        job = MeasureJob(variant=self.variant, model=str(replica(self.model, n_layers)), devices=self.spec,
+                         placement=Placement(), tests=[["pp", n_tokens]], reps=self.reps, warmup=1, coverage=False,
+                         ctx=ContextParams(n_ctx=ctx_for(n_tokens + 8), n_batch=n_tokens, n_ubatch=n_ubatch))
+        return median(self.workers[n_layers].run(job, timeout=self.timeout)["tests"][0]["seconds"])
+
+    def _save(self) -> None:
+        if self.cache:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.data))
+
+    def run(self, n_ubatch: int, n_tokens: int) -> list[float]:
+        """Both replicas' seconds on a prompt of n_tokens at n_ubatch (measured once, then cached)."""
+        key = f"{n_ubatch}:{n_tokens}"
+        if key not in self.data["runs"]:
+            # (the replica loaded now first: with one worker at a time, one load a candidate)
+            first = self.n_hi if self.n_hi in self.workers else self.n_lo
+            got = {n: self._seconds(n, n_ubatch, n_tokens) for n in dict.fromkeys((first, self.n_lo, self.n_hi))}
+            self.data["runs"][key] = [got[self.n_lo], got[self.n_hi]]
+            self._save()
+        return self.data["runs"][key]
+
+    def calibrate(self, n_ubatch: int, lengths: Sequence[int]) -> None:
+        """Attention's part b from the shorter replica at two prompt lengths: its seconds are P x + n_lo b K(P, u)."""
+        pts = []
+        for n in lengths:
+            key = f"{n_ubatch}:{n}"
+            if key not in self.data["calibration"]:
+                self.data["calibration"][key] = self._seconds(self.n_lo, n_ubatch, n)
+                self._save()
+            pts.append((n, key_count(n, n_ubatch), self.data["calibration"][key]))
+        (p1, k1, t1), (p2, k2, t2) = pts[0], pts[-1]
+        det = p1 * k2 - p2 * k1
+        b = max((p1 * t2 - p2 * t1) / det / self.n_lo, 0.0) if det else 0.0
+        self.kv = (max(t1 - self.n_lo * b * k1, 0.0) / (p1 * self.n_lo), b)
+
+    def calibrated(self) -> bool:
+        """Whether attention's calibration is in the cache (any)."""
+        return bool(self.data["calibration"])
+
+    def load_calibration(self) -> None:
+        """Attention's part from the cached calibration (its first two lengths at one n_ubatch)."""
+        by_ub: dict = {}
+        for key in self.data["calibration"]:
+            u, n = map(int, key.split(":"))
+            by_ub.setdefault(u, []).append(n)
+        u, lengths = min(by_ub.items())
+        self.calibrate(u, sorted(lengths)[:1] + sorted(lengths)[-1:])
+
+    # -- what a layer costs
+    def _split(self, n_ubatch: int, n_tokens: int) -> tuple[float, float]:
+        """(one layer's seconds, the seconds outside the layers) of both replicas' seconds on a prompt of n_tokens at
+        n_ubatch. On an RPC server the replicas' messages crossed the network too: a layer's graph message, the
+        activations and inputs of each ubatch (rpc.network's bytes at the rates fit measured), which predict counts
+        as network time, are taken out here."""
+        lo, hi = self.data["runs"][f"{n_ubatch}:{n_tokens}"]
+        layer = (hi - lo) / (self.n_hi - self.n_lo) if self.n_hi > self.n_lo else lo / self.n_lo
+        outside = lo - self.n_lo * layer
+        if self.net:
+            n_ub = -(-n_tokens // n_ubatch)
+            up, down = network.device_bytes(self.hidden, n_ubatch, network.n_kv_mean(n_tokens, n_ubatch), 0,
+                                            act_out=False)
+            layer -= n_ub * network.graph_bytes(1) / (self.net["up_gbps"] * 1e9)
+            outside -= n_ub * (up / (self.net["up_gbps"] * 1e9) + down / (self.net["down_gbps"] * 1e9))
+        return max(layer, 0.0), max(outside, 0.0)
+
+    def measured(self, n_ubatch: int, n_tokens: int) -> list[int]:
+        """The prompt lengths up to n_tokens measured at n_ubatch, longest first."""
+        got = [int(k.split(":")[1]) for k in self.data["runs"] if int(k.split(":")[0]) == n_ubatch]
+        return sorted((n for n in got if n <= n_tokens), reverse=True)
+
+    def per_token(self, n_ubatch: int, n_tokens: int) -> Optional[tuple[float, float, int]]:
+        """(a layer's seconds per token outside attention, the outside's seconds per token, the length measured) at
+        n_ubatch, from its longest measurement up to n_tokens; None where there is none."""
+        lengths = self.measured(n_ubatch, n_tokens)
+        if not lengths:
+            return None
+        m = lengths[0]
+        layer, outside = self._split(n_ubatch, m)
+        b = self.kv[1] if self.kv else 0.0
+        return max(layer - b * key_count(m, n_ubatch), 0.0) / m, outside / m, m
+
+    def layer(self, n_ubatch: int, n_tokens: int, like: Optional[int] = None) -> Optional[tuple[float, float, str]]:
+        """(one layer's seconds over the prompt, the seconds outside the layers, how) at n_ubatch: measured on the
+        prompt, carried from a shorter one, or with `like`'s per-token part; None where nothing stands for it."""
+        if f"{n_ubatch}:{n_tokens}" in self.data["runs"]:
+            return (*self._split(n_ubatch, n_tokens), "measured")
+        got = self.per_token(n_ubatch if like is None else like, n_tokens)
+        if got is None:
+            return None
+        a, o, m = got
+        b = self.kv[1] if self.kv else 0.0
+        how = f"measured at {m} tokens" if like is None else f"estimated from n_ubatch {like}"
+        return n_tokens * a + b * key_count(n_tokens, n_ubatch), o * n_tokens, how
+
+    def cost(self, n_ubatch: int, n_tokens: int) -> float:
+        """Seconds measuring both replicas at n_ubatch on n_tokens would take, by the calibration (inf: none)."""
+        if not self.kv:
+            return math.inf
+        x, b = self.kv
+        one = n_tokens * x + b * key_count(n_tokens, n_ubatch)   # (a layer, its share of the outside)
+        return (1 + self.reps) * (self.n_lo + self.n_hi) * one
+
+    def nearest(self, n_ubatch: int, n_tokens: int) -> Optional[int]:
+        """The measured n_ubatch nearest to n_ubatch (by ratio)."""
+        done = {int(k.split(":")[0]) for k in self.data["runs"] if int(k.split(":")[1]) <= n_tokens}
+        return min(done, key=lambda u: abs(math.log(u / n_ubatch))) if done else None
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.close()
+        self.workers.clear()
+
+
+class Probe:
+    """The compute probe of one model on one device spec for a prompt of n_tokens, candidate by candidate (the
+    planner decides which: `compute` measures or estimates one, `skip` drops one), within a time budget. A context
+    manager: its replicas' workers stay loaded until it closes.
+
+    >>> with Probe("small.gguf", "vdev:2x87MiB@1GBps", 16384, candidates=[64, 128, 256], progress=True) as p:
+    ...     layer_compute = p.compute(128)     # device index -> LayerCompute, with n_ubatch 128 in it
+
+    Args:
+        model: the GGUF file.
+        devices: the device spec (its devices' compute is probed; links and memory limits play no part).
+        n_tokens: the prompt's length.
+        candidates: the n_ubatch values the planner may ask for (the budget is shared among those not asked yet).
+        variant: the build that runs the replicas ("baseline": every weight resident, both compute alike; a spec
+            with RPC servers needs their variant).
+        servers: each device's RPC server as a fit plan names them (HOST:PORT or None), for specs with servers.
+        reps: timed runs per replica and measurement (the median counts; one untimed first).
+        budget: seconds the probe may spend measuring (None: no limit: every candidate on the prompt itself).
+        timeout: seconds one replica's run may take.
+        cache: read and write measurements under cache_dir().
+        progress: say what it probes and show a progress bar on stderr.
+        networks: each RPC server's network as fit measured it (HOST:PORT -> DevicePlan.server_net): what the
+            replicas' messages took there is not compute.
+        hidden: the model's hidden size (n_embd), for those messages' bytes.
+    Raises:
+        ConfigError: when the model has too few layers.
+    """
+
+    def __init__(self, model: Union[str, os.PathLike], devices, n_tokens: int, candidates: Sequence[int] = (),
+                 variant: str = PROBE.variant, servers: Optional[Sequence[Optional[str]]] = None, reps: int = PROBE.reps,
+                 budget: Optional[float] = PROBE.budget, timeout: Optional[float] = PROBE.timeout, cache: bool = True,
+                 progress: bool = False, networks: Optional[dict] = None, hidden: int = 0):
+        self.n_tokens, self.budget, self.progress = n_tokens, budget, progress
+        shared = shares_one_gpu(devices)
+        server = lambda spec: spec[len("rpc://"):].split("/")[0] if spec.startswith("rpc://") else None
+        self.devices = [_Device(model, spec, idx, variant, reps, timeout, cache, (networks or {}).get(server(spec)),
+                                hidden) for idx, spec in probe_devices(devices, servers)]
+        self.results = {i: LayerCompute(d.spec, n_tokens, shared=shared) for d in self.devices for i in d.indices}
+        self.pending = sorted(set(candidates))
+        self.short = min(n_tokens, PROBE.n_tokens)
+        self.spent, self.runs, self.started, self.bar = 0.0, 0, False, None
+
+    def __enter__(self) -> "Probe":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _say(self, text: str) -> None:
+        if self.progress:
+            (self.bar.write if self.bar else print)(text, file=sys.stderr)
+
+    def _start(self) -> None:
+        """Once, before the first candidate: attention's calibration where prompts are carried, and what the probe is
+        about to do (or that the cache answers it)."""
+        self.started = True
+        todo = [u for u in self.pending if any(d.layer(u, self.n_tokens) is None for d in self.devices)]
+        if not todo:
+            self._say(f"compute probe: every candidate cached in {self.devices[0].path.parent} (no run)")
+            for d in self.devices:
+                if d.calibrated():
+                    d.load_calibration()
+            return
+        t0 = time.perf_counter()
+        longer = min(self.n_tokens, CALIBRATION_SPAN * self.short)
+        for d in self.devices:
+            if longer > self.short:
+                d.calibrate(min(self.pending), (self.short, longer))
+        self.spent += time.perf_counter() - t0
+        est, pending = self.spent, len(self.pending)
+        for i, u in enumerate(todo):   # (as compute() will choose, candidate by candidate, the budget shrinking)
+            est += self._plan(u, est, pending, measured=i > 0)[1]
+            pending -= 1
+        self._say(f"probing compute at n_ubatch {todo[0]}..{todo[-1]} on {len(self.devices)} device "
+                  f"spec{'s' if len(self.devices) > 1 else ''} ({', '.join(devspec.parse(d.spec).label for d in self.devices)}), "
+                  f"~{est:.0f} s{f' (budget {self.budget:g} s)' if self.budget else ''}; "
+                  f"cached in {self.devices[0].path.parent}")
+        self.bar = tqdm(total=len(self.pending), desc="compute probe", unit="n_ubatch", file=sys.stderr,
+                        disable=not self.progress, leave=False)
+
+    def _plan(self, n_ubatch: int, spent: Optional[float] = None, pending: Optional[int] = None,
+              measured: Optional[bool] = None) -> tuple[Optional[int], float]:
+        """The prompt length to measure n_ubatch at within the budget (None: estimate it), and its cost (seconds),
+        with `spent` seconds spent, `pending` candidates left and something `measured` to stand for it (default: as
+        they stand)."""
+        full = self.n_tokens
+        short = min(full, max(n_ubatch, self.short))
+        cost = lambda n: max(d.cost(n_ubatch, n) for d in self.devices)
+        if self.budget is None or full <= self.short:
+            return full, 0.0 if full <= self.short else cost(full)
+        left = self.budget - (self.spent if spent is None else spent)
+        if cost(full) <= left / max(1, len(self.pending) if pending is None else pending):
+            return full, cost(full)
+        if measured is None:
+            measured = all(d.nearest(n_ubatch, full) is not None for d in self.devices)
+        if cost(short) <= left or not measured:
+            return short, cost(short)   # (within the budget, or nothing measured yet to stand for it)
+        return None, 0.0
+
+    def compute(self, n_ubatch: int) -> dict[int, LayerCompute]:
+        """Each device's compute at n_ubatch: from the cache, measured (on the prompt, or on a short one and carried to
+        its length) or, past the budget, estimated from the nearest candidate measured.
+
+        Args:
+            n_ubatch: a candidate.
+        Returns:
+            device index -> LayerCompute (-1: every device, for "cuda" without ids and "cpu"), every n_ubatch asked
+            so far in it.
+        Raises:
+            ConfigError: when a replica cannot run on a device.
+            WorkerError: when a replica's worker dies or times out.
+        """
+        if not self.started:
+            self._start()
+        n, (length, _) = self.n_tokens, self._plan(n_ubatch)
+        for d in self.devices:
+            got = d.layer(n_ubatch, n)
+            if got is None and length is not None:
+                t0 = time.perf_counter()
+                d.run(n_ubatch, length)
+                self.spent += time.perf_counter() - t0
+                self.runs += 1
+                got = d.layer(n_ubatch, n)
+            if got is None:
+                got = d.layer(n_ubatch, n, like=d.nearest(n_ubatch, n))
+            for i in d.indices:
+                r = self.results[i]
+                r.layer_s[n_ubatch], r.outside_s[n_ubatch], r.how[n_ubatch] = got
+                r.kv_s = d.kv[1] if d.kv else 0.0
+        self._done(n_ubatch)
+        return self.results
+
+    def optimistic(self, n_ubatch: int, slack: float) -> Optional[dict[int, LayerCompute]]:
+        """A bound below each device's compute at n_ubatch, before measuring it: attention's part, and `slack` times
+        the cheapest per-token part measured so far; None before the first measurement."""
+        out = {}
+        for d in self.devices:
+            parts = [d.per_token(u, self.n_tokens) for u in {int(k.split(":")[0]) for k in d.data["runs"]}]
+            parts = [p for p in parts if p]
+            if not parts:
+                return None
+            a = slack * min(p[0] for p in parts)
+            b = d.kv[1] if d.kv else 0.0
+            lc = LayerCompute(d.spec, self.n_tokens, {n_ubatch: self.n_tokens * a + b * key_count(self.n_tokens,
+                                                                                              n_ubatch)},
+                              {n_ubatch: 0.0}, shared=self.results[d.indices[0]].shared)
+            out.update({i: lc for i in d.indices})
+        return out
+
+    def skip(self, n_ubatch: int) -> None:
+        """The planner will not ask for n_ubatch (its budget share goes to the others)."""
+        self._done(n_ubatch)
+
+    def _done(self, n_ubatch: int) -> None:
+        if n_ubatch in self.pending:
+            self.pending.remove(n_ubatch)
+            if self.bar is not None:
+                self.bar.update(1)
+
+    def close(self) -> None:
+        """Stop the replicas' workers and say what the probe took."""
+        for d in self.devices:
+            d.close()
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.runs:
+            self._say(f"compute probe: {self.spent:.0f} s, {self.runs} measurement{'s' if self.runs > 1 else ''}; "
+                      f"cached in {self.devices[0].path.parent}")
 
 
 def probe(model: Union[str, os.PathLike], devices, ubatches: Sequence[int], n_tokens: int, reps: int = PROBE.reps,
-          timeout: Optional[float] = PROBE.timeout, cache: bool = True) -> dict[int, LayerCompute]:
-    """Measure one MoE layer's compute at each n_ubatch on each kind of device the spec names.
+          timeout: Optional[float] = PROBE.timeout, cache: bool = True, budget: Optional[float] = PROBE.budget,
+          variant: str = PROBE.variant, servers: Optional[Sequence[Optional[str]]] = None,
+          progress: bool = False) -> dict[int, LayerCompute]:
+    """Measure one MoE layer's compute at each n_ubatch on each kind of device the spec names (Probe, for every
+    candidate).
 
     Args:
         model: the GGUF file.
@@ -173,38 +501,22 @@ def probe(model: Union[str, os.PathLike], devices, ubatches: Sequence[int], n_to
         ubatches: the n_ubatch values.
         n_tokens: the prompt's length.
         reps: timed runs per replica and n_ubatch (the median counts).
-        timeout: seconds per probe job.
+        timeout: seconds per replica's run.
         cache: read and write results under cache_dir().
+        budget: seconds the probe may spend measuring (None: every candidate on the prompt itself).
+        variant: the build that runs the replicas (Probe).
+        servers: each device's RPC server, for specs with servers (Probe).
+        progress: say what it probes, with a progress bar on stderr.
     Returns:
         device index -> LayerCompute (-1: every device, for "cuda" without ids and "cpu").
     Raises:
         ConfigError: when the model has too few layers, or a replica cannot run on a device.
         WorkerError: when a probe's worker dies or times out.
     """
-    out: dict[int, LayerCompute] = {}
-    for idx, device in probe_devices(devices):
-        key = hashlib.sha1(json.dumps([_model_key(model), device, sorted(ubatches), n_tokens,
-                                       os.environ.get("GGML_CUDA_DEVICES", "")]).encode()).hexdigest()[:16]
-        path = cache_dir() / f"probe-{key}.json"
-        lc = None
-        if cache and path.exists():
-            d = json.loads(path.read_text())
-            lc = LayerCompute(d["device"], d["n_tokens"], {int(k): v for k, v in d["layer_s"].items()},
-                              {int(k): v for k, v in d["outside_s"].items()}, d.get("shared", False))
-        if lc is None:
-            n_lo, n_hi = REPLICA_LAYERS[0], min(REPLICA_LAYERS[1], moe_layers(model))
-            lo, hi = (_prompt_seconds(replica(model, n), device, ubatches, n_tokens, reps, timeout)
-                      for n in (n_lo, n_hi))
-            span = max(n_hi - n_lo, 1)
-            layer = {ub: max(hi[ub] - lo[ub], 0.0) / span for ub in ubatches}
-            outside = {ub: max(lo[ub] - n_lo * layer[ub], 0.0) for ub in ubatches}
-            lc = LayerCompute(device, n_tokens, layer, outside, shared=shares_one_gpu(device))
-            if cache:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(asdict(lc)))
-        for i in idx:
-            out[i] = lc
-    return out
+    with Probe(model, devices, n_tokens, ubatches, variant, servers, reps, budget, timeout, cache, progress) as p:
+        for ub in sorted(set(ubatches)):
+            p.compute(ub)
+        return p.results
 
 
 def compute_for(probed: dict[int, LayerCompute], device_index: int) -> LayerCompute:
@@ -212,4 +524,4 @@ def compute_for(probed: dict[int, LayerCompute], device_index: int) -> LayerComp
     return probed.get(device_index) or probed[-1]
 
 
-__all__ = ["probe", "replica", "LayerCompute", "probe_devices", "shares_one_gpu"]
+__all__ = ["probe", "Probe", "replica", "LayerCompute", "probe_devices", "shares_one_gpu", "key_count"]

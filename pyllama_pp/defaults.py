@@ -57,6 +57,7 @@ class Defaults:
         calls: the soak's calls in one context.
         check_every: the soak's calls between logits checkpoints.
         seed: the seed of random tokens (and of the paired interval's bootstrap).
+        budget: seconds a probe may spend measuring before it estimates the rest (the compute probe).
     """
 
     variant: Optional[str] = None
@@ -83,6 +84,7 @@ class Defaults:
     calls: Optional[int] = None
     check_every: Optional[int] = None
     seed: Optional[int] = None
+    budget: Optional[float] = None
 
 
 # llama.cpp's own context defaults (llama_context_default_params, common's n_batch / n_ubatch); threads: every
@@ -119,8 +121,10 @@ CHECK = Defaults(devices="vdev:2x0@0", host_experts="all", n_ctx=512, n_batch=25
 # up once first), one load
 PAIRED = Defaults(rounds=20, loads=1, warmup=0)
 
-# the compute probe: the median of 3 timed runs per replica and n_ubatch
-PROBE = Defaults(reps=3, timeout=600)
+# the compute probe: the baseline build (every weight resident: both variants compute alike), the median of 3 timed runs
+# per replica and n_ubatch; a short prompt of 512 tokens (or one ubatch)
+# where the prompt itself does not fit the budget of 40 s (the planner's first run on a 2-core CPU stays near a minute)
+PROBE = Defaults(variant="baseline", reps=3, timeout=600, n_tokens=512, budget=40)
 
 # the soak: two VDEVs with links, every expert in host RAM, a context of 1024, long enough for its edits
 SOAK = Defaults(devices="vdev:2x256MiB@4GBps", host_experts="all", n_ctx=1024, n_batch=512, n_ubatch=128, calls=1000,

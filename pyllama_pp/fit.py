@@ -11,19 +11,24 @@ them (path "spread"), else it takes upstream's steps and says why (path "upstrea
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import socket
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from tqdm import tqdm
+
 from . import devices as devspec
-from .compute import compute_for, probe
-from .defaults import FIT, UBATCH_CANDIDATES
+from .compute import Probe, compute_for
+from .defaults import CONTEXT, FIT, PROBE, UBATCH_CANDIDATES, cache_dir, usable_cores
 from .errors import ConfigError, DeviceSpecError, OutOfMemoryError
 from .model_file import check_model_path, embedding_length, expert_bytes_per_layer
 from .params import SPLIT_MODES, ContextParams, as_context
-from .plan import MiB, Plan, check_plan, plan_from_result, plan_problem
+from .plan import MiB, Plan, check_plan, grouped_rows, plan_from_result, plan_problem
 from .rpc.planning import check_server_host_memory, network_seconds, server_copy_bytes
 from .worker.client import check_switch_env, run_job
 
@@ -134,10 +139,39 @@ def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: 
 
 
 def _fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margin=None,
-         split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None, timeout: Optional[float] = FIT.timeout,
-         spread="equal", link_gbps=None, checked: bool = False) -> Plan:
+         split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None,
+         timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None, checked: bool = False) -> Plan:
     """fit's work; `checked`: the caller has checked the model file and the switch environment (fit_ubatch, once
     for all its candidates)."""
+    return check_plan(_fit_plan(model, devices, ctx, variant, margin, split_mode, n_ctx_min, check, env, timeout,
+                                spread, link_gbps, checked), check)
+
+
+def reserved_bytes(model, spec: devspec.DeviceSpec, variant: str, env: Optional[dict]) -> dict[str, int]:
+    """Memory fit keeps free on each device beside its margin, by what it is for: what a mechanism needs there that
+    the dry run does not see (one entry per mechanism; each is added to every device's margin).
+
+    Args:
+        model: the GGUF file.
+        spec: the parsed device spec.
+        variant: "patched" or "baseline".
+        env: the workers' environment, NAME -> value (the switches in force).
+    Returns:
+        name -> bytes per device; empty where nothing is kept.
+    """
+    out = {}
+    copies = server_copy_bytes(model, spec, variant, str(_switch_set("GGML_SCHED_PP_RPC_HOST", env)) != "0")
+    if copies:
+        out["rpc_server_copies"] = copies
+    return out
+
+
+def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margin=None,
+              split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None,
+              timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None, checked: bool = False,
+              rates: Sequence[str] = ()) -> Plan:
+    """fit's plan before its check (`check` decides whether the patched build plans again without OVERLAP=2's
+    copies where they leave no room); `rates`: what the fit job also measures (FitJob.rates), into the plan."""
     if not checked:
         check_model_path(model)
     spec = devspec.parse(devices)
@@ -146,9 +180,9 @@ def _fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margi
         raise ConfigError(f"split_mode must be one of {sorted(SPLIT_MODES)}, not {split_mode!r}")
     ctx = fit_context(ctx)
     margins = _margins(margin, spec)
-    server_copies = server_copy_bytes(model, spec, variant,
-                                      str(_switch_set("GGML_SCHED_PP_RPC_HOST", env)) != "0")
-    margins = [m + server_copies for m in margins]
+    reserved = reserved_bytes(model, spec, variant, env)
+    margins = [m + sum(reserved.values()) for m in margins]
+    server_copies = reserved.get("rpc_server_copies", 0)
     weights = spread_weights(spread, spec, link_gbps)
     if weights:
         env = {**(env or {}), "LLAMA_FIT_SPREAD_WEIGHTS": ",".join(f"{w:g}" for w in weights)}
@@ -158,7 +192,8 @@ def _fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margi
            "split_mode": split_mode, "margins": margins, "n_ctx_min": n_ctx_min}
 
     def once(extra: dict) -> Plan:
-        res = run_job(job, variant, timeout=timeout, env={**(env or {}), **extra} or None)
+        res = run_job({**job, "rates": list(rates) if not extra else []}, variant, timeout=timeout,
+                      env={**(env or {}), **extra} or None)
         return plan_from_result(res, variant, str(model), spec, {**ctx.to_dict(), "split_mode": split_mode}, margins)
 
     plan = once({})
@@ -170,7 +205,7 @@ def _fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margi
             plan.copies += (f"; on each server, {server_copies / MiB:.1f} MiB of its device kept for its own expert "
                             f"copies (two expert tensors: RPC_HOST with OVERLAP=2), in the margin")
             plan.copies += check_server_host_memory(plan, expert_bytes_per_layer(model))
-    return check_plan(plan, check)
+    return plan
 
 
 
@@ -198,38 +233,46 @@ class Prediction:
     network_s: dict = field(default_factory=dict)
 
 
-def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int) -> list[float]:
-    """Each device's host link rate in GB/s: the ones given, the spec's own (a VDEV's), or its kind's default
-    (DeviceSpec.default_link_gbps: a PCIe 5 x16 link's 55 GB/s).
+def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int, measured: Optional[Sequence] = None,
+               source: str = "pinned") -> list[float]:
+    """Each device's host link rate in GB/s: the ones given, else as fit measured it (DevicePlan.link), else the
+    spec's own (a VDEV's) or its kind's default (DeviceSpec.default_link_gbps: a PCIe 5 x16 link's 55 GB/s).
 
     Args:
         spec: the parsed device spec.
         link_gbps: rates given (numbers or "55GBps"), or None.
         n_devices: how many devices the plan has.
+        measured: each device's measured link ({"pinned_gbps", "pageable_gbps"}, or None: not measured).
+        source: which measured rate: "pinned" (host weights in pinned memory, or staged into it) or "pageable"
+            (copies straight from an mmap-ed model: the baseline's).
     Returns:
         One rate per device.
     Raises:
         ConfigError: for a rate of 0 or a count other than n_devices.
     """
-    rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else spec.link_rates()
-    if rates is None:
-        rates = [spec.default_link_gbps] * n_devices
-    return _checked_rates(rates, spec, "--ubatch auto", link_gbps is not None, n_devices)
+    if link_gbps is not None:
+        return _checked_rates([devspec.parse_rate(x) for x in link_gbps], spec, "--ubatch auto", True, n_devices)
+    own = spec.link_rates() or [spec.default_link_gbps] * n_devices
+    if measured is not None and len(measured) == len(own):
+        own = [(m or {}).get(f"{source}_gbps") or r for m, r in zip(measured, own)]
+    return _checked_rates(own, spec, "--ubatch auto", False, n_devices)
 
 
 def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool = False,
-            compute: Optional[dict] = None, n_tokens: Optional[int] = None, hidden: int = 0) -> Optional[Prediction]:
+            compute: Optional[dict] = None, n_tokens: Optional[int] = None, hidden: int = 0,
+            n_batch: Optional[int] = None, staging_gbps: Optional[float] = None) -> Optional[Prediction]:
     """A plan's prompt throughput from the bytes each link moves and, with `compute`, each device's compute.
 
     Per ubatch a device moves its host-expert layers' experts (near-full coverage: whole tensors) over its link, x
-    seconds a layer, and computes its layers, c seconds a layer (the probe's). Devices that are parts of one GPU
-    (a probe that ran them together: LayerCompute.shared) do not compute side by side as separate GPUs do: each
-    ubatch takes the longer of all their layers' compute and all their copies (beside it, the first one exposed). The patched build copies a layer's
+    seconds a layer, and computes its layers, c seconds a layer (the probe's). Devices that are parts of one
+    processor (a probe that ran them together: LayerCompute.shared) do not compute side by side as separate devices
+    do: each ubatch takes the longer of all their layers' compute and their copies (all of them on one link, the
+    longest device's otherwise; beside the compute, the first one exposed). The patched build copies a layer's
     experts beside the compute of the layer before (OVERLAP=2): the first copy is exposed, then each layer takes the
     longer of its copy and the compute before it (x + c + (h - 1) max(x, c) + (n - h) c); with OVERLAP=0 copies and
     compute add up. Pipelined stages overlap: a batch of k ubatches takes (k - 1) times the slowest stage plus every
-    stage once (the fill); devices on one link also wait for the link's total. The baseline's stages and copies run
-    one after the other. With `hidden`, RPC devices whose network fit measured (DevicePlan.server_net) also
+    stage once (the fill; a batch's last ubatch may be shorter, and counts as a whole one); devices on one link also
+    wait for the link's total. The baseline's stages and copies run one after the other. With `hidden`, RPC devices whose network fit measured (DevicePlan.server_net) also
     wait for their server's network (network_seconds): ggml RPC copies a device's output to the next device through
     the client, which waits for it before it sends that server the next ubatch, so a server's cycle per ubatch is
     its inputs up, its devices' stages and its output down, one after the other; the pipeline runs at the slowest
@@ -245,13 +288,22 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
         compute: device index -> compute.LayerCompute (the probe); None: the bytes bound alone.
         n_tokens: the prompt's length (default: the plan's n_ctx).
         hidden: the model's hidden size (n_embd), for the network to RPC servers; 0: the network is not counted.
+        n_batch: the batch to predict for (default: the plan's n_batch; at least its n_ubatch).
+        staging_gbps: the host's copy into pinned memory (Plan.host_copy_gbps), for the patched build on an mmap-ed
+            model: every expert copy goes through it first, beside the link (slots), and one copier serves every
+            device, so a copy moves at the slower of the two and each ubatch waits for all devices' bytes at its
+            rate; None: host weights are pinned.
     Returns:
         A Prediction, or None when nothing moves and compute is not counted (the bytes bound says nothing).
     """
-    ub, nb, nd = plan.ctx["n_ubatch"], plan.ctx["n_batch"], len(plan.devices)
+    ub, nd = plan.ctx["n_ubatch"], len(plan.devices)
+    nb = max(n_batch or plan.ctx["n_batch"], ub)
     n_tokens = n_tokens or plan.n_ctx
-    xs = [expert_bytes / (r * 1e9) for r in link_gbps]
+    rates = [min(r, staging_gbps) for r in link_gbps] if staging_gbps else list(link_gbps)
+    xs = [expert_bytes / (r * 1e9) for r in rates]
     transfer = [d.host_expert_layers * x for d, x in zip(plan.devices, xs)]
+    staged = sum(d.host_expert_layers for d in plan.devices) * expert_bytes / (staging_gbps * 1e9) if staging_gbps \
+        else 0.0   # (one copier for every device)
     net_dev, servers = network_seconds(plan, hidden, n_tokens)
     if compute is None and not any(transfer) and not servers:
         return None
@@ -268,16 +320,16 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
         stage.append(x + c + (h - 1) * max(x, c) + rest if overlap and h > 0 else t + k)
     fill = sum(stage) + sum(net_dev)
     net = {k: sum(net_dev[i] + stage[i] for i in idx) for k, idx in servers.items()}   # (each server's cycle)
-    n_ub = max(1, nb // ub)
+    n_ub = -(-nb // ub)
     chunks, tail = divmod(n_tokens, nb)
     if patched and compute and compute_for(compute, 0).shared:
-        # parts of one GPU, pipelined: the probe ran them together, so a layer's time is what it adds to the whole
-        # pipeline; every part's copies share the link and go beside that compute, the first one exposed
+        # parts of one processor, pipelined: the probe ran them together, so a layer's time is what it adds to the
+        # whole pipeline; the parts' copies (adding up on one link) go beside that compute, the first one exposed
         n_ubatches = chunks * n_ub + (-(-tail // ub) if tail else 0)
-        c_all, x_all = sum(comp), sum(transfer)
+        c_all, x_all = sum(comp), max(sum(transfer) if shared_link else max(transfer), staged)
         total = n_ubatches * (max(c_all, x_all) if overlap else c_all + x_all) + (xs[0] if overlap and x_all else 0.0)
     elif patched:
-        slowest = max(max(stage), sum(transfer) if shared_link else 0.0, max(net.values(), default=0.0))
+        slowest = max(max(stage), sum(transfer) if shared_link else 0.0, staged, max(net.values(), default=0.0))
         total = chunks * ((n_ub - 1) * slowest + fill)
         if tail:
             total += (-(-tail // ub) - 1) * slowest + fill
@@ -300,33 +352,99 @@ def predicted_ts(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], sh
     return p.ts if p else None
 
 
+# a candidate is out, not probed, where even its best case is below the best prediction so far: its copies as its
+# plan has them, attention's part as calibrated and this share of the cheapest per-token compute measured
+CLEARLY_SLOWER = 0.75
+
+
+def batch_choices(n_ubatch: int, cap: int) -> list[int]:
+    """The n_batch values fit_ubatch predicts for an n_ubatch: n_ubatch times 1, 2, 4, ... below `cap`, and `cap` (the
+    prompt, or the largest n_batch given)."""
+    out, nb = [], n_ubatch
+    while nb < cap:
+        out.append(nb)
+        nb *= 2
+    return out + [cap]
+
+
+def best_batch(plan: Plan, cap: int, compute: Optional[dict] = None, **kw) -> tuple[int, Optional[Prediction]]:
+    """The n_batch (of batch_choices up to `cap`) whose prediction for the plan is the highest (ties: the larger),
+    and that prediction (None: predict says nothing); kw: predict's other arguments."""
+    best, best_pred = cap, None
+    for nb in batch_choices(plan.ctx["n_ubatch"], cap):
+        pred = predict(plan, compute=compute, n_batch=nb, **kw)
+        if pred is not None and (best_pred is None or pred.ts >= best_pred.ts):
+            best, best_pred = nb, pred
+    return best, best_pred
+
+
+_WHY = re.compile(r"leaves (?:all \d+ layers and the output layer|\d+ of \d+ layers \(\S+\)) on the CPU|planned "
+                  r"[\d.]+ MiB on \S+, over its target of [\d.]+ MiB|found no placement[^\n]*?(?=\. Fix:|$)|host memory "
+                  r"free for host experts[^\n]*?(?=\. Fix:|$)")
+
+
+def _why(problem: Exception) -> str:
+    """What keeps a candidate's plan from being used, from its error, in a few words."""
+    m = _WHY.search(str(problem))
+    return m.group(0) if m else str(problem).split(". Fix:")[0][-160:]
+
+
+def _memory_fix(fit_at, n_ctx: int, n_ubatch: int, margins: Sequence[int]) -> str:
+    """How to make room for a candidate without a placement: a smaller context where one places it (checked with
+    fit_at(n_ctx) -> problem or None, at most two), a smaller margin, more device memory."""
+    fixes = []
+    for smaller in (n_ctx // 2, n_ctx // 4):
+        if smaller < max(n_ubatch, 256):
+            break
+        if fit_at(smaller) is None:
+            fixes.append(f"n_ctx {smaller} places it (-c {smaller}, or a shorter prompt)")
+            break
+    if any(margins):
+        fixes.append(f"a smaller --margin (now {max(margins) / MiB:.0f} MiB a device)")
+    return "; ".join(fixes + ["devices with more memory"])
+
+
 def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: str = FIT.variant,
                candidates: Sequence[int] = UBATCH_CANDIDATES, link_gbps=None, shared_link: bool = False,
-               count_compute: bool = True, n_tokens: Optional[int] = None, **kw) -> Plan:
-    """fit with n_ubatch chosen by the throughput it predicts from bytes per link and measured compute.
+               count_compute: bool = True, n_tokens: Optional[int] = None, n_batch: Optional[int] = None,
+               load_mode: str = CONTEXT.load_mode, skip: bool = True, progress: bool = False, **kw) -> Plan:
+    """fit with (n_batch, n_ubatch) chosen together by the throughput predict() gives from bytes per link and
+    measured compute.
 
-    Each candidate (up to n_ctx) is planned with n_batch = 8 x n_ubatch (at most n_ctx, at least ctx.n_batch, a
-    multiple of n_ubatch), so that a batch keeps the pipeline full; a candidate whose compute buffers leave no
-    placement is out. With count_compute (the default) a probe measures a layer's compute on the devices at every
-    candidate (compute.probe, cached); each plan's prediction (predict) counts its copies, its compute and the
-    pipeline's fill; the highest wins (ties: the larger n_ubatch).
+    The links' rates are measured once (the first dry run's process: each device's copy from pinned and pageable
+    memory; the host's staging copy, cached) unless given. The candidates are the n_ubatch values up to the prompt
+    and n_batch (and the prompt, or n_batch, itself). Each is
+    planned at the largest n_batch (what a batch holds past n_ubatch changes no device's memory: a pipeline keeps a
+    fixed number of ubatches in flight); the first without a placement ends the search upward (a larger ubatch needs
+    larger compute buffers), and each is named with why and a fix. With count_compute (the default) a probe measures
+    a layer's compute on the devices (compute.Probe, cached, within PROBE.budget), candidates in the order of their
+    bytes bound, skipping one that even its best case (CLEARLY_SLOWER) shows slower than the best so far. Each
+    candidate's n_batch is the one of batch_choices whose prediction (its copies, its compute, the pipeline's fill
+    once a batch) is the highest; the pair predicted fastest wins (ties: the larger n_ubatch).
 
     Args:
         model: the GGUF file.
         devices: a device spec, as fit takes it.
-        ctx: the context, as fit takes it; its n_ubatch and n_batch are replaced (n_ctx 0: FIT's n_ctx).
+        ctx: the context, as fit takes it; its n_ubatch and n_batch are chosen (n_ctx 0: FIT's n_ctx).
         variant: "patched" (default) or "baseline".
         candidates: the n_ubatch values to try.
         link_gbps: each device's host link rate in GB/s (default: a VDEV's own; CUDA 55 GB/s, a PCIe 5 x16 link).
         shared_link: the devices share one link (one GPU split in two).
         count_compute: probe the devices' compute and count it (False: the bytes bound alone).
         n_tokens: the prompt's length the prediction is for (default: n_ctx).
+        n_batch: the largest n_batch to take (default: the prompt's length).
+        load_mode: how the run keeps host weights: "none" (pinned) or "mmap" (pageable: the patched build stages
+            them through pinned slots at the host's copy rate, the baseline copies them as they are).
+        skip: leave out, unprobed, a candidate even its best case shows slower than the best so far (False: predict
+            every candidate with a placement, as a bench that measures them all needs).
+        progress: say what it plans and probes, with progress bars on stderr.
         **kw: more of fit's arguments (margin, split_mode, env, timeout, spread, ...); check is ignored (a
             candidate that fails the check is out).
     Returns:
-        Plan: the winner, with predicted_ts and every candidate's prediction (Plan.ubatch_auto).
+        Plan: the winner, with predicted_ts and every candidate's row (Plan.ubatch_auto: n_ubatch, n_batch, the
+        prediction and what binds it, or why it is out and the fix).
     Raises:
-        OutOfMemoryError: when no candidate has a placement.
+        OutOfMemoryError: when no candidate has a placement (each named, with the fix).
         ConfigError: for link rates of 0 or of the wrong count, or fit's ConfigErrors.
         DeviceSpecError: for a spec that does not parse, or that fit refuses.
         ModelError: for a missing model file, or one llama.cpp cannot load.
@@ -335,47 +453,139 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
     """
     ctx = fit_context(ctx)
     spec = devspec.parse(devices)
+    shared_link = shared_link or spec.one_link
     n_ctx = ctx.n_ctx or FIT.n_ctx
+    n_tokens = n_tokens or n_ctx
     check_model_path(model)
     check_switch_env([variant], kw.get("env"))
+    kw.pop("check", None)   # (a candidate that leaves layers on the CPU or a device over its target is out)
+    cap = min(n_tokens, n_batch or n_tokens)
+    ubs = sorted({u for u in candidates if u <= cap} | ({cap} if cap < max(candidates) else set()))
     expert_bytes = expert_bytes_per_layer(model)
     hidden = embedding_length(model) if spec.remote else 0   # (the network to RPC servers is counted)
-    tried, best, best_score, rates, placed = [], None, 0.0, None, []
-    kw.pop("check", None)   # (a candidate that leaves layers on the CPU or a device over its target is out)
-    for ub in [c for c in candidates if c <= n_ctx]:
-        nb = min(n_ctx, max(ctx.n_batch, 8 * ub)) // ub * ub
-        c = ContextParams(**{**ctx.to_dict(), "n_ctx": n_ctx, "n_batch": nb, "n_ubatch": ub})
-        row = {"n_ubatch": ub, "n_batch": nb}
+
+    mmap = load_mode == "mmap"
+    staging = mmap and variant == "patched"
+    rated: dict = {}   # what the first dry run's process measured: each device's link, the host's staging copy
+
+    def plan_at(n: int, u: int) -> Plan:
+        c = ContextParams(**{**ctx.to_dict(), "n_ctx": n, "n_batch": max(u, min(cap, n)), "n_ubatch": u})
+        want = [] if rated or link_gbps is not None and not staging else \
+            ["links"] + (["host_copy"] if staging and cached_host_copy() is None else [])
+        plan = _fit_plan(model, devices=devices, ctx=c, variant=variant, link_gbps=link_gbps, check=True,
+                         checked=True, rates=want, **kw)
+        if want:
+            rated.update(links=[d.link for d in plan.devices], host_copy=plan.host_copy_gbps or cached_host_copy())
+            if plan.host_copy_gbps:
+                cache_host_copy(plan.host_copy_gbps)
+        return plan
+
+    def problem_at(n: int, u: int) -> Optional[Exception]:
         try:
-            plan = _fit(model, devices=devices, ctx=c, variant=variant, link_gbps=link_gbps, check=True, checked=True,
-                        **kw)
+            return plan_problem(plan_at(n, u), True)
         except OutOfMemoryError as e:
-            m = re.search(r"leaves (all \d+ layers and the output layer|\d+ of \d+ layers \(\S+\)) on the CPU|over its "
-                          r"target", str(e))
-            tried.append({**row, "why": f"no placement ({m.group(0) if m else str(e).split('. Fix:')[0][-80:]})"})
+            return e
+
+    rows, placed, failed = [], [], None
+    say = (lambda text: print(text, file=sys.stderr)) if progress else (lambda text: None)
+    say(f"--ubatch auto: planning n_ubatch {ubs[0]}..{ubs[-1]} (n_batch up to {cap}) for a prompt of {n_tokens} "
+        f"tokens on {spec}")
+    for u in tqdm(ubs, desc="fit", unit="n_ubatch", file=sys.stderr, disable=not progress, leave=False):
+        row = {"n_ubatch": u, "n_batch": cap}
+        if failed is not None:
+            rows.append({**row, "why": f"not planned: n_ubatch {failed['n_ubatch']} has no placement already (a larger "
+                                       "ubatch needs larger compute buffers)", "fix": failed["fix"]})
             continue
-        if rates is None:   # (the devices' links: known from the spec, or once the first plan counts the GPUs)
-            rates = link_rates(spec, link_gbps, len(plan.devices))
+        try:
+            plan = plan_at(n_ctx, u)
+            problem = plan_problem(plan, True)
+        except OutOfMemoryError as e:   # (an RPC server's host memory)
+            plan, problem = None, e
+        if problem is not None and not isinstance(problem, OutOfMemoryError):
+            raise problem   # (fit refused these parameters: so it does every candidate)
+        if problem is not None:
+            margins = plan.margins if plan is not None else []
+            failed = {**row, "why": _why(problem),
+                      "fix": _memory_fix(lambda n: problem_at(n, u), n_ctx, u, margins)}
+            rows.append(failed)
+            continue
         placed.append((row, plan))
-    n_tokens = n_tokens or n_ctx
-    probed = probe(model, devices, [r["n_ubatch"] for r, _ in placed], n_tokens,
-                   timeout=kw.get("timeout") or FIT.timeout) if count_compute and placed else None
-    for row, plan in placed:
-        pred = predict(plan, expert_bytes, rates, shared_link, probed, n_tokens, hidden)
-        plan.predicted_ts = pred.ts if pred else None
-        tried.append({**row, "host_expert_layers": plan.host_expert_layers, "predicted_ts": plan.predicted_ts,
-                      "bound": pred.bound if pred else None,
-                      "stage_s": pred.stage_s if pred else None, "transfer_s": pred.transfer_s if pred else None,
-                      "compute_s": pred.compute_s if pred else None, "network_s": pred.network_s if pred else {},
-                      "why": "" if plan.predicted_ts else "no host experts: compute binds"})
-        score = plan.predicted_ts or float("inf")   # (no host experts, compute not counted: the bound says nothing)
-        if best is None or score >= best_score:
-            best, best_score = plan, score
-    if best is None:
-        raise OutOfMemoryError(f"--ubatch auto: no n_ubatch of {list(candidates)} up to n_ctx {n_ctx} has a placement "
-                               f"for {Path(model).name} on {spec}: " + "; ".join(t["why"] for t in tried))
-    best.ubatch_auto = sorted(tried, key=lambda t: t["n_ubatch"])
+    if not placed:
+        raise OutOfMemoryError(f"--ubatch auto: no candidate has a placement for {Path(model).name} on {spec} "
+                               f"(n_ctx {n_ctx}):\n" + "\n".join("  " + line for line in grouped_rows(rows)))
+    rates = link_rates(spec, link_gbps, len(placed[0][1].devices), rated.get("links"),
+                       "pageable" if mmap and not staging else "pinned")
+    pkw = dict(expert_bytes=expert_bytes, link_gbps=rates, shared_link=shared_link, n_tokens=n_tokens, hidden=hidden,
+               staging_gbps=rated.get("host_copy") if staging else None)
+    score = lambda pred: pred.ts if pred else float("inf")   # (nothing moves and compute not counted: no bound)
+    # the most promising first (the bytes bound: compute not counted), so that the rest can be skipped
+    order = sorted(placed, key=lambda rp: (-score(best_batch(rp[1], cap, **pkw)[1]), rp[0]["n_ubatch"]))
+    probe = Probe(model, devices, n_tokens, [r["n_ubatch"] for r, _ in placed],
+                  # (an RPC server speaks its own variant's protocol; elsewhere every weight resident computes alike)
+                  variant=variant if spec.remote else PROBE.variant, servers=[d.server for d in placed[0][1].devices],
+                  timeout=kw.get("timeout") or FIT.timeout, progress=progress, hidden=hidden,
+                  networks={d.server: d.server_net for d in placed[0][1].devices if d.server}) if count_compute else None
+    best, best_ts = None, 0.0
+    try:
+        for row, plan in order:
+            u = row["n_ubatch"]
+            if skip and best is not None and probe is not None:
+                bound = probe.optimistic(u, CLEARLY_SLOWER)
+                ub_ts = score(best_batch(plan, cap, bound, **pkw)[1])
+                if ub_ts < best_ts:
+                    probe.skip(u)
+                    rows.append({**row, "host_expert_layers": plan.host_expert_layers,
+                                 "why": f"clearly slower: at most {ub_ts:.0f} t/s by the model (its compute at "
+                                        f"{CLEARLY_SLOWER:g} of the cheapest measured), the best so far "
+                                        f"{best_ts:.0f} t/s"})
+                    continue
+            compute = probe.compute(u) if probe is not None else None
+            nb, pred = best_batch(plan, cap, compute, **pkw)
+            plan.ctx["n_batch"], plan.predicted_ts = nb, pred.ts if pred else None
+            how = sorted({compute_for(compute, i).how.get(u, "") for i in range(len(plan.devices))}) if compute else []
+            rows.append({**row, "n_batch": nb, "host_expert_layers": plan.host_expert_layers,
+                         "predicted_ts": plan.predicted_ts, "bound": pred.bound if pred else None,
+                         "stage_s": pred.stage_s if pred else None, "transfer_s": pred.transfer_s if pred else None,
+                         "compute_s": pred.compute_s if pred else None, "network_s": pred.network_s if pred else {},
+                         "compute": "; ".join(how), "why": "" if pred else "no host experts: compute binds"})
+            if best is None or (score(pred), u) > (best_ts, best.ctx["n_ubatch"]):
+                best, best_ts = plan, score(pred)
+    finally:
+        if probe is not None:
+            probe.close()
+    best.ubatch_auto = sorted(rows, key=lambda t: t["n_ubatch"])
+    best.host_copy_gbps = best.host_copy_gbps or rated.get("host_copy")
+    for d, link in zip(best.devices, rated.get("links") or []):
+        d.link = d.link or link
     return best
+
+
+def _rates_path() -> Path:
+    return cache_dir() / "rates.json"
+
+
+def cached_host_copy() -> Optional[float]:
+    """The host's staging copy rate measured before on this machine (PYLLAMA_PP_CACHE/rates.json, by host name and
+    usable cores), or None."""
+    try:
+        return json.loads(_rates_path().read_text()).get("host_copy_gbps", {}).get(_host_key())
+    except (OSError, ValueError):
+        return None
+
+
+def cache_host_copy(gbps: float) -> None:
+    """Keep the host's staging copy rate for later plans on this machine."""
+    try:
+        d = json.loads(_rates_path().read_text())
+    except (OSError, ValueError):
+        d = {}
+    d.setdefault("host_copy_gbps", {})[_host_key()] = gbps
+    _rates_path().parent.mkdir(parents=True, exist_ok=True)
+    _rates_path().write_text(json.dumps(d, indent=1))
+
+
+def _host_key() -> str:
+    return f"{socket.gethostname()}:{usable_cores()}"
 
 
 OVERLAP_VAR = "GGML_SCHED_PP_OVERLAP"
@@ -415,7 +625,11 @@ def _plan_copies(plan: Plan, once, check: bool, env: Optional[dict]) -> Plan:
     alt.copies = (f"OVERLAP=0: no room for OVERLAP=2's early expert copies (with them, compute {compute} MiB and "
                   f"{why}); planned without them")
     alt.seconds += plan.seconds
+    alt.host_copy_gbps = plan.host_copy_gbps   # (the rates the first dry run's process measured)
+    for a, d in zip(alt.devices, plan.devices):
+        a.link = d.link
     return alt
 
 
-__all__ = ["fit", "fit_ubatch", "spread_weights", "link_rates", "predict", "predicted_ts", "Prediction"]
+__all__ = ["fit", "fit_ubatch", "spread_weights", "link_rates", "predict", "predicted_ts", "Prediction", "best_batch",
+           "batch_choices", "reserved_bytes"]

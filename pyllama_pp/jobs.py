@@ -167,6 +167,7 @@ class FitJob(Job):
     split_mode: str = CONTEXT.split_mode
     margins: list = field(default_factory=list)
     n_ctx_min: int = 0
+    rates: list = field(default_factory=list)   # also measure: "links" (each device's host link), "host_copy"
 
 
 @dataclass

@@ -82,14 +82,27 @@ def block_count(path: Union[str, Path]) -> int:
     return layer_counts(path)[0]
 
 
-def expert_bytes_per_layer(model: Union[str, os.PathLike]) -> float:
-    """Bytes of a MoE layer's expert tensors (gate, up, down), the mean over the layers (gguf-py reads the index)."""
-    per_layer: dict = {}
+def _expert_tensors(model: Union[str, os.PathLike]) -> list[tuple[int, int]]:
+    """(layer, bytes) of each expert tensor (gguf-py reads the index)."""
+    out = []
     for t in gguf.GGUFReader(str(model)).tensors:
         m = re.fullmatch(rf"blk\.(\d+)\.{EXPERT_TENSORS}\.weight", t.name)
         if m:
-            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + int(t.n_bytes)
+            out.append((int(m.group(1)), int(t.n_bytes)))
+    return out
+
+
+def expert_bytes_per_layer(model: Union[str, os.PathLike]) -> float:
+    """Bytes of a MoE layer's expert tensors (gate, up, down), the mean over the layers (gguf-py reads the index)."""
+    per_layer: dict = {}
+    for layer, n in _expert_tensors(model):
+        per_layer[layer] = per_layer.get(layer, 0) + n
     return sum(per_layer.values()) / len(per_layer) if per_layer else 0.0
+
+
+def expert_tensor_bytes(model: Union[str, os.PathLike]) -> int:
+    """Bytes of the model's largest expert tensor: what one expert copy moves (0: no experts)."""
+    return max((n for _, n in _expert_tensors(model)), default=0)
 
 
 def synth_routing(path: Union[str, Path]) -> str:

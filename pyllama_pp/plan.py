@@ -51,6 +51,9 @@ class DevicePlan:
             weights when fit ran (None: another device, or a server that keeps none).
         server_net: for an RPC device, the network to its server as fit measured it: {"up_gbps", "down_gbps",
             "rtt_s"} (each way's rate, a message's round trip; None: a device of this machine, or not measured).
+        link: the device's host link as fit measured it: {"pinned_gbps", "pageable_gbps", "copy_bytes"} (copies of
+            one expert tensor from pinned and from pageable host memory; None: not measured, or a device on an RPC
+            server).
     """
 
     name: str
@@ -67,6 +70,7 @@ class DevicePlan:
     server: Optional[str] = None             # an RPC device's server, HOST:PORT
     server_host_free: Optional[int] = None   # a patched RPC server's free host memory for host weights
     server_net: Optional[dict] = None        # the network to an RPC device's server: rates and round trip
+    link: Optional[dict] = None              # the host link as measured: pinned and pageable rates
 
     @property
     def expected_bytes(self) -> int:
@@ -113,8 +117,12 @@ class Plan:
             the baseline).
         copies: which early expert copies were planned, and why, in words.
         spread_weights: the patched fit's share weights (spread="links" or given weights; [] for equal shares).
-        predicted_ts: fit_ubatch: the prompt t/s the bytes bound predicts (None: not predicted, or compute binds).
-        ubatch_auto: fit_ubatch: every n_ubatch tried, with its prediction or why it was out.
+        predicted_ts: fit_ubatch: the prompt t/s predicted for the plan's (n_batch, n_ubatch) (None: not predicted:
+            nothing moves and compute was not counted).
+        ubatch_auto: fit_ubatch: every candidate n_ubatch with the n_batch it takes, its prediction, or why it is out
+            and the fix.
+        host_copy_gbps: the host's copy from pageable into pinned memory as the patched build's staging runs it, as
+            measured (GB/s; None: not measured): what an mmap-ed model's host experts go through first.
     """
 
     variant: str
@@ -142,9 +150,10 @@ class Plan:
     switches: dict = field(default_factory=dict)
     copies: str = ""
     spread_weights: list = field(default_factory=list)   # spread="links" or weights: the patched fit's weights
-    # fit_ubatch: the throughput the bytes bound predicts for this plan (prompt t/s), and every n_ubatch it tried
+    # fit_ubatch: the throughput predicted for this plan's pair (prompt t/s), and every candidate it tried
     predicted_ts: Optional[float] = None
     ubatch_auto: list = field(default_factory=list)
+    host_copy_gbps: Optional[float] = None
 
     # -- views -----------------------------------------------------------------------------------------------
     @property
@@ -236,14 +245,18 @@ class Plan:
                 f"{k} up {n.get('up_gbps', 0):.3g} / down {n.get('down_gbps', 0):.3g} GB/s, round trip "
                 f"{n.get('rtt_s', 0) * 1e3:.2f} ms"
                 for k, n in nets.items()))
+        links = [(d.name, d.link) for d in self.devices if d.link]
+        if links or self.host_copy_gbps:
+            lines.append("  links (measured, host -> device): " + "; ".join(
+                f"{name} {x['pinned_gbps']:.3g} GB/s pinned, {x['pageable_gbps']:.3g} pageable" for name, x in links)
+                + (f"; host staging copy {self.host_copy_gbps:.3g} GB/s" if self.host_copy_gbps else ""))
         if self.spread_weights:
             lines.append(f"  spread: host-expert layers weighted {', '.join(f'{w:g}' for w in self.spread_weights)}")
         if self.ubatch_auto:
-            lines.append("  --ubatch auto: " + "; ".join(
-                f"ub{c['n_ubatch']}: " + (f"{c['predicted_ts']:.0f} t/s" + (f" ({c['bound']}-bound)" if c.get("bound")
-                                                                              else "")
-                                          if c.get("predicted_ts") else c.get("why", "-"))
-                for c in self.ubatch_auto) + f" -> n_ubatch {self.ctx.get('n_ubatch')}, n_batch {self.ctx.get('n_batch')}")
+            lines.append(f"  --ubatch auto: n_batch {self.ctx.get('n_batch')}, n_ubatch {self.ctx.get('n_ubatch')}"
+                         + (f" predicted fastest ({self.predicted_ts:.0f} t/s)" if self.predicted_ts else "") + "; "
+                         "each candidate:")
+            lines += ["    " + line for line in grouped_rows(self.ubatch_auto)]
         if self.message:
             lines.append(f"  fit: {self.message}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -340,6 +353,37 @@ class Plan:
         """
         c = {k: v for k, v in self.ctx.items() if k in ContextParams.__dataclass_fields__}
         return ContextParams(**{**c, "n_ctx": self.n_ctx})
+
+
+def _row_text(row: dict) -> str:
+    """One fit_ubatch candidate's outcome in words: its prediction and what binds it, or why it is out."""
+    if row.get("predicted_ts"):
+        return (f"{row['predicted_ts']:.0f} t/s" + (f", {row['bound']}-bound" if row.get("bound") else "")
+                + (f" (compute {row['compute']})" if row.get("compute") else ""))
+    return row.get("why") or "-"
+
+
+def grouped_rows(rows: Sequence[dict]) -> list[str]:
+    """fit_ubatch's candidate rows as lines, one per candidate, candidates next to each other with the same n_batch,
+    outcome and fix in one line: "n_ubatch 512..16384 (n_batch 16384): why. Fix: ...".
+
+    Args:
+        rows: Plan.ubatch_auto's rows (n_ubatch, n_batch, predicted_ts / why, fix), in n_ubatch order.
+    Returns:
+        The lines.
+    """
+    groups: list = []
+    for row in rows:
+        key = (row.get("n_batch"), _row_text(row), row.get("fix", ""))
+        if groups and groups[-1][0] == key and not row.get("predicted_ts"):
+            groups[-1][1].append(row["n_ubatch"])
+        else:
+            groups.append((key, [row["n_ubatch"]]))
+    out = []
+    for (nb, text, fix), ubs in groups:
+        which = f"n_ubatch {ubs[0]}" + (f"..{ubs[-1]}" if len(ubs) > 1 else "")
+        out.append(f"{which} (n_batch {nb}): {text}" + (f". Fix: {fix}" if fix else ""))
+    return out
 
 
 def _spec_key(d: dict) -> str:
@@ -442,7 +486,7 @@ def plan_from_result(res: dict, variant: str, model: str, spec: devspec.DeviceSp
                                compute_bytes=d["compute_bytes"], free_bytes=d["free_bytes"],
                                target_bytes=d["free_bytes"] - margins[i],
                                server=d.get("server"), server_host_free=d.get("server_host_free"),
-                               server_net=d.get("server_net")))
+                               server_net=d.get("server_net"), link=res.get("rates", {}).get("links", {}).get(d["name"])))
     size = Path(model).stat().st_size
     # (the model's absolute path: `run/ab --plan PLAN.json` without a model finds it from any working directory)
     return Plan(variant=variant, model=str(Path(model).resolve()), model_size=size,
@@ -450,7 +494,8 @@ def plan_from_result(res: dict, variant: str, model: str, spec: devspec.DeviceSp
                 status=status, path=path, reasons=reasons, n_gpu_layers=res["n_gpu_layers"],
                 tensor_split=list(res["tensor_split"])[:ndev], tensor_overrides=overrides,
                 n_ctx=res["n_ctx"], n_layer=n_layer, n_expert=res["n_expert"], margins=margins, devices=devs,
-                host=res.get("host", {}), message=res.get("message", ""), seconds=res.get("seconds", 0.0))
+                host=res.get("host", {}), message=res.get("message", ""), seconds=res.get("seconds", 0.0),
+                host_copy_gbps=res.get("rates", {}).get("host_copy_gbps"))
 
 
 def _on_cpu_text(on_cpu: int, n_layer: int) -> str:

@@ -97,8 +97,9 @@ class Choices:
         variant: the variant `run` runs.
         devices: device specs, swept (None: cpu, the main job's devices, or the plan's).
         host_experts: host-expert choices, swept ("all", "none" or N).
-        n_batch: n_batch values, swept.
-        n_ubatch: n_ubatch values, swept, or "auto" (fit_ubatch's choice, its plan for every variant).
+        n_batch: n_batch values, swept; with n_ubatch "auto", the largest n_batch it may take (None: the prompt).
+        n_ubatch: n_ubatch values, swept, or "auto" (fit_ubatch's choice of the pair (n_batch, n_ubatch), its plan
+            for every variant).
         n_ctx: 0: what the tests need (with `plan`: the plan's).
         n_gpu_layers: layers on the devices (-1: every layer).
         tensor_split: layer proportions per device (None: even).
@@ -232,7 +233,9 @@ def _with_defaults(c: Choices) -> Choices:
     devices = c.devices or (d.devices,)   # (RUN's cpu with a plan: the plan's devices)
     fit_mode = c.fit if c.fit is not None else (d.fit if c.main_job and not _placed(c) else None)
     pick = lambda given, default: tuple(default) if given is None else given
-    return dataclasses.replace(c, devices=tuple(devices), n_batch=pick(c.n_batch, (d.n_batch,)),
+    # (-ub auto chooses n_batch with n_ubatch, up to the prompt or the -b given)
+    n_batch = c.n_batch if c.n_ubatch == "auto" else pick(c.n_batch, (d.n_batch,))
+    return dataclasses.replace(c, devices=tuple(devices), n_batch=n_batch,
                                n_ubatch=pick(c.n_ubatch, (d.n_ubatch,)), pp=pick(c.pp, d.pp), tg=pick(c.tg, d.tg),
                                fit=fit_mode)
 
@@ -376,15 +379,16 @@ def tests_of(c: Choices) -> list:
     return tests
 
 
-def _ubatch_auto(c: Choices, model: str) -> tuple[Choices, Optional[Plan]]:
-    """-ub auto: fit --ubatch auto on the (one) device spec for the longest prompt test; its n_ubatch, n_batch and
-    plan then stand for -ub, -b and --fit same (both variants on the patched plan's placement)."""
+def _ubatch_auto(c: Choices, model: str, progress: bool) -> tuple[Choices, Optional[Plan]]:
+    """-ub auto: fit --ubatch auto on the (one) device spec for the longest prompt test, its n_batch at most the
+    prompt and the largest -b given; its n_ubatch, n_batch and plan then stand for -ub, -b and --fit same (both
+    variants on the patched plan's placement)."""
     if c.n_ubatch != "auto":
         return c, None
     n_ctx = c.n_ctx or max(c.pp) + max(c.depth, default=0) + AUTO_CTX_SPARE
-    n_batch = max(c.n_batch or (max(c.pp),))
     plan = fit_ubatch(model, devices=c.devices[0], margin=c.margin, n_tokens=max(c.pp),
-                      ctx=ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, CONTEXT.n_ubatch)))
+                      n_batch=max(c.n_batch) if c.n_batch else None, load_mode=c.load_mode, progress=progress,
+                      ctx=ContextParams(n_ctx=n_ctx, n_batch=CONTEXT.n_batch, n_ubatch=CONTEXT.n_ubatch))
     return dataclasses.replace(c, n_ubatch=(plan.ctx["n_ubatch"],), n_batch=(plan.ctx["n_batch"],)), plan
 
 
@@ -437,12 +441,14 @@ def cpu_only_notes(configs: Sequence[RunConfig]) -> list[str]:
     return [CPU_ONLY_NOTE] if all(not devspec.parse(cfg.devices).accelerators for cfg in configs) else []
 
 
-def plan_runs(choices: Choices) -> RunPlan:
-    """The configs `run` / `ab` measure for these choices: defaults filled in, checked, n_ubatch chosen (-ub auto),
-    crossed into the matrix and placed (--plan, -ub auto, --fit). Fit plans run in workers; nothing is measured.
+def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
+    """The configs `run` / `ab` measure for these choices: defaults filled in, checked, (n_batch, n_ubatch) chosen
+    (-ub auto), crossed into the matrix and placed (--plan, -ub auto, --fit). Fit plans run in workers; nothing is
+    measured.
 
     Args:
         choices: what the user chose (the CLI's options).
+        progress: -ub auto says what it plans and probes, with progress bars on stderr.
     Returns:
         RunPlan: the frozen configs, the variants, the plans used, notes for the user and the filled-in choices.
     Raises:
@@ -460,7 +466,7 @@ def plan_runs(choices: Choices) -> RunPlan:
     notes = check_choices(c, c.model)
     check_switches(c.switches, variants)
     model = c.model if c.model is not None else main_job_model()
-    c, auto = _ubatch_auto(c, model)
+    c, auto = _ubatch_auto(c, model, progress)
     cfgs, made = _matrix(c, model), [auto] if auto else []
     plan = auto or (Plan.load(c.plan) if c.plan else None)
     if plan is not None:

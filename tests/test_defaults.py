@@ -210,7 +210,10 @@ def test_the_cli_help_shows_the_table():
     assert f"default: {defaults.RUN.n_batch}" in b and f"the main job: {defaults.MAIN_JOB.n_batch}" in b, b
     assert f"default: {defaults.RUN.n_ubatch}" in help_of("run", "ubatch").help
     for cmd, table in (("fit", defaults.FIT), ("check", defaults.CHECK)):
-        assert help_of(cmd, "batch").default == table.n_batch and help_of(cmd, "ubatch").default == table.n_ubatch
+        assert help_of(cmd, "ubatch").default == table.n_ubatch
+    assert help_of("check", "batch").default == defaults.CHECK.n_batch
+    # (fit's -b: the table's n_batch, or with --ubatch auto the largest n_batch the planner may take: given or not)
+    assert help_of("fit", "batch").default is None and f"default: {defaults.FIT.n_batch}" in help_of("fit", "batch").help
     assert help_of("ab", "reps").default == defaults.RUN.reps and help_of("ab", "loads").default == defaults.PAIRED.loads
     text = sub["fit"].format_help()
     assert f"(default: {defaults.FIT.n_ubatch})" in text and f"{max(defaults.UBATCH_CANDIDATES)}" in text

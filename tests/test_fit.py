@@ -361,27 +361,107 @@ def test_expert_bytes_per_layer_counts_every_expert_tensor(tmp_path):
     assert expert_bytes_per_layer(tmp_path / "x.gguf") == 2 * 4 * 8 * 4
 
 
-def test_ubatch_auto_picks_the_fastest_plan_the_bytes_bound_predicts(model):
-    """fit_ubatch plans every n_ubatch up to n_ctx (n_batch = 8 of them, within n_ctx); one without a placement is
-    out; the one chosen has the highest predicted t/s, and without compute its prediction is the bytes bound."""
-    from pyllama_pp.fit import fit_ubatch, predicted_ts
+def test_ubatch_auto_picks_the_fastest_pair_the_bytes_bound_predicts(model):
+    """fit_ubatch plans every n_ubatch up to the prompt at the largest n_batch; the first without a placement ends
+    the search upward, and it and every larger one is named with why and a fix; each placed candidate takes the
+    n_batch of batch_choices its prediction puts first, and the pair predicted fastest wins. Without compute a
+    prediction is the bytes bound."""
+    from pyllama_pp.fit import batch_choices, fit_ubatch, predict, predicted_ts
     from pyllama_pp.model_file import expert_bytes_per_layer
     ctx = ContextParams(n_ctx=1024, n_batch=256, n_ubatch=128)
     p = fit_ubatch(model, devices=TWO_EQUAL, ctx=ctx, timeout=120, count_compute=False)
     tried = {c["n_ubatch"]: c for c in p.ubatch_auto}
     assert sorted(tried) == [64, 128, 256, 512, 1024]
-    assert all(c["n_batch"] == min(1024, max(256, 8 * u)) // u * u for u, c in tried.items())
-    ok = {u: c["predicted_ts"] for u, c in tried.items() if c.get("predicted_ts")}
-    assert ok and p.ctx["n_ubatch"] == max(ok, key=lambda u: (ok[u], u)), tried
-    assert any("no placement" in c["why"] for c in tried.values()), tried   # 8 MiB: the largest ubatches do not fit
-    assert p.predicted_ts == pytest.approx(predicted_ts(p, expert_bytes_per_layer(model), [4.0, 4.0]))
-    # by hand: each stage moves its host experts once per ubatch over 4 GB/s; a batch of k ubatches takes k - 1
+    ok = {u: c for u, c in tried.items() if c.get("predicted_ts")}
+    out = {u: c for u, c in tried.items() if not c.get("predicted_ts")}
+    assert ok and out and max(ok) < min(out), tried   # 8 MiB: the largest ubatches do not fit
+    first_out = out[min(out)]
+    assert "on the CPU" in first_out["why"] or "over its target" in first_out["why"], first_out
+    assert first_out["fix"] and all(c["fix"] == first_out["fix"] for c in out.values()), out
+    assert all("not planned" in c["why"] for u, c in out.items() if u > min(out)), out
+    eb = expert_bytes_per_layer(model)
+    for u, c in ok.items():   # each candidate's n_batch: the best of its choices (ties: the larger)
+        p.ctx["n_ubatch"] = u
+        preds = {nb: predict(p, eb, [d.link["pinned_gbps"] for d in p.devices], n_tokens=1024, n_batch=nb).ts
+                 for nb in batch_choices(u, 1024)}
+        assert c["n_batch"] == max(preds, key=lambda nb: (preds[nb], nb)) and c["n_batch"] <= 1024, (u, c, preds)
+    best = max(ok.values(), key=lambda c: (c["predicted_ts"], c["n_ubatch"]))
+    p.ctx["n_ubatch"] = best["n_ubatch"]
+    assert (p.ctx["n_ubatch"], p.ctx["n_batch"]) == (best["n_ubatch"], best["n_batch"])
+    rates = [d.link["pinned_gbps"] for d in p.devices]   # (each link as measured)
+    assert p.predicted_ts == pytest.approx(predicted_ts(p, eb, rates))
+    # by hand: each stage moves its host experts once per ubatch over its link; a batch of k ubatches takes k - 1
     # times the slowest stage and every stage once (the pipeline's fill)
     ub, nb = p.ctx["n_ubatch"], p.ctx["n_batch"]
-    stages = [h * expert_bytes_per_layer(model) / 4e9 for h in p.host_expert_layers]
+    stages = [h * eb / (r * 1e9) for h, r in zip(p.host_expert_layers, rates)]
     chunks = 1024 // nb
-    assert p.predicted_ts == pytest.approx(1024 / (chunks * ((nb // ub - 1) * max(stages) + sum(stages))))
-    assert "--ubatch auto" in str(p)
+    assert p.predicted_ts == pytest.approx(1024 / (chunks * ((-(-nb // ub) - 1) * max(stages) + sum(stages))))
+    text = str(p)
+    assert f"n_batch {nb}, n_ubatch {ub} predicted fastest" in text and first_out["fix"] in text
+    # one line per candidate, those with the same outcome and fix in one
+    assert sum(1 for line in text.splitlines() if "Fix:" in line) == 2, text
+
+
+def _all_host_plan(n_batch: int) -> Plan:
+    """A patched plan of six layers on two devices, every layer's experts in host RAM, n_ubatch 1000, OVERLAP=0."""
+    from pyllama_pp.plan import DevicePlan
+    dev = lambda first, end: DevicePlan(name="VDEV", layers=[first, end], full_layers=0, host_expert_layers=end - first,
+                                        model_bytes=0, context_bytes=0, compute_bytes=0, free_bytes=0, target_bytes=0)
+    return Plan(variant="patched", model="m", model_size=0, devices_spec={}, ctx={"n_ubatch": 1000, "n_batch": n_batch},
+                status="success", path="spread", reasons=[], n_gpu_layers=7, tensor_split=[], tensor_overrides=[],
+                n_ctx=8000, n_layer=6, n_expert=8, margins=[0, 0], devices=[dev(0, 3), dev(3, 6)],
+                switches={"OVERLAP": 0})
+
+
+def test_batch_choices_and_the_fill_per_batch():
+    """n_batch choices are n_ubatch times powers of two below the cap, and the cap; a batch's fill is paid once per
+    batch, so the prediction rises with n_batch and one ubatch a batch pipelines nothing; a last short ubatch counts
+    as a whole one."""
+    from pyllama_pp.fit import batch_choices, predict
+    assert batch_choices(64, 1000) == [64, 128, 256, 512, 1000]
+    assert batch_choices(512, 512) == [512] and batch_choices(300, 1000) == [300, 600, 1000]
+    plan = _all_host_plan(n_batch=1000)
+    x = 1e6 / 1e9   # 1 ms a layer's copy
+    ts = {nb: predict(plan, 1e6, [1.0, 1.0], n_tokens=8000, n_batch=nb).ts for nb in (1000, 2000, 4000, 8000)}
+    assert ts[1000] == pytest.approx(8000 / (8 * 6 * x))                 # one ubatch a batch: the stages in turn
+    assert ts[8000] == pytest.approx(8000 / (7 * 3 * x + 6 * x))         # one batch: one fill
+    assert ts[1000] < ts[2000] < ts[4000] < ts[8000]
+    assert predict(plan, 1e6, [1.0, 1.0], n_tokens=8000, n_batch=1500).ts == pytest.approx(
+        8000 / (5 * (3 * x + 6 * x) + 6 * x))   # batches of 1000 + 500 tokens: two ubatches each; the tail: one
+
+
+def test_no_candidate_above_the_prompt_or_n_batch(model):
+    """The candidates stop at the prompt and at the n_batch given (the prompt itself is one); every row's n_ubatch is
+    within its n_batch, and the winner's pair runs as a context (ab -ub auto -b 1024 -p 1000 ran n_ubatch 1024)."""
+    from pyllama_pp.fit import fit_ubatch
+    p = fit_ubatch(model, devices="vdev:2x64MiB@1GBps", ctx=ContextParams(n_ctx=1256), n_tokens=1000, n_batch=1024,
+                   count_compute=False, timeout=120)
+    assert sorted(c["n_ubatch"] for c in p.ubatch_auto) == [64, 128, 256, 512, 1000]
+    assert all(c["n_ubatch"] <= c["n_batch"] <= 1000 for c in p.ubatch_auto), p.ubatch_auto
+    ContextParams(n_ctx=1256, n_batch=p.ctx["n_batch"], n_ubatch=p.ctx["n_ubatch"])
+    q = fit_ubatch(model, devices="vdev:2x64MiB@1GBps", ctx=ContextParams(n_ctx=1256), n_tokens=1000, n_batch=300,
+                   count_compute=False, timeout=120)
+    assert sorted(c["n_ubatch"] for c in q.ubatch_auto) == [64, 128, 256, 300]
+    assert all(c["n_ubatch"] <= c["n_batch"] <= 300 for c in q.ubatch_auto), q.ubatch_auto
+
+
+def test_every_failing_candidate_is_named_with_its_fix(model):
+    """With no candidate placed, the error names each (n_batch, n_ubatch) with why, one line per outcome, and a fix
+    that fit checked (a smaller n_ctx that places the first) or a smaller margin."""
+    from pyllama_pp.fit import fit_ubatch
+    with pytest.raises(OutOfMemoryError) as e:
+        fit_ubatch(model, devices="vdev:2x10MiB@4GBps", ctx=ContextParams(n_ctx=8192), count_compute=False,
+                   candidates=(256, 512, 1024), timeout=120)
+    lines = str(e.value).splitlines()
+    assert "no candidate has a placement" in lines[0] and len(lines) == 3, lines
+    assert lines[1].strip().startswith("n_ubatch 256 (n_batch 8192): leaves") and "Fix: n_ctx " in lines[1], lines
+    n = int(re.search(r"Fix: n_ctx (\d+) places it", lines[1]).group(1))   # (a fit at that n_ctx places it)
+    assert n < 8192
+    fit(model, devices="vdev:2x10MiB@4GBps", ctx=ContextParams(n_ctx=n, n_batch=n, n_ubatch=256), timeout=120)
+    assert lines[2].strip().startswith("n_ubatch 512..1024 (n_batch 8192): not planned"), lines
+    with pytest.raises(OutOfMemoryError, match=r"a smaller --margin \(now 64 MiB a device\)"):
+        fit_ubatch(model, devices="vdev:2x66MiB@4GBps", ctx=ContextParams(n_ctx=512), margin="64MiB",
+                   count_compute=False, candidates=(256,), timeout=120)
 
 
 def test_prediction_counts_compute_beside_the_copies():
@@ -407,12 +487,15 @@ def test_prediction_counts_compute_beside_the_copies():
     assert fast_link.ts == pytest.approx(4000 / (3 * 0.007 + 2 * 0.007))   # one batch of 4 ubatches, 2 stages
     plan.switches = {"OVERLAP": 0}
     assert predict(plan, 1e6, [1.0, 1.0], compute={-1: lc}).stage_s == pytest.approx([0.002 + 0.006, 0.003 + 0.006])
-    # parts of one GPU (the probe ran them together): a ubatch takes all six layers' compute or all five copies,
-    # whichever is longer, and the first copy is exposed once
+    # parts of one GPU (the probe ran them together): a ubatch takes all six layers' compute or all five copies on
+    # its one link, whichever is longer, and the first copy is exposed once; parts with links of their own (VDEVs
+    # sharing a CPU's cores) wait for the longest device's copies
     plan.switches = {"OVERLAP": 2}
     shared = LayerCompute("cuda", n_tokens=4000, layer_s={1000: 0.008}, outside_s={1000: 0.0}, shared=True)
-    assert predict(plan, 1e6, [1.0, 1.0], compute={-1: shared}).ts == pytest.approx(4000 / (4 * 0.012 + 0.001))
-    assert predict(plan, 3e6, [1.0, 1.0], compute={-1: shared}).ts == pytest.approx(4000 / (4 * 0.015 + 0.003))
+    one_link = lambda eb: predict(plan, eb, [1.0, 1.0], shared_link=True, compute={-1: shared}).ts
+    assert one_link(1e6) == pytest.approx(4000 / (4 * 0.012 + 0.001))
+    assert one_link(3e6) == pytest.approx(4000 / (4 * 0.015 + 0.003))
+    assert predict(plan, 3e6, [1.0, 1.0], compute={-1: shared}).ts == pytest.approx(4000 / (4 * 0.012 + 0.003))
 
 
 def test_prediction_counts_each_servers_network():
@@ -482,7 +565,7 @@ def test_compute_probe_replicas_and_a_compute_bound_choice(tmp_path, monkeypatch
     assert tried and all(c["compute_s"] and min(c["compute_s"]) > 0 for c in tried), p.ubatch_auto
     chosen = [c for c in tried if c["n_ubatch"] == p.ctx["n_ubatch"]][0]
     assert chosen["bound"] == "compute" and chosen["predicted_ts"] == max(c["predicted_ts"] for c in tried)
-    assert list((tmp_path / "cache" / "compute").glob("probe-*.json"))   # cached for the next plan
+    assert list((tmp_path / "cache" / "compute").glob("compute-*.json"))   # cached for the next plan
     # the chosen plan computes what the baseline computes on it
     from pyllama_pp.check import check_logits
     res = check_logits(model, devices="vdev:2x12MiB@8GBps,speed=6:6", placement=p.placement(),
@@ -549,4 +632,51 @@ def test_parts_of_one_gpu_are_probed_together(monkeypatch):
     assert compute.probe_devices("cuda") == [([-1], "cuda")]
     assert compute.probe_devices("cuda:0,1") == [([0, 1], "cuda:0,1")]
     assert compute.probe_devices("cuda:1") == [([0], "cuda:1")] and not compute.shares_one_gpu("cuda:1")
-    assert not compute.shares_one_gpu("vdev:2x0@0")
+
+
+def test_vdevs_outnumbering_the_cores_are_probed_together(monkeypatch):
+    """VDEVs compute on this machine's CPU: where their threads outnumber its cores they take turns on them, so the
+    probe runs them together (as parts of one GPU), speeds kept; with a core each, one VDEV of each speed stands for
+    its kind; VDEVs of one link group copy over one link."""
+    from pyllama_pp import compute
+    from pyllama_pp import devices as devspec
+    from pyllama_pp.devices import vdev
+    monkeypatch.setattr(vdev, "usable_cores", lambda: 2)
+    assert compute.shares_one_gpu("vdev:3x0@0") and not compute.shares_one_gpu("vdev:2x0@0")
+    ((idx, spec),) = compute.probe_devices("vdev:3x8MiB@1GBps,speed=1:3:3")
+    assert idx == [0, 1, 2] and [(d["speed"], d["memory"], d["link_gbps"]) for d in json.loads(spec)["devices"]] == \
+        [(1.0, 0, 0), (3.0, 0, 0), (3.0, 0, 0)]
+    assert [idx for idx, _ in compute.probe_devices("vdev:2x8MiB@1GBps,speed=1:3")] == [[0], [1]]
+    assert devspec.parse("vdev:2x8MiB@1GBps,shared").one_link and not devspec.parse("vdev:2x8MiB@1GBps").one_link
+
+
+def test_links_are_measured_and_predictions_use_them(model, tmp_path, monkeypatch):
+    """fit_ubatch measures each device's host link once (pinned and pageable copies) and, for an mmap-ed model, the
+    host's staging copy (cached for later plans); a rate given wins, then the measured one, then the spec's own."""
+    from pyllama_pp import devices as devspec
+    from pyllama_pp.fit import cached_host_copy, fit_ubatch, link_rates
+    monkeypatch.setenv("PYLLAMA_PP_CACHE", str(tmp_path))
+    p = fit_ubatch(model, devices=TWO_EQUAL, ctx=ContextParams(n_ctx=512), count_compute=False, load_mode="mmap",
+                   candidates=(64, 128), timeout=120)
+    assert all(d.link and d.link["pinned_gbps"] > 0 and d.link["pageable_gbps"] > 0 for d in p.devices), p.devices
+    assert p.host_copy_gbps and cached_host_copy() == p.host_copy_gbps
+    assert "links (measured" in str(p) and "host staging copy" in str(p)
+    spec = devspec.parse(TWO_EQUAL)
+    measured = [{"pinned_gbps": 3.0, "pageable_gbps": 2.0}, None]
+    assert link_rates(spec, None, 2, measured) == [3.0, 4.0]            # (the second: the spec's own)
+    assert link_rates(spec, None, 2, measured, "pageable") == [2.0, 4.0]
+    assert link_rates(spec, [5, 6], 2, measured) == [5.0, 6.0]
+
+
+def test_an_mmap_ed_models_copies_wait_for_the_staging_copy():
+    """The patched build stages an mmap-ed model's experts through pinned slots: a copy moves at the slower of the
+    link and the host's copy, and one copier serves every device (each ubatch waits for all devices' bytes)."""
+    from pyllama_pp.fit import predict
+    plan = _all_host_plan(n_batch=4000)
+    pinned = predict(plan, 1e6, [1.0, 1.0], n_tokens=4000)
+    assert pinned.ts == pytest.approx(4000 / (3 * 3e-3 + 6e-3))
+    fast_copy = predict(plan, 1e6, [1.0, 1.0], n_tokens=4000, staging_gbps=10.0)   # 6 MB a ubatch at 10 GB/s: 0.6 ms
+    assert fast_copy.ts == pytest.approx(pinned.ts)
+    slow_copy = predict(plan, 1e6, [1.0, 1.0], n_tokens=4000, staging_gbps=0.5)   # each copy at 0.5 GB/s: 2 ms
+    assert slow_copy.stage_s == pytest.approx([6e-3, 6e-3])
+    assert slow_copy.ts == pytest.approx(4000 / (3 * 12e-3 + 12e-3))              # all six copies through one copier

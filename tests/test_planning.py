@@ -94,3 +94,20 @@ def test_choices_refused_before_any_worker(plan_path, no_worker, tiny_model):
                       (dict(model=tiny_model, n_ubatch="auto", devices=("cpu", "vdev:2x0@0")), "-ub auto plans")):
         with pytest.raises(ConfigError, match=words):
             plan_runs(Choices(**kw))
+
+
+def test_ub_auto_takes_a_pair_within_the_prompt_and_n_batch(tiny_model):
+    """ab -ub auto -b 1024 -p 1000 (which picked n_ubatch 1024 and stopped at "n_ubatch (1024) cannot exceed
+    n_batch (1000)"): the pair is within the prompt and the -b given, and every config holds it; without -b the
+    n_batch is chosen up to the prompt."""
+    planned = from_cli(["ab", tiny_model, "--devices", "vdev:2x64MiB@1GBps,speed=3:3", "-ub", "auto", "-b", "1024",
+                        "-p", "1000", "-n", "0"])
+    (plan,) = planned.plans
+    pair = (plan.ctx["n_batch"], plan.ctx["n_ubatch"])
+    assert pair[1] <= pair[0] <= 1000, pair
+    assert all((c.n_batch, c.n_ubatch) == pair for c in planned.configs), planned.configs
+    assert all(r["n_ubatch"] <= r["n_batch"] <= 1000 for r in plan.ubatch_auto), plan.ubatch_auto
+    assert planned.choices.n_batch == (pair[0],) and planned.choices.n_ubatch == (pair[1],)
+    unbounded = plan_runs(Choices(model=tiny_model, devices=("vdev:2x64MiB@1GBps,speed=3:3",), n_ubatch="auto",
+                                  pp=(600,), tg=()))
+    assert all(r["n_ubatch"] <= r["n_batch"] <= 600 for r in unbounded.plans[0].ubatch_auto)

@@ -205,12 +205,22 @@ class DeviceSpec(ABC):
 
     @property
     def shares_one_gpu(self) -> bool:
-        """bool: the devices are parts of one GPU, whose compute runs side by side on the same multiprocessors."""
+        """bool: the devices are parts of one processor (one GPU split in parts; VDEVs on a CPU with fewer cores than
+        their threads): their compute runs side by side on the same cores, so it does not add up as separate
+        devices' would (the compute probe runs them together)."""
         return False
 
-    def probe_specs(self) -> list[tuple[list[int], str]]:
+    @property
+    def one_link(self) -> bool:
+        """bool: every device's host copies cross one link (their bytes add up on it)."""
+        return False
+
+    def probe_specs(self, servers: Optional[list] = None) -> list[tuple[list[int], str]]:
         """The device specs the compute probe runs on, with the devices each stands for.
 
+        Args:
+            servers: each device's RPC server (HOST:PORT, None for a device of this machine), as a fit plan names
+                them; kinds whose devices sit on servers probe there.
         Returns:
             [(device indices, device spec), ...]; here the CPU for every device ([-1]).
         """

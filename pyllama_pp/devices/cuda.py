@@ -61,7 +61,12 @@ class CudaSpec(DeviceSpec):
         compute runs side by side on the same multiprocessors, so it does not add up as separate GPUs' would."""
         return int(os.environ.get("GGML_CUDA_DEVICES") or 1) > 1 and (not self.cuda_ids or len(self.cuda_ids) > 1)
 
-    def probe_specs(self) -> list[tuple[list[int], str]]:
+    @property
+    def one_link(self) -> bool:
+        """bool: parts of one GPU (shares_one_gpu) copy over its one link."""
+        return self.shares_one_gpu
+
+    def probe_specs(self, servers: Optional[list] = None) -> list[tuple[list[int], str]]:
         """The first device for every device (the devices are taken to be alike), or every device together where they
         are parts of one GPU (shares_one_gpu).
 

@@ -114,6 +114,32 @@ class RpcSpec(DeviceSpec):
         """
         _refuse_unreachable(self)
 
+    def probe_specs(self, servers: Optional[list] = None) -> list[tuple[list[int], str]]:
+        """This machine's devices as their kind probes them, and one device of each server for that server's devices:
+        a server computes its devices' layers on its own hardware (the client's CPU stands for none of it).
+
+        Args:
+            servers: each device's server (HOST:PORT; None: a device of this machine), as a fit plan names them;
+                without them the first server's first device stands for every device.
+        Returns:
+            [(device indices, device spec), ...]: "rpc://HOST:PORT/N" for a server's devices.
+        """
+        one = lambda ep: PREFIX + (ep if "/" in ep else ep + "/0")   # (a server's first device, or the one named)
+        if not servers:
+            return [([-1], one(self.endpoints[0]))]
+        local = [i for i, s in enumerate(servers) if s is None]
+        out = []
+        if local and self.local is not None:
+            out += [(local if idx == [-1] else [local[j] for j in idx], spec) for idx, spec in self.local.probe_specs()]
+        seen: set = set()
+        for ep in self.endpoints:
+            server = ep.split("/")[0]
+            idx = [i for i, s in enumerate(servers) if s == server]
+            if idx and server not in seen:
+                seen.add(server)
+                out.append((idx, one(ep)))
+        return out
+
     def connect(self, native) -> list[tuple[str, list[str]]]:
         """Connect to the servers (rpc.client.connect_servers).
 

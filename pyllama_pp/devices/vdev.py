@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..counters import COUNTER_FIELDS
-from ..defaults import MARGINS
+from ..defaults import MARGINS, usable_cores
 from ..errors import DeviceSpecError
 from .base import DeviceSpec, bad, parse_rate, parse_size, whole
 
@@ -227,12 +227,27 @@ class VdevSpec(DeviceSpec):
                                   "have no split buffers (and upstream's fit does not place layers in that mode): use "
                                   "layer")
 
-    def probe_specs(self) -> list[tuple[list[int], str]]:
-        """One unthrottled VDEV without a memory limit per distinct compute speed (only compute is measured).
+    @property
+    def shares_one_gpu(self) -> bool:
+        """bool: the VDEVs compute on this machine's CPU, each with its threads; where those outnumber the cores this
+        process may use, the devices take turns on the same cores, as parts of one GPU do."""
+        return len(self.vdevs) > 1 and sum(v.threads for v in self.vdevs) > usable_cores()
+
+    @property
+    def one_link(self) -> bool:
+        """bool: every VDEV is in one link group."""
+        return len(self.vdevs) > 1 and len({v.link_group for v in self.vdevs}) == 1 and self.vdevs[0].link_group >= 0
+
+    def probe_specs(self, servers: Optional[list] = None) -> list[tuple[list[int], str]]:
+        """One unthrottled VDEV without a memory limit per distinct compute speed (only compute is measured), or, where
+        the VDEVs share the CPU's cores (shares_one_gpu), all of them together, unthrottled and without limits.
 
         Returns:
             [(the indices of the devices of that speed and thread count, a JSON spec of one such VDEV), ...].
         """
+        if self.shares_one_gpu:
+            return [(list(range(len(self.vdevs))), json.dumps({"kind": self.kind, "devices": [
+                {"memory": 0, "link_gbps": 0, "speed": v.speed, "threads": v.threads} for v in self.vdevs]}))]
         groups: dict = {}
         for i, v in enumerate(self.vdevs):
             groups.setdefault((v.speed, v.threads), []).append(i)

@@ -227,15 +227,11 @@ PP_EXPORT int pp_rpc_net_rate(const char * dev_name, uint64_t bytes, double * up
         if (!rpc_reg() || ggml_backend_dev_backend_reg(dev) != rpc_reg()) {
             return fail(PP_ERR_UNSUPPORTED, std::string(dev_name) + " is not an RPC device");
         }
-        ggml_init_params ip = {ggml_tensor_overhead(), nullptr, true};
-        std::unique_ptr<ggml_context, decltype(&ggml_free)> ctx(ggml_init(ip), ggml_free);
-        ggml_tensor * t = ctx ? ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I8, (int64_t) bytes) : nullptr;
-        ggml_backend_buffer_t buf = t ? ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), ggml_backend_dev_buffer_type(dev))
-                                      : nullptr;
-        if (!buf) {
-            return fail(PP_ERR_MEMORY, std::string("cannot allocate ") + std::to_string(bytes) + " bytes on " + dev_name);
+        scratch_tensor s;
+        if (int rc = alloc_scratch(dev, dev_name, bytes, s); rc != PP_OK) {
+            return rc;
         }
-        std::unique_ptr<ggml_backend_buffer, decltype(&ggml_backend_buffer_free)> keep(buf, ggml_backend_buffer_free);
+        ggml_tensor * t = s.t;
         std::vector<uint8_t> data(bytes, 0x5a);   // (a buffer not for weights: the server's tensor cache never sees it)
         using clock = std::chrono::steady_clock;
         uint8_t one = 0;

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <cstdio>
 #include <cstring>
@@ -27,6 +28,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #ifndef PP_VARIANT
@@ -61,6 +63,18 @@ int pp_shim::fail(int code, const std::string & msg) {
 
 void pp_shim::copy_str(char * dst, size_t n, const char * src) {
     snprintf(dst, n, "%s", src ? src : "");
+}
+
+int pp_shim::alloc_scratch(ggml_backend_dev_t dev, const char * dev_name, uint64_t bytes, scratch_tensor & out) {
+    ggml_init_params ip = {ggml_tensor_overhead(), nullptr, true};
+    out.ctx.reset(ggml_init(ip));
+    out.t = out.ctx ? ggml_new_tensor_1d(out.ctx.get(), GGML_TYPE_I8, (int64_t) bytes) : nullptr;
+    out.buf.reset(out.t ? ggml_backend_alloc_ctx_tensors_from_buft(out.ctx.get(), ggml_backend_dev_buffer_type(dev))
+                        : nullptr);
+    if (!out.buf) {
+        return fail(PP_ERR_MEMORY, std::string("cannot allocate ") + std::to_string(bytes) + " bytes on " + dev_name);
+    }
+    return PP_OK;
 }
 
 using namespace pp_shim;
@@ -264,6 +278,105 @@ PP_EXPORT int pp_device_get(int i, pp_device_info * out) {
         out->caps_buffer_from_host_ptr = props.caps.buffer_from_host_ptr;
         out->caps_events  = props.caps.events;
         return PP_OK;
+    });
+}
+
+// ---- rates: a device's host link, the host's staging copy ------------------------------------------------
+
+static double median_of(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// GB/s of `bytes` in `seconds`
+static double gbps(uint64_t bytes, double seconds) {
+    return (double) bytes / std::max(seconds, 1e-9) / 1e9;
+}
+
+PP_EXPORT int pp_link_rate(const char * dev_name, uint64_t bytes, int32_t copies, double * pinned_gbps,
+                           double * pageable_gbps) {
+    if (!dev_name || !pinned_gbps || !pageable_gbps || bytes == 0 || copies <= 0) {
+        return fail(PP_ERR_ARG, "null argument, 0 bytes or no copy");
+    }
+    return guarded([&] {
+        ggml_backend_dev_t dev = ggml_backend_dev_by_name(dev_name);
+        if (!dev) {
+            return fail(PP_ERR_DEVICE, std::string("unknown device '") + dev_name + "'");
+        }
+        scratch_tensor s;
+        if (int rc = alloc_scratch(dev, dev_name, bytes, s); rc != PP_OK) {
+            return rc;
+        }
+        ggml_tensor * t = s.t;
+        ggml_backend_buffer_type_t host = ggml_backend_dev_host_buffer_type(dev);
+        ggml_backend_buffer_t hbuf = host ? ggml_backend_buft_alloc_buffer(host, bytes) : nullptr;
+        std::unique_ptr<ggml_backend_buffer, decltype(&ggml_backend_buffer_free)> keep_host(hbuf, ggml_backend_buffer_free);
+        std::vector<uint8_t> pageable(bytes, 0x5a);
+        using clock = std::chrono::steady_clock;
+        // copies in a row, timed together (a link that lets a short copy return before its time is up, as VDEV's
+        // does, charges it to the next one), three times: the median
+        auto rate = [&](const uint8_t * src) {
+            ggml_backend_tensor_set(t, src, 0, bytes);   // (untimed: a first copy sets up what the device needs)
+            std::vector<double> r;
+            for (int round = 0; round < 3; round++) {
+                auto t0 = clock::now();
+                for (int i = 0; i < copies; i++) {
+                    ggml_backend_tensor_set(t, src, 0, bytes);   // (synchronous: returns once the device holds them)
+                }
+                r.push_back(gbps(bytes * (uint64_t) copies, std::chrono::duration<double>(clock::now() - t0).count()));
+            }
+            return median_of(r);
+        };
+        uint8_t * pinned = hbuf ? (uint8_t *) ggml_backend_buffer_get_base(hbuf) : nullptr;
+        if (pinned) {
+            memset(pinned, 0x5a, bytes);
+        }
+        *pinned_gbps   = pinned ? rate(pinned) : 0.0;
+        *pageable_gbps = rate(pageable.data());
+        return (int) PP_OK;
+    });
+}
+
+PP_EXPORT int pp_host_copy_rate(const char * dev_name, uint64_t bytes, int32_t n_threads, int32_t reps, double * out) {
+    if (!out || bytes == 0 || reps <= 0) {
+        return fail(PP_ERR_ARG, "null argument, 0 bytes or no repetition");
+    }
+    return guarded([&] {
+        const size_t piece = (size_t) 32 << 20;   // (a staging slot)
+        const int n = n_threads > 0 ? n_threads : std::min(8, std::max(1, (int) std::thread::hardware_concurrency() / 2));
+        ggml_backend_dev_t dev = dev_name ? ggml_backend_dev_by_name(dev_name) : nullptr;
+        ggml_backend_buffer_type_t host = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+        ggml_backend_buffer_t hbuf = host ? ggml_backend_buft_alloc_buffer(host, 2 * piece) : nullptr;
+        std::unique_ptr<ggml_backend_buffer, decltype(&ggml_backend_buffer_free)> keep(hbuf, ggml_backend_buffer_free);
+        std::vector<uint8_t> plain(hbuf ? 0 : 2 * piece);
+        uint8_t * slots = hbuf ? (uint8_t *) ggml_backend_buffer_get_base(hbuf) : plain.data();
+        memset(slots, 0, 2 * piece);
+        std::vector<uint8_t> src(bytes, 0x5a);   // (pageable, touched: resident, as a model's pages in the page cache)
+        auto copy = [&](uint8_t * dst, const uint8_t * from, size_t size) {
+            const size_t step = ((size + n - 1) / n + 63) & ~(size_t) 63;
+            std::vector<std::thread> helpers;
+            for (int k = 1; k < n; k++) {
+                const size_t b = std::min(size, step * k), e = std::min(size, b + step);
+                helpers.emplace_back([=]() { memcpy(dst + b, from + b, e - b); });
+            }
+            memcpy(dst, from, std::min(size, step));
+            for (auto & h : helpers) {
+                h.join();
+            }
+        };
+        using clock = std::chrono::steady_clock;
+        std::vector<double> r;
+        for (int i = 0; i <= reps; i++) {
+            auto t0 = clock::now();
+            for (size_t off = 0, k = 0; off < bytes; off += piece, k++) {
+                copy(slots + (k % 2) * piece, src.data() + off, std::min(piece, (size_t) bytes - off));
+            }
+            if (i > 0) {   // (the first: untimed)
+                r.push_back(gbps(bytes, std::chrono::duration<double>(clock::now() - t0).count()));
+            }
+        }
+        *out = median_of(r);
+        return (int) PP_OK;
     });
 }
 

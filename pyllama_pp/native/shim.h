@@ -57,6 +57,15 @@ typedef struct {
 int pp_device_count(void);
 int pp_device_get(int i, pp_device_info * out);
 
+// A device's host link, measured: `bytes` set into a buffer on device `dev_name` `copies` times in a row, from its
+// pinned host buffer type (0 where it has none) and from pageable memory, each the median of three such rounds
+// after one untimed copy (GB/s, 1e9 B/s). PP_ERR_MEMORY where the device cannot hold `bytes`.
+int pp_link_rate(const char * dev_name, uint64_t bytes, int32_t copies, double * pinned_gbps, double * pageable_gbps);
+// The host's copy from pageable memory into pinned memory (device `dev_name`'s host buffer type, else plain memory)
+// as the patched build's staging copies run it: pieces of 32 MiB, each split over `n_threads` threads (0: as
+// STAGING picks them, half the cores, at most 8); `bytes` in all, the median of `reps` after one untimed (GB/s).
+int pp_host_copy_rate(const char * dev_name, uint64_t bytes, int32_t n_threads, int32_t reps, double * gbps);
+
 // ---- model -------------------------------------------------------------------------------------------
 typedef struct {
     const char * path;

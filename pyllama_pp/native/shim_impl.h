@@ -4,6 +4,10 @@
 
 #include "shim.h"
 
+#include "ggml-backend.h"
+#include "ggml.h"
+
+#include <memory>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -22,6 +26,16 @@ int fail(int code, const std::string & msg);
 
 // src (or "") into dst, truncated to n bytes with its terminator
 void copy_str(char * dst, size_t n, const char * src);
+
+// one tensor of `bytes` (I8) in a buffer of its own on a device, for the rate probes' copies (freed with it)
+struct scratch_tensor {
+    std::unique_ptr<ggml_context, decltype(&ggml_free)>                       ctx{nullptr, ggml_free};
+    std::unique_ptr<ggml_backend_buffer, decltype(&ggml_backend_buffer_free)> buf{nullptr, ggml_backend_buffer_free};
+    ggml_tensor *                                                             t = nullptr;
+};
+
+// allocate `out` on device `dev` (named dev_name in the error): PP_OK, or PP_ERR_MEMORY (through fail)
+int alloc_scratch(ggml_backend_dev_t dev, const char * dev_name, uint64_t bytes, scratch_tensor & out);
 
 // f() for an entry point: an exception or an abort inside becomes a code and a message
 template <typename F>

@@ -9,6 +9,7 @@ from ... import devices as devspec
 from ...defaults import threads
 from ...errors import DeviceSpecError
 from ...jobs import FitJob
+from ...model_file import expert_tensor_bytes
 from ...params import SPLIT_MODES
 from ...rpc.client import describe_servers
 
@@ -29,7 +30,43 @@ def handle(job: FitJob) -> dict:
                   int(job.n_ctx_min))
     if servers:
         describe_servers(native, servers, res["devices"])
+    if job.rates:
+        served = {n for _, names_there in servers for n in names_there}
+        local = [d for d in res["devices"] if d["name"] not in served]   # (a server's link is the server's own)
+        res["rates"] = measure_rates(native, local, job.rates, expert_tensor_bytes(job.model))
     return res
+
+
+HOST_COPY_BYTES = 256 << 20   # eight staging slots' worth
+RATE_REPS = 3
+LINK_PROBE_TOTAL = 16 << 20   # a round of copies: this many bytes (small tensors: more copies), three rounds
+
+
+def link_rate(native, name: str, free_bytes: int, copy_bytes: int) -> dict:
+    """Device `name`'s host link, measured with copies of `copy_bytes` (one expert tensor: what a run's copies move
+    at a time, their own costs included; at most an eighth of the device's free memory, at least 64 KiB), in rounds
+    of LINK_PROBE_TOTAL bytes (at least RATE_REPS copies): {"pinned_gbps" (0: no pinned host memory),
+    "pageable_gbps", "copy_bytes"}."""
+    pinned, pageable = native.ffi.new("double *"), native.ffi.new("double *")
+    n = max(64 << 10, min(copy_bytes or LINK_PROBE_TOTAL, int(free_bytes) // 8))
+    copies = max(RATE_REPS, min(256, LINK_PROBE_TOTAL // n))
+    native.check(native.lib.pp_link_rate(name.encode(), n, copies, pinned, pageable))
+    return {"pinned_gbps": pinned[0], "pageable_gbps": pageable[0], "copy_bytes": n}
+
+
+def measure_rates(native, devices: list[dict], what: list, copy_bytes: int) -> dict:
+    """The rates fit_ubatch predicts with, measured in this process: each device's host link ("links": name ->
+    link_rate, with copies of copy_bytes) and the host's copy into pinned memory as the patched build's staging runs
+    it ("host_copy_gbps")."""
+    out: dict = {}
+    if "links" in what:
+        out["links"] = {d["name"]: link_rate(native, d["name"], d["free_bytes"], copy_bytes) for d in devices}
+    if "host_copy" in what:
+        got = native.ffi.new("double *")
+        native.check(native.lib.pp_host_copy_rate(devices[0]["name"].encode() if devices else native.ffi.NULL,
+                                                  HOST_COPY_BYTES, 0, RATE_REPS, got))
+        out["host_copy_gbps"] = got[0]
+    return out
 
 
 def run_fit(native, model: str, dev_names: str, split_mode: int, ctx, margins: list[int], n_ctx_min: int = 0) -> dict:
