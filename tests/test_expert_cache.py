@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from pyllama_pp import cli, soak, synth
+from pyllama_pp import cli, synth
 from pyllama_pp.expert_cache_sim import guard, simulate
 from pyllama_pp.expert_trace import ExpertTrace
 from pyllama_pp.rpc.server import spawn_server, wait_listening
@@ -284,21 +284,6 @@ def test_the_slots_take_what_the_switch_gives(runner, tiny_cfg):
                 assert b["cache_slots"] == 5 and slots_bytes <= b["cache_buffer_bytes"] < slots_bytes + (64 << 10)
             else:
                 assert b["cache_buffer_bytes"] <= 1 << 20 < slots_bytes + b["cache_layers"] * one + (64 << 10)
-
-
-# --- memory over many calls -------------------------------------------------------------------------------------------
-
-def test_device_memory_stays_flat_over_many_calls(tiny_model, tiny_cfg, tmp_path_factory):
-    """The soak's mixed calls (prompts, decodes, rewinds, shifts) with a cache smaller than the experts: the slots are
-    allocated once, before the first call, and the devices' memory never moves after the warm-up; every checkpoint's
-    logits equal a fresh session's. Calls below the threshold now fetch experts (without the cache: a few KB of
-    inputs a call, tests/test_soak.py)."""
-    r = soak.run(tiny_model, "patched", devices="vdev:2x256MiB@4GBps", calls=40, check_every=10,
-                 workdir=str(tmp_path_factory.mktemp("soak-cache")), timeout=120, env=cache(1))
-    assert r.problems == [] and r.ok
-    assert all(a == r.alloc_bytes[0] for a in r.alloc_bytes)
-    below = r.bands["below offload"]
-    assert below["h2d_bytes"] > below["calls"] * expert_bytes_of_layer(tiny_cfg)
 
 
 # --- the hit-rate guard (EXPERT_CACHE_MIN_HIT) -----------------------------------------------------------------------
