@@ -13,7 +13,12 @@ warm-up); the logits of every checkpoint recipe equal those of a fresh session (
 context (exact, or NMSE <= 1e-6). Exit code 1 when a check fails.
 
     python bench/soak.py [--calls 1000] [--variant patched|baseline|both] [--devices vdev:2x256MiB@4GBps]
-                         [--check-every 50] [--seed 0] [--model M.gguf] [--out soak.json]
+                         [--check-every 50] [--seed 0] [--model M.gguf] [--out soak.json] [--switch NAME=V ...]
+
+`--switch` sets a patched scheduler switch for the patched soak (the baseline has none), e.g. `--switch
+EXPERT_CACHE=1`: the device expert cache, whose slots are then part of the judged device memory and must stay within
+the switch's MiB per device. The VRAM line after the tables says it in one line per variant: the devices' memory at
+the warm-up's end and after the last call, the peak, the expert slots' share and the cache's hits.
 
 On the GPU machine (the tiny preset still: a correctness and leak soak, not a speed test), `--devices cuda` takes
 the first two CUDA devices (one if there is one; `cuda:0,1,2` etc. as given), also two devices of one GPU with
@@ -31,6 +36,7 @@ from pathlib import Path
 import _common as C
 from pyllama_pp import report, soak
 from pyllama_pp.errors import PyllamaError
+from pyllama_pp.planning import check_switches, parse_switches
 
 MiB = 1024 * 1024
 
@@ -76,6 +82,28 @@ def cuda_lines(r) -> list:
     return out
 
 
+def vram_line(r) -> str:
+    """One line: each VDEV's allocated bytes at the warm-up's end and after the last call, whether every checkpoint
+    after the warm-up had the same, the peak, the expert slots among them (EXPERT_CACHE) with the cache's hits over
+    the soak, and the host RSS after the warm-up."""
+    def per_dev(values) -> str:
+        return " / ".join(report.fmt_bytes(v) for v in values)
+
+    flat = all(a == r.alloc_bytes[0] for a in r.alloc_bytes)
+    line = (f"{r.variant} VRAM (allocated per VDEV): {per_dev(r.alloc_bytes[0])} at the warm-up's end, "
+            f"{per_dev(r.alloc_bytes[-1])} after call {r.calls}, {'the same' if flat else 'MOVED'} at all "
+            f"{len(r.alloc_bytes) - 1} checkpoints after the warm-up; peak {per_dev(r.rows[-1]['peak_alloc_bytes'])}")
+    if r.cache_buffer_bytes:
+        ext = r.ext or {}
+        looked = ext.get("cache_hits", 0) + ext.get("cache_misses", 0)
+        rate = f" ({100 * ext.get('cache_hits', 0) / looked:.1f}% hits)" if looked else ""
+        line += (f"; of it expert slots {per_dev(r.cache_buffer_bytes.values())} (EXPERT_CACHE={r.expert_cache}), "
+                 f"which read {ext.get('cache_ops', 0)} expert ops: {ext.get('cache_hits', 0)} hits, "
+                 f"{ext.get('cache_misses', 0)} misses{rate}")
+    return line + (f"; host RSS {r.rss_warm / MiB:.1f} MiB after the warm-up, at most {100 * r.rss_growth:+.2f}% "
+                   f"more after it, {r.rss_end / MiB:.1f} MiB at the end")
+
+
 def band_table(results: list) -> str:
     rows = []
     for r in results:
@@ -101,6 +129,8 @@ def main() -> int:
                     help="write the results (and every checkpoint) as JSON: to this .json file, or to soak.json (and "
                          "the tables to soak.md) in this folder")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per worker")
+    ap.add_argument("--switch", action="append", metavar="NAME=VALUE",
+                    help="a patched scheduler switch for the patched soak, repeatable (e.g. EXPERT_CACHE=1)")
     args = ap.parse_args()
     if args.calls < 1 or args.check_every < 1 or args.warmup < 0:
         ap.error("--calls and --check-every must be >= 1, --warmup >= 0")
@@ -112,6 +142,8 @@ def main() -> int:
     variants = ["baseline", "patched"] if args.variant == "both" else [args.variant]
     results, t0 = [], time.time()
     try:
+        switches = parse_switches(args.switch)
+        check_switches(switches, variants)
         devices = soak.soak_devices(args.devices, variants[-1])
     except PyllamaError as e:
         print(f"pyllama-pp soak: {type(e).__name__}: {e}", file=sys.stderr)
@@ -122,7 +154,8 @@ def main() -> int:
         print(f"{v}: {args.calls} calls on {devices} ...", flush=True)
         try:
             r = soak.run(model, v, devices=devices, calls=args.calls, seed=args.seed,
-                         check_every=args.check_every, warmup=args.warmup, timeout=args.timeout)
+                         check_every=args.check_every, warmup=args.warmup, timeout=args.timeout,
+                         switches=switches if v == "patched" else None)
         except PyllamaError as e:   # a crash (WorkerError) or an error in the session: the soak failed
             print(f"pyllama-pp soak: {v}: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
@@ -134,6 +167,8 @@ def main() -> int:
                          + ", ".join(f"{k} {v}" for k, v in r.ext.items()))
         if r.cuda:
             lines += cuda_lines(r)
+        else:
+            lines.append(vram_line(r))
         for p in r.problems:
             lines.append(f"{r.variant}: {p}")
     print()

@@ -28,7 +28,9 @@ class LogitsCheck:
     """Both variants' logits for the same tokens on one placement, compared.
 
     Fields: the model and devices, n_tokens, nmse (patched against baseline), max_abs_diff, nmse_max (the limit),
-    ok (nmse <= nmse_max), and each variant's schedule facts (pipeline_parallel, n_splits).
+    ok (nmse <= nmse_max), each variant's schedule facts (pipeline_parallel, n_splits), and the patched run's device
+    expert cache (EXPERT_CACHE): the expert ops that read its slots, with their hits and misses (all 0 where none
+    did: the compared path then never read them).
     """
 
     model: str
@@ -43,6 +45,9 @@ class LogitsCheck:
     patched_pipeline_parallel: bool
     patched_n_splits: int
     baseline_devices: Optional[str] = None
+    patched_cache_ops: int = 0
+    patched_cache_hits: int = 0
+    patched_cache_misses: int = 0
 
     @property
     def ok(self) -> bool:
@@ -60,7 +65,9 @@ class LogitsCheck:
                 f"n_ubatch {self.n_ubatch} (pipelining baseline {on(self.baseline_pipeline_parallel)}, patched "
                 f"{on(self.patched_pipeline_parallel)}, {self.patched_n_splits} splits):\n  patched vs baseline "
                 f"logits: NMSE {self.nmse:.3g}, max abs difference {self.max_abs_diff:.3g} -> "
-                + (f"same (NMSE <= {self.nmse_max:g})" if self.ok else f"MISMATCH (NMSE > {self.nmse_max:g})"))
+                + (f"same (NMSE <= {self.nmse_max:g})" if self.ok else f"MISMATCH (NMSE > {self.nmse_max:g})")
+                + (f"; {self.patched_cache_ops} expert ops read the device expert cache ({self.patched_cache_hits} "
+                   f"hits, {self.patched_cache_misses} misses)" if self.patched_cache_ops else ""))
 
 
 def check_context(n_tokens: Optional[int] = None) -> ContextParams:
@@ -114,11 +121,16 @@ def check_logits(model: Union[str, Path], devices: str = CHECK.devices,
             job = LogitsJob(variant=v, model=str(model), devices=on[v], placement=placement, ctx=ctx,
                             switches=dict(switches or {}) if v == "patched" else {}, n_tokens=n_tokens, seed=seed,
                             logits="all", out=out)
-            facts[v] = run_job(job, v, timeout=timeout)["schedule"]
+            res = run_job(job, v, timeout=timeout)
+            facts[v] = res["schedule"]
             got[v] = np.load(out)
+    backends = (res.get("ext") or {}).get("backends", [])   # (the patched run's, the last)
+    cache = {k: sum(b.get(f"cache_{k}", 0) for b in backends) for k in ("ops", "hits", "misses")}
     return LogitsCheck(model=str(model), devices=str(devices), placement=placement.label, n_tokens=n_tokens,
                        n_ubatch=ctx.n_ubatch, nmse=nmse(got["patched"], got["baseline"]),
                        max_abs_diff=max_abs_diff(got["patched"], got["baseline"]), nmse_max=nmse_max,
                        baseline_pipeline_parallel=facts["baseline"]["pipeline_parallel"],
                        patched_pipeline_parallel=facts["patched"]["pipeline_parallel"],
-                       patched_n_splits=facts["patched"]["n_splits"], baseline_devices=baseline_devices or None)
+                       patched_n_splits=facts["patched"]["n_splits"], baseline_devices=baseline_devices or None,
+                       patched_cache_ops=cache["ops"], patched_cache_hits=cache["hits"],
+                       patched_cache_misses=cache["misses"])

@@ -27,7 +27,7 @@ from .expert_trace import ExpertTrace
 from .model_file import check_model_path
 from .params import LOAD_MODES, SPLIT_MODES, ContextParams, Placement, as_context, as_placement
 from .plan import Plan
-from .rpc.client import host_weight_bytes
+from .rpc.client import add_host_cache_counts, host_weight_bytes
 
 
 @dataclass
@@ -546,6 +546,7 @@ class Session:
             n = host_weight_bytes(self.native, b["name"])   # a patched RPC server's own copies
             if n >= 0:
                 b["weight_bytes"] += n
+            add_host_cache_counts(self.native, b)   # ... and its own expert cache's counters
         return stats
 
     def device_counters(self) -> list[dict]:

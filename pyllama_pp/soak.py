@@ -12,6 +12,10 @@ the whole GPU, every process and the CUDA context included), which must stay wit
 CUDA_DRIFT_FRAC (the larger) of the first checkpoint after the warm-up (CUDA's pool allocators move a little).
 Devices that share one GPU (GGML_CUDA_DEVICES) each report an equal share of it (ggml divides by the share count),
 so their figures are equal and each is that share of the GPU's memory in use.
+
+With the patched build's device expert cache (`switches={"EXPERT_CACHE": N}`: N MiB of expert slots per device) the
+slots are part of the memory judged above, and the memory they take on each device must also stay within the N MiB
+the switch gives them at every checkpoint (EXPERT_CACHE=-N, N slots a layer whatever they take, sets no such bound).
 """
 from __future__ import annotations
 
@@ -58,6 +62,8 @@ class SoakResult:
     ext: Optional[dict]
     problems: list = field(default_factory=list)
     rows: list = field(default_factory=list)   # the checkpoints, with their NMSE
+    expert_cache: int = 0        # EXPERT_CACHE as the soak ran (0: off, or the baseline)
+    cache_buffer_bytes: dict = field(default_factory=dict)   # the expert slots' memory per backend at the end
     # CUDA devices only (None otherwise): per device its name, total_bytes, used_start_bytes (the session made),
     # warm_used_bytes (the warm-up's last checkpoint); used_bytes at each checkpoint after the warm-up (one list per
     # checkpoint), the largest drift from the first of them (signed bytes), the tolerance, and flat
@@ -96,12 +102,14 @@ def soak_devices(devices: str, variant: str = CONTEXT.variant, timeout: float = 
 def run(model: str, variant: str = CONTEXT.variant, devices: str = SOAK.devices, calls: int = SOAK.calls,
         seed: int = CONTEXT.seed, check_every: int = SOAK.check_every, warmup: int = SOAK.warmup, ctx: Optional[dict] = None,
         placement: Optional[dict] = None, workdir: Optional[str] = None, timeout: float = SOAK.timeout,
-        env: Optional[dict] = None) -> SoakResult:
-    """The reference (a fresh session), then the soak, each in its own worker for `variant`; compared here."""
+        env: Optional[dict] = None, switches: Optional[dict] = None) -> SoakResult:
+    """The reference (a fresh session), then the soak, each in its own worker for `variant`; compared here.
+    `switches`: the patched build's, NAME -> value, for both (the reference runs the recipes the same way)."""
     ctx = ctx or {"n_ctx": SOAK.n_ctx, "n_batch": SOAK.n_batch, "n_ubatch": SOAK.n_ubatch}
     placement = {"host_experts": SOAK.host_experts, **(placement or {})}
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        base = {"kind": "soak", "model": model, "devices": devices, "placement": placement, "ctx": ctx}
+        base = {"kind": "soak", "model": model, "devices": devices, "placement": placement, "ctx": ctx,
+                "switches": dict(switches or {})}
         ref = str(Path(tmp) / "ref.npz")
         run_job({**base, "reference": True, "out": ref}, variant, timeout=timeout, env=env)
         res = run_job({**base, "calls": calls, "seed": seed, "check_every": check_every, "warmup": warmup,
@@ -135,6 +143,12 @@ def judge(res: dict, variant: str, devices: str) -> SoakResult:
         changed = next(c for c in judged if c["alloc_bytes"] != allocs[0])
         problems.append(f"device memory moved after the warm-up: {allocs[0]} -> {changed['alloc_bytes']} bytes "
                         f"per device at call {changed['call']}")
+    budget = res.get("expert_cache", 0) * MiB
+    for c in judged if budget > 0 else []:
+        over = {b: n for b, n in c.get("cache_buffer_bytes", {}).items() if n > budget}
+        if over:
+            problems.append(f"expert slots past EXPERT_CACHE={res['expert_cache']} MiB at call {c['call']}: "
+                            + ", ".join(f"{b} {n} bytes" for b, n in over.items()))
     cuda = judge_cuda(res, warm, judged, problems) if "cuda_used_bytes" in judged[0] else None
     rss = [c["rss_bytes"] for c in res["checkpoints"]]
     rss_warm, rss_end = warm["rss_bytes"], rss[-1]
@@ -147,7 +161,7 @@ def judge(res: dict, variant: str, devices: str) -> SoakResult:
                       res["seconds"], res["rss_start"], rss_warm, rss_end, max(rss), growth,
                       max(c["rss_untrimmed"] for c in res["checkpoints"]), allocs,
                       len(res["checkpoints"]), matched, exact, nmse_max, res["counts"], res["bands"], res["ext"],
-                      problems, rows, cuda)
+                      problems, rows, res.get("expert_cache", 0), judged[-1].get("cache_buffer_bytes", {}), cuda)
 
 
 def cuda_tolerance(used: int) -> int:

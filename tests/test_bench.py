@@ -486,3 +486,25 @@ def test_cache_decode_logits_check_reads_the_slots(tiny_model, tmp_path):
         assert rows[-64, mh]["logits_cache_ops"] == ops and rows[-64, mh]["nmse_vs_off"] == 0.0
     assert rows[-8, 0]["logits_cache_ops"] == ops
     assert rows[-8, 100]["logits_cache_ops"] == 0 and rows[-8, 100]["logits_cpu_ops"] == ops
+
+
+def test_check_families_writes_the_logits_tolerance_table(tmp_path):
+    """bench/check_families.py --cache: two families, each with its experts in two types (Q4_K's rows widened to its
+    block), decoded token by token on two VDEVs with 8 slots a layer against the baseline: every expert op of every
+    token read the slots, and the logits equal the baseline's, well within test-backend-ops' MUL_MAT_ID limit, which
+    the table shows beside them."""
+    res = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "bench" / "check_families.py"), "--cache",
+                          "-8", "--families", "tiny,glm4moe-tiny", "--types", "q8_0,q4_k", "--tokens", "4",
+                          "--devices", "vdev:2x0@4GBps", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["family"], r["expert_type"]) for r in rows] == \
+        [("tiny", "q8_0"), ("tiny", "q4_k"), ("glm4moe-tiny", "q8_0"), ("glm4moe-tiny", "q4_k")]
+    moe_layers = {"tiny": 6, "glm4moe-tiny": 5}   # (glm4moe-tiny's first layer is dense)
+    for r in rows:
+        assert r["patched_cache_ops"] == 3 * moe_layers[r["family"]] * 4, r
+        assert r["patched_cache_hits"] + r["patched_cache_misses"] > 0 and r["nmse_max"] == 5e-4
+        assert r["nmse"] == 0.0 and r["max_abs_diff"] == 0.0 and r["ok"], r
+    table = (tmp_path / "results.md").read_text()
+    assert "| test-backend-ops MUL_MAT_ID NMSE limit |" in table and table.count("| 0.0005 | yes |") == 4, table

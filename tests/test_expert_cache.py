@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from pyllama_pp import cli, soak, synth
+from pyllama_pp import cli, synth
 from pyllama_pp.expert_cache_sim import guard, simulate
 from pyllama_pp.expert_trace import ExpertTrace
 from pyllama_pp.rpc.server import spawn_server, wait_listening
@@ -87,10 +87,9 @@ def test_decode_logits_equal_the_baseline_in_every_family(tmp_path_factory, asse
     assert totals(p["ext"])["cache_ops"] == 3 * moe_layers * 6
 
 
-@pytest.fixture
-def upstream_servers():
-    """Two of upstream's rpc-servers on loopback, a VDEV each: the experts stay in the client's RAM."""
-    started = [spawn_server("vdev:1x0@0", "baseline", "127.0.0.1") for _ in range(2)]
+def two_servers(variant: str):
+    """Two rpc-servers of `variant` on loopback, a VDEV each: their device spec while they serve."""
+    started = [spawn_server("vdev:1x0@0", variant, "127.0.0.1") for _ in range(2)]
     try:
         for port, proc in started:
             wait_listening(port, proc, "127.0.0.1")
@@ -102,6 +101,12 @@ def upstream_servers():
             proc.stderr.close()
 
 
+@pytest.fixture
+def upstream_servers():
+    """Two of upstream's rpc-servers: the experts stay in the client's RAM."""
+    yield from two_servers("baseline")
+
+
 def test_rpc_devices_read_their_cache_over_the_network(runner, upstream_servers, baseline_decode,
                                                        assert_logits_match, tiny_info):
     """Only the generic backend API: RPC devices (upstream's servers) take the slots, the missed experts and the
@@ -111,6 +116,39 @@ def test_rpc_devices_read_their_cache_over_the_network(runner, upstream_servers,
     rpc = [b for b in p["ext"]["backends"] if b["name"].startswith("RPC")]
     assert len(rpc) == 2 and all(b["cache_slots"] == 16 and b["cache_ops"] > 0 for b in rpc)
     assert sum(b["cache_ops"] for b in rpc) == 3 * tiny_info["n_layer"] * 12
+
+
+@pytest.fixture
+def patched_servers():
+    """Two of the patched rpc-servers: each keeps its layers' experts in its own RAM (RPC_HOST) and its own scheduler
+    runs their expert ops on its device."""
+    yield from two_servers("patched")
+
+
+def test_patched_servers_cache_their_own_layers(runner, patched_servers, baseline_decode, assert_logits_match,
+                                                tiny_info):
+    """The experts stay in the servers' RAM, where no client's scheduler sees them: each server's scheduler takes the
+    client's EXPERT_CACHE (sent when the client makes its backends) and caches its own layers' experts on its device.
+    The logits are the baseline's; the servers' counters reach the client's rows: every expert op of every token read
+    the slots, and their hits are the simulator's LRU on the traced ids, each server's layers in its own slots. With
+    the cache 0 the run is the one without it, bit for bit, and counts nothing."""
+    tr = runner.run("patched", {"kind": "trace", "devices": "vdev:1x0@0.5", "placement": HOST_ALL, "ctx": DECODE,
+                                "n_prompt": 0, "n_decode": 12, "seed": 7})
+    kw = {"devices": patched_servers, "placement": HOST_ALL, "ctx": DECODE, "tokens": tr["tokens"]}
+    base = runner.logits("baseline", **{**kw, "devices": TWO})
+    on = runner.logits("patched", env=cache(-16), **kw)
+    assert_logits_match(on["logits"], base["logits"], "EXPERT_CACHE on two patched servers")
+    rpc = [b for b in on["ext"]["backends"] if b["name"].startswith("RPC")]
+    assert len(rpc) == 2 and all(b["cache_slots"] == 16 and b["cache_layers"] > 0 and b["cache_ops"] > 0 for b in rpc)
+    assert sum(b["cache_layers"] for b in rpc) == tiny_info["n_layer"]
+    sim = simulate(ExpertTrace(tr["ids"], tr["layers"], tr["n_expert"]), 16 / tr["n_expert"], "lru", warmup=0)
+    t = totals(on["ext"])
+    assert t["cache_ops"] == OPS * tiny_info["n_layer"] * 12
+    assert (t["cache_hits"], t["cache_hits"] + t["cache_misses"]) == (sim["hits"], sim["lookups"]) and sim["hits"] > 0
+    off = runner.logits("patched", **kw)
+    zero = runner.logits("patched", env=cache(0), **kw)
+    assert np.array_equal(zero["logits"], off["logits"]) and np.array_equal(off["logits"], on["logits"])
+    assert not any(totals(zero["ext"]).values()) and not any(totals(off["ext"]).values())
 
 
 def test_small_prompt_ubatches_read_the_cache_too(runner, assert_logits_match, tiny_info):
@@ -246,21 +284,6 @@ def test_the_slots_take_what_the_switch_gives(runner, tiny_cfg):
                 assert b["cache_slots"] == 5 and slots_bytes <= b["cache_buffer_bytes"] < slots_bytes + (64 << 10)
             else:
                 assert b["cache_buffer_bytes"] <= 1 << 20 < slots_bytes + b["cache_layers"] * one + (64 << 10)
-
-
-# --- memory over many calls -------------------------------------------------------------------------------------------
-
-def test_device_memory_stays_flat_over_many_calls(tiny_model, tiny_cfg, tmp_path_factory):
-    """The soak's mixed calls (prompts, decodes, rewinds, shifts) with a cache smaller than the experts: the slots are
-    allocated once, before the first call, and the devices' memory never moves after the warm-up; every checkpoint's
-    logits equal a fresh session's. Calls below the threshold now fetch experts (without the cache: a few KB of
-    inputs a call, tests/test_soak.py)."""
-    r = soak.run(tiny_model, "patched", devices="vdev:2x256MiB@4GBps", calls=40, check_every=10,
-                 workdir=str(tmp_path_factory.mktemp("soak-cache")), timeout=120, env=cache(1))
-    assert r.problems == [] and r.ok
-    assert all(a == r.alloc_bytes[0] for a in r.alloc_bytes)
-    below = r.bands["below offload"]
-    assert below["h2d_bytes"] > below["calls"] * expert_bytes_of_layer(tiny_cfg)
 
 
 # --- the hit-rate guard (EXPERT_CACHE_MIN_HIT) -----------------------------------------------------------------------

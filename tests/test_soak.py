@@ -6,9 +6,10 @@ import copy
 
 import pytest
 
-from pyllama_pp import soak
+from pyllama_pp import soak, synth
 
 DEVS = "vdev:2x256MiB@4GBps"
+MiB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,34 @@ def test_judge_reports_each_failure(patched_soak):
     assert any("NMSE 1.000e-03" in p for p in probs)
 
 
+@pytest.fixture(scope="module")
+def cache_soak(tiny_model, tmp_path_factory):
+    """40 mixed calls with EXPERT_CACHE=1: 1 MiB of expert slots a device, fewer than the experts."""
+    return soak.run(tiny_model, "patched", devices=DEVS, calls=40, check_every=10,
+                    workdir=str(tmp_path_factory.mktemp("soak-cache")), timeout=120, switches={"EXPERT_CACHE": 1})
+
+
+def test_soak_with_the_expert_cache_keeps_its_slots_in_their_budget(cache_soak, tiny_cfg):
+    """The soak with the device expert cache: the slots are allocated before the first judged call and stay within
+    the switch's MiB, the devices' memory never moves after the warm-up, and every checkpoint's logits equal a fresh
+    session's. Calls below the threshold fetch experts into the slots (without the cache: a few KB of inputs a call,
+    test_soak_mixes_what_it_says). Slots past the budget would be a problem of the judge's."""
+    r = cache_soak
+    assert r.problems == [] and r.ok and r.exact == r.checkpoints
+    assert all(a == r.alloc_bytes[0] for a in r.alloc_bytes)
+    assert r.expert_cache == 1 and len(r.cache_buffer_bytes) == 2
+    assert all(0 < n <= MiB for n in r.cache_buffer_bytes.values()), r.cache_buffer_bytes
+    assert r.ext["cache_ops"] > 0 and r.ext["cache_hits"] + r.ext["cache_misses"] > r.ext["cache_misses"] > 0
+    below = r.bands["below offload"]
+    assert below["h2d_bytes"] > below["calls"] * synth.expert_bytes_per_layer(tiny_cfg) // tiny_cfg.n_expert
+    res = {"calls": 40, "evals": 1, "shifts": 0, "rewinds": 0, "clears": 0, "seconds": 1.0, "rss_start": 1,
+           "counts": {}, "bands": {}, "ext": None, "expert_cache": 1, "checkpoints": copy.deepcopy(r.rows)}
+    assert soak.judge(res, "patched", DEVS).problems == []
+    res["checkpoints"][-1]["cache_buffer_bytes"] = {"VDEV1": MiB + 1}
+    (problem,) = soak.judge(res, "patched", DEVS).problems
+    assert problem.startswith("expert slots past EXPERT_CACHE=1 MiB at call 40: VDEV1 1048577 bytes"), problem
+
+
 def test_recipes_agree_across_variants(tiny_model, tmp_path):
     """The checkpoint recipes (a clear, a continuation, 300 tokens, a context shift, a rewind) in fresh sessions of
     both variants: the same logits bit for bit (the K-shift graph runs through the patched scheduler too)."""
@@ -75,7 +104,6 @@ def test_recipes_agree_across_variants(tiny_model, tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 # CUDA devices: memory in use as cudaMemGetInfo reports it, judged with a tolerance; no GPU needed
 
-MiB = 1024 * 1024
 GiB = 1024 * MiB
 
 
@@ -204,3 +232,19 @@ def test_soak_table_shows_cuda_memory(patched_soak):
     v = script.table([patched_soak])
     assert "| alloc per VDEV |" in v and "(flat)" in v and "CUDA" not in v, v
     assert "n/a" not in script.band_table([patched_soak])
+
+
+def test_soak_vram_line_names_the_slots_and_their_hits(patched_soak, cache_soak):
+    """bench/soak.py's VRAM line: each VDEV's allocation at the warm-up's end and after the last call, flat at every
+    checkpoint after it, the peak, and with the cache its slots' share and hits."""
+    script = _soak_script()
+    plain, cached = script.vram_line(patched_soak), script.vram_line(cache_soak)
+    for r, line in ((patched_soak, plain), (cache_soak, cached)):
+        assert line.startswith("patched VRAM (allocated per VDEV): ") and f"after call {r.calls}, the same at all " \
+            f"{len(r.alloc_bytes) - 1} checkpoints after the warm-up; peak " in line, line
+    assert "expert slots" not in plain
+    ext = cache_soak.ext
+    assert "(EXPERT_CACHE=1), which read " in cached and f"{ext['cache_hits']} hits, {ext['cache_misses']} misses" in cached
+    moved = copy.deepcopy(cache_soak)
+    moved.alloc_bytes[-1] = [a + 1 for a in moved.alloc_bytes[-1]]
+    assert ", MOVED at all " in script.vram_line(moved)

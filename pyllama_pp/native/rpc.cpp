@@ -173,15 +173,17 @@ PP_EXPORT int pp_rpc_add_server(const char * endpoint, char * names, size_t name
     });
 }
 
+// the device number and endpoint of a scheduler's RPC backend "RPC<N>[HOST:PORT]"
+static bool rpc_backend_name(const char * backend_name, unsigned & device, char (&endpoint)[256]) {
+    return backend_name && sscanf(backend_name, "RPC%u[%255[^]]]", &device, endpoint) == 2;
+}
+
 PP_EXPORT long long pp_rpc_host_weight_bytes(const char * backend_name) {
     unsigned device = 0;
     char endpoint[256] = {};
-    if (!backend_name || sscanf(backend_name, "RPC%u[%255[^]]]", &device, endpoint) != 2) {
-        return -1;
-    }
     using bytes_t = int64_t (*)(const char *, uint32_t);
     auto bytes = (bytes_t) rpc_optional("ggml_backend_rpc_host_weight_bytes");
-    if (!bytes) {
+    if (!rpc_backend_name(backend_name, device, endpoint) || !bytes) {
         return -1;
     }
     long long n = -1;
@@ -190,6 +192,25 @@ PP_EXPORT long long pp_rpc_host_weight_bytes(const char * backend_name) {
         return (int) PP_OK;
     });
     return n;
+}
+
+PP_EXPORT int pp_rpc_host_cache_counts(const char * backend_name, pp_cache_counts * out) {
+    unsigned device = 0;
+    char endpoint[256] = {};
+    // (the patched module's ggml_backend_pp_cache_counts: the same eight counters, in this order)
+    using counts_t = bool (*)(const char *, uint32_t, pp_cache_counts *);
+    auto counts = (counts_t) rpc_optional("ggml_backend_rpc_host_cache_counts");
+    if (!out || !rpc_backend_name(backend_name, device, endpoint) || !counts) {
+        return PP_ERR_UNSUPPORTED;
+    }
+    return guarded([&] {
+        pp_cache_counts got = {};
+        if (!counts(endpoint, device, &got)) {
+            return (int) PP_ERR_UNSUPPORTED;
+        }
+        *out = got;
+        return (int) PP_OK;
+    });
 }
 
 PP_EXPORT int pp_rpc_host_memory(const char * dev_name, uint64_t * free, uint64_t * total) {

@@ -261,6 +261,15 @@ int pp_rpc_net_rate(const char * dev_name, uint64_t bytes, double * up_gbps, dou
 // The host-weight bytes the patched RPC server behind backend `backend_name` ("RPC<N>[HOST:PORT]", as the
 // scheduler's stats name it) moved to its device N so far; -1 for another backend, or a server of protocol 7.0.
 long long pp_rpc_host_weight_bytes(const char * backend_name);
+// The expert cache's counters of the schedulers of the patched RPC server behind backend `backend_name` for its
+// device N (EXPERT_CACHE on the server, protocol 7.1.1): the first five count since the client connected, the last
+// three are levels (device memory its slots take, layers with slots, the fewest slots of those).
+typedef struct pp_cache_counts {
+    uint64_t ops, hits, misses, evictions, bytes;
+    uint64_t buffer_bytes, layers, slots;
+} pp_cache_counts;
+// PP_OK, or PP_ERR_UNSUPPORTED for another backend or a server before protocol 7.1.1 (no counters; out untouched).
+int pp_rpc_host_cache_counts(const char * backend_name, pp_cache_counts * out);
 // The bytes the gathers of ggml device `dev_name` ("CUDA0", ...) read over its host link so far, prefetches
 // included, as counted by pyllama_pp's CUDA gather library on the device; -1 where nothing is counted (no such
 // library, a device it never gathered for, or not CUDA).

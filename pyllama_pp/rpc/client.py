@@ -73,6 +73,27 @@ def host_weight_bytes(native, backend: str) -> int:
     return native.lib.pp_rpc_host_weight_bytes(backend.encode())
 
 
+#: the counters of an RPC server's expert cache (pp_rpc_host_cache_counts), as the scheduler's stats name them; the
+#: last three are levels
+CACHE_COUNTS = ("ops", "hits", "misses", "evictions", "bytes", "buffer_bytes", "layers", "slots")
+
+
+def add_host_cache_counts(native, backend: dict) -> None:
+    """Add to a scheduler backend's stats (a dict with "name" and its "cache_*" counters) the expert cache of the
+    patched RPC server behind it (EXPERT_CACHE on the server, protocol 7.1.1: the host experts the server keeps,
+    cached on its device by the schedulers that run this client's graphs there); nothing for another backend or an
+    older server. Counts and the slots' memory and layers add up; "cache_slots" is the fewest of a layer on either side."""
+    got = native.ffi.new("pp_cache_counts *")
+    if native.lib.pp_rpc_host_cache_counts(backend["name"].encode(), got) != 0:
+        return
+    server = {f"cache_{k}": int(getattr(got, k)) for k in CACHE_COUNTS}
+    slots = [n for n, layers in ((backend.get("cache_slots", 0), backend.get("cache_layers", 0)),
+                                 (server["cache_slots"], server["cache_layers"])) if layers]
+    for k, v in server.items():
+        backend[k] = backend.get(k, 0) + v
+    backend["cache_slots"] = min(slots, default=0)
+
+
 def server_host_free(native, name: str):
     """The host memory the patched RPC server of device `name` can still give host weights (None: it keeps none)."""
     free, total = native.ffi.new("uint64_t *"), native.ffi.new("uint64_t *")

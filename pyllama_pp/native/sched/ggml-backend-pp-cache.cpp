@@ -10,6 +10,11 @@
 // writes the slot numbers as the op's ids and points the op at the slots - no copy of the whole weight. Only the
 // generic backend API is used (async sets, a readback), so CUDA, VDEV and RPC devices work alike.
 //
+// An RPC server's scheduler (ggml-rpc-pp.cpp) keeps every op on the device that holds its result, so its expert ops
+// on the host weights it keeps never reach pass 1: it hands them over (ggml_backend_sched_pp_cache_assigned), and one
+// the slots cannot serve stays on the device with its weight copied in. A weight is known by its data, as the server
+// makes a graph's tensors anew for each graph.
+//
 // The slots come from the device's buffer type, outside the graph allocator: EXPERT_CACHE=N gives each device N MiB,
 // split evenly over the layers whose expert ops it takes (as many slots per layer as fit, at most n_expert);
 // EXPERT_CACHE=-N gives each such layer N slots (at most n_expert), whatever memory that takes. An op whose batch
@@ -106,7 +111,7 @@ struct ggml_sched_pp_cache_lru {
 
 // one host expert weight and its slots on the device
 struct ggml_sched_pp_cache_weight {
-    const ggml_tensor *  host  = nullptr;  // the host weight [.., .., n_expert]
+    const ggml_tensor *  host  = nullptr;  // the host weight [.., .., n_expert] (as the graph planned last holds it)
     ggml_tensor *        slots = nullptr;  // its experts on the device [.., .., n_slots] (nullptr: no room)
     std::vector<int32_t> content;          // the expert each slot of `slots` holds (-1: none yet)
 };
@@ -117,6 +122,7 @@ struct ggml_sched_pp_cache_layer {
     int64_t n_expert   = 0;
     int64_t n_used     = 0;       // routing ids per token
     int     n_slots    = 0;       // 0: not cached (no room)
+    bool    guarded    = false;   // the guard may send its ops to the CPU (they would run there without the cache)
     ggml_sched_pp_cache_lru lru;         // what the slots hold
     ggml_tensor *              remap = nullptr; // int32 [n_used x MAX_TOKENS] on the device: the ops' slot numbers
     std::vector<ggml_tensor *> views;           // ... viewed as [n_used, n_tokens], by n_tokens (made on first use)
@@ -155,14 +161,17 @@ struct ggml_sched_pp_cache_op {
 
 struct ggml_sched_pp_cache {
     std::vector<std::unique_ptr<ggml_sched_pp_cache_layer>> layers;
-    std::unordered_map<const ggml_tensor *, std::unique_ptr<ggml_sched_pp_cache_weight>> weights; // by host weight
-    std::unordered_map<const ggml_tensor *, ggml_sched_pp_cache_layer *> layer_of;               // by host weight
+    // by the host weight's data (an RPC server makes a graph's tensors anew for each graph; the bytes stay put)
+    std::unordered_map<const void *, std::unique_ptr<ggml_sched_pp_cache_weight>> weights;
+    std::unordered_map<const void *, ggml_sched_pp_cache_layer *> layer_of;
     std::vector<ggml_context *>         ctxs;
     std::vector<ggml_backend_buffer_t>  bufs;
     size_t   bytes[GGML_SCHED_MAX_BACKENDS] = {};   // device memory the slots take, per backend
     uint64_t clock = 0;                             // lookups so far (the LRU's time)
 
-    std::vector<std::pair<ggml_tensor *, int>>   candidates; // pass 1: expert ops given to their owner (op, owner)
+    // expert ops given to their owner: in pass 1, or assigned by the scheduler's caller (op -> owner, and the backend
+    // the op runs on where the slots cannot serve it: the CPU, or for an assigned op its owner, the weight copied in)
+    std::vector<std::pair<ggml_tensor *, std::pair<int, int>>> candidates;
     std::vector<ggml_sched_pp_cache_op>          ops;        // the graph's ops that read the slots, in graph order
     std::unordered_map<const ggml_tensor *, int> op_of;      // node -> index in ops
     std::vector<ggml_sched_pp_cache_op>          cpu_ops;    // the graph's ops the guard gave to the CPU, in graph order
@@ -173,25 +182,46 @@ struct ggml_sched_pp_cache {
     size_t   next_cpu     = 0;   // ... and its first CPU op whose split has not run
 };
 
+// whether the cache may take an expert op on `weight` run by backend `owner` (below op offload's threshold)
+static bool ggml_sched_pp_cache_may_take(ggml_backend_sched_t sched, const ggml_tensor * op, const ggml_tensor * weight, int owner) {
+    if (sched->pp_cfg.expert_cache == 0 || op->op != GGML_OP_MUL_MAT_ID || op->src[0] != weight ||
+        weight->view_src != nullptr || weight->data == nullptr || !ggml_is_contiguous(weight) ||
+        op->src[2] == nullptr || op->src[2]->type != GGML_TYPE_I32 || ggml_nelements(op) == 0) {
+        return false; // (no data: a dry run that only measures)
+    }
+    return owner != -1 && ggml_backend_supports_op(sched->backends[owner], op) &&
+           !ggml_backend_offload_op(sched->backends[owner], op);
+}
+
+static void ggml_sched_pp_cache_candidate(ggml_backend_sched_t sched, ggml_tensor * op, int owner, int fallback) {
+    if (sched->pp_cache == nullptr) {
+        sched->pp_cache = new ggml_sched_pp_cache();
+    }
+    sched->pp_cache->candidates.push_back({ op, { owner, fallback } });
+}
+
 // Pass 1 of split_graph, for an expert op on a host weight that no device wants (below op offload's threshold):
 // the backend that owns its layer if the cache may take it (decided for good after pass 1, by
 // ggml_backend_sched_pp_cache_plan), else -1
 int ggml_backend_sched_pp_cache_backend(ggml_backend_sched_t sched, struct ggml_tensor * op, const struct ggml_tensor * weight) {
-    if (sched->pp_cfg.expert_cache == 0 || op->op != GGML_OP_MUL_MAT_ID || op->src[0] != weight ||
-        weight->view_src != nullptr || weight->data == nullptr || !ggml_is_contiguous(weight) ||
-        op->src[2] == nullptr || op->src[2]->type != GGML_TYPE_I32 || ggml_nelements(op) == 0) {
-        return -1; // (no data: a dry run that only measures)
-    }
     const int owner = ggml_backend_sched_pp_owner_backend(sched, op, weight);
-    if (owner == -1 || !ggml_backend_supports_op(sched->backends[owner], op) ||
-        ggml_backend_offload_op(sched->backends[owner], op)) {
+    if (!ggml_sched_pp_cache_may_take(sched, op, weight, owner)) {
         return -1;
     }
-    if (sched->pp_cache == nullptr) {
-        sched->pp_cache = new ggml_sched_pp_cache();
-    }
-    sched->pp_cache->candidates.emplace_back(op, owner);
+    ggml_sched_pp_cache_candidate(sched, op, owner, sched->n_backends - 1);
     return owner;
+}
+
+// An expert op the scheduler's caller assigned to a backend (an RPC server's scheduler: each op stays on the device
+// that holds its result): the cache takes it there where it may; else, as where the slots cannot serve it, it stays
+// there with its weight copied in. The guard keeps away from such layers: their ops have no CPU path to go back to,
+// and the copy they would go back to moves no fewer bytes than the misses.
+void ggml_backend_sched_pp_cache_assigned(ggml_backend_sched_t sched, struct ggml_tensor * op, ggml_backend_t backend) {
+    for (int b = 0; b < sched->n_backends - 1; b++) {
+        if (sched->backends[b] == backend && ggml_sched_pp_cache_may_take(sched, op, op->src[0], b)) {
+            ggml_sched_pp_cache_candidate(sched, op, b, b);
+        }
+    }
 }
 
 // the host side of the layers' ids: per layer room for the ids of MAX_TOKENS tokens as the router lays them out (a
@@ -239,7 +269,7 @@ static bool ggml_sched_pp_cache_alloc(ggml_backend_sched_t sched, int b, const s
     size_t per_slot = 0, other = 0;
     int64_t max_slots = 0;
     for (const auto * w : weights) {
-        const ggml_sched_pp_cache_layer * l = c->layer_of.at(w->host);
+        const ggml_sched_pp_cache_layer * l = c->layer_of.at(w->host->data);
         if (l->n_slots == 0) {
             per_slot += w->host->nb[2];
         }
@@ -270,7 +300,7 @@ static bool ggml_sched_pp_cache_alloc(ggml_backend_sched_t sched, int b, const s
             return false;
         }
         for (auto * w : weights) {
-            const ggml_sched_pp_cache_layer * l = c->layer_of.at(w->host);
+            const ggml_sched_pp_cache_layer * l = c->layer_of.at(w->host->data);
             w->slots = ggml_new_tensor_4d(ctx, w->host->type, w->host->ne[0], w->host->ne[1], l->n_slots, 1);
             ggml_format_name(w->slots, "%s (cache)", w->host->name);
             GGML_ASSERT(w->slots->nb[2] == w->host->nb[2]);
@@ -309,7 +339,7 @@ static bool ggml_sched_pp_cache_alloc(ggml_backend_sched_t sched, int b, const s
         c->bytes[b] += ggml_backend_buffer_get_size(buf);
         ggml_sched_pp_cache_host_ids(sched, b, layers);
         for (auto * w : weights) {
-            w->content.assign(c->layer_of.at(w->host)->n_slots, -1);
+            w->content.assign(c->layer_of.at(w->host->data)->n_slots, -1);
         }
         for (auto * l : layers) {
             l->lru.init(l->n_slots, l->n_expert);
@@ -337,7 +367,7 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
     if (c->candidates.empty()) {
         return;
     }
-    std::unordered_map<const ggml_tensor *, int> owner_of(c->candidates.begin(), c->candidates.end());
+    std::unordered_map<const ggml_tensor *, std::pair<int, int>> owner_of(c->candidates.begin(), c->candidates.end());
     c->candidates.clear();
 
     std::vector<std::pair<int, ggml_tensor *>> cands; // (graph index, op) in graph order
@@ -350,7 +380,7 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
     // the layer of each op: its weight's, else that of the ops routed by the same ids, else a new one
     std::unordered_map<const ggml_tensor *, ggml_sched_pp_cache_layer *> layer_of_ids;
     for (const auto & [i, op] : cands) {
-        const auto it = c->layer_of.find(op->src[0]);
+        const auto it = c->layer_of.find(op->src[0]->data);
         if (it != c->layer_of.end()) {
             layer_of_ids.emplace(op->src[2], it->second);
         }
@@ -359,20 +389,21 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
     std::vector<ggml_sched_pp_cache_weight *> new_weights[GGML_SCHED_MAX_BACKENDS];
     for (const auto & [i, op] : cands) {
         const ggml_tensor * w = op->src[0];
-        if (c->layer_of.count(w)) {
+        if (c->layer_of.count(w->data)) {
             continue;
         }
         ggml_sched_pp_cache_layer *& l = layer_of_ids[op->src[2]];
         if (l == nullptr) {
             c->layers.emplace_back(new ggml_sched_pp_cache_layer());
             l = c->layers.back().get();
-            l->backend_id = owner_of.at(op);
+            l->backend_id = owner_of.at(op).first;
+            l->guarded    = owner_of.at(op).second == sched->n_backends - 1;
             l->n_expert   = w->ne[2];
             l->n_used     = op->src[2]->ne[0];
             new_layers[l->backend_id].push_back(l);
         }
-        c->layer_of[w] = l;
-        auto & cw = c->weights[w];
+        c->layer_of[w->data] = l;
+        auto & cw = c->weights[w->data];
         cw.reset(new ggml_sched_pp_cache_weight());
         cw->host = w;
         if (l->n_slots > 0 || std::find(new_layers[l->backend_id].begin(), new_layers[l->backend_id].end(), l) != new_layers[l->backend_id].end()) {
@@ -388,13 +419,15 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
     // the ops whose layer has slots enough for every expert the batch could use
     std::unordered_set<const ggml_tensor *> ids_seen;
     for (const auto & [i, op] : cands) {
-        ggml_sched_pp_cache_layer *  l = c->layer_of.at(op->src[0]);
-        ggml_sched_pp_cache_weight * w = c->weights.at(op->src[0]).get();
+        ggml_sched_pp_cache_layer *  l = c->layer_of.at(op->src[0]->data);
+        ggml_sched_pp_cache_weight * w = c->weights.at(op->src[0]->data).get();
+        w->host = op->src[0];
         const ggml_tensor * ids = op->src[2];
         const int64_t need = std::min(ids->ne[0] * ids->ne[1], l->n_expert);
-        if (w->slots == nullptr || l->n_slots < need || l->backend_id != owner_of.at(op) || ids->ne[0] != l->n_used ||
+        const auto [owner, fallback] = owner_of.at(op);
+        if (w->slots == nullptr || l->n_slots < need || l->backend_id != owner || ids->ne[0] != l->n_used ||
             ids->ne[1] > GGML_SCHED_PP_CACHE_MAX_TOKENS || ids->ne[2] != 1 || ids->ne[3] != 1 || w->host->ne[2] != l->n_expert) {
-            tensor_backend_id(op) = sched->n_backends - 1;
+            tensor_backend_id(op) = fallback;
             continue;
         }
         if (std::find(c->planned.begin(), c->planned.end(), l) == c->planned.end()) {
@@ -506,7 +539,7 @@ static void ggml_sched_pp_cache_look_up(ggml_backend_sched_t sched, ggml_sched_p
 
     const int b = l->backend_id;
     const int64_t n_used = ids->ne[0], n_tokens = ids->ne[1];
-    const bool guard = sched->pp_cfg.expert_cache_min_hit > 0;
+    const bool guard = sched->pp_cfg.expert_cache_min_hit > 0 && l->guarded;
     l->used.clear();
     for (int64_t t = 0; t < n_tokens; t++) {
         int32_t * slot = l->remap_host + t * n_used;
@@ -631,28 +664,56 @@ void ggml_backend_sched_pp_cache_after_split(ggml_backend_sched_t sched, int spl
     }
 }
 
+// the cache's counters of a backend, and the slots it holds there
+static ggml_backend_pp_cache_counts ggml_sched_pp_cache_counts(ggml_backend_sched_t sched, int backend_id) {
+    const ggml_sched_pp_stats & st = sched->pp;
+    const ggml_sched_pp_cache * c = sched->pp_cache;
+    ggml_backend_pp_cache_counts n = {};
+    n.ops       = st.cache_ops[backend_id];
+    n.hits      = st.cache_hits[backend_id];
+    n.misses    = st.cache_misses[backend_id];
+    n.evictions = st.cache_evictions[backend_id];
+    n.bytes     = st.cache_bytes[backend_id];
+    if (c != nullptr) {
+        n.buffer_bytes = c->bytes[backend_id];
+        for (const auto & l : c->layers) {
+            if (l->backend_id == backend_id && l->n_slots > 0) {
+                n.slots = n.layers == 0 ? l->n_slots : std::min<uint64_t>(n.slots, l->n_slots);
+                n.layers++;
+            }
+        }
+    }
+    return n;
+}
+
+void ggml_backend_sched_pp_cache_counts(ggml_backend_sched_t sched, ggml_backend_t backend, ggml_backend_pp_cache_counts * out) {
+    *out = {};
+    for (int b = 0; b < sched->n_backends; b++) {
+        if (sched->backends[b] == backend) {
+            *out = ggml_sched_pp_cache_counts(sched, b);
+        }
+    }
+}
+
 // the cache's counters of a backend for the stats JSON (",\"key\":value" each), and the slots it holds
 std::string ggml_backend_sched_pp_cache_json(ggml_backend_sched_t sched, int backend_id) {
     const ggml_sched_pp_stats & st = sched->pp;
     const ggml_sched_pp_cache * c = sched->pp_cache;
-    int layers = 0, slots_min = 0, cpu_layers = 0;
+    const ggml_backend_pp_cache_counts n = ggml_sched_pp_cache_counts(sched, backend_id);
+    int cpu_layers = 0;
     if (c != nullptr) {
         for (const auto & l : c->layers) {
-            if (l->backend_id == backend_id && l->n_slots > 0) {
-                slots_min = layers == 0 ? l->n_slots : std::min(slots_min, l->n_slots);
-                layers++;
-                cpu_layers += l->to_cpu ? 1 : 0;
-            }
+            cpu_layers += l->backend_id == backend_id && l->n_slots > 0 && l->to_cpu ? 1 : 0;
         }
     }
-    return ",\"cache_ops\":" + std::to_string(st.cache_ops[backend_id]) +
-           ",\"cache_hits\":" + std::to_string(st.cache_hits[backend_id]) +
-           ",\"cache_misses\":" + std::to_string(st.cache_misses[backend_id]) +
-           ",\"cache_evictions\":" + std::to_string(st.cache_evictions[backend_id]) +
-           ",\"cache_bytes\":" + std::to_string(st.cache_bytes[backend_id]) +
-           ",\"cache_buffer_bytes\":" + std::to_string(c != nullptr ? c->bytes[backend_id] : 0) +
-           ",\"cache_layers\":" + std::to_string(layers) +
-           ",\"cache_slots\":" + std::to_string(slots_min) +
+    return ",\"cache_ops\":" + std::to_string(n.ops) +
+           ",\"cache_hits\":" + std::to_string(n.hits) +
+           ",\"cache_misses\":" + std::to_string(n.misses) +
+           ",\"cache_evictions\":" + std::to_string(n.evictions) +
+           ",\"cache_bytes\":" + std::to_string(n.bytes) +
+           ",\"cache_buffer_bytes\":" + std::to_string(n.buffer_bytes) +
+           ",\"cache_layers\":" + std::to_string(n.layers) +
+           ",\"cache_slots\":" + std::to_string(n.slots) +
            ",\"cache_cpu_ops\":" + std::to_string(st.cache_cpu_ops[backend_id]) +
            ",\"cache_leaves\":" + std::to_string(st.cache_leaves[backend_id]) +
            ",\"cache_returns\":" + std::to_string(st.cache_returns[backend_id]) +

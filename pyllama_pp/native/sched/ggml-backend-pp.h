@@ -52,6 +52,20 @@ GGML_API uint64_t ggml_backend_sched_pp_host_weight_bytes(ggml_backend_sched_t s
 // the scheduler moved ops between backends since (EXPERT_CACHE_MIN_HIT: a layer between the CPU and its cache)
 GGML_API bool ggml_backend_sched_pp_resplit(ggml_backend_sched_t sched);
 
+// EXPERT_CACHE in a scheduler whose caller assigns the ops (an RPC server's: each op on the device that holds its
+// result): an expert op on a host weight that the caller assigned to `backend` (a device) reads the expert slots
+// there where the cache may take it (below op offload's threshold), else stays there with its weight copied in.
+// Call after the assignments, before ggml_backend_sched_alloc_graph.
+GGML_API void ggml_backend_sched_pp_cache_assigned(ggml_backend_sched_t sched, struct ggml_tensor * op, ggml_backend_t backend);
+// the expert cache's counters of `backend` in a scheduler (an RPC server reports its device's to the client); the
+// last three are levels: device memory its slots take, the layers that have slots there, the fewest slots of those
+struct ggml_backend_pp_cache_counts {
+    uint64_t ops, hits, misses, evictions, bytes;
+    uint64_t buffer_bytes, layers, slots;
+};
+GGML_API void ggml_backend_sched_pp_cache_counts(ggml_backend_sched_t sched, ggml_backend_t backend,
+                                                 struct ggml_backend_pp_cache_counts * out);
+
 // graph re-reservations forced by ggml_backend_sched_alloc_graph since the last ggml_backend_sched_reserve
 GGML_API uint64_t ggml_backend_sched_pp_reallocs_since_reserve(ggml_backend_sched_t sched);
 

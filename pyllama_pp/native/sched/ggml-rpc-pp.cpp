@@ -28,6 +28,10 @@ void rpc_server_host_set_threads(size_t n_threads) {
     rpc_server_host_threads = n_threads;
 }
 
+// EXPERT_CACHE: a server's device caches the experts of its own layers (the schedulers that run a client's graphs
+// take the client's values; a client of 7.1.0 leaves this process's)
+const char * const rpc_server_host_client_switches[2] = { "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT" };
+
 ggml_backend_buffer_t rpc_server_host::alloc(ggml_backend_t device, uint64_t size) {
     if (backend == nullptr && rpc_server_host_dev != nullptr) {
         backend = ggml_backend_dev_init(rpc_server_host_dev, nullptr);
@@ -67,7 +71,62 @@ ggml_backend_buffer_t rpc_server_host::alloc(ggml_backend_t device, uint64_t siz
 void rpc_server_host::forget(ggml_backend_buffer_t buffer) {
     if (buffers.erase(buffer)) {
         bytes -= buffer->size;
+        free_scheds();   // (their expert caches hold experts of the buffer, known by address)
     }
+}
+
+bool rpc_server_host::set_switch(const char * name, int64_t value) {
+    int64_t old = 0;
+    if (ggml_backend_sched_pp_get_param(name, &old) != 0) {
+        return false;
+    }
+    if (ggml_backend_sched_pp_set_param(name, value) != 0) {   // (a value it refuses is logged)
+        return false;
+    }
+    ggml_backend_sched_pp_set_param(name, old);
+    auto it = std::find_if(switches.begin(), switches.end(), [&](const auto & sw) { return sw.first == name; });
+    if (it == switches.end()) {
+        switches.emplace_back(name, value);
+    } else if (it->second != value) {
+        it->second = value;
+        free_scheds();   // (the next graph makes a scheduler with the new value)
+    }
+    return true;
+}
+
+// a scheduler over the device and the host device, with the client's switches: a scheduler reads the switch table
+// when it is made, so they are set around that (a server serves one client at a time) and set back
+ggml_backend_sched_t rpc_server_host::new_sched(ggml_backend_t device, size_t size) const {
+    std::vector<int64_t> own(switches.size());
+    for (size_t i = 0; i < switches.size(); i++) {
+        ggml_backend_sched_pp_get_param(switches[i].first.c_str(), &own[i]);
+        ggml_backend_sched_pp_set_param(switches[i].first.c_str(), switches[i].second);
+    }
+    ggml_backend_t pair[2] = { device, backend };
+    // (parallel: the series' mechanisms that act while pipelining - one transient copy per host weight, the
+    // next split's copy beside compute - act on the server's own device as on a local one)
+    ggml_backend_sched_t sched = ggml_backend_sched_new(pair, nullptr, 2, size, true, true);
+    for (size_t i = 0; i < switches.size(); i++) {
+        ggml_backend_sched_pp_set_param(switches[i].first.c_str(), own[i]);
+    }
+    return sched;
+}
+
+// a scheduler freed, its counters kept
+void rpc_server_host::retire(uint32_t device) {
+    ggml_backend_sched_t sched = scheds[device];
+    sched_bytes_before[device] += ggml_backend_sched_pp_host_weight_bytes(sched, sched_devices[device]);
+    ggml_backend_pp_cache_counts n;
+    ggml_backend_sched_pp_cache_counts(sched, sched_devices[device], &n);
+    ggml_backend_pp_cache_counts & before = sched_cache_before[device];
+    before.ops       += n.ops;
+    before.hits      += n.hits;
+    before.misses    += n.misses;
+    before.evictions += n.evictions;
+    before.bytes     += n.bytes;
+    ggml_backend_sched_synchronize(sched);   // (nothing may still read its expert slots)
+    ggml_backend_sched_free(sched);
+    scheds[device] = nullptr;
 }
 
 bool rpc_server_host::reads(const std::unordered_map<uint64_t, ggml_tensor *> & tensors) const {
@@ -86,17 +145,15 @@ bool rpc_server_host::compute(const std::vector<ggml_backend_t> & devices, uint3
         scheds.resize(devices.size(), nullptr);
         sched_sizes.resize(devices.size(), 0);
         sched_bytes_before.resize(devices.size(), 0);
+        sched_cache_before.resize(devices.size(), ggml_backend_pp_cache_counts{});
+        sched_devices = devices;
     }
     const size_t need = graph->n_nodes + n_tensors;
     if (scheds[device] == nullptr || sched_sizes[device] < need) {
         if (scheds[device] != nullptr) {
-            sched_bytes_before[device] += ggml_backend_sched_pp_host_weight_bytes(scheds[device], devices[device]);
-            ggml_backend_sched_free(scheds[device]);
+            retire(device);
         }
-        ggml_backend_t pair[2] = { devices[device], backend };
-        // (parallel: the series' mechanisms that act while pipelining - one transient copy per host weight, the
-        // next split's copy beside compute - act on the server's own device as on a local one)
-        scheds[device] = ggml_backend_sched_new(pair, nullptr, 2, need, true, true);
+        scheds[device] = new_sched(devices[device], need);
         sched_sizes[device] = need;
     }
     ggml_backend_sched_reset(scheds[device]);
@@ -117,6 +174,13 @@ bool rpc_server_host::compute(const std::vector<ggml_backend_t> & devices, uint3
             }
         }
     }
+    // EXPERT_CACHE: a small batch's expert ops on host weights read the device's slots of those experts
+    for (int i = 0; i < graph->n_nodes; i++) {
+        ggml_tensor * node = graph->nodes[i];
+        if (node->op == GGML_OP_MUL_MAT_ID && node->src[0] != nullptr && buffers.count(node->src[0]->buffer)) {
+            ggml_backend_sched_pp_cache_assigned(scheds[device], node, devices[device]);
+        }
+    }
     // (allocated here: graph_compute would reset a scheduler that holds assignments and is not allocated)
     return ggml_backend_sched_alloc_graph(scheds[device], graph) &&
            ggml_backend_sched_graph_compute(scheds[device], graph) == GGML_STATUS_SUCCESS;
@@ -129,6 +193,23 @@ uint64_t rpc_server_host::weight_bytes(const std::vector<ggml_backend_t> & devic
     }
     return sched_bytes_before[device] +
            (scheds[device] ? ggml_backend_sched_pp_host_weight_bytes(scheds[device], devices[device]) : 0);
+}
+
+ggml_backend_pp_cache_counts rpc_server_host::cache_counts(const std::vector<ggml_backend_t> & devices, uint32_t device) const {
+    ggml_backend_pp_cache_counts n = {};
+    if (device >= scheds.size()) {
+        return n;
+    }
+    if (scheds[device] != nullptr) {
+        ggml_backend_sched_pp_cache_counts(scheds[device], devices[device], &n);
+    }
+    const ggml_backend_pp_cache_counts & before = sched_cache_before[device];
+    n.ops       += before.ops;
+    n.hits      += before.hits;
+    n.misses    += before.misses;
+    n.evictions += before.evictions;
+    n.bytes     += before.bytes;
+    return n;
 }
 
 // the host memory its host buffers may still take: the host device's free memory, within the limit if one is set
@@ -145,12 +226,11 @@ void rpc_server_host::memory(size_t * free, size_t * total) const {
 }
 
 void rpc_server_host::free_scheds() {
-    for (auto sched : scheds) {
-        if (sched != nullptr) {
-            ggml_backend_sched_free(sched);
+    for (uint32_t device = 0; device < scheds.size(); device++) {
+        if (scheds[device] != nullptr) {
+            retire(device);
         }
     }
-    scheds.clear();
 }
 
 rpc_server_host::~rpc_server_host() {

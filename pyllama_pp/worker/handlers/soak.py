@@ -109,6 +109,16 @@ def cuda_memory(s) -> list[dict]:
              "used_bytes": d["memory_total"] - d["memory_free"]} for d in s.spec.driver_devices(list_devices())]
 
 
+def cache_memory(s) -> dict:
+    """The device memory the expert cache's slots take now, per scheduler backend that has any (EXPERT_CACHE, the
+    patched build; empty otherwise)."""
+    ext = s.ext_stats() or {}
+    return {b["name"]: b["cache_buffer_bytes"] for b in ext.get("backends", []) if b.get("cache_buffer_bytes")}
+
+
+CACHE_COUNTS = ("cache_ops", "cache_hits", "cache_misses", "cache_evictions")   # summed over the backends
+
+
 def _pick(rng, table):
     names, w = zip(*table)
     return names[int(rng.choice(len(names), p=np.asarray(w) / sum(w)))]
@@ -164,7 +174,8 @@ def soak(s, calls: int, seed: int, check_every: int, warmup: int, ref: str) -> d
                             "rss_bytes": rss_bytes(trim=True),
                             "alloc_bytes": [d["alloc_bytes"] for d in devs],
                             "peak_alloc_bytes": [d["peak_alloc_bytes"] for d in devs],
-                            "failed_allocs": sum(d["failed_allocs"] for d in devs)})
+                            "failed_allocs": sum(d["failed_allocs"] for d in devs),
+                            "cache_buffer_bytes": cache_memory(s)})
         if cuda0:
             checkpoints[-1]["cuda_used_bytes"] = [d["used_bytes"] for d in cuda_memory(s)]
         return 0   # a recipe ends with its own state in the cache: the next call starts from a clear
@@ -229,9 +240,12 @@ def soak(s, calls: int, seed: int, check_every: int, warmup: int, ref: str) -> d
         ext_moved = {k: ext[k] - ext0.get(k, 0) for k in ("upload_all", "selective", "gather", "id_readbacks",
                                                            "offload_owner", "graphs", "reallocs", "plan_switches")
                      if isinstance(ext.get(k), int)}
+        ext_moved.update({k: sum(b.get(k, 0) for b in ext["backends"]) - sum(b.get(k, 0) for b in ext0["backends"])
+                          for k in CACHE_COUNTS})
     out = {"model": s.info.to_dict(), "calls": calls, "evals": n_eval, "shifts": n_shift, "rewinds": n_rm,
            "clears": n_clear, "warmup": warmup, "seconds": seconds, "rss_start": rss0, "counts": counts,
-           "bands": bands, "checkpoints": checkpoints, "ext": ext_moved}
+           "bands": bands, "checkpoints": checkpoints, "ext": ext_moved,
+           "expert_cache": (ext or {}).get("params", {}).get("EXPERT_CACHE", 0)}
     if cuda0:   # each device at the start (the session made, no call yet)
         out["cuda_devices"] = cuda0
     return out
