@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 
 import json
 
@@ -765,35 +764,13 @@ def test_fit_plans_a_groups_memory(model, capsys):
     assert d["tensor_overrides"] == four.tensor_overrides
 
 
-class _Compute:
-    """A compute probe that runs nothing: a layer's seconds per token rise with n_ubatch (as a GPU's do past its
-    best ubatch), A + B n_ubatch."""
-    A, B = 1e-6, 1e-8
-
-    def __init__(self, model, devices, n_tokens, ubatches, **kw):
-        self.n_tokens = n_tokens
-
-    def compute(self, u):
-        from pyllama_pp.compute import LayerCompute
-        return {-1: LayerCompute("vdev", self.n_tokens, {u: self.n_tokens * (self.A + self.B * u)}, {u: 0.0})}
-
-    def optimistic(self, u, slack):
-        return None
-
-    def skip(self, u):
-        pass
-
-    def close(self):
-        pass
-
-
-def test_ubatch_auto_with_groups_takes_a_smaller_ubatch(model, monkeypatch):
+def test_ubatch_auto_with_groups_takes_a_smaller_ubatch(model, fake_compute):
     """On slow links without the switch every ubatch moves the experts again, so the largest placed n_ubatch wins;
     with LAYER_MAJOR=1 a group moves them once, the copies no longer bind, and the smaller ubatch's cheaper compute
     wins. Where the prompt's n_batch leaves no room for a group, the candidate takes the largest n_batch that has
     (named with the larger one's reason); the winner's plan is made at its own pair and carries the switch."""
     from pyllama_pp.fit import fit_ubatch, layer_major_group
-    monkeypatch.setattr(sys.modules["pyllama_pp.fit"], "Probe", _Compute)
+    fake_compute(lambda u: 1e-6 + 1e-8 * u)   # (seconds a layer a token rise with n_ubatch, as a GPU's past its best)
     kw = dict(devices=LM_SLOW, ctx=ContextParams(n_ctx=1280), n_tokens=1024, candidates=(32, 128), timeout=120)
     without = fit_ubatch(model, **kw)
     assert without.ctx["n_ubatch"] == 128 and "LAYER_MAJOR" not in without.switches and not without.layer_major

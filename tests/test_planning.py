@@ -4,7 +4,6 @@ sizes, --fit and --plan placements), and switches are parsed once, into ConfigEr
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import pytest
 
@@ -142,30 +141,10 @@ def test_a_run_with_its_fit_plan_has_room_for_its_groups(tiny_model, tmp_path):
         run(unplanned.placement())
 
 
-class _NoProbe:
-    """A compute probe that runs nothing: a layer's seconds per token, the same at every n_ubatch."""
-
-    def __init__(self, model, devices, n_tokens, ubatches, **kw):
-        self.n_tokens = n_tokens
-
-    def compute(self, u):
-        from pyllama_pp.compute import LayerCompute
-        return {-1: LayerCompute("vdev", self.n_tokens, {u: self.n_tokens * 1e-6}, {u: 0.0})}
-
-    def optimistic(self, u, slack):
-        return None
-
-    def skip(self, u):
-        pass
-
-    def close(self):
-        pass
-
-
-def test_ub_auto_plans_the_switches_it_runs_with(tiny_model, monkeypatch):
+def test_ub_auto_plans_the_switches_it_runs_with(tiny_model, fake_compute):
     """ab -ub auto --switch LAYER_MAJOR=1: the planner's candidates are planned with the switch (their groups'
     memory, their predictions), and the configs run the winner's pair with it."""
-    monkeypatch.setattr(sys.modules["pyllama_pp.fit"], "Probe", _NoProbe)
+    fake_compute(lambda u: 1e-6)
     planned = from_cli(["ab", tiny_model, "--devices", "vdev:2x6MiB@0.2GBps", "-ub", "auto", "-p", "512", "-n", "0",
                         "--switch", "LAYER_MAJOR=1"])
     (plan,) = planned.plans
