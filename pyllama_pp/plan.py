@@ -199,8 +199,9 @@ class Plan:
             return (f"expert cache ({self.expert_cache}): none, no device with host-expert layers has room for the "
                     f"slots a token needs (free after the plan: {room} MiB)")
         form = "MiB a device" if switch > 0 else "slots a layer"
-        per = "; ".join(f"{d.name} {d.cache_bytes / MiB:.2f} MiB, {d.cache_slots} slots x {d.host_expert_layers} "
-                        f"layers" for d in self.devices if d.host_expert_layers)
+        per = "; ".join(f"{d.name} {d.cache_bytes / MiB:.2f} MiB, {d.cache_slots} slots in each of its "
+                        f"{d.host_expert_layers} host-expert layer{'s' if d.host_expert_layers > 1 else ''}"
+                        for d in self.devices if d.host_expert_layers)
         return (f"expert cache ({self.expert_cache}): {CACHE_SWITCH}={switch} ({form}, one value for every device): "
                 f"{per}; in each device's margin")
 
