@@ -227,9 +227,12 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
 
 
 def _expert_cache(value, variant: str, env: Optional[dict]):
-    """expert_cache as expert_cache_plan.parse gives it; refused beside an EXPERT_CACHE the environment sets."""
+    """expert_cache as expert_cache_plan.parse gives it; beside an EXPERT_CACHE the environment sets, none planned
+    where it is the default (the environment's is kept as set, as OVERLAP's is), refused where one was asked."""
     cache = expert_cache_plan.parse(value, variant)
     if cache and _switch_set(CACHE_VAR, env) is not None:
+        if value is None or value == FIT.expert_cache:
+            return 0
         raise ConfigError(f"--expert-cache {value} plans EXPERT_CACHE, which {CACHE_VAR} sets already. Fix: drop one "
                           "of them")
     return cache
