@@ -91,11 +91,13 @@ def h2d(s: Session) -> int:
     return sum(d["h2d_bytes"] for d in s.device_counters())
 
 
-def baseline_ts(model: str, devices: str, ctx: ContextParams, n: int, reps: int) -> float:
-    """The baseline build's tg t/s on the same placement, in a worker (mean of `reps` timed runs; random tokens: its
-    host CPU computes the experts, whatever the routing)."""
-    res = run_job({"kind": "measure", "model": model, "devices": devices, "placement": {"host_experts": "all"},
-                   "ctx": ctx.to_dict(), "tests": [["tg", n]], "reps": reps, "coverage": False}, "baseline",
+def baseline_ts(model: str, devices: str, ctx: ContextParams, n: int, reps: int, depth: int = 0,
+                host_experts: str = "all") -> float:
+    """The baseline build's tg t/s (after `depth` prompt tokens) in a worker, mean of `reps` timed runs: with every
+    expert in host RAM (random tokens: its host CPU computes the experts, whatever the routing), or with
+    host_experts="none" every weight in VRAM (the ceiling)."""
+    res = run_job({"kind": "measure", "model": model, "devices": devices, "placement": {"host_experts": host_experts},
+                   "ctx": ctx.to_dict(), "tests": [["tg", n, depth]], "reps": reps, "coverage": False}, "baseline",
                   timeout=3600)
     secs = res["tests"][0]["seconds"]
     return float(np.mean([n / s for s in secs]))
@@ -116,7 +118,12 @@ def main() -> int:
                     help="the CI case: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in CI_CASE.items()))
     ap.add_argument("-n", type=int, default=32, help="tokens per tg run (default 32)")
     ap.add_argument("--rounds", type=int, default=10, help="rounds, even (default 10)")
-    ap.add_argument("--n-ctx", type=int, default=512)
+    ap.add_argument("--n-ctx", type=int, default=512, help="n_ctx (default 512; with --depth at least depth + n + 1)")
+    ap.add_argument("--depth", type=int, default=0,
+                    help="prompt tokens in the context before each tg run, like llama-bench's -d (default 0): decoded "
+                         "in one ubatch of that size, not timed")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also the baseline's tg with every weight in VRAM (the ceiling), in a worker")
     ap.add_argument("--threads", type=int, default=0,
                     help="host CPU threads of both builds (0: every core); a VDEV computes with its spec's threads "
                          "(threads=N, default 1): --threads 1 gives the host's experts the device's compute")
@@ -149,11 +156,24 @@ def main() -> int:
     model = args.model
     if not model:
         model = str(synth.cached_model("/tmp/pp_models", args.preset, seed=1, routing=args.routing))
-    ctxp = ContextParams(n_ctx=args.n_ctx, n_batch=512, n_ubatch=512, n_threads=args.threads)
+    n_ub = max(512, args.depth)   # the prompt in one ubatch: one upload of its experts
+    ctxp = ContextParams(n_ctx=max(args.n_ctx, args.depth + args.n + 1), n_batch=n_ub, n_ubatch=n_ub,
+                         n_threads=args.threads)
     s = Session(model, devices=args.devices, placement=Placement(host_experts="all"), ctx=ctxp, variant="patched")
     log(f"loaded {model} on {args.devices}")
     consecutive = routes_by_stream(model)   # (a locality model: a stream of consecutive ids; else random ones)
     toks = bench_tokens(args.n + 1, s.info.n_vocab, seed=1, stream=consecutive)
+    prefix = bench_tokens(args.depth, s.info.n_vocab, seed=2, stream=consecutive) if args.depth else None
+
+    def tg(s: Session) -> float:
+        """One tg run: the prompt of --depth tokens first (not timed), then tg_run's."""
+        if prefix is None:
+            return tg_run(s, toks, args.n)
+        s.eval(prefix, logits="last", stats=False)
+        t0 = time.perf_counter()
+        for i in range(args.n):
+            s.eval(toks[i: i + 1], logits="last", pos0=args.depth + i, clear=False, stats=False)
+        return time.perf_counter() - t0
 
     # a context per size and floor, each with its own scheduler and slots (the switches are read when a scheduler is
     # made); size 0 once
@@ -163,7 +183,7 @@ def main() -> int:
     ctxs = switch_contexts(s, [{"EXPERT_CACHE": v, "EXPERT_CACHE_MIN_HIT": m} for v, m in sets], ctxp)
     for c in ctxs:
         s._ctx = c
-        tg_run(s, toks, args.n)   # warm-up: fills the cache (the context's: it stays warm between tg runs)
+        tg(s)   # warm-up: fills the cache (the context's: it stays warm between tg runs)
     samples = [[] for _ in sizes]
     counts = [{k: 0 for k in CACHE_KEYS + ("h2d_bytes", "ids_wait_us")} for _ in sizes]
     per_round = None
@@ -176,7 +196,7 @@ def main() -> int:
             s._ctx = ctxs[i]
             e0 = s.ext_stats()
             s.reset_counters()
-            dt = tg_run(s, toks, args.n)
+            dt = tg(s)
             moved = h2d(s)
             e1 = s.ext_stats()
             samples[i].append(args.n / dt)
@@ -191,7 +211,8 @@ def main() -> int:
         s._ctx = c
         levels.append(cache_totals(s.ext_stats()))
         logits.append(decode_logits(s, toks, min(args.n, 16)))   # against size 0's (the CPU computes its experts)
-    base = None if args.no_baseline else baseline_ts(model, args.devices, ctxp, args.n, 3)
+    base = None if args.no_baseline else baseline_ts(model, args.devices, ctxp, args.n, 3, args.depth)
+    ceiling = baseline_ts(model, args.devices, ctxp, args.n, 3, args.depth, "none") if args.ceiling else None
 
     vdev = s.spec.kind == "vdev"   # (only VDEVs count their links' bytes)
     rows = []
@@ -209,6 +230,7 @@ def main() -> int:
                      "cache_mib": levels[i]["cache_buffer_bytes"] / 2**20, "avg_ts": float(ts.mean()),
                      "stddev_ts": float(ts.std(ddof=1)) if len(ts) > 1 else 0.0, "vs_off": med, "vs_off_lo": lo,
                      "vs_off_hi": hi, "vs_baseline": float(ts.mean()) / base if base else None,
+                     "of_ceiling": float(ts.mean()) / ceiling if ceiling else None,
                      "hit_rate": c["cache_hits"] / lookups if lookups else None,
                      "fetched_mb_per_token": c["cache_bytes"] / tokens / 1e6 if tokens else None,
                      "h2d_mb_per_token": c["h2d_bytes"] / tokens / 1e6 if tokens and vdev else None,
@@ -218,29 +240,31 @@ def main() -> int:
                      "switches": c["cache_leaves"] + c["cache_returns"], "cpu_layers": levels[i]["cache_cpu_layers"],
                      "shadow_hit_rate": c["cache_shadow_hits"] / shadow if shadow else None,
                      "rounds": len(ts), "samples_ts": ts.tolist()})
-    doc = {"model": model, "devices": args.devices, "n": args.n, "routing": args.routing, "threads": args.threads,
+    doc = {"model": model, "devices": args.devices, "n": args.n, "depth": args.depth, "routing": args.routing,
+           "threads": args.threads, "ceiling_ts": ceiling,
            "command": " ".join(sys.argv[1:]), "ci": args.ci,
            "tokens": "consecutive" if consecutive else "random", "baseline_ts": base,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
     (out / "cache_decode.json").write_text(json.dumps(doc, indent=1))
     fmt = lambda x, f: "" if x is None else format(x, f)   # noqa: E731
-    lines = ["| EXPERT_CACHE | MIN_HIT | slots/layer | MiB | t/s | vs off (paired, 95%) | vs baseline | hit rate | "
+    lines = ["| EXPERT_CACHE | MIN_HIT | slots/layer | MiB | t/s | vs off (paired, 95%) | vs baseline | of in VRAM | hit rate | "
              "shadow hit rate | CPU ops/token (switches) | fetched MB/token | h2d MB/token | ids wait us/token | "
              "logits NMSE vs off (slot ops / CPU ops in that check) |",
-             "| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for x in rows:
         lines.append(f"| {x['expert_cache']} | {x['min_hit'] if x['expert_cache'] else ''} | {x['slots_per_layer']} | "
                      f"{x['cache_mib']:.1f} | "
                      f"{x['avg_ts']:.1f} ± {x['stddev_ts']:.1f} | {x['vs_off']:.3f} [{x['vs_off_lo']:.3f}, "
-                     f"{x['vs_off_hi']:.3f}] ({x['rounds']}) | {fmt(x['vs_baseline'], '.2f')} | "
+                     f"{x['vs_off_hi']:.3f}] ({x['rounds']}) | {fmt(x['vs_baseline'], '.2f')} | {fmt(x['of_ceiling'], '.0%')} | "
                      f"{fmt(x['hit_rate'], '.3f')} | {fmt(x['shadow_hit_rate'], '.3f')} | "
                      f"{fmt(x['cpu_ops_per_token'], '.1f')} ({x['switches']}) | "
                      f"{fmt(x['fetched_mb_per_token'], '.3f')} | "
                      f"{fmt(x['h2d_mb_per_token'], '.3f')} | {fmt(x['ids_wait_us_per_token'], '.0f')} | "
                      f"{x['nmse_vs_off']:.2e} ({x['logits_cache_ops']} / {x['logits_cpu_ops']}) |")
     table = "\n".join(lines)
-    head = (f"{Path(model).name} on {args.devices}, tg{args.n}, routing {args.routing}, {args.threads or 'all'} host threads, "
-            f"{'consecutive' if consecutive else 'random'} tokens; baseline {fmt(base, '.1f')} t/s")
+    head = (f"{Path(model).name} on {args.devices}, tg{args.n}{f' @ d{args.depth}' if args.depth else ''}, routing "
+            f"{args.routing}, {args.threads or 'all'} host threads, {'consecutive' if consecutive else 'random'} "
+            f"tokens; baseline {fmt(base, '.1f')} t/s" + (f"; every weight in VRAM {ceiling:.1f} t/s" if ceiling else ""))
     (out / "cache_decode.md").write_text(f"{head}\n\n{table}\n")
     print(head)
     print(table)

@@ -132,7 +132,8 @@ def cmd_fit(args) -> int:
     switches = parse_switches(args.switch)
     check_switches(switches, [args.variant])
     kw = dict(devices=args.devices, ctx=ctx, variant=args.variant, margin=args.margin, split_mode=args.split_mode,
-              check=not args.no_check, spread=spread, link_gbps=args.link_gbps, env=switch_env(switches) or None)
+              check=not args.no_check, spread=spread, link_gbps=args.link_gbps, expert_cache=args.expert_cache,
+              env=switch_env(switches) or None)
     plan = fit_ubatch(args.model, shared_link=args.shared_link, n_batch=args.batch, progress=not args.json, **kw) \
         if auto else fit(args.model, **kw)
     if args.out:
@@ -187,7 +188,8 @@ def choices_from_args(args) -> Choices:
                    n_gpu_layers=args.ngl, tensor_split=tup(args.tensor_split), pp=tests(args.pp), tg=tests(args.tg),
                    depth=tuple(args.depth), reps=args.reps, workload=args.workload, load_mode=args.load_mode,
                    offload_min_batch=args.offload_min_batch, switches=parse_switches(args.switch), plan=args.plan,
-                   fit=args.fit, margin=tup(args.margin), baseline_devices=tup(getattr(args, "baseline_devices", None)),
+                   fit=args.fit, margin=tup(args.margin), expert_cache=args.expert_cache,
+                   baseline_devices=tup(getattr(args, "baseline_devices", None)),
                    paired=getattr(args, "paired", None), loads=getattr(args, "loads", PAIRED.loads))
 
 
@@ -254,7 +256,7 @@ def cmd_measure(args) -> int:
     if not ab:
         _emit(args, {"rows": rows, "notes": notes, "warnings": warnings},
               text_table(df, ["variant", "devices", "n_batch", "n_ubatch", "test", "avg_ts", "stddev_ts",
-                              "pipeline_parallel", "coverage", "h2d_bytes"]
+                              "expert_cache_hit_rate", "pipeline_parallel", "coverage", "h2d_bytes"]
                          + (["re_reservations", "plan_switches", "host_syncs"] if workload else [])))
         _warnings(args, warnings)
         return 1 if any_failed(df) else 0
@@ -320,6 +322,14 @@ def _join_dash_values(argv: list[str]) -> list[str]:
             out.append(argv[i])
             i += 1
     return out
+
+
+EXPERT_CACHE_HELP = ("the patched build's device expert cache for decode (EXPERT_CACHE): auto (what fit's plan leaves "
+                     "free on each device after layers, KV, compute buffers, copies and the margin, at most every "
+                     "expert of the device's host-expert layers), a size a device such as 512MiB or 2GiB (reserved "
+                     "before fit places the layers), or 0 (none). The switch takes one value for every device: auto "
+                     "takes the largest that no device's free memory is short of (MiB a device, or slots a layer), and "
+                     "the plan shows each device's share")
 
 
 def _margins_text() -> str:
@@ -425,6 +435,9 @@ def _add_measure_options(p, model_required: bool) -> None:
                         f"placement; the main job's default: {MAIN_JOB.fit})")
     p.add_argument("--margin", type=_margin_arg, default=None, metavar="SIZE[,SIZE]",
                    help=f"with --fit: memory to leave free per device (default: {_margins_text()})")
+    p.add_argument("--expert-cache", default=None, metavar="auto|SIZE|0",
+                   help=EXPERT_CACHE_HELP + "; auto needs --fit or -ub auto, a size without them sets the switch as it "
+                   f"is (default: fit's, {FIT.expert_cache}, where fit plans; else none)")
     p.add_argument("--resume", type=Path, metavar="DIR",
                    help="continue the sweep whose rows are in DIR (its -o folder) with its own options: configs "
                         "whose rows are all there without an error are not measured again")
@@ -480,6 +493,8 @@ def _add_fit(sub) -> None:
     p.add_argument("--margin", type=_margin_arg, default=None, metavar="SIZE[,SIZE]",
                    help="memory to leave free on each device, one value or one per device "
                         f"(default: {_margins_text()}; upstream's on CUDA, VDEV budgets are exact)")
+    p.add_argument("--expert-cache", default=None, metavar="auto|SIZE|0",
+                   help=EXPERT_CACHE_HELP + f" (default: {FIT.expert_cache}; the patched variant)")
     p.add_argument("--spread", default="equal", metavar="equal|links|W0,W1",
                    help="the patched fit's shares of host-expert layers: equal, links (by each device's host link "
                         "rate: a VDEV's own, on CUDA --link-gbps) or one weight per device (default: %(default)s)")

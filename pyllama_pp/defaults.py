@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 GiB = 1024**3
 
@@ -58,6 +58,8 @@ class Defaults:
         check_every: the soak's calls between logits checkpoints.
         seed: the seed of random tokens (and of the paired interval's bootstrap).
         budget: seconds a probe may spend measuring before it estimates the rest (the compute probe).
+        expert_cache: the patched build's device expert cache fit plans (EXPERT_CACHE): "auto" (what the plan leaves
+            free on each device), a size ("512MiB": that much a device, reserved) or 0 (none).
     """
 
     variant: Optional[str] = None
@@ -85,6 +87,7 @@ class Defaults:
     check_every: Optional[int] = None
     seed: Optional[int] = None
     budget: Optional[float] = None
+    expert_cache: Optional[Union[str, int]] = None
 
 
 # llama.cpp's own context defaults (llama_context_default_params, common's n_batch / n_ubatch); threads: every
@@ -111,7 +114,8 @@ MAIN_JOB_MODEL = {"preset": "tiny", "seed": 1, "n_layer": 7}   # its model: synt
 
 # fit plans for llama's context sizes; its API's devices are two VDEVs (each needs a memory budget to be planned)
 FIT = Defaults(variant="patched", devices="vdev:2x0@0", split_mode="layer", n_ctx=4096, n_batch=2048, n_ubatch=512,
-               timeout=600)
+               timeout=600,
+               expert_cache=0)   # no device expert cache planned ("auto": what each device has free after the plan)
 
 # the logits check: two unthrottled VDEVs, several ubatches in flight (n_batch 4 x n_ubatch)
 CHECK = Defaults(devices="vdev:2x0@0", host_experts="all", n_ctx=512, n_batch=256, n_ubatch=64, n_tokens=256, seed=0,

@@ -23,12 +23,13 @@ from typing import Optional, Sequence, Union
 from tqdm import tqdm
 
 from . import devices as devspec
+from . import expert_cache_plan
 from .compute import Probe, compute_for
 from .defaults import CONTEXT, FIT, PROBE, UBATCH_CANDIDATES, cache_dir, usable_cores
 from .errors import ConfigError, DeviceSpecError, OutOfMemoryError
-from .model_file import check_model_path, embedding_length, expert_bytes_per_layer
+from .model_file import check_model_path, embedding_length, expert_bytes_per_layer, expert_layout
 from .params import SPLIT_MODES, ContextParams, as_context
-from .plan import MiB, Plan, check_plan, grouped_rows, plan_from_result, plan_problem
+from .plan import MiB, Plan, grouped_rows, plan_from_result, plan_problem
 from .rpc.planning import check_server_host_memory, network_seconds, server_copy_bytes
 from .worker.client import check_switch_env, run_job
 
@@ -102,7 +103,8 @@ def spread_weights(spread, spec: devspec.DeviceSpec, link_gbps=None) -> list:
 
 def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: str = FIT.variant,
         margin=None, split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True,
-        env: Optional[dict] = None, timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None) -> Plan:
+        env: Optional[dict] = None, timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None,
+        expert_cache=FIT.expert_cache) -> Plan:
     """Plan the placement of `model` on `devices` with `variant`'s fit (run in a worker process).
 
     Args:
@@ -122,32 +124,44 @@ def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: 
         spread: patched: "equal" (default) shares of the host-expert layers, "links" (shares by each device's host
             link rate: a VDEV's own, on CUDA link_gbps) or one positive weight per device.
         link_gbps: each device's host link rate in GB/s (numbers or "55GBps"), for spread="links" on CUDA.
+        expert_cache: the patched build's device expert cache for decode (EXPERT_CACHE): "auto" (what the plan leaves
+            free on each device, at most every expert of its host-expert layers), a size such as "512MiB" (that much
+            a device, reserved before placing), or 0 (none; default: FIT's). The switch takes one value for every
+            device: the plan shows each device's share (pyllama_pp.expert_cache_plan).
     Returns:
         Plan: the plan (its devices, layers, host-expert layers, overrides, expected memory and switches).
     Raises:
         ModelError: for a missing or bad model file.
         DeviceSpecError: for a spec that does not parse, has no accelerators, has a VDEV without a memory budget,
             or asks for split mode row on VDEVs.
-        ConfigError: for a bad split_mode, margin or spread, link rates of 0 or of the wrong count, or a fit that
-            refuses the given parameters.
+        ConfigError: for a bad split_mode, margin, spread or expert_cache, link rates of 0 or of the wrong count, a
+            fit that refuses the given parameters, or an expert cache of a size that leaves the model no room (naming
+            the device and its free memory).
         TypeError: for a ctx that is neither a ContextParams nor a dict.
         OutOfMemoryError: when fit finds no placement, or (unless check=False) leaves whole layers on the CPU or
             plans a device over its target.
         WorkerError: when the worker dies or times out.
     """
-    return _fit(model, devices, ctx, variant, margin, split_mode, n_ctx_min, check, env, timeout, spread, link_gbps)
+    return _fit(model, devices, ctx, variant, margin, split_mode, n_ctx_min, check, env, timeout, spread, link_gbps,
+                expert_cache=expert_cache)
 
 
 def _fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margin=None,
          split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None,
-         timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None, checked: bool = False) -> Plan:
+         timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None, checked: bool = False,
+         expert_cache=FIT.expert_cache) -> Plan:
     """fit's work; `checked`: the caller has checked the model file and the switch environment (fit_ubatch, once
     for all its candidates)."""
-    return check_plan(_fit_plan(model, devices, ctx, variant, margin, split_mode, n_ctx_min, check, env, timeout,
-                                spread, link_gbps, checked), check)
+    plan = _fit_plan(model, devices, ctx, variant, margin, split_mode, n_ctx_min, check, env, timeout, spread,
+                     link_gbps, checked, expert_cache=expert_cache)
+    problem = plan_problem(plan, check)
+    if problem is not None:
+        raise expert_cache_plan.room_error(plan, problem)
+    return plan
 
 
-def reserved_bytes(model, spec: devspec.DeviceSpec, variant: str, env: Optional[dict]) -> dict[str, int]:
+def reserved_bytes(model, spec: devspec.DeviceSpec, variant: str, env: Optional[dict],
+                   cache_bytes: int = 0) -> dict[str, int]:
     """Memory fit keeps free on each device beside its margin, by what it is for: what a mechanism needs there that
     the dry run does not see (one entry per mechanism; each is added to every device's margin).
 
@@ -156,6 +170,7 @@ def reserved_bytes(model, spec: devspec.DeviceSpec, variant: str, env: Optional[
         spec: the parsed device spec.
         variant: "patched" or "baseline".
         env: the workers' environment, NAME -> value (the switches in force).
+        cache_bytes: the device expert cache's size a device, where one was given (--expert-cache SIZE).
     Returns:
         name -> bytes per device; empty where nothing is kept.
     """
@@ -163,13 +178,14 @@ def reserved_bytes(model, spec: devspec.DeviceSpec, variant: str, env: Optional[
     copies = server_copy_bytes(model, spec, variant, str(_switch_set("GGML_SCHED_PP_RPC_HOST", env)) != "0")
     if copies:
         out["rpc_server_copies"] = copies
+    out.update({"expert_cache": cache_bytes} if cache_bytes else {})
     return out
 
 
 def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margin=None,
               split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None,
               timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None, checked: bool = False,
-              rates: Sequence[str] = (), group_bytes: bool = True) -> Plan:
+              rates: Sequence[str] = (), expert_cache=FIT.expert_cache, group_bytes: bool = True) -> Plan:
     """fit's plan before its check (`check` decides whether the patched build plans again without OVERLAP=2's
     copies where they leave no room); `rates`: what the fit job also measures (FitJob.rates), into the plan;
     `group_bytes`: with LAYER_MAJOR, a dry run without it tells the group's bytes per device (plan_layer_major)."""
@@ -181,7 +197,8 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
         raise ConfigError(f"split_mode must be one of {sorted(SPLIT_MODES)}, not {split_mode!r}")
     ctx = fit_context(ctx)
     margins = _margins(margin, spec)
-    reserved = reserved_bytes(model, spec, variant, env)
+    cache = _expert_cache(expert_cache, variant, env)
+    reserved = reserved_bytes(model, spec, variant, env, cache if cache != "auto" else 0)
     margins = [m + sum(reserved.values()) for m in margins]
     server_copies = reserved.get("rpc_server_copies", 0)
     weights = spread_weights(spread, spec, link_gbps)
@@ -207,7 +224,30 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
             plan.copies += (f"; on each server, {server_copies / MiB:.1f} MiB of its device kept for its own expert "
                             f"copies (two expert tensors: RPC_HOST with OVERLAP=2), in the margin")
             plan.copies += check_server_host_memory(plan, expert_bytes_per_layer(model))
+        plan = _plan_expert_cache(plan, cache, model)
     return plan
+
+
+def _expert_cache(value, variant: str, env: Optional[dict]):
+    """expert_cache as expert_cache_plan.parse gives it; beside an EXPERT_CACHE the environment sets, none planned
+    where it is the default (the environment's is kept as set, as OVERLAP's is), refused where one was asked."""
+    cache = expert_cache_plan.parse(value, variant)
+    if cache and _switch_set(CACHE_VAR, env) is not None:
+        if value is None or value == FIT.expert_cache:
+            return 0
+        raise ConfigError(f"--expert-cache {value} plans EXPERT_CACHE, which {CACHE_VAR} sets already. Fix: drop one "
+                          "of them")
+    return cache
+
+
+def _plan_expert_cache(plan: Plan, cache, model) -> Plan:
+    """The device expert cache written into a patched plan (expert_cache_plan.plan_cache), from the model's experts."""
+    if not cache or not plan.n_expert:
+        return plan
+    n_used, weights = expert_layout(model)
+    layout = expert_cache_plan.Layout(slot_bytes=expert_bytes_per_layer(model) / plan.n_expert,
+                                      n_expert=plan.n_expert, n_used=n_used, weights=weights)
+    return expert_cache_plan.plan_cache(plan, cache, layout)
 
 
 
@@ -466,7 +506,7 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
         skip: leave out, unprobed, a candidate even its best case shows slower than the best so far (False: predict
             every candidate with a placement, as a bench that measures them all needs).
         progress: say what it plans and probes, with progress bars on stderr.
-        **kw: more of fit's arguments (margin, split_mode, env, timeout, spread, ...); check is ignored (a
+        **kw: more of fit's arguments (margin, split_mode, env, timeout, spread, expert_cache, ...); check is ignored (a
             candidate that fails the check is out).
     Returns:
         Plan: the winner, with predicted_ts and every candidate's row (Plan.ubatch_auto: n_ubatch, n_batch, the
@@ -644,6 +684,7 @@ def _host_key() -> str:
 
 
 OVERLAP_VAR = "GGML_SCHED_PP_OVERLAP"
+CACHE_VAR = "GGML_SCHED_PP_EXPERT_CACHE"
 
 
 def _switch_set(var: str, env: Optional[dict]):

@@ -19,9 +19,9 @@ FLOORS = (
      "a GGUF checked before native code reads it; a fit `Plan`; the worker contract (one dataclass per job kind, "
      "`Job.load_key`); `Row` (the result row's fields, types and values, its JSONL/CSV writer, `frame`); expert-cache "
      "hit rates simulated on a trace"),
-    (("session", "rpc.planning", "rpc.server"),
+    (("session", "rpc.planning", "rpc.server", "expert_cache_plan"),
      "`Session` over two owners, `LoadedModel` and `Context`; fit's sums for RPC servers; a server of this machine's "
-     "devices"),
+     "devices; the device expert cache in a fit plan"),
     (("rpc",), "the ggml RPC package"),
     (("worker.client",), "the parent's side of a worker: `run_job`, `ServingWorker`"),
     (("worker",), "the worker package"),

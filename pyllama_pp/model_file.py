@@ -100,6 +100,15 @@ def expert_bytes_per_layer(model: Union[str, os.PathLike]) -> float:
     return sum(per_layer.values()) / len(per_layer) if per_layer else 0.0
 
 
+def expert_layout(model: Union[str, os.PathLike]) -> tuple[int, int]:
+    """The experts each token uses (GGUF key `<arch>.expert_used_count`) and the expert tensors of a MoE layer (gate,
+    up, down: 3; gate_up and down: 2), the most any layer has; 0 where the file has none."""
+    per_layer: dict = {}
+    for layer, _ in _expert_tensors(model):
+        per_layer[layer] = per_layer.get(layer, 0) + 1
+    return _arch_int(read_gguf_header(model)["kv"], "expert_used_count"), max(per_layer.values(), default=0)
+
+
 def expert_tensor_bytes(model: Union[str, os.PathLike]) -> int:
     """Bytes of the model's largest expert tensor: what one expert copy moves (0: no experts)."""
     return max((n for _, n in _expert_tensors(model)), default=0)

@@ -22,6 +22,7 @@ from .params import ContextParams, Placement
 FIT_STATUS = {0: "success", 1: "failure", 2: "error"}
 GiB = 1024**3
 MiB = 1024**2
+CACHE_SWITCH = "EXPERT_CACHE"   # the patched switch of the device expert cache (patch 0014)
 _EXPERT_NAMES = ("ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_exps.weight")
 _DENSE_FFN_NAMES = ("ffn_gate_inp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", "ffn_gate_shexp.weight")
 
@@ -54,6 +55,8 @@ class DevicePlan:
         link: the device's host link as fit measured it: {"pinned_gbps", "pageable_gbps", "copy_bytes"} (copies of
             one expert tensor from pinned and from pageable host memory; None: not measured, or a device on an RPC
             server).
+        cache_bytes: device memory of its expert cache's slots (EXPERT_CACHE; in its margin; 0: none).
+        cache_slots: the slots each of its host-expert layers gets in that cache.
     """
 
     name: str
@@ -71,6 +74,8 @@ class DevicePlan:
     server_host_free: Optional[int] = None   # a patched RPC server's free host memory for host weights
     server_net: Optional[dict] = None        # the network to an RPC device's server: rates and round trip
     link: Optional[dict] = None              # the host link as measured: pinned and pageable rates
+    cache_bytes: int = 0                     # the expert cache's slots on the device (in its margin)
+    cache_slots: int = 0                     # ... a host-expert layer's slots there
 
     @property
     def expected_bytes(self) -> int:
@@ -123,6 +128,8 @@ class Plan:
             and the fix.
         host_copy_gbps: the host's copy from pageable into pinned memory as the patched build's staging runs it, as
             measured (GB/s; None: not measured): what an mmap-ed model's host experts go through first.
+        expert_cache: the device expert cache asked for ("auto" or a size such as "512MiB"; "": none): its switch
+            is in `switches`, each device's share in DevicePlan.cache_bytes / cache_slots (pyllama_pp.expert_cache_plan).
         layer_major: with LAYER_MAJOR (patched; {} without it): "switch" (its value), "group" (ubatches per group at
             the plan's n_batch and n_ubatch; 1: none form), "bytes" (each device's compute buffer bytes the group
             keeps, in compute_bytes: its ubatches' activations and whole expert copies; where measured) and
@@ -158,6 +165,7 @@ class Plan:
     predicted_ts: Optional[float] = None
     ubatch_auto: list = field(default_factory=list)
     host_copy_gbps: Optional[float] = None
+    expert_cache: str = ""             # the device expert cache asked for ("auto", "512MiB"; "": none)
     layer_major: dict = field(default_factory=dict)
 
     # -- views -----------------------------------------------------------------------------------------------
@@ -185,6 +193,23 @@ class Plan:
                 f"{'it' if len(idle) == 1 else 'them'}: run with -ts {even} (layers evenly), or plan with less "
                 "memory per device (fit then spreads host-expert layers over every device)"]
 
+    @property
+    def cache_text(self) -> str:
+        """The device expert cache in words: its switch and each device's share ("" where none was asked)."""
+        if not self.expert_cache:
+            return ""
+        switch = self.switches.get(CACHE_SWITCH, 0)
+        if not switch:
+            room = "/".join(f"{(d.target_bytes - d.expected_bytes) / MiB:.2f}" for d in self.devices)
+            return (f"expert cache ({self.expert_cache}): none, no device with host-expert layers has room for the "
+                    f"slots a token needs (free after the plan: {room} MiB)")
+        form = "MiB a device" if switch > 0 else "slots a layer"
+        per = "; ".join(f"{d.name} {d.cache_bytes / MiB:.2f} MiB, {d.cache_slots} slots in each of its "
+                        f"{d.host_expert_layers} host-expert layer{'s' if d.host_expert_layers > 1 else ''}"
+                        for d in self.devices if d.host_expert_layers)
+        return (f"expert cache ({self.expert_cache}): {CACHE_SWITCH}={switch} ({form}, one value for every device): "
+                f"{per}; in each device's margin")
+
     def to_dict(self) -> dict:
         """The plan as JSON-ready data; Plan.from_dict makes it again.
 
@@ -194,6 +219,10 @@ class Plan:
         d = asdict(self)
         for dev, src in zip(d["devices"], self.devices):
             dev["expected_bytes"] = src.expected_bytes
+            if not self.expert_cache:   # (a plan without the cache reads as one made before it existed)
+                del dev["cache_bytes"], dev["cache_slots"]
+        if not self.expert_cache:
+            del d["expert_cache"]
         if not self.layer_major:   # (without LAYER_MAJOR a plan is the one made without the switch)
             del d["layer_major"]
         return d
@@ -228,7 +257,8 @@ class Plan:
                          "host_expert_layers": d.host_expert_layers, "partial_layers": d.partial_layers,
                          "model_bytes": d.model_bytes,
                          "context_bytes": d.context_bytes, "compute_bytes": d.compute_bytes,
-                         "expected_bytes": d.expected_bytes, "free_bytes": d.free_bytes, "target_bytes": d.target_bytes})
+                         "expected_bytes": d.expected_bytes, "free_bytes": d.free_bytes, "target_bytes": d.target_bytes,
+                         **({"cache_bytes": d.cache_bytes, "cache_slots": d.cache_slots} if self.expert_cache else {})})
         return pd.DataFrame(rows)
 
     def __str__(self) -> str:
@@ -259,6 +289,8 @@ class Plan:
             lines.append("  links (measured, host -> device): " + "; ".join(
                 f"{name} {x['pinned_gbps']:.3g} GB/s pinned, {x['pageable_gbps']:.3g} pageable" for name, x in links)
                 + (f"; host staging copy {self.host_copy_gbps:.3g} GB/s" if self.host_copy_gbps else ""))
+        if self.expert_cache:
+            lines.append(f"  {self.cache_text}")
         if self.spread_weights:
             lines.append(f"  spread: host-expert layers weighted {', '.join(f'{w:g}' for w in self.spread_weights)}")
         if self.ubatch_auto:

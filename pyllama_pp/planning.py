@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 from . import devices as devspec
-from . import synth
+from . import expert_cache_plan, synth
 from .about import accepted_values, switch_table
 from .binding import VARIANTS, backend_modules
 from .config import RunConfig, expand
@@ -26,7 +26,7 @@ from .errors import ConfigError, DeviceSpecError
 from .fit import fit, fit_ubatch
 from .model_file import block_count, check_model_path
 from .params import INT32_MAX, ContextParams, Placement
-from .plan import Plan
+from .plan import CACHE_SWITCH, MiB, Plan
 from .worker.client import switch_env
 
 CPU_ONLY_NOTE = ("--devices cpu (the default with a model): no accelerator, so no mechanism of the series acts and "
@@ -115,6 +115,9 @@ class Choices:
         plan: a fit plan's file, applied to every variant.
         fit: "each" (each variant's own fit plan), "same" (the patched plan for every variant) or None.
         margin: memory fit leaves free per device (one size, or one per device).
+        expert_cache: the patched build's device expert cache: "auto" (what fit's plan leaves free; with --fit, -ub
+            auto or the main job's fit), a size ("512MiB" a device; without a fit, the switch alone) or 0 (None:
+            fit's default, FIT.expert_cache, where fit plans; none elsewhere).
         baseline_devices: per device spec, the baseline's RPC servers on the same hosts.
         paired: rounds of a paired run (None: -r reps per worker).
         loads: fresh loads of a paired run.
@@ -141,6 +144,7 @@ class Choices:
     plan: Optional[str] = None
     fit: Optional[str] = None
     margin: Optional[tuple] = None
+    expert_cache: Optional[str] = None
     baseline_devices: Optional[tuple] = None
     paired: Optional[int] = None
     loads: int = PAIRED.loads
@@ -324,6 +328,32 @@ def _check_modes(c: Choices) -> None:
         raise ConfigError("--workload takes no --plan or --fit yet: run it with --host-experts / -ts")
     if c.plan and c.fit:
         raise ConfigError("give --plan PLAN.json or --fit, not both")
+    _check_expert_cache(c)
+
+
+def _check_expert_cache(c: Choices) -> None:
+    """--expert-cache: a value expert_cache_plan.parse takes, for a run with the patched build, not beside --switch
+    EXPERT_CACHE or a plan file (whose cache fit planned already); auto only where fit plans."""
+    if c.expert_cache is None:
+        return
+    asked = expert_cache_plan.parse(c.expert_cache, "patched" if "patched" in c.variants else c.variant)
+    if asked and CACHE_SWITCH in c.switches:
+        raise ConfigError(f"--expert-cache {c.expert_cache} and --switch {CACHE_SWITCH}=... set the same switch: give "
+                          "one of them")
+    if asked and c.plan:
+        raise ConfigError(f"--expert-cache {c.expert_cache}: the plan {c.plan} has its expert cache planned already "
+                          f"(its switches). Fix: drop --expert-cache, or make the plan with `pyllama-pp fit ... "
+                          f"--expert-cache {c.expert_cache} -o PLAN.json`")
+    if asked == "auto" and not (c.fit or c.n_ubatch == "auto"):
+        raise ConfigError("--expert-cache auto sizes the cache from fit's plan: add --fit (or -ub auto), or give a "
+                          "size (e.g. --expert-cache 512MiB)")
+
+
+def _cache_switches(c: Choices) -> dict:
+    """--expert-cache SIZE without a fit: EXPERT_CACHE for the patched runs as it is (MiB a device), planned by no
+    one; {} where fit plans the cache (it adds the switch to its plan) or none was asked."""
+    asked = expert_cache_plan.parse(c.expert_cache, "patched") if c.expert_cache is not None else 0
+    return {CACHE_SWITCH: asked // MiB} if asked and asked != "auto" and not (c.fit or c.n_ubatch == "auto") else {}
 
 
 def check_choices(c: Choices, model: Optional[str] = None) -> list[str]:
@@ -387,7 +417,7 @@ def _ubatch_auto(c: Choices, model: str, progress: bool) -> tuple[Choices, Optio
     if c.n_ubatch != "auto":
         return c, None
     n_ctx = c.n_ctx or max(c.pp) + max(c.depth, default=0) + AUTO_CTX_SPARE
-    plan = fit_ubatch(model, devices=c.devices[0], margin=c.margin, n_tokens=max(c.pp),
+    plan = fit_ubatch(model, devices=c.devices[0], margin=c.margin, expert_cache=c.expert_cache, n_tokens=max(c.pp),
                       n_batch=max(c.n_batch) if c.n_batch else None, load_mode=c.load_mode, progress=progress,
                       ctx=ContextParams(n_ctx=n_ctx, n_batch=CONTEXT.n_batch, n_ubatch=CONTEXT.n_ubatch),
                       env=switch_env(c.switches) or None)   # (the switches' memory and groups, planned)
@@ -399,7 +429,7 @@ def _matrix(c: Choices, model: str) -> list[RunConfig]:
     baseline servers."""
     env = {"GGML_OP_OFFLOAD_MIN_BATCH": str(c.offload_min_batch)} if c.offload_min_batch is not None else {}
     cfgs = expand(model, devices=c.devices, n_batch=c.n_batch, n_ubatch=c.n_ubatch, placements=placements(c),
-                  tests=tests_of(c), reps=c.reps, n_ctx=c.n_ctx, switches=dict(c.switches), env=env)
+                  tests=tests_of(c), reps=c.reps, n_ctx=c.n_ctx, switches={**c.switches, **_cache_switches(c)}, env=env)
     if not c.baseline_devices:
         return cfgs
     pair = dict(zip(c.devices, c.baseline_devices))
@@ -429,7 +459,8 @@ def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, m
     plans, switches = {}, dict(cfg.switches)
     for v in (["patched"] if c.fit == "same" else variants):
         env = {**cfg.env, **(switch_env(cfg.switches) if v == "patched" else {})}
-        p = fit(model, devices=cfg.devices_for(v), ctx=ctx, variant=v, margin=c.margin, env=env or None)
+        p = fit(model, devices=cfg.devices_for(v), ctx=ctx, variant=v, margin=c.margin, env=env or None,
+                expert_cache=c.expert_cache if v == "patched" else 0)
         made.append(p)
         plans[v] = p.placement(c.load_mode, source="fit")
         if v == "patched":

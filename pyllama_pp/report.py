@@ -41,6 +41,8 @@ LEGEND = """\
                     break_on_hyphens=False)
 SWITCHES_NOTE = ("- **patched switches**: the patched scheduler's switches the run set (`--switch`, a plan's, "
                  "`GGML_SCHED_PP_*`); the others at their defaults (`pyllama-pp info`).")
+CACHE_NOTE = ("- **cache hits**: the patched build's device expert cache (EXPERT_CACHE, `--expert-cache`): its hits over "
+              "its lookups, all devices (empty where it looked nothing up).")
 DECODE_NOTE = ("- **tg rows without `--paired`**: each variant's model was loaded once, and where a process's memory "
                "lands moves decode by a few percent; for a decode claim use `--paired N --loads K` (an interval).")
 
@@ -121,9 +123,14 @@ def noise_warnings(df) -> list[str]:
     return out
 
 
+# columns a table shows only where some row has a value: the device expert cache's hit rate (EXPERT_CACHE)
+OPTIONAL_COLUMNS = ("expert_cache_hit_rate",)
+
+
 def text_table(df, cols: list[str]) -> str:
-    """The rows' given columns (those the frame has) as a plain table, with error_lines under it."""
-    cols = [c for c in cols if c in df.columns]
+    """The rows' given columns (those the frame has; an OPTIONAL_COLUMNS one where some row has a value) as a plain
+    table, with error_lines under it."""
+    cols = [c for c in cols if c in df.columns and (c not in OPTIONAL_COLUMNS or df[c].notna().any())]
     return df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}") + error_lines(df)
 
 
@@ -200,11 +207,13 @@ def markdown(df) -> str:
         return "(no rows)\n"
     patched = df[df.variant == "patched"].to_dict("records") if "variant" in df else []
     with_switches = any(switches_text(r) for r in patched)
-    lines = ["| devices | host experts | n_batch | n_ubatch | test | coverage | baseline t/s | patched t/s | speedup "
+    with_cache = any(_real(r.get("expert_cache_hit_rate")) for r in patched)
+    lines = ["| devices | host experts | n_batch | n_ubatch | test | coverage | baseline t/s | patched t/s "
+             + ("| cache hits (patched) " if with_cache else "") + "| speedup "
              "| PP b/p | bytes/dev baseline | bytes/dev patched | bound t/s (patched): links, with fill | patched: re-reservations, host waits (largest cause) |"
              + (" patched switches |" if with_switches else ""),
-             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | --- |"
-             + (" --- |" if with_switches else "")]
+             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | " + ("---: | " if with_cache else "")
+             + "---: | --- | --- | --- | ---: | --- |" + (" --- |" if with_switches else "")]
     for (cfg, test), b, p in _groups(df):
         ref = p if p is not None else b
 
@@ -251,11 +260,13 @@ def markdown(df) -> str:
         lines.append(
             f"| {devices_cell(b, p)} | {placed} | {ref['n_batch']} "
             f"| {ref['n_ubatch']} | {test} | {cov_s} | {ts(b)} | {ts(p)} "
-            f"| {sp_s} | {pp(b)}/{pp(p)} | {per_dev(b)} | {per_dev(p)} "
+            + (f"| {num(p.get('expert_cache_hit_rate') if p is not None else None, '{:.0%}')} " if with_cache else "")
+            + f"| {sp_s} | {pp(b)}/{pp(p)} | {per_dev(b)} | {per_dev(p)} "
             f"| {bound} | {blocked(p)} |" + (f" {switches_text(p)} |" if with_switches else ""))
     unpaired_tg = "test" in df and df["test"].astype(str).str.startswith("tg").any() and (
         "speedup_ci_lo" not in df or df["speedup_ci_lo"].isna().all())
     return ("\n".join(lines) + "\n\n" + LEGEND + ("\n" + SWITCHES_NOTE if with_switches else "")
+            + ("\n" + CACHE_NOTE if with_cache else "")
             + ("\n" + DECODE_NOTE if unpaired_tg else "") + "\n")
 
 

@@ -82,6 +82,13 @@ def all_gpus(ext: dict, key: str, reps: int) -> Optional[int]:
     return None if v is None else sum(v)
 
 
+def cache_hit_rate(ext: dict) -> Optional[float]:
+    """The device expert cache's hits over its lookups, all devices (EXPERT_CACHE); None where it looked nothing up
+    (off, the baseline, no decode)."""
+    hits, misses = (all_gpus(ext, k, 1) for k in ("cache_hits", "cache_misses"))
+    return hits / (hits + misses) if hits is not None and misses is not None and hits + misses > 0 else None
+
+
 def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> list[Row]:
     """A row per test of a measure job's result `res` for `variant` (counters per run: divided by the reps)."""
     rows = []
@@ -154,6 +161,7 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
             **{f"expert_{k}": all_gpus(ext, k, reps) for k in ("cache_hits", "cache_misses", "cache_evictions",
                                                                 "cache_ops", "cache_cpu_ops", "cache_shadow_hits",
                                                                 "cache_shadow_misses")},
+            "expert_cache_hit_rate": cache_hit_rate(ext),
             # ... and its guard's decisions (EXPERT_CACHE_MIN_HIT: a layer to the CPU, or back to its slots)
             "expert_cache_switches": (None if all_gpus(ext, "cache_leaves", reps) is None else
                                       all_gpus(ext, "cache_leaves", reps) + all_gpus(ext, "cache_returns", reps)),

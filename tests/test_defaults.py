@@ -29,6 +29,8 @@ ALLOWED = {
     ("rows", "per_gpu", "reps"): "a divisor (values per rep), not a repetition count",
     ("rows", "rows_from_result", "depth"): "a worker result's depth (0: none), not a choice",
     ("worker.handlers.soak", "soak", "calls"): "a counter that starts at 0",
+    ("soak", "SoakResult", "expert_cache"): "the EXPERT_CACHE a soak ran with (a result), not fit's choice",
+    ("soak", "judge", "expert_cache"): "the EXPERT_CACHE a soak ran with (a result), not fit's choice",
     # TODO: rpc/server.py's signatures to read defaults.RPC_HOST, RPC_PORT and CONTEXT.variant, as the CLI does
     ("rpc.server", "serve", "variant"): "rpc/server.py's signatures",
     ("rpc.server", "spawn_server", "variant"): "rpc/server.py's signatures",

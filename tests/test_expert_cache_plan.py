@@ -1,0 +1,255 @@
+"""fit plans the device expert cache (pyllama_pp.expert_cache_plan, `--expert-cache auto|SIZE|0`): the slots a layer
+and bytes a device gets follow the native allocation's rule (and the device allocates exactly those slots); auto
+takes what the plan leaves free, with no device past it, and puts each share into the device's margin; a SIZE is
+reserved before fit places the layers, and one that leaves the model no room is a ConfigError naming the device and
+its free memory; a cache of 0 leaves the plan as it was; run and ab take the option as fit does, and their rows and
+tables show the cache's hit rate where it ran."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from pyllama_pp import cli, devices as devspec, report, synth
+from pyllama_pp.errors import ConfigError
+from pyllama_pp.expert_cache_plan import Layout, auto_switch, parse
+from pyllama_pp.fit import fit, reserved_bytes
+from pyllama_pp.params import ContextParams
+from pyllama_pp.plan import Plan
+from pyllama_pp.row import Row, frame
+from pyllama_pp.planning import Choices, plan_runs
+from pyllama_pp.worker import run_job
+
+MiB = 1024**2
+CTX = ContextParams(n_ctx=512, n_batch=512, n_ubatch=128)
+# 12 tiny layers on two 10 MiB VDEVs: 2-3 layers a device keep their experts in host RAM, and the plan leaves
+# about 1 MiB free on each
+SPEC = "vdev:2x10MiB@4GBps"
+# the tiny preset's expert slices: one expert of a layer in gate, up and down
+TINY = Layout(slot_bytes=synth.expert_bytes_per_layer(synth.preset("tiny")) / 64, n_expert=64, n_used=2, weights=3)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(synth.cached_model(tmp_path_factory.mktemp("cacheplan"), "tiny", seed=1, n_layer=12))
+
+
+@pytest.fixture(scope="module")
+def plans(model):
+    """expert_cache -> fit's plan on SPEC at CTX, each made once."""
+    cache: dict = {}
+
+    def get(value) -> Plan:
+        if value not in cache:
+            cache[value] = fit(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache=value)
+        return cache[value]
+    return get
+
+
+def _without_time(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k != "seconds"}
+
+
+# --- the native allocation's rule --------------------------------------------------------------------------------
+
+def test_a_budget_in_mib_holds_and_takes_every_slot_that_fits():
+    """EXPERT_CACHE=M: a device's slots never take more than M MiB, one more slot a layer would (unless every expert
+    is cached), and more MiB never give fewer slots; -N: N slots a layer (at most every expert); 0 or no host-expert
+    layers: none."""
+    for mib, layers in itertools.product(range(1, 12), range(1, 7)):
+        s = TINY.slots_at(mib, layers)
+        assert TINY.bytes_of(s, layers) <= mib * MiB, (mib, layers, s)
+        assert s == TINY.n_expert or TINY.bytes_of(s + 1, layers) > mib * MiB, (mib, layers, s)
+        assert TINY.slots_at(mib + 1, layers) >= s
+    assert [TINY.slots_at(-n, 3) for n in (1, 8, 64, 500)] == [1, 8, 64, 64]
+    assert TINY.slots_at(0, 3) == TINY.slots_at(4, 0) == TINY.bytes_of(0, 3) == 0
+
+
+@pytest.mark.parametrize("layers, room", [([2, 3], [MiB, 1.4 * MiB]), ([1, 6], [3 * MiB, 3 * MiB]),
+                                          ([4, 4], [20 * MiB, 0.3 * MiB]), ([0, 5], [0, 2.5 * MiB]),
+                                          ([3, 3], [40 * MiB, 40 * MiB])])
+def test_auto_stays_within_every_devices_room_and_takes_the_most(layers, room):
+    """auto's one switch value: no device's slots past its room, and neither a larger budget in MiB nor one more
+    slot a layer would keep every device within its room while caching more experts."""
+    room = [int(r) for r in room]
+    sw = auto_switch(TINY, layers, room)
+    cached = lambda x: sum(n * TINY.slots_at(x, n) for n in layers)
+    fits = lambda x: all(TINY.bytes_of(TINY.slots_at(x, n), n) <= r for n, r in zip(layers, room))
+    assert sw != 0 and fits(sw), (sw, layers, room)
+    mib = max((m for m in range(1, 200) if fits(m)), default=0)   # (the largest budget within every room)
+    slots = max(n for n in range(0, TINY.n_expert + 1) if fits(-n))
+    assert cached(sw) >= cached(mib) and cached(sw) >= cached(-slots), (sw, mib, slots)
+    if sw > 0 and cached(sw + 1) > cached(sw):
+        assert not fits(sw + 1)
+
+
+def test_auto_prefers_mib_where_slots_a_layer_would_hold_a_device_back():
+    """One device of 1 host-expert layer beside one of 6, the same room: MiB a device gives the small one all it can
+    hold, while N slots a layer would give it only what the big one has room for."""
+    sw = auto_switch(TINY, [1, 6], [3 * MiB, 3 * MiB])
+    assert sw > 0 and TINY.slots_at(sw, 1) > TINY.slots_at(sw, 6)
+
+
+def test_auto_without_room_for_a_tokens_experts_plans_none():
+    assert auto_switch(TINY, [3, 3], [TINY.bytes_of(TINY.n_used, 3) - 1, 50 * MiB]) == 0
+    assert auto_switch(TINY, [0, 0], [50 * MiB, 50 * MiB]) == 0
+
+
+def test_the_values_it_takes():
+    assert parse("auto") == parse(" AUTO ") == "auto"
+    assert parse("2GiB") == 2 * 1024 * MiB and parse("1.5MiB") == MiB and parse(3 * MiB) == 3 * MiB
+    assert parse(0) == parse("0") == parse(None) == parse(None, "baseline") == 0   # (FIT's default: none)
+    for bad, words in (("lots", "give auto"), ("-1MiB", "give auto"), ("100KiB", "whole MiB")):
+        with pytest.raises(ConfigError, match=words):
+            parse(bad)
+    with pytest.raises(ConfigError, match="baseline build has no expert cache"):
+        parse("auto", "baseline")
+
+
+# --- fit -------------------------------------------------------------------------------------------------------
+
+def test_auto_takes_what_the_plan_leaves_free(plans):
+    """The same placement as without the cache; each device's share within what that plan left free, added to its
+    margin (its target lowered by as much); the switch in the plan's switches; the plan's text, table and JSON show
+    each device's share."""
+    p0, pa = plans(0), plans("auto")
+    assert (pa.tensor_overrides, pa.n_gpu_layers, pa.tensor_split) == (p0.tensor_overrides, p0.n_gpu_layers,
+                                                                      p0.tensor_split)
+    assert all(h > 0 for h in pa.host_expert_layers), pa.host_expert_layers
+    for d0, d in zip(p0.devices, pa.devices):
+        assert 0 < d.cache_bytes <= d0.target_bytes - d0.expected_bytes, (d.name, d.cache_bytes)
+        assert d.cache_slots >= 2 and d.target_bytes == d0.target_bytes - d.cache_bytes
+        assert d.expected_bytes <= d.target_bytes
+    assert pa.margins == [m + d.cache_bytes for m, d in zip(p0.margins, pa.devices)]
+    sw = pa.switches["EXPERT_CACHE"]
+    assert sw != 0 and {k: v for k, v in pa.switches.items() if k != "EXPERT_CACHE"} == p0.switches
+    line = next(ln for ln in str(pa).splitlines() if "expert cache (auto)" in ln)
+    assert f"EXPERT_CACHE={sw}" in line and all(f"{d.name} {d.cache_bytes / MiB:.2f} MiB, {d.cache_slots} slots"
+                                                in line for d in pa.devices), line
+    d = pa.to_dict()
+    assert d["expert_cache"] == "auto" and [x["cache_slots"] for x in d["devices"]] == [x.cache_slots for x in pa.devices]
+    assert Plan.from_dict(json.loads(json.dumps(d))).to_dict() == d
+    assert list(pa.to_frame()["cache_bytes"]) == [x.cache_bytes for x in pa.devices]
+
+
+def test_the_device_allocates_the_planned_slots(plans, model, tmp_path):
+    """Decode with the plan's placement and switches: each device's cache holds the slots the plan says, in no more
+    memory than the plan gave it, and its lookups run."""
+    for value in ("auto", "2MiB"):
+        plan = plans(value)
+        job = {"kind": "logits", "model": model, "devices": SPEC, "placement": plan.placement().to_dict(),
+               "ctx": {"n_ctx": 64, "n_batch": 1, "n_ubatch": 1}, "n_tokens": 8, "logits": "last", "seed": 0,
+               "out": str(tmp_path / "logits.npy")}
+        res = run_job(job, "patched", timeout=120, env={f"GGML_SCHED_PP_{k}": str(v) for k, v in plan.switches.items()})
+        got = {b["name"]: b for b in res["ext"]["backends"]}
+        for d in plan.devices:
+            b = got[d.name]
+            assert b["cache_slots"] == d.cache_slots and 0 < b["cache_buffer_bytes"] <= d.cache_bytes, (value, b)
+            assert b["cache_hits"] + b["cache_misses"] > 0
+
+
+def test_a_size_is_reserved_before_placing(plans, model):
+    """--expert-cache 2MiB: fit keeps 2 MiB free on every device (reserved_bytes' expert_cache, in the margins), so
+    more layers keep their experts in host RAM than without it, and each device's slots fit in it."""
+    p0, ps = plans(0), plans("2MiB")
+    spec = devspec.parse(SPEC)
+    assert reserved_bytes(model, spec, "patched", None, 2 * MiB) == {"expert_cache": 2 * MiB}
+    assert ps.margins == [m + 2 * MiB for m in p0.margins] and ps.switches["EXPERT_CACHE"] == 2
+    assert sum(ps.host_expert_layers) > sum(p0.host_expert_layers), (ps.host_expert_layers, p0.host_expert_layers)
+    for d in ps.devices:
+        assert 0 < d.cache_bytes <= 2 * MiB and d.expected_bytes <= d.target_bytes == d.free_bytes - 2 * MiB
+
+
+def test_a_size_too_large_names_the_device_and_its_free_memory(model, usage_error):
+    with pytest.raises(ConfigError, match=r"--expert-cache 9MiB: no room .* on VDEV\d, which has 10\.0 MiB free"):
+        fit(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache="9MiB")
+    line = usage_error(["fit", model, "--devices", SPEC, "-c", "512", "-b", "512", "-ub", "128",
+                        "--expert-cache", "9MiB"])
+    assert "VDEV" in line and "10.0 MiB free" in line and "Fix:" in line, line
+
+
+def test_no_cache_leaves_the_plan_as_it_was(plans, model):
+    """0 (the default, FIT's) and "0" give the same plan, its JSON without a cache field, its text without a cache
+    line, no reservation; the baseline's fit takes no cache."""
+    p0, default = plans(0), fit(model, devices=SPEC, ctx=CTX, timeout=120)
+    for p in (plans("0"), default):
+        assert _without_time(p.to_dict()) == _without_time(p0.to_dict())
+        assert str(p).split("\n", 2)[2] == str(p0).split("\n", 2)[2]
+    d = p0.to_dict()
+    assert "expert_cache" not in d and not any(k.startswith("cache_") for x in d["devices"] for k in x)
+    assert "expert cache" not in str(p0) and "cache_bytes" not in p0.to_frame()
+    assert "EXPERT_CACHE" not in p0.switches and "expert_cache" not in reserved_bytes(model, devspec.parse(SPEC),
+                                                                                      "patched", None)
+    with pytest.raises(ConfigError, match="baseline build has no expert cache"):
+        fit(model, devices=SPEC, ctx=CTX, variant="baseline", expert_cache="auto")
+
+
+def test_the_cli_gives_the_apis_plan(plans, model, capsys):
+    assert cli.main(["fit", model, "--devices", SPEC, "-c", "512", "-b", "512", "-ub", "128", "--expert-cache", "auto",
+                     "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc.pop("pyllama_pp_plan") == 1 and _without_time(doc) == _without_time(plans("auto").to_dict())
+
+
+# --- run and ab -------------------------------------------------------------------------------------------------
+
+def test_run_and_ab_take_it_as_fit_does(model):
+    """--expert-cache on run / ab is fit's: the CLI and Choices give equal configs; with --fit each only the patched
+    plan has the cache (the baseline never gets the switch); a size without a fit is the switch as it is."""
+    argv = ["ab", model, "--devices", SPEC, "--fit", "--expert-cache", "auto", "-p", "0", "-n", "8"]
+    by_cli = plan_runs(cli.choices_from_args(cli.build_parser().parse_args(argv)))
+    by_api = plan_runs(Choices(model=model, devices=(SPEC,), fit="each", expert_cache="auto", pp=(), tg=(8,)))
+    assert by_cli.configs == by_api.configs
+    patched, baseline = sorted(by_api.plans, key=lambda p: p.variant != "patched")
+    assert patched.expert_cache == "auto" and "EXPERT_CACHE" in patched.switches
+    assert baseline.expert_cache == "" and "EXPERT_CACHE" not in baseline.switches
+    cfg = by_api.configs[0]
+    assert cfg.switches["EXPERT_CACHE"] == patched.switches["EXPERT_CACHE"] and cfg.job("baseline").switches == {}
+    sized = plan_runs(Choices(command="run", model=model, devices=(SPEC,), expert_cache="3MiB", pp=(), tg=(8,)))
+    assert sized.configs[0].switches == {"EXPERT_CACHE": 3} and sized.plans == ()
+
+
+def test_choices_refused_before_any_worker(model, no_worker, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    for kw, words in ((dict(expert_cache="auto"), "add --fit"),
+                      (dict(expert_cache="1MiB", switches={"EXPERT_CACHE": 4}), "set the same switch"),
+                      (dict(expert_cache="auto", fit="each", command="run", variant="baseline"), "baseline build"),
+                      (dict(expert_cache="much", fit="each"), "give auto")):
+        with pytest.raises(ConfigError, match=words):
+            plan_runs(Choices(model=model, devices=(SPEC,), pp=(), tg=(8,), **kw))
+    with pytest.raises(ConfigError, match="sets already"):
+        fit(model, devices=SPEC, expert_cache="auto", env={"GGML_SCHED_PP_EXPERT_CACHE": "4"})
+
+
+def test_run_shows_the_hit_rate_beside_ts(model, capsys):
+    """run --fit --expert-cache auto on a decode test: each row's hit rate is the devices' hits over their lookups,
+    and the table shows it beside t/s; without a cache the column is left out."""
+    argv = ["run", model, "--fit", "--devices", SPEC, "-p", "0", "-n", "16", "-r", "1"]
+    assert cli.main(argv + ["--expert-cache", "auto", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    for r in rows:
+        lookups = r["expert_cache_hits"] + r["expert_cache_misses"]
+        assert lookups > 0 and r["expert_cache_hit_rate"] == pytest.approx(r["expert_cache_hits"] / lookups), r
+    assert cli.main(argv + ["--expert-cache", "auto"]) == 0
+    head = capsys.readouterr().out.splitlines()[0].split()
+    assert head[head.index("stddev_ts") + 1] == "expert_cache_hit_rate", head
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "expert_cache_hit_rate" not in out and "stddev_ts" in out
+
+
+def test_ab_markdown_shows_the_patched_hit_rate(model, capsys, tmp_path):
+    assert cli.main(["ab", model, "--fit", "same", "--devices", SPEC, "--expert-cache", "auto", "-p", "0", "-n", "16",
+                     "-r", "1", "-o", str(tmp_path), "--json"]) == 0
+    rows = {r["variant"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["baseline"]["expert_cache_hit_rate"] is None and rows["baseline"]["switches"] == {}
+    md = (tmp_path / "results.md").read_text()
+    head, _, line = md.splitlines()[:3]
+    cols = [c.strip() for c in head.split("|")]
+    cell = [c.strip() for c in line.split("|")][cols.index("cache hits (patched)")]
+    assert cols.index("cache hits (patched)") == cols.index("patched t/s") + 1
+    assert cell == f"{rows['patched']['expert_cache_hit_rate']:.0%}", (cell, line)
+    df = frame([Row.from_dict({**r, "expert_cache_hit_rate": None}) for r in rows.values()])
+    assert "cache hits" not in report.markdown(df)   # (no lookups: no column)
