@@ -28,7 +28,8 @@ from pyllama_pp.config import RunConfig
 from pyllama_pp.fit import fit, fit_ubatch, link_rates, predict
 from pyllama_pp.model_file import block_count, embedding_length, expert_bytes_per_layer
 from pyllama_pp.params import ContextParams, Placement
-from pyllama_pp.planning import models_dir
+from pyllama_pp.planning import models_dir, parse_switches
+from pyllama_pp.worker.client import switch_env
 
 # two VDEVs whose memory holds about half of the tiny preset's experts, on 1 GB/s links, computing 3x slower than
 # a CPU thread: at n_ubatch 512 and above a layer's compute takes longer than moving its experts
@@ -87,6 +88,8 @@ def main() -> int:
                          "devices that could hold the model")
     ap.add_argument("--baseline", action="store_true",
                     help="also run upstream (the baseline build) on each candidate's placement: best against best")
+    ap.add_argument("--switch", action="append", metavar="NAME=VALUE",
+                    help="a patched switch planned and run with, e.g. LAYER_MAJOR=1 (repeatable)")
     ap.add_argument("--budget", type=float, default=0, help="seconds for the whole run (0: no limit); candidates "
                     "are measured largest first while time is left")
     ap.add_argument("--out", type=Path, default=Path("bench/out/ubatch_auto"), help="folder for rows and summary")
@@ -104,15 +107,16 @@ def main() -> int:
         print(f"margins for a host share of {args.host_share:g}: {[m // 2**20 for m in args.margin]} MiB",
               file=sys.stderr)
     links = [float(x) for x in args.link_gbps.split(",")] if args.link_gbps else None
+    env = switch_env(parse_switches(args.switch)) or None
     plan = fit_ubatch(model, devices=args.devices, ctx=ContextParams(n_ctx=n + 256), margin=args.margin,
                       link_gbps=links, shared_link=args.shared_link, n_tokens=n, load_mode=args.load_mode,
-                      skip=False, progress=not args.json, **kw)
+                      skip=False, progress=not args.json, env=env, **kw)
     fit_s = time.time() - t0
     print(plan, file=sys.stderr)
     spec = devspec.parse(args.devices)
     placed = [c for c in plan.ubatch_auto if c.get("predicted_ts")]
     for cand in placed:
-        cand["plan"] = fit(model, devices=args.devices, margin=args.margin, check=False,
+        cand["plan"] = fit(model, devices=args.devices, margin=args.margin, check=False, env=env,
                            ctx=ContextParams(n_ctx=n + 256, n_batch=cand["n_batch"], n_ubatch=cand["n_ubatch"]))
     if args.host_experts_all:
         # every expert on host: each candidate's plan keeps fit's split and context, all its layers host-expert,
@@ -154,7 +158,8 @@ def main() -> int:
             got[name] = float(ts.get("patched", float("nan")))
             if name == "host" and "baseline" in ts:
                 got["baseline"] = float(ts["baseline"])
-        rows.append({"n_ubatch": ub, "n_batch": nb, "host_expert_layers": cand["host_expert_layers"],
+        rows.append({"n_ubatch": ub, "n_batch": nb, "group": cand.get("group", 1),
+                     "host_expert_layers": cand["host_expert_layers"],
                      "compute": cand.get("compute", ""), "bound": cand["bound"], "predicted_ts": cand["predicted_ts"],
                      "measured_ts": got["host"],
                      "error_pct": 100 * (cand["predicted_ts"] / got["host"] - 1),

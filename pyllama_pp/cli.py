@@ -29,6 +29,7 @@ from .planning import Choices, check_switches, cpu_only_notes, main_job_model, p
 from .report import any_failed, check_measured, error_lines, markdown, noise_warnings, plot, text_table
 from .row import read_rows
 from .rpc import server as rpc_server
+from .worker.client import switch_env
 
 BASELINE_SERVERS = ("`pyllama-pp rpc-server --variant baseline` beside each patched one; upstream's client refuses "
                     "patched servers")
@@ -128,8 +129,11 @@ def cmd_fit(args) -> int:
     ctx = ContextParams(n_ctx=args.ctx, n_batch=batch, n_ubatch=min(batch, FIT.n_ubatch) if auto else args.ubatch,
                         op_offload=not args.no_op_offload, offload_kqv=not args.no_kv_offload)
     spread = args.spread if args.spread in ("equal", "links") else args.spread.split(",")
+    switches = parse_switches(args.switch)
+    check_switches(switches, [args.variant])
     kw = dict(devices=args.devices, ctx=ctx, variant=args.variant, margin=args.margin, split_mode=args.split_mode,
-              check=not args.no_check, spread=spread, link_gbps=args.link_gbps, expert_cache=args.expert_cache)
+              check=not args.no_check, spread=spread, link_gbps=args.link_gbps, expert_cache=args.expert_cache,
+              env=switch_env(switches) or None)
     plan = fit_ubatch(args.model, shared_link=args.shared_link, n_batch=args.batch, progress=not args.json, **kw) \
         if auto else fit(args.model, **kw)
     if args.out:
@@ -501,6 +505,10 @@ def _add_fit(sub) -> None:
                    help="the devices share one host link (one GPU split in two): --ubatch auto predicts so")
     p.add_argument("--split-mode", default=FIT.split_mode, choices=["layer", "none", "row"],
                    help="llama's split mode (default: %(default)s; fit's spread path needs it)")
+    p.add_argument("--switch", action="append", metavar="NAME=VALUE",
+                   help="a patched scheduler switch the plan's memory is measured with and applied with, e.g. "
+                        "LAYER_MAJOR=1 (a batch's ubatches in groups: their activations are planned), repeatable "
+                        "(default: none)")
     p.add_argument("--no-op-offload", action="store_true", help="plan without op offload (upstream's path then)")
     p.add_argument("--no-kv-offload", action="store_true", help="plan with the KV cache in host memory")
     p.add_argument("--no-check", action="store_true",

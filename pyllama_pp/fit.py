@@ -185,9 +185,10 @@ def reserved_bytes(model, spec: devspec.DeviceSpec, variant: str, env: Optional[
 def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margin=None,
               split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None,
               timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None, checked: bool = False,
-              rates: Sequence[str] = (), expert_cache=FIT.expert_cache) -> Plan:
+              rates: Sequence[str] = (), expert_cache=FIT.expert_cache, group_bytes: bool = True) -> Plan:
     """fit's plan before its check (`check` decides whether the patched build plans again without OVERLAP=2's
-    copies where they leave no room); `rates`: what the fit job also measures (FitJob.rates), into the plan."""
+    copies where they leave no room); `rates`: what the fit job also measures (FitJob.rates), into the plan;
+    `group_bytes`: with LAYER_MAJOR, a dry run without it tells the group's bytes per device (plan_layer_major)."""
     if not checked:
         check_model_path(model)
     spec = devspec.parse(devices)
@@ -217,6 +218,7 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
     if variant == "patched":
         if plan.devices:   # (one device is pipelined too, GATE)
             plan = _plan_copies(plan, once, check, env)
+        plan_layer_major(plan, env, once if group_bytes else None)
         plan.spread_weights = weights
         if server_copies:
             plan.copies += (f"; on each server, {server_copies / MiB:.1f} MiB of its device kept for its own expert "
@@ -263,6 +265,8 @@ class Prediction:
             network is slower than every stage.
         network_s: each RPC server's cycle per ubatch: its network both ways and its devices' stages (empty: not
             counted).
+        group: ubatches per group (LAYER_MAJOR: they run through each layer together, one expert upload for all);
+            with more than 1 the seconds above are a group's, not a ubatch's.
     """
 
     ts: float
@@ -271,6 +275,7 @@ class Prediction:
     compute_s: Optional[list]
     bound: str
     network_s: dict = field(default_factory=dict)
+    group: int = 1
 
 
 def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int, measured: Optional[Sequence] = None,
@@ -310,7 +315,9 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
     longest device's otherwise; beside the compute, the first one exposed). The patched build copies a layer's
     experts beside the compute of the layer before (OVERLAP=2): the first copy is exposed, then each layer takes the
     longer of its copy and the compute before it (x + c + (h - 1) max(x, c) + (n - h) c); with OVERLAP=0 copies and
-    compute add up. Pipelined stages overlap: a batch of k ubatches takes (k - 1) times the slowest stage plus every
+    compute add up. With LAYER_MAJOR a group of K ubatches (layer_major_group) runs through each layer together on
+    one upload of its experts: per group a device moves its experts once and computes K ubatches (c above is then
+    K c), so bytes per token fall by K; groups, not ubatches, are what the pipeline's stages pass on. Pipelined stages overlap: a batch of k ubatches takes (k - 1) times the slowest stage plus every
     stage once (the fill; a batch's last ubatch may be shorter, and counts as a whole one); devices on one link also
     wait for the link's total. The baseline's stages and copies run one after the other. With `hidden`, RPC devices whose network fit measured (DevicePlan.server_net) also
     wait for their server's network (network_seconds): ggml RPC copies a device's output to the next device through
@@ -328,7 +335,8 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
         compute: device index -> compute.LayerCompute (the probe); None: the bytes bound alone.
         n_tokens: the prompt's length (default: the plan's n_ctx).
         hidden: the model's hidden size (n_embd), for the network to RPC servers; 0: the network is not counted.
-        n_batch: the batch to predict for (default: the plan's n_batch; at least its n_ubatch).
+        n_batch: the batch to predict for (default: the plan's n_batch; at least its n_ubatch); with LAYER_MAJOR it
+            sets the group size.
         staging_gbps: the host's copy into pinned memory (Plan.host_copy_gbps), for the patched build on an mmap-ed
             model: every expert copy goes through it first, beside the link (slots), and one copier serves every
             device, so a copy moves at the slower of the two and each ubatch waits for all devices' bytes at its
@@ -339,40 +347,43 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
     ub, nd = plan.ctx["n_ubatch"], len(plan.devices)
     nb = max(n_batch or plan.ctx["n_batch"], ub)
     n_tokens = n_tokens or plan.n_ctx
+    k = layer_major_group(plan, nb)   # (a group's ubatches share one upload of each expert tensor)
     rates = [min(r, staging_gbps) for r in link_gbps] if staging_gbps else list(link_gbps)
     xs = [expert_bytes / (r * 1e9) for r in rates]
     transfer = [d.host_expert_layers * x for d, x in zip(plan.devices, xs)]
     staged = sum(d.host_expert_layers for d in plan.devices) * expert_bytes / (staging_gbps * 1e9) if staging_gbps \
         else 0.0   # (one copier for every device)
     net_dev, servers = network_seconds(plan, hidden, n_tokens)
+    net_dev = [k * t for t in net_dev]
     if compute is None and not any(transfer) and not servers:
         return None
-    cs = [compute_for(compute, i).per_ubatch(ub) if compute else 0.0 for i in range(nd)]
+    cs = [k * compute_for(compute, i).per_ubatch(ub) if compute else 0.0 for i in range(nd)]
     comp = [d.n_layers * c for d, c in zip(plan.devices, cs)]
     if compute:   # (embeddings and output: the last device's, once a ubatch)
         last = compute_for(compute, nd - 1)
-        comp[-1] += last.outside_s[ub] * ub / last.n_tokens
+        comp[-1] += k * last.outside_s[ub] * ub / last.n_tokens
     patched = plan.variant == "patched"
     overlap = patched and plan.switches.get("OVERLAP", 2) == 2
     stage = []
-    for d, x, c, t, k in zip(plan.devices, xs, cs, transfer, comp):
-        h, rest = d.host_expert_layers, k - d.host_expert_layers * c
-        stage.append(x + c + (h - 1) * max(x, c) + rest if overlap and h > 0 else t + k)
+    for d, x, c, t, c_dev in zip(plan.devices, xs, cs, transfer, comp):
+        h, rest = d.host_expert_layers, c_dev - d.host_expert_layers * c
+        stage.append(x + c + (h - 1) * max(x, c) + rest if overlap and h > 0 else t + c_dev)
     fill = sum(stage) + sum(net_dev)
-    net = {k: sum(net_dev[i] + stage[i] for i in idx) for k, idx in servers.items()}   # (each server's cycle)
-    n_ub = -(-nb // ub)
+    net = {key: sum(net_dev[i] + stage[i] for i in idx) for key, idx in servers.items()}   # (each server's cycle)
+    units = lambda n: -(-(-(-n // ub)) // k)   # (a batch's n tokens: its ubatches, in groups of k)
+    n_ub = units(nb)
     chunks, tail = divmod(n_tokens, nb)
     if patched and compute and compute_for(compute, 0).shared:
         # parts of one processor, pipelined: the probe ran them together, so a layer's time is what it adds to the
         # whole pipeline; the parts' copies (adding up on one link) go beside that compute, the first one exposed
-        n_ubatches = chunks * n_ub + (-(-tail // ub) if tail else 0)
+        n_ubatches = chunks * n_ub + (units(tail) if tail else 0)
         c_all, x_all = sum(comp), max(sum(transfer) if shared_link else max(transfer), staged)
         total = n_ubatches * (max(c_all, x_all) if overlap else c_all + x_all) + (xs[0] if overlap and x_all else 0.0)
     elif patched:
         slowest = max(max(stage), sum(transfer) if shared_link else 0.0, staged, max(net.values(), default=0.0))
         total = chunks * ((n_ub - 1) * slowest + fill)
         if tail:
-            total += (-(-tail // ub) - 1) * slowest + fill
+            total += (units(tail) - 1) * slowest + fill
     else:
         total = -(-n_tokens // ub) * fill
     if total <= 0:
@@ -382,7 +393,7 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
     if patched and net and max(net.values()) > max(stage) and max(net_dev) >= max(transfer + comp):
         bound = "network"
     return Prediction(ts=n_tokens / total, stage_s=stage, transfer_s=transfer, compute_s=comp if compute else None,
-                      bound=bound, network_s=net)
+                      bound=bound, network_s=net, group=k)
 
 
 def predicted_ts(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool = False,
@@ -421,6 +432,23 @@ def best_batch(plan: Plan, cap: int, compute: Optional[dict] = None, **kw) -> tu
 _WHY = re.compile(r"leaves (?:all \d+ layers and the output layer|\d+ of \d+ layers \(\S+\)) on the CPU|planned "
                   r"[\d.]+ MiB on \S+, over its target of [\d.]+ MiB|found no placement[^\n]*?(?=\. Fix:|$)|host memory "
                   r"free for host experts[^\n]*?(?=\. Fix:|$)")
+
+
+def _largest_placed(nbs: Sequence[int], placed_at) -> tuple:
+    """The largest n_batch of `nbs` (ascending; a plan's memory grows with it: LAYER_MAJOR's groups) whose plan has a
+    placement, by bisection with placed_at(n_batch) -> (plan, problem): (n_batch, plan, None), or (None, None, the
+    problem at the smallest). Raises a problem that is not an OutOfMemoryError (fit refused the parameters)."""
+    lo, hi, found, problem = -1, len(nbs), (None, None), None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        plan, p = placed_at(nbs[mid])
+        if p is not None and not isinstance(p, OutOfMemoryError):
+            raise p
+        if p is None:
+            lo, found = mid, (nbs[mid], plan)
+        else:
+            hi, problem = mid, p
+    return (*found, None if found[0] is not None else problem)
 
 
 def _why(problem: Exception) -> str:
@@ -508,23 +536,30 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
     staging = mmap and variant == "patched"
     rated: dict = {}   # what the first dry run's process measured: each device's link, the host's staging copy
 
-    def plan_at(n: int, u: int) -> Plan:
-        c = ContextParams(**{**ctx.to_dict(), "n_ctx": n, "n_batch": max(u, min(cap, n)), "n_ubatch": u})
+    def plan_at(n: int, u: int, nb: Optional[int] = None, group_bytes: bool = False, extra: Optional[dict] = None):
+        c = ContextParams(**{**ctx.to_dict(), "n_ctx": n, "n_batch": nb or max(u, min(cap, n)), "n_ubatch": u})
         want = [] if rated or link_gbps is not None and not staging else \
             ["links"] + (["host_copy"] if staging and cached_host_copy() is None else [])
         plan = _fit_plan(model, devices=devices, ctx=c, variant=variant, link_gbps=link_gbps, check=True,
-                         checked=True, rates=want, **kw)
+                         checked=True, rates=want, group_bytes=group_bytes,
+                         **({**kw, "env": {**(kw.get("env") or {}), **extra}} if extra else kw))
         if want:
             rated.update(links=[d.link for d in plan.devices], host_copy=plan.host_copy_gbps or cached_host_copy())
             if plan.host_copy_gbps:
                 cache_host_copy(plan.host_copy_gbps)
         return plan
 
-    def problem_at(n: int, u: int) -> Optional[Exception]:
+    def placed_at(n: int, u: int, nb: Optional[int] = None) -> tuple[Optional[Plan], Optional[Exception]]:
         try:
-            return plan_problem(plan_at(n, u), True)
-        except OutOfMemoryError as e:
-            return e
+            plan = plan_at(n, u, nb)
+            return plan, plan_problem(plan, True)
+        except OutOfMemoryError as e:   # (an RPC server's host memory)
+            return None, e
+
+    problem_at = lambda n, u, nb=None: placed_at(n, u, nb)[1]
+    # LAYER_MAJOR: a group's activations grow with n_batch / n_ubatch, so a candidate without room at the largest
+    # n_batch may have it at a smaller one
+    groups = variant == "patched" and int(_switch_set(LAYER_MAJOR_VAR, kw.get("env")) or 0) != 0
 
     rows, placed, failed = [], [], None
     say = (lambda text: print(text, file=sys.stderr)) if progress else (lambda text: None)
@@ -536,17 +571,20 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
             rows.append({**row, "why": f"not planned: n_ubatch {failed['n_ubatch']} has no placement already (a larger "
                                        "ubatch needs larger compute buffers)", "fix": failed["fix"]})
             continue
-        try:
-            plan = plan_at(n_ctx, u)
-            problem = plan_problem(plan, True)
-        except OutOfMemoryError as e:   # (an RPC server's host memory)
-            plan, problem = None, e
+        plan, problem = placed_at(n_ctx, u)
         if problem is not None and not isinstance(problem, OutOfMemoryError):
             raise problem   # (fit refused these parameters: so it does every candidate)
+        margins, fix_nb = (plan.margins if plan is not None else []), None
+        if problem is not None and groups and u < cap:
+            nb, smaller, problem_there = _largest_placed(batch_choices(u, cap)[:-1], lambda b: placed_at(n_ctx, u, b))
+            if smaller is not None:
+                plan, problem, row = smaller, None, {**row, "n_batch": nb,
+                                                     "larger_batch": f"n_batch {cap}: {_why(problem)}"}
+            else:   # (not even one ubatch a batch, where no group forms)
+                problem, fix_nb, row = problem_there, u, {**row, "n_batch": u}
         if problem is not None:
-            margins = plan.margins if plan is not None else []
             failed = {**row, "why": _why(problem),
-                      "fix": _memory_fix(lambda n: problem_at(n, u), n_ctx, u, margins)}
+                      "fix": _memory_fix(lambda n: problem_at(n, u, fix_nb), n_ctx, u, margins)}
             rows.append(failed)
             continue
         placed.append((row, plan))
@@ -559,19 +597,19 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
                staging_gbps=rated.get("host_copy") if staging else None)
     score = lambda pred: pred.ts if pred else float("inf")   # (nothing moves and compute not counted: no bound)
     # the most promising first (the bytes bound: compute not counted), so that the rest can be skipped
-    order = sorted(placed, key=lambda rp: (-score(best_batch(rp[1], cap, **pkw)[1]), rp[0]["n_ubatch"]))
+    order = sorted(placed, key=lambda rp: (-score(best_batch(rp[1], rp[0]["n_batch"], **pkw)[1]), rp[0]["n_ubatch"]))
     probe = Probe(model, devices, n_tokens, [r["n_ubatch"] for r, _ in placed],
                   # (an RPC server speaks its own variant's protocol; elsewhere every weight resident computes alike)
                   variant=variant if spec.remote else PROBE.variant, servers=[d.server for d in placed[0][1].devices],
                   timeout=kw.get("timeout") or FIT.timeout, progress=progress, hidden=hidden,
                   networks={d.server: d.server_net for d in placed[0][1].devices if d.server}) if count_compute else None
-    best, best_ts = None, 0.0
+    best, best_ts, placed_nb = None, 0.0, {}
     try:
         for row, plan in order:
             u = row["n_ubatch"]
             if skip and best is not None and probe is not None:
                 bound = probe.optimistic(u, CLEARLY_SLOWER)
-                ub_ts = score(best_batch(plan, cap, bound, **pkw)[1])
+                ub_ts = score(best_batch(plan, row["n_batch"], bound, **pkw)[1])
                 if ub_ts < best_ts:
                     probe.skip(u)
                     rows.append({**row, "host_expert_layers": plan.host_expert_layers,
@@ -580,24 +618,41 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
                                         f"{best_ts:.0f} t/s"})
                     continue
             compute = probe.compute(u) if probe is not None else None
-            nb, pred = best_batch(plan, cap, compute, **pkw)
+            placed_nb[u] = plan.ctx["n_batch"]
+            nb, pred = best_batch(plan, row["n_batch"], compute, **pkw)
             plan.ctx["n_batch"], plan.predicted_ts = nb, pred.ts if pred else None
             how = sorted({compute_for(compute, i).how.get(u, "") for i in range(len(plan.devices))}) if compute else []
             rows.append({**row, "n_batch": nb, "host_expert_layers": plan.host_expert_layers,
                          "predicted_ts": plan.predicted_ts, "bound": pred.bound if pred else None,
                          "stage_s": pred.stage_s if pred else None, "transfer_s": pred.transfer_s if pred else None,
                          "compute_s": pred.compute_s if pred else None, "network_s": pred.network_s if pred else {},
-                         "compute": "; ".join(how), "why": "" if pred else "no host experts: compute binds"})
+                         "compute": "; ".join(how), "why": "" if pred else "no host experts: compute binds",
+                         "group": pred.group if pred else 1})
             if best is None or (score(pred), u) > (best_ts, best.ctx["n_ubatch"]):
                 best, best_ts = plan, score(pred)
     finally:
         if probe is not None:
             probe.close()
+    if groups:   # (the winner's memory at the n_batch it runs with, and its group's bytes)
+        u, nb = best.ctx["n_ubatch"], best.ctx["n_batch"]
+        if nb != placed_nb[u]:
+            best = _at_chosen_batch(best, plan_at(n_ctx, u, nb, group_bytes=True))
+        else:
+            plan_layer_major(best, kw.get("env"), lambda extra: plan_at(n_ctx, u, nb, extra=extra))
     best.ubatch_auto = sorted(rows, key=lambda t: t["n_ubatch"])
     best.host_copy_gbps = best.host_copy_gbps or rated.get("host_copy")
     for d, link in zip(best.devices, rated.get("links") or []):
         d.link = d.link or link
     return best
+
+
+def _at_chosen_batch(best: Plan, plan: Plan) -> Plan:
+    """fit_ubatch's winner with LAYER_MAJOR as `plan`, the plan made again at the n_batch it chose (a smaller one
+    than it was placed at keeps a smaller group), with its prediction and links carried over."""
+    plan.predicted_ts, plan.host_copy_gbps = best.predicted_ts, best.host_copy_gbps
+    for a, d in zip(plan.devices, best.devices):
+        a.link = a.link or d.link
+    return plan
 
 
 def _rates_path() -> Path:
@@ -672,5 +727,46 @@ def _plan_copies(plan: Plan, once, check: bool, env: Optional[dict]) -> Plan:
     return alt
 
 
+LAYER_MAJOR_VAR = "GGML_SCHED_PP_LAYER_MAJOR"
+
+
+def layer_major_group(plan: Plan, n_batch: Optional[int] = None) -> int:
+    """Ubatches per group as the patched build forms them for a plan at n_batch (default: the plan's): a group runs
+    through each layer together on one upload of the layer's host experts (LAYER_MAJOR, patch 0015).
+
+    K = min(LAYER_MAJOR, n_batch / n_ubatch), LAYER_MAJOR=1 meaning every ubatch of a batch, where host experts and
+    op offload are in the plan (llama_layer_major::group_size); 1 where no group forms (the switch off, the
+    baseline, one ubatch a batch, every weight on the devices).
+    """
+    v = int(plan.switches.get("LAYER_MAJOR", 0)) if plan.variant == "patched" else 0
+    ub = plan.ctx["n_ubatch"]
+    per_batch = -(-max(n_batch or plan.ctx["n_batch"], ub) // ub)
+    if v <= 0 or per_batch < 2 or not any(plan.host_expert_layers) or not plan.ctx.get("op_offload", True):
+        return 1
+    return per_batch if v == 1 else min(v, per_batch)
+
+
+def plan_layer_major(plan: Plan, env: Optional[dict], without=None) -> None:
+    """LAYER_MAJOR as the patched plan's dry runs had it (env, then this process's environment): they reserve a
+    group's worst case (its ubatches' activations, its whole expert copies) in the devices' compute buffers, so the
+    placement already leaves room for it. Records the switch in plan.switches (a run with the plan applies it) and
+    plan.layer_major: the switch, the group size and, with `without` (extra env -> the same context's Plan; it is
+    given LAYER_MAJOR=0 and the plan's OVERLAP), each device's compute bytes above that plan's: the group's
+    bytes. Nothing where the switch is off (the plan is then the one without it)."""
+    v = int(_switch_set(LAYER_MAJOR_VAR, env) or 0)
+    if v == 0:
+        return
+    plan.switches["LAYER_MAJOR"] = v
+    k = layer_major_group(plan)
+    plan.layer_major = {"switch": v, "group": k}
+    if k < 2 or without is None:
+        return
+    off = without({LAYER_MAJOR_VAR: "0", OVERLAP_VAR: str(plan.switches.get("OVERLAP", 2))})
+    plan.seconds += off.seconds
+    plan.layer_major["bytes"] = [max(0, a.compute_bytes - b.compute_bytes) for a, b in zip(plan.devices, off.devices)]
+    if off.host_expert_layers != plan.host_expert_layers or off.n_gpu_layers != plan.n_gpu_layers:
+        plan.layer_major["without"] = {"host_expert_layers": off.host_expert_layers, "n_gpu_layers": off.n_gpu_layers}
+
+
 __all__ = ["fit", "fit_ubatch", "spread_weights", "link_rates", "predict", "predicted_ts", "Prediction", "best_batch",
-           "batch_choices", "reserved_bytes"]
+           "batch_choices", "reserved_bytes", "layer_major_group", "plan_layer_major"]

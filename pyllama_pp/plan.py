@@ -130,6 +130,10 @@ class Plan:
             measured (GB/s; None: not measured): what an mmap-ed model's host experts go through first.
         expert_cache: the device expert cache asked for ("auto" or a size such as "512MiB"; "": none): its switch
             is in `switches`, each device's share in DevicePlan.cache_bytes / cache_slots (pyllama_pp.expert_cache_plan).
+        layer_major: with LAYER_MAJOR (patched; {} without it): "switch" (its value), "group" (ubatches per group at
+            the plan's n_batch and n_ubatch; 1: none form), "bytes" (each device's compute buffer bytes the group
+            keeps, in compute_bytes: its ubatches' activations and whole expert copies; where measured) and
+            "without" (the placement fit makes without the switch, where it differs).
     """
 
     variant: str
@@ -162,6 +166,7 @@ class Plan:
     ubatch_auto: list = field(default_factory=list)
     host_copy_gbps: Optional[float] = None
     expert_cache: str = ""             # the device expert cache asked for ("auto", "512MiB"; "": none)
+    layer_major: dict = field(default_factory=dict)
 
     # -- views -----------------------------------------------------------------------------------------------
     @property
@@ -218,6 +223,8 @@ class Plan:
                 del dev["cache_bytes"], dev["cache_slots"]
         if not self.expert_cache:
             del d["expert_cache"]
+        if not self.layer_major:   # (without LAYER_MAJOR a plan is the one made without the switch)
+            del d["layer_major"]
         return d
 
     @classmethod
@@ -269,6 +276,8 @@ class Plan:
                          f"{d.expected_bytes / MiB:9.1f} {d.target_bytes / MiB:9.1f}")
         if self.copies:
             lines.append(f"  copies: {self.copies}")
+        if self.layer_major:
+            lines.append(f"  layer major: {_layer_major_text(self)}")
         nets = {d.server: d.server_net for d in self.devices if d.server and d.server_net}
         if nets:
             lines.append("  network (measured): " + "; ".join(
@@ -387,11 +396,30 @@ class Plan:
         return ContextParams(**{**c, "n_ctx": self.n_ctx})
 
 
+def _layer_major_text(plan: Plan) -> str:
+    """Plan.layer_major in words: the group size and what it keeps on each device."""
+    lm, nb, ub = plan.layer_major, plan.ctx.get("n_batch"), plan.ctx.get("n_ubatch")
+    head = f"LAYER_MAJOR={lm['switch']}: "
+    if lm["group"] < 2:
+        return head + (f"no groups (n_batch {nb} holds one ubatch of {ub})" if any(plan.host_expert_layers)
+                       else "no groups (no host experts to upload)")
+    text = head + f"groups of {lm['group']} ubatches (n_batch {nb} / n_ubatch {ub}), one expert upload a group"
+    if lm.get("bytes") is not None:
+        text += (f"; {'/'.join(f'{b / MiB:.2f}' for b in lm['bytes'])} MiB a device of the compute buffers (the "
+                 "group's activations and whole expert copies)")
+    if lm.get("without"):
+        text += (f"; without the switch fit keeps host-expert layers {lm['without']['host_expert_layers']} "
+                 f"(here {plan.host_expert_layers})")
+    return text
+
+
 def _row_text(row: dict) -> str:
     """One fit_ubatch candidate's outcome in words: its prediction and what binds it, or why it is out."""
     if row.get("predicted_ts"):
         return (f"{row['predicted_ts']:.0f} t/s" + (f", {row['bound']}-bound" if row.get("bound") else "")
-                + (f" (compute {row['compute']})" if row.get("compute") else ""))
+                + (f", groups of {row['group']}" if row.get("group", 1) > 1 else "")
+                + (f" (compute {row['compute']})" if row.get("compute") else "")
+                + (f"; {row['larger_batch']}" if row.get("larger_batch") else ""))
     return row.get("why") or "-"
 
 

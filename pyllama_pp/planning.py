@@ -27,6 +27,7 @@ from .fit import fit, fit_ubatch
 from .model_file import block_count, check_model_path
 from .params import INT32_MAX, ContextParams, Placement
 from .plan import CACHE_SWITCH, MiB, Plan
+from .worker.client import switch_env
 
 CPU_ONLY_NOTE = ("--devices cpu (the default with a model): no accelerator, so no mechanism of the series acts and "
                  "both variants run the same CPU path. Name devices to measure it: --devices cuda (or cuda:0,1), or "
@@ -418,7 +419,8 @@ def _ubatch_auto(c: Choices, model: str, progress: bool) -> tuple[Choices, Optio
     n_ctx = c.n_ctx or max(c.pp) + max(c.depth, default=0) + AUTO_CTX_SPARE
     plan = fit_ubatch(model, devices=c.devices[0], margin=c.margin, expert_cache=c.expert_cache, n_tokens=max(c.pp),
                       n_batch=max(c.n_batch) if c.n_batch else None, load_mode=c.load_mode, progress=progress,
-                      ctx=ContextParams(n_ctx=n_ctx, n_batch=CONTEXT.n_batch, n_ubatch=CONTEXT.n_ubatch))
+                      ctx=ContextParams(n_ctx=n_ctx, n_batch=CONTEXT.n_batch, n_ubatch=CONTEXT.n_ubatch),
+                      env=switch_env(c.switches) or None)   # (the switches' memory and groups, planned)
     return dataclasses.replace(c, n_ubatch=(plan.ctx["n_ubatch"],), n_batch=(plan.ctx["n_batch"],)), plan
 
 
@@ -456,7 +458,8 @@ def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, m
     ctx = ContextParams(n_ctx=cfg.context().n_ctx, n_batch=cfg.n_batch, n_ubatch=min(cfg.n_ubatch, cfg.n_batch))
     plans, switches = {}, dict(cfg.switches)
     for v in (["patched"] if c.fit == "same" else variants):
-        p = fit(model, devices=cfg.devices_for(v), ctx=ctx, variant=v, margin=c.margin, env=cfg.env or None,
+        env = {**cfg.env, **(switch_env(cfg.switches) if v == "patched" else {})}
+        p = fit(model, devices=cfg.devices_for(v), ctx=ctx, variant=v, margin=c.margin, env=env or None,
                 expert_cache=c.expert_cache if v == "patched" else 0)
         made.append(p)
         plans[v] = p.placement(c.load_mode, source="fit")

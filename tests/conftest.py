@@ -194,3 +194,38 @@ def progress_bars(monkeypatch) -> list:
     made: list = []
     monkeypatch.setattr(runner, "tqdm", lambda *a, **k: _ProgressBar(made, *a, **k))
     return made
+
+
+class _FakeProbe:
+    """compute.Probe's surface without running anything: a layer's seconds per prompt token at each n_ubatch are
+    `per_token(n_ubatch)`; no bound before measuring (nothing is skipped)."""
+
+    per_token = staticmethod(lambda u: 1e-6)
+
+    def __init__(self, model, devices, n_tokens, ubatches, **kw):
+        self.n_tokens = n_tokens
+
+    def compute(self, u):
+        from pyllama_pp.compute import LayerCompute
+        return {-1: LayerCompute("vdev", self.n_tokens, {u: self.n_tokens * self.per_token(u)}, {u: 0.0})}
+
+    def optimistic(self, u, slack):
+        return None
+
+    def skip(self, u):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def fake_compute(monkeypatch):
+    """fit_ubatch's compute probe replaced: fake_compute(per_token) makes a layer take per_token(n_ubatch) seconds a
+    prompt token (the choice's logic, not timing, is under test)."""
+    import sys
+
+    def use(per_token):
+        probe = type("FakeProbe", (_FakeProbe,), {"per_token": staticmethod(per_token)})
+        monkeypatch.setattr(sys.modules["pyllama_pp.fit"], "Probe", probe)
+    return use

@@ -5,6 +5,7 @@ in a worker process (both variants share library names).
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import json
@@ -680,3 +681,109 @@ def test_an_mmap_ed_models_copies_wait_for_the_staging_copy():
     slow_copy = predict(plan, 1e6, [1.0, 1.0], n_tokens=4000, staging_gbps=0.5)   # each copy at 0.5 GB/s: 2 ms
     assert slow_copy.stage_s == pytest.approx([6e-3, 6e-3])
     assert slow_copy.ts == pytest.approx(4000 / (3 * 12e-3 + 12e-3))              # all six copies through one copier
+
+
+# -- LAYER_MAJOR (patch 0015): a batch's ubatches in groups, one expert upload a group ------------------------------
+LM_CTX = ContextParams(n_ctx=512, n_batch=128, n_ubatch=32)
+LM_SLOW = f"vdev:2x{MEM}MiB@0.2GBps"
+
+
+def _layer_major(v) -> dict:
+    return {"GGML_SCHED_PP_LAYER_MAJOR": str(v)}
+
+
+def test_layer_major_group_size():
+    """K = min(LAYER_MAJOR, n_batch / n_ubatch), 1 meaning every ubatch of a batch, as llama forms the groups; none
+    (1) without the switch, for the baseline, with one ubatch a batch or no host experts."""
+    from pyllama_pp.fit import layer_major_group
+    plan = _all_host_plan(n_batch=4000)
+    assert layer_major_group(plan) == 1
+    for v, nb, k in ((1, 4000, 4), (1, 3500, 4), (2, 4000, 2), (8, 4000, 4), (1, 1000, 1), (3, 2000, 2)):
+        plan.switches["LAYER_MAJOR"] = v
+        assert layer_major_group(plan, nb) == k, (v, nb)
+    assert layer_major_group(dataclasses.replace(plan, variant="baseline")) == 1
+    for d in plan.devices:
+        d.host_expert_layers = 0
+    assert layer_major_group(plan) == 1
+
+
+def test_prediction_with_groups_moves_a_layers_experts_once_a_group():
+    """With LAYER_MAJOR a group moves each expert tensor once for its K ubatches: bytes per token fall by K. A
+    batch that is one group (LAYER_MAJOR=1) runs its stages in turn (groups, not ubatches, pipeline); two groups a
+    batch pipeline; with compute, a group computes K ubatches beside its copies (OVERLAP=2)."""
+    from pyllama_pp.compute import LayerCompute
+    from pyllama_pp.fit import predict
+    plan = _all_host_plan(n_batch=4000)   # six host-expert layers, 3 a device, n_ubatch 1000, OVERLAP=0
+    x = 1e6 / 1e9
+    off = predict(plan, 1e6, [1.0, 1.0], n_tokens=8000)
+    plan.switches["LAYER_MAJOR"] = 1
+    on = predict(plan, 1e6, [1.0, 1.0], n_tokens=8000)
+    per_token = lambda p: sum(p.transfer_s) / (p.group * 1000)
+    assert off.group == 1 and on.group == 4 and per_token(on) == pytest.approx(per_token(off) / 4)
+    assert off.ts == pytest.approx(8000 / (2 * (3 * 3 * x + 6 * x)))   # four ubatches a batch, pipelined
+    assert on.ts == pytest.approx(8000 / (2 * 6 * x))                  # one group a batch: the two stages in turn
+    plan.switches["LAYER_MAJOR"] = 2
+    two = predict(plan, 1e6, [1.0, 1.0], n_tokens=8000)
+    assert two.group == 2 and two.ts == pytest.approx(8000 / (2 * (3 * x + 6 * x)))
+    lc = LayerCompute("vdev", n_tokens=8000, layer_s={1000: 0.016}, outside_s={1000: 0.0})   # 2 ms a layer a ubatch
+    plan.switches = {"OVERLAP": 2, "LAYER_MAJOR": 1}
+    p = predict(plan, 3e6, [1.0, 1.0], n_tokens=8000, compute={-1: lc})   # 3 ms a copy, 8 ms a layer's group
+    assert p.bound == "compute" and p.stage_s == pytest.approx([0.003 + 3 * 0.008] * 2)
+    assert p.ts == pytest.approx(8000 / (2 * 2 * 0.027))
+    plan.variant = "baseline"
+    assert predict(plan, 1e6, [1.0, 1.0], n_tokens=8000).group == 1
+
+
+def test_fit_plans_a_groups_memory(model, capsys):
+    """The patched fit's dry runs reserve a group's worst case (its ubatches' activations, its whole expert copies)
+    with the switch in their environment: each device's compute buffer grows with K, the placement makes room for
+    it, and the plan says the group and its bytes a device (a dry run without the switch). LAYER_MAJOR=0 plans
+    exactly what no switch plans; the CLI's --switch is the API's env."""
+    plain = fit(model, devices=TWO_EQUAL, ctx=LM_CTX, timeout=120)
+    off = fit(model, devices=TWO_EQUAL, ctx=LM_CTX, env=_layer_major(0), timeout=120)
+    same = lambda p: json.dumps({**p.to_dict(), "seconds": 0}, sort_keys=True)
+    assert same(off) == same(plain) and "layer_major" not in off.to_dict() and "layer major" not in str(off)
+    two = fit(model, devices=TWO_EQUAL, ctx=LM_CTX, env=_layer_major(2), timeout=120)
+    four = fit(model, devices=TWO_EQUAL, ctx=LM_CTX, env=_layer_major(1), timeout=120)
+    assert (two.layer_major["group"], four.layer_major["group"]) == (2, 4)
+    assert two.switches == {"OVERLAP": 2, "LAYER_MAJOR": 2} and four.switches == {"OVERLAP": 2, "LAYER_MAJOR": 1}
+    for p0, p2, p4 in zip(plain.devices, two.devices, four.devices):
+        assert p0.compute_bytes < p2.compute_bytes < p4.compute_bytes, (p0, p2, p4)
+    assert all(0 < a < b for a, b in zip(two.layer_major["bytes"], four.layer_major["bytes"])), (two.layer_major,
+                                                                                                four.layer_major)
+    _within_targets(four)
+    # (room for the group's buffers: more of the experts stay in host RAM than without the switch)
+    assert sum(four.host_expert_layers) > sum(plain.host_expert_layers)
+    assert four.layer_major["without"]["host_expert_layers"] == plain.host_expert_layers
+    assert "groups of 4 ubatches (n_batch 128 / n_ubatch 32)" in str(four) and "MiB a device" in str(four)
+    assert Plan.from_dict(four.to_dict()).layer_major == four.layer_major
+    assert cli_main(["fit", model, "--devices", TWO_EQUAL, "-c", "512", "-b", "128", "-ub", "32",
+                     "--switch", "LAYER_MAJOR=1", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["switches"] == four.switches and d["layer_major"] == four.layer_major
+    assert d["tensor_overrides"] == four.tensor_overrides
+
+
+def test_ubatch_auto_with_groups_takes_a_smaller_ubatch(model, fake_compute):
+    """On slow links without the switch every ubatch moves the experts again, so the largest placed n_ubatch wins;
+    with LAYER_MAJOR=1 a group moves them once, the copies no longer bind, and the smaller ubatch's cheaper compute
+    wins. Where the prompt's n_batch leaves no room for a group, the candidate takes the largest n_batch that has
+    (named with the larger one's reason); the winner's plan is made at its own pair and carries the switch."""
+    from pyllama_pp.fit import fit_ubatch, layer_major_group
+    fake_compute(lambda u: 1e-6 + 1e-8 * u)   # (seconds a layer a token rise with n_ubatch, as a GPU's past its best)
+    kw = dict(devices=LM_SLOW, ctx=ContextParams(n_ctx=1280), n_tokens=1024, candidates=(32, 128), timeout=120)
+    without = fit_ubatch(model, **kw)
+    assert without.ctx["n_ubatch"] == 128 and "LAYER_MAJOR" not in without.switches and not without.layer_major
+    p = fit_ubatch(model, env=_layer_major(1), **kw)
+    rows = {r["n_ubatch"]: r for r in p.ubatch_auto}
+    assert p.ctx["n_ubatch"] == 32 and p.predicted_ts == max(r["predicted_ts"] for r in rows.values())
+    assert p.switches["LAYER_MAJOR"] == 1 and p.layer_major["group"] == rows[32]["group"] == layer_major_group(p) > 1
+    assert p.ctx["n_batch"] == rows[32]["n_batch"] and all(r["n_ubatch"] <= r["n_batch"] <= 1024 for r in rows.values())
+    _within_targets(p)
+    capped = [r for r in rows.values() if r.get("larger_batch")]
+    assert capped and all(r["n_batch"] < 1024 and r["larger_batch"].startswith("n_batch 1024: ") for r in capped)
+    r = capped[0]   # (its larger n_batch has no placement indeed)
+    with pytest.raises(OutOfMemoryError):
+        fit(model, devices=LM_SLOW, ctx=ContextParams(n_ctx=1280, n_batch=1024, n_ubatch=r["n_ubatch"]),
+            env=_layer_major(1), timeout=120)
+    assert f"groups of {p.layer_major['group']}" in str(p) and "n_batch 1024: " in str(p)

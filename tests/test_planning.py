@@ -10,6 +10,7 @@ import pytest
 from pyllama_pp import ConfigError, cli, defaults
 from pyllama_pp.params import ContextParams
 from pyllama_pp.planning import Choices, parse_switches, plan_runs
+from pyllama_pp.worker.client import switch_env
 
 
 def from_cli(argv: list[str]):
@@ -111,3 +112,43 @@ def test_ub_auto_takes_a_pair_within_the_prompt_and_n_batch(tiny_model):
     unbounded = plan_runs(Choices(model=tiny_model, devices=("vdev:2x64MiB@1GBps,speed=3:3",), n_ubatch="auto",
                                   pp=(600,), tg=()))
     assert all(r["n_ubatch"] <= r["n_batch"] <= 600 for r in unbounded.plans[0].ubatch_auto)
+
+
+def test_a_run_with_its_fit_plan_has_room_for_its_groups(tiny_model, tmp_path):
+    """run --fit --switch LAYER_MAJOR=1 on devices with little room: fit plans with the run's switches, so the
+    group's buffers are in the plan and the run computes its batches as groups. The plan made without them (before
+    fit got the run's switches) leaves no room: that run cannot create its context."""
+    from pyllama_pp import fit
+    from pyllama_pp.errors import OutOfMemoryError
+    from pyllama_pp.worker import run_job
+    devices = "vdev:2x6MiB@0"
+    planned = plan_runs(Choices(command="run", model=tiny_model, variant="patched", devices=(devices,), fit="each",
+                                switches={"LAYER_MAJOR": 1}, n_batch=(128,), n_ubatch=(32,), pp=(512,), tg=()))
+    (cfg,), (plan,) = planned.configs, planned.plans
+    assert plan.switches["LAYER_MAJOR"] == 1 and plan.layer_major["group"] == 4, plan.layer_major
+    assert cfg.switches["LAYER_MAJOR"] == 1
+
+    def run(placement):
+        return run_job({"kind": "logits", "model": tiny_model, "devices": devices, "placement": placement.to_dict(),
+                        "ctx": cfg.context().to_dict(), "n_tokens": 512, "logits": "last",
+                        "out": str(tmp_path / "l.npy")}, "patched", timeout=120, env=switch_env(cfg.switches))
+
+    ext = run(cfg.plans["patched"])["ext"]
+    assert ext["layer_major_graphs"] == 4 and ext["layer_major_ubatches"] == 16, ext
+    unplanned = fit(tiny_model, devices=devices, ctx=cfg.context(), timeout=120)
+    assert sum(unplanned.host_expert_layers) < sum(plan.host_expert_layers)
+    with pytest.raises(OutOfMemoryError, match="could not create the context"):
+        run(unplanned.placement())
+
+
+def test_ub_auto_plans_the_switches_it_runs_with(tiny_model, fake_compute):
+    """ab -ub auto --switch LAYER_MAJOR=1: the planner's candidates are planned with the switch (their groups'
+    memory, their predictions), and the configs run the winner's pair with it."""
+    fake_compute(lambda u: 1e-6)
+    planned = from_cli(["ab", tiny_model, "--devices", "vdev:2x6MiB@0.2GBps", "-ub", "auto", "-p", "512", "-n", "0",
+                        "--switch", "LAYER_MAJOR=1"])
+    (plan,) = planned.plans
+    assert plan.switches["LAYER_MAJOR"] == 1 and plan.layer_major["group"] == plan.ctx["n_batch"] // plan.ctx["n_ubatch"]
+    assert plan.layer_major["group"] > 1 and any(r.get("group", 1) > 1 for r in plan.ubatch_auto)
+    assert all(c.switches["LAYER_MAJOR"] == 1 and (c.n_batch, c.n_ubatch) == (plan.ctx["n_batch"], plan.ctx["n_ubatch"])
+               for c in planned.configs)

@@ -367,6 +367,11 @@ class ServingWorker:
 SWITCH_ENV_PREFIX = "GGML_SCHED_PP_"
 
 
+def switch_env(switches: Optional[dict]) -> dict:
+    """The patched build's switches, NAME -> value, as the environment a worker reads them from (fit's dry runs)."""
+    return {SWITCH_ENV_PREFIX + k: str(v) for k, v in (switches or {}).items()}
+
+
 def check_switch_env(variants, env: Optional[dict] = None) -> None:
     """Refuse GGML_SCHED_PP_* variables (of this process's environment, or `env`) that the patched build's switch
     table does not accept, before any measuring worker starts: a misspelled name would otherwise be found by every
