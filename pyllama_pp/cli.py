@@ -256,7 +256,8 @@ def cmd_measure(args) -> int:
     if not ab:
         _emit(args, {"rows": rows, "notes": notes, "warnings": warnings},
               text_table(df, ["variant", "devices", "n_batch", "n_ubatch", "test", "avg_ts", "stddev_ts",
-                              "expert_cache_hit_rate", "pipeline_parallel", "coverage", "h2d_bytes"]
+                              "expert_cache_hit_rate", "layer_major_groups", "pipeline_parallel", "coverage",
+                              "h2d_bytes"]
                          + (["re_reservations", "plan_switches", "host_syncs"] if workload else [])))
         _warnings(args, warnings)
         return 1 if any_failed(df) else 0

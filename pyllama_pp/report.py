@@ -123,8 +123,9 @@ def noise_warnings(df) -> list[str]:
     return out
 
 
-# columns a table shows only where some row has a value: the device expert cache's hit rate (EXPERT_CACHE)
-OPTIONAL_COLUMNS = ("expert_cache_hit_rate",)
+# columns a table shows only where some row has a value: the device expert cache's hit rate (EXPERT_CACHE), the
+# groups of ubatches per run (LAYER_MAJOR)
+OPTIONAL_COLUMNS = ("expert_cache_hit_rate", "layer_major_groups")
 
 
 def text_table(df, cols: list[str]) -> str:
@@ -262,12 +263,18 @@ def markdown(df) -> str:
             f"| {ref['n_ubatch']} | {test} | {cov_s} | {ts(b)} | {ts(p)} "
             + (f"| {num(p.get('expert_cache_hit_rate') if p is not None else None, '{:.0%}')} " if with_cache else "")
             + f"| {sp_s} | {pp(b)}/{pp(p)} | {per_dev(b)} | {per_dev(p)} "
-            f"| {bound} | {blocked(p)} |" + (f" {switches_text(p)} |" if with_switches else ""))
+            f"| {bound} | {blocked(p)} |" + (f" {switches_text(p)}{groups_text(p)} |" if with_switches else ""))
     unpaired_tg = "test" in df and df["test"].astype(str).str.startswith("tg").any() and (
         "speedup_ci_lo" not in df or df["speedup_ci_lo"].isna().all())
     return ("\n".join(lines) + "\n\n" + LEGEND + ("\n" + SWITCHES_NOTE if with_switches else "")
             + ("\n" + CACHE_NOTE if with_cache else "")
             + ("\n" + DECODE_NOTE if unpaired_tg else "") + "\n")
+
+
+def groups_text(r) -> str:
+    """LAYER_MAJOR's groups per run beside the switches of a patched row that asked for it ("" otherwise)."""
+    g = None if r is None else r.get("layer_major_groups")
+    return f" ({g:.0f} layer-major groups a run)" if _real(g) else ""
 
 
 def _on_host(r) -> bool:

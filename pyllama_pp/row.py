@@ -46,6 +46,8 @@ class Row:
         expert_cache_hits, expert_cache_misses, expert_cache_evictions: the expert cache's lookups per run (EXPERT_CACHE;
             all devices; its uploads are in h2d_bytes).
         expert_cache_hit_rate: its hits over its lookups (None: it looked nothing up).
+        layer_major_groups: groups of ubatches that ran through each layer together per run (LAYER_MAJOR; None where
+            the switch was off and none formed).
         expert_cache_ops, expert_cache_cpu_ops, expert_cache_switches, expert_cache_shadow_hits,
             expert_cache_shadow_misses: its expert ops per run that read the slots and that its guard ran on the CPU
             (EXPERT_CACHE_MIN_HIT), the guard's decisions (a layer to the CPU or back), and its shadow's lookups.
@@ -124,6 +126,7 @@ class Row:
     expert_cache_misses: Optional[int] = None
     expert_cache_evictions: Optional[int] = None
     expert_cache_hit_rate: Optional[float] = None
+    layer_major_groups: Optional[int] = None
     expert_cache_ops: Optional[int] = None
     expert_cache_cpu_ops: Optional[int] = None
     expert_cache_switches: Optional[int] = None

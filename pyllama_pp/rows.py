@@ -162,12 +162,22 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
                                                                 "cache_ops", "cache_cpu_ops", "cache_shadow_hits",
                                                                 "cache_shadow_misses")},
             "expert_cache_hit_rate": cache_hit_rate(ext),
+            # LAYER_MAJOR's groups (a switch asked for but no group formed shows as 0)
+            "layer_major_groups": layer_major_groups(ext, reps, cfg.switches if variant == "patched" else {}),
             # ... and its guard's decisions (EXPERT_CACHE_MIN_HIT: a layer to the CPU, or back to its slots)
             "expert_cache_switches": (None if all_gpus(ext, "cache_leaves", reps) is None else
                                       all_gpus(ext, "cache_leaves", reps) + all_gpus(ext, "cache_returns", reps)),
             "label": cfg.label, "config_key": config_key(cfg),
             "switches": cfg.switches if variant == "patched" else {}, **meta}))
     return rows
+
+
+def layer_major_groups(ext: dict, reps: int, switches: dict) -> Optional[int]:
+    """Groups of ubatches that ran through each layer together, per run (LAYER_MAJOR); None where the run did not
+    ask for the switch and none formed."""
+    groups = int(ext["layer_major_graphs"] / reps) if "layer_major_graphs" in ext else 0
+    asked = str(switches.get("LAYER_MAJOR", "0")) != "0"
+    return groups if groups or asked else None
 
 
 def error_text(e: BaseException) -> str:

@@ -4,6 +4,7 @@ sizes, --fit and --plan placements), and switches are parsed once, into ConfigEr
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -152,3 +153,25 @@ def test_ub_auto_plans_the_switches_it_runs_with(tiny_model, fake_compute):
     assert plan.layer_major["group"] > 1 and any(r.get("group", 1) > 1 for r in plan.ubatch_auto)
     assert all(c.switches["LAYER_MAJOR"] == 1 and (c.n_batch, c.n_ubatch) == (plan.ctx["n_batch"], plan.ctx["n_ubatch"])
                for c in planned.configs)
+
+
+def test_rows_show_the_layer_major_groups_a_run_formed(tiny_model, capsys, tmp_path):
+    """run with LAYER_MAJOR=1: each row counts the groups a run formed (pp512 in batches of 128: four groups of four
+    ubatches) and the table shows the column; without the switch the rows hold None and the column is left out;
+    ab's markdown names the groups beside the switch."""
+    argv = ["run", tiny_model, "--devices", "vdev:2x0@0", "-b", "128", "-ub", "32", "-p", "512", "-n", "0", "-r", "1"]
+    assert cli.main(argv + ["--switch", "LAYER_MAJOR=1", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["layer_major_groups"] == 4, row
+    assert cli.main(argv + ["--switch", "LAYER_MAJOR=1"]) == 0
+    assert "layer_major_groups" in capsys.readouterr().out.splitlines()[0]
+    assert cli.main(argv + ["--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["layer_major_groups"] is None, row
+    assert cli.main(argv) == 0
+    assert "layer_major_groups" not in capsys.readouterr().out
+    out = tmp_path / "ab"
+    assert cli.main(["ab"] + argv[1:] + ["--switch", "LAYER_MAJOR=1", "-o", str(out)]) == 0
+    capsys.readouterr()
+    line = next(x for x in (out / "results.md").read_text().splitlines() if "pp512" in x)
+    assert "LAYER_MAJOR=1 (4 layer-major groups a run)" in line, line
