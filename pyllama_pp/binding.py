@@ -15,7 +15,7 @@ from typing import Any
 
 from .defaults import CONTEXT
 from .errors import (BuildError, DecodeError, DeviceError, DeviceSpecError, ModelError, OutOfMemoryError, PyllamaError,
-                     UnsupportedError, VariantError, is_device_fault, one_statement)
+                     UnsupportedError, VariantError, RPC_LOST, is_device_fault, one_statement)
 
 VARIANTS = ("baseline", "patched")
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -67,7 +67,9 @@ class Native:
 
 def error_for(lib, rc: int, msg: str) -> PyllamaError:
     if is_device_fault(msg):
-        return DeviceError(one_statement(msg))
+        fix = (". Fix: restart `pyllama-pp rpc-server` there, then make a new Session (this one's calls on it fail)"
+               if RPC_LOST in msg else "")
+        return DeviceError(one_statement(msg) + fix)
     return {
         lib.PP_ERR_ARG: DeviceSpecError if "device" in msg else DecodeError if "token" in msg else PyllamaError,
         lib.PP_ERR_MODEL: ModelError,

@@ -80,10 +80,14 @@ def worker_error(type_name: str, message: str, exit_code: "int | None" = None, d
 _ABORT_PREFIX = re.compile(r"ggml abort: \S+?:\d+: ")
 
 
+# what the patched ggml-rpc client says in the caller's thread once a server's connection broke (patch 0013)
+RPC_LOST = "lost the connection to"
+
+
 def is_device_fault(msg: str) -> bool:
-    """A message of a device that failed in use (a failed VDEV stream job, an injected copy fault), not of the model
-    (an allocation that fails is an OutOfMemoryError, injected or not)."""
-    return "VDEV stream job failed" in msg or ("injected fault" in msg and " copy #" in msg)
+    """A message of a device that failed in use (a failed VDEV stream job, an injected copy fault, a lost RPC
+    server), not of the model (an allocation that fails is an OutOfMemoryError, injected or not)."""
+    return "VDEV stream job failed" in msg or ("injected fault" in msg and " copy #" in msg) or RPC_LOST in msg
 
 
 def one_statement(msg: str) -> str:

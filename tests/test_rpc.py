@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from pyllama_pp import devices as devspec
+from pyllama_pp import Placement, Session
 from pyllama_pp.fit import fit
 from pyllama_pp.params import ContextParams
-from pyllama_pp.errors import DeviceSpecError, OutOfMemoryError, PyllamaError, WorkerError
+from pyllama_pp.errors import DeviceError, DeviceSpecError, OutOfMemoryError, PyllamaError, WorkerError
 from pyllama_pp.rpc.relay import Link
 from pyllama_pp.rpc.server import free_port, spawn_server, wait_listening
 from pyllama_pp.worker.client import run_job
@@ -424,6 +425,34 @@ def test_a_server_that_goes_away_mid_sweep_keeps_the_finished_rows_and_is_named(
         err = error[ub]
         assert f"127.0.0.1:{victim_port}" in err and "rpc-server" in err and "ggml-rpc.cpp" not in err, (ub, err)
         assert f"127.0.0.1:{started[0][0]}" not in err, err
+
+
+def test_a_session_in_this_process_outlives_its_server(tiny_model):
+    """A Session in the caller's own process whose patched server is killed between two decodes of a generation:
+    the next call raises a DeviceError naming the server (ggml-rpc's dispatcher thread keeps the failed send for
+    the waiting caller instead of aborting the process), so does every later call, and closing the session does
+    not abort; this test finishing is the process living on."""
+    port, proc = start_server("patched")
+    try:
+        wait_listening(port, proc, HOST)
+        s = Session(tiny_model, devices=spec_of([port]), variant="patched", placement=Placement(host_experts="all"),
+                    ctx=ContextParams(n_ctx=256, n_batch=64, n_ubatch=32))
+        try:
+            prompt = list(range(1, 33))
+            first = s.eval(prompt, stats=False)
+            assert first.logits.shape[0] == 1
+            proc.kill()
+            proc.wait(timeout=10)
+            for call in (lambda: s.eval([int(first.logits[0].argmax())], pos0=32, clear=False, stats=False),
+                         lambda: s.eval(prompt, stats=False)):   # the next token, then the prompt again
+                with pytest.raises(DeviceError, match=f"lost the connection to {HOST}:{port}") as ei:
+                    call()
+                err = str(ei.value)
+                assert "rpc-server" in err and "ggml-rpc.cpp" not in err and "\n" not in err, err
+        finally:
+            s.close()
+    finally:
+        stop(proc)
 
 
 def test_local_and_remote_devices_in_one_spec(runner, two_patched_servers, assert_logits_match):

@@ -106,8 +106,8 @@ NET_PROBE_BYTES = (1 << 20, 16 << 20)   # a first measure, and a longer one wher
 def net_rate(native, name: str, free_bytes: int):
     """The network to the server of RPC device `name`, measured with NET_PROBE_BYTES written there and read back (no
     more than an eighth of the device's free memory, at least 64 KiB), and a message's round trip: {"up_gbps",
-    "down_gbps", "rtt_s"}, or None where it cannot be measured (a server that drops the connection ends the worker:
-    ggml RPC aborts on a lost server)."""
+    "down_gbps", "rtt_s"}, or None where it cannot be measured (a server that drops the connection ends a baseline
+    worker: upstream's ggml RPC aborts on a lost server)."""
     up, down, rtt = (native.ffi.new("double *") for _ in range(3))
     got, last = None, 0
     for size in NET_PROBE_BYTES:

@@ -61,8 +61,9 @@ def _worker_env(env: Optional[dict]) -> dict:
     return full_env
 
 
-# what ggml-rpc's client says when a server's connection breaks mid-run; it then aborts the process (from its
-# dispatcher thread, where no abort callback can turn it into an error)
+# what ggml-rpc's client says when a server's connection breaks mid-run; upstream's (the baseline's) then aborts the
+# process from its dispatcher thread, where no abort callback can turn it into an error; the patched one (patch 0013)
+# fails the caller's call, which the worker answers as a DeviceError
 RPC_LOST = ("Remote RPC server crashed", "RPC handshake failed")
 
 
@@ -79,7 +80,7 @@ def _lost_server(variant: str, devices, said: str, how: str = "") -> Optional[st
     gone = [ep for ep in servers if tcp_probe(ep)]
     which = (f"lost the RPC server at {', '.join(gone)}: it went away" if gone else
              f"lost an RPC server of {', '.join(servers)}: one closed its connection (each answers again now)")
-    return (f"{variant} worker {which} during the run (ggml RPC then ends the worker{': ' + how if how else ''}). "
+    return (f"{variant} worker {which} during the run{f' (ggml RPC then ends the worker: {how})' if how else ''}. "
             "Fix: restart `pyllama-pp rpc-server` there, then measure the rest again (`--resume DIR` keeps the "
             "finished rows)")
 
