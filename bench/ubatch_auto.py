@@ -25,8 +25,8 @@ from pyllama_pp import devices as devspec
 from pyllama_pp import runner, synth
 from pyllama_pp.compute import probe
 from pyllama_pp.config import RunConfig
-from pyllama_pp.fit import fit, fit_ubatch, link_rates, predict
-from pyllama_pp.model_file import block_count, embedding_length, expert_bytes_per_layer
+from pyllama_pp.fit import fit, fit_ubatch, link_rates, predict, switches_in_force
+from pyllama_pp.model_file import block_count, embedding_length, expert_bytes_per_layer, expert_layout
 from pyllama_pp.params import ContextParams, Placement
 from pyllama_pp.planning import models_dir, parse_switches
 from pyllama_pp.worker.client import switch_env
@@ -129,7 +129,8 @@ def main() -> int:
                 d.host_expert_layers, d.full_layers = d.n_layers, 0
             pred = predict(p, expert_bytes_per_layer(model), rates, args.shared_link, probed, n,
                            embedding_length(model) if spec.remote else 0,
-                           staging_gbps=plan.host_copy_gbps if args.load_mode == "mmap" else None)
+                           staging_gbps=plan.host_copy_gbps if args.load_mode == "mmap" else None,
+                           n_used=expert_layout(model)[0], switches=switches_in_force("patched", env))
             cand.update(predicted_ts=pred.ts, bound=pred.bound, host_expert_layers=[d.n_layers for d in p.devices])
     rows, t_start = [], time.time()
     for cand in sorted(plan.ubatch_auto, key=lambda c: -c["n_ubatch"]):

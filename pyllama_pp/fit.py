@@ -25,7 +25,7 @@ from tqdm import tqdm
 from . import devices as devspec
 from . import expert_cache_plan
 from .compute import Probe, compute_for
-from .defaults import CONTEXT, FIT, PROBE, UBATCH_CANDIDATES, cache_dir, usable_cores
+from .defaults import CONTEXT, FIT, PROBE, TIMEOUTS, UBATCH_CANDIDATES, cache_dir, usable_cores
 from .errors import ConfigError, DeviceSpecError, OutOfMemoryError
 from .model_file import check_model_path, embedding_length, expert_bytes_per_layer, expert_layout
 from .params import SPLIT_MODES, ContextParams, as_context
@@ -303,13 +303,71 @@ def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int, measured: Op
     return _checked_rates(own, spec, "--ubatch auto", False, n_devices)
 
 
+def switches_in_force(variant: str, env: Optional[dict] = None) -> dict:
+    """The patched build's switches as a worker with `env` runs with them (its switch table, as `pyllama-pp info`
+    lists it: each default, or the value the environment sets), NAME -> value; {} for the baseline (no switches).
+
+    Args:
+        variant: "patched" or "baseline".
+        env: extra environment for the worker, NAME -> value.
+    Raises:
+        WorkerError: when the info worker dies or times out.
+    """
+    if variant != "patched":
+        return {}
+    table = run_job({"kind": "info"}, "patched", timeout=TIMEOUTS.info, env=env).get("switches", [])
+    return {sw["name"]: sw["value"] for sw in table}
+
+
+def expected_coverage(n_tokens: int, n_used: int, n_expert: int) -> float:
+    """The expected share of a layer's experts that n_tokens tokens use, each picking n_used of n_expert at random
+    (near-uniform routing): 1 - (1 - n_used / n_expert) ** n_tokens. Real routing favours some experts and covers
+    less."""
+    return 1.0 - (1.0 - n_used / n_expert) ** n_tokens
+
+
+def upload_share(n_tokens: int, n_used: int, n_expert: int, variant: str, switches: dict, n_links: int,
+                 in_flight: bool) -> float:
+    """The share of a layer's expert bytes one upload moves for an expert op over n_tokens tokens: 1.0 where the
+    patched build uploads whole tensors (UPLOAD_ALL: its selections, tokens x n_used, at or above UPLOAD_ALL_MIN
+    and the coverage at or above UPLOAD_ALL_MIN_COV percent), else the used experts' share (the selective copy,
+    GATHER: expected_coverage); the baseline always copies the used experts alone.
+
+    Args:
+        n_tokens: the tokens the upload serves (n_ubatch, or a LAYER_MAJOR group's K x n_ubatch).
+        n_used: experts a token uses (0: not known: whole tensors).
+        n_expert: experts a layer has.
+        variant: "patched" or "baseline".
+        switches: the patched switches in force, NAME -> value (switches_in_force, the plan's over them); one
+            missing takes its table default: UPLOAD_ALL 1, UPLOAD_ALL_MIN and UPLOAD_ALL_MIN_COV -1 (auto), LINKS 0.
+        n_links: the host links the devices upload over (LINKS 0, auto, counts them so).
+        in_flight: another graph is in flight (pipelined ubatches): the lower auto UPLOAD_ALL_MIN.
+    Returns:
+        A share in (0, 1].
+    """
+    if n_used <= 0 or n_expert <= 0:
+        return 1.0
+    cov = expected_coverage(n_tokens, n_used, n_expert)
+    if variant != "patched" or not int(switches.get("UPLOAD_ALL", 1)):
+        return cov
+    min_sel = int(switches.get("UPLOAD_ALL_MIN", -1))
+    min_sel = (2 if in_flight else 4) * n_expert if min_sel < 0 else min_sel
+    links = int(switches.get("LINKS", 0)) or n_links
+    min_cov = int(switches.get("UPLOAD_ALL_MIN_COV", -1))
+    min_cov = min(85, max(30, 110 // max(1, links))) if min_cov < 0 else min_cov   # (the native auto bar)
+    return 1.0 if n_tokens * n_used >= min_sel and cov * 100 >= min_cov else cov
+
+
 def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool = False,
             compute: Optional[dict] = None, n_tokens: Optional[int] = None, hidden: int = 0,
-            n_batch: Optional[int] = None, staging_gbps: Optional[float] = None) -> Optional[Prediction]:
+            n_batch: Optional[int] = None, staging_gbps: Optional[float] = None, n_used: int = 0,
+            switches: Optional[dict] = None) -> Optional[Prediction]:
     """A plan's prompt throughput from the bytes each link moves and, with `compute`, each device's compute.
 
-    Per ubatch a device moves its host-expert layers' experts (near-full coverage: whole tensors) over its link, x
-    seconds a layer, and computes its layers, c seconds a layer (the probe's). Devices that are parts of one
+    Per ubatch a device moves its host-expert layers' experts over its link, x seconds a layer: the share of a
+    layer's expert bytes upload_share gives for the tokens one upload serves (n_ubatch; with LAYER_MAJOR K x
+    n_ubatch): whole tensors where the patched build's UPLOAD_ALL bar is met, else the experts those tokens use at
+    near-uniform routing. Real routing covers less than uniform, so below the bar the bytes are an upper bound. It and computes its layers, c seconds a layer (the probe's). Devices that are parts of one
     processor (a probe that ran them together: LayerCompute.shared) do not compute side by side as separate devices
     do: each ubatch takes the longer of all their layers' compute and their copies (all of them on one link, the
     longest device's otherwise; beside the compute, the first one exposed). The patched build copies a layer's
@@ -341,6 +399,9 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
             model: every expert copy goes through it first, beside the link (slots), and one copier serves every
             device, so a copy moves at the slower of the two and each ubatch waits for all devices' bytes at its
             rate; None: host weights are pinned.
+        n_used: experts a token uses (model_file.expert_layout; 0: not known: whole tensors every upload).
+        switches: the patched switches in force (switches_in_force; the plan's own override them); None: the
+            plan's over the table's defaults.
     Returns:
         A Prediction, or None when nothing moves and compute is not counted (the bytes bound says nothing).
     """
@@ -349,6 +410,10 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
     n_tokens = n_tokens or plan.n_ctx
     k = layer_major_group(plan, nb)   # (a group's ubatches share one upload of each expert tensor)
     rates = [min(r, staging_gbps) for r in link_gbps] if staging_gbps else list(link_gbps)
+    units = lambda n: -(-(-(-n // ub)) // k)   # (a batch's n tokens: its ubatches, in groups of k)
+    share = upload_share(k * ub, n_used, plan.n_expert, plan.variant, {**(switches or {}), **plan.switches},
+                         1 if shared_link else nd, units(nb) > 1)
+    expert_bytes = expert_bytes * share
     xs = [expert_bytes / (r * 1e9) for r in rates]
     transfer = [d.host_expert_layers * x for d, x in zip(plan.devices, xs)]
     staged = sum(d.host_expert_layers for d in plan.devices) * expert_bytes / (staging_gbps * 1e9) if staging_gbps \
@@ -370,7 +435,6 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
         stage.append(x + c + (h - 1) * max(x, c) + rest if overlap and h > 0 else t + c_dev)
     fill = sum(stage) + sum(net_dev)
     net = {key: sum(net_dev[i] + stage[i] for i in idx) for key, idx in servers.items()}   # (each server's cycle)
-    units = lambda n: -(-(-(-n // ub)) // k)   # (a batch's n tokens: its ubatches, in groups of k)
     n_ub = units(nb)
     chunks, tail = divmod(n_tokens, nb)
     if patched and compute and compute_for(compute, 0).shared:
@@ -397,9 +461,10 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
 
 
 def predicted_ts(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_link: bool = False,
-                 compute: Optional[dict] = None, n_tokens: Optional[int] = None, hidden: int = 0) -> Optional[float]:
-    """predict()'s prompt tokens per second (None where it predicts nothing)."""
-    p = predict(plan, expert_bytes, link_gbps, shared_link, compute, n_tokens, hidden)
+                 compute: Optional[dict] = None, n_tokens: Optional[int] = None, hidden: int = 0,
+                 **kw) -> Optional[float]:
+    """predict()'s prompt tokens per second (None where it predicts nothing); kw: predict's other arguments."""
+    p = predict(plan, expert_bytes, link_gbps, shared_link, compute, n_tokens, hidden, **kw)
     return p.ts if p else None
 
 
@@ -594,7 +659,8 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
     rates = link_rates(spec, link_gbps, len(placed[0][1].devices), rated.get("links"),
                        "pageable" if mmap and not staging else "pinned")
     pkw = dict(expert_bytes=expert_bytes, link_gbps=rates, shared_link=shared_link, n_tokens=n_tokens, hidden=hidden,
-               staging_gbps=rated.get("host_copy") if staging else None)
+               staging_gbps=rated.get("host_copy") if staging else None, n_used=expert_layout(model)[0],
+               switches=switches_in_force(variant, kw.get("env")))
     score = lambda pred: pred.ts if pred else float("inf")   # (nothing moves and compute not counted: no bound)
     # the most promising first (the bytes bound: compute not counted), so that the rest can be skipped
     order = sorted(placed, key=lambda rp: (-score(best_batch(rp[1], rp[0]["n_batch"], **pkw)[1]), rp[0]["n_ubatch"]))
@@ -769,4 +835,5 @@ def plan_layer_major(plan: Plan, env: Optional[dict], without=None) -> None:
 
 
 __all__ = ["fit", "fit_ubatch", "spread_weights", "link_rates", "predict", "predicted_ts", "Prediction", "best_batch",
-           "batch_choices", "reserved_bytes", "layer_major_group", "plan_layer_major"]
+           "batch_choices", "reserved_bytes", "layer_major_group", "plan_layer_major", "switches_in_force",
+           "expected_coverage", "upload_share"]

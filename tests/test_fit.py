@@ -787,3 +787,45 @@ def test_ubatch_auto_with_groups_takes_a_smaller_ubatch(model, fake_compute):
         fit(model, devices=LM_SLOW, ctx=ContextParams(n_ctx=1280, n_batch=1024, n_ubatch=r["n_ubatch"]),
             env=_layer_major(1), timeout=120)
     assert f"groups of {p.layer_major['group']}" in str(p) and "n_batch 1024: " in str(p)
+
+
+def test_upload_share_is_the_coverage_below_the_upload_all_bar():
+    """An upload moves the share of a layer's experts its tokens use (near-uniform routing: 1 - (1 - k/E)^n, rising
+    with n) below UPLOAD_ALL's bar, whole tensors at or above it (selections at UPLOAD_ALL_MIN, coverage at
+    UPLOAD_ALL_MIN_COV: auto 110 / links within 30..85); the baseline and UPLOAD_ALL=0 copy the used experts alone."""
+    from pyllama_pp.fit import expected_coverage, upload_share
+    covs = [expected_coverage(n, 2, 64) for n in (1, 8, 32, 64, 128, 512)]
+    assert covs[0] == pytest.approx(2 / 64) and all(a < b for a, b in zip(covs, covs[1:])) and covs[-1] < 1.0
+    share = lambda n, sw=None, links=1, in_flight=True, variant="patched": upload_share(n, 2, 64, variant, sw or {},
+                                                                                        links, in_flight)
+    assert share(32) == pytest.approx(expected_coverage(32, 2, 64)) and share(32) < 0.85   # ub32: ~63% used
+    assert share(64) == 1.0 and share(128) == 1.0                               # ~87%: at the one-link bar of 85%
+    assert share(64, in_flight=False) < 1.0 and share(128, in_flight=False) == 1.0   # (4 x E selections when idle)
+    assert share(64, {"UPLOAD_ALL_MIN_COV": 90}) < 1.0 and share(128, {"UPLOAD_ALL_MIN_COV": 90}) == 1.0
+    assert share(32, {"UPLOAD_ALL_MIN": 1, "UPLOAD_ALL_MIN_COV": 0}) == 1.0      # forced: always whole
+    low_min = {"UPLOAD_ALL_MIN": 1}
+    assert share(40, low_min, links=2) == 1.0 > share(40, low_min)               # two links: the 55% bar (~72%)
+    assert share(40, {**low_min, "LINKS": 1}, links=2) == share(40, low_min)     # LINKS set: its count
+    for kw in ({"sw": {"UPLOAD_ALL": 0}}, {"variant": "baseline"}):
+        assert share(512, **kw) == pytest.approx(expected_coverage(512, 2, 64)), kw
+    assert upload_share(32, 0, 64, "patched", {}, 1, True) == 1.0                 # experts used not known: whole
+
+
+def test_prediction_moves_the_used_experts_of_a_small_ubatch():
+    """predict's copies at a small n_ubatch fall by the coverage against whole tensors; a LAYER_MAJOR group of K
+    ubatches is one upload for K x n_ubatch tokens (past the bar: whole); a big ubatch stays whole."""
+    from pyllama_pp.fit import expected_coverage, predict
+    plan = dataclasses.replace(_all_host_plan(n_batch=1024), n_expert=64, ctx={"n_ubatch": 32, "n_batch": 1024})
+    whole = predict(plan, 1e6, [1.0, 1.0], shared_link=True, n_tokens=1024)
+    used = predict(plan, 1e6, [1.0, 1.0], shared_link=True, n_tokens=1024, n_used=2)
+    cov = expected_coverage(32, 2, 64)
+    assert used.transfer_s == pytest.approx([t * cov for t in whole.transfer_s]) and used.ts > whole.ts
+    assert predict(plan, 1e6, [1.0, 1.0], shared_link=True, n_tokens=1024, n_used=2,
+                   switches={"UPLOAD_ALL_MIN": 1, "UPLOAD_ALL_MIN_COV": 0}).transfer_s == whole.transfer_s
+    plan.switches["LAYER_MAJOR"] = 4   # four ubatches, 128 tokens, an upload: ~98% of the experts, whole
+    group = predict(plan, 1e6, [1.0, 1.0], shared_link=True, n_tokens=1024, n_used=2)
+    assert group.group == 4 and group.transfer_s == whole.transfer_s
+    plan.switches["LAYER_MAJOR"] = 0
+    plan.ctx["n_ubatch"] = 512
+    assert predict(plan, 1e6, [1.0, 1.0], shared_link=True, n_tokens=1024, n_used=2).transfer_s == \
+        predict(plan, 1e6, [1.0, 1.0], shared_link=True, n_tokens=1024).transfer_s
