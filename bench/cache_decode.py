@@ -165,15 +165,6 @@ def main() -> int:
     toks = bench_tokens(args.n + 1, s.info.n_vocab, seed=1, stream=consecutive)
     prefix = bench_tokens(args.depth, s.info.n_vocab, seed=2, stream=consecutive) if args.depth else None
 
-    def tg(s: Session) -> float:
-        """One tg run: the prompt of --depth tokens first (not timed), then tg_run's."""
-        if prefix is None:
-            return tg_run(s, toks, args.n)
-        s.eval(prefix, logits="last", stats=False)
-        t0 = time.perf_counter()
-        for i in range(args.n):
-            s.eval(toks[i: i + 1], logits="last", pos0=args.depth + i, clear=False, stats=False)
-        return time.perf_counter() - t0
 
     # a context per size and floor, each with its own scheduler and slots (the switches are read when a scheduler is
     # made); size 0 once
@@ -183,7 +174,7 @@ def main() -> int:
     ctxs = switch_contexts(s, [{"EXPERT_CACHE": v, "EXPERT_CACHE_MIN_HIT": m} for v, m in sets], ctxp)
     for c in ctxs:
         s._ctx = c
-        tg(s)   # warm-up: fills the cache (the context's: it stays warm between tg runs)
+        tg_run(s, toks, args.n, prefix)   # warm-up: fills the cache (the context's: it stays warm between tg runs)
     samples = [[] for _ in sizes]
     counts = [{k: 0 for k in CACHE_KEYS + ("h2d_bytes", "ids_wait_us")} for _ in sizes]
     per_round = None
@@ -196,7 +187,7 @@ def main() -> int:
             s._ctx = ctxs[i]
             e0 = s.ext_stats()
             s.reset_counters()
-            dt = tg(s)
+            dt = tg_run(s, toks, args.n, prefix)
             moved = h2d(s)
             e1 = s.ext_stats()
             samples[i].append(args.n / dt)

@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Optional
 from pathlib import Path
 
 import numpy as np
@@ -43,12 +44,15 @@ def parse_set(text: str) -> dict:
     return out
 
 
-def tg_run(s: Session, toks: np.ndarray, n: int) -> float:
-    """llama-bench's tg: from an empty cache, position 0 untimed, then n single-token decodes."""
-    s.eval(toks[:1], logits="last", stats=False)
+def tg_run(s: Session, toks: np.ndarray, n: int, prefix: Optional[np.ndarray] = None) -> float:
+    """llama-bench's tg: from an empty cache, position 0 untimed, then n single-token decodes; with `prefix` (its
+    -d), the prefix in one eval first (untimed), then n decodes after it."""
+    s.eval(toks[:1] if prefix is None else prefix, logits="last", stats=False)
+    first = 1 if prefix is None else len(prefix)
     t0 = time.perf_counter()
-    for i in range(1, n + 1):
-        s.eval(toks[i % len(toks): i % len(toks) + 1], logits="last", pos0=i, clear=False, stats=False)
+    for i in range(n):
+        j = (i + 1) % len(toks) if prefix is None else i
+        s.eval(toks[j: j + 1], logits="last", pos0=first + i, clear=False, stats=False)
     return time.perf_counter() - t0
 
 
