@@ -123,14 +123,15 @@ def main() -> int:
         # predicted with the planner's rates (measured links, the staging copy) and its probe (cached)
         rates = link_rates(spec, links, len(plan.devices), [d.link for d in plan.devices])
         probed = probe(model, args.devices, [c["n_ubatch"] for c in placed], n)
+        eb, hidden = expert_bytes_per_layer(model), embedding_length(model) if spec.remote else 0
+        n_used, switches = expert_layout(model)[0], switches_in_force("patched", env)
         for cand in placed:
             p = cand["plan"]
             for d in p.devices:
                 d.host_expert_layers, d.full_layers = d.n_layers, 0
-            pred = predict(p, expert_bytes_per_layer(model), rates, args.shared_link, probed, n,
-                           embedding_length(model) if spec.remote else 0,
+            pred = predict(p, eb, rates, args.shared_link, probed, n, hidden,
                            staging_gbps=plan.host_copy_gbps if args.load_mode == "mmap" else None,
-                           n_used=expert_layout(model)[0], switches=switches_in_force("patched", env))
+                           n_used=n_used, switches=switches)
             cand.update(predicted_ts=pred.ts, bound=pred.bound, host_expert_layers=[d.n_layers for d in p.devices])
     rows, t_start = [], time.time()
     for cand in sorted(plan.ubatch_auto, key=lambda c: -c["n_ubatch"]):

@@ -114,7 +114,7 @@ def check_logits(model: Union[str, Path], devices: str = CHECK.devices,
         if why:
             raise DeviceSpecError(why)
     check_switch_env(["patched"])
-    got, facts = {}, {}
+    got, facts, ext = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for v in ("baseline", "patched"):
             out = str(Path(tmp) / f"{v}.npy")
@@ -122,9 +122,9 @@ def check_logits(model: Union[str, Path], devices: str = CHECK.devices,
                             switches=dict(switches or {}) if v == "patched" else {}, n_tokens=n_tokens, seed=seed,
                             logits="all", out=out)
             res = run_job(job, v, timeout=timeout)
-            facts[v] = res["schedule"]
+            facts[v], ext[v] = res["schedule"], res.get("ext") or {}
             got[v] = np.load(out)
-    backends = (res.get("ext") or {}).get("backends", [])   # (the patched run's, the last)
+    backends = ext["patched"].get("backends", [])
     cache = {k: sum(b.get(f"cache_{k}", 0) for b in backends) for k in ("ops", "hits", "misses")}
     return LogitsCheck(model=str(model), devices=str(devices), placement=placement.label, n_tokens=n_tokens,
                        n_ubatch=ctx.n_ubatch, nmse=nmse(got["patched"], got["baseline"]),

@@ -42,8 +42,8 @@ from .worker.client import ServingWorker
 
 # MoE layers of the two replicas: their difference is eight layers' compute (fewer where the model has fewer), enough
 # to stand above the run-to-run noise of a prompt's time on a GPU; the shorter has two, as one layer's experts can
-# stay in a CPU's cache from ubatch to ubatch where a model's many layers' do not (measured: the small preset's one
-# layer ran at a third of the per-layer time of two or more)
+# stay in a CPU's cache from ubatch to ubatch where a model's many layers' do not (one layer alone runs well below
+# the per-layer time of two or more)
 REPLICA_LAYERS = (2, 10)
 # attention's calibration: the shorter replica on the short prompt and on this many times its length
 CALIBRATION_SPAN = 4

@@ -127,7 +127,8 @@ PAIRED = Defaults(rounds=20, loads=1, warmup=0)
 
 # the compute probe: the baseline build (every weight resident: both variants compute alike), the median of 3 timed runs
 # per replica and n_ubatch; a short prompt of 512 tokens (or one ubatch)
-# where the prompt itself does not fit the budget of 40 s (the planner's first run on a 2-core CPU stays near a minute)
+# where the prompt itself does not fit the budget of 40 s (the planner's first run stays near a minute on a small CPU:
+# RESULTS "Planner on a 2-core CPU")
 PROBE = Defaults(variant="baseline", reps=3, timeout=600, n_tokens=512, budget=40)
 
 # the soak: two VDEVs with links, every expert in host RAM, a context of 1024, long enough for its edits

@@ -80,7 +80,8 @@ def worker_error(type_name: str, message: str, exit_code: "int | None" = None, d
 _ABORT_PREFIX = re.compile(r"ggml abort: \S+?:\d+: ")
 
 
-# what the patched ggml-rpc client says in the caller's thread once a server's connection broke (patch 0013)
+# what the patched ggml-rpc client says in the caller's thread once a server's connection broke (its dispatcher
+# keeps a failed send or receive instead of aborting)
 RPC_LOST = "lost the connection to"
 
 

@@ -31,7 +31,7 @@ from .model_file import check_model_path, embedding_length, expert_bytes_per_lay
 from .params import SPLIT_MODES, ContextParams, as_context
 from .plan import MiB, Plan, grouped_rows, plan_from_result, plan_problem
 from .rpc.planning import check_server_host_memory, network_seconds, server_copy_bytes
-from .worker.client import check_switch_env, run_job
+from .worker.client import SWITCH_ENV_PREFIX, check_switch_env, run_job
 
 
 def fit_context(ctx) -> ContextParams:
@@ -304,19 +304,21 @@ def link_rates(spec: devspec.DeviceSpec, link_gbps, n_devices: int, measured: Op
 
 
 def switches_in_force(variant: str, env: Optional[dict] = None) -> dict:
-    """The patched build's switches as a worker with `env` runs with them (its switch table, as `pyllama-pp info`
-    lists it: each default, or the value the environment sets), NAME -> value; {} for the baseline (no switches).
+    """The patched switches the environment sets (this process's, then `env` over it), NAME -> int value; {} for the
+    baseline (no switches). A switch not set takes its table default where it is read (upload_share); the values were
+    checked against the switch table before any planning (check_switch_env), so no worker is asked again.
 
     Args:
         variant: "patched" or "baseline".
-        env: extra environment for the worker, NAME -> value.
-    Raises:
-        WorkerError: when the info worker dies or times out.
+        env: extra environment of the workers, NAME -> value.
     """
     if variant != "patched":
         return {}
-    table = run_job({"kind": "info"}, "patched", timeout=TIMEOUTS.info, env=env).get("switches", [])
-    return {sw["name"]: sw["value"] for sw in table}
+    out = {}
+    for k, v in {**os.environ, **(env or {})}.items():
+        if k.startswith(SWITCH_ENV_PREFIX) and re.fullmatch(r"-?\d+", str(v).strip()):
+            out[k[len(SWITCH_ENV_PREFIX):]] = int(v)
+    return out
 
 
 def expected_coverage(n_tokens: int, n_used: int, n_expert: int) -> float:
@@ -367,8 +369,8 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
     Per ubatch a device moves its host-expert layers' experts over its link, x seconds a layer: the share of a
     layer's expert bytes upload_share gives for the tokens one upload serves (n_ubatch; with LAYER_MAJOR K x
     n_ubatch): whole tensors where the patched build's UPLOAD_ALL bar is met, else the experts those tokens use at
-    near-uniform routing. Real routing covers less than uniform, so below the bar the bytes are an upper bound. It and computes its layers, c seconds a layer (the probe's). Devices that are parts of one
-    processor (a probe that ran them together: LayerCompute.shared) do not compute side by side as separate devices
+    near-uniform routing. Real routing covers less than uniform, so below the bar the bytes are an upper bound.
+    Each device computes its layers, c seconds a layer (the probe's). Devices that are parts of one processor (a probe that ran them together: LayerCompute.shared) do not compute side by side as separate devices
     do: each ubatch takes the longer of all their layers' compute and their copies (all of them on one link, the
     longest device's otherwise; beside the compute, the first one exposed). The patched build copies a layer's
     experts beside the compute of the layer before (OVERLAP=2): the first copy is exposed, then each layer takes the

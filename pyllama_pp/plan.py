@@ -565,17 +565,10 @@ def _on_cpu_text(on_cpu: int, n_layer: int) -> str:
     return f"{on_cpu} of {n_layer} layers (0..{on_cpu - 1})"
 
 
-def check_plan(plan: Plan, check: bool = True) -> Plan:
-    """The errors a user can act on (unless check=False): fit found no placement, not even the dense weights fit on
-    the devices (whole layers left on the CPU), or the plan's own measurement puts a device over its target."""
-    problem = plan_problem(plan, check)
-    if problem is not None:
-        raise problem
-    return plan
-
-
 def plan_problem(plan: Plan, check: bool = True) -> Optional[Exception]:
-    """check_plan's error for this plan, or None."""
+    """The error a user can act on for this plan, or None (unless check=False): fit found no placement, not even
+    the dense weights fit on the devices (whole layers left on the CPU), or the plan's own measurement puts a device
+    over its target."""
     if plan.status != "success" and re.search(r"already set|not implemented|did not provide", plan.message):
         return ConfigError(f"fit ({plan.variant}) refused: {plan.message}")
     if plan.status != "success":

@@ -163,7 +163,7 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
                                                                 "cache_shadow_misses")},
             "expert_cache_hit_rate": cache_hit_rate(ext),
             # LAYER_MAJOR's groups (a switch asked for but no group formed shows as 0)
-            "layer_major_groups": layer_major_groups(ext, reps, cfg.switches if variant == "patched" else {}),
+            "layer_major_groups": layer_major_groups(ext, reps),
             # ... and its guard's decisions (EXPERT_CACHE_MIN_HIT: a layer to the CPU, or back to its slots)
             "expert_cache_switches": (None if all_gpus(ext, "cache_leaves", reps) is None else
                                       all_gpus(ext, "cache_leaves", reps) + all_gpus(ext, "cache_returns", reps)),
@@ -172,11 +172,11 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
     return rows
 
 
-def layer_major_groups(ext: dict, reps: int, switches: dict) -> Optional[int]:
-    """Groups of ubatches that ran through each layer together, per run (LAYER_MAJOR); None where the run did not
-    ask for the switch and none formed."""
+def layer_major_groups(ext: dict, reps: int) -> Optional[int]:
+    """Groups of ubatches that ran through each layer together, per run (LAYER_MAJOR); None where the switch was off
+    in the run (its switches as the scheduler read them: ext's params) and none formed."""
     groups = int(ext["layer_major_graphs"] / reps) if "layer_major_graphs" in ext else 0
-    asked = str(switches.get("LAYER_MAJOR", "0")) != "0"
+    asked = str((ext.get("params") or {}).get("LAYER_MAJOR", 0)) != "0"
     return groups if groups or asked else None
 
 

@@ -381,14 +381,15 @@ def test_ubatch_auto_picks_the_fastest_pair_the_bytes_bound_predicts(model):
     assert first_out["fix"] and all(c["fix"] == first_out["fix"] for c in out.values()), out
     assert all("not planned" in c["why"] for u, c in out.items() if u > min(out)), out
     eb = expert_bytes_per_layer(model)
+    chosen = (p.ctx["n_ubatch"], p.ctx["n_batch"])
     for u, c in ok.items():   # each candidate's n_batch: the best of its choices (ties: the larger)
         p.ctx["n_ubatch"] = u
         preds = {nb: predict(p, eb, [d.link["pinned_gbps"] for d in p.devices], n_tokens=1024, n_batch=nb).ts
                  for nb in batch_choices(u, 1024)}
         assert c["n_batch"] == max(preds, key=lambda nb: (preds[nb], nb)) and c["n_batch"] <= 1024, (u, c, preds)
     best = max(ok.values(), key=lambda c: (c["predicted_ts"], c["n_ubatch"]))
+    assert chosen == (best["n_ubatch"], best["n_batch"]), (chosen, best)
     p.ctx["n_ubatch"] = best["n_ubatch"]
-    assert (p.ctx["n_ubatch"], p.ctx["n_batch"]) == (best["n_ubatch"], best["n_batch"])
     rates = [d.link["pinned_gbps"] for d in p.devices]   # (each link as measured)
     assert p.predicted_ts == pytest.approx(predicted_ts(p, eb, rates))
     # by hand: each stage moves its host experts once per ubatch over its link; a batch of k ubatches takes k - 1
