@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pyllama_pp import synth
+from pyllama_pp import model_file, synth
 from pyllama_pp.errors import PyllamaError
 from pyllama_pp.worker import run_job
 
@@ -81,11 +81,11 @@ def mutate(data: bytes, layout: dict, rng: random.Random, kind: str) -> tuple[by
         key, (at, type_at) = rng.choice(kv)
         v = rng.choice(HUGE_U64)
         what = rng.choice(["key length", "value"])
-        if what == "key length" or layout["kv_types"][key] not in (synth.GGUF_STRING, synth.GGUF_ARRAY):
+        if what == "key length" or layout["kv_types"][key] not in (model_file.GGUF_STRING, model_file.GGUF_ARRAY):
             _put(buf, at, "<Q", v)
             return bytes(buf), f"key length of {key!r} = {v}"
         # a string's length, or an array's element count (after its element type)
-        off = type_at + 4 + (4 if layout["kv_types"][key] == synth.GGUF_ARRAY else 0)
+        off = type_at + 4 + (4 if layout["kv_types"][key] == model_file.GGUF_ARRAY else 0)
         _put(buf, off, "<Q", v)
         return bytes(buf), f"length of {key!r} = {v}"
     if kind in ("huge_dim", "n_dims", "bad_tensor_type", "bad_offset"):
@@ -115,16 +115,16 @@ def mutate(data: bytes, layout: dict, rng: random.Random, kind: str) -> tuple[by
         _put(buf, type_at, "<I", v)
         return bytes(buf), f"type of {key!r} = {v}"
     if kind == "bad_array_type":
-        arrays = [(k, p) for k, p in kv if layout["kv_types"][k] == synth.GGUF_ARRAY]
+        arrays = [(k, p) for k, p in kv if layout["kv_types"][k] == model_file.GGUF_ARRAY]
         key, (at, type_at) = rng.choice(arrays)
-        v = rng.choice([synth.GGUF_ARRAY, 13, 255, 2**32 - 1] + list(range(13)))
+        v = rng.choice([model_file.GGUF_ARRAY, 13, 255, 2**32 - 1] + list(range(13)))
         _put(buf, type_at + 4, "<I", v)
         return bytes(buf), f"element type of {key!r} = {v}"
     if kind == "bad_alignment":
         # a general.alignment entry first in the metadata, the rest as it was (tensor infos padded to the alignment
         # where it is a sane one, so only the alignment itself is wrong)
-        gtype, fmt, v = rng.choice([(synth.GGUF_UINT32, "<I", a) for a in (0, 3, 24, 48, 64, 2**31, 2**32 - 1)]
-                                   + [(synth.GGUF_UINT64, "<Q", 64), (synth.GGUF_STRING, None, "32")])
+        gtype, fmt, v = rng.choice([(model_file.GGUF_UINT32, "<I", a) for a in (0, 3, 24, 48, 64, 2**31, 2**32 - 1)]
+                                   + [(model_file.GGUF_UINT64, "<Q", 64), (model_file.GGUF_STRING, None, "32")])
         payload = struct.pack(fmt, v) if fmt else struct.pack("<Q", len(v)) + v.encode()
         head = bytearray(data[:24])
         _put(head, 16, "<Q", layout["n_kv"] + 1)
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     model = tmp / "tiny.gguf"
     synth.write_gguf(str(model), synth.preset("tiny", seed=1))
     data = model.read_bytes()
-    layout = synth.read_gguf_header(model)
+    layout = model_file.read_gguf_header(model)
     counts: dict = collections.defaultdict(collections.Counter)
     cases = []
     t0 = time.time()

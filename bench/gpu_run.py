@@ -27,7 +27,7 @@ import numpy as np
 import gather_timeline   # bench/gather_timeline.py (this script's folder is on sys.path)
 from _clock import left, log
 
-from pyllama_pp import report, runner, synth
+from pyllama_pp import report, runner, switches, synth
 from pyllama_pp.binding import VARIANTS
 from pyllama_pp.config import RunConfig
 from pyllama_pp.errors import PyllamaError
@@ -53,7 +53,7 @@ def load_sweeps(path: Path = SWEEPS_FILE) -> dict:
 
 def switch_env(ext: dict) -> dict:
     """--switch style {NAME: value} as the patched build's environment."""
-    return {f"GGML_SCHED_PP_{k}": str(v) for k, v in ext.items()}
+    return switches.to_env(ext)
 
 
 def correctness(model: str, devices: str, out: Path, cases, n_tokens: int = 512, all_on_gpu: bool = True,

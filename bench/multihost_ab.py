@@ -32,14 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
-from pyllama_pp import synth
+from pyllama_pp import switches, synth
 from pyllama_pp.planning import models_dir
 from pyllama_pp.model_file import block_count
 from pyllama_pp.params import ContextParams, Placement
 from pyllama_pp.plan import layer_ranges
 from pyllama_pp.rows import per_gpu
 from pyllama_pp.rpc.relay import Link
-from pyllama_pp.rpc.server import spawn_server, wait_listening
+from pyllama_pp.servers.serve import spawn_server, wait_listening
 from pyllama_pp.session import Session
 from pyllama_pp.stats import nmse
 
@@ -71,7 +71,7 @@ def measure(cfg: dict) -> dict:
     procs, links = [], []
     env_switch = cfg.get("switches", {})
     for k, v in env_switch.items():
-        os.environ[f"GGML_SCHED_PP_{k}"] = str(v)
+        os.environ[switches.var(k)] = str(v)
     try:
         if cfg["hosts"] == 1:
             devices = cfg["local_devices"]

@@ -27,7 +27,7 @@ from pyllama_pp.config import RunConfig
 from pyllama_pp.fit import fit, fit_ubatch
 from pyllama_pp.params import ContextParams
 from pyllama_pp.rpc.relay import Link
-from pyllama_pp.rpc.server import spawn_server, wait_listening
+from pyllama_pp.servers.serve import spawn_server, wait_listening
 from ubatch_auto import table   # (bench/: the same Markdown table)
 
 HOST = "127.0.0.1"

@@ -23,7 +23,7 @@ import _common as C
 import numpy as np
 import json
 
-from pyllama_pp import runner
+from pyllama_pp import runner, switches
 from pyllama_pp.binding import VARIANTS, build_info
 from pyllama_pp.errors import WorkerError
 from pyllama_pp.params import Placement
@@ -73,7 +73,7 @@ def main() -> int:
     results = {}
     all_rows = []
     # switches of the patched build set in the environment (the baseline has none)
-    pp_env = {k: v for k, v in os.environ.items() if k.startswith("GGML_SCHED_PP_")}
+    pp_env = {k: v for k, v in os.environ.items() if k.startswith(switches.PREFIX)}
     for dev in devs:
         job = {"model": ctx["model"], "devices": dev,
                "placement": {**PLACEMENT.to_dict(), "tensor_split": ctx["ts"]},

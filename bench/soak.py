@@ -36,7 +36,8 @@ from pathlib import Path
 import _common as C
 from pyllama_pp import report, soak
 from pyllama_pp.errors import PyllamaError
-from pyllama_pp.planning import check_switches, parse_switches
+from pyllama_pp.planning import check_switches
+from pyllama_pp.switches import parse_given as parse_switches
 
 MiB = 1024 * 1024
 

@@ -25,11 +25,13 @@ from pyllama_pp import devices as devspec
 from pyllama_pp import runner, synth
 from pyllama_pp.compute import probe
 from pyllama_pp.config import RunConfig
-from pyllama_pp.fit import fit, fit_ubatch, link_rates, predict, switches_in_force
+from pyllama_pp.fit import fit, fit_ubatch
+from pyllama_pp.predict import link_rates, predict
+from pyllama_pp.switches import in_force as switches_in_force
 from pyllama_pp.model_file import block_count, embedding_length, expert_bytes_per_layer, expert_layout
 from pyllama_pp.params import ContextParams, Placement
-from pyllama_pp.planning import models_dir, parse_switches
-from pyllama_pp.worker.client import switch_env
+from pyllama_pp.planning import models_dir
+from pyllama_pp.switches import parse_given
 
 # two VDEVs whose memory holds about half of the tiny preset's experts, on 1 GB/s links, computing 3x slower than
 # a CPU thread: at n_ubatch 512 and above a layer's compute takes longer than moving its experts
@@ -107,16 +109,16 @@ def main() -> int:
         print(f"margins for a host share of {args.host_share:g}: {[m // 2**20 for m in args.margin]} MiB",
               file=sys.stderr)
     links = [float(x) for x in args.link_gbps.split(",")] if args.link_gbps else None
-    env = switch_env(parse_switches(args.switch)) or None
+    given = parse_given(args.switch)
     plan = fit_ubatch(model, devices=args.devices, ctx=ContextParams(n_ctx=n + 256), margin=args.margin,
                       link_gbps=links, shared_link=args.shared_link, n_tokens=n, load_mode=args.load_mode,
-                      skip=False, progress=not args.json, env=env, **kw)
+                      skip=False, progress=not args.json, switches=given, **kw)
     fit_s = time.time() - t0
     print(plan, file=sys.stderr)
     spec = devspec.parse(args.devices)
     placed = [c for c in plan.ubatch_auto if c.get("predicted_ts")]
     for cand in placed:
-        cand["plan"] = fit(model, devices=args.devices, margin=args.margin, check=False, env=env,
+        cand["plan"] = fit(model, devices=args.devices, margin=args.margin, check=False, switches=given,
                            ctx=ContextParams(n_ctx=n + 256, n_batch=cand["n_batch"], n_ubatch=cand["n_ubatch"]))
     if args.host_experts_all:
         # every expert on host: each candidate's plan keeps fit's split and context, all its layers host-expert,
@@ -124,7 +126,7 @@ def main() -> int:
         rates = link_rates(spec, links, len(plan.devices), [d.link for d in plan.devices])
         probed = probe(model, args.devices, [c["n_ubatch"] for c in placed], n)
         eb, hidden = expert_bytes_per_layer(model), embedding_length(model) if spec.remote else 0
-        n_used, switches = expert_layout(model)[0], switches_in_force("patched", env)
+        n_used, switches = expert_layout(model)[0], {**switches_in_force("patched"), **given}
         for cand in placed:
             p = cand["plan"]
             for d in p.devices:

@@ -25,11 +25,11 @@ from .errors import ConfigError, DeviceSpecError, PyllamaError
 from .fit import fit, fit_ubatch
 from .model_file import check_model_path
 from .params import ContextParams, Placement
-from .planning import Choices, check_switches, cpu_only_notes, main_job_model, parse_switches, plan_runs
+from .planning import Choices, check_switches, cpu_only_notes, main_job_model, plan_runs
 from .report import any_failed, check_measured, error_lines, markdown, noise_warnings, plot, text_table
 from .row import read_rows
-from .rpc import server as rpc_server
-from .worker.client import switch_env
+from .servers import serve as rpc_server
+from .switches import ExpertCache, parse_given
 
 BASELINE_SERVERS = ("`pyllama-pp rpc-server --variant baseline` beside each patched one; upstream's client refuses "
                     "patched servers")
@@ -129,11 +129,11 @@ def cmd_fit(args) -> int:
     ctx = ContextParams(n_ctx=args.ctx, n_batch=batch, n_ubatch=min(batch, FIT.n_ubatch) if auto else args.ubatch,
                         op_offload=not args.no_op_offload, offload_kqv=not args.no_kv_offload)
     spread = args.spread if args.spread in ("equal", "links") else args.spread.split(",")
-    switches = parse_switches(args.switch)
+    switches = parse_given(args.switch)
     check_switches(switches, [args.variant])
     kw = dict(devices=args.devices, ctx=ctx, variant=args.variant, margin=args.margin, split_mode=args.split_mode,
-              check=not args.no_check, spread=spread, link_gbps=args.link_gbps, expert_cache=args.expert_cache,
-              env=switch_env(switches) or None)
+              check=not args.no_check, spread=spread, link_gbps=args.link_gbps, switches=switches,
+              expert_cache=None if args.expert_cache is None else ExpertCache.parse(args.expert_cache, args.variant))
     plan = fit_ubatch(args.model, shared_link=args.shared_link, n_batch=args.batch, progress=not args.json, **kw) \
         if auto else fit(args.model, **kw)
     if args.out:
@@ -148,7 +148,7 @@ def cmd_check(args) -> int:
     model = args.model or main_job_model()
     check_model_path(model)
     _device_notes(args, args.devices, args.baseline_devices)
-    switches = parse_switches(args.switch)
+    switches = parse_given(args.switch)
     check_switches(switches, ["patched"])
     if args.ubatch > args.batch:
         raise ConfigError(f"-ub/--ubatch ({args.ubatch}) is larger than -b/--batch ({args.batch}). Fix: -ub <= -b")
@@ -187,7 +187,7 @@ def choices_from_args(args) -> Choices:
                    n_ubatch=args.ubatch if args.ubatch == "auto" else tup(args.ubatch), n_ctx=args.ctx,
                    n_gpu_layers=args.ngl, tensor_split=tup(args.tensor_split), pp=tests(args.pp), tg=tests(args.tg),
                    depth=tuple(args.depth), reps=args.reps, workload=args.workload, load_mode=args.load_mode,
-                   offload_min_batch=args.offload_min_batch, switches=parse_switches(args.switch), plan=args.plan,
+                   offload_min_batch=args.offload_min_batch, switches=parse_given(args.switch), plan=args.plan,
                    fit=args.fit, margin=tup(args.margin), expert_cache=args.expert_cache,
                    baseline_devices=tup(getattr(args, "baseline_devices", None)),
                    paired=getattr(args, "paired", None), loads=getattr(args, "loads", PAIRED.loads))
@@ -328,7 +328,7 @@ def _join_dash_values(argv: list[str]) -> list[str]:
 EXPERT_CACHE_HELP = ("the patched build's device expert cache for decode (EXPERT_CACHE): auto (what fit's plan leaves "
                      "free on each device after layers, KV, compute buffers, copies and the margin, at most every "
                      "expert of the device's host-expert layers), a size a device such as 512MiB or 2GiB (reserved "
-                     "before fit places the layers), or 0 (none). The switch takes one value for every device: auto "
+                     "before fit places the layers), slots a layer such as 16slots (the switch's -16), or 0 (none). The switch takes one value for every device: auto "
                      "takes the largest that no device's free memory is short of (MiB a device, or slots a layer), and "
                      "the plan shows each device's share")
 

@@ -23,7 +23,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 from typing import Optional, Sequence, Union
@@ -37,6 +36,7 @@ from .errors import ConfigError
 from .jobs import MeasureJob
 from .model_file import layer_counts
 from .params import ContextParams, Placement, ctx_for
+from .predict import LayerCompute
 from .rpc import network
 from .worker.client import ServingWorker
 
@@ -143,36 +143,6 @@ def key_count(n_tokens: int, n_ubatch: int) -> int:
     full, tail = divmod(n_tokens, n_ubatch)
     total = n_ubatch * n_ubatch * full * (full + 1) // 2   # (ubatch i of full ones: n_ubatch x (i + 1) n_ubatch)
     return total + tail * n_tokens
-
-
-@dataclass
-class LayerCompute:
-    """What the probe found for one device: seconds one MoE layer takes over a prompt of n_tokens at each n_ubatch,
-    and the seconds outside the layers (embeddings, output) per prompt.
-
-    Attributes:
-        device: the device spec it ran on.
-        n_tokens: the prompt's length.
-        layer_s: n_ubatch -> seconds of one MoE layer over the whole prompt.
-        outside_s: n_ubatch -> seconds outside the layers over the whole prompt.
-        shared: measured on every device of a spec whose devices are parts of one GPU, pipelined together: a layer's
-            time is what one more layer adds to the whole pipeline, wherever it is.
-        how: n_ubatch -> how it was found: "measured" (on the prompt itself), "measured at N tokens" (a short prompt,
-            carried to n_tokens by attention's part) or "estimated from n_ubatch U" (not run: U's per-token part).
-        kv_s: attention's part: seconds one layer takes per key a query reads (0: not calibrated, or not needed).
-    """
-
-    device: str
-    n_tokens: int
-    layer_s: dict = field(default_factory=dict)
-    outside_s: dict = field(default_factory=dict)
-    shared: bool = False
-    how: dict = field(default_factory=dict)
-    kv_s: float = 0.0
-
-    def per_ubatch(self, n_ubatch: int) -> float:
-        """Seconds one MoE layer computes one ubatch of n_ubatch tokens (the prompt's mean)."""
-        return self.layer_s[n_ubatch] * n_ubatch / self.n_tokens
 
 
 class _Device:
@@ -517,11 +487,6 @@ def probe(model: Union[str, os.PathLike], devices, ubatches: Sequence[int], n_to
         for ub in sorted(set(ubatches)):
             p.compute(ub)
         return p.results
-
-
-def compute_for(probed: dict[int, LayerCompute], device_index: int) -> LayerCompute:
-    """The probe result that stands for a device (its own, or the one for every device)."""
-    return probed.get(device_index) or probed[-1]
 
 
 __all__ = ["probe", "Probe", "replica", "LayerCompute", "probe_devices", "shares_one_gpu", "key_count"]

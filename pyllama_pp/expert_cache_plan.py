@@ -1,6 +1,7 @@
-"""The device expert cache (EXPERT_CACHE, patch 0014) as fit plans it: what `--expert-cache auto|SIZE|0` asks for
-(`parse`), each device's slots per layer and bytes as the native allocation gives them (`Layout`), the one switch value
-that gives them (`auto_switch`), and all of it written into a fit `Plan` (`plan_cache`).
+"""The device expert cache (EXPERT_CACHE, patch 0014) as fit plans it: what `--expert-cache auto|SIZE|Nslots|0` asks
+for (pyllama_pp.switches.ExpertCache), each device's slots per layer and bytes as the native allocation gives them
+(`Layout`), the one switch value that gives them (`auto_switch`), and all of it written into a fit `Plan`
+(`plan_cache`).
 
 The native switch takes one value for every device: EXPERT_CACHE=M gives each device M MiB, split evenly over the
 host-expert layers it owns (as many slots a layer as fit, at most every expert), and a device whose layers can use less
@@ -8,64 +9,25 @@ host-expert layers it owns (as many slots a layer as fit, at most every expert),
 fit reserves it on every device (`fit.reserved_bytes`), so the placement leaves room for it. auto is what the plan
 leaves free on each device after its layers, KV, compute buffers, early copies and margin: of the two forms it takes
 the one that caches more experts without any device going past its free memory (the largest M, or the most slots N
-every device has room for), and adds each device's share to its margin.
+every device has room for), and adds each device's share to its margin. Nslots is -N: each device's share is added to
+its margin as auto's is, and a device without room for it is named.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Sequence
 
-from . import devices as devspec
-from .defaults import FIT
-from .errors import ConfigError, DeviceSpecError, OutOfMemoryError
-from .plan import CACHE_SWITCH as SWITCH
+from .errors import ConfigError, OutOfMemoryError
 from .plan import MiB, Plan
+from .switches import EXPERT_CACHE as SWITCH
+from .switches import MAX_SLOTS as MAX_SLOTS_SWITCH
+from .switches import ExpertCache
 
 # the native allocation's sizes (pyllama_pp/native/sched/ggml-backend-pp-cache.cpp, ggml_sched_pp_cache_alloc)
 ALIGN = 128          # a device buffer's tensor alignment (CUDA's and VDEV's)
 GATHER_TAIL = 512    # GGML_BACKEND_PP_GATHER_TAIL: bytes past a weight's slots a kernel may read
 MAX_TOKENS = 64      # GGML_SCHED_PP_CACHE_MAX_TOKENS: tokens whose slot ids a layer keeps
-MAX_SLOTS_SWITCH = 65536   # EXPERT_CACHE's range: -65536 slots a layer at most
-
-
-def parse(value, variant: str = FIT.variant) -> Union[str, int]:
-    """What `--expert-cache` (fit's expert_cache) asks for.
-
-    Args:
-        value: "auto", a size ("2GiB", "512MiB", or bytes), 0 / "0" (off), or None (FIT.expert_cache, the default;
-            0 for the baseline).
-        variant: the build the plan is for: the baseline has no cache.
-    Returns:
-        "auto", the size in bytes (a whole number of MiB, at least 1), or 0.
-    Raises:
-        ConfigError: for a value that is none of these, a negative size, one below 1 MiB, or a cache for the baseline.
-    """
-    if value is None:
-        value = FIT.expert_cache if variant == "patched" else 0
-        if not value:
-            return 0
-    if str(value).strip().lower() == "auto":
-        asked: Union[str, int] = "auto"
-    else:
-        try:
-            asked = devspec.parse_size(str(value).strip() if isinstance(value, str) else value)
-        except DeviceSpecError:
-            raise ConfigError(f"--expert-cache {value!r}: give auto (what fit leaves free on each device), a size "
-                              "such as 512MiB or 2GiB, or 0 (no cache)") from None
-        if 0 < asked < MiB:
-            raise ConfigError(f"--expert-cache {value}: the cache takes whole MiB a device (EXPERT_CACHE); give 1MiB "
-                              "or more, auto, or 0 (no cache)")
-        asked -= asked % MiB
-    if asked and variant != "patched":
-        raise ConfigError(f"--expert-cache {value}: the {variant} build has no expert cache (patch 0014). Fix: drop "
-                          "--expert-cache, or plan for --variant patched")
-    return asked
-
-
-def text(asked: Union[str, int]) -> str:
-    """How a plan names what was asked: "auto", "512MiB", or "" (no cache)."""
-    return asked if isinstance(asked, str) else f"{asked // MiB}MiB" if asked else ""
 
 
 @dataclass(frozen=True)
@@ -140,32 +102,37 @@ def auto_switch(layout: Layout, layers: Sequence[int], room: Sequence[int]) -> i
     return best if best and cached(best) > 0 else 0
 
 
-def plan_cache(plan: Plan, asked: Union[str, int], layout: Layout) -> Plan:
+def plan_cache(plan: Plan, asked: ExpertCache, layout: Layout) -> Plan:
     """Write the cache into a patched fit plan: the switch (EXPERT_CACHE), each device's slots a layer and bytes, and,
-    for auto, each device's share added to its margin (target lowered by as much). For a SIZE fit reserved it in
-    every device's margin already.
+    for auto and a slot count, each device's share added to its margin (target lowered by as much). For a SIZE fit
+    reserved it in every device's margin already.
 
     Args:
         plan: the plan, as fit made it (a SIZE: with the SIZE in its margins).
-        asked: parse()'s value ("auto", bytes, or 0: the plan is left as it is).
+        asked: what was asked (none: the plan is left as it is).
         layout: the model's slots.
     Returns:
         Plan: the same plan.
+    Raises:
+        ConfigError: for a slot count a device has no room for, naming the device and its free memory.
     """
     if not asked:
         return plan
     layers = [d.host_expert_layers for d in plan.devices]
-    if asked == "auto":
-        switch = auto_switch(layout, layers, [d.target_bytes - d.expected_bytes for d in plan.devices])
-    else:
-        switch = asked // MiB
+    room = [d.target_bytes - d.expected_bytes for d in plan.devices]
+    switch = auto_switch(layout, layers, room) if asked.auto else asked.switch
     for i, d in enumerate(plan.devices):
         d.cache_slots = layout.slots_at(switch, d.host_expert_layers)
         d.cache_bytes = layout.bytes_of(d.cache_slots, d.host_expert_layers)
-        if asked == "auto":
+        if asked.slots and d.cache_bytes > room[i]:
+            raise ConfigError(f"--expert-cache {asked.text}: {d.name} has {max(0, room[i]) / MiB:.1f} MiB free after "
+                              f"the plan, and {d.cache_slots} slots in each of its {d.host_expert_layers} host-expert "
+                              f"layers take {d.cache_bytes / MiB:.1f} MiB. Fix: fewer slots, a size, or auto (what "
+                              "fit leaves free)")
+        if not asked.mib:
             plan.margins[i] += d.cache_bytes
             d.target_bytes -= d.cache_bytes
-    plan.expert_cache = text(asked)
+    plan.expert_cache = asked.text
     if switch:
         plan.switches = {**plan.switches, SWITCH: switch}
     return plan
@@ -174,10 +141,10 @@ def plan_cache(plan: Plan, asked: Union[str, int], layout: Layout) -> Plan:
 def room_error(plan: Plan, problem: Exception) -> Exception:
     """fit's problem with a plan, as the cache's error where a SIZE left the model no room (ConfigError, naming the
     device and its free memory); any other problem as it is."""
-    asked = plan.expert_cache
-    if not asked or asked == "auto" or not isinstance(problem, OutOfMemoryError) or not plan.devices:
+    size = ExpertCache.parse(plan.expert_cache or None).bytes
+    if not size or not isinstance(problem, OutOfMemoryError) or not plan.devices:
         return problem
-    size = devspec.parse_size(asked)
+    asked = plan.expert_cache
     over = [d for d in plan.devices if d.expected_bytes > d.target_bytes]
     d = over[0] if over else min(plan.devices, key=lambda x: x.target_bytes)
     margin = plan.margins[plan.devices.index(d)] - size

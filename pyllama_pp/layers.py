@@ -8,21 +8,26 @@ FLOORS = (
     (("_version", "errors", "_cdef", "defaults", "layers"),
      "the version; one exception hierarchy; the shim's cdef; the table of defaults; this list"),
     (("binding",), "one variant's cffi module in this process"),
-    (("_pin", "devices.base", "params", "counters", "stats", "synth", "rpc.network", "rpc.relay", "rpc.client",
-      "expert_trace"),
+    (("_pin", "devices.base", "params", "counters", "stats", "rpc.network", "rpc.relay", "rpc.client", "expert_trace"),
      "data: the upstream pin, what every device kind shares (`DeviceSpec`, the registry), `Placement` / "
-     "`ContextParams` (frozen, checked once), counter sums, statistics (`nmse`, `paired_ci`), synthetic GGUFs; ggml "
-     "RPC's bytes per ubatch, the loopback relay, the client's side; an expert trace"),
+     "`ContextParams` (frozen, checked once), counter sums, statistics (`nmse`, `paired_ci`); ggml RPC's transport: "
+     "bytes per ubatch, the loopback relay, the client's side; an expert trace"),
+    (("model_file", "switches", "rpc"),
+     "a GGUF file: its format, its header read once, a ModelError before native code reads it, the facts fit needs; "
+     "the patched build's switches: names, prefix, user values parsed once (`ExpertCache`), how they reach C; the "
+     "ggml RPC transport package"),
+    (("synth",), "synthetic GGUFs"),
     (("devices.cpu", "devices.cuda", "devices.vdev", "devices.rpc"), "one module per device kind"),
     (("devices",), "the registry of kinds and the public API of device specs"),
-    (("model_file", "plan", "jobs", "row", "expert_cache_sim"),
-     "a GGUF checked before native code reads it; a fit `Plan`; the worker contract (one dataclass per job kind, "
-     "`Job.load_key`); `Row` (the result row's fields, types and values, its JSONL/CSV writer, `frame`); expert-cache "
-     "hit rates simulated on a trace"),
-    (("session", "rpc.planning", "rpc.server", "expert_cache_plan"),
+    (("plan", "jobs", "row", "expert_cache_sim"),
+     "a fit `Plan`; the worker contract (one dataclass per job kind, `Job.load_key`); `Row` (the result row's fields, "
+     "types and values, its JSONL/CSV writer, `frame`); expert-cache hit rates simulated on a trace"),
+    (("session", "servers.planning", "servers.serve", "expert_cache_plan", "overlap_plan", "layer_major_plan"),
      "`Session` over two owners, `LoadedModel` and `Context`; fit's sums for RPC servers; a server of this machine's "
-     "devices; the device expert cache in a fit plan"),
-    (("rpc",), "the ggml RPC package"),
+     "devices; one planner per mechanism: the device expert cache, OVERLAP's early copies, LAYER_MAJOR's groups"),
+    (("servers", "predict"),
+     "this machine's side of ggml RPC above the transport; fit's model of time per phase (`predict`), from rates and "
+     "compute handed in"),
     (("worker.client",), "the parent's side of a worker: `run_job`, `ServingWorker`"),
     (("worker",), "the worker package"),
     (("worker.handlers.base",), "what every job handler shares"),
@@ -32,10 +37,13 @@ FLOORS = (
     (("worker.handlers",), "the handlers by job kind"),
     (("worker.loop",), "the worker process: `python -m pyllama_pp.worker [--serve]`"),
     (("worker.__main__",), "its entry point"),
-    (("compute",), "the compute probe (a layer's compute on a device, measured)"),
+    (("compute", "placement"),
+     "the compute probe (a layer's compute on a device, measured); fit's placement (its dry runs, with each "
+     "mechanism's plan)"),
+    (("planner",), "(n_batch, n_ubatch) chosen by predicted throughput; the probe is handed in"),
     (("fit", "soak", "check", "trace", "about"),
-     "fit plans (`fit`, `fit_ubatch`), the soak's API, the logits check, expert traces, what this install is "
-     "(`pyllama-pp info`)"),
+     "fit as users call it (`fit`, `fit_ubatch` with the probe), the soak's API, the logits check, expert traces, what "
+     "this install is (`pyllama-pp info`)"),
     (("config",), "A/B configurations: `RunConfig`, `expand`, `config_key`, `load_key`"),
     (("rows", "planning"), "rows from results; a user's choices to frozen RunConfigs and plans (`plan_runs`)"),
     (("runner",), "the A/B runner: `ab`, `interleaved`, `mixed_workload`"),

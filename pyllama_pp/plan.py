@@ -22,7 +22,7 @@ from .params import ContextParams, Placement
 FIT_STATUS = {0: "success", 1: "failure", 2: "error"}
 GiB = 1024**3
 MiB = 1024**2
-CACHE_SWITCH = "EXPERT_CACHE"   # the patched switch of the device expert cache (patch 0014)
+from .switches import EXPERT_CACHE as CACHE_SWITCH
 _EXPERT_NAMES = ("ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_exps.weight")
 _DENSE_FFN_NAMES = ("ffn_gate_inp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", "ffn_gate_shexp.weight")
 

@@ -5,7 +5,7 @@ the configs and prints; a Python caller with the same choices gets the same conf
 The steps, in order: a plan file's model and sizes (`--plan`), the context's defaults (pyllama_pp.defaults: RUN, or
 MAIN_JOB for `ab` without a model), the checks that need no worker (`check_choices`), `-ub auto` (fit_ubatch), the
 matrix (config.expand), and the placements of `--plan`, `-ub auto` and `--fit`. Switches (`--switch NAME=VALUE`) are
-parsed once (`parse_switches`) and checked against the patched build's table (`check_switches`).
+parsed once (`switches.parse_given`) and checked against the patched build's table (`check_switches`).
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from . import devices as devspec
-from . import expert_cache_plan, synth
+from . import switches, synth
 from .about import accepted_values, switch_table
 from .binding import VARIANTS, backend_modules
 from .config import RunConfig, expand
@@ -26,8 +26,8 @@ from .errors import ConfigError, DeviceSpecError
 from .fit import fit, fit_ubatch
 from .model_file import block_count, check_model_path
 from .params import INT32_MAX, ContextParams, Placement
-from .plan import CACHE_SWITCH, MiB, Plan
-from .worker.client import switch_env
+from .plan import Plan
+from .switches import ExpertCache
 
 CPU_ONLY_NOTE = ("--devices cpu (the default with a model): no accelerator, so no mechanism of the series acts and "
                  "both variants run the same CPU path. Name devices to measure it: --devices cuda (or cuda:0,1), or "
@@ -36,28 +36,6 @@ AUTO_CTX_SPARE = 256   # -ub auto without -c: n_ctx = the longest prompt (and de
 
 
 # -- switches ------------------------------------------------------------------------------------------------------
-def parse_switches(given: Optional[Iterable[str]]) -> dict:
-    """`--switch NAME=VALUE` strings (repeatable) as {NAME: value}, names upper-cased.
-
-    Args:
-        given: the strings (None: none).
-    Returns:
-        dict: NAME -> int.
-    Raises:
-        ConfigError: for a string that is not NAME=VALUE with an integer value.
-    """
-    switches = {}
-    for kv in given or []:
-        name, _, value = kv.partition("=")
-        if not name or not value:
-            raise ConfigError(f"--switch takes NAME=VALUE (e.g. UPLOAD_ALL=0), not {kv!r}")
-        try:
-            switches[name.upper()] = int(value)
-        except ValueError:
-            raise ConfigError(f"--switch {kv!r}: the value must be an integer (e.g. UPLOAD_ALL=0)") from None
-    return switches
-
-
 def check_switches(switches: dict, variants: Sequence[str]) -> None:
     """Switches for a run that has the patched build, each a name its table knows with a value in its range (one
     info job asks the table).
@@ -111,13 +89,14 @@ class Choices:
         workload: "mixed" for runner.MIXED_WORKLOAD in one context instead of the tests.
         load_mode: "none" or "mmap".
         offload_min_batch: GGML_OP_OFFLOAD_MIN_BATCH for both variants' workers.
-        switches: the patched build's switches, NAME -> value (parse_switches).
+        switches: the patched build's switches, NAME -> value (switches.parse_given).
         plan: a fit plan's file, applied to every variant.
         fit: "each" (each variant's own fit plan), "same" (the patched plan for every variant) or None.
         margin: memory fit leaves free per device (one size, or one per device).
-        expert_cache: the patched build's device expert cache: "auto" (what fit's plan leaves free; with --fit, -ub
-            auto or the main job's fit), a size ("512MiB" a device; without a fit, the switch alone) or 0 (None:
-            fit's default, FIT.expert_cache, where fit plans; none elsewhere).
+        expert_cache: the patched build's device expert cache (an ExpertCache; its text forms are parsed into one):
+            "auto" (what fit's plan leaves free; with --fit, -ub auto or the main job's fit), a size ("512MiB" a
+            device) or slots a layer ("16slots"; without a fit, either is the switch alone), or 0 (None: fit's
+            default, FIT.expert_cache, where fit plans; none elsewhere).
         baseline_devices: per device spec, the baseline's RPC servers on the same hosts.
         paired: rounds of a paired run (None: -r reps per worker).
         loads: fresh loads of a paired run.
@@ -144,10 +123,14 @@ class Choices:
     plan: Optional[str] = None
     fit: Optional[str] = None
     margin: Optional[tuple] = None
-    expert_cache: Optional[str] = None
+    expert_cache: Optional[ExpertCache] = None
     baseline_devices: Optional[tuple] = None
     paired: Optional[int] = None
     loads: int = PAIRED.loads
+
+    def __post_init__(self):
+        if self.expert_cache is not None and not isinstance(self.expert_cache, ExpertCache):   # (parsed once, here)
+            object.__setattr__(self, "expert_cache", ExpertCache.parse(self.expert_cache))
 
     @property
     def variants(self) -> list[str]:
@@ -332,28 +315,29 @@ def _check_modes(c: Choices) -> None:
 
 
 def _check_expert_cache(c: Choices) -> None:
-    """--expert-cache: a value expert_cache_plan.parse takes, for a run with the patched build, not beside --switch
+    """--expert-cache: a value ExpertCache.parse takes, for a run with the patched build, not beside --switch
     EXPERT_CACHE or a plan file (whose cache fit planned already); auto only where fit plans."""
     if c.expert_cache is None:
         return
-    asked = expert_cache_plan.parse(c.expert_cache, "patched" if "patched" in c.variants else c.variant)
-    if asked and CACHE_SWITCH in c.switches:
-        raise ConfigError(f"--expert-cache {c.expert_cache} and --switch {CACHE_SWITCH}=... set the same switch: give "
-                          "one of them")
+    asked = ExpertCache.parse(c.expert_cache, "patched" if "patched" in c.variants else c.variant)
+    if asked and switches.EXPERT_CACHE in c.switches:
+        raise ConfigError(f"--expert-cache {asked.text} and --switch {switches.EXPERT_CACHE}=... set the same switch: "
+                          "give one of them")
     if asked and c.plan:
-        raise ConfigError(f"--expert-cache {c.expert_cache}: the plan {c.plan} has its expert cache planned already "
+        raise ConfigError(f"--expert-cache {asked.text}: the plan {c.plan} has its expert cache planned already "
                           f"(its switches). Fix: drop --expert-cache, or make the plan with `pyllama-pp fit ... "
-                          f"--expert-cache {c.expert_cache} -o PLAN.json`")
-    if asked == "auto" and not (c.fit or c.n_ubatch == "auto"):
+                          f"--expert-cache {asked.text} -o PLAN.json`")
+    if asked.auto and not (c.fit or c.n_ubatch == "auto"):
         raise ConfigError("--expert-cache auto sizes the cache from fit's plan: add --fit (or -ub auto), or give a "
                           "size (e.g. --expert-cache 512MiB)")
 
 
 def _cache_switches(c: Choices) -> dict:
-    """--expert-cache SIZE without a fit: EXPERT_CACHE for the patched runs as it is (MiB a device), planned by no
-    one; {} where fit plans the cache (it adds the switch to its plan) or none was asked."""
-    asked = expert_cache_plan.parse(c.expert_cache, "patched") if c.expert_cache is not None else 0
-    return {CACHE_SWITCH: asked // MiB} if asked and asked != "auto" and not (c.fit or c.n_ubatch == "auto") else {}
+    """--expert-cache SIZE or Nslots without a fit: EXPERT_CACHE for the patched runs as it is (MiB a device, or -N
+    slots a layer), planned by no one; {} where fit plans the cache (it adds the switch to its plan) or none was
+    asked."""
+    asked = ExpertCache.parse(c.expert_cache)
+    return {switches.EXPERT_CACHE: asked.switch} if asked.switch and not (c.fit or c.n_ubatch == "auto") else {}
 
 
 def check_choices(c: Choices, model: Optional[str] = None) -> list[str]:
@@ -420,7 +404,7 @@ def _ubatch_auto(c: Choices, model: str, progress: bool) -> tuple[Choices, Optio
     plan = fit_ubatch(model, devices=c.devices[0], margin=c.margin, expert_cache=c.expert_cache, n_tokens=max(c.pp),
                       n_batch=max(c.n_batch) if c.n_batch else None, load_mode=c.load_mode, progress=progress,
                       ctx=ContextParams(n_ctx=n_ctx, n_batch=CONTEXT.n_batch, n_ubatch=CONTEXT.n_ubatch),
-                      env=switch_env(c.switches) or None)   # (the switches' memory and groups, planned)
+                      switches=c.switches)   # (the switches' memory and groups, planned)
     return dataclasses.replace(c, n_ubatch=(plan.ctx["n_ubatch"],), n_batch=(plan.ctx["n_batch"],)), plan
 
 
@@ -456,18 +440,17 @@ def _with_plan(cfg: RunConfig, plan: Plan, model: str, variants: Sequence[str], 
 def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, made: list) -> RunConfig:
     """cfg placed by fit: each variant's own plan (each), or the patched build's for every variant (same)."""
     ctx = ContextParams(n_ctx=cfg.context().n_ctx, n_batch=cfg.n_batch, n_ubatch=min(cfg.n_ubatch, cfg.n_batch))
-    plans, switches = {}, dict(cfg.switches)
+    plans, run_switches = {}, dict(cfg.switches)
     for v in (["patched"] if c.fit == "same" else variants):
-        env = {**cfg.env, **(switch_env(cfg.switches) if v == "patched" else {})}
-        p = fit(model, devices=cfg.devices_for(v), ctx=ctx, variant=v, margin=c.margin, env=env or None,
-                expert_cache=c.expert_cache if v == "patched" else 0)
+        p = fit(model, devices=cfg.devices_for(v), ctx=ctx, variant=v, margin=c.margin, env=cfg.env or None,
+                expert_cache=c.expert_cache if v == "patched" else None, switches=cfg.switches)
         made.append(p)
         plans[v] = p.placement(c.load_mode, source="fit")
         if v == "patched":
-            switches = {**p.switches, **cfg.switches}
+            run_switches = {**p.switches, **cfg.switches}
     if c.fit == "same":
         plans = {v: plans["patched"] for v in variants}
-    return dataclasses.replace(cfg, plans=plans, switches=switches)
+    return dataclasses.replace(cfg, plans=plans, switches=run_switches)
 
 
 def cpu_only_notes(configs: Sequence[RunConfig]) -> list[str]:
@@ -514,5 +497,5 @@ def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
                    notes=tuple(notes), choices=c)
 
 
-__all__ = ["Choices", "RunPlan", "plan_runs", "check_choices", "parse_switches", "check_switches",
+__all__ = ["Choices", "RunPlan", "plan_runs", "check_choices", "check_switches",
            "placements", "tests_of", "models_dir", "main_job_model", "cpu_only_notes"]

@@ -10,9 +10,9 @@ from typing import Optional, Union
 import numpy as np
 
 from . import devices as devspec
+from . import switches
 from .errors import ConfigError, DeviceSpecError
 from .stats import Contention
-from .worker.client import SWITCH_ENV_PREFIX
 
 # the causes of the patched build's host waits (the scheduler's ggml_sched_pp_wait_names), as the legend explains them
 WAIT_CAUSES = {
@@ -158,7 +158,7 @@ def switches_text(r) -> str:
     if r is None:
         return ""
     env = r.get("env") if isinstance(r.get("env"), dict) else {}
-    given = {k.removeprefix(SWITCH_ENV_PREFIX): v for k, v in env.items() if k.startswith(SWITCH_ENV_PREFIX)}
+    given = switches.in_env(env)
     given.update(r.get("switches") if isinstance(r.get("switches"), dict) else {})
     return " ".join(f"{k}={v}" for k, v in sorted(given.items()))
 

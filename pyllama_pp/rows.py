@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import devices as devspec
+from . import switches
 from .binding import backend_modules, build_info
 from .config import RunConfig, config_key
 from .jobs import depth_of, test_name
@@ -18,7 +19,7 @@ from .row import Row
 
 
 def _env_knobs(extra: dict) -> dict:
-    env = {k: v for k, v in os.environ.items() if k.startswith(("GGML_SCHED_PP_", "GGML_OP_OFFLOAD", "GGML_CUDA_"))}
+    env = {k: v for k, v in os.environ.items() if k.startswith((switches.PREFIX, "GGML_OP_OFFLOAD", "GGML_CUDA_"))}
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -91,6 +91,27 @@ class Split:
         return out
 
 
+def apply_switches(native: binding.Native, variant: str, switches: Optional[dict]) -> None:
+    """Set the patched build's switches in this process (pp_ext_set_param: the scheduler reads them when it is made):
+    how a run's and a fit dry run's switches reach C.
+
+    Raises:
+        UnsupportedError: for switches on a build without the table (the baseline).
+        ConfigError: for a name the table does not know or a value out of its range.
+    """
+    if not switches:
+        return
+    if native.lib.pp_ext_version() <= 0:
+        raise UnsupportedError(f"the {variant} build has no scheduler switches ({sorted(switches)})")
+    for k, v in switches.items():
+        try:
+            native.check(native.lib.pp_ext_set_param(str(k).upper().encode(), int(v)))
+        except UnsupportedError:
+            raise
+        except PyllamaError as e:
+            raise ConfigError(str(e)) from None
+
+
 def env_problems(native: binding.Native) -> list[str]:
     """GGML_SCHED_PP_* variables of this process's environment that the variant's switch table does not accept (a
     name it does not know, a value out of range), one line each; none for a build without the table."""
@@ -410,17 +431,7 @@ class Session:
                               ". Fix: unset or correct the variable (pyllama-pp info lists the switches)")
 
     def _apply_switches(self, switches: dict) -> None:
-        if not switches:
-            return
-        if self.native.lib.pp_ext_version() <= 0:
-            raise UnsupportedError(f"the {self.variant} build has no scheduler switches ({sorted(switches)})")
-        for k, v in switches.items():
-            try:
-                self.native.check(self.native.lib.pp_ext_set_param(str(k).upper().encode(), int(v)))
-            except UnsupportedError:
-                raise
-            except PyllamaError as e:
-                raise ConfigError(str(e)) from None
+        apply_switches(self.native, self.variant, switches)
 
     def set_context(self, ctx: Union[ContextParams, dict]) -> None:
         """Replace the llama context (n_batch, n_ubatch, n_ctx, ...) and keep the loaded model: a sweep over batch

@@ -91,7 +91,6 @@ import hashlib
 import json
 import math
 import os
-import struct
 import sys
 import tempfile
 import time
@@ -104,6 +103,8 @@ import gguf
 import numpy as np
 
 from .defaults import CONTEXT
+from .model_file import (GGML_BF16, GGML_F16, GGML_F32, GGML_MXFP4, GGML_Q4_K, GGML_Q8_0, GGML_TYPES, STREAM_ROUTINGS,
+                         _nbytes, _pad)
 
 __all__ = [
     "SynthConfig",
@@ -116,7 +117,6 @@ __all__ = [
     "write_gguf",
     "expert_bytes_per_layer",
     "estimate_file_bytes",
-    "read_gguf_header",
     "TILE_MIN_ELEMENTS",
     "SYNTH_FORMAT_VERSION",
     "ROUTING_MODES",
@@ -132,41 +132,6 @@ TILE_MIN_ELEMENTS = 1 << 24
 # the families synth writes: gguf-py's architecture for each (tensor names and metadata keys come from it)
 ARCHS = {"qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "llama": gguf.MODEL_ARCH.LLAMA, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
          "glm4moe": gguf.MODEL_ARCH.GLM4_MOE, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS}
-GGUF_MAGIC = b"GGUF"
-GGUF_VERSION = 3
-ALIGNMENT = 32
-
-# gguf value types (ggml/include/gguf.h)
-GGUF_UINT8, GGUF_INT8, GGUF_UINT16, GGUF_INT16, GGUF_UINT32, GGUF_INT32 = 0, 1, 2, 3, 4, 5
-GGUF_FLOAT32, GGUF_BOOL, GGUF_STRING, GGUF_ARRAY = 6, 7, 8, 9
-GGUF_UINT64, GGUF_INT64, GGUF_FLOAT64 = 10, 11, 12
-
-_SCALAR_FMT = {
-    GGUF_UINT8: "<B", GGUF_INT8: "<b", GGUF_UINT16: "<H", GGUF_INT16: "<h",
-    GGUF_UINT32: "<I", GGUF_INT32: "<i", GGUF_FLOAT32: "<f", GGUF_BOOL: "<?",
-    GGUF_UINT64: "<Q", GGUF_INT64: "<q", GGUF_FLOAT64: "<d",
-}
-_SCALAR_NP = {
-    GGUF_UINT8: "<u1", GGUF_INT8: "<i1", GGUF_UINT16: "<u2", GGUF_INT16: "<i2",
-    GGUF_UINT32: "<u4", GGUF_INT32: "<i4", GGUF_FLOAT32: "<f4", GGUF_BOOL: "<u1",
-    GGUF_UINT64: "<u8", GGUF_INT64: "<i8", GGUF_FLOAT64: "<f8",
-}
-
-# ggml tensor types: id -> (name, block size, bytes per block)
-GGML_F32, GGML_F16, GGML_Q8_0, GGML_Q4_K, GGML_BF16, GGML_MXFP4 = 0, 1, 8, 12, 30, 39
-# every type the pinned ggml reads from a GGUF (ggml.h; 4, 5, 31-33 and 36-38 were removed)
-_GGML_TYPES: Dict[int, Tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
-    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
-    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
-    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
-    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
-    28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
-    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18), 42: ("Q2_0", 64, 18),
-}
-
 # llama_ftype values (include/llama.h): the file's type is its experts' (most of its bytes), as llama-quantize names
 # a Q4_K_M or MXFP4_MOE file whose other tensors are Q8_0 or F16
 _FILE_TYPE = {"q8_0": 7, "f16": 1, "bf16": 32, "q4_k": 15, "mxfp4": 38}
@@ -187,8 +152,6 @@ DEFAULT_SKEW = 1.0   # routing="skewed" without a skew (preset(), the CLI): abou
 DEFAULT_LOCALITY = 0.81
 DEFAULT_LOCALITY_SPAN = 16.0
 DEFAULT_LOCALITY_SKEW = 0.13
-#: routing modes whose routing follows a stream of consecutive token ids (the bench feeds them such a stream)
-STREAM_ROUTINGS = ("locality",)
 
 # std of a uniform int8 in [-128, 127]
 _INT8_STD = math.sqrt((256.0 ** 2 - 1.0) / 12.0)
@@ -434,11 +397,11 @@ class SynthConfig:
     def _validate_rows(self) -> None:
         dense, experts = self.row_lengths()
         for field, tname, rows in (("type", self.type, dense), ("expert_type", self.expert_type, experts)):
-            name, blck, _ = _GGML_TYPES[_EXPERT_TYPE[tname]] if tname else ("", 1, 0)
+            name, blck, _ = GGML_TYPES[_EXPERT_TYPE[tname]] if tname else ("", 1, 0)
             for what, n in rows:
                 if n % blck:
                     fit = sorted(t for t, g in (_EXPERT_TYPE if field == "expert_type" else _WEIGHT_TYPE).items()
-                                 if n % _GGML_TYPES[g][1] == 0)
+                                 if n % GGML_TYPES[g][1] == 0)
                     raise ValueError(f"{name} needs row lengths that are multiples of {blck}: {what} = {n}; choose a "
                                      f"multiple of {blck} there, or {field} one of {fit}")
 
@@ -525,18 +488,6 @@ def preset(name: str, **overrides: Any) -> SynthConfig:
 
 # ----------------------------------------------------------------------------------------------
 # tensor plan
-
-
-def _nbytes(ne: Tuple[int, ...], gtype: int) -> int:
-    _, blck, tsize = _GGML_TYPES[gtype]
-    n = 1
-    for d in ne:
-        n *= d
-    return n // blck * tsize
-
-
-def _pad(n: int, align: int = ALIGNMENT) -> int:
-    return (n + align - 1) // align * align
 
 
 @dataclass
@@ -886,7 +837,7 @@ def _mxfp4_blocks(g: np.random.Generator, nb: int, scale: float) -> np.ndarray:
 
 
 # per type: (elements per unit, bytes per unit, generator of n units): the unit of fresh chunks and pools is a block
-_UNITS = {g: (*_GGML_TYPES[g][1:], make) for g, make in ((GGML_Q8_0, _q8_blocks), (GGML_F16, _f16_values),
+_UNITS = {g: (*GGML_TYPES[g][1:], make) for g, make in ((GGML_Q8_0, _q8_blocks), (GGML_F16, _f16_values),
                                                            (GGML_BF16, _bf16_values), (GGML_Q4_K, _q4k_blocks),
                                                            (GGML_MXFP4, _mxfp4_blocks))}
 
@@ -1065,154 +1016,4 @@ def write_gguf(path, cfg: SynthConfig, progress: bool = False) -> Dict[str, Any]
         "routing": cfg.routing,
         "skew": cfg.skew,
         "seed": cfg.seed,
-    }
-
-
-# ----------------------------------------------------------------------------------------------
-# reader
-
-
-class _Reader:
-    def __init__(self, f: BinaryIO, path: str, size: int):
-        self.f, self.path, self.size = f, path, size
-
-    def fail(self, msg: str) -> ValueError:
-        return ValueError(f"{self.path}: not a valid GGUF file: {msg}")
-
-    def read(self, n: int) -> bytes:
-        pos = self.f.tell()
-        if n < 0 or pos + n > self.size:
-            raise self.fail(f"truncated (needs {n} bytes at offset {pos}, file has {self.size})")
-        b = self.f.read(n)
-        if len(b) != n:
-            raise self.fail(f"truncated (short read at offset {pos})")
-        return b
-
-    def unpack(self, fmt: str):
-        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
-
-    def string(self) -> str:
-        n = self.unpack("<Q")
-        return self.read(n).decode("utf-8", errors="replace")
-
-    def value(self, gtype: int):
-        if gtype == GGUF_STRING:
-            return self.string()
-        if gtype == GGUF_ARRAY:
-            etype = self.unpack("<I")
-            n = self.unpack("<Q")
-            if etype == GGUF_STRING:
-                if n * 8 > self.size:
-                    raise self.fail(f"string array of {n} entries cannot fit")
-                return [self.string() for _ in range(n)]
-            if etype not in _SCALAR_NP:
-                raise self.fail(f"invalid array element type {etype}")
-            dt = np.dtype(_SCALAR_NP[etype])
-            arr = np.frombuffer(self.read(n * dt.itemsize), dtype=dt)
-            return (arr != 0).tolist() if etype == GGUF_BOOL else arr.tolist()
-        if gtype not in _SCALAR_FMT:
-            raise self.fail(f"invalid value type {gtype}")
-        return self.unpack(_SCALAR_FMT[gtype])
-
-
-def read_gguf_header(path) -> Dict[str, Any]:
-    """Parse a GGUF file's header (metadata and tensor infos) without reading tensor data.
-
-    Returns ``{"path", "version", "alignment", "n_kv", "n_tensors", "kv": {key: value},
-    "kv_types": {key: gguf type id}, "tensors": [{"name", "shape" (ggml order, ne[0] first),
-    "type" (ggml type id), "type_name", "offset" (relative to the data section), "file_offset",
-    "nbytes", "info_offset" (where its tensor info starts)}], "data_offset", "file_size",
-    "kv_offsets": {key: (where its entry starts, where its type id is)}, "ti_offset" (where the tensor infos
-    start)}``.  Arrays come back as lists.
-
-    Raises ValueError (message names the file) for a non-GGUF, malformed or truncated file.
-    """
-    path = os.fspath(path)
-    try:
-        size = os.path.getsize(path)
-        f = open(path, "rb", buffering=1 << 20)
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read GGUF file: {e}") from e
-    with f:
-        r = _Reader(f, path, size)
-        if size < 4 or f.read(4) != GGUF_MAGIC:
-            raise r.fail("bad magic (expected 'GGUF')")
-        version = r.unpack("<I")
-        if version not in (2, 3):
-            raise r.fail(f"unsupported version {version}")
-        n_tensors = r.unpack("<Q")   # (uint64 in the format)
-        n_kv = r.unpack("<Q")
-        # (the smallest entries: a 1-byte key, a type and a 1-byte value; a 1-byte name, 1 dimension, type, offset)
-        if n_tensors < 0 or n_kv < 0 or 24 + 14 * n_kv + 30 * n_tensors > size:
-            raise r.fail(f"implausible counts (n_tensors={n_tensors}, n_kv={n_kv}: more than a file of {size} "
-                         "bytes can hold)")
-        kv: Dict[str, Any] = {}
-        kv_types: Dict[str, int] = {}
-        kv_offsets: Dict[str, Tuple[int, int]] = {}
-        for _ in range(n_kv):
-            at = f.tell()
-            key = r.string()
-            if not key:
-                raise r.fail("empty key")
-            if key in kv:
-                raise r.fail(f"duplicate key {key!r}")
-            type_at = f.tell()
-            gtype = r.unpack("<I")
-            kv[key] = r.value(gtype)
-            kv_types[key] = gtype
-            kv_offsets[key] = (at, type_at)
-        alignment = kv.get("general.alignment", ALIGNMENT)
-        if "general.alignment" in kv and kv_types["general.alignment"] != GGUF_UINT32:
-            raise r.fail(f"general.alignment must be a uint32, not of gguf type {kv_types['general.alignment']}")
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise r.fail(f"bad general.alignment {alignment!r}")
-        tensors = []
-        ti_offset = f.tell()
-        for _ in range(n_tensors):
-            info_at = f.tell()
-            name = r.string()
-            n_dims = r.unpack("<I")
-            if n_dims < 1 or n_dims > 4:
-                raise r.fail(f"tensor {name!r} has {n_dims} dimensions")
-            shape = list(struct.unpack(f"<{n_dims}q", r.read(8 * n_dims)))
-            if any(d < 0 for d in shape):
-                raise r.fail(f"tensor {name!r} has a negative dimension {shape}")
-            gtype = r.unpack("<I")
-            offset = r.unpack("<Q")
-            info = _GGML_TYPES.get(gtype)
-            if info is None:
-                raise r.fail(f"tensor {name!r} has an unknown tensor type {gtype}")
-            nbytes = None
-            if info is not None:
-                if shape[0] % info[1]:
-                    raise r.fail(f"tensor {name!r}: row length {shape[0]} not a multiple of {info[1]} ({info[0]})")
-                nbytes = _nbytes(tuple(shape), gtype)
-            tensors.append({"name": name, "shape": shape, "type": gtype,
-                            "type_name": info[0] if info else f"type{gtype}",
-                            "offset": offset, "nbytes": nbytes, "info_offset": info_at})
-        data_offset = _pad(f.tell(), alignment) if n_tensors else f.tell()
-    expected: Optional[int] = 0  # None once a tensor of unknown type size was seen
-    for t in tensors:
-        t["file_offset"] = data_offset + t["offset"]
-        if t["offset"] % alignment:
-            raise ValueError(f"{path}: not a valid GGUF file: tensor {t['name']!r} offset "
-                             f"{t['offset']} is not aligned to {alignment}")
-        if expected is not None and t["offset"] != expected:
-            raise ValueError(f"{path}: not a valid GGUF file: tensor {t['name']!r} has offset "
-                             f"{t['offset']}, expected {expected}")
-        if t["nbytes"] is None:
-            expected = None
-            continue
-        end = t["file_offset"] + t["nbytes"]
-        if end > size:
-            raise ValueError(f"{path}: truncated GGUF file: tensor {t['name']!r} ends at byte "
-                             f"{end}, file has {size}")
-        if expected is not None:
-            expected += _pad(t["nbytes"], alignment)
-    return {
-        "path": path, "version": version, "alignment": alignment, "n_kv": n_kv,
-        "n_tensors": n_tensors, "kv": kv, "kv_types": kv_types, "tensors": tensors,
-        "data_offset": data_offset, "file_size": size,
-        # where each part starts in the file (bench/fuzz_gguf.py aims its corruptions with these)
-        "kv_offsets": kv_offsets, "ti_offset": ti_offset,
     }

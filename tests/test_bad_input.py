@@ -12,7 +12,7 @@ import pytest
 
 from pyllama_pp import DecodeError, DeviceSpecError, cli, runner, worker
 from pyllama_pp.binding import backend_modules
-from pyllama_pp.rpc.server import free_port
+from pyllama_pp.servers.serve import free_port
 
 
 def _argparse_error(capsys, argv: list[str]) -> str:

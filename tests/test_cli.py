@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_pp import ConfigError, worker
+from pyllama_pp import ConfigError, model_file, worker
 from pyllama_pp.params import ContextParams, Placement
 
 
@@ -45,14 +45,14 @@ def test_synth_families_and_expert_types(usage_error, no_worker, tmp_path, capsy
     """synth writes the new families with the experts' type of the preset or of --expert-type, and says what to change
     when the experts' rows do not fit the type's blocks."""
     import json
-    from pyllama_pp import cli, synth
+    from pyllama_pp import cli
     for preset, etype, want in (("gptoss-tiny", None, "MXFP4"), ("deepseek2-tiny", "bf16", "BF16"),
                                 ("tiny", "mxfp4", "MXFP4")):
         out = tmp_path / f"{preset}.gguf"
         argv = ["synth", str(out), "--preset", preset, "--n-layer", "2", "--json"]
         assert cli.main(argv + (["--expert-type", etype] if etype else [])) == 0
         s = json.loads(capsys.readouterr().out)
-        t = {x["name"]: x["type_name"] for x in synth.read_gguf_header(out)["tensors"]}
+        t = {x["name"]: x["type_name"] for x in model_file.read_gguf_header(out)["tensors"]}
         assert s["expert_type"] == want.lower() and t["blk.1.ffn_down_exps.weight"] == want, (preset, s)
     line = usage_error(["synth", str(tmp_path / "q.gguf"), "--preset", "tiny", "--expert-type", "q4_k"])
     assert "Q4_K needs row lengths that are multiples of 256" in line and "expert_type one of" in line, line

@@ -13,7 +13,7 @@ from pathlib import Path
 from pyllama_pp import cli, defaults
 from pyllama_pp.check import check_logits
 from pyllama_pp.config import RunConfig, expand
-from pyllama_pp.fit import fit_context
+from pyllama_pp.placement import fit_context
 from pyllama_pp.jobs import LogitsJob, MeasureJob
 from pyllama_pp.params import ContextParams, Placement
 
@@ -32,9 +32,9 @@ ALLOWED = {
     ("soak", "SoakResult", "expert_cache"): "the EXPERT_CACHE a soak ran with (a result), not fit's choice",
     ("soak", "judge", "expert_cache"): "the EXPERT_CACHE a soak ran with (a result), not fit's choice",
     # TODO: rpc/server.py's signatures to read defaults.RPC_HOST, RPC_PORT and CONTEXT.variant, as the CLI does
-    ("rpc.server", "serve", "variant"): "rpc/server.py's signatures",
-    ("rpc.server", "spawn_server", "variant"): "rpc/server.py's signatures",
-    ("rpc.server", "wait_listening", "timeout"): "rpc/server.py's signatures (a server's start, not a job)",
+    ("servers.serve", "serve", "variant"): "servers/serve.py's signatures",
+    ("servers.serve", "spawn_server", "variant"): "servers/serve.py's signatures",
+    ("servers.serve", "wait_listening", "timeout"): "servers/serve.py's signatures (a server's start, not a job)",
 }
 
 

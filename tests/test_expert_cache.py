@@ -16,7 +16,7 @@ import pytest
 from pyllama_pp import cli, synth
 from pyllama_pp.expert_cache_sim import guard, simulate
 from pyllama_pp.expert_trace import ExpertTrace
-from pyllama_pp.rpc.server import spawn_server, wait_listening
+from pyllama_pp.servers.serve import spawn_server, wait_listening
 
 DECODE = {"n_ctx": 64, "n_batch": 1, "n_ubatch": 1}   # every token a batch of its own: below the threshold
 HOST_ALL = {"host_experts": "all"}

@@ -13,8 +13,9 @@ import pytest
 
 from pyllama_pp import cli, devices as devspec, report, synth
 from pyllama_pp.errors import ConfigError
-from pyllama_pp.expert_cache_plan import Layout, auto_switch, parse
-from pyllama_pp.fit import fit, reserved_bytes
+from pyllama_pp.expert_cache_plan import Layout, auto_switch
+from pyllama_pp.fit import fit
+from pyllama_pp.placement import reserved_bytes
 from pyllama_pp.params import ContextParams
 from pyllama_pp.plan import Plan
 from pyllama_pp.row import Row, frame
@@ -96,17 +97,6 @@ def test_auto_without_room_for_a_tokens_experts_plans_none():
     assert auto_switch(TINY, [0, 0], [50 * MiB, 50 * MiB]) == 0
 
 
-def test_the_values_it_takes():
-    assert parse("auto") == parse(" AUTO ") == "auto"
-    assert parse("2GiB") == 2 * 1024 * MiB and parse("1.5MiB") == MiB and parse(3 * MiB) == 3 * MiB
-    assert parse(0) == parse("0") == parse(None) == parse(None, "baseline") == 0   # (FIT's default: none)
-    for bad, words in (("lots", "give auto"), ("-1MiB", "give auto"), ("100KiB", "whole MiB")):
-        with pytest.raises(ConfigError, match=words):
-            parse(bad)
-    with pytest.raises(ConfigError, match="baseline build has no expert cache"):
-        parse("auto", "baseline")
-
-
 # --- fit -------------------------------------------------------------------------------------------------------
 
 def test_auto_takes_what_the_plan_leaves_free(plans):
@@ -154,7 +144,7 @@ def test_a_size_is_reserved_before_placing(plans, model):
     more layers keep their experts in host RAM than without it, and each device's slots fit in it."""
     p0, ps = plans(0), plans("2MiB")
     spec = devspec.parse(SPEC)
-    assert reserved_bytes(model, spec, "patched", None, 2 * MiB) == {"expert_cache": 2 * MiB}
+    assert reserved_bytes(model, spec, "patched", {}, 2 * MiB) == {"expert_cache": 2 * MiB}
     assert ps.margins == [m + 2 * MiB for m in p0.margins] and ps.switches["EXPERT_CACHE"] == 2
     assert sum(ps.host_expert_layers) > sum(p0.host_expert_layers), (ps.host_expert_layers, p0.host_expert_layers)
     for d in ps.devices:
@@ -180,7 +170,7 @@ def test_no_cache_leaves_the_plan_as_it_was(plans, model):
     assert "expert_cache" not in d and not any(k.startswith("cache_") for x in d["devices"] for k in x)
     assert "expert cache" not in str(p0) and "cache_bytes" not in p0.to_frame()
     assert "EXPERT_CACHE" not in p0.switches and "expert_cache" not in reserved_bytes(model, devspec.parse(SPEC),
-                                                                                      "patched", None)
+                                                                                      "patched", {})
     with pytest.raises(ConfigError, match="baseline build has no expert cache"):
         fit(model, devices=SPEC, ctx=CTX, variant="baseline", expert_cache="auto")
 

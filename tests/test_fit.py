@@ -280,7 +280,7 @@ def test_one_margin_is_every_devices_margin(plans, model):
     in the plan and in what fit is given (checking one margin against a count of 1 would refuse every GPU found
     beyond the first)."""
     from pyllama_pp import devices as devspec
-    from pyllama_pp.fit import _margins
+    from pyllama_pp.placement import _margins
     assert _margins("1GiB", devspec.parse("cuda")) == [1024**3]
     assert _margins(["1GiB", "2GiB"], devspec.parse("cuda")) == [1024**3, 2 * 1024**3]
     with pytest.raises(ConfigError, match="3 margins for 2 devices"):
@@ -367,7 +367,8 @@ def test_ubatch_auto_picks_the_fastest_pair_the_bytes_bound_predicts(model):
     the search upward, and it and every larger one is named with why and a fix; each placed candidate takes the
     n_batch of batch_choices its prediction puts first, and the pair predicted fastest wins. Without compute a
     prediction is the bytes bound."""
-    from pyllama_pp.fit import batch_choices, fit_ubatch, predict, predicted_ts
+    from pyllama_pp.fit import fit_ubatch
+    from pyllama_pp.predict import batch_choices, predict, predicted_ts
     from pyllama_pp.model_file import expert_bytes_per_layer
     ctx = ContextParams(n_ctx=1024, n_batch=256, n_ubatch=128)
     p = fit_ubatch(model, devices=TWO_EQUAL, ctx=ctx, timeout=120, count_compute=False)
@@ -419,7 +420,7 @@ def test_batch_choices_and_the_fill_per_batch():
     """n_batch choices are n_ubatch times powers of two below the cap, and the cap; a batch's fill is paid once per
     batch, so the prediction rises with n_batch and one ubatch a batch pipelines nothing; a last short ubatch counts
     as a whole one."""
-    from pyllama_pp.fit import batch_choices, predict
+    from pyllama_pp.predict import batch_choices, predict
     assert batch_choices(64, 1000) == [64, 128, 256, 512, 1000]
     assert batch_choices(512, 512) == [512] and batch_choices(300, 1000) == [300, 600, 1000]
     plan = _all_host_plan(n_batch=1000)
@@ -471,7 +472,7 @@ def test_prediction_counts_compute_beside_the_copies():
     each host-expert layer takes the longer of its copy and its compute; with OVERLAP=0 they add up; the larger of
     the slowest stage's two names the bound."""
     from pyllama_pp.compute import LayerCompute
-    from pyllama_pp.fit import predict
+    from pyllama_pp.predict import predict
     from pyllama_pp.plan import DevicePlan, Plan
     dev = lambda first, end, h: DevicePlan(name="VDEV", layers=[first, end], full_layers=end - first - h,
                                            host_expert_layers=h, model_bytes=0, context_bytes=0, compute_bytes=0,
@@ -507,7 +508,7 @@ def test_prediction_counts_each_servers_network():
     without the model's hidden size) is the plan without a network."""
     from pyllama_pp.rpc import network
     from pyllama_pp.compute import LayerCompute
-    from pyllama_pp.fit import predict
+    from pyllama_pp.predict import predict
     from pyllama_pp.plan import DevicePlan, Plan
     net = {"up_gbps": 0.01, "down_gbps": 0.02, "rtt_s": 1e-4}
     dev = lambda first, end, server, last: DevicePlan(
@@ -656,7 +657,9 @@ def test_links_are_measured_and_predictions_use_them(model, tmp_path, monkeypatc
     """fit_ubatch measures each device's host link once (pinned and pageable copies) and, for an mmap-ed model, the
     host's staging copy (cached for later plans); a rate given wins, then the measured one, then the spec's own."""
     from pyllama_pp import devices as devspec
-    from pyllama_pp.fit import cached_host_copy, fit_ubatch, link_rates
+    from pyllama_pp.fit import fit_ubatch
+    from pyllama_pp.placement import cached_host_copy
+    from pyllama_pp.predict import link_rates
     monkeypatch.setenv("PYLLAMA_PP_CACHE", str(tmp_path))
     p = fit_ubatch(model, devices=TWO_EQUAL, ctx=ContextParams(n_ctx=512), count_compute=False, load_mode="mmap",
                    candidates=(64, 128), timeout=120)
@@ -673,7 +676,7 @@ def test_links_are_measured_and_predictions_use_them(model, tmp_path, monkeypatc
 def test_an_mmap_ed_models_copies_wait_for_the_staging_copy():
     """The patched build stages an mmap-ed model's experts through pinned slots: a copy moves at the slower of the
     link and the host's copy, and one copier serves every device (each ubatch waits for all devices' bytes)."""
-    from pyllama_pp.fit import predict
+    from pyllama_pp.predict import predict
     plan = _all_host_plan(n_batch=4000)
     pinned = predict(plan, 1e6, [1.0, 1.0], n_tokens=4000)
     assert pinned.ts == pytest.approx(4000 / (3 * 3e-3 + 6e-3))
@@ -696,7 +699,7 @@ def _layer_major(v) -> dict:
 def test_layer_major_group_size():
     """K = min(LAYER_MAJOR, n_batch / n_ubatch), 1 meaning every ubatch of a batch, as llama forms the groups; none
     (1) without the switch, for the baseline, with one ubatch a batch or no host experts."""
-    from pyllama_pp.fit import layer_major_group
+    from pyllama_pp.layer_major_plan import layer_major_group
     plan = _all_host_plan(n_batch=4000)
     assert layer_major_group(plan) == 1
     for v, nb, k in ((1, 4000, 4), (1, 3500, 4), (2, 4000, 2), (8, 4000, 4), (1, 1000, 1), (3, 2000, 2)):
@@ -713,7 +716,7 @@ def test_prediction_with_groups_moves_a_layers_experts_once_a_group():
     batch that is one group (LAYER_MAJOR=1) runs its stages in turn (groups, not ubatches, pipeline); two groups a
     batch pipeline; with compute, a group computes K ubatches beside its copies (OVERLAP=2)."""
     from pyllama_pp.compute import LayerCompute
-    from pyllama_pp.fit import predict
+    from pyllama_pp.predict import predict
     plan = _all_host_plan(n_batch=4000)   # six host-expert layers, 3 a device, n_ubatch 1000, OVERLAP=0
     x = 1e6 / 1e9
     off = predict(plan, 1e6, [1.0, 1.0], n_tokens=8000)
@@ -770,7 +773,8 @@ def test_ubatch_auto_with_groups_takes_a_smaller_ubatch(model, fake_compute):
     with LAYER_MAJOR=1 a group moves them once, the copies no longer bind, and the smaller ubatch's cheaper compute
     wins. Where the prompt's n_batch leaves no room for a group, the candidate takes the largest n_batch that has
     (named with the larger one's reason); the winner's plan is made at its own pair and carries the switch."""
-    from pyllama_pp.fit import fit_ubatch, layer_major_group
+    from pyllama_pp.fit import fit_ubatch
+    from pyllama_pp.layer_major_plan import layer_major_group
     fake_compute(lambda u: 1e-6 + 1e-8 * u)   # (seconds a layer a token rise with n_ubatch, as a GPU's past its best)
     kw = dict(devices=LM_SLOW, ctx=ContextParams(n_ctx=1280), n_tokens=1024, candidates=(32, 128), timeout=120)
     without = fit_ubatch(model, **kw)
@@ -794,7 +798,7 @@ def test_upload_share_is_the_coverage_below_the_upload_all_bar():
     """An upload moves the share of a layer's experts its tokens use (near-uniform routing: 1 - (1 - k/E)^n, rising
     with n) below UPLOAD_ALL's bar, whole tensors at or above it (selections at UPLOAD_ALL_MIN, coverage at
     UPLOAD_ALL_MIN_COV: auto 110 / links within 30..85); the baseline and UPLOAD_ALL=0 copy the used experts alone."""
-    from pyllama_pp.fit import expected_coverage, upload_share
+    from pyllama_pp.predict import expected_coverage, upload_share
     covs = [expected_coverage(n, 2, 64) for n in (1, 8, 32, 64, 128, 512)]
     assert covs[0] == pytest.approx(2 / 64) and all(a < b for a, b in zip(covs, covs[1:])) and covs[-1] < 1.0
     share = lambda n, sw=None, links=1, in_flight=True, variant="patched": upload_share(n, 2, 64, variant, sw or {},
@@ -815,7 +819,7 @@ def test_upload_share_is_the_coverage_below_the_upload_all_bar():
 def test_prediction_moves_the_used_experts_of_a_small_ubatch():
     """predict's copies at a small n_ubatch fall by the coverage against whole tensors; a LAYER_MAJOR group of K
     ubatches is one upload for K x n_ubatch tokens (past the bar: whole); a big ubatch stays whole."""
-    from pyllama_pp.fit import expected_coverage, predict
+    from pyllama_pp.predict import expected_coverage, predict
     plan = dataclasses.replace(_all_host_plan(n_batch=1024), n_expert=64, ctx={"n_ubatch": 32, "n_batch": 1024})
     whole = predict(plan, 1e6, [1.0, 1.0], shared_link=True, n_tokens=1024)
     used = predict(plan, 1e6, [1.0, 1.0], shared_link=True, n_tokens=1024, n_used=2)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pyllama_pp import ModelError, cli, synth, worker
+from pyllama_pp import ModelError, cli, model_file, worker
 from pyllama_pp.model_file import check_model_path
 
 TIMEOUT = 120
@@ -18,7 +18,7 @@ TIMEOUT = 120
 def original(tiny_model):
     with open(tiny_model, "rb") as f:
         data = f.read()
-    return data, synth.read_gguf_header(tiny_model)
+    return data, model_file.read_gguf_header(tiny_model)
 
 
 def _put(data: bytes, at: int, fmt: str, value) -> bytes:
@@ -35,12 +35,12 @@ def _tensor_field(lay: dict, name: str, field: str) -> int:
             "offset": at + 4 + 8 * len(t["shape"]) + 4}[field]
 
 
-def _with_alignment(data: bytes, lay: dict, value: int, gtype: int = synth.GGUF_UINT32) -> bytes:
+def _with_alignment(data: bytes, lay: dict, value: int, gtype: int = model_file.GGUF_UINT32) -> bytes:
     """A general.alignment entry first in the metadata, the rest as it was."""
     head = _put(data[:24], 16, "<Q", lay["n_kv"] + 1)
     key = b"general.alignment"
     entry = struct.pack("<Q", len(key)) + key + struct.pack("<I", gtype) + \
-        struct.pack("<Q" if gtype == synth.GGUF_UINT64 else "<I", value)
+        struct.pack("<Q" if gtype == model_file.GGUF_UINT64 else "<I", value)
     return head + entry + data[24:]
 
 
@@ -66,7 +66,7 @@ CASES = {   # name: (damage, words of pyllama_pp's check)
     "removed tensor type": (lambda d, l: _put(d, _tensor_field(l, T, "type"), "<I", 4), "unknown tensor type"),
     "alignment 3": (lambda d, l: _with_alignment(d, l, 3), "bad general.alignment 3"),
     "alignment 0": (lambda d, l: _with_alignment(d, l, 0), "bad general.alignment 0"),
-    "alignment as uint64": (lambda d, l: _with_alignment(d, l, 32, synth.GGUF_UINT64), "must be a uint32"),
+    "alignment as uint64": (lambda d, l: _with_alignment(d, l, 32, model_file.GGUF_UINT64), "must be a uint32"),
     "offset past the end": (lambda d, l: _put(d, _tensor_field(l, T, "offset"), "<Q", 2**63), "offset"),
     "offset out of line": (lambda d, l: _put(d, _tensor_field(l, T, "offset"), "<Q", 32), "offset"),
 }

@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from pyllama_pp import synth
+from pyllama_pp import model_file, synth
 
 
 CTX = {"n_ctx": 256, "n_batch": 128, "n_ubatch": 32}   # 64 tokens = 2 ubatches
@@ -82,7 +82,7 @@ def layers_per_device(model_path: str, schedule: dict, host_layers=None) -> dict
     Layers are assigned to devices in order; a layer's bytes on its device are its weights minus the expert
     tensors kept in host RAM (`host_layers`, default: all). The last device also holds the output layer
     (output + output_norm); the token embeddings stay on the host."""
-    hdr = synth.read_gguf_header(model_path)
+    hdr = model_file.read_gguf_header(model_path)
     layer_bytes: dict[int, int] = {}
     out_bytes = 0
     for t in hdr["tensors"]:

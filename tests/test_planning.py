@@ -10,8 +10,8 @@ import pytest
 
 from pyllama_pp import ConfigError, cli, defaults
 from pyllama_pp.params import ContextParams
-from pyllama_pp.planning import Choices, parse_switches, plan_runs
-from pyllama_pp.worker.client import switch_env
+from pyllama_pp.planning import Choices, plan_runs
+from pyllama_pp.switches import parse_given as parse_switches
 
 
 def from_cli(argv: list[str]):
@@ -132,7 +132,7 @@ def test_a_run_with_its_fit_plan_has_room_for_its_groups(tiny_model, tmp_path):
     def run(placement):
         return run_job({"kind": "logits", "model": tiny_model, "devices": devices, "placement": placement.to_dict(),
                         "ctx": cfg.context().to_dict(), "n_tokens": 512, "logits": "last",
-                        "out": str(tmp_path / "l.npy")}, "patched", timeout=120, env=switch_env(cfg.switches))
+                        "out": str(tmp_path / "l.npy"), "switches": cfg.switches}, "patched", timeout=120)
 
     ext = run(cfg.plans["patched"])["ext"]
     assert ext["layer_major_graphs"] == 4 and ext["layer_major_ubatches"] == 16, ext

@@ -19,7 +19,7 @@ from pyllama_pp.fit import fit
 from pyllama_pp.params import ContextParams
 from pyllama_pp.errors import DeviceError, DeviceSpecError, OutOfMemoryError, PyllamaError, WorkerError
 from pyllama_pp.rpc.relay import Link
-from pyllama_pp.rpc.server import free_port, spawn_server, wait_listening
+from pyllama_pp.servers.serve import free_port, spawn_server, wait_listening
 from pyllama_pp.worker.client import run_job
 
 HOST = "127.0.0.1"
@@ -313,7 +313,8 @@ def test_fit_measures_each_servers_network_and_counts_it(tiny_model):
     """fit measures the network to each server (through a Link pacing 0.02 GB/s each way): rates near the Link's
     and a round trip, in the plan and its text; --ubatch auto over that network predicts every candidate bound by
     it."""
-    from pyllama_pp.fit import fit_ubatch, predict
+    from pyllama_pp.fit import fit_ubatch
+    from pyllama_pp.predict import predict
     from pyllama_pp.model_file import embedding_length
     for ports in servers("patched", 2):
         links = [Link(p, gbps=0.02) for p in ports]

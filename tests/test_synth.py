@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 try:
-    from pyllama_pp import synth
+    from pyllama_pp import model_file, synth
 except ImportError:  # running from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from pyllama_pp import synth
+    from pyllama_pp import model_file, synth
 
 LAYER_TENSORS = {
     # name: (shape as a function of cfg, F32 always?)
@@ -64,7 +64,7 @@ def tiny(tmp_path_factory):
     cfg = synth.preset("tiny")
     path = tmp_path_factory.mktemp("synth") / "tiny.gguf"
     summary = synth.write_gguf(path, cfg)
-    return cfg, path, summary, synth.read_gguf_header(path)
+    return cfg, path, summary, model_file.read_gguf_header(path)
 
 
 def test_presets_build_configs():
@@ -191,7 +191,7 @@ def test_skewed_router_profile(tmp_path):
     cfg = synth.preset("tiny", routing="skewed", skew=1.5, n_layer=2, n_vocab=256)
     path = tmp_path / "skewed.gguf"
     synth.write_gguf(path, cfg)
-    h = synth.read_gguf_header(path)
+    h = model_file.read_gguf_header(path)
     assert h["kv"]["pyllama_pp.synth.routing"] == "skewed"
     assert abs(h["kv"]["pyllama_pp.synth.skew"] - 1.5) < 1e-6
     t = {x["name"]: x for x in h["tensors"]}
@@ -226,7 +226,7 @@ def test_determinism(tmp_path, tiny):
     synth.write_gguf(other, synth.preset("tiny", seed=1))
     assert os.path.getsize(other) == os.path.getsize(path)
     assert sha256(other) != sha256(path)
-    h0, h1 = synth.read_gguf_header(path), synth.read_gguf_header(other)
+    h0, h1 = model_file.read_gguf_header(path), model_file.read_gguf_header(other)
     name = "blk.0.ffn_up_exps.weight"
     i0 = next(x for x in h0["tensors"] if x["name"] == name)
     i1 = next(x for x in h1["tensors"] if x["name"] == name)
@@ -243,7 +243,7 @@ def test_tiled_path_deterministic(tmp_path, monkeypatch):
         synth.write_gguf(a, cfg)
         synth.write_gguf(b, cfg)
         assert sha256(a) == sha256(b)
-        h = synth.read_gguf_header(a)
+        h = model_file.read_gguf_header(a)
         assert h["file_size"] == synth.estimate_file_bytes(cfg)
         t = {x["name"]: x for x in h["tensors"]}
         gate = dequant(a, t["blk.0.ffn_gate_exps.weight"])
@@ -256,7 +256,7 @@ def test_f16(tmp_path):
     cfg = synth.preset("tiny", type="f16", n_layer=2)
     path = tmp_path / "f16.gguf"
     summary = synth.write_gguf(path, cfg)
-    h = synth.read_gguf_header(path)
+    h = model_file.read_gguf_header(path)
     assert summary["bytes"] == os.path.getsize(path) == synth.estimate_file_bytes(cfg)
     assert h["kv"]["general.file_type"] == 1
     t = {x["name"]: x for x in h["tensors"]}
@@ -282,13 +282,13 @@ def test_read_rejects_garbage_and_truncated(tmp_path, tiny):
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(np.random.default_rng(0).bytes(4096))
     with pytest.raises(ValueError, match="garbage.gguf"):
-        synth.read_gguf_header(garbage)
+        model_file.read_gguf_header(garbage)
     empty = tmp_path / "empty.gguf"
     empty.write_bytes(b"")
     with pytest.raises(ValueError, match="empty.gguf"):
-        synth.read_gguf_header(empty)
+        model_file.read_gguf_header(empty)
     with pytest.raises(ValueError, match="missing.gguf"):
-        synth.read_gguf_header(tmp_path / "missing.gguf")
+        model_file.read_gguf_header(tmp_path / "missing.gguf")
 
     data = path.read_bytes()
     # cut inside the metadata, inside the tensor infos, and inside the tensor data
@@ -296,12 +296,12 @@ def test_read_rejects_garbage_and_truncated(tmp_path, tiny):
         trunc = tmp_path / f"trunc_{cut}.gguf"
         trunc.write_bytes(data[:cut])
         with pytest.raises(ValueError, match=f"trunc_{cut}.gguf"):
-            synth.read_gguf_header(trunc)
+            model_file.read_gguf_header(trunc)
     # a GGUF magic followed by nonsense counts
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (2**62).to_bytes(8, "little") * 2)
     with pytest.raises(ValueError, match="bad.gguf"):
-        synth.read_gguf_header(bad)
+        model_file.read_gguf_header(bad)
 
 
 def test_skewed_without_a_skew_is_not_uniform():
@@ -375,7 +375,7 @@ def test_more_families_load_and_match_the_baseline(tmp_path_factory, name, arch,
     from pyllama_pp.worker import run_job
     cfg = synth.preset(name, seed=1, **overrides)
     path = synth.cached_model(tmp_path_factory.mktemp(name), name, seed=1, **overrides)
-    header = synth.read_gguf_header(path)
+    header = model_file.read_gguf_header(path)
     assert header["kv"]["general.architecture"] == arch and cfg.arch == arch
     assert header["kv"][f"{arch}.expert_count"] == cfg.n_expert
     t = {x["name"]: x for x in header["tensors"]}
@@ -484,7 +484,7 @@ def test_expert_types_dequantize_to_the_requested_scale(tmp_path, monkeypatch, e
     cfg = synth.preset("mixtral-tiny", n_layer=2, n_embd=256, head_dim=64, n_vocab=256, expert_type=etype)
     path = tmp_path / f"{etype}.gguf"
     summary = synth.write_gguf(path, cfg)
-    h = synth.read_gguf_header(path)
+    h = model_file.read_gguf_header(path)
     assert summary["bytes"] == h["file_size"] == synth.estimate_file_bytes(cfg)
     assert summary["expert_type"] == etype and h["kv"]["pyllama_pp.synth.expert_type"] == etype
     assert h["kv"]["general.file_type"] == {"q4_k": 15, "mxfp4": 38, "bf16": 32, "f16": 1, "q8_0": 7}[etype]
@@ -512,7 +512,7 @@ def test_one_type_files_stay_as_they_were(tmp_path):
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     synth.write_gguf(a, synth.preset("tiny", n_layer=2))
     synth.write_gguf(b, synth.preset("tiny", n_layer=2, expert_type="q8_0"))
-    ha, hb = synth.read_gguf_header(a), synth.read_gguf_header(b)
+    ha, hb = model_file.read_gguf_header(a), model_file.read_gguf_header(b)
     assert "pyllama_pp.synth.expert_type" not in ha["kv"] and hb["kv"]["pyllama_pp.synth.expert_type"] == "q8_0"
     assert ha["kv"]["general.file_type"] == hb["kv"]["general.file_type"] == 7
     assert [(x["name"], x["shape"], x["type"], x["offset"]) for x in ha["tensors"]] == \
@@ -527,7 +527,7 @@ def test_deepseek2_is_written_as_llama_cpp_loads_mla(tmp_path):
     cfg = synth.preset("deepseek2-tiny", n_layer=3, n_vocab=256)
     path = tmp_path / "ds.gguf"
     synth.write_gguf(path, cfg)
-    h = synth.read_gguf_header(path)
+    h = model_file.read_gguf_header(path)
     kv, a = h["kv"], "deepseek2."
     nope = cfg.head_dim - cfg.rope_dim
     assert (kv[a + "attention.key_length"], kv[a + "attention.value_length"]) == (cfg.kv_lora_rank + cfg.rope_dim,
@@ -551,7 +551,7 @@ def test_deepseek2_is_written_as_llama_cpp_loads_mla(tmp_path):
     assert not any(".attn_q.weight" in n or ".attn_k.weight" in n or "attn_kv_b" in n for n in t)
     v2 = synth.preset("deepseek2-tiny", n_layer=3, n_vocab=256, q_lora_rank=0, gating="softmax")
     synth.write_gguf(path, v2)
-    h = synth.read_gguf_header(path)
+    h = model_file.read_gguf_header(path)
     names = {x["name"] for x in h["tensors"]}
     assert "blk.1.attn_q.weight" in names and "blk.1.attn_q_a.weight" not in names and "blk.1.exp_probs_b.bias" not in names
     assert h["kv"][a + "expert_gating_func"] == 1 and h["kv"][a + "expert_weights_norm"] is False   # softmax (V2)
@@ -563,7 +563,7 @@ def test_gptoss_is_written_as_llama_cpp_loads_it(tmp_path):
     cfg = synth.preset("gptoss-tiny", n_layer=2, n_vocab=256)
     path = tmp_path / "oss.gguf"
     summary = synth.write_gguf(path, cfg)
-    h = synth.read_gguf_header(path)
+    h = model_file.read_gguf_header(path)
     kv, a = h["kv"], "gpt-oss."
     assert kv["general.architecture"] == "gpt-oss" and kv[a + "attention.sliding_window"] == cfg.n_swa
     assert kv["general.file_type"] == 38 and kv[a + "expert_feed_forward_length"] == cfg.n_ff_exp
@@ -595,7 +595,7 @@ def test_routing_control_reaches_the_new_families(tmp_path_factory, name):
     used = {}
     for routing, skew in (("uniform", 0.0), ("skewed", 2.0)):
         path = synth.cached_model(d, name, seed=1, routing=routing, skew=skew)
-        h = synth.read_gguf_header(path)
+        h = model_file.read_gguf_header(path)
         bias = next(x for x in h["tensors"] if x["name"] in ("blk.1.exp_probs_b.bias", "blk.1.ffn_gate_inp.bias"))
         assert len(np.unique(dequant(path, bias))) == 1
         r = run_job({"kind": "measure", "model": str(path), "devices": "vdev:2x0@0", "tests": [["pp", 256]], "reps": 1,
@@ -617,7 +617,7 @@ def test_locality_routing_walks_over_token_ids(tmp_path):
     synth.write_gguf(again, synth.preset("tiny", routing="locality", n_layer=2, n_vocab=2048, seed=3))
     synth.write_gguf(other, synth.preset("tiny", routing="locality", n_layer=2, n_vocab=2048, seed=4))
     assert sha256(path) == sha256(again) != sha256(other)
-    h = synth.read_gguf_header(path)
+    h = model_file.read_gguf_header(path)
     kv = h["kv"]
     assert kv["pyllama_pp.synth.routing"] == "locality"
     assert abs(kv["pyllama_pp.synth.locality"] - synth.DEFAULT_LOCALITY) < 1e-6
@@ -640,7 +640,7 @@ def test_locality_routing_walks_over_token_ids(tmp_path):
     loose = synth.preset("tiny", routing="locality", n_layer=1, n_vocab=512, locality=0.0)
     for c, lo, hi in ((sticky, 0.95, 1.0), (loose, -0.05, 0.05)):
         synth.write_gguf(tmp_path / "x.gguf", c)
-        x = dequant(tmp_path / "x.gguf", next(i for i in synth.read_gguf_header(tmp_path / "x.gguf")["tensors"]
+        x = dequant(tmp_path / "x.gguf", next(i for i in model_file.read_gguf_header(tmp_path / "x.gguf")["tensors"]
                                               if i["name"] == "token_embd.weight"))
         x = x / np.linalg.norm(x, axis=1, keepdims=True)
         assert lo <= float((x[1:] * x[:-1]).sum(1).mean()) <= hi

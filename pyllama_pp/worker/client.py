@@ -19,6 +19,7 @@ import threading
 from typing import Optional, Union
 
 from .. import devices as devspec
+from .. import switches
 from ..defaults import TIMEOUTS
 from ..errors import ConfigError, PyllamaError, WorkerError, worker_error
 from ..jobs import Job, as_job
@@ -365,14 +366,6 @@ class ServingWorker:
         return self.result(timeout)
 
 
-SWITCH_ENV_PREFIX = "GGML_SCHED_PP_"
-
-
-def switch_env(switches: Optional[dict]) -> dict:
-    """The patched build's switches, NAME -> value, as the environment a worker reads them from (fit's dry runs)."""
-    return {SWITCH_ENV_PREFIX + k: str(v) for k, v in (switches or {}).items()}
-
-
 def check_switch_env(variants, env: Optional[dict] = None) -> None:
     """Refuse GGML_SCHED_PP_* variables (of this process's environment, or `env`) that the patched build's switch
     table does not accept, before any measuring worker starts: a misspelled name would otherwise be found by every
@@ -386,8 +379,7 @@ def check_switch_env(variants, env: Optional[dict] = None) -> None:
     Raises:
         ConfigError: naming each variable the table refuses, and how to list the switches.
     """
-    given = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
-    if "patched" not in variants or not any(k.startswith(SWITCH_ENV_PREFIX) for k in given):
+    if "patched" not in variants or not switches.set_in(env):
         return
     problems = run_job({"kind": "info"}, "patched", timeout=TIMEOUTS.info, env=env).get("env_problems") or []
     if problems:

@@ -12,6 +12,7 @@ from ...jobs import FitJob
 from ...model_file import expert_tensor_bytes
 from ...params import SPLIT_MODES
 from ...rpc.client import describe_servers
+from ...session import apply_switches
 
 
 def handle(job: FitJob) -> dict:
@@ -21,6 +22,7 @@ def handle(job: FitJob) -> dict:
         DeviceSpecError: for a spec without accelerator devices.
     """
     native = binding.load(job.variant)
+    apply_switches(native, job.variant, job.switches)   # (as a run's: the dry run's scheduler reads them)
     spec = devspec.parse(job.devices)
     servers = spec.connect(native)   # (rpc-servers: asked for their host memory and network below)
     names = spec.register(native, servers)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..errors import OutOfMemoryError
 from ..model_file import expert_bytes_per_layer
 from ..plan import MiB, Plan
-from . import network
+from ..rpc import network
 
 
 def server_copy_bytes(model, spec, variant: str, rpc_host: bool) -> int:

@@ -9,7 +9,6 @@ its own, and an upstream client refuses a 7.1 server at connect.
 """
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys

@@ -1,0 +1,274 @@
+"""fit's placement: where a model's layers and experts go on a device spec, with the variant's own common/fit.cpp (a dry
+run in a worker process), and the patched build's mechanisms planned into it (pyllama_pp.overlap_plan,
+pyllama_pp.layer_major_plan, pyllama_pp.expert_cache_plan).
+
+The baseline's plan is upstream's (its steps 3 and 4: host experts piled onto the trailing devices, or its refusal
+and why); the patched build's fit spreads the host-expert layers over the devices when pipeline parallelism can use
+them (path "spread"), else it takes upstream's steps and says why (path "upstream"). The result is a `Plan`
+(pyllama_pp.plan). The choice of (n_batch, n_ubatch) by predicted throughput is pyllama_pp.planner's.
+
+>>> plan = fit("tiny.gguf", devices="vdev:2x24MiB@4GBps", ctx=ContextParams(n_ctx=512, n_ubatch=128))
+>>> print(plan)
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from . import devices as devspec
+from . import expert_cache_plan, switches
+from .defaults import FIT, cache_dir, usable_cores
+from .errors import ConfigError, DeviceSpecError
+from .layer_major_plan import plan_layer_major
+from .model_file import check_model_path, expert_bytes_per_layer, expert_layout
+from .overlap_plan import plan_copies
+from .params import SPLIT_MODES, ContextParams, as_context
+from .plan import MiB, Plan, plan_from_result, plan_problem
+from .predict import checked_rates
+from .servers.planning import check_server_host_memory, server_copy_bytes
+from .switches import ExpertCache
+from .worker.client import check_switch_env, run_job
+
+
+def fit_context(ctx) -> ContextParams:
+    """The context fit plans for: `ctx` (a ContextParams or its dict), or FIT's sizes (pyllama_pp.defaults).
+
+    Raises:
+        TypeError: for a ctx that is neither a ContextParams nor a dict.
+    """
+    if ctx is None:
+        return ContextParams(n_ctx=FIT.n_ctx, n_batch=FIT.n_batch, n_ubatch=FIT.n_ubatch)
+    return as_context(ctx)
+
+
+def _margins(margin, spec: devspec.DeviceSpec) -> list[int]:
+    n = spec.n_devices or 1
+    if margin is None:
+        return [spec.default_margin] * n
+    vals = list(margin) if isinstance(margin, (list, tuple)) else [margin]
+    negative = [v for v in vals if str(v).strip().startswith("-")]
+    if negative:
+        raise ConfigError(f"margin {','.join(map(str, negative))}: a margin is memory fit leaves free on a device, "
+                          "0 or more (e.g. 256MiB); to let fit use more of a device, lower the margin to 0")
+    try:
+        vals = [devspec.parse_size(v) for v in vals]
+    except DeviceSpecError as e:
+        raise ConfigError(f"bad margin {margin!r}: {e}") from None
+    if len(vals) == 1:
+        vals = vals * n
+    if len(vals) != n and spec.n_devices:   # ("cuda" names no count: the devices fit finds)
+        raise ConfigError(f"{len(vals)} margins for {n} devices: give one, or one per device")
+    return vals
+
+
+def spread_weights(spread, spec: devspec.DeviceSpec, link_gbps=None) -> list:
+    """The patched fit's share weights (LLAMA_FIT_SPREAD_WEIGHTS): [] for equal shares; "links": each device's host
+    link rate (a VDEV's own, split among the devices of a link group; on CUDA the rates given as link_gbps), so that
+    every stage streams its host experts in about the same time; or the weights given."""
+    if spread in (None, "equal"):
+        return []
+    if spread == "links":
+        rates = [devspec.parse_rate(x) for x in link_gbps] if link_gbps is not None else spec.link_shares()
+        if rates is None:   # (the spec gives no links: CUDA's are the machine's)
+            raise ConfigError("spread='links' on CUDA needs each GPU's host link rate: link_gbps=[55, 25] "
+                              "(CLI: --link-gbps 55,25; nvidia-smi shows each link's generation and width)")
+        return checked_rates(rates, spec, "spread='links'", link_gbps is not None, spec.n_devices or 0)
+    if isinstance(spread, (list, tuple)):
+        try:
+            w = [float(x) for x in spread]
+        except (TypeError, ValueError):
+            w = []
+        if w and all(x > 0 for x in w) and (not spec.n_devices or len(w) == spec.n_devices):
+            return w
+    raise ConfigError(f"spread takes 'equal', 'links' or one positive weight per device, not {spread!r}")
+
+
+def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: str = FIT.variant,
+        margin=None, split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True,
+        env: Optional[dict] = None, timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None,
+        expert_cache=FIT.expert_cache, switches: Optional[dict] = None) -> Plan:
+    """Plan the placement of `model` on `devices` with `variant`'s fit (run in a worker process).
+
+    Args:
+        model: the GGUF file.
+        devices: a device spec with accelerators ("cuda", "cuda:0,1", "vdev:2x768MiB@4GBps", a dict, a DeviceSpec);
+            each VDEV needs a memory budget.
+        ctx: the context to plan for, a ContextParams or its dict (default: FIT's sizes, pyllama_pp.defaults); n_ctx
+            0: fit chooses it, down to n_ctx_min.
+        variant: "patched" (default: the series' fit, which spreads host experts) or "baseline" (upstream's).
+        margin: bytes to leave free on each device (an int or a size such as "256MiB"), one value or one per
+            device; default: upstream's 1 GiB on CUDA, none on VDEVs, whose budgets are exact.
+        split_mode: "layer" (default), "none" or "row" (CUDA only).
+        n_ctx_min: the smallest n_ctx fit may choose when ctx.n_ctx is 0.
+        check: refuse a plan that leaves whole layers on the CPU or a device over its target (False: return it).
+        env: environment for the worker, NAME -> value.
+        timeout: seconds the worker may take (None: no limit).
+        spread: patched: "equal" (default) shares of the host-expert layers, "links" (shares by each device's host
+            link rate: a VDEV's own, on CUDA link_gbps) or one positive weight per device.
+        link_gbps: each device's host link rate in GB/s (numbers or "55GBps"), for spread="links" on CUDA.
+        expert_cache: the patched build's device expert cache for decode (EXPERT_CACHE): "auto" (what the plan leaves
+            free on each device, at most every expert of its host-expert layers), a size such as "512MiB" (that much
+            a device, reserved before placing), slots a layer such as "16slots", an ExpertCache, or 0 (none;
+            default: FIT's). The switch takes one value for every device: the plan shows each device's share
+            (pyllama_pp.expert_cache_plan).
+        switches: the patched build's switches the dry runs measure with, NAME -> value (as a run gets them; a
+            GGML_SCHED_PP_* variable in env or this process's environment counts too, these win).
+    Returns:
+        Plan: the plan (its devices, layers, host-expert layers, overrides, expected memory and switches).
+    Raises:
+        ModelError: for a missing or bad model file.
+        DeviceSpecError: for a spec that does not parse, has no accelerators, has a VDEV without a memory budget,
+            or asks for split mode row on VDEVs.
+        ConfigError: for a bad split_mode, margin, spread or expert_cache, link rates of 0 or of the wrong count, a
+            fit that refuses the given parameters, or an expert cache of a size that leaves the model no room (naming
+            the device and its free memory).
+        TypeError: for a ctx that is neither a ContextParams nor a dict.
+        OutOfMemoryError: when fit finds no placement, or (unless check=False) leaves whole layers on the CPU or
+            plans a device over its target.
+        WorkerError: when the worker dies or times out.
+    """
+    plan = _fit_plan(model, devices, ctx, variant, margin, split_mode, n_ctx_min, check, env, timeout, spread,
+                     link_gbps, expert_cache=expert_cache, given=switches)
+    problem = plan_problem(plan, check)
+    if problem is not None:
+        raise expert_cache_plan.room_error(plan, problem)
+    return plan
+
+
+def check_inputs(model, variant: str, env: Optional[dict] = None) -> None:
+    """What fit checks once before its dry runs: the model file, and the GGML_SCHED_PP_* variables of env and this
+    process's environment against the patched build's switch table (ModelError, ConfigError)."""
+    check_model_path(model)
+    check_switch_env([variant], env)
+
+
+def reserved_bytes(model, spec: devspec.DeviceSpec, variant: str, force: dict,
+                   cache_bytes: int = 0) -> dict[str, int]:
+    """Memory fit keeps free on each device beside its margin, by what it is for: what a mechanism needs there that
+    the dry run does not see (one entry per mechanism; each is added to every device's margin).
+
+    Args:
+        model: the GGUF file.
+        spec: the parsed device spec.
+        variant: "patched" or "baseline".
+        force: the switches set, NAME -> value (in_force's names).
+        cache_bytes: the device expert cache's size a device, where one was given (--expert-cache SIZE).
+    Returns:
+        name -> bytes per device; empty where nothing is kept.
+    """
+    out = {}
+    copies = server_copy_bytes(model, spec, variant, str(force.get(switches.RPC_HOST, 1)) != "0")
+    if copies:
+        out["rpc_server_copies"] = copies
+    out.update({"expert_cache": cache_bytes} if cache_bytes else {})
+    return out
+
+
+def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margin=None,
+              split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None,
+              timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None, checked: bool = False,
+              rates: Sequence[str] = (), expert_cache=FIT.expert_cache, group_bytes: bool = True,
+              given: Optional[dict] = None) -> Plan:
+    """fit's plan before its check (`check` decides whether the patched build plans again without OVERLAP=2's
+    copies where they leave no room); `checked`: the caller ran check_inputs (fit_ubatch, once for all its
+    candidates); `rates`: what the fit job also measures (FitJob.rates), into the plan; `group_bytes`: with
+    LAYER_MAJOR, a dry run without it tells the group's bytes per device (plan_layer_major); `given`: the switches
+    the dry runs get (FitJob.switches, as a run's)."""
+    if not checked:
+        check_model_path(model)
+    spec = devspec.parse(devices)
+    spec.fit_check(split_mode)   # (no accelerators, a device without a budget, a split its devices lack)
+    if split_mode not in SPLIT_MODES:
+        raise ConfigError(f"split_mode must be one of {sorted(SPLIT_MODES)}, not {split_mode!r}")
+    ctx = fit_context(ctx)
+    margins = _margins(margin, spec)
+    given = dict(given or {}) if variant == "patched" else {}
+    force = {**switches.set_in(env), **given}   # (what the dry runs' scheduler reads)
+    cache = _expert_cache(expert_cache, variant, force)
+    reserved = reserved_bytes(model, spec, variant, force, cache.bytes)
+    margins = [m + sum(reserved.values()) for m in margins]
+    server_copies = reserved.get("rpc_server_copies", 0)
+    weights = spread_weights(spread, spec, link_gbps)
+    if weights:
+        env = {**(env or {}), "LLAMA_FIT_SPREAD_WEIGHTS": ",".join(f"{w:g}" for w in weights)}
+    if not checked:
+        check_switch_env([variant], env)
+    job = {"kind": "fit", "model": str(model), "devices": spec.to_dict(), "ctx": ctx.to_dict(),
+           "split_mode": split_mode, "margins": margins, "n_ctx_min": n_ctx_min}
+
+    def once(extra: dict) -> Plan:
+        res = run_job({**job, "rates": list(rates) if not extra else [], "switches": {**given, **extra}}, variant,
+                      timeout=timeout, env=env or None)
+        return plan_from_result(res, variant, str(model), spec, {**ctx.to_dict(), "split_mode": split_mode}, margins)
+
+    plan = once({})
+    if variant == "patched":
+        if plan.devices:   # (one device is pipelined too, GATE)
+            plan = plan_copies(plan, once, check, force)
+        plan_layer_major(plan, force, once if group_bytes else None)
+        plan.spread_weights = weights
+        if server_copies:
+            plan.copies += (f"; on each server, {server_copies / MiB:.1f} MiB of its device kept for its own expert "
+                            f"copies (two expert tensors: RPC_HOST with OVERLAP=2), in the margin")
+            plan.copies += check_server_host_memory(plan, expert_bytes_per_layer(model))
+        plan = _plan_expert_cache(plan, cache, model)
+    return plan
+
+
+def _expert_cache(value, variant: str, force: dict) -> ExpertCache:
+    """expert_cache as ExpertCache.parse gives it (None: FIT's default for the patched build); beside an EXPERT_CACHE
+    the switches set, none planned where it is the default (the switch is kept as set, as OVERLAP's is), refused
+    where one was asked."""
+    default = value is None or value == FIT.expert_cache
+    cache = ExpertCache.parse(FIT.expert_cache if value is None and variant == "patched" else value, variant)
+    if cache and force.get(switches.EXPERT_CACHE) is not None:
+        if default:
+            return ExpertCache()
+        raise ConfigError(f"--expert-cache {cache.text} plans EXPERT_CACHE, which EXPERT_CACHE="
+                          f"{force[switches.EXPERT_CACHE]} (a switch or {switches.var(switches.EXPERT_CACHE)}) sets "
+                          "already. Fix: drop one of them")
+    return cache
+
+
+def _plan_expert_cache(plan: Plan, cache: ExpertCache, model) -> Plan:
+    """The device expert cache written into a patched plan (expert_cache_plan.plan_cache), from the model's experts."""
+    if not cache or not plan.n_expert:
+        return plan
+    n_used, weights = expert_layout(model)
+    layout = expert_cache_plan.Layout(slot_bytes=expert_bytes_per_layer(model) / plan.n_expert,
+                                      n_expert=plan.n_expert, n_used=n_used, weights=weights)
+    return expert_cache_plan.plan_cache(plan, cache, layout)
+
+
+def _rates_path() -> Path:
+    return cache_dir() / "rates.json"
+
+
+def cached_host_copy() -> Optional[float]:
+    """The host's staging copy rate measured before on this machine (PYLLAMA_PP_CACHE/rates.json, by host name and
+    usable cores), or None."""
+    try:
+        return json.loads(_rates_path().read_text()).get("host_copy_gbps", {}).get(_host_key())
+    except (OSError, ValueError):
+        return None
+
+
+def cache_host_copy(gbps: float) -> None:
+    """Keep the host's staging copy rate for later plans on this machine."""
+    try:
+        d = json.loads(_rates_path().read_text())
+    except (OSError, ValueError):
+        d = {}
+    d.setdefault("host_copy_gbps", {})[_host_key()] = gbps
+    _rates_path().parent.mkdir(parents=True, exist_ok=True)
+    _rates_path().write_text(json.dumps(d, indent=1))
+
+
+def _host_key() -> str:
+    return f"{socket.gethostname()}:{usable_cores()}"
+
+
+__all__ = ["fit", "check_inputs", "fit_context", "spread_weights", "reserved_bytes", "cached_host_copy", "cache_host_copy"]

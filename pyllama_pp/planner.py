@@ -1,0 +1,259 @@
+"""fit's planner: (n_batch, n_ubatch) chosen together by the throughput pyllama_pp.predict gives for each candidate's
+placement (pyllama_pp.placement), with the compute a probe measures; the probe is handed in (pyllama_pp.compute's
+`Probe`, or a stand-in), so planning starts no process of its own beyond fit's dry runs."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+from tqdm import tqdm
+
+from . import devices as devspec
+from . import switches as switches_mod
+from .defaults import CONTEXT, FIT, PROBE, UBATCH_CANDIDATES
+from .errors import OutOfMemoryError
+from .layer_major_plan import plan_layer_major
+from .model_file import embedding_length, expert_bytes_per_layer, expert_layout
+from .params import ContextParams
+from .placement import _fit_plan, cache_host_copy, cached_host_copy, check_inputs, fit_context
+from .plan import MiB, Plan, grouped_rows, plan_problem
+from .predict import CLEARLY_SLOWER, batch_choices, best_batch, compute_for, link_rates
+
+
+_WHY = re.compile(r"leaves (?:all \d+ layers and the output layer|\d+ of \d+ layers \(\S+\)) on the CPU|planned "
+                  r"[\d.]+ MiB on \S+, over its target of [\d.]+ MiB|found no placement[^\n]*?(?=\. Fix:|$)|host memory "
+                  r"free for host experts[^\n]*?(?=\. Fix:|$)")
+
+
+def _largest_placed(nbs: Sequence[int], placed_at) -> tuple:
+    """The largest n_batch of `nbs` (ascending; a plan's memory grows with it: LAYER_MAJOR's groups) whose plan has a
+    placement, by bisection with placed_at(n_batch) -> (plan, problem): (n_batch, plan, None), or (None, None, the
+    problem at the smallest). Raises a problem that is not an OutOfMemoryError (fit refused the parameters)."""
+    lo, hi, found, problem = -1, len(nbs), (None, None), None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        plan, p = placed_at(nbs[mid])
+        if p is not None and not isinstance(p, OutOfMemoryError):
+            raise p
+        if p is None:
+            lo, found = mid, (nbs[mid], plan)
+        else:
+            hi, problem = mid, p
+    return (*found, None if found[0] is not None else problem)
+
+
+def _why(problem: Exception) -> str:
+    """What keeps a candidate's plan from being used, from its error, in a few words."""
+    m = _WHY.search(str(problem))
+    return m.group(0) if m else str(problem).split(". Fix:")[0][-160:]
+
+
+def _memory_fix(fit_at, n_ctx: int, n_ubatch: int, margins: Sequence[int]) -> str:
+    """How to make room for a candidate without a placement: a smaller context where one places it (checked with
+    fit_at(n_ctx) -> problem or None, at most two), a smaller margin, more device memory."""
+    fixes = []
+    for smaller in (n_ctx // 2, n_ctx // 4):
+        if smaller < max(n_ubatch, 256):
+            break
+        if fit_at(smaller) is None:
+            fixes.append(f"n_ctx {smaller} places it (-c {smaller}, or a shorter prompt)")
+            break
+    if any(margins):
+        fixes.append(f"a smaller --margin (now {max(margins) / MiB:.0f} MiB a device)")
+    return "; ".join(fixes + ["devices with more memory"])
+
+
+def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: str = FIT.variant,
+               candidates: Sequence[int] = UBATCH_CANDIDATES, link_gbps=None, shared_link: bool = False,
+               count_compute: bool = True, n_tokens: Optional[int] = None, n_batch: Optional[int] = None,
+               load_mode: str = CONTEXT.load_mode, skip: bool = True, progress: bool = False,
+               switches: Optional[dict] = None, probe: Optional[Callable] = None, **kw) -> Plan:
+    """fit with (n_batch, n_ubatch) chosen together by the throughput predict() gives from bytes per link and
+    measured compute.
+
+    The links' rates are measured once (the first dry run's process: each device's copy from pinned and pageable
+    memory; the host's staging copy, cached) unless given. The candidates are the n_ubatch values up to the prompt
+    and n_batch (and the prompt, or n_batch, itself). Each is
+    planned at the largest n_batch (what a batch holds past n_ubatch changes no device's memory: a pipeline keeps a
+    fixed number of ubatches in flight); the first without a placement ends the search upward (a larger ubatch needs
+    larger compute buffers), and each is named with why and a fix. With count_compute (the default) a probe measures
+    a layer's compute on the devices (compute.Probe, cached, within PROBE.budget), candidates in the order of their
+    bytes bound, skipping one that even its best case (CLEARLY_SLOWER) shows slower than the best so far. Each
+    candidate's n_batch is the one of batch_choices whose prediction (its copies, its compute, the pipeline's fill
+    once a batch) is the highest; the pair predicted fastest wins (ties: the larger n_ubatch).
+
+    Args:
+        model: the GGUF file.
+        devices: a device spec, as fit takes it.
+        ctx: the context, as fit takes it; its n_ubatch and n_batch are chosen (n_ctx 0: FIT's n_ctx).
+        variant: "patched" (default) or "baseline".
+        candidates: the n_ubatch values to try.
+        link_gbps: each device's host link rate in GB/s (default: a VDEV's own; CUDA 55 GB/s, a PCIe 5 x16 link).
+        shared_link: the devices share one link (one GPU split in two).
+        count_compute: probe the devices' compute and count it (False: the bytes bound alone).
+        switches: the patched build's switches, NAME -> value, as fit takes them (the dry runs measure with them).
+        probe: what measures compute: called as pyllama_pp.compute.Probe is (model, devices, n_tokens, ubatches,
+            variant=, servers=, timeout=, progress=, hidden=, networks=) and used as one; None: compute is not
+            counted (pyllama_pp.fit.fit_ubatch hands in the Probe).
+        n_tokens: the prompt's length the prediction is for (default: n_ctx).
+        n_batch: the largest n_batch to take (default: the prompt's length).
+        load_mode: how the run keeps host weights: "none" (pinned) or "mmap" (pageable: the patched build stages
+            them through pinned slots at the host's copy rate, the baseline copies them as they are).
+        skip: leave out, unprobed, a candidate even its best case shows slower than the best so far (False: predict
+            every candidate with a placement, as a bench that measures them all needs).
+        progress: say what it plans and probes, with progress bars on stderr.
+        **kw: more of fit's arguments (margin, split_mode, env, timeout, spread, expert_cache, ...); check is ignored (a
+            candidate that fails the check is out).
+    Returns:
+        Plan: the winner, with predicted_ts and every candidate's row (Plan.ubatch_auto: n_ubatch, n_batch, the
+        prediction and what binds it, or why it is out and the fix).
+    Raises:
+        OutOfMemoryError: when no candidate has a placement (each named, with the fix).
+        ConfigError: for link rates of 0 or of the wrong count, or fit's ConfigErrors.
+        DeviceSpecError: for a spec that does not parse, or that fit refuses.
+        ModelError: for a missing model file, or one llama.cpp cannot load.
+        TypeError: for a ctx that is neither a ContextParams nor a dict.
+        WorkerError: when a worker dies or times out.
+    """
+    ctx = fit_context(ctx)
+    spec = devspec.parse(devices)
+    shared_link = shared_link or spec.one_link
+    n_ctx = ctx.n_ctx or FIT.n_ctx
+    n_tokens = n_tokens or n_ctx
+    check_inputs(model, variant, kw.get("env"))
+    kw.pop("check", None)   # (a candidate that leaves layers on the CPU or a device over its target is out)
+    cap = min(n_tokens, n_batch or n_tokens)
+    ubs = sorted({u for u in candidates if u <= cap} | ({cap} if cap < max(candidates) else set()))
+    expert_bytes = expert_bytes_per_layer(model)
+    hidden = embedding_length(model) if spec.remote else 0   # (the network to RPC servers is counted)
+
+    given = dict(switches or {}) if variant == "patched" else {}   # (the switches the dry runs and runs get)
+    force = {**switches_mod.set_in(kw.get("env")), **given} if variant == "patched" else {}
+    mmap = load_mode == "mmap"
+    staging = mmap and variant == "patched"
+    rated: dict = {}   # what the first dry run's process measured: each device's link, the host's staging copy
+
+    def plan_at(n: int, u: int, nb: Optional[int] = None, group_bytes: bool = False, extra: Optional[dict] = None):
+        c = ContextParams(**{**ctx.to_dict(), "n_ctx": n, "n_batch": nb or max(u, min(cap, n)), "n_ubatch": u})
+        want = [] if rated or link_gbps is not None and not staging else \
+            ["links"] + (["host_copy"] if staging and cached_host_copy() is None else [])
+        plan = _fit_plan(model, devices=devices, ctx=c, variant=variant, link_gbps=link_gbps, check=True,
+                         checked=True, rates=want, group_bytes=group_bytes, given={**given, **(extra or {})}, **kw)
+        if want:
+            rated.update(links=[d.link for d in plan.devices], host_copy=plan.host_copy_gbps or cached_host_copy())
+            if plan.host_copy_gbps:
+                cache_host_copy(plan.host_copy_gbps)
+        return plan
+
+    def placed_at(n: int, u: int, nb: Optional[int] = None) -> tuple[Optional[Plan], Optional[Exception]]:
+        try:
+            plan = plan_at(n, u, nb)
+            return plan, plan_problem(plan, True)
+        except OutOfMemoryError as e:   # (an RPC server's host memory)
+            return None, e
+
+    problem_at = lambda n, u, nb=None: placed_at(n, u, nb)[1]
+    # LAYER_MAJOR: a group's activations grow with n_batch / n_ubatch, so a candidate without room at the largest
+    # n_batch may have it at a smaller one
+    groups = variant == "patched" and int(force.get(switches_mod.LAYER_MAJOR) or 0) != 0
+
+    rows, placed, failed = [], [], None
+    say = (lambda text: print(text, file=sys.stderr)) if progress else (lambda text: None)
+    say(f"--ubatch auto: planning n_ubatch {ubs[0]}..{ubs[-1]} (n_batch up to {cap}) for a prompt of {n_tokens} "
+        f"tokens on {spec}")
+    for u in tqdm(ubs, desc="fit", unit="n_ubatch", file=sys.stderr, disable=not progress, leave=False):
+        row = {"n_ubatch": u, "n_batch": cap}
+        if failed is not None:
+            rows.append({**row, "why": f"not planned: n_ubatch {failed['n_ubatch']} has no placement already (a larger "
+                                       "ubatch needs larger compute buffers)", "fix": failed["fix"]})
+            continue
+        plan, problem = placed_at(n_ctx, u)
+        if problem is not None and not isinstance(problem, OutOfMemoryError):
+            raise problem   # (fit refused these parameters: so it does every candidate)
+        margins, fix_nb = (plan.margins if plan is not None else []), None
+        if problem is not None and groups and u < cap:
+            nb, smaller, problem_there = _largest_placed(batch_choices(u, cap)[:-1], lambda b: placed_at(n_ctx, u, b))
+            if smaller is not None:
+                plan, problem, row = smaller, None, {**row, "n_batch": nb,
+                                                     "larger_batch": f"n_batch {cap}: {_why(problem)}"}
+            else:   # (not even one ubatch a batch, where no group forms)
+                problem, fix_nb, row = problem_there, u, {**row, "n_batch": u}
+        if problem is not None:
+            failed = {**row, "why": _why(problem),
+                      "fix": _memory_fix(lambda n: problem_at(n, u, fix_nb), n_ctx, u, margins)}
+            rows.append(failed)
+            continue
+        placed.append((row, plan))
+    if not placed:
+        raise OutOfMemoryError(f"--ubatch auto: no candidate has a placement for {Path(model).name} on {spec} "
+                               f"(n_ctx {n_ctx}):\n" + "\n".join("  " + line for line in grouped_rows(rows)))
+    rates = link_rates(spec, link_gbps, len(placed[0][1].devices), rated.get("links"),
+                       "pageable" if mmap and not staging else "pinned")
+    pkw = dict(expert_bytes=expert_bytes, link_gbps=rates, shared_link=shared_link, n_tokens=n_tokens, hidden=hidden,
+               staging_gbps=rated.get("host_copy") if staging else None, n_used=expert_layout(model)[0],
+               switches={**switches_mod.in_force(variant, kw.get("env")), **given})
+    score = lambda pred: pred.ts if pred else float("inf")   # (nothing moves and compute not counted: no bound)
+    # the most promising first (the bytes bound: compute not counted), so that the rest can be skipped
+    order = sorted(placed, key=lambda rp: (-score(best_batch(rp[1], rp[0]["n_batch"], **pkw)[1]), rp[0]["n_ubatch"]))
+    probe = probe(model, devices, n_tokens, [r["n_ubatch"] for r, _ in placed],
+                  # (an RPC server speaks its own variant's protocol; elsewhere every weight resident computes alike)
+                  variant=variant if spec.remote else PROBE.variant, servers=[d.server for d in placed[0][1].devices],
+                  timeout=kw.get("timeout") or FIT.timeout, progress=progress, hidden=hidden,
+                  networks={d.server: d.server_net for d in placed[0][1].devices if d.server}) \
+        if count_compute and probe is not None else None
+    best, best_ts, placed_nb = None, 0.0, {}
+    try:
+        for row, plan in order:
+            u = row["n_ubatch"]
+            if skip and best is not None and probe is not None:
+                bound = probe.optimistic(u, CLEARLY_SLOWER)
+                ub_ts = score(best_batch(plan, row["n_batch"], bound, **pkw)[1])
+                if ub_ts < best_ts:
+                    probe.skip(u)
+                    rows.append({**row, "host_expert_layers": plan.host_expert_layers,
+                                 "why": f"clearly slower: at most {ub_ts:.0f} t/s by the model (its compute at "
+                                        f"{CLEARLY_SLOWER:g} of the cheapest measured), the best so far "
+                                        f"{best_ts:.0f} t/s"})
+                    continue
+            compute = probe.compute(u) if probe is not None else None
+            placed_nb[u] = plan.ctx["n_batch"]
+            nb, pred = best_batch(plan, row["n_batch"], compute, **pkw)
+            plan.ctx["n_batch"], plan.predicted_ts = nb, pred.ts if pred else None
+            how = sorted({compute_for(compute, i).how.get(u, "") for i in range(len(plan.devices))}) if compute else []
+            rows.append({**row, "n_batch": nb, "host_expert_layers": plan.host_expert_layers,
+                         "predicted_ts": plan.predicted_ts, "bound": pred.bound if pred else None,
+                         "stage_s": pred.stage_s if pred else None, "transfer_s": pred.transfer_s if pred else None,
+                         "compute_s": pred.compute_s if pred else None, "network_s": pred.network_s if pred else {},
+                         "compute": "; ".join(how), "why": "" if pred else "no host experts: compute binds",
+                         "group": pred.group if pred else 1})
+            if best is None or (score(pred), u) > (best_ts, best.ctx["n_ubatch"]):
+                best, best_ts = plan, score(pred)
+    finally:
+        if probe is not None:
+            probe.close()
+    if groups:   # (the winner's memory at the n_batch it runs with, and its group's bytes)
+        u, nb = best.ctx["n_ubatch"], best.ctx["n_batch"]
+        if nb != placed_nb[u]:
+            best = _at_chosen_batch(best, plan_at(n_ctx, u, nb, group_bytes=True))
+        else:
+            plan_layer_major(best, force, lambda extra: plan_at(n_ctx, u, nb, extra=extra))
+    best.ubatch_auto = sorted(rows, key=lambda t: t["n_ubatch"])
+    best.host_copy_gbps = best.host_copy_gbps or rated.get("host_copy")
+    for d, link in zip(best.devices, rated.get("links") or []):
+        d.link = d.link or link
+    return best
+
+
+def _at_chosen_batch(best: Plan, plan: Plan) -> Plan:
+    """fit_ubatch's winner with LAYER_MAJOR as `plan`, the plan made again at the n_batch it chose (a smaller one
+    than it was placed at keeps a smaller group), with its prediction and links carried over."""
+    plan.predicted_ts, plan.host_copy_gbps = best.predicted_ts, best.host_copy_gbps
+    for a, d in zip(plan.devices, best.devices):
+        a.link = a.link or d.link
+    return plan
+
+
+__all__ = ["fit_ubatch"]

@@ -1,0 +1,177 @@
+"""The patched build's scheduler switches as Python knows them: their names, the environment prefix, the user's
+values parsed once, and the one way they reach C.
+
+The switch table itself (type, default, range, meaning) lives in the patched library and is printed by `pyllama-pp
+info`; Python names only the switches it plans with. A run hands its switches to C through the job's `switches`
+(the worker sets them with `pp_ext_set_param` before it makes a scheduler), and so does a fit's dry run: `to_env`
+is only for tools that start processes of their own (bench scripts, an RPC server's environment).
+
+`--expert-cache` is parsed here once, into an `ExpertCache` the immutable choices keep: "auto" (fit plans it), a
+size (MiB a device: "512MiB", "2GiB") or a slot count a layer ("16slots"; the switch's own form, -16, too), or 0.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from .defaults import FIT
+from .devices.base import parse_size
+from .errors import ConfigError, DeviceSpecError
+
+#: the environment variables the patched scheduler reads its switches from: PREFIX + NAME
+PREFIX = "GGML_SCHED_PP_"
+
+# the switches Python plans with (the table has more: `pyllama-pp info`)
+OVERLAP = "OVERLAP"              # early expert copies beside compute (2: a split early)
+UPLOAD_ALL = "UPLOAD_ALL"        # whole expert tensors above the coverage bar
+UPLOAD_ALL_MIN = "UPLOAD_ALL_MIN"
+UPLOAD_ALL_MIN_COV = "UPLOAD_ALL_MIN_COV"
+LINKS = "LINKS"                  # host links the devices upload over (0: counted)
+RPC_HOST = "RPC_HOST"            # host experts kept on an RPC server
+EXPERT_CACHE = "EXPERT_CACHE"    # the device expert cache: MiB a device, or -N slots a layer
+LAYER_MAJOR = "LAYER_MAJOR"      # a batch's ubatches through each layer together
+
+MiB = 1 << 20
+MAX_SLOTS = 65536   # EXPERT_CACHE's range: -65536 slots a layer at most
+
+
+def var(name: str) -> str:
+    """The environment variable of switch `name`."""
+    return PREFIX + name
+
+
+def get(name: str, env: Optional[dict] = None) -> Optional[str]:
+    """Switch `name` as a worker started with `env` reads it (env, then this process's environment); None: unset."""
+    return (env or {}).get(var(name), os.environ.get(var(name)))
+
+
+def in_env(env: Optional[dict]) -> dict:
+    """The switch variables of `env` alone, NAME -> value."""
+    return {k[len(PREFIX):]: v for k, v in (env or {}).items() if k.startswith(PREFIX)}
+
+
+def set_in(env: Optional[dict]) -> dict:
+    """The switch variables of this process's environment and `env` (over it), NAME -> text."""
+    return in_env({**os.environ, **(env or {})})
+
+
+def in_force(variant: str, env: Optional[dict] = None) -> dict:
+    """The patched switches the environment sets (this process's, then `env` over it), NAME -> int; {} for the
+    baseline (it reads none). A switch not set takes its table default where it is read."""
+    if variant != "patched":
+        return {}
+    return {k: int(v) for k, v in set_in(env).items() if re.fullmatch(r"-?\d+", str(v).strip())}
+
+
+def to_env(switches: Optional[dict]) -> dict:
+    """Switches, NAME -> value, as environment variables (for a process this package does not start as a worker)."""
+    return {var(k): str(v) for k, v in (switches or {}).items()}
+
+
+def parse_given(given: Optional[Iterable[str]]) -> dict:
+    """`--switch NAME=VALUE` strings (repeatable) as {NAME: int}, names upper-cased.
+
+    Raises:
+        ConfigError: for a string without '=' or a value that is not an integer.
+    """
+    switches = {}
+    for kv in given or ():
+        name, sep, value = str(kv).partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"--switch takes NAME=VALUE (e.g. UPLOAD_ALL=0), not {kv!r}")
+        try:
+            switches[name.strip().upper()] = int(value)
+        except ValueError:
+            raise ConfigError(f"--switch {kv!r}: the value must be an integer (e.g. UPLOAD_ALL=0)") from None
+    return switches
+
+
+_SLOTS = re.compile(r"(\d+)\s*slots?", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ExpertCache:
+    """What `--expert-cache` asks of the device expert cache (EXPERT_CACHE, patch 0014).
+
+    Attributes:
+        auto: fit plans its size from the memory the plan leaves free.
+        mib: MiB a device (EXPERT_CACHE=M), split evenly over the host-expert layers the device owns.
+        slots: slots a layer (EXPERT_CACHE=-N), whatever they take.
+    At most one is set; none: no cache.
+    """
+
+    auto: bool = False
+    mib: int = 0
+    slots: int = 0
+
+    @staticmethod
+    def parse(value, variant: str = FIT.variant) -> "ExpertCache":
+        """The cache `value` asks for: "auto", a size ("512MiB", "2GiB", bytes as an int), a slot count a layer
+        ("16slots", or the switch's own -16), 0 / "0" / None (none), or an ExpertCache (as it is).
+
+        Raises:
+            ConfigError: for a value that is none of these, a size that is not a whole number of MiB, more slots than
+                the switch takes, or a cache for the baseline.
+        """
+        if isinstance(value, ExpertCache):
+            cache = value
+        elif value is None:
+            cache = ExpertCache()
+        else:
+            cache = ExpertCache._parse_text(value)
+        if cache and variant != "patched":
+            raise ConfigError(f"--expert-cache {value}: the {variant} build has no expert cache (patch 0014). Fix: "
+                              "drop --expert-cache, or plan for --variant patched")
+        return cache
+
+    @staticmethod
+    def _parse_text(value) -> "ExpertCache":
+        text = str(value).strip()
+        if text.lower() == "auto":
+            return ExpertCache(auto=True)
+        m = _SLOTS.fullmatch(text) or re.fullmatch(r"-(\d+)", text)
+        if m:
+            n = int(m.group(1))
+            if n > MAX_SLOTS:
+                raise ConfigError(f"--expert-cache {value}: at most {MAX_SLOTS} slots a layer")
+            return ExpertCache(slots=n)
+        try:
+            size = parse_size(text if isinstance(value, str) else value)
+        except DeviceSpecError:
+            raise ConfigError(f"--expert-cache {value!r}: give auto (what fit leaves free on each device), a size "
+                              "such as 512MiB or 2GiB, slots a layer such as 16slots, or 0 (no cache)") from None
+        if size % MiB:
+            lo = size // MiB
+            raise ConfigError(f"--expert-cache {value}: {size / MiB:.2f} MiB; the cache takes whole MiB a device "
+                              f"(EXPERT_CACHE). Fix: give {max(lo, 1)}MiB or {lo + 1}MiB, auto, or 0 (no cache)")
+        return ExpertCache(mib=size // MiB)
+
+    def __bool__(self) -> bool:
+        return self.auto or self.mib > 0 or self.slots > 0
+
+    @property
+    def switch(self) -> int:
+        """EXPERT_CACHE's value for a size or slot count (0 for auto, which only a plan turns into a value)."""
+        return self.mib or -self.slots
+
+    @property
+    def bytes(self) -> int:
+        """The bytes a size asks of every device (0 for auto and slots: those depend on the placement)."""
+        return self.mib * MiB
+
+    @property
+    def text(self) -> str:
+        """How plans, rows and messages name it: "auto", "512MiB", "16slots", or "" (none)."""
+        return "auto" if self.auto else f"{self.mib}MiB" if self.mib else f"{self.slots}slots" if self.slots else ""
+
+    @staticmethod
+    def of_switch(switch: int) -> "ExpertCache":
+        """The cache an EXPERT_CACHE value gives (M > 0: MiB a device; -N: slots a layer)."""
+        return ExpertCache(mib=max(0, switch), slots=max(0, -switch))
+
+
+__all__ = ["PREFIX", "var", "get", "in_env", "set_in", "in_force", "to_env", "parse_given", "ExpertCache", "OVERLAP",
+           "UPLOAD_ALL", "UPLOAD_ALL_MIN", "UPLOAD_ALL_MIN_COV", "LINKS", "RPC_HOST", "EXPERT_CACHE", "LAYER_MAJOR"]
+
