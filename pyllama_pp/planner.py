@@ -119,132 +119,175 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
         WorkerError: when a worker dies or times out.
     """
     ctx = fit_context(ctx)
-    spec = devspec.parse(devices)
-    shared_link = shared_link or spec.one_link
-    n_ctx = ctx.n_ctx or FIT.n_ctx
-    n_tokens = n_tokens or n_ctx
     check_inputs(model, variant, kw.get("env"))
     kw.pop("check", None)   # (a candidate that leaves layers on the CPU or a device over its target is out)
-    cap = min(n_tokens, n_batch or n_tokens)
-    ubs = sorted({u for u in candidates if u <= cap} | ({cap} if cap < max(candidates) else set()))
-    expert_bytes = expert_bytes_per_layer(model)
-    hidden = embedding_length(model) if spec.remote else 0   # (the network to RPC servers is counted)
+    n_tokens = n_tokens or ctx.n_ctx or FIT.n_ctx
+    search = _Search(model, devices, ctx, variant, link_gbps, n_tokens, n_batch, load_mode, switches, kw)
+    rows, placed = search.place(candidates, progress)
+    rows, best = search.choose(rows, placed, shared_link, probe if count_compute else None, skip, progress)
+    return search.finish(best, rows)
 
-    given = dict(switches or {}) if variant == "patched" else {}   # (the switches the dry runs and runs get)
-    force = {**switches_mod.set_in(kw.get("env")), **given} if variant == "patched" else {}
-    mmap = load_mode == "mmap"
-    staging = mmap and variant == "patched"
-    rated: dict = {}   # what the first dry run's process measured: each device's link, the host's staging copy
 
-    def plan_at(n: int, u: int, nb: Optional[int] = None, group_bytes: bool = False, extra: Optional[dict] = None):
-        c = ContextParams(**{**ctx.to_dict(), "n_ctx": n, "n_batch": nb or max(u, min(cap, n)), "n_ubatch": u})
-        want = [] if rated or link_gbps is not None and not staging else \
-            ["links"] + (["host_copy"] if staging and cached_host_copy() is None else [])
-        plan = _fit_plan(model, devices=devices, ctx=c, variant=variant, link_gbps=link_gbps, check=True,
-                         checked=True, rates=want, group_bytes=group_bytes, given={**given, **(extra or {})}, **kw)
+class _Search:
+    """fit_ubatch's search, step by step: the candidates' plans (`place`, at the largest n_batch they have room for),
+    the prediction of each with its compute (`choose`) and the winner made final (`finish`). Holds what every step
+    shares: the model's facts, the switches, and the rates the first dry run's process measured."""
+
+    def __init__(self, model, devices, ctx: ContextParams, variant: str, link_gbps, n_tokens: int,
+                 n_batch: Optional[int], load_mode: str, switches: Optional[dict], kw: dict):
+        self.model, self.devices, self.ctx, self.variant, self.link_gbps, self.kw = \
+            model, devices, ctx, variant, link_gbps, kw
+        self.spec = devspec.parse(devices)
+        self.n_ctx, self.n_tokens = ctx.n_ctx or FIT.n_ctx, n_tokens
+        self.cap = min(n_tokens, n_batch or n_tokens)
+        self.hidden = embedding_length(model) if self.spec.remote else 0   # (the network to RPC servers is counted)
+        self.given = dict(switches or {}) if variant == "patched" else {}   # (the switches the dry runs and runs get)
+        self.force = {**switches_mod.set_in(kw.get("env")), **self.given} if variant == "patched" else {}
+        self.mmap = load_mode == "mmap"
+        self.staging = self.mmap and variant == "patched"
+        # LAYER_MAJOR: a group's activations grow with n_batch / n_ubatch, so a candidate without room at the
+        # largest n_batch may have it at a smaller one
+        self.groups = variant == "patched" and int(self.force.get(switches_mod.LAYER_MAJOR) or 0) != 0
+        self.rated: dict = {}   # what the first dry run's process measured: each device's link, the staging copy
+        self.placed_nb: dict = {}
+
+    def plan_at(self, n: int, u: int, nb: Optional[int] = None, group_bytes: bool = False,
+                extra: Optional[dict] = None) -> Plan:
+        """The plan of n_ctx n, n_ubatch u and n_batch nb (default: the largest the prompt and n_ctx allow)."""
+        c = ContextParams(**{**self.ctx.to_dict(), "n_ctx": n, "n_batch": nb or max(u, min(self.cap, n)),
+                             "n_ubatch": u})
+        want = [] if self.rated or self.link_gbps is not None and not self.staging else \
+            ["links"] + (["host_copy"] if self.staging and cached_host_copy() is None else [])
+        plan = _fit_plan(self.model, devices=self.devices, ctx=c, variant=self.variant, link_gbps=self.link_gbps,
+                         check=True, checked=True, rates=want, group_bytes=group_bytes,
+                         given={**self.given, **(extra or {})}, **self.kw)
         if want:
-            rated.update(links=[d.link for d in plan.devices], host_copy=plan.host_copy_gbps or cached_host_copy())
+            self.rated.update(links=[d.link for d in plan.devices],
+                              host_copy=plan.host_copy_gbps or cached_host_copy())
             if plan.host_copy_gbps:
                 cache_host_copy(plan.host_copy_gbps)
         return plan
 
-    def placed_at(n: int, u: int, nb: Optional[int] = None) -> tuple[Optional[Plan], Optional[Exception]]:
+    def placed_at(self, n: int, u: int, nb: Optional[int] = None) -> tuple[Optional[Plan], Optional[Exception]]:
+        """plan_at's plan and what keeps it from being used (None: nothing)."""
         try:
-            plan = plan_at(n, u, nb)
+            plan = self.plan_at(n, u, nb)
             return plan, plan_problem(plan, True)
         except OutOfMemoryError as e:   # (an RPC server's host memory)
             return None, e
 
-    problem_at = lambda n, u, nb=None: placed_at(n, u, nb)[1]
-    # LAYER_MAJOR: a group's activations grow with n_batch / n_ubatch, so a candidate without room at the largest
-    # n_batch may have it at a smaller one
-    groups = variant == "patched" and int(force.get(switches_mod.LAYER_MAJOR) or 0) != 0
+    def place(self, candidates: Sequence[int], progress: bool) -> tuple[list, list]:
+        """Each candidate n_ubatch planned, upward, until one has no placement: (rows of the candidates that are out,
+        with why and a fix; [(row, plan)] of those placed)."""
+        cap, n_ctx = self.cap, self.n_ctx
+        ubs = sorted({u for u in candidates if u <= cap} | ({cap} if cap < max(candidates) else set()))
+        rows, placed, failed = [], [], None
+        if progress:
+            print(f"--ubatch auto: planning n_ubatch {ubs[0]}..{ubs[-1]} (n_batch up to {cap}) for a prompt of "
+                  f"{self.n_tokens} tokens on {self.spec}", file=sys.stderr)
+        for u in tqdm(ubs, desc="fit", unit="n_ubatch", file=sys.stderr, disable=not progress, leave=False):
+            row = {"n_ubatch": u, "n_batch": cap}
+            if failed is not None:
+                rows.append({**row, "why": f"not planned: n_ubatch {failed['n_ubatch']} has no placement already (a "
+                                           "larger ubatch needs larger compute buffers)", "fix": failed["fix"]})
+                continue
+            plan, problem = self.placed_at(n_ctx, u)
+            if problem is not None and not isinstance(problem, OutOfMemoryError):
+                raise problem   # (fit refused these parameters: so it does every candidate)
+            margins, fix_nb = (plan.margins if plan is not None else []), None
+            if problem is not None and self.groups and u < cap:
+                nb, smaller, problem_there = _largest_placed(batch_choices(u, cap)[:-1],
+                                                             lambda b: self.placed_at(n_ctx, u, b))
+                if smaller is not None:
+                    plan, problem, row = smaller, None, {**row, "n_batch": nb,
+                                                         "larger_batch": f"n_batch {cap}: {_why(problem)}"}
+                else:   # (not even one ubatch a batch, where no group forms)
+                    problem, fix_nb, row = problem_there, u, {**row, "n_batch": u}
+            if problem is not None:
+                failed = {**row, "why": _why(problem),
+                          "fix": _memory_fix(lambda n: self.placed_at(n, u, fix_nb)[1], n_ctx, u, margins)}
+                rows.append(failed)
+                continue
+            placed.append((row, plan))
+        if not placed:
+            raise OutOfMemoryError(f"--ubatch auto: no candidate has a placement for {Path(self.model).name} on "
+                                   f"{self.spec} (n_ctx {n_ctx}):\n" +
+                                   "\n".join("  " + line for line in grouped_rows(rows)))
+        return rows, placed
 
-    rows, placed, failed = [], [], None
-    say = (lambda text: print(text, file=sys.stderr)) if progress else (lambda text: None)
-    say(f"--ubatch auto: planning n_ubatch {ubs[0]}..{ubs[-1]} (n_batch up to {cap}) for a prompt of {n_tokens} "
-        f"tokens on {spec}")
-    for u in tqdm(ubs, desc="fit", unit="n_ubatch", file=sys.stderr, disable=not progress, leave=False):
-        row = {"n_ubatch": u, "n_batch": cap}
-        if failed is not None:
-            rows.append({**row, "why": f"not planned: n_ubatch {failed['n_ubatch']} has no placement already (a larger "
-                                       "ubatch needs larger compute buffers)", "fix": failed["fix"]})
-            continue
-        plan, problem = placed_at(n_ctx, u)
-        if problem is not None and not isinstance(problem, OutOfMemoryError):
-            raise problem   # (fit refused these parameters: so it does every candidate)
-        margins, fix_nb = (plan.margins if plan is not None else []), None
-        if problem is not None and groups and u < cap:
-            nb, smaller, problem_there = _largest_placed(batch_choices(u, cap)[:-1], lambda b: placed_at(n_ctx, u, b))
-            if smaller is not None:
-                plan, problem, row = smaller, None, {**row, "n_batch": nb,
-                                                     "larger_batch": f"n_batch {cap}: {_why(problem)}"}
-            else:   # (not even one ubatch a batch, where no group forms)
-                problem, fix_nb, row = problem_there, u, {**row, "n_batch": u}
-        if problem is not None:
-            failed = {**row, "why": _why(problem),
-                      "fix": _memory_fix(lambda n: problem_at(n, u, fix_nb), n_ctx, u, margins)}
-            rows.append(failed)
-            continue
-        placed.append((row, plan))
-    if not placed:
-        raise OutOfMemoryError(f"--ubatch auto: no candidate has a placement for {Path(model).name} on {spec} "
-                               f"(n_ctx {n_ctx}):\n" + "\n".join("  " + line for line in grouped_rows(rows)))
-    rates = link_rates(spec, link_gbps, len(placed[0][1].devices), rated.get("links"),
-                       "pageable" if mmap and not staging else "pinned")
-    pkw = dict(expert_bytes=expert_bytes, link_gbps=rates, shared_link=shared_link, n_tokens=n_tokens, hidden=hidden,
-               staging_gbps=rated.get("host_copy") if staging else None, n_used=expert_layout(model)[0],
-               switches={**switches_mod.in_force(variant, kw.get("env")), **given})
-    score = lambda pred: pred.ts if pred else float("inf")   # (nothing moves and compute not counted: no bound)
-    # the most promising first (the bytes bound: compute not counted), so that the rest can be skipped
-    order = sorted(placed, key=lambda rp: (-score(best_batch(rp[1], rp[0]["n_batch"], **pkw)[1]), rp[0]["n_ubatch"]))
-    probe = probe(model, devices, n_tokens, [r["n_ubatch"] for r, _ in placed],
-                  # (an RPC server speaks its own variant's protocol; elsewhere every weight resident computes alike)
-                  variant=variant if spec.remote else PROBE.variant, servers=[d.server for d in placed[0][1].devices],
-                  timeout=kw.get("timeout") or FIT.timeout, progress=progress, hidden=hidden,
-                  networks={d.server: d.server_net for d in placed[0][1].devices if d.server}) \
-        if count_compute and probe is not None else None
-    best, best_ts, placed_nb = None, 0.0, {}
-    try:
-        for row, plan in order:
-            u = row["n_ubatch"]
-            if skip and best is not None and probe is not None:
-                bound = probe.optimistic(u, CLEARLY_SLOWER)
-                ub_ts = score(best_batch(plan, row["n_batch"], bound, **pkw)[1])
-                if ub_ts < best_ts:
-                    probe.skip(u)
-                    rows.append({**row, "host_expert_layers": plan.host_expert_layers,
-                                 "why": f"clearly slower: at most {ub_ts:.0f} t/s by the model (its compute at "
-                                        f"{CLEARLY_SLOWER:g} of the cheapest measured), the best so far "
-                                        f"{best_ts:.0f} t/s"})
-                    continue
-            compute = probe.compute(u) if probe is not None else None
-            placed_nb[u] = plan.ctx["n_batch"]
-            nb, pred = best_batch(plan, row["n_batch"], compute, **pkw)
-            plan.ctx["n_batch"], plan.predicted_ts = nb, pred.ts if pred else None
-            how = sorted({compute_for(compute, i).how.get(u, "") for i in range(len(plan.devices))}) if compute else []
-            rows.append({**row, "n_batch": nb, "host_expert_layers": plan.host_expert_layers,
-                         "predicted_ts": plan.predicted_ts, "bound": pred.bound if pred else None,
-                         "stage_s": pred.stage_s if pred else None, "transfer_s": pred.transfer_s if pred else None,
-                         "compute_s": pred.compute_s if pred else None, "network_s": pred.network_s if pred else {},
-                         "compute": "; ".join(how), "why": "" if pred else "no host experts: compute binds",
-                         "group": pred.group if pred else 1})
-            if best is None or (score(pred), u) > (best_ts, best.ctx["n_ubatch"]):
-                best, best_ts = plan, score(pred)
-    finally:
-        if probe is not None:
-            probe.close()
-    if groups:   # (the winner's memory at the n_batch it runs with, and its group's bytes)
-        u, nb = best.ctx["n_ubatch"], best.ctx["n_batch"]
-        if nb != placed_nb[u]:
-            best = _at_chosen_batch(best, plan_at(n_ctx, u, nb, group_bytes=True))
-        else:
-            plan_layer_major(best, force, lambda extra: plan_at(n_ctx, u, nb, extra=extra))
-    best.ubatch_auto = sorted(rows, key=lambda t: t["n_ubatch"])
-    best.host_copy_gbps = best.host_copy_gbps or rated.get("host_copy")
-    for d, link in zip(best.devices, rated.get("links") or []):
-        d.link = d.link or link
-    return best
+    def choose(self, rows: list, placed: list, shared_link: bool, probe: Optional[Callable], skip: bool,
+               progress: bool) -> tuple[list, Plan]:
+        """Each placed candidate predicted at its best n_batch, with the compute the probe measures (the most
+        promising first; one even its best case shows slower than the best so far is out, unprobed, with skip):
+        (every candidate's row, the winner)."""
+        spec, variant = self.spec, self.variant
+        rates = link_rates(spec, self.link_gbps, len(placed[0][1].devices), self.rated.get("links"),
+                           "pageable" if self.mmap and not self.staging else "pinned")
+        pkw = dict(expert_bytes=expert_bytes_per_layer(self.model), link_gbps=rates, shared_link=shared_link or
+                   spec.one_link, n_tokens=self.n_tokens, hidden=self.hidden,
+                   staging_gbps=self.rated.get("host_copy") if self.staging else None,
+                   n_used=expert_layout(self.model)[0],
+                   switches={**switches_mod.in_force(variant, self.kw.get("env")), **self.given})
+        score = lambda pred: pred.ts if pred else float("inf")   # (nothing moves and compute not counted: no bound)
+        # the most promising first (the bytes bound: compute not counted), so that the rest can be skipped
+        order = sorted(placed, key=lambda rp: (-score(best_batch(rp[1], rp[0]["n_batch"], **pkw)[1]),
+                                               rp[0]["n_ubatch"]))
+        first = placed[0][1].devices
+        probe = probe(self.model, self.devices, self.n_tokens, [r["n_ubatch"] for r, _ in placed],
+                      # (an RPC server speaks its own variant's protocol; elsewhere every weight resident computes
+                      # alike)
+                      variant=variant if spec.remote else PROBE.variant, servers=[d.server for d in first],
+                      timeout=self.kw.get("timeout") or FIT.timeout, progress=progress, hidden=self.hidden,
+                      networks={d.server: d.server_net for d in first if d.server}) if probe is not None else None
+        best, best_ts = None, 0.0
+        try:
+            for row, plan in order:
+                u = row["n_ubatch"]
+                if skip and best is not None and probe is not None:
+                    bound = probe.optimistic(u, CLEARLY_SLOWER)
+                    ub_ts = score(best_batch(plan, row["n_batch"], bound, **pkw)[1])
+                    if ub_ts < best_ts:
+                        probe.skip(u)
+                        rows.append({**row, "host_expert_layers": plan.host_expert_layers,
+                                     "why": f"clearly slower: at most {ub_ts:.0f} t/s by the model (its compute at "
+                                            f"{CLEARLY_SLOWER:g} of the cheapest measured), the best so far "
+                                            f"{best_ts:.0f} t/s"})
+                        continue
+                compute = probe.compute(u) if probe is not None else None
+                self.placed_nb[u] = plan.ctx["n_batch"]
+                nb, pred = best_batch(plan, row["n_batch"], compute, **pkw)
+                plan.ctx["n_batch"], plan.predicted_ts = nb, pred.ts if pred else None
+                how = sorted({compute_for(compute, i).how.get(u, "") for i in range(len(plan.devices))}) \
+                    if compute else []
+                rows.append({**row, "n_batch": nb, "host_expert_layers": plan.host_expert_layers,
+                             "predicted_ts": plan.predicted_ts, "bound": pred.bound if pred else None,
+                             "stage_s": pred.stage_s if pred else None,
+                             "transfer_s": pred.transfer_s if pred else None,
+                             "compute_s": pred.compute_s if pred else None,
+                             "network_s": pred.network_s if pred else {}, "compute": "; ".join(how),
+                             "why": "" if pred else "no host experts: compute binds",
+                             "group": pred.group if pred else 1})
+                if best is None or (score(pred), u) > (best_ts, best.ctx["n_ubatch"]):
+                    best, best_ts = plan, score(pred)
+        finally:
+            if probe is not None:
+                probe.close()
+        return rows, best
+
+    def finish(self, best: Plan, rows: list) -> Plan:
+        """The winner as it runs: with LAYER_MAJOR its memory at the n_batch it runs with and its group's bytes;
+        every candidate's row, and the rates measured."""
+        if self.groups:
+            u, nb = best.ctx["n_ubatch"], best.ctx["n_batch"]
+            if nb != self.placed_nb[u]:
+                best = _at_chosen_batch(best, self.plan_at(self.n_ctx, u, nb, group_bytes=True))
+            else:
+                plan_layer_major(best, self.force, lambda extra: self.plan_at(self.n_ctx, u, nb, extra=extra))
+        best.ubatch_auto = sorted(rows, key=lambda t: t["n_ubatch"])
+        best.host_copy_gbps = best.host_copy_gbps or self.rated.get("host_copy")
+        for d, link in zip(best.devices, self.rated.get("links") or []):
+            d.link = d.link or link
+        return best
 
 
 def _at_chosen_batch(best: Plan, plan: Plan) -> Plan:
