@@ -166,6 +166,9 @@ MARGINS = {"cuda": 1 * GiB, "vdev": 0, "other": 1 * GiB}
 
 RPC_HOST, RPC_PORT = "127.0.0.1", 50052   # rpc-server's address: loopback (the protocol has no authentication)
 CUDA_LINK_GBPS = 55.0   # a PCIe 5 x16 link's measured host -> device rate (docs/RESULTS.md), where none is given
+# a GPU reading expert weights in its own memory in a decode expert op (GB/s): stated, about 60% of an H100's HBM3,
+# not measured; it only has to be far above the host CPU's rate for the expert cache's break-even to be right
+CUDA_EXPERT_READ_GBPS = 2000.0
 UBATCH_CANDIDATES = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)   # fit_ubatch's n_ubatch values
 OFFLOAD_MIN_BATCH = 32   # llama.cpp's GGML_OP_OFFLOAD_MIN_BATCH (upstream's value; shown in the CLI's help)
 

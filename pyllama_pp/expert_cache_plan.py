@@ -11,6 +11,11 @@ leaves free on each device after its layers, KV, compute buffers, early copies a
 the one that caches more experts without any device going past its free memory (the largest M, or the most slots N
 every device has room for), and adds each device's share to its margin. Nslots is -N: each device's share is added to
 its margin as auto's is, and a device without room for it is named.
+
+The guard (EXPERT_CACHE_MIN_HIT: a layer whose shadow hits fall below it goes back to the CPU path) is set from costs,
+not a fixed bar: `break_even_hit` is the hit rate above which a layer's cached path costs less than the CPU's, from
+the rates fit measured (the host CPU's decode expert op, each device's link from pinned and from pageable memory)
+and the device's own read (`guard`); a run takes the value for its load mode (Plan.run_switches).
 """
 from __future__ import annotations
 
@@ -18,9 +23,12 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from . import devices as devspec
+from .defaults import threads
 from .errors import ConfigError, OutOfMemoryError
 from .plan import MiB, Plan
 from .switches import EXPERT_CACHE as SWITCH
+from .switches import EXPERT_CACHE_MIN_HIT as GUARD_SWITCH
 from .switches import MAX_SLOTS as MAX_SLOTS_SWITCH
 from .switches import ExpertCache
 
@@ -102,6 +110,50 @@ def auto_switch(layout: Layout, layers: Sequence[int], room: Sequence[int]) -> i
     return best if best and cached(best) > 0 else 0
 
 
+def break_even_hit(cpu_gbps: float, link_gbps: float, dev_gbps: float) -> float:
+    """The hit rate above which a layer's cached path costs less per token than the CPU path (upstream's).
+
+    Per used expert the cached path reads it in the device's memory (1 / dev) and, where it missed, copies it over the
+    host link first ((1 - h) / link); the CPU path reads it in host memory (1 / cpu). They cost the same at
+    h* = 1 - link (1 / cpu - 1 / dev): 1 or more where the device reads no faster than the host's CPU (the cache never
+    pays), 0 or less where a copied miss costs less than the CPU's read (it always pays). A layer's fixed costs
+    (reading the ids back, a launch) are not counted: the bar is a lower bound.
+
+    Args:
+        cpu_gbps: the host CPU's decode expert op (GB/s of the experts it reads).
+        link_gbps: the device's host link for the experts' copies (pinned, or pageable for an mmap-ed model).
+        dev_gbps: the device reading experts in its own memory.
+    """
+    return 1.0 - link_gbps * (1.0 / cpu_gbps - 1.0 / dev_gbps)
+
+
+def _percent(h: float) -> int:
+    """A break-even hit rate as the guard's switch value: whole percent, at least 1 (0 turns the guard off), at most
+    100 (every layer goes to the CPU path once its window is seen)."""
+    return min(100, max(1, math.ceil(h * 100)))
+
+
+def guard(plan: Plan) -> dict:
+    """The cache's guard for a plan, from what fit measured: per device its break-even hit rate from pinned and from
+    pageable memory, and the switch value for each load mode (the largest over the devices that cache: one value
+    for every device); {} where a rate is missing (the native default stays)."""
+    spec = devspec.parse(plan.devices_spec.get("text") or plan.devices_spec)
+    cpu = plan.cpu_expert_gbps.get(str(threads(plan.ctx.get("n_threads", 0))))
+    dev = spec.expert_read_rates(plan.cpu_expert_gbps, len(plan.devices)) if cpu else None
+    links = [d.link or {} for d in plan.devices]
+    if not cpu or not dev or not all(ln.get("pinned_gbps") or ln.get("pageable_gbps") for ln in links):
+        return {}
+    per = {}
+    for source in ("pinned", "pageable"):
+        per[source] = [break_even_hit(cpu, ln.get(f"{source}_gbps") or ln.get("pageable_gbps"), r)
+                       for ln, r in zip(links, dev)]
+    caching = [i for i, d in enumerate(plan.devices) if d.cache_slots > 0] or range(len(plan.devices))
+    min_hit = {mode: _percent(max(per[source][i] for i in caching))
+               for mode, source in (("none", "pinned"), ("mmap", "pageable"))}
+    return {"break_even": {k: [round(h, 4) for h in v] for k, v in per.items()}, "min_hit": min_hit,
+            "cpu_gbps": round(cpu, 3), "dev_gbps": [round(r, 3) for r in dev]}
+
+
 def plan_cache(plan: Plan, asked: ExpertCache, layout: Layout) -> Plan:
     """Write the cache into a patched fit plan: the switch (EXPERT_CACHE), each device's slots a layer and bytes, and,
     for auto and a slot count, each device's share added to its margin (target lowered by as much). For a SIZE fit
@@ -135,6 +187,9 @@ def plan_cache(plan: Plan, asked: ExpertCache, layout: Layout) -> Plan:
     plan.expert_cache = asked.text
     if switch:
         plan.switches = {**plan.switches, SWITCH: switch}
+        plan.cache_guard = guard(plan)
+        if plan.cache_guard:
+            plan.switches[GUARD_SWITCH] = plan.cache_guard["min_hit"]["none"]
     return plan
 
 

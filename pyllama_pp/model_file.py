@@ -322,6 +322,17 @@ def expert_layout(model: Union[str, os.PathLike]) -> tuple[int, int]:
     return _arch_int(header(model)["kv"], "expert_used_count"), max(per_layer.values(), default=0)
 
 
+def expert_tensor_shape(model: Union[str, os.PathLike]) -> Optional[tuple[int, int, int, int]]:
+    """The model's largest expert tensor as (ggml type id, ne0, ne1, n_expert): what one expert op reads from (None: no
+    experts). The CPU expert-rate probe runs this shape."""
+    best = None
+    for t in header(model)["tensors"]:
+        if re.fullmatch(rf"blk\.\d+\.{EXPERT_TENSORS}\.weight", t["name"]) and len(t["shape"]) == 3 and \
+                (best is None or t["nbytes"] > best["nbytes"]):
+            best = t
+    return (best["type"], *best["shape"]) if best else None
+
+
 def expert_tensor_bytes(model: Union[str, os.PathLike]) -> int:
     """Bytes of the model's largest expert tensor: what one expert copy moves (0: no experts)."""
     return max((n for _, n in _expert_tensors(model)), default=0)

@@ -12,6 +12,7 @@ them (path "spread"), else it takes upstream's steps and says why (path "upstrea
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -20,10 +21,10 @@ from typing import Optional, Sequence, Union
 
 from . import devices as devspec
 from . import expert_cache_plan, switches
-from .defaults import FIT, cache_dir, usable_cores
+from .defaults import FIT, cache_dir, threads, usable_cores
 from .errors import ConfigError, DeviceSpecError
 from .layer_major_plan import plan_layer_major
-from .model_file import check_model_path, expert_bytes_per_layer, expert_layout
+from .model_file import check_model_path, expert_bytes_per_layer, expert_layout, expert_tensor_shape
 from .overlap_plan import plan_copies
 from .params import SPLIT_MODES, ContextParams, as_context
 from .plan import MiB, Plan, plan_from_result, plan_problem
@@ -199,12 +200,20 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
     job = {"kind": "fit", "model": str(model), "devices": spec.to_dict(), "ctx": ctx.to_dict(),
            "split_mode": split_mode, "margins": margins, "n_ctx_min": n_ctx_min}
 
+    # the expert cache's guard weighs the host CPU's expert op against each device's link (expert_cache_plan.guard):
+    # measured once on this machine, then read back
+    guard_rates = _guard_rates(model, spec, ctx) if cache and variant == "patched" else None
+    if guard_rates is not None:
+        rates = list(dict.fromkeys([*rates, *guard_rates.missing]))
+
     def once(extra: dict) -> Plan:
-        res = run_job({**job, "rates": list(rates) if not extra else [], "switches": {**given, **extra}}, variant,
+        res = run_job({**job, "rates": rates if not extra else [], "switches": {**given, **extra}}, variant,
                       timeout=timeout, env=env or None)
         return plan_from_result(res, variant, str(model), spec, {**ctx.to_dict(), "split_mode": split_mode}, margins)
 
     plan = once({})
+    if guard_rates is not None:
+        guard_rates.fill(plan)
     if variant == "patched":
         if plan.devices:   # (one device is pipelined too, GATE)
             plan = plan_copies(plan, once, check, force)
@@ -247,28 +256,67 @@ def _rates_path() -> Path:
     return cache_dir() / "rates.json"
 
 
-def cached_host_copy() -> Optional[float]:
-    """The host's staging copy rate measured before on this machine (PYLLAMA_PP_CACHE/rates.json, by host name and
-    usable cores), or None."""
+class _GuardRates:
+    """The rates the expert cache's guard needs (the host CPU's expert op at the thread counts the run and the devices
+    compute with; each device's link), as cached on this machine, and what a dry run must measure (`missing`)."""
+
+    def __init__(self, cpu_key: str, link_keys: list):
+        self.cpu_key, self.link_keys = cpu_key, link_keys
+        self.cpu = cached_rate("cpu_expert_gbps", cpu_key)
+        self.links = [cached_rate("links", k) for k in link_keys]
+        self.missing = ([] if self.cpu else ["cpu_expert"]) + ([] if all(self.links) else ["links"])
+
+    def fill(self, plan: Plan) -> None:
+        """The plan's rates: measured ones kept for later plans, cached ones filled in."""
+        if plan.cpu_expert_gbps:
+            plan.cpu_expert_gbps = keep_rate("cpu_expert_gbps", plan.cpu_expert_gbps, self.cpu_key)
+        plan.cpu_expert_gbps = plan.cpu_expert_gbps or self.cpu or {}
+        for d, key, known in zip(plan.devices, self.link_keys, self.links):
+            d.link = keep_rate("links", d.link, key) if d.link and not known else d.link or known
+
+
+def _guard_rates(model, spec: devspec.DeviceSpec, ctx: ContextParams) -> _GuardRates:
+    shape, n_used = expert_tensor_shape(model), expert_layout(model)[0]
+    counts = sorted({threads(ctx.n_threads), *spec.compute_threads()})
+    return _GuardRates(f":{shape}:{n_used}:{counts}", [f":{spec}#{i}" for i in range(spec.n_devices or 0)] or
+                       [f":{spec}#0"])
+
+
+def cached_rate(section: str, key: str = ""):
+    """A rate measured before on this machine (PYLLAMA_PP_CACHE/rates.json, by host name and usable cores, then
+    `key` within `section`), or None."""
     try:
-        return json.loads(_rates_path().read_text()).get("host_copy_gbps", {}).get(_host_key())
+        return json.loads(_rates_path().read_text()).get(section, {}).get(_host_key() + key)
     except (OSError, ValueError):
         return None
 
 
-def cache_host_copy(gbps: float) -> None:
-    """Keep the host's staging copy rate for later plans on this machine."""
-    try:
-        d = json.loads(_rates_path().read_text())
-    except (OSError, ValueError):
-        d = {}
-    d.setdefault("host_copy_gbps", {})[_host_key()] = gbps
-    _rates_path().parent.mkdir(parents=True, exist_ok=True)
-    _rates_path().write_text(json.dumps(d, indent=1))
+def keep_rate(section: str, value, key: str = ""):
+    """Keep a measured rate for later plans on this machine (cached_rate reads it), unless one is kept already (by
+    another process that measured at the same time: the first kept wins, so that plans made together agree).
+
+    Returns:
+        The rate kept: `value`, or the one found.
+    """
+    path = _rates_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)   # (released when the file closes)
+        f.seek(0)
+        try:
+            d = json.loads(f.read() or "{}")
+        except ValueError:
+            d = {}
+        kept = d.setdefault(section, {}).setdefault(_host_key() + key, value)
+        if kept is value:
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps(d, indent=1))
+    return kept
 
 
 def _host_key() -> str:
     return f"{socket.gethostname()}:{usable_cores()}"
 
 
-__all__ = ["fit", "check_inputs", "fit_context", "spread_weights", "reserved_bytes", "cached_host_copy", "cache_host_copy"]
+__all__ = ["fit", "check_inputs", "fit_context", "spread_weights", "reserved_bytes", "cached_rate", "keep_rate"]

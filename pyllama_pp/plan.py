@@ -23,6 +23,7 @@ FIT_STATUS = {0: "success", 1: "failure", 2: "error"}
 GiB = 1024**3
 MiB = 1024**2
 from .switches import EXPERT_CACHE as CACHE_SWITCH
+from .switches import EXPERT_CACHE_MIN_HIT as CACHE_MIN_HIT_SWITCH
 _EXPERT_NAMES = ("ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_exps.weight")
 _DENSE_FFN_NAMES = ("ffn_gate_inp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", "ffn_gate_shexp.weight")
 
@@ -134,6 +135,11 @@ class Plan:
             the plan's n_batch and n_ubatch; 1: none form), "bytes" (each device's compute buffer bytes the group
             keeps, in compute_bytes: its ubatches' activations and whole expert copies; where measured) and
             "without" (the placement fit makes without the switch, where it differs).
+        cpu_expert_gbps: the host CPU's decode expert op as measured, {threads: GB/s of the experts it reads} ({}: not
+            measured; fit measures it where it plans the expert cache).
+        cache_guard: where the expert cache is planned: the hit rate above which a layer's cached path costs less
+            than the CPU path, per device and link ("pinned", "pageable"), the guard's switch value for each load mode
+            ("min_hit": {"none": P, "mmap": P}), the rates it came from, and why (expert_cache_plan.guard).
     """
 
     variant: str
@@ -167,6 +173,8 @@ class Plan:
     host_copy_gbps: Optional[float] = None
     expert_cache: str = ""             # the device expert cache asked for ("auto", "512MiB"; "": none)
     layer_major: dict = field(default_factory=dict)
+    cpu_expert_gbps: dict = field(default_factory=dict)   # the host CPU's decode expert op, {threads: GB/s}
+    cache_guard: dict = field(default_factory=dict)       # the cache's break-even hit rates (expert_cache_plan.guard)
 
     # -- views -----------------------------------------------------------------------------------------------
     @property
@@ -208,7 +216,20 @@ class Plan:
                         f"{d.host_expert_layers} host-expert layer{'s' if d.host_expert_layers > 1 else ''}"
                         for d in self.devices if d.host_expert_layers)
         return (f"expert cache ({self.expert_cache}): {CACHE_SWITCH}={switch} ({form}, one value for every device): "
-                f"{per}; in each device's margin")
+                f"{per}; in each device's margin" + self._guard_text())
+
+    def _guard_text(self) -> str:
+        g = self.cache_guard
+        if not g:
+            return ""
+        pinned, mmap = g["min_hit"]["none"], g["min_hit"]["mmap"]
+        rates = (f"the host CPU's expert op {g['cpu_gbps']:.3g} GB/s, the devices' own read "
+                 f"{'/'.join(f'{r:.3g}' for r in g['dev_gbps'])} GB/s, their links as measured")
+        if pinned >= 100:
+            return (f"\n  guard {CACHE_MIN_HIT_SWITCH}=100: the cache does not pay on these devices ({rates}): each "
+                    "layer goes back to the CPU path once its first tokens are seen")
+        return (f"\n  guard {CACHE_MIN_HIT_SWITCH}={pinned} (mmap: {mmap}): below that many hits a layer's cached path "
+                f"costs more than the CPU path ({rates})")
 
     def to_dict(self) -> dict:
         """The plan as JSON-ready data; Plan.from_dict makes it again.
@@ -225,7 +246,16 @@ class Plan:
             del d["expert_cache"]
         if not self.layer_major:   # (without LAYER_MAJOR a plan is the one made without the switch)
             del d["layer_major"]
+        for key in ("cpu_expert_gbps", "cache_guard"):   # (not measured: the plan reads as one made before them)
+            if not d[key]:
+                del d[key]
         return d
+
+    def run_switches(self, load_mode: str = "none") -> dict:
+        """The switches a run with this plan applies for `load_mode`: the plan's, with the expert cache's guard at its
+        break-even for the link a miss takes there (pageable for "mmap")."""
+        min_hit = self.cache_guard.get("min_hit", {}).get(load_mode)
+        return {**self.switches, CACHE_MIN_HIT_SWITCH: min_hit} if min_hit is not None else dict(self.switches)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
@@ -555,7 +585,8 @@ def plan_from_result(res: dict, variant: str, model: str, spec: devspec.DeviceSp
                 tensor_split=list(res["tensor_split"])[:ndev], tensor_overrides=overrides,
                 n_ctx=res["n_ctx"], n_layer=n_layer, n_expert=res["n_expert"], margins=margins, devices=devs,
                 host=res.get("host", {}), message=res.get("message", ""), seconds=res.get("seconds", 0.0),
-                host_copy_gbps=res.get("rates", {}).get("host_copy_gbps"))
+                host_copy_gbps=res.get("rates", {}).get("host_copy_gbps"),
+                cpu_expert_gbps=res.get("rates", {}).get("cpu_expert_gbps") or {})
 
 
 def _on_cpu_text(on_cpu: int, n_layer: int) -> str:

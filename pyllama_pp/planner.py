@@ -18,7 +18,7 @@ from .errors import OutOfMemoryError
 from .layer_major_plan import plan_layer_major
 from .model_file import embedding_length, expert_bytes_per_layer, expert_layout
 from .params import ContextParams
-from .placement import _fit_plan, cache_host_copy, cached_host_copy, check_inputs, fit_context
+from .placement import _fit_plan, cached_rate, check_inputs, fit_context, keep_rate
 from .plan import MiB, Plan, grouped_rows, plan_problem
 from .predict import CLEARLY_SLOWER, batch_choices, best_batch, compute_for, link_rates
 
@@ -157,15 +157,15 @@ class _Search:
         c = ContextParams(**{**self.ctx.to_dict(), "n_ctx": n, "n_batch": nb or max(u, min(self.cap, n)),
                              "n_ubatch": u})
         want = [] if self.rated or self.link_gbps is not None and not self.staging else \
-            ["links"] + (["host_copy"] if self.staging and cached_host_copy() is None else [])
+            ["links"] + (["host_copy"] if self.staging and cached_rate("host_copy_gbps") is None else [])
         plan = _fit_plan(self.model, devices=self.devices, ctx=c, variant=self.variant, link_gbps=self.link_gbps,
                          check=True, checked=True, rates=want, group_bytes=group_bytes,
                          given={**self.given, **(extra or {})}, **self.kw)
         if want:
-            self.rated.update(links=[d.link for d in plan.devices],
-                              host_copy=plan.host_copy_gbps or cached_host_copy())
             if plan.host_copy_gbps:
-                cache_host_copy(plan.host_copy_gbps)
+                plan.host_copy_gbps = keep_rate("host_copy_gbps", plan.host_copy_gbps)
+            self.rated.update(links=[d.link for d in plan.devices],
+                              host_copy=plan.host_copy_gbps or cached_rate("host_copy_gbps"))
         return plan
 
     def placed_at(self, n: int, u: int, nb: Optional[int] = None) -> tuple[Optional[Plan], Optional[Exception]]:

@@ -434,7 +434,7 @@ def _with_plan(cfg: RunConfig, plan: Plan, model: str, variants: Sequence[str], 
     devices = _plan_devices(plan) if cfg.devices == "cpu" else cfg.devices
     return dataclasses.replace(cfg, devices=devices,
                                plans={v: plan.placement(c.load_mode, source=source) for v in variants},
-                               switches={**plan.switches, **cfg.switches})   # (the plan's copies; patched runs only)
+                               switches={**plan.run_switches(c.load_mode), **cfg.switches})   # (patched runs only)
 
 
 def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, made: list) -> RunConfig:
@@ -447,7 +447,7 @@ def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, m
         made.append(p)
         plans[v] = p.placement(c.load_mode, source="fit")
         if v == "patched":
-            run_switches = {**p.switches, **cfg.switches}
+            run_switches = {**p.run_switches(c.load_mode), **cfg.switches}
     if c.fit == "same":
         plans = {v: plans["patched"] for v in variants}
     return dataclasses.replace(cfg, plans=plans, switches=run_switches)

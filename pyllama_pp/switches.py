@@ -31,6 +31,7 @@ UPLOAD_ALL_MIN_COV = "UPLOAD_ALL_MIN_COV"
 LINKS = "LINKS"                  # host links the devices upload over (0: counted)
 RPC_HOST = "RPC_HOST"            # host experts kept on an RPC server
 EXPERT_CACHE = "EXPERT_CACHE"    # the device expert cache: MiB a device, or -N slots a layer
+EXPERT_CACHE_MIN_HIT = "EXPERT_CACHE_MIN_HIT"   # its guard: percent of hits below which a layer goes to the CPU
 LAYER_MAJOR = "LAYER_MAJOR"      # a batch's ubatches through each layer together
 
 MiB = 1 << 20
@@ -173,5 +174,6 @@ class ExpertCache:
 
 
 __all__ = ["PREFIX", "var", "get", "in_env", "set_in", "in_force", "to_env", "parse_given", "ExpertCache", "OVERLAP",
-           "UPLOAD_ALL", "UPLOAD_ALL_MIN", "UPLOAD_ALL_MIN_COV", "LINKS", "RPC_HOST", "EXPERT_CACHE", "LAYER_MAJOR"]
+           "UPLOAD_ALL", "UPLOAD_ALL_MIN", "UPLOAD_ALL_MIN_COV", "LINKS", "RPC_HOST", "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT",
+           "LAYER_MAJOR"]
 

@@ -113,7 +113,8 @@ def test_auto_takes_what_the_plan_leaves_free(plans):
         assert d.expected_bytes <= d.target_bytes
     assert pa.margins == [m + d.cache_bytes for m, d in zip(p0.margins, pa.devices)]
     sw = pa.switches["EXPERT_CACHE"]
-    assert sw != 0 and {k: v for k, v in pa.switches.items() if k != "EXPERT_CACHE"} == p0.switches
+    assert sw != 0 and {k: v for k, v in pa.switches.items() if not k.startswith("EXPERT_CACHE")} == p0.switches
+    assert pa.switches["EXPERT_CACHE_MIN_HIT"] == pa.cache_guard["min_hit"]["none"]   # (its guard, from costs)
     line = next(ln for ln in str(pa).splitlines() if "expert cache (auto)" in ln)
     assert f"EXPERT_CACHE={sw}" in line and all(f"{d.name} {d.cache_bytes / MiB:.2f} MiB, {d.cache_slots} slots"
                                                 in line for d in pa.devices), line
@@ -243,3 +244,44 @@ def test_ab_markdown_shows_the_patched_hit_rate(model, capsys, tmp_path):
     assert cell == f"{rows['patched']['expert_cache_hit_rate']:.0%}", (cell, line)
     df = frame([Row.from_dict({**r, "expert_cache_hit_rate": None}) for r in rows.values()])
     assert "cache hits" not in report.markdown(df)   # (no lookups: no column)
+
+
+# --- the guard: costs, not hits -----------------------------------------------------------------------------------
+
+def test_the_break_even_weighs_the_cpus_read_against_a_miss_over_the_link():
+    """A layer's cached path (the device's read, plus a copy of each miss) costs what the CPU path does at
+    h* = 1 - link (1/cpu - 1/dev): a GPU that reads far faster than the host with a link near the CPU's rate pays
+    from a low hit rate; a slow (pageable) link needs many hits; a device no faster than the host never pays."""
+    from pyllama_pp.expert_cache_plan import _percent, break_even_hit
+    h = break_even_hit(cpu_gbps=60, link_gbps=50, dev_gbps=2000)
+    assert h == pytest.approx(1 - 50 * (1 / 60 - 1 / 2000)) and 0.15 < h < 0.25
+    assert break_even_hit(60, 10, 2000) > 0.8 > h                       # (pageable: the same cache needs more hits)
+    assert break_even_hit(60, 50, 60) == 1.0 and break_even_hit(60, 50, 30) > 1.0   # (a VDEV: the host's kernels)
+    assert break_even_hit(10, 200, 2000) < 0                            # (a miss costs less than the CPU's read)
+    assert (_percent(h), _percent(1.3), _percent(-2.0), _percent(0.5)) == (20, 100, 1, 50)
+
+
+def test_a_cache_on_vdevs_is_guarded_back_to_the_cpu_path(plans, model):
+    """VDEVs compute with the host's kernels: their read is no faster than the CPU path's, so the plan's guard is at
+    100 (each layer goes back to the CPU path once its window is seen) and the plan says the cache does not pay;
+    from pageable memory it needs at least as many hits as from pinned."""
+    p = plans("2MiB")
+    g = p.cache_guard
+    assert g and p.cpu_expert_gbps and set(g["min_hit"]) == {"none", "mmap"}, g
+    assert all(h >= 1.0 for h in g["break_even"]["pinned"]) and g["min_hit"]["none"] == 100
+    assert g["min_hit"]["mmap"] >= g["min_hit"]["none"]
+    assert p.switches["EXPERT_CACHE_MIN_HIT"] == 100 and "does not pay" in str(p)
+    assert p.run_switches("mmap")["EXPERT_CACHE_MIN_HIT"] == g["min_hit"]["mmap"]
+    assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))).cache_guard == g
+    p0 = plans(0)
+    assert not p0.cache_guard and "cache_guard" not in p0.to_dict() and "EXPERT_CACHE_MIN_HIT" not in p0.switches
+
+
+def test_the_guard_sends_a_cache_that_does_not_pay_back_to_the_cpu(model, capsys):
+    """Decode with the plan's cache on VDEVs: once a layer's window of tokens is seen, the guard (at the plan's
+    break-even) runs its expert ops on the CPU path, as upstream does; the rows count them."""
+    assert cli.main(["run", model, "--fit", "--devices", SPEC, "--expert-cache", "2MiB", "-p", "0", "-n", "48",
+                     "-r", "1", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["switches"]["EXPERT_CACHE_MIN_HIT"] == 100, row["switches"]
+    assert row["expert_cache_cpu_ops"] > 0 and row["expert_cache_ops"] > 0, row

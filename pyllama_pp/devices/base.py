@@ -105,6 +105,9 @@ class DeviceSpec(ABC):
     remote: ClassVar[bool] = False       # its devices sit on rpc-servers: a network in between, the servers' own RAM
     default_margin: ClassVar[int] = MARGINS["other"]   # what fit leaves free on each device by default
     default_link_gbps: ClassVar[float] = DEFAULT_LINK_GBPS   # a device's host link where the spec gives none
+    # how fast the kind's devices read expert weights in their own memory in decode (GB/s); None: not known, and the
+    # expert cache's break-even is not computed for them
+    expert_read_gbps: ClassVar[Optional[float]] = None
 
     cuda_ids: list[int] = field(default_factory=list)
     vdevs: list = field(default_factory=list)
@@ -214,6 +217,22 @@ class DeviceSpec(ABC):
     def one_link(self) -> bool:
         """bool: every device's host copies cross one link (their bytes add up on it)."""
         return False
+
+    def compute_threads(self) -> set[int]:
+        """The host CPU thread counts the devices compute with (VDEVs run the host's kernels): the CPU expert-rate
+        probe measures at each; empty where the devices are processors of their own."""
+        return set()
+
+    def expert_read_rates(self, cpu_gbps: dict, n_devices: int) -> Optional[list[float]]:
+        """Each device's read of expert weights in its own memory in decode (GB/s), for the expert cache's break-even.
+
+        Args:
+            cpu_gbps: the host CPU's decode expert op, {str(threads): GB/s} (fit's "cpu_expert" rate).
+            n_devices: how many devices the plan has.
+        Returns:
+            One rate per device, or None where the kind's is not known.
+        """
+        return [self.expert_read_gbps] * n_devices if self.expert_read_gbps else None
 
     def probe_specs(self, servers: Optional[list] = None) -> list[tuple[list[int], str]]:
         """The device specs the compute probe runs on, with the devices each stands for.

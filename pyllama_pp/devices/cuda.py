@@ -5,7 +5,7 @@ import os
 import re
 from typing import Optional
 
-from ..defaults import MARGINS
+from ..defaults import CUDA_EXPERT_READ_GBPS, MARGINS
 from ..errors import DeviceSpecError
 from .base import DeviceSpec, bad, list_devices
 
@@ -23,6 +23,7 @@ class CudaSpec(DeviceSpec):
 
     kind = "cuda"
     default_margin = MARGINS["cuda"]   # upstream's fit_params_target
+    expert_read_gbps = CUDA_EXPERT_READ_GBPS
     forms = """
   cuda                             every CUDA device
   cuda:0,1                         CUDA devices 0 and 1"""

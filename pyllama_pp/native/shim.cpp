@@ -337,6 +337,78 @@ PP_EXPORT int pp_link_rate(const char * dev_name, uint64_t bytes, int32_t copies
     });
 }
 
+PP_EXPORT int pp_cpu_expert_rate(int32_t type, int64_t ne0, int64_t ne1, int32_t n_expert, int32_t n_used,
+                                 int32_t n_threads, int32_t reps, double * out) {
+    if (!out || ne0 <= 0 || ne1 <= 0 || n_expert <= 0 || n_used <= 0 || n_used > n_expert || reps <= 0 ||
+        type < 0 || type >= GGML_TYPE_COUNT || ggml_blck_size((ggml_type) type) <= 0 ||
+        ne0 % ggml_blck_size((ggml_type) type) != 0) {
+        return fail(PP_ERR_ARG, "bad expert tensor shape, type, expert counts or repetitions");
+    }
+    return guarded([&] {
+        ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+        ggml_backend_t cpu = dev ? ggml_backend_dev_init(dev, nullptr) : nullptr;
+        if (!cpu) {
+            return fail(PP_ERR_DEVICE, "no CPU backend");
+        }
+        std::unique_ptr<ggml_backend, decltype(&ggml_backend_free)> keep_cpu(cpu, ggml_backend_free);
+        ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
+        auto set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
+        if (set_threads && n_threads > 0) {
+            set_threads(cpu, n_threads);
+        }
+        // one token's expert op as decode runs it on the host (MUL_MAT_ID of n_used experts of a [ne0, ne1, n_expert]
+        // tensor), the ids moved on each time so that the experts read are not in the caches
+        ggml_init_params ip = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, true};
+        std::unique_ptr<ggml_context, decltype(&ggml_free)> ctx(ggml_init(ip), ggml_free);
+        if (!ctx) {
+            return fail(PP_ERR_MEMORY, "ggml_init failed");
+        }
+        ggml_tensor * w   = ggml_new_tensor_3d(ctx.get(), (ggml_type) type, ne0, ne1, n_expert);
+        ggml_tensor * x   = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_F32, ne0, 1, 1);
+        ggml_tensor * ids = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, n_used, 1);
+        ggml_tensor * y   = ggml_mul_mat_id(ctx.get(), w, x, ids);
+        ggml_cgraph * gf  = ggml_new_graph(ctx.get());
+        ggml_build_forward_expand(gf, y);
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx.get(), cpu);
+        if (!buf) {
+            return fail(PP_ERR_MEMORY, "no host memory for the expert tensor");
+        }
+        std::unique_ptr<ggml_backend_buffer, decltype(&ggml_backend_buffer_free)> keep_buf(buf, ggml_backend_buffer_free);
+        // every expert holds one expert's rows of small random values, quantized as the model's are (not zeros:
+        // they can run faster than real data)
+        std::vector<float> rows((size_t) ne0 * ne1), xin((size_t) ne0);
+        uint32_t seed = 12345u;
+        auto next = [&]() { seed = seed * 1664525u + 1013904223u; return ((seed >> 8) & 0xffff) / 65536.0f - 0.5f; };
+        for (float & v : rows) { v = 0.05f * next(); }
+        for (float & v : xin)  { v = next(); }
+        const size_t expert_bytes = ggml_row_size((ggml_type) type, ne0) * (size_t) ne1;
+        std::vector<uint8_t> q(expert_bytes);
+        ggml_quantize_chunk((ggml_type) type, rows.data(), q.data(), 0, ne1, ne0, nullptr);
+        for (int32_t e = 0; e < n_expert; e++) {
+            ggml_backend_tensor_set(w, q.data(), (size_t) e * expert_bytes, expert_bytes);
+        }
+        ggml_backend_tensor_set(x, xin.data(), 0, ggml_nbytes(x));
+        std::vector<int32_t> sel(n_used);
+        using clock = std::chrono::steady_clock;
+        std::vector<double> r;
+        for (int32_t i = 0; i <= reps; i++) {
+            for (int32_t j = 0; j < n_used; j++) {
+                sel[j] = (int32_t) (((int64_t) i * n_used + j) % n_expert);
+            }
+            ggml_backend_tensor_set(ids, sel.data(), 0, ggml_nbytes(ids));
+            auto t0 = clock::now();
+            if (ggml_backend_graph_compute(cpu, gf) != GGML_STATUS_SUCCESS) {
+                return fail(PP_ERR_DEVICE, "the CPU backend failed the expert op");
+            }
+            if (i > 0) {   // (the first: untimed)
+                r.push_back(gbps(expert_bytes * (uint64_t) n_used, std::chrono::duration<double>(clock::now() - t0).count()));
+            }
+        }
+        *out = median_of(r);
+        return (int) PP_OK;
+    });
+}
+
 PP_EXPORT int pp_host_copy_rate(const char * dev_name, uint64_t bytes, int32_t n_threads, int32_t reps, double * out) {
     if (!out || bytes == 0 || reps <= 0) {
         return fail(PP_ERR_ARG, "null argument, 0 bytes or no repetition");

@@ -65,6 +65,11 @@ int pp_link_rate(const char * dev_name, uint64_t bytes, int32_t copies, double *
 // as the patched build's staging copies run it: pieces of 32 MiB, each split over `n_threads` threads (0: as
 // STAGING picks them, half the cores, at most 8); `bytes` in all, the median of `reps` after one untimed (GB/s).
 int pp_host_copy_rate(const char * dev_name, uint64_t bytes, int32_t n_threads, int32_t reps, double * gbps);
+// The host CPU's decode expert op: one token's MUL_MAT_ID over n_used of the n_expert experts of a [ne0, ne1, n_expert]
+// tensor of ggml type `type` on the CPU backend with `n_threads` threads (0: its default), other experts each time;
+// the used experts' bytes over the op's time, the median of `reps` after one untimed (GB/s).
+int pp_cpu_expert_rate(int32_t type, int64_t ne0, int64_t ne1, int32_t n_expert, int32_t n_used, int32_t n_threads,
+                       int32_t reps, double * gbps);
 
 // ---- model -------------------------------------------------------------------------------------------
 typedef struct {

@@ -9,7 +9,7 @@ from ... import devices as devspec
 from ...defaults import threads
 from ...errors import DeviceSpecError
 from ...jobs import FitJob
-from ...model_file import expert_tensor_bytes
+from ...model_file import expert_layout, expert_tensor_bytes, expert_tensor_shape
 from ...params import SPLIT_MODES
 from ...rpc.client import describe_servers
 from ...session import apply_switches
@@ -36,6 +36,9 @@ def handle(job: FitJob) -> dict:
         served = {n for _, names_there in servers for n in names_there}
         local = [d for d in res["devices"] if d["name"] not in served]   # (a server's link is the server's own)
         res["rates"] = measure_rates(native, local, job.rates, expert_tensor_bytes(job.model))
+        if "cpu_expert" in job.rates:
+            res["rates"]["cpu_expert_gbps"] = cpu_expert_rates(native, job.model,
+                                                               {threads(job.ctx.n_threads), *spec.compute_threads()})
     return res
 
 
@@ -68,6 +71,25 @@ def measure_rates(native, devices: list[dict], what: list, copy_bytes: int) -> d
         native.check(native.lib.pp_host_copy_rate(devices[0]["name"].encode() if devices else native.ffi.NULL,
                                                   HOST_COPY_BYTES, 0, RATE_REPS, got))
         out["host_copy_gbps"] = got[0]
+    return out
+
+
+CPU_EXPERT_REPS = 8
+
+
+def cpu_expert_rates(native, model: str, thread_counts) -> dict:
+    """The host CPU's decode expert op on the model's largest expert tensor (pp_cpu_expert_rate: one token's
+    n_used experts, GB/s of the experts it reads) at each thread count: {str(threads): GB/s}; {} for a model without
+    experts. The expert cache's break-even compares it with the link a miss takes and the device's own read."""
+    shape, n_used = expert_tensor_shape(model), expert_layout(model)[0]
+    if shape is None or n_used <= 0:
+        return {}
+    gtype, ne0, ne1, n_expert = shape
+    out = {}
+    for n in sorted(thread_counts):
+        got = native.ffi.new("double *")
+        native.check(native.lib.pp_cpu_expert_rate(gtype, ne0, ne1, n_expert, n_used, n, CPU_EXPERT_REPS, got))
+        out[str(n)] = got[0]
     return out
 
 
