@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Expert-cache hit rates: for a trace of routing decisions (`pyllama-pp trace -o T.npz`), the hit rate of a
-per-layer cache of each policy (LRU, LFU, aged LFU, static top-N, Belady's optimum) against its size, a fraction of
-each layer's experts (pyllama_pp.expert_cache_sim defines the policies and what a hit is).
+per-layer cache of each policy (LRU, LFU, aged LFU, LRU-2, SLRU, 2Q, ARC, LRU behind a TinyLFU admission filter,
+static top-N, Belady's optimum) against its size, a fraction of each layer's experts (pyllama_pp.expert_cache_sim
+defines the policies and what a hit is).
 
   python bench/cache_hits.py TRACE.npz --out DIR
   python bench/cache_hits.py --model MODEL [-p N] [-n M] [--devices SPEC] --out DIR     (traces first)

@@ -34,6 +34,30 @@ Policies (``POLICIES``):
 ``lfu_aged`` LFU with ageing, the LFU/LRU mix: each lookup adds 1 to the expert's score, and every score halves
             every ``half_life`` tokens (a score of sum 2 ** (-(t_now - t_lookup) / half_life)). A short half-life
             approaches LRU, an infinite one LFU; evict the lowest score, ties to the least recently used.
+``lru2``    LRU-K with K = 2 (O'Neil, O'Neil & Weikum, 1993): evict the entry whose second-to-last lookup (its token;
+            every expert's last two lookups are kept, cached or not) is oldest; entries looked up only once go first,
+            ties to the least recently used.
+``slru``    segmented LRU (Karedla, Love & Wherry, 1994): a miss enters a probationary segment, a hit moves its entry
+            to the most recent end of a protected segment of ``SLRU_PROTECTED`` of the capacity, whose least recent
+            entry, when it overflows, goes back to the probationary segment's most recent end; evict the
+            probationary segment's least recent entry, else the protected segment's.
+``2q``      full 2Q (Johnson & Shasha, 1994): a miss enters a FIFO, A1in, where a hit leaves it in place; evict A1in's
+            oldest entry while A1in holds more than ``TWOQ_IN`` of the capacity (its id then joins A1out, a FIFO of
+            ``TWOQ_OUT`` of the capacity of ids not cached), else the least recent of an LRU, Am; a miss whose id is
+            in A1out enters Am, and a hit in Am moves to its most recent end.
+``arc``     ARC, the Adaptive Replacement Cache (Megiddo & Modha, 2003): LRU lists T1 (entries looked up once since
+            they entered) and T2 (more often) with ghost lists B1 and B2 of the ids each evicted, and T1's target
+            size p (from 0). A hit moves its entry to T2; a miss in B1 raises p by max(|B2| / |B1|, 1) (in B2: lowers
+            it by max(|B1| / |B2|, 1)), within [0, capacity], and enters T2; another miss enters T1. The victim is
+            T1's least recent entry where |T1| > p (or = p, for a miss in B2), else T2's, and its id joins B1 or B2;
+            the ghost lists are kept as the paper's algorithm keeps them (|T1| + |B1| at most the capacity: a new id
+            finding it full drops B1's oldest id, or, with B1 empty, evicts T1's least recent entry without a ghost;
+            all four lists at most twice the capacity: else a new id drops B2's oldest).
+``tinylfu`` LRU behind TinyLFU's admission filter (Einziger, Friedman & Manes, 2017): each expert's lookups are
+            counted (cached or not), and every count halves (integer division) after the step that brings the
+            lookups since the last halving to ``TINYLFU_SAMPLE`` times the capacity; a miss in a full cache replaces
+            the LRU victim only if its count (this lookup included) is larger than the victim's, else it is not
+            inserted.
 ``static``  a fixed list: the ``capacity`` experts looked up most often in the warm-up (ties to the lower id), never
             changed; nothing is inserted (empty without a warm-up).
 ``belady``  the offline optimum (Belady's MIN with bypass), the ceiling of every policy of this model: it starts
@@ -41,6 +65,8 @@ Policies (``POLICIES``):
             and on a miss in a full cache evicts the entry - any entry, this step's hits too - whose next lookup
             (after this token) is farthest away, unless the missed expert's own next lookup is at least as far, in
             which case it is not inserted. Ties (e.g. entries never looked up again) go to the least recently used.
+
+Where the list that slru, 2q or arc evicts from holds only this step's experts, the victim comes from its other list.
 """
 from __future__ import annotations
 
@@ -54,7 +80,7 @@ from .expert_trace import ExpertTrace
 __all__ = ["POLICIES", "DEFAULT_FRACTIONS", "DEFAULT_HALF_LIFE", "GUARD_WINDOW", "GUARD_MARGIN", "simulate",
            "hit_rates", "guard", "locality_summary"]
 
-POLICIES = ("lru", "lfu", "lfu_aged", "static", "belady")
+POLICIES = ("lru", "lfu", "lfu_aged", "lru2", "slru", "2q", "arc", "tinylfu", "static", "belady")
 #: cache sizes as a fraction of each layer's experts (1/16, 1/8, 1/4, 3/8, 1/2)
 DEFAULT_FRACTIONS = (0.0625, 0.125, 0.25, 0.375, 0.5)
 #: lfu_aged's half-life in tokens
@@ -64,6 +90,12 @@ DEFAULT_HALF_LIFE = 16.0
 #: returns to its cache
 GUARD_WINDOW = 32
 GUARD_MARGIN = 10
+#: slru's protected segment, 2q's A1in and A1out (each a share of the capacity; the 2Q paper's Kin and Kout), and
+#: tinylfu's sample (its counts halve every this many lookups per cached expert: TinyLFU's W = 10 C)
+SLRU_PROTECTED = 0.8
+TWOQ_IN = 0.25
+TWOQ_OUT = 0.5
+TINYLFU_SAMPLE = 10
 
 
 def capacity_of(fraction: float, n_expert: int) -> int:
@@ -81,42 +113,299 @@ def _next_use(steps: Sequence[np.ndarray], n_expert: int) -> np.ndarray:
     return nxt
 
 
-class _Cache:
-    """One layer's cache of `capacity` experts under an online policy (lru, lfu, lfu_aged), a step (a token's ids) at
-    a time. Its LRU is the native cache's slots and its guard's shadow of them."""
+def _online(policy: str, capacity: int, n_expert: int, half_life: float) -> "_Policy":
+    """One layer's cache under an online policy."""
+    if policy in ("lru", "lfu", "lfu_aged"):
+        return _Cache(capacity, policy, n_expert, half_life)
+    if policy in ("lru2", "tinylfu"):
+        return (_LRU2 if policy == "lru2" else _TinyLFU)(capacity, n_expert)
+    return {"slru": _SLRU, "2q": _TwoQ, "arc": _ARC}[policy](capacity)
 
-    def __init__(self, capacity: int, policy: str = "lru", n_expert: int = 0, half_life: float = DEFAULT_HALF_LIFE):
-        self.capacity, self.policy = capacity, policy
-        self.recency: "OrderedDict[int, int]" = OrderedDict()   # cached expert -> recency, least recent first
-        self.clock = 0
-        self.counts = None if policy == "lru" else np.zeros(n_expert, dtype=np.float64)
-        self.decay = 0.5 ** (1.0 / half_life) if policy == "lfu_aged" else 1.0
+
+def _first_not(entries: Iterable[int], here: set) -> Optional[int]:
+    """The first of `entries` (least recently used / oldest first) that this step did not look up, or None."""
+    return next((e for e in entries if e not in here), None)
+
+
+def _first_in(queues, here: set):
+    """(queue, entry): the first entry not looked up in this step of the first queue that has one, or (None, None)."""
+    return next(((q, v) for q in queues for v in [_first_not(q, here)] if v is not None), (None, None))
+
+
+def _min_not(recency: "OrderedDict[int, int]", here: set, key) -> Optional[int]:
+    """The entry of smallest key(expert, recency) that this step did not look up, or None."""
+    best, best_key = None, None
+    for e, r in recency.items():
+        if e in here:
+            continue
+        k = key(e, r)
+        if best_key is None or k < best_key:
+            best, best_key = e, k
+    return best
+
+
+class _Policy:
+    """One layer's cache under an online policy, a step (a token's ids) at a time, as the module's model says: the
+    step's hits are those cached at its start; then its hits are touched and its misses inserted, in slot order. A
+    policy says what a lookup records (`_looked_up`, before the touches; `_stepped`, after the step), what a hit does
+    (`_hit`) and how a miss goes in (`_miss`: evicting a victim not in `here`, or declining)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.clock = capacity, 0
+
+    def __contains__(self, e: int) -> bool:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
 
     @property
     def full(self) -> bool:
-        return len(self.recency) >= self.capacity
+        return len(self) >= self.capacity
+
+    def tick(self) -> int:
+        """The next value of the recency counter."""
+        self.clock += 1
+        return self.clock
 
     def step(self, ids: Iterable[int]) -> int:
         """The step's hits (cached at its start); then its hits are touched and its misses inserted, in slot order."""
+        ids = [int(e) for e in ids]
+        hit_ids = [e for e in ids if e in self]
+        self._looked_up(ids)
+        for e in hit_ids:
+            self._hit(e)
+        here = set(ids)
+        for e in ids:
+            if e not in self:
+                self._miss(e, here)
+        self._stepped()
+        return len(hit_ids)
+
+    def _looked_up(self, ids: list) -> None:
+        pass
+
+    def _stepped(self) -> None:
+        pass
+
+    def _hit(self, e: int) -> None:
+        raise NotImplementedError
+
+    def _miss(self, e: int, here: set) -> None:
+        raise NotImplementedError
+
+
+class _Cache(_Policy):
+    """lru, lfu, lfu_aged (and lru2, tinylfu below): one recency-ordered set, the victim by the policy's key. Its LRU
+    is the native cache's slots and its guard's shadow of them."""
+
+    def __init__(self, capacity: int, policy: str = "lru", n_expert: int = 0, half_life: float = DEFAULT_HALF_LIFE):
+        super().__init__(capacity)
+        self.policy = policy
+        self.recency: "OrderedDict[int, int]" = OrderedDict()   # cached expert -> recency, least recent first
+        self.counts = np.zeros(n_expert, dtype=np.float64) if policy in ("lfu", "lfu_aged") else None
+        self.decay = 0.5 ** (1.0 / half_life) if policy == "lfu_aged" else 1.0
+
+    def __contains__(self, e: int) -> bool:
+        return e in self.recency
+
+    def __len__(self) -> int:
+        return len(self.recency)
+
+    def _looked_up(self, ids: list) -> None:
         if self.decay != 1.0:
             self.counts *= self.decay
-        ids = [int(e) for e in ids]
-        hit_ids = [e for e in ids if e in self.recency]
         if self.counts is not None:
             self.counts[ids] += 1.0
-        for e in hit_ids:
-            self.clock += 1
-            self.recency[e] = self.clock
-            self.recency.move_to_end(e)
-        for e in (e for e in ids if e not in self.recency):
-            if self.full:
-                victim = _victim(self.recency, set(ids), self.counts, self.policy)
+
+    def _hit(self, e: int) -> None:
+        self.recency[e] = self.tick()
+        self.recency.move_to_end(e)
+
+    def _miss(self, e: int, here: set) -> None:
+        if self.full:
+            victim = self._victim(here)
+            if victim is None or not self._admit(e, victim):
+                return
+            del self.recency[victim]
+        self.recency[e] = self.tick()
+
+    def _victim(self, here: set) -> Optional[int]:
+        """The entry to evict (not one of this step's experts), or None."""
+        if self.counts is None:
+            return _first_not(self.recency, here)
+        return _min_not(self.recency, here, lambda e, r: (self.counts[e], r))
+
+    def _admit(self, e: int, victim: int) -> bool:
+        return True
+
+
+class _LRU2(_Cache):
+    """lru2: LRU-K with K = 2, the victim by its second-to-last lookup."""
+
+    def __init__(self, capacity: int, n_expert: int):
+        super().__init__(capacity, "lru2")
+        self.t = 0
+        self.last = np.full(n_expert, -1, dtype=np.int64)   # the token of each expert's last lookup (-1: none)
+        self.prev = np.full(n_expert, -1, dtype=np.int64)   # ... and of the one before it
+
+    def _looked_up(self, ids: list) -> None:
+        self.t += 1
+        self.prev[ids] = self.last[ids]
+        self.last[ids] = self.t
+
+    def _victim(self, here: set) -> Optional[int]:
+        return _min_not(self.recency, here, lambda e, r: (self.prev[e], r))
+
+
+class _TinyLFU(_Cache):
+    """tinylfu: LRU whose victim a missed expert replaces only when its recent lookups outnumber the victim's."""
+
+    def __init__(self, capacity: int, n_expert: int, sample: int = TINYLFU_SAMPLE):
+        super().__init__(capacity, "tinylfu")
+        self.counts = np.zeros(n_expert, dtype=np.int64)
+        self.window, self.added = max(1, sample * capacity), 0
+
+    def _looked_up(self, ids: list) -> None:
+        self.counts[ids] += 1
+        self.added += len(ids)
+
+    def _stepped(self) -> None:
+        if self.added >= self.window:   # (TinyLFU's reset: every count halves)
+            self.counts //= 2
+            self.added = 0
+
+    def _victim(self, here: set) -> Optional[int]:
+        return _first_not(self.recency, here)
+
+    def _admit(self, e: int, victim: int) -> bool:
+        return bool(self.counts[e] > self.counts[victim])
+
+
+class _Lists(_Policy):
+    """A policy whose cached entries are split over several lists (expert -> recency, least recent / oldest first)."""
+
+    def __init__(self, capacity: int, n_lists: int):
+        super().__init__(capacity)
+        self.lists = tuple(OrderedDict() for _ in range(n_lists))
+
+    def __contains__(self, e: int) -> bool:
+        return any(e in q for q in self.lists)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.lists)
+
+    def move(self, e: int, dest: "OrderedDict[int, int]") -> None:
+        """Puts e at dest's most recent end, out of any other list."""
+        for q in self.lists:
+            q.pop(e, None)
+        dest[e] = self.tick()
+
+
+class _SLRU(_Lists):
+    """slru: a probationary and a protected LRU segment."""
+
+    def __init__(self, capacity: int, protected: float = SLRU_PROTECTED):
+        super().__init__(capacity, 2)
+        self.limit = int(round(protected * capacity))
+        self.probation, self.protected = self.lists
+
+    def _hit(self, e: int) -> None:
+        self.move(e, self.protected)
+        if len(self.protected) > self.limit:   # (the protected segment's least recent back to probation)
+            d, _ = self.protected.popitem(last=False)
+            self.probation[d] = self.tick()
+
+    def _miss(self, e: int, here: set) -> None:
+        if self.full:
+            seg, victim = _first_in((self.probation, self.protected), here)
+            if victim is None:
+                return
+            del seg[victim]
+        self.probation[e] = self.tick()
+
+
+class _TwoQ(_Lists):
+    """2q: full 2Q, a FIFO of first lookups (A1in), a ghost FIFO of its evictions (A1out) and an LRU (Am)."""
+
+    def __init__(self, capacity: int, k_in: float = TWOQ_IN, k_out: float = TWOQ_OUT):
+        super().__init__(capacity, 2)
+        self.k_in, self.k_out = int(round(k_in * capacity)), int(round(k_out * capacity))
+        self.a1in, self.am = self.lists
+        self.a1out: "OrderedDict[int, int]" = OrderedDict()   # ghosts (not cached), oldest first
+
+    def _hit(self, e: int) -> None:
+        if e in self.am:   # (a hit in A1in leaves it where its first lookup put it)
+            self.move(e, self.am)
+
+    def _miss(self, e: int, here: set) -> None:
+        seg, victim = None, None
+        if self.full:   # (A1in's oldest where A1in is over Kin, else Am's least recent)
+            first_in = len(self.a1in) > self.k_in
+            seg, victim = _first_in((self.a1in, self.am) if first_in else (self.am, self.a1in), here)
+            if victim is None:
+                return
+        ghost = self.a1out.pop(e, None) is not None   # (looked up before the eviction adds to A1out)
+        if victim is not None:
+            del seg[victim]
+            if seg is self.a1in:
+                self.a1out[victim] = 0
+                if len(self.a1out) > self.k_out:
+                    self.a1out.popitem(last=False)
+        (self.am if ghost else self.a1in)[e] = self.tick()
+
+
+class _ARC(_Lists):
+    """arc: the Adaptive Replacement Cache, T1 / T2 cached, B1 / B2 their ghosts, p T1's adaptive target."""
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity, 2)
+        self.p = 0.0
+        self.t1, self.t2 = self.lists
+        self.b1: "OrderedDict[int, int]" = OrderedDict()   # ghosts (not cached), oldest first
+        self.b2: "OrderedDict[int, int]" = OrderedDict()
+
+    def _hit(self, e: int) -> None:
+        self.move(e, self.t2)
+
+    def _replace(self, e: int, here: set) -> bool:
+        """Evict T1's or T2's least recent (not this step's) into its ghost list; False where none may go."""
+        t1_first = len(self.t1) > 0 and (len(self.t1) > self.p or (e in self.b2 and len(self.t1) == self.p))
+        seg, victim = _first_in((self.t1, self.t2) if t1_first else (self.t2, self.t1), here)
+        if victim is None:
+            return False
+        del seg[victim]
+        (self.b1 if seg is self.t1 else self.b2)[victim] = 0
+        return True
+
+    def _miss(self, e: int, here: set) -> None:
+        c = self.capacity
+        if e in self.b1 or e in self.b2:   # (a ghost: p moves towards its list, then the replacement)
+            ghost, other = (self.b1, self.b2) if e in self.b1 else (self.b2, self.b1)
+            step, p = max(len(other) / len(ghost), 1.0), self.p
+            self.p = min(float(c), p + step) if ghost is self.b1 else max(0.0, p - step)
+            if self.full and not self._replace(e, here):
+                self.p = p
+                return
+            del ghost[e]
+            self.t2[e] = self.tick()
+            return
+        if len(self.t1) + len(self.b1) >= c:
+            if self.b1:
+                if self.full and not self._replace(e, here):
+                    return
+                self.b1.popitem(last=False)
+            else:   # (T1 is the whole cache: its least recent leaves without a ghost)
+                victim = _first_not(self.t1, here)
                 if victim is None:
-                    continue
-                del self.recency[victim]
-            self.clock += 1
-            self.recency[e] = self.clock
-        return len(hit_ids)
+                    return
+                del self.t1[victim]
+        elif self.full:
+            if not self._replace(e, here):
+                return
+            if len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) >= 2 * c:
+                self.b2.popitem(last=False)
+        self.t1[e] = self.tick()
 
 
 def _layer_hits(steps: list, n_expert: int, capacity: int, policy: str, warmup: int,
@@ -135,22 +424,8 @@ def _layer_hits(steps: list, n_expert: int, capacity: int, policy: str, warmup: 
         return int(sum(int(listed[ids].sum()) for ids in steps[warmup:]))
     if policy == "belady":
         return _belady_hits(steps[warmup:], n_expert, capacity)
-    cache = _Cache(capacity, policy, n_expert, half_life)
+    cache = _online(policy, capacity, n_expert, half_life)
     return sum(h for t, h in enumerate(cache.step(ids) for ids in steps) if t >= warmup)
-
-
-def _victim(recency: "OrderedDict[int, int]", here: set, counts: np.ndarray, policy: str) -> Optional[int]:
-    """The entry to evict (not one of this step's experts), or None."""
-    if policy == "lru":
-        return next((e for e in recency if e not in here), None)
-    best, key = None, None
-    for e, r in recency.items():
-        if e in here:
-            continue
-        k = (counts[e], r)
-        if key is None or k < key:
-            best, key = e, k
-    return best
 
 
 def _belady_hits(steps: list, n_expert: int, capacity: int) -> int:

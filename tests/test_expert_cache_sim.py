@@ -73,6 +73,64 @@ def test_belady_by_hand():
     assert hits(A, "belady", fraction=0.25) == 4
 
 
+def test_lru2_by_hand():
+    # B (each entry's lookup before its last, by token 1..9; -: none): 0 m | 0 H | 0 H (0: 2) | 1 m [0 1]
+    #   | 2 m: 0 @2, 1 - -> evict 1 | 0 H (0: 3) | 1 m (1: 4): 0 @3, 2 - -> evict 2 | 2 m (2: 5): 0 @3, 1 @4 -> evict 0
+    #   | 0 m  => 3 (LRU: 2)
+    assert hits(B, "lru2") == 3
+
+
+def test_slru_by_hand():
+    # B, 2 slots, protected 2 (round(0.8 * 2)): 0 m P[0] | 0 H -> S[0] | 0 H | 1 m P[1] | 2 m: evict P's 1, P[2] | 0 H
+    #   | 1 m: evict 2 | 2 m: evict 1 | 0 H  => 4 (the protected 0 outlives the one-off misses; LRU: 2)
+    assert hits(B, "slru") == 4
+    # 3 of 4 experts, protected 2: 0 1 2 m P[0 1 2] | 0 H 1 H S[0 1] | 2 H: S[0 1 2] overflows, 0 back to P[0]
+    #   | 3 m: evict P's 0, P[3] | 0 m: evict 3 | 1 H 2 H  => 5 (LRU: 3 H, then 3 evicts 0, 0 evicts 1, 1 evicts 2)
+    d = one_layer([0, 1, 2, 0, 1, 2, 3, 0, 1, 2])
+    assert (hits(d, "slru", fraction=0.75), hits(d, "lru", fraction=0.75)) == (5, 3)
+
+
+def test_2q_by_hand():
+    # 4 of 8 experts: Kin 1, Kout 2. 0 1 2 3 m in[0 1 2 3] | 0 H (in A1in: stays) | 4 m: in over Kin, evict 0
+    #   out[0] in[1 2 3 4] | 5 m: evict 1, out[0 1] | 0 m, in A1out: evict 2, out[1 2], m[0] in[3 4 5]
+    #   | 6 m: evict 3, out[2 3] (1 falls out) | 1 m (not a ghost now): evict 4, out[3 4], in[5 6 1] | 7 m: evict 5,
+    #   out[4 5] | 0 H (Am) | 4 m, in A1out: evict 6, m[0 4]  => 2 (LRU: 3)
+    e = one_layer([0, 1, 2, 3, 0, 4, 5, 0, 6, 1, 7, 0, 4], n_expert=8)
+    assert (hits(e, "2q"), hits(e, "lru")) == (2, 3)
+    # B, 2 slots: Kin 0, Kout 1. 0 m in[0] | 0 H | 0 H | 1 m in[0 1] | 2 m: evict 0 to out[0] | 0 m, a ghost: evict 1
+    #   to out[1], m[0] | 1 m, a ghost: evict 2 to out[2], m[0 1] | 2 m, a ghost: A1in empty, evict Am's 0 | 0 m  => 2
+    assert hits(B, "2q") == 2
+
+
+def test_arc_by_hand():
+    # B, 2 slots, p = 0: 0 m T1[0] | 0 H T2[0] | 0 H | 1 m T1[1] | 2 m: |T1| 1 > p, evict 1 to B1, T1[2] | 0 H
+    #   | 1 m in B1: p 1; |T1| 1 = p, evict T2's 0 to B2, T2[1] | 2 H: T2[1 2] | 0 m in B2: p 0, evict T2's 1  => 4
+    assert hits(B, "arc") == 4
+    # A: 0 1 m T1[0 1] | 0 H T2[0] | 2 m: evict 1 to B1, T1[2] | 0 H | 1 m in B1: p 1, evict T2's 0 to B2, T2[1]
+    #   | 3 m (|T1| + |B1| = 1): |T1| 1 = p, evict T2's 1 to B2[0 1], T1[2 3] | 1 m in B2: p 0, evict T1's 2, T2[1]
+    #   | 0 m in B2: evict T1's 3  => 2 (LRU: 3)
+    assert hits(A, "arc") == 2
+
+
+def test_tinylfu_by_hand():
+    # B, 2 slots (counts halve every 20 lookups: none here): 0 m | 0 H | 0 H (0: 3) | 1 m [0 1] | 2 m (2: 1): the
+    #   LRU victim 0 has 3, not admitted | 0 H | 1 H | 2 m (2: 2) against 0's 4: not admitted | 0 H  => 5 (LRU: 2)
+    assert hits(B, "tinylfu") == 5
+    # 1 slot, counts halve every 10 lookups: 0 x10 (9 H; 0: 10, halved to 5 after the 10th), then 1 x7: 1's counts
+    #   1..5 are not above 5, the 6th (6) replaces 0, the 7th hits  => 10 (LRU: 15; without the halving, 9)
+    t = one_layer([0] * 10 + [1] * 7)
+    assert (hits(t, "tinylfu", fraction=0.25), hits(t, "lru", fraction=0.25)) == (10, 15)
+
+
+ONLINE = [p for p in POLICIES if p not in ("static", "belady")]
+
+
+@pytest.mark.parametrize("policy", ONLINE)
+def test_a_steps_experts_never_evict_each_other(policy):
+    # 1 slot: 0 m goes in, 1 m finds only this step's 0 to evict: not inserted | 0 H, 2 m not inserted  => 1
+    assert hits(one_layer([[0, 1], [0, 2]]), policy, fraction=0.25) == 1
+
+
 def test_a_tokens_experts_are_looked_up_together():
     """k = 2: a hit is decided at the step's start, and a step's misses never evict its own experts."""
     t = one_layer([[0, 1], [2, 0], [1, 2]])
