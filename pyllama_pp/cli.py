@@ -20,13 +20,14 @@ from .binding import VARIANTS
 from .check import check_context, check_logits
 from .defaults import (CHECK, CONTEXT, CUDA_LINK_GBPS, FIT, MAIN_JOB, MARGINS, OFFLOAD_MIN_BATCH, PAIRED, RPC_HOST,
                        RPC_PORT, RUN, TRACE, UBATCH_CANDIDATES)
-from .devices import FORMS
+from .devices import FORMS, FORMS_HEADING
 from .errors import ConfigError, DeviceSpecError, PyllamaError
 from .fit import fit, fit_ubatch
 from .model_file import check_model_path
 from .params import ContextParams, Placement
 from .planning import Choices, check_switches, cpu_only_notes, main_job_model, parse_switches, plan_runs
-from .report import any_failed, check_measured, error_lines, markdown, noise_warnings, plot, text_table
+from .report import (any_failed, check_measured, error_lines, markdown, noise_warnings, plot, row_notes,
+                     text_table)
 from .row import read_rows
 from .rpc import server as rpc_server
 from .worker.client import switch_env
@@ -253,6 +254,8 @@ def cmd_measure(args) -> int:
     check_measured(df)
     rows = json.loads(df.to_json(orient="records"))
     warnings = noise_warnings(df)
+    for note in row_notes(df) if not args.json else ():
+        print(f"pyllama-pp: note: {note}", file=sys.stderr)
     if not ab:
         _emit(args, {"rows": rows, "notes": notes, "warnings": warnings},
               text_table(df, ["variant", "devices", "n_batch", "n_ubatch", "test", "avg_ts", "stddev_ts",
@@ -276,6 +279,17 @@ def cmd_measure(args) -> int:
 def _warnings(args, warnings: list[str]) -> None:
     for w in warnings if not args.json else ():
         print(f"pyllama-pp: warning: {w}", file=sys.stderr)
+
+
+def error_text(e: BaseException, cmd: str) -> str:
+    """An error as stderr says it: the whole message, every line of it (what is wrong, the reasons listed under it,
+    how to fix it), the lines after the first indented under it; --json adds the worker's traceback or stderr. A
+    device spec's list of accepted forms is left to `--help`, where it stands already."""
+    text = str(e).strip() or (getattr(e, "error_type", None) or type(e).__name__)
+    if isinstance(e, DeviceSpecError) and FORMS_HEADING in text:
+        text = text.split(FORMS_HEADING)[0].rstrip() + f" See `pyllama-pp {cmd} --help` for the accepted forms."
+    first, *rest = text.splitlines()
+    return "\n".join([first] + [ln if ln.startswith(" ") else "  " + ln for ln in rest if ln.strip()])
 
 
 def _closed_pipe() -> int:
@@ -609,12 +623,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         kind = getattr(e, "error_type", None) or type(e).__name__
         if getattr(args, "json", False):
             print(json.dumps({"error": str(e), "type": kind, "details": getattr(e, "details", "") or None}))
-        # one statement on stderr: what is wrong and how to fix it (--json adds the worker's traceback or stderr;
-        # a device spec's list of accepted forms is in --help)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else kind
-        if isinstance(e, DeviceSpecError) and "\n" in str(e).strip():
-            first += f" See `pyllama-pp {getattr(args, 'cmd', 'run')} --help` for the accepted forms."
-        print(f"pyllama-pp: error: {first}", file=sys.stderr)
+        print(f"pyllama-pp: error: {error_text(e, getattr(args, 'cmd', 'run'))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("pyllama-pp: interrupted (rows written so far are kept)", file=sys.stderr)
