@@ -127,6 +127,7 @@ def test_auto_takes_what_the_plan_leaves_free(plans):
     line = next(ln for ln in str(pa).splitlines() if "expert cache (auto)" in ln)
     assert f"EXPERT_CACHE={sw}" in line and all(f"{d.name} {d.cache_bytes / MiB:.2f} MiB, {d.cache_slots} slots"
                                                 in line for d in pa.devices), line
+    assert "margin" not in line and "kept free on each device beside its layers" in line, line   # (the margin is 0)
     d = pa.to_dict()
     assert d["expert_cache"] == "auto" and [x["cache_slots"] for x in d["devices"]] == [x.cache_slots for x in pa.devices]
     assert Plan.from_dict(json.loads(json.dumps(d))).to_dict() == d

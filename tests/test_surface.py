@@ -323,3 +323,28 @@ def test_an_unpaired_ab_whose_spread_is_wide_is_warned_of():
     assert len(cpu) == 1 and "same CPU path" in cpu[0] and "1.43x" in cpu[0], cpu
     assert report.noise_warnings(_ab_frame({"baseline": [1000.0, 1005.0, 995.0], "patched": [1430.0, 1435.0, 1425.0]},
                                            "vdev:2x256MiB@0.1GBps")) == []
+
+
+def test_results_md_names_its_command_and_a_finished_sweep_resumed_says_nothing_was_left(tiny_model, tmp_path, capsys):
+    """results.md starts with the command, machine and date that made it; `ab --resume` of a sweep with every row
+    there says that nothing was left to run (it said nothing)."""
+    out = tmp_path / "sweep"
+    argv = ["ab", tiny_model, "--devices", "vdev:2x0@0", "-b", "64", "-ub", "32", "-p", "64", "-n", "0", "-r", "1",
+            "-o", str(out)]
+    assert cli.main(argv) == 0
+    head = (out / "results.md").read_text().splitlines()[:3]
+    assert head[0] == f"- command: `pyllama-pp {' '.join(argv)}`" and head[1].startswith("- machine: ") \
+        and "cores" in head[1] and head[2].startswith("- date: 20"), head
+    capsys.readouterr()
+    assert cli.main(["ab", "--resume", str(out)]) == 0
+    assert "nothing was left to run" in capsys.readouterr().err
+
+
+def test_help_names_every_command_and_layer_major():
+    """The top-level help's description names every subcommand (it left out trace); run's and ab's --switch help
+    names LAYER_MAJOR (they never did)."""
+    ap = cli.build_parser()
+    sub = next(a for a in ap._actions if a.dest == "cmd")
+    assert all(name in ap.description.split(".")[0] for name in sub.choices), ap.description.split(".")[0]
+    for cmd in ("run", "ab"):
+        assert "LAYER_MAJOR=1" in " ".join(sub.choices[cmd].format_help().split())
