@@ -524,10 +524,11 @@ def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
     elif c.fit:
         cfgs = [_with_fit(cfg, model, variants, c, made) for cfg in cfgs]
     notes += [n for spec in dict.fromkeys(c.devices + (c.baseline_devices or ())) for n in devspec.parse(spec).notes]
-    if _cache_switches(c):
-        notes.append(f"--expert-cache {c.expert_cache} without --fit sets {CACHE_SWITCH}={_cache_switches(c)[CACHE_SWITCH]}"
-                     " (MiB a device) as it is: no plan left room for the slots, which take device memory beside "
-                     "the layers; --fit plans them")
+    unplanned = _cache_switches(c).get(CACHE_SWITCH)
+    if unplanned:
+        notes.append(f"--expert-cache {c.expert_cache} without --fit sets {CACHE_SWITCH}={unplanned} (MiB a device) as "
+                     "it is: no plan left room for the slots, which take device memory beside the layers; --fit "
+                     "plans them")
     if c.command == "ab":
         notes += cpu_only_notes(cfgs)
     return RunPlan(model=model, configs=tuple(cfgs), variants=tuple(variants), plans=tuple(made),

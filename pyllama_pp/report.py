@@ -137,7 +137,7 @@ def noise_warnings(df) -> list[str]:
         if all(isinstance(x, numbers.Real) and x == x for x in (med, lo, hi)) and hi - lo > med:
             spread.append(f"{name}: paired {med:.3f} [{lo:.3f}, {hi:.3f}]")
     wide_speedups, same_path = [], []
-    for (cfg, test), b, p in _groups(df[~df.apply(lambda r: failed(r), axis=1)]) if "variant" in df else ():
+    for (cfg, test), b, p in _groups(df[~df.apply(failed, axis=1)]) if "variant" in df else ():
         if b is None or p is None or _real(p.get("speedup_ci_lo")):   # (paired rows: their interval, above)
             continue
         if (cfg, test) in flagged:   # (a row of it spread more than its mean: said above)
@@ -176,9 +176,10 @@ OPTIONAL_COLUMNS = ("expert_cache_hit_rate", "layer_major_groups")
 
 def text_table(df, cols: list[str]) -> str:
     """The rows' given columns (those the frame has; an OPTIONAL_COLUMNS one where some row has a value) as a plain
-    table, with error_lines under it."""
+    table, "-" where a row has no value, with error_lines under it."""
     cols = [c for c in cols if c in df.columns and (c not in OPTIONAL_COLUMNS or df[c].notna().any())]
-    return df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}") + error_lines(df)
+    # (a value not measured - None or NaN, e.g. a decode row's coverage - reads "-", as the Markdown's empty cell)
+    return df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}", na_rep="-") + error_lines(df)
 
 
 def num(x, fmt: str = "{:.0f}") -> str:

@@ -247,7 +247,7 @@ def test_ab_markdown_shows_the_patched_hit_rate(model, capsys, tmp_path):
     rows = {r["variant"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert rows["baseline"]["expert_cache_hit_rate"] is None and rows["baseline"]["switches"] == {}
     md = (tmp_path / "results.md").read_text()
-    head, _, line = md.splitlines()[:3]
+    head, _, line = [ln for ln in md.splitlines() if ln.startswith("|")][:3]   # (under the command, machine, date)
     cols = [c.strip() for c in head.split("|")]
     cell = [c.strip() for c in line.split("|")][cols.index("cache hits (patched)")]
     assert cols.index("cache hits (patched)") == cols.index("patched t/s") + 1

@@ -348,3 +348,13 @@ def test_help_names_every_command_and_layer_major():
     assert all(name in ap.description.split(".")[0] for name in sub.choices), ap.description.split(".")[0]
     for cmd in ("run", "ab"):
         assert "LAYER_MAJOR=1" in " ".join(sub.choices[cmd].format_help().split())
+
+
+def test_a_value_not_measured_reads_the_same_in_every_table():
+    """A decode row's coverage (None from a worker, NaN once in a frame) is "-" in run's table, never None in one
+    table and NaN in another."""
+    from pyllama_pp.row import Row, frame
+    df = frame([Row(variant="patched", test="pp32", avg_ts=10.0, coverage=0.5),
+                Row(variant="patched", test="tg16", avg_ts=5.0, coverage=None)])
+    table = report.text_table(df, ["variant", "test", "avg_ts", "coverage"])
+    assert "NaN" not in table and "None" not in table and table.splitlines()[2].split()[-1] == "-", table

@@ -20,5 +20,4 @@ KINDS.update((k.kind, k) for k in (CpuSpec, CudaSpec, VdevSpec, RpcSpec))   # th
 FORMS = forms()
 
 __all__ = ["DeviceSpec", "FORMS", "FORMS_HEADING", "KINDS", "VDevConfig", "check_baseline_devices", "list_devices",
-           "parse",
-           "parse_rate", "parse_size"]
+           "parse", "parse_rate", "parse_size"]
