@@ -233,3 +233,17 @@ def test_readme_layer_major_comment_is_the_plan(tmp_path):
     assert plan.layer_major["without"]["host_expert_layers"] == [without] * 2
     section = " ".join(_section("Using it").split())
     assert f"K = {group}, L = {without}, L' = {with_}" in section
+
+
+def test_readme_when_the_switches_pay_quotes_results():
+    """The section on when the expert cache and LAYER_MAJOR pay quotes docs/RESULTS.md: every speed-up and share it
+    gives (with its interval where it has one) stands there, and so does each RESULTS section it names."""
+    text = README.read_text()
+    section = " ".join(text[text.index("### When the expert cache and LAYER_MAJOR pay"):text.index("### Python")].split())
+    results = (README.parent / "docs" / "RESULTS.md").read_text()
+    figures = re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?:x|%| GB| s)(?: \[[\d.]+, [\d.]+\])?", section)
+    assert len(figures) >= 15 and "2.02x" in figures and "67%" in figures, figures
+    assert [f for f in figures if f not in results] == []
+    named = re.findall(r'"([^"]+)"', section.split("Each figure's command, machine and date:")[1])
+    headings = re.findall(r"^#+ (.+)$", results, flags=re.M)
+    assert len(named) == 3 and all(any(h.startswith(n) for h in headings) for n in named), (named, headings)
