@@ -12,13 +12,16 @@ defines the policies and what a hit is).
 (FIELD=V[,V...]: any SynthConfig field) and traces each. Writes hits.csv (every policy x fraction per trace),
 results.md (the summary table: LRU at 12.5% and 25%, static top 6.25% and its multiple of its share, Belady at
 12.5%; then each trace's table), hits-<i>.png (hit rate vs cache fraction, a line per policy) and the traces
-(trace-<i>.npz) into --out (default bench/out/cache_hits/).
+(trace-<i>.npz) into --out (default pyllama_pp_out/cache_hits-DATE-TIME in the current folder, as `pyllama-pp ab`
+writes its rows: never into the checkout the script is in). A bad input (a missing or broken trace, a file that is
+not a GGUF, a model without experts) is one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -28,7 +31,9 @@ import pandas as pd
 from pyllama_pp import synth
 from pyllama_pp import trace as tracing
 from pyllama_pp.expert_cache_sim import DEFAULT_FRACTIONS, DEFAULT_HALF_LIFE, POLICIES, hit_rates, locality_summary
+from pyllama_pp.errors import PyllamaError
 from pyllama_pp.expert_trace import ExpertTrace
+from pyllama_pp.model_file import check_model_path
 from pyllama_pp.planning import models_dir
 
 # the published anchors the summary sets beside each trace (llama.cpp PR #27861, a 512-expert model)
@@ -110,17 +115,35 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=None,
                     help="tokens that warm the caches uncounted (default: the prompt, or the first quarter)")
     ap.add_argument("--half-life", type=float, default=DEFAULT_HALF_LIFE, help="lfu_aged's half-life in tokens")
-    ap.add_argument("--out", type=Path, default=C.OUT / "cache_hits", help="output folder")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output folder (default: pyllama_pp_out/cache_hits-DATE-TIME in the current folder)")
     args = ap.parse_args()
+    try:
+        return run(ap, args)
+    except (PyllamaError, ValueError, OSError) as e:   # (one line: what is wrong; no traceback)
+        kind = getattr(e, "error_type", None) or type(e).__name__
+        print(f"cache_hits.py: error: {kind}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+def run(ap: argparse.ArgumentParser, args) -> int:
+    """Trace (where asked), simulate, write the files; errors go up to main."""
+    args.out = args.out or Path("pyllama_pp_out") / time.strftime("cache_hits-%Y%m%d-%H%M%S")
     fractions = sorted(set(args.fractions) | {0.0625, 0.125, 0.25})   # (the summary's columns)
     policies = list(dict.fromkeys(args.policies + ["lru", "static", "lfu_aged", "belady"]))
-    args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     sources = [(p.name, p) for p in args.traces] + [(Path(m).name, Path(m)) for m in args.model]
     if args.synth:
         sources += synth_models(args.synth, args.set)
     if not sources:
         ap.error("give a trace, --model or --synth")
+    for _, src in sources:   # (before the output folder is made)
+        if not src.is_file():
+            raise FileNotFoundError(f"{src}: no such file (a trace from `pyllama-pp trace -o T.npz`, or a GGUF)")
+        if src.suffix == ".gguf":
+            check_model_path(src)
+    traces = {src: ExpertTrace.load(src) for _, src in sources if src.suffix != ".gguf"}
+    args.out.mkdir(parents=True, exist_ok=True)
     frames, rows, sections = [], [], []
     for i, (label, src) in enumerate(sources):
         if src.suffix == ".gguf":
@@ -128,7 +151,7 @@ def main() -> int:
             tr = tracing.record(src, n_prompt=args.pp, n_decode=args.tg, seed=args.seed, devices=args.devices)
             tr.save(args.out / f"trace-{i}.npz")
         else:
-            tr = ExpertTrace.load(src)
+            tr = traces[src]
         df = hit_rates(tr, fractions, policies, args.warmup, args.half_life)
         df.insert(0, "trace", label)
         frames.append(df)

@@ -1,4 +1,4 @@
-"""`pyllama-pp`: info, synth, fit, run, ab, check, rpc-server. Every subcommand takes --json (one JSON document on
+"""`pyllama-pp`: info, synth, run, fit, ab, check, trace, rpc-server. Every subcommand takes --json (one JSON document on
 stdout). The CLI parses, builds one description of the run (pyllama_pp.planning.Choices), calls the library and
 prints; defaults and their help come from pyllama_pp.defaults."""
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -20,13 +21,14 @@ from .binding import VARIANTS
 from .check import check_context, check_logits
 from .defaults import (CHECK, CONTEXT, CUDA_LINK_GBPS, FIT, MAIN_JOB, MARGINS, OFFLOAD_MIN_BATCH, PAIRED, RPC_HOST,
                        RPC_PORT, RUN, TRACE, UBATCH_CANDIDATES)
-from .devices import FORMS
+from .devices import FORMS, FORMS_HEADING
 from .errors import ConfigError, DeviceSpecError, PyllamaError
 from .fit import fit, fit_ubatch
 from .model_file import check_model_path
 from .params import ContextParams, Placement
 from .planning import Choices, check_switches, cpu_only_notes, main_job_model, plan_runs
-from .report import any_failed, check_measured, error_lines, markdown, noise_warnings, plot, text_table
+from .report import (any_failed, check_measured, error_lines, markdown, noise_warnings, plot, row_notes,
+                     text_table)
 from .row import read_rows
 from .servers import serve as rpc_server
 from .switches import ExpertCache, parse_given
@@ -240,6 +242,9 @@ def cmd_measure(args) -> int:
     ab, paired = args.cmd == "ab", getattr(args, "paired", None)
     out = args.resume or args.out or (Path("pyllama_pp_out") / time.strftime("ab-%Y%m%d-%H%M%S") if ab else None)
     workload = choices is not None and choices.workload
+    if args.resume and not args.json and not runner.left_to_run(cfgs, variants, args.resume):
+        print(f"pyllama-pp: note: every config of {args.resume} was measured already, without an error: nothing was "
+              "left to run; the table is its rows", file=sys.stderr)
     try:
         if workload:
             df = runner.mixed_workload(cfgs, variants=variants, rounds=choices.reps, out_dir=out)
@@ -253,6 +258,8 @@ def cmd_measure(args) -> int:
     check_measured(df)
     rows = json.loads(df.to_json(orient="records"))
     warnings = noise_warnings(df)
+    for note in row_notes(df) if not args.json else ():
+        print(f"pyllama-pp: note: {note}", file=sys.stderr)
     if not ab:
         _emit(args, {"rows": rows, "notes": notes, "warnings": warnings},
               text_table(df, ["variant", "devices", "n_batch", "n_ubatch", "test", "avg_ts", "stddev_ts",
@@ -263,7 +270,7 @@ def cmd_measure(args) -> int:
         return 1 if any_failed(df) else 0
     out = Path(out)
     md = markdown(df)
-    (out / "results.md").write_text(md)
+    (out / "results.md").write_text(_made_by(args, df) + md)
     png = plot(df, out / "ab.png", title=f"{Path(cfgs[0].model).name}: baseline vs patched")
     files = {"jsonl": str(out / "results.jsonl"), "csv": str(out / "results.csv"), "markdown": str(out / "results.md"),
              "plot": str(png) if png else None}
@@ -273,9 +280,30 @@ def cmd_measure(args) -> int:
     return 1 if any_failed(df) else 0
 
 
+def _made_by(args, df) -> str:
+    """results.md's head: the command that made the rows, the machine and when (the rows' first and last date)."""
+    dates = sorted(str(d) for d in df["date"].dropna()) if "date" in df else []
+    machines = ", ".join(dict.fromkeys(str(m) for m in df["machine"].dropna())) if "machine" in df else ""
+    return (f"- command: `pyllama-pp {shlex.join(getattr(args, 'argv', None) or [args.cmd])}`\n"
+            f"- machine: {machines or 'not recorded'}\n"
+            f"- date: {dates[0] + (' to ' + dates[-1] if dates[-1] != dates[0] else '') if dates else 'not recorded'}"
+            "\n\n")
+
+
 def _warnings(args, warnings: list[str]) -> None:
     for w in warnings if not args.json else ():
         print(f"pyllama-pp: warning: {w}", file=sys.stderr)
+
+
+def error_text(e: BaseException, cmd: str) -> str:
+    """An error as stderr says it: the whole message, every line of it (what is wrong, the reasons listed under it,
+    how to fix it), the lines after the first indented under it; --json adds the worker's traceback or stderr. A
+    device spec's list of accepted forms is left to `--help`, where it stands already."""
+    text = str(e).strip() or (getattr(e, "error_type", None) or type(e).__name__)
+    if isinstance(e, DeviceSpecError) and FORMS_HEADING in text:
+        text = text.split(FORMS_HEADING)[0].rstrip() + f" See `pyllama-pp {cmd} --help` for the accepted forms."
+    first, *rest = text.splitlines()
+    return "\n".join([first] + [ln if ln.startswith(" ") else "  " + ln for ln in rest if ln.strip()])
 
 
 def _closed_pipe() -> int:
@@ -422,8 +450,10 @@ def _add_measure_options(p, model_required: bool) -> None:
     p.add_argument("--offload-min-batch", type=int, metavar="N",
                    help=f"GGML_OP_OFFLOAD_MIN_BATCH for both variants (default: llama.cpp's, {OFFLOAD_MIN_BATCH})")
     p.add_argument("--switch", action="append", metavar="NAME=VALUE",
-                   help="a patched scheduler switch, e.g. UPLOAD_ALL=0, repeatable (default: none; "
-                        "`pyllama-pp info` lists them)")
+                   help="a patched scheduler switch, e.g. UPLOAD_ALL=0, or LAYER_MAJOR=1 (a batch's ubatches through "
+                        "each layer together, one expert upload a group: for prompts whose uploads bind; with --fit "
+                        "its buffers are planned), repeatable (default: none; `pyllama-pp info` lists them; a row says "
+                        "when a switch could not act)")
     p.add_argument("-o", "--out", type=Path, metavar="DIR",
                    help="folder for the rows (jsonl, csv), the table and the plot "
                         "(default: run writes none; ab: pyllama_pp_out/ab-DATE-TIME)")
@@ -601,6 +631,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = _join_dash_values(list(sys.argv[1:] if argv is None else argv))
     _Parser.json_errors = "--json" in argv
     args = build_parser().parse_args(argv)
+    args.argv = argv   # (results.md names the command)
     try:
         return args.func(args)
     except BrokenPipeError:   # (the reader went away: `pyllama-pp info | head -1`)
@@ -609,12 +640,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         kind = getattr(e, "error_type", None) or type(e).__name__
         if getattr(args, "json", False):
             print(json.dumps({"error": str(e), "type": kind, "details": getattr(e, "details", "") or None}))
-        # one statement on stderr: what is wrong and how to fix it (--json adds the worker's traceback or stderr;
-        # a device spec's list of accepted forms is in --help)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else kind
-        if isinstance(e, DeviceSpecError) and "\n" in str(e).strip():
-            first += f" See `pyllama-pp {getattr(args, 'cmd', 'run')} --help` for the accepted forms."
-        print(f"pyllama-pp: error: {first}", file=sys.stderr)
+        print(f"pyllama-pp: error: {error_text(e, getattr(args, 'cmd', 'run'))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("pyllama-pp: interrupted (rows written so far are kept)", file=sys.stderr)

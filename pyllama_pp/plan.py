@@ -216,7 +216,8 @@ class Plan:
                         f"{d.host_expert_layers} host-expert layer{'s' if d.host_expert_layers > 1 else ''}"
                         for d in self.devices if d.host_expert_layers)
         return (f"expert cache ({self.expert_cache}): {CACHE_SWITCH}={switch} ({form}, one value for every device): "
-                f"{per}; in each device's margin" + self._guard_text())
+                f"{per}; kept free on each device beside its layers (fit's target lowered by as much)" +
+                self._guard_text())
 
     def _guard_text(self) -> str:
         g = self.cache_guard

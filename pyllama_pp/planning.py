@@ -302,9 +302,14 @@ def _check_modes(c: Choices) -> None:
         raise ConfigError(f"--loads {c.loads} repeats paired rounds with fresh workers. Fix: add --paired N, "
                           "or drop --loads")
     if c.n_ubatch == "auto":
-        if len(c.devices) != 1 or c.plan or c.fit or c.workload:
-            raise ConfigError("-ub auto plans for one --devices spec, without --plan, --fit or --workload: give one "
-                              "spec (or sweep n_ubatch by hand: -ub 512,1024,...)")
+        if len(c.devices) != 1:
+            raise ConfigError(f"-ub auto plans for one --devices spec, and {len(c.devices)} were given: give one spec "
+                              "(or sweep n_ubatch by hand: -ub 512,1024,...)")
+        beside = {"--plan": c.plan, "--fit": c.fit, "--workload": c.workload}
+        for flag in (f for f, v in beside.items() if v):
+            raise ConfigError(f"-ub auto makes its own fit plan (the patched build's, for both variants) and runs the "
+                              f"tests (-p/-n), so it takes no {flag}. Fix: drop {flag}, or drop -ub auto and give "
+                              "-ub N")
         if not c.pp:
             raise ConfigError("-ub auto chooses n_ubatch for a prompt: give -p N (the prompt's length)")
     if c.workload and (c.plan or c.fit):
@@ -324,12 +329,23 @@ def _check_expert_cache(c: Choices) -> None:
         raise ConfigError(f"--expert-cache {asked.text} and --switch {switches.EXPERT_CACHE}=... set the same switch: "
                           "give one of them")
     if asked and c.plan:
-        raise ConfigError(f"--expert-cache {asked.text}: the plan {c.plan} has its expert cache planned already "
-                          f"(its switches). Fix: drop --expert-cache, or make the plan with `pyllama-pp fit ... "
-                          f"--expert-cache {asked.text} -o PLAN.json`")
+        planned = Plan.load(c.plan).switches.get(switches.EXPERT_CACHE)
+        why = (f"has its expert cache planned already ({switches.EXPERT_CACHE}={planned})" if planned else
+               "was made without an expert cache: its layers leave the devices no room planned for one")
+        raise ConfigError(f"--expert-cache {asked.text}: a plan runs as fit made it, and the plan {c.plan} {why}. "
+                          f"Fix: drop --expert-cache, or make the plan with `pyllama-pp fit ... --expert-cache "
+                          f"{asked.text} -o PLAN.json`")
     if asked.auto and not (c.fit or c.n_ubatch == "auto"):
         raise ConfigError("--expert-cache auto sizes the cache from fit's plan: add --fit (or -ub auto), or give a "
                           "size (e.g. --expert-cache 512MiB)")
+    if asked and not (c.fit or c.n_ubatch == "auto"):
+        for text in c.devices:
+            room = [v.memory for v in getattr(devspec.parse(text), "vdevs", ()) if v.memory]
+            if room and asked.bytes > min(room):
+                raise ConfigError(f"--expert-cache {asked.text}: more than a device of --devices {text} has "
+                                  f"({min(room) // MiB} MiB), and without --fit no one plans the cache's room. Fix: "
+                                  f"--fit with --expert-cache auto (what the plan leaves free), or a size below the "
+                                  "devices' free memory")
 
 
 def _cache_switches(c: Choices) -> dict:
@@ -491,6 +507,11 @@ def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
     elif c.fit:
         cfgs = [_with_fit(cfg, model, variants, c, made) for cfg in cfgs]
     notes += [n for spec in dict.fromkeys(c.devices + (c.baseline_devices or ())) for n in devspec.parse(spec).notes]
+    unplanned = _cache_switches(c).get(CACHE_SWITCH)
+    if unplanned:
+        notes.append(f"--expert-cache {c.expert_cache} without --fit sets {CACHE_SWITCH}={unplanned} (MiB a device) as "
+                     "it is: no plan left room for the slots, which take device memory beside the layers; --fit "
+                     "plans them")
     if c.command == "ab":
         notes += cpu_only_notes(cfgs)
     return RunPlan(model=model, configs=tuple(cfgs), variants=tuple(variants), plans=tuple(made),

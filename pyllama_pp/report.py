@@ -88,27 +88,73 @@ def error_lines(df) -> str:
     return ("\nerrors:\n" + "\n".join(lines)) if lines else ""
 
 
+def row_notes(df) -> list[str]:
+    """The rows' notes (Row.notes: a switch that could not act, and why), each distinct one once with the runs it is
+    about (variant, test, devices, n_ubatch)."""
+    if "notes" not in df:
+        return []
+    where: dict = {}
+    for r in df.to_dict("records"):
+        for note in r.get("notes") if isinstance(r.get("notes"), list) else ():
+            where.setdefault(note, []).append(f"{r.get('test')}, ub={r.get('n_ubatch')}")
+    return [f"{note} ({'; '.join(dict.fromkeys(runs))})" for note, runs in where.items()]
+
+
+# an unpaired A/B's speedup whose relative spread (the two variants' samples) passes this is warned of, and so is a
+# speedup further than SAME_PATH_GAP from 1 where both variants run the same CPU path
+WIDE_SPREAD = 0.05
+SAME_PATH_GAP = 0.05
+
+
+def _speedup_spread(b, p) -> float:
+    """The relative spread of patched / baseline avg_ts from the two rows' samples: the root of the sum of their
+    squared coefficients of variation (NaN where a row has no spread: one sample)."""
+    cvs = [r["stddev_ts"] / r["avg_ts"] if _real(r.get("stddev_ts")) and _real(r.get("avg_ts")) and r["avg_ts"] > 0
+           and len(r.get("samples_ts") or ()) > 1 else float("nan") for r in (b, p)]
+    return float(np.hypot(*cvs))
+
+
 RERUN = ("rerun on an idle machine: decode on the CPU moves with every other process there (decode claims: "
          "`--paired N --loads K`)")
 
 
 def noise_warnings(df) -> list[str]:
     """What makes the rows' numbers doubtful, each a sentence with the advice to rerun: samples that spread more than
-    their mean, a paired interval wider than its estimate, other processes on the CPU while a config ran
-    (stats.Contention). None for steady rows on an idle machine."""
+    their mean, a paired interval wider than its estimate, an unpaired speedup whose variants' samples spread more
+    than WIDE_SPREAD, a speedup away from 1 where both variants ran the same CPU path, other processes on the CPU
+    while a config ran (stats.Contention). None for steady rows on an idle machine."""
     if df.empty:
         return []
     rows = [r for r in df.to_dict("records") if not failed(r)]
-    spread = []
+    spread, flagged = [], set()
     for r in rows:
         name = f"{r.get('variant')} {r.get('test')} ({devices_label(r.get('devices'))}, ub={r.get('n_ubatch')})"
         avg, sd = r.get("avg_ts"), r.get("stddev_ts")
         if isinstance(sd, numbers.Real) and isinstance(avg, numbers.Real) and sd == sd and sd > avg:
             spread.append(f"{name}: {avg:.1f} ± {sd:.1f} t/s")
+            flagged.add((r.get("config"), r.get("test")))
         med, lo, hi = (r.get(k) for k in ("speedup_median", "speedup_ci_lo", "speedup_ci_hi"))
         if all(isinstance(x, numbers.Real) and x == x for x in (med, lo, hi)) and hi - lo > med:
             spread.append(f"{name}: paired {med:.3f} [{lo:.3f}, {hi:.3f}]")
+    wide_speedups, same_path = [], []
+    for (cfg, test), b, p in _groups(df[~df.apply(failed, axis=1)]) if "variant" in df else ():
+        if b is None or p is None or _real(p.get("speedup_ci_lo")):   # (paired rows: their interval, above)
+            continue
+        if (cfg, test) in flagged:   # (a row of it spread more than its mean: said above)
+            continue
+        name = f"{test} ({devices_label(p.get('devices'))}, ub={p.get('n_ubatch')})"
+        sp, wide = p["avg_ts"] / b["avg_ts"] if b["avg_ts"] else float("nan"), _speedup_spread(b, p)
+        if _real(wide) and wide > WIDE_SPREAD:
+            wide_speedups.append(f"{name}: {sp:.2f} ± {sp * wide:.2f}")
+        if not devspec.parse(p.get("devices")).accelerators and _real(sp) and abs(sp - 1) > SAME_PATH_GAP:
+            same_path.append(f"{name}: {sp:.2f}x")
     out = [f"the samples spread more than their estimate ({'; '.join(spread)}); {RERUN}"] if spread else []
+    if wide_speedups:
+        out.append(f"a speedup whose variants' samples spread more than {WIDE_SPREAD:.0%} cannot show a gap that size "
+                   f"({'; '.join(wide_speedups)}); {RERUN}, or pair the rounds: `--paired N`")
+    if same_path:
+        out.append(f"both variants run the same CPU path where no accelerator is named, so a speedup away from 1.00 "
+                   f"is the machine's noise ({'; '.join(same_path)}); {RERUN}")
     seen: dict = {}
     for r in rows:
         c = r.get("contention")
@@ -130,9 +176,10 @@ OPTIONAL_COLUMNS = ("expert_cache_hit_rate", "layer_major_groups")
 
 def text_table(df, cols: list[str]) -> str:
     """The rows' given columns (those the frame has; an OPTIONAL_COLUMNS one where some row has a value) as a plain
-    table, with error_lines under it."""
+    table, "-" where a row has no value, with error_lines under it."""
     cols = [c for c in cols if c in df.columns and (c not in OPTIONAL_COLUMNS or df[c].notna().any())]
-    return df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}") + error_lines(df)
+    # (a value not measured - None or NaN, e.g. a decode row's coverage - reads "-", as the Markdown's empty cell)
+    return df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}", na_rep="-") + error_lines(df)
 
 
 def num(x, fmt: str = "{:.0f}") -> str:
@@ -266,7 +313,9 @@ def markdown(df) -> str:
             f"| {bound} | {blocked(p)} |" + (f" {switches_text(p)}{groups_text(p)} |" if with_switches else ""))
     unpaired_tg = "test" in df and df["test"].astype(str).str.startswith("tg").any() and (
         "speedup_ci_lo" not in df or df["speedup_ci_lo"].isna().all())
-    return ("\n".join(lines) + "\n\n" + LEGEND + ("\n" + SWITCHES_NOTE if with_switches else "")
+    notes = "".join(f"- note: {n}\n" for n in row_notes(df))
+    return ("\n".join(lines) + "\n\n" + notes + ("\n" if notes else "") + LEGEND
+            + ("\n" + SWITCHES_NOTE if with_switches else "")
             + ("\n" + CACHE_NOTE if with_cache else "")
             + ("\n" + DECODE_NOTE if unpaired_tg else "") + "\n")
 

@@ -14,6 +14,7 @@ from . import devices as devspec
 from . import switches
 from .binding import backend_modules, build_info
 from .config import RunConfig, config_key
+from .defaults import OFFLOAD_MIN_BATCH
 from .jobs import depth_of, test_name
 from .row import Row
 
@@ -170,7 +171,55 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
                                       all_gpus(ext, "cache_leaves", reps) + all_gpus(ext, "cache_returns", reps)),
             "label": cfg.label, "config_key": config_key(cfg),
             "switches": cfg.switches if variant == "patched" else {}, **meta}))
+        rows[-1].notes = idle_switch_notes(cfg, rows[-1], ext) or None
     return rows
+
+
+def _batches(cfg: RunConfig, row: Row) -> tuple[int, int]:
+    """(ubatches in the test's largest batch, tokens in its largest ubatch): decode runs one token a batch."""
+    tokens = min(row.n_prompt, cfg.n_batch) if row.n_prompt else 1
+    ub = min(cfg.n_ubatch, cfg.n_batch)
+    return -(-tokens // ub), min(tokens, ub)
+
+
+def idle_switch_notes(cfg: RunConfig, row: Row, ext: dict) -> list[str]:
+    """A sentence for each patched switch the run set that could not act in it (the scheduler's own count of what
+    it did is 0), with why. LAYER_MAJOR groups a batch's ubatches: it needs two or more ubatches a batch, layer
+    weights in host RAM and a device to upload them to. EXPERT_CACHE serves expert ops on host weights below op
+    offload's threshold (decode) from a device's slots: it needs such batches, host experts and a device. The
+    reasons are checked in that order; the last of each is what only the scheduler knew."""
+    params = ext.get("params") or {}
+    on = lambda name: str(params.get(name, 0)) not in ("0", "")
+    accelerators = devspec.parse(row.devices).accelerators
+    host = bool(row.tensor_buft_overrides)
+    n_ub, ub_tokens = _batches(cfg, row)
+    notes = []
+    if on("LAYER_MAJOR") and not row.layer_major_groups:
+        if not accelerators:
+            why = "the devices are the CPU alone, which computes every layer where its weights are: nothing is uploaded"
+        elif not host:
+            why = "no layer weights are in host RAM (--host-experts none): nothing is uploaded per ubatch"
+        elif n_ub < 2:
+            batch = (f"n_batch {cfg.n_batch}, n_ubatch {min(cfg.n_ubatch, cfg.n_batch)}" if row.n_prompt else
+                     "decode runs one token a batch")
+            why = f"a batch of {row.test} is one ubatch ({batch}), and a group needs two or more"
+        else:
+            why = (f"a batch has {n_ub} ubatches, but the devices had no room for a group's graph (its ubatches' "
+                   "activations and whole expert copies), so they ran one by one; fit plans that room: --fit")
+        notes.append(f"LAYER_MAJOR={params['LAYER_MAJOR']} did not act: {why}")
+    threshold = int(cfg.env.get("GGML_OP_OFFLOAD_MIN_BATCH", OFFLOAD_MIN_BATCH))
+    if on("EXPERT_CACHE") and not (row.expert_cache_ops or row.expert_cache_cpu_ops):
+        if not accelerators:
+            why = "the devices are the CPU alone: there is no device memory to cache experts in"
+        elif not host:
+            why = "no experts are in host RAM (--host-experts none): every expert is on its device already"
+        elif ub_tokens >= threshold:
+            why = (f"it serves batches below op offload's threshold ({threshold} tokens: decode), and {row.test} runs "
+                   f"ubatches of {ub_tokens} tokens, whose expert ops the devices compute on uploaded copies")
+        else:
+            why = "no expert op of the test read the slots"
+        notes.append(f"EXPERT_CACHE={params['EXPERT_CACHE']} did not act: {why}")
+    return notes
 
 
 def layer_major_groups(ext: dict, reps: int) -> Optional[int]:

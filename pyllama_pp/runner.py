@@ -245,6 +245,13 @@ def _previous(out_dir, resume: bool) -> tuple[list[Row], dict]:
     return prev_rows, prev
 
 
+def left_to_run(configs: Sequence[RunConfig], variants: Sequence[str], out_dir: Union[str, Path]) -> int:
+    """How many of the configs' runs (a config on a variant) `ab(..., resume=True)` would measure: those whose rows in
+    out_dir are not all there without an error."""
+    _, prev = _previous(out_dir, True)
+    return sum(_reusable(prev, cfg, v) is None for cfg in configs for v in variants)
+
+
 def ab(configs: Union[RunConfig, Iterable[RunConfig]], variants: Sequence[str] = VARIANTS,
        out_dir: Optional[Union[str, Path]] = None, progress: bool = True, timeout: Optional[float] = None, group: bool = True, resume: bool = False):
     """Run every config on every variant, each variant in its own worker process.

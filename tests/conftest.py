@@ -154,7 +154,8 @@ def no_worker(monkeypatch):
 
 @pytest.fixture
 def usage_error(capsys):
-    """Runs the CLI on argv and returns its one error line: exit 2, one `pyllama-pp: error:` line on stderr."""
+    """Runs the CLI on argv and returns its error: exit 2, one `pyllama-pp: error:` statement on stderr (a message of
+    several lines - reasons listed under it - has them indented under the first)."""
     from pyllama_pp import cli
 
     def run(argv: list[str]) -> str:
@@ -162,9 +163,10 @@ def usage_error(capsys):
         out, err = capsys.readouterr()
         assert rc == 2, (rc, out, err)
         lines = [ln for ln in err.splitlines() if ln.strip()]
-        assert len(lines) == 1 and lines[0].startswith("pyllama-pp: error: "), f"not one line on stderr:\n{err}"
+        assert lines and lines[0].startswith("pyllama-pp: error: ") and all(ln.startswith("  ") for ln in lines[1:]), \
+            f"not one statement on stderr:\n{err}"
         assert "Traceback" not in err and "\\n" not in err and "stderr tail" not in err, err
-        return lines[0]
+        return "\n".join(lines)
     return run
 
 

@@ -469,6 +469,35 @@ def test_cache_hits_writes_the_simulator_s_rates(tmp_path):
     assert "belady_12.5%" in (tmp_path / "o" / "results.md").read_text()
 
 
+def test_cache_hits_errors_are_one_line_and_it_writes_outside_the_checkout(tmp_path):
+    """bench/cache_hits.py on a missing trace, a file that is not a GGUF and one that is not a trace: one line on
+    stderr and exit 2 (they were tracebacks); without --out it writes into the current folder, never the checkout's
+    bench/out/."""
+    script = Path(__file__).parents[1] / "bench" / "cache_hits.py"
+    (tmp_path / "junk.gguf").write_bytes(b"junk")
+    (tmp_path / "junk.npz").write_bytes(b"junk")
+    for arg, what in (("nothere.npz", "nothere.npz: no such file"), ("junk.gguf", "ModelError: junk.gguf is not a GGUF"),
+                      ("junk.npz", "junk.npz is not an expert trace")):
+        res = subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, timeout=120,
+                             cwd=tmp_path)
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert res.returncode == 2 and lines[-1].startswith("cache_hits.py: error: ") and what in lines[-1], res.stderr
+        assert "Traceback" not in res.stderr and len([ln for ln in lines if "error" in ln]) == 1, res.stderr
+    g = np.random.default_rng(0)
+    ids = np.stack([np.stack([g.choice(16, 2, replace=False) for _ in range(40)]) for _ in range(3)], axis=1)
+    ExpertTrace(ids, [0, 1, 2], 16, 8).save(tmp_path / "t.npz")
+    checkout_out = Path(__file__).parents[1] / "bench" / "out" / "cache_hits"
+    before = sorted(checkout_out.rglob("*")) if checkout_out.exists() else []
+    stamp = {p: p.stat().st_mtime_ns for p in before}
+    res = subprocess.run([sys.executable, str(script), "t.npz", "--fractions", "0.25"], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    written, = (tmp_path / "pyllama_pp_out").glob("cache_hits-*")
+    assert (written / "hits.csv").exists() and (written / "results.md").exists()
+    after = sorted(checkout_out.rglob("*")) if checkout_out.exists() else []
+    assert after == before and all(p.stat().st_mtime_ns == stamp[p] for p in after)
+
+
 def test_cache_decode_logits_check_reads_the_slots(tiny_model, tmp_path):
     """bench/cache_decode.py's logits check (an NMSE of 0 against size 0 on VDEVs): it decodes its 16 tokens through
     the slots - every expert op of each token read them - so it compares the cached path with the CPU path, not the

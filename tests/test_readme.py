@@ -6,6 +6,8 @@ import json
 import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from pyllama_pp.model_file import block_count
 from pyllama_pp.fit import fit_ubatch
 from pyllama_pp.params import ContextParams, Placement
 from pyllama_pp.planning import main_job_model, plan_runs
+from pyllama_pp.worker.client import switch_env
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -190,3 +193,57 @@ def test_every_readme_example_keeps_experts_in_host_ram(tmp_path, monkeypatch, c
             checked.append(c["cmd"])
         capsys.readouterr()
     assert len(checked) >= 10 and len(auto) == sum("-ub auto" in c for c in checked), (checked, auto)
+
+
+def test_readme_test_suite_facts_are_the_tools():
+    """The quick start's test suite: its count is what pytest collects (within 5%), its time the last whole run that
+    docs/RESULTS.md records ("Install, build and test times"), which counted about as many tests."""
+    text = " ".join(README.read_text().split())
+    n, secs = map(int, re.search(r"The second runs the test suite \(about (\d+) tests, (\d+) s on 2 cores", text).groups())
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", str(README.parent / "tests")],
+                         capture_output=True, text=True, timeout=300, cwd=README.parent)
+    collected = int(re.search(r"(\d+) tests? collected", res.stdout).group(1))
+    assert abs(collected - n) <= 0.05 * collected, (n, collected)
+    runs = re.findall(r"^\| the whole test suite \| (\d+) s \((\d+) tests\)", (README.parent / "docs" / "RESULTS.md").read_text(),
+                      flags=re.M)
+    assert runs, "RESULTS.md records no whole test suite run"
+    last_secs, last_n = map(int, runs[-1])
+    assert secs == last_secs and abs(last_n - collected) <= 0.05 * collected, (secs, runs[-1], collected)
+
+
+def test_readme_says_once_how_ub_auto_chooses():
+    """One paragraph on `-ub auto`'s choice (there were two, near-identical)."""
+    paragraphs = README.read_text().split("\n\n")
+    assert len([p for p in paragraphs if p.startswith("`-ub auto`")]) == 1
+
+
+def test_readme_layer_major_comment_is_the_plan(tmp_path):
+    """The usage line of LAYER_MAJOR's fit: the group size and the host-expert layers a device with and without the
+    switch, as the plan says (the section "When the expert cache and LAYER_MAJOR pay" reasons with them)."""
+    line = _usage_line("pyllama-pp fit tiny.gguf --devices \"vdev:2x6MiB@0.2GBps\"")
+    group, with_, without = map(int, re.search(r"groups of (\d+) ubatches.*, (\d+) host-expert layers a device where "
+                                                r"(\d+) without", line).groups())
+    args = cli.build_parser().parse_args(cli._join_dash_values(shlex.split(line.split("  # ")[0])[1:]))
+    synth.write_gguf(tmp_path / "tiny.gguf", synth.preset("tiny"))
+    plan = fit(tmp_path / "tiny.gguf", devices=args.devices, ctx=ContextParams(n_ctx=args.ctx, n_batch=args.batch,
+                                                                    n_ubatch=args.ubatch),
+               env=switch_env({"LAYER_MAJOR": 1}))
+    assert plan.layer_major["group"] == group, plan.layer_major
+    assert [d.host_expert_layers for d in plan.devices] == [with_] * 2
+    assert plan.layer_major["without"]["host_expert_layers"] == [without] * 2
+    section = " ".join(_section("Using it").split())
+    assert f"K = {group}, L = {without}, L' = {with_}" in section
+
+
+def test_readme_when_the_switches_pay_quotes_results():
+    """The section on when the expert cache and LAYER_MAJOR pay quotes docs/RESULTS.md: every speed-up and share it
+    gives (with its interval where it has one) stands there, and so does each RESULTS section it names."""
+    text = README.read_text()
+    section = " ".join(text[text.index("### When the expert cache and LAYER_MAJOR pay"):text.index("### Python")].split())
+    results = (README.parent / "docs" / "RESULTS.md").read_text()
+    figures = re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?:x|%| GB| s)(?: \[[\d.]+, [\d.]+\])?", section)
+    assert len(figures) >= 15 and "2.02x" in figures and "67%" in figures, figures
+    assert [f for f in figures if f not in results] == []
+    named = re.findall(r'"([^"]+)"', section.split("Each figure's command, machine and date:")[1])
+    headings = re.findall(r"^#+ (.+)$", results, flags=re.M)
+    assert len(named) == 3 and all(any(h.startswith(n) for h in headings) for n in named), (named, headings)

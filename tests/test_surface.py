@@ -249,3 +249,112 @@ def test_coverage_is_shown_only_where_experts_are_in_host_ram():
     assert "| 50% |" not in report.markdown(df)
     df["host_experts"], df["tensor_buft_overrides"] = "fit: 3 overrides", "blk\\.3\\.ffn_(up|down|gate)_exps=CPU"
     assert "| 50% |" in report.markdown(df)
+
+
+# -- a switch that cannot act says so, errors whole, the expert cache's options, noise in any A/B -------------------
+def test_a_switch_that_cannot_act_says_why_in_the_row_and_on_stderr(tiny_model, capsys):
+    """LAYER_MAJOR with one ubatch a batch, on devices without room for a group, and on the CPU alone, and
+    EXPERT_CACHE on the CPU alone and on a prompt (its ubatches at op offload's threshold): each row's notes say the
+    switch did not act and why, and stderr says it once; a run where the switch acts has no note."""
+    def notes(argv):
+        assert cli.main(["run", tiny_model, "-p", "512", "-n", "0", "-r", "1", "--json"] + argv) == 0
+        return [n for r in _rows(capsys) for n in r["notes"] or []]
+
+    lm = ["--switch", "LAYER_MAJOR=1"]
+    one, = notes(["--devices", "vdev:2x256MiB@0.2GBps", "-b", "32", "-ub", "32"] + lm)
+    assert one.startswith("LAYER_MAJOR=1 did not act") and "is one ubatch (n_batch 32, n_ubatch 32)" in one, one
+    room, = notes(["--devices", "vdev:2x3MiB@0.2GBps", "-b", "512", "-ub", "32"] + lm)
+    assert "16 ubatches" in room and "no room for a group's graph" in room and "--fit" in room, room
+    cpu = notes(["--devices", "cpu", "-b", "512", "-ub", "32", "--switch", "EXPERT_CACHE=1"] + lm)
+    assert [n.split(":")[0] for n in cpu] == ["LAYER_MAJOR=1 did not act", "EXPERT_CACHE=1 did not act"], cpu
+    assert all("the CPU alone" in n for n in cpu), cpu
+    prompt, = notes(["--devices", "vdev:2x256MiB@0.2GBps", "-b", "512", "-ub", "32", "--switch", "EXPERT_CACHE=1"])
+    assert "below op offload's threshold (32 tokens: decode)" in prompt and "ubatches of 32 tokens" in prompt, prompt
+    assert notes(["--devices", "vdev:2x256MiB@0.2GBps", "-b", "512", "-ub", "32"] + lm) == []   # (it acts: groups)
+    assert cli.main(["run", tiny_model, "--devices", "vdev:2x256MiB@0.2GBps", "-b", "32", "-ub", "32", "-p", "512",
+                     "-n", "0", "-r", "1"] + lm) == 0
+    err = capsys.readouterr().err
+    assert err.count("pyllama-pp: note: LAYER_MAJOR=1 did not act: a batch of pp512 is one ubatch") == 1, err
+
+
+def test_an_error_prints_whole_with_its_reasons(tiny_model, usage_error):
+    """fit -ub auto with no candidate placed: the message lists each candidate's reason under its first line, and the
+    CLI prints all of it (it kept the first line only, which ended at its colon)."""
+    err = usage_error(["fit", tiny_model, "--devices", "vdev:2x1MiB@4GBps", "-c", "512", "-ub", "auto", "--json"])
+    first, *reasons = err.splitlines()
+    assert first.endswith("(n_ctx 512):") and reasons, err
+    assert reasons[0].startswith("  n_ubatch 64 (n_batch 512): leaves all 6 layers") and "Fix:" in reasons[0], err
+
+
+def test_expert_cache_options_name_the_real_cause(plan_file, tiny_model, usage_error, no_worker):
+    """A cache larger than the devices without --fit is refused (it ran, and reported all hits); a size that fits is
+    run with a note that no plan left room for it; --expert-cache beside a plan made without a cache, and -ub auto
+    beside --fit, name what is wrong (they named a cache planned already, and several device specs)."""
+    from pyllama_pp.planning import Choices, plan_runs
+    line = usage_error(["run", tiny_model, "--devices", "vdev:2x5MiB@4GBps", "--expert-cache", "99GiB", "-p", "0"])
+    assert "more than a device of --devices vdev:2x5MiB@4GBps has (5 MiB)" in line, line
+    notes = plan_runs(Choices(command="run", model=tiny_model, devices=("vdev:2x256MiB@4GBps",), expert_cache="1MiB",
+                              pp=(), tg=(4,))).notes
+    assert any("sets EXPERT_CACHE=1 (MiB a device) as it is: no plan left room" in n for n in notes), notes
+    line = usage_error(["run", "--plan", str(plan_file), "--expert-cache", "auto"])
+    assert "was made without an expert cache" in line and "already" not in line, line
+    line = usage_error(["ab", tiny_model, "--devices", "vdev:2x8MiB@4GBps", "-ub", "auto", "--fit", "each", "-p", "256"])
+    assert "takes no --fit" in line and "one spec" not in line, line
+    line = usage_error(["ab", tiny_model, "--devices", "vdev:2x8MiB@4GBps;cpu", "-ub", "auto", "-p", "256"])
+    assert "2 were given" in line, line
+
+
+def _ab_frame(samples: dict, devices: str):
+    import statistics
+    from pyllama_pp.row import Row, frame
+    return frame([Row(variant=v, devices=devices, n_batch=512, n_ubatch=32, test="pp128", n_prompt=128,
+                      avg_ts=statistics.fmean(xs), stddev_ts=statistics.stdev(xs), samples_ts=xs, config=0)
+                  for v, xs in samples.items()])
+
+
+def test_an_unpaired_ab_whose_spread_is_wide_is_warned_of():
+    """A prompt A/B (not only paired decode): variants whose samples spread 20% cannot show a 10% gap; on the CPU
+    alone both variants run one path, so 1.43x there is noise; steady rows on VDEVs give no warning."""
+    wide = report.noise_warnings(_ab_frame({"baseline": [1000.0, 1250.0, 800.0], "patched": [1100.0, 1105.0, 1095.0]},
+                                           "vdev:2x256MiB@0.1GBps"))
+    assert len(wide) == 1 and "spread more than 5%" in wide[0] and "pp128" in wide[0] and "--paired" in wide[0], wide
+    cpu = report.noise_warnings(_ab_frame({"baseline": [1000.0, 1005.0, 995.0], "patched": [1430.0, 1435.0, 1425.0]},
+                                          "cpu"))
+    assert len(cpu) == 1 and "same CPU path" in cpu[0] and "1.43x" in cpu[0], cpu
+    assert report.noise_warnings(_ab_frame({"baseline": [1000.0, 1005.0, 995.0], "patched": [1430.0, 1435.0, 1425.0]},
+                                           "vdev:2x256MiB@0.1GBps")) == []
+
+
+def test_results_md_names_its_command_and_a_finished_sweep_resumed_says_nothing_was_left(tiny_model, tmp_path, capsys):
+    """results.md starts with the command, machine and date that made it; `ab --resume` of a sweep with every row
+    there says that nothing was left to run (it said nothing)."""
+    out = tmp_path / "sweep"
+    argv = ["ab", tiny_model, "--devices", "vdev:2x0@0", "-b", "64", "-ub", "32", "-p", "64", "-n", "0", "-r", "1",
+            "-o", str(out)]
+    assert cli.main(argv) == 0
+    head = (out / "results.md").read_text().splitlines()[:3]
+    assert head[0] == f"- command: `pyllama-pp {' '.join(argv)}`" and head[1].startswith("- machine: ") \
+        and "cores" in head[1] and head[2].startswith("- date: 20"), head
+    capsys.readouterr()
+    assert cli.main(["ab", "--resume", str(out)]) == 0
+    assert "nothing was left to run" in capsys.readouterr().err
+
+
+def test_help_names_every_command_and_layer_major():
+    """The top-level help's description names every subcommand (it left out trace); run's and ab's --switch help
+    names LAYER_MAJOR (they never did)."""
+    ap = cli.build_parser()
+    sub = next(a for a in ap._actions if a.dest == "cmd")
+    assert all(name in ap.description.split(".")[0] for name in sub.choices), ap.description.split(".")[0]
+    for cmd in ("run", "ab"):
+        assert "LAYER_MAJOR=1" in " ".join(sub.choices[cmd].format_help().split())
+
+
+def test_a_value_not_measured_reads_the_same_in_every_table():
+    """A decode row's coverage (None from a worker, NaN once in a frame) is "-" in run's table, never None in one
+    table and NaN in another."""
+    from pyllama_pp.row import Row, frame
+    df = frame([Row(variant="patched", test="pp32", avg_ts=10.0, coverage=0.5),
+                Row(variant="patched", test="tg16", avg_ts=5.0, coverage=None)])
+    table = report.text_table(df, ["variant", "test", "avg_ts", "coverage"])
+    assert "NaN" not in table and "None" not in table and table.splitlines()[2].split()[-1] == "-", table

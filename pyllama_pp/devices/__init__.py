@@ -9,7 +9,7 @@ Accepted forms: FORMS (each kind's, in the order of KINDS, then the JSON form).
 """
 from __future__ import annotations
 
-from .base import KINDS, DeviceSpec, forms, list_devices, parse, parse_rate, parse_size
+from .base import FORMS_HEADING, KINDS, DeviceSpec, forms, list_devices, parse, parse_rate, parse_size
 from .cpu import CpuSpec
 from .cuda import CudaSpec
 from .rpc import RpcSpec, check_baseline_devices
@@ -19,5 +19,5 @@ KINDS.update((k.kind, k) for k in (CpuSpec, CudaSpec, VdevSpec, RpcSpec))   # th
 
 FORMS = forms()
 
-__all__ = ["DeviceSpec", "FORMS", "KINDS", "VDevConfig", "check_baseline_devices", "list_devices", "parse",
-           "parse_rate", "parse_size"]
+__all__ = ["DeviceSpec", "FORMS", "FORMS_HEADING", "KINDS", "VDevConfig", "check_baseline_devices", "list_devices",
+           "parse", "parse_rate", "parse_size"]

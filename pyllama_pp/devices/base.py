@@ -66,9 +66,12 @@ def forms() -> str:
     return "\n" + "\n".join(k.forms.strip("\n") for k in KINDS.values()) + JSON_FORM
 
 
+FORMS_HEADING = "\nAccepted forms:"   # (where a device spec error's list of forms starts)
+
+
 def bad(spec: Any, why: str) -> DeviceSpecError:
     """A DeviceSpecError that names the spec, says why and lists the accepted forms."""
-    err = DeviceSpecError(f"bad device spec {spec!r}: {why}.\nAccepted forms:{forms()}")
+    err = DeviceSpecError(f"bad device spec {spec!r}: {why}.{FORMS_HEADING}{forms()}")
     err.complete = True   # names the spec and lists the accepted forms: parse() passes it on as it is
     return err
 
