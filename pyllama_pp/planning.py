@@ -343,7 +343,7 @@ def _check_expert_cache(c: Choices) -> None:
             room = [v.memory for v in getattr(devspec.parse(text), "vdevs", ()) if v.memory]
             if room and asked.bytes > min(room):
                 raise ConfigError(f"--expert-cache {asked.text}: more than a device of --devices {text} has "
-                                  f"({min(room) // MiB} MiB), and without --fit no one plans the cache's room. Fix: "
+                                  f"({min(room) >> 20} MiB), and without --fit no one plans the cache's room. Fix: "
                                   f"--fit with --expert-cache auto (what the plan leaves free), or a size below the "
                                   "devices' free memory")
 
@@ -507,11 +507,12 @@ def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
     elif c.fit:
         cfgs = [_with_fit(cfg, model, variants, c, made) for cfg in cfgs]
     notes += [n for spec in dict.fromkeys(c.devices + (c.baseline_devices or ())) for n in devspec.parse(spec).notes]
-    unplanned = _cache_switches(c).get(CACHE_SWITCH)
+    unplanned = _cache_switches(c).get(switches.EXPERT_CACHE)
     if unplanned:
-        notes.append(f"--expert-cache {c.expert_cache} without --fit sets {CACHE_SWITCH}={unplanned} (MiB a device) as "
-                     "it is: no plan left room for the slots, which take device memory beside the layers; --fit "
-                     "plans them")
+        form = "MiB a device" if unplanned > 0 else "slots a layer"
+        notes.append(f"--expert-cache {c.expert_cache.text} without --fit sets {switches.EXPERT_CACHE}={unplanned} "
+                     f"({form}) as it is: no plan left room for the slots, which take device memory beside the layers; "
+                     "--fit plans them")
     if c.command == "ab":
         notes += cpu_only_notes(cfgs)
     return RunPlan(model=model, configs=tuple(cfgs), variants=tuple(variants), plans=tuple(made),
