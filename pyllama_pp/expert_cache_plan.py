@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from . import devices as devspec
-from .defaults import threads
+from .defaults import CONTEXT, threads
 from .errors import ConfigError, OutOfMemoryError
 from .plan import MiB, Plan
 from .switches import EXPERT_CACHE as SWITCH
@@ -138,7 +138,7 @@ def guard(plan: Plan) -> dict:
     pageable memory, and the switch value for each load mode (the largest over the devices that cache: one value
     for every device); {} where a rate is missing (the native default stays)."""
     spec = devspec.parse(plan.devices_spec.get("text") or plan.devices_spec)
-    cpu = plan.cpu_expert_gbps.get(str(threads(plan.ctx.get("n_threads", 0))))
+    cpu = plan.cpu_expert_gbps.get(str(threads(plan.ctx.get("n_threads", CONTEXT.n_threads))))
     dev = spec.expert_read_rates(plan.cpu_expert_gbps, len(plan.devices)) if cpu else None
     links = [d.link or {} for d in plan.devices]
     if not cpu or not dev or not all(ln.get("pinned_gbps") or ln.get("pageable_gbps") for ln in links):

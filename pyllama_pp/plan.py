@@ -252,9 +252,15 @@ class Plan:
                 del d[key]
         return d
 
-    def run_switches(self, load_mode: str = "none") -> dict:
-        """The switches a run with this plan applies for `load_mode`: the plan's, with the expert cache's guard at its
-        break-even for the link a miss takes there (pageable for "mmap")."""
+    def run_switches(self, load_mode: str = CONTEXT.load_mode) -> dict:
+        """The switches a run with this plan applies.
+
+        Args:
+            load_mode: how the run keeps host weights ("none": pinned, "mmap": pageable).
+        Returns:
+            dict: the plan's switches, with the expert cache's guard at its break-even for the link a miss takes in
+            that load mode (pageable for "mmap").
+        """
         min_hit = self.cache_guard.get("min_hit", {}).get(load_mode)
         return {**self.switches, CACHE_MIN_HIT_SWITCH: min_hit} if min_hit is not None else dict(self.switches)
 

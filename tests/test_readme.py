@@ -19,7 +19,6 @@ from pyllama_pp.model_file import block_count
 from pyllama_pp.fit import fit_ubatch
 from pyllama_pp.params import ContextParams, Placement
 from pyllama_pp.planning import main_job_model, plan_runs
-from pyllama_pp.worker.client import switch_env
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -227,7 +226,7 @@ def test_readme_layer_major_comment_is_the_plan(tmp_path):
     synth.write_gguf(tmp_path / "tiny.gguf", synth.preset("tiny"))
     plan = fit(tmp_path / "tiny.gguf", devices=args.devices, ctx=ContextParams(n_ctx=args.ctx, n_batch=args.batch,
                                                                     n_ubatch=args.ubatch),
-               env=switch_env({"LAYER_MAJOR": 1}))
+               switches={"LAYER_MAJOR": 1})
     assert plan.layer_major["group"] == group, plan.layer_major
     assert [d.host_expert_layers for d in plan.devices] == [with_] * 2
     assert plan.layer_major["without"]["host_expert_layers"] == [without] * 2

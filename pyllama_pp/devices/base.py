@@ -222,8 +222,12 @@ class DeviceSpec(ABC):
         return False
 
     def compute_threads(self) -> set[int]:
-        """The host CPU thread counts the devices compute with (VDEVs run the host's kernels): the CPU expert-rate
-        probe measures at each; empty where the devices are processors of their own."""
+        """The host CPU thread counts the devices compute with (VDEVs run the host's kernels).
+
+        Returns:
+            set[int]: the counts the CPU expert-rate probe measures at; empty where the devices are processors of
+            their own.
+        """
         return set()
 
     def expert_read_rates(self, cpu_gbps: dict, n_devices: int) -> Optional[list[float]]:
