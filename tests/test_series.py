@@ -93,7 +93,8 @@ def test_our_file_compiles_against_the_pinned_headers(name, pinned):
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     assert cxx, "no C++ compiler (the build needs one too)"
     _run([cxx, "-std=c++17", "-fsyntax-only", "-I", SCHED, "-I", pinned / "ggml" / "include",
-          "-I", pinned / "ggml" / "src", "-I", pinned / "include", "-I", pinned / "src", SCHED / name])
+          "-I", pinned / "ggml" / "src", "-I", pinned / "include", "-I", pinned / "src", "-I", pinned / "common",
+          SCHED / name])
 
 
 def test_every_file_in_sched_is_in_the_manifest_and_no_patch_touches_one():

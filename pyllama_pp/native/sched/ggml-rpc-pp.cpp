@@ -1,4 +1,5 @@
-// pyllama_pp: RPC_HOST on the server (ggml-rpc-pp.h): host buffers per served device and their scheduler.
+// pyllama_pp: RPC_HOST (ggml-rpc-pp.h): host buffers per served device and their scheduler on the server, its
+// commands, and the client's calls that use them.
 
 #include "ggml-rpc-pp.h"
 #include "ggml-rpc.h"
@@ -8,6 +9,118 @@
 
 #include <algorithm>
 #include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+static const char * RPC_HOST_DEBUG = std::getenv("GGML_RPC_DEBUG");   // (as ggml-rpc.cpp's LOG_DBG)
+
+// --- the client's side -----------------------------------------------------------------------------------------------
+
+// host memory on the server of an RPC device, one buffer type per device of a server of 7.1
+static ggml_backend_buffer_type_t ggml_backend_rpc_host_buffer_type(const char * endpoint, uint32_t device) {
+    static std::mutex mutex;
+    std::lock_guard<std::mutex> lock(mutex);
+    std::string buft_name = "RPC" + std::to_string(device) + "[" + std::string(endpoint) + "]_Host";
+    // NOTE: buffer types are allocated and never freed, as ggml_backend_rpc_buffer_type's
+    static std::unordered_map<std::string, ggml_backend_buffer_type_t> buft_map;
+    auto it = buft_map.find(buft_name);
+    if (it != buft_map.end()) {
+        return it->second;
+    }
+    const rpc_host_conn conn = rpc_host_connect(endpoint);
+    if (conn.server_minor < 1) {
+        static std::unordered_set<std::string> warned;   // (once per server)
+        if (!warned.insert(endpoint).second) {
+            return nullptr;
+        }
+        GGML_LOG_WARN("%s: the RPC server at %s speaks protocol %d.%d, without host buffers (%d.1): host weights "
+                      "stay on this host\n", __func__, endpoint, RPC_PROTO_MAJOR_VERSION, conn.server_minor,
+                      RPC_PROTO_MAJOR_VERSION);
+        return nullptr;
+    }
+    ggml_backend_buffer_type_t buft = rpc_host_buffer_type_new(endpoint, device, buft_name);
+    buft_map[buft_name] = buft;
+    return buft;
+}
+
+ggml_backend_buffer_type_t ggml_backend_rpc_dev_host_buffer_type(ggml_backend_dev_t dev) {
+    std::string endpoint;
+    uint32_t    device = 0;
+    if (!rpc_host_dev_endpoint(dev, &endpoint, &device)) {
+        return nullptr;
+    }
+    return ggml_backend_rpc_host_buffer_type(endpoint.c_str(), device);
+}
+
+// whether the server caches host experts (7.1.1)
+static bool rpc_host_server_caches(const rpc_host_conn & conn) {
+    return conn.server_minor > 1 || (conn.server_minor == 1 && conn.server_patch >= 1);
+}
+
+void rpc_host_send_switches(const char * endpoint) {
+    const rpc_host_conn conn = rpc_host_connect(endpoint);
+    if (!rpc_host_server_caches(conn)) {
+        return;
+    }
+    for (const char * name : rpc_server_host_client_switches) {
+        auto request = std::make_shared<rpc_host_msg_set_switch_req>();
+        snprintf(request->name, sizeof(request->name), "%s", name);
+        request->value = ggml_backend_sched_pp_param(name);
+        rpc_host_msg_set_switch_rsp response;
+        conn.send(RPC_HOST_CMD_SET_HOST_SWITCH, request, sizeof(*request), &response, sizeof(response));
+        if (!response.result) {
+            GGML_LOG_WARN("%s: the RPC server at %s refuses %s=%lld\n", __func__, endpoint, name, (long long) request->value);
+        }
+    }
+}
+
+bool ggml_backend_rpc_dev_host_memory(ggml_backend_dev_t dev, size_t * free, size_t * total) {
+    std::string endpoint;
+    uint32_t    device = 0;
+    if (!rpc_host_dev_endpoint(dev, &endpoint, &device)) {
+        return false;
+    }
+    const rpc_host_conn conn = rpc_host_connect(endpoint.c_str());
+    if (conn.server_minor < 1) {
+        return false;
+    }
+    auto request = std::make_shared<rpc_host_msg_device_req>();
+    request->device = device;
+    rpc_host_msg_memory_rsp response;
+    conn.send(RPC_HOST_CMD_GET_HOST_MEMORY, request, sizeof(*request), &response, sizeof(response));
+    *free  = response.free_mem;
+    *total = response.total_mem;
+    return true;
+}
+
+int64_t ggml_backend_rpc_host_weight_bytes(const char * endpoint, uint32_t device) {
+    const rpc_host_conn conn = rpc_host_connect(endpoint);
+    if (conn.server_minor < 1) {
+        return -1;
+    }
+    auto request = std::make_shared<rpc_host_msg_device_req>();
+    request->device = device;
+    rpc_host_msg_weight_bytes_rsp response;
+    conn.send(RPC_HOST_CMD_GET_HOST_WEIGHT_BYTES, request, sizeof(*request), &response, sizeof(response));
+    return (int64_t) response.bytes;
+}
+
+bool ggml_backend_rpc_host_cache_counts(const char * endpoint, uint32_t device, ggml_backend_pp_cache_counts * counts) {
+    const rpc_host_conn conn = rpc_host_connect(endpoint);
+    if (!rpc_host_server_caches(conn)) {
+        return false;
+    }
+    auto request = std::make_shared<rpc_host_msg_device_req>();
+    request->device = device;
+    rpc_host_msg_cache_counts_rsp response;
+    conn.send(RPC_HOST_CMD_GET_HOST_CACHE_COUNTS, request, sizeof(*request), &response, sizeof(response));
+    *counts = response.counts;
+    return true;
+}
+
+// --- the server's side -----------------------------------------------------------------------------------------------
 
 // what a server runs beside its devices for graphs that read its host buffers (the CPU device), and its threads
 static ggml_backend_dev_t rpc_server_host_dev     = nullptr;
@@ -66,6 +179,81 @@ ggml_backend_buffer_t rpc_server_host::alloc(ggml_backend_t device, uint64_t siz
         buffers.insert(buffer);
     }
     return buffer;
+}
+
+bool rpc_server_host::serve(rpc_host_cmd cmd, const std::vector<ggml_backend_t> & devices,
+                            std::unordered_set<ggml_backend_buffer_t> & server_buffers,
+                            const std::function<bool(void * msg, size_t size)> & recv,
+                            const std::function<bool(const void * msg, size_t size)> & send) {
+    switch (cmd) {
+        case RPC_HOST_CMD_ALLOC_HOST_BUFFER: {
+            rpc_host_msg_alloc_req request;
+            if (!recv(&request, sizeof(request))) {
+                return false;
+            }
+            if (request.device >= devices.size()) {
+                return false;
+            }
+            ggml_backend_buffer_t buffer = alloc(devices[request.device], request.size);
+            rpc_host_msg_alloc_rsp response;
+            response.remote_ptr  = reinterpret_cast<uint64_t>(buffer);
+            response.remote_size = buffer != nullptr ? buffer->size : 0;
+            if (buffer != nullptr) {
+                server_buffers.insert(buffer);
+            }
+            if (RPC_HOST_DEBUG) {
+                GGML_LOG_DEBUG("[%s] device: %d, size: %" PRIu64 " -> remote_ptr: %" PRIx64 "\n", "alloc_host_buffer",
+                               request.device, request.size, response.remote_ptr);
+            }
+            return send(&response, sizeof(response));
+        }
+        case RPC_HOST_CMD_GET_HOST_MEMORY: {
+            // the host memory its host buffers may still take: the host device's free memory, within the limit
+            rpc_host_msg_device_req request;
+            if (!recv(&request, sizeof(request)) || request.device >= devices.size()) {
+                return false;
+            }
+            size_t free = 0, total = 0;
+            memory(&free, &total);
+            rpc_host_msg_memory_rsp response;
+            response.free_mem  = free;
+            response.total_mem = total;
+            return send(&response, sizeof(response));
+        }
+        case RPC_HOST_CMD_GET_HOST_WEIGHT_BYTES: {
+            // the host-weight bytes its schedulers moved to the device so far (the client counts none for these)
+            rpc_host_msg_device_req request;
+            if (!recv(&request, sizeof(request)) || request.device >= devices.size()) {
+                return false;
+            }
+            rpc_host_msg_weight_bytes_rsp response;
+            response.bytes = weight_bytes(devices, request.device);
+            return send(&response, sizeof(response));
+        }
+        case RPC_HOST_CMD_SET_HOST_SWITCH: {
+            // a switch of the client for the schedulers that run its graphs here (EXPERT_CACHE's)
+            rpc_host_msg_set_switch_req request;
+            if (!recv(&request, sizeof(request))) {
+                return false;
+            }
+            const std::string name(request.name, strnlen(request.name, sizeof(request.name)));
+            rpc_host_msg_set_switch_rsp response;
+            response.result = set_switch(name.c_str(), request.value) ? 1 : 0;
+            return send(&response, sizeof(response));
+        }
+        case RPC_HOST_CMD_GET_HOST_CACHE_COUNTS: {
+            // the expert cache's counters of its schedulers for the device
+            rpc_host_msg_device_req request;
+            if (!recv(&request, sizeof(request)) || request.device >= devices.size()) {
+                return false;
+            }
+            rpc_host_msg_cache_counts_rsp response;
+            response.counts = cache_counts(devices, request.device);
+            return send(&response, sizeof(response));
+        }
+        default:
+            return false;
+    }
 }
 
 void rpc_server_host::forget(ggml_backend_buffer_t buffer) {
@@ -238,4 +426,28 @@ rpc_server_host::~rpc_server_host() {
     if (backend != nullptr) {
         ggml_backend_free(backend);
     }
+}
+
+// --- the registry ----------------------------------------------------------------------------------------------------
+
+void * rpc_host_proc_address(const char * name) {
+    if (std::strcmp(name, "ggml_backend_rpc_dev_host_buffer_type") == 0) {
+        return (void *)ggml_backend_rpc_dev_host_buffer_type;
+    }
+    if (std::strcmp(name, "ggml_backend_rpc_server_set_host_device") == 0) {
+        return (void *)ggml_backend_rpc_server_set_host_device;
+    }
+    if (std::strcmp(name, "ggml_backend_rpc_server_set_host_memory_limit") == 0) {
+        return (void *)ggml_backend_rpc_server_set_host_memory_limit;
+    }
+    if (std::strcmp(name, "ggml_backend_rpc_dev_host_memory") == 0) {
+        return (void *)ggml_backend_rpc_dev_host_memory;
+    }
+    if (std::strcmp(name, "ggml_backend_rpc_host_weight_bytes") == 0) {
+        return (void *)ggml_backend_rpc_host_weight_bytes;
+    }
+    if (std::strcmp(name, "ggml_backend_rpc_host_cache_counts") == 0) {
+        return (void *)ggml_backend_rpc_host_cache_counts;
+    }
+    return NULL;
 }
