@@ -267,6 +267,53 @@ struct ggml_sched_pp_graph {
     std::unordered_set<const ggml_tensor *> prefetched;          // ... of those, partly filled by PREFETCH
 };
 
+// How an expert op gets its weight's experts on a device (ggml_backend_sched_pp_expert_path)
+enum ggml_sched_pp_path {
+    GGML_SCHED_PP_PATH_NONE,       // nothing to move: no ids to route by, or the copy went up early already
+    GGML_SCHED_PP_PATH_LATER,      // a copy, chosen later (early: by its own split; at split: on time)
+    GGML_SCHED_PP_PATH_UPLOAD_ALL, // the whole tensor (UPLOAD_ALL; LAYER_MAJOR's copies read again)
+    GGML_SCHED_PP_PATH_GATHER,     // the device gathers the used experts by the ids in its memory (GATHER; a
+                                   // prefetched copy: the rest)
+    GGML_SCHED_PP_PATH_PREFETCH,   // before its ids exist, the experts the weight used last time (PREFETCH)
+    GGML_SCHED_PP_PATH_DIRECT,     // the kernel reads the used experts from pinned host memory (DIRECT)
+    GGML_SCHED_PP_PATH_SELECTIVE,  // the ids read back on the host, the used experts copied (upstream's)
+    GGML_SCHED_PP_PATH_CACHE,      // the device's expert slots: hits read there, misses copied in (EXPERT_CACHE)
+    GGML_SCHED_PP_PATH_HOST_CPU,   // no device: the op runs on the host CPU, on the weight where it is
+    // (a hybrid path - a cached op's misses computed on the host CPU - would be one more)
+};
+
+// when the path is asked
+enum ggml_sched_pp_when {
+    GGML_SCHED_PP_AT_SPLIT, // split_graph, after pass 1: an op below op offload's threshold, for the expert cache
+    GGML_SCHED_PP_EARLY,    // OVERLAP=2: a split or two before the op's own split, for its copy placed early
+    GGML_SCHED_PP_ON_TIME,  // compute_splits: with the inputs of the op's split
+};
+
+// what ggml_backend_sched_pp_expert_path decides on about one expert op (besides the scheduler's switches, the
+// coverage measured so far, whether a graph is in flight and whether this graph measures)
+struct ggml_sched_pp_expert_op {
+    enum ggml_sched_pp_when    when       = GGML_SCHED_PP_ON_TIME;
+    int                        backend_id = -1;      // the device that runs the op
+    struct ggml_tensor *       input      = nullptr; // the host expert weight
+    const struct ggml_tensor * ids        = nullptr; // the routing ids the op reads
+    int64_t                    n_sel      = 0;       // tokens x experts used per token (against upload-all's bar)
+    int64_t                    n_expert   = 0;
+    bool transient     = false;  // the weight's copy is transient (GATE): one slot, written on the device's stream
+    bool read_again    = false;  // LAYER_MAJOR: later expert ops read the copy too
+    bool ids_read      = false;  // the ids are on the host already: an op before read them back
+    bool ids_ready     = false;  // the ids are computed, in the device's memory, before what the device does now
+                                 // (on time: unless they are an input of the split still to copy; early: where the
+                                 // op before, on the same device, routes by them)
+    bool early_decided = false;  // on time: the early path asked for this copy (and did not upload it all)
+    bool early_done    = false;  // the copy went up early (nothing left)
+    bool prefetched    = false;  // PREFETCH brought part of it early: the rest is left
+    enum ggml_sched_pp_path declined = GGML_SCHED_PP_PATH_NONE; // a path the caller could not take
+    // at split (EXPERT_CACHE)
+    bool cache_fits         = false; // the layer has slots on the op's owner for every expert the batch could use
+    bool cache_to_cpu       = false; // EXPERT_CACHE_MIN_HIT: the layer's cache does not pay, its ops go to the CPU
+    bool cache_fallback_cpu = false; // where the slots cannot serve: the CPU (else the owner, with its weight copied in)
+};
+
 // DIRECT: a split-input copy pointed at the host weight while its split is submitted (kernel arguments are taken
 // at submission), restored when the split is done with it - so the next graph still finds its own memory
 struct ggml_sched_pp_direct_swap {
@@ -353,7 +400,9 @@ void ggml_backend_sched_pp_graph_begin(ggml_backend_sched_t sched, ggml_sched_pp
 enum ggml_status ggml_backend_sched_pp_failed(ggml_backend_sched_t sched, enum ggml_status ec);
 void ggml_backend_sched_pp_drain(ggml_backend_sched_t sched);
 
-// ggml-backend-pp-experts.cpp: the copy of a host expert tensor
+// ggml-backend-pp-experts.cpp: how an expert op gets its weight on a device; the copy of a host expert tensor
+ggml_sched_pp_path ggml_backend_sched_pp_expert_path(ggml_backend_sched_t sched, const ggml_sched_pp_expert_op & op);
+bool ggml_backend_sched_pp_selective_if_read(ggml_backend_sched_t sched, int backend_id);
 void ggml_backend_sched_pp_copy_experts(ggml_backend_sched_t sched, ggml_sched_pp_graph * g, int split_id, int input_id,
                                         ggml_backend_t input_backend, ggml_sched_pp_direct_swap * direct);
 void ggml_backend_sched_pp_upload_whole(ggml_backend_sched_t sched, int backend_id, ggml_tensor * input,
@@ -411,8 +460,8 @@ int ggml_backend_sched_pp_add_pad(ggml_backend_sched_t sched, const struct ggml_
 
 // ggml-backend-pp-direct.cpp: DIRECT
 bool ggml_backend_sched_pp_direct_possible(ggml_backend_sched_t sched, int backend_id);
-bool ggml_backend_sched_pp_direct(ggml_backend_sched_t sched, int backend_id, struct ggml_tensor * input,
-                                  bool transient, int64_t n_sel, int64_t n_expert);
+bool ggml_backend_sched_pp_direct_fits(ggml_backend_sched_t sched, int backend_id, struct ggml_tensor * input,
+                                       bool transient, int64_t n_sel, int64_t n_expert);
 void ggml_backend_sched_pp_find_shared_copies(ggml_backend_sched_t sched);
 
 // ggml-backend-pp-overlap.cpp: OVERLAP=2
