@@ -411,7 +411,7 @@ void ggml_backend_sched_pp_copy_used_experts(ggml_backend_sched_t sched, int bac
                                              ggml_tensor * input_cpy, const std::vector<ggml_bitset_t> & used_ids,
                                              int64_t n_expert, size_t expert_size, bool transient, ggml_backend_t via);
 
-// ggml-backend-pp-transient.cpp: GATE's transient copies
+// ggml-backend-pp-gate.cpp: GATE's transient copies
 bool ggml_backend_sched_pp_transient_src(ggml_backend_sched_t sched, const struct ggml_tensor * src);
 bool ggml_backend_sched_pp_is_transient_copy(ggml_backend_sched_t sched, const struct ggml_tensor * input_cpy);
 bool ggml_backend_sched_pp_is_expert_copy(ggml_backend_sched_t sched, const struct ggml_tensor * node,
@@ -450,7 +450,7 @@ void ggml_backend_sched_pp_upload(ggml_backend_sched_t sched, int backend_id, co
                                   struct ggml_tensor * dst, const void * data, size_t offset, size_t size,
                                   ggml_backend_t via = nullptr);
 
-// ggml-backend-pp-plans.cpp: STABLE_RESERVE's kept plans and padding
+// ggml-backend-pp-stable-reserve.cpp: STABLE_RESERVE's kept plans and padding
 int ggml_backend_sched_pp_alloc_kept_plan(ggml_backend_sched_t sched);
 int ggml_backend_sched_pp_pad_plan(ggml_backend_sched_t sched, const struct ggml_cgraph * graph,
                                    const std::unordered_map<ggml_tensor *, std::vector<ggml_tensor *>> & alloc_deps,
