@@ -388,6 +388,46 @@ struct ggml_sched_pp_cache_swap {
     }
 };
 
+// The life of a graph: the hooks in the order they run, each with its file ("-x": ggml-backend-pp-x.cpp, "pp":
+// ggml-backend-pp.cpp), named without their ggml_backend_sched_pp_ prefix; called from ggml-backend.cpp unless
+// another caller is named
+//
+// llama_context, before the scheduler: llama_pp_overrides_allow_pp (GATE; llama-context.cpp) keeps pipelining
+//   with host weights; llama_layer_major::group_size (LAYER_MAJOR; llama-layer-major.cpp)
+// ggml_backend_sched_new: ggml_sched_pp_cfg_init (pp: the switches), ggml_backend_sched_pp_scan_devices (pp: links,
+//   DIRECT's devices, each device's gather - find_gather, -gather), ggml_gallocr_pp_keep_plans (ggml-alloc.c)
+// ggml_backend_sched_reserve (llama's sched_reserve) and ggml_backend_sched_alloc_graph (each graph):
+//   alloc_graph only, first: wait_input_events (-inputs)
+//   ggml_backend_sched_split_graph:
+//     pass 1, an op on a host weight: offload_owner (-owner), else cache_backend (-cache)
+//     after pass 1: cache_plan (-cache), asking expert_path AT_SPLIT (-experts) for each op it may take
+//     after pass 4: find_read_again (-layer-major)
+//     pass 5: cache_split (-cache), first_read (-layer-major), transient_src (-gate), shared_input (-inputs)
+//     the graph copy: pad_plan (-stable-reserve), find_early_copies and pool_copies (-overlap); per split
+//       add_early_inputs (-overlap; add_again_inputs, -layer-major), early_lead (-overlap), add_pad
+//       (-stable-reserve); the leafs: is_transient_copy (-gate)
+//   reserve: find_shared_copies (-direct), ring_assign (-prefetch), reserve_without_early (-overlap: where the
+//     reservation failed), save_layout (pp)
+//   alloc_graph: alloc_splits: find_shared_copies (-direct), ring_assign (-prefetch); where galloc cannot allocate:
+//     alloc_kept_plan (-stable-reserve), else note_realloc, drain and save_layout (pp) around the re-reservation
+// ggml_backend_sched_graph_compute_async -> compute_splits:
+//   graph_begin (pp; upload_inputs, -inputs)
+//   each split: each input: early_input and wait_user_input (-inputs), is_transient_copy (-gate), wait_slot
+//       (-inputs); a host expert weight: copy_experts (-experts: expert_path ON_TIME, then a gather (-gather), a
+//       DIRECT swap (-direct) or uploads (-staging)); another host weight: upload_whole (-experts); any other
+//       input: wait_source (-inputs)
+//     early_wait_split and early_uploads (-overlap: expert_path EARLY for the next splits' copies;
+//       again_uploads, -layer-major), cache_prepare (-cache)
+//     the split is submitted; then early_staged (-overlap), after_split (-prefetch), cache_after_split (-cache),
+//       record_event (-inputs)
+//   after the last split: stage_mark (-staging); a failed split: failed (pp)
+// ggml_backend_sched_synchronize: drain (pp)
+// llama_context, between graphs: before a batch, reallocs_since_reserve (pp): STABLE_RESERVE reserves again; a
+//   LAYER_MAJOR group's graphs merged into one before alloc_graph (llama-layer-major.cpp:
+//   ggml_backend_pp_layer_major_graph, -layer-major); resplit (-cache) before reusing a graph
+// ggml_backend_sched_free: stage_free (-staging), early_free (-overlap), ring_free (-prefetch), cache_free (-cache)
+// (an RPC server's scheduler, ggml-rpc-pp.cpp, hands its expert ops to the cache: cache_assigned, -cache)
+
 // hooks: where the scheduler calls the extension, and what the extension's files share, by file
 
 // ggml-backend-pp.cpp: the switches, the counters, the hooks of a scheduler's life
