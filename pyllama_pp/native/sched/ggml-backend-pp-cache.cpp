@@ -425,13 +425,7 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
         const ggml_tensor * ids = op->src[2];
         const int64_t need = std::min(ids->ne[0] * ids->ne[1], l->n_expert);
         const auto [owner, fallback] = owner_of.at(op);
-        ggml_sched_pp_expert_op x;
-        x.when               = GGML_SCHED_PP_AT_SPLIT;
-        x.backend_id         = owner;
-        x.input              = op->src[0];
-        x.ids                = ids;
-        x.n_sel              = ids->ne[0] * ids->ne[1];
-        x.n_expert           = w->host->ne[2];
+        ggml_sched_pp_expert_op x(GGML_SCHED_PP_AT_SPLIT, owner, op->src[0], ids, w->host->ne[2]);
         x.cache_fits         = w->slots != nullptr && l->n_slots >= need && l->backend_id == owner && ids->ne[0] == l->n_used &&
                                ids->ne[1] <= GGML_SCHED_PP_CACHE_MAX_TOKENS && ids->ne[2] == 1 && ids->ne[3] == 1 &&
                                w->host->ne[2] == l->n_expert;

@@ -136,13 +136,7 @@ void ggml_backend_sched_pp_copy_experts(ggml_backend_sched_t sched, ggml_sched_p
     }
 
     const auto early_it = g->early_decided.find(input_cpy);
-    ggml_sched_pp_expert_op op;
-    op.when          = GGML_SCHED_PP_ON_TIME;
-    op.backend_id    = split_backend_id;
-    op.input         = input;
-    op.ids           = ids_tensor;
-    op.n_sel         = ids_tensor->ne[0] * ids_tensor->ne[1];
-    op.n_expert      = n_expert;
+    ggml_sched_pp_expert_op op(GGML_SCHED_PP_ON_TIME, split_backend_id, input, ids_tensor, n_expert);
     op.transient     = transient;
     op.read_again    = ggml_backend_sched_pp_read_again(sched, input);
     op.ids_read      = ids_tensor == prev_ids_tensor;

@@ -292,12 +292,12 @@ enum ggml_sched_pp_when {
 // what ggml_backend_sched_pp_expert_path decides on about one expert op (besides the scheduler's switches, the
 // coverage measured so far, whether a graph is in flight and whether this graph measures)
 struct ggml_sched_pp_expert_op {
-    enum ggml_sched_pp_when    when       = GGML_SCHED_PP_ON_TIME;
-    int                        backend_id = -1;      // the device that runs the op
-    struct ggml_tensor *       input      = nullptr; // the host expert weight
-    const struct ggml_tensor * ids        = nullptr; // the routing ids the op reads
-    int64_t                    n_sel      = 0;       // tokens x experts used per token (against upload-all's bar)
-    int64_t                    n_expert   = 0;
+    enum ggml_sched_pp_when    when;
+    int                        backend_id; // the device that runs the op
+    struct ggml_tensor *       input;      // the host expert weight
+    const struct ggml_tensor * ids;        // the routing ids the op reads
+    int64_t                    n_sel;      // tokens x experts used per token (against upload-all's bar)
+    int64_t                    n_expert;
     bool transient     = false;  // the weight's copy is transient (GATE): one slot, written on the device's stream
     bool read_again    = false;  // LAYER_MAJOR: later expert ops read the copy too
     bool ids_read      = false;  // the ids are on the host already: an op before read them back
@@ -312,6 +312,10 @@ struct ggml_sched_pp_expert_op {
     bool cache_fits         = false; // the layer has slots on the op's owner for every expert the batch could use
     bool cache_to_cpu       = false; // EXPERT_CACHE_MIN_HIT: the layer's cache does not pay, its ops go to the CPU
     bool cache_fallback_cpu = false; // where the slots cannot serve: the CPU (else the owner, with its weight copied in)
+
+    ggml_sched_pp_expert_op(enum ggml_sched_pp_when when, int backend_id, struct ggml_tensor * input,
+                            const struct ggml_tensor * ids, int64_t n_expert)
+        : when(when), backend_id(backend_id), input(input), ids(ids), n_sel(ids->ne[0] * ids->ne[1]), n_expert(n_expert) {}
 };
 
 // DIRECT: a split-input copy pointed at the host weight while its split is submitted (kernel arguments are taken

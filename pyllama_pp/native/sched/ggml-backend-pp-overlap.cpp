@@ -431,13 +431,7 @@ void ggml_backend_sched_pp_early_uploads(ggml_backend_sched_t sched, int split_i
             if (it->second != lead && !(lead == 1 && it->second == 2)) {
                 continue; // (PREFETCH=2's copies placed two splits early are asked again one split early)
             }
-            ggml_sched_pp_expert_op op;
-            op.when       = GGML_SCHED_PP_EARLY;
-            op.backend_id = b;
-            op.input      = input;
-            op.ids        = node->src[2];
-            op.n_sel      = node->src[2]->ne[0] * node->src[2]->ne[1];
-            op.n_expert   = input->ne[2];
+            ggml_sched_pp_expert_op op(GGML_SCHED_PP_EARLY, b, input, node->src[2], input->ne[2]);
             op.transient  = true; // (an early copy is: find_early_copies)
             op.ids_read   = ids_read != nullptr && node->src[2] == ids_read;
             op.ids_ready  = cur != nullptr && cur->op == GGML_OP_MUL_MAT_ID && cur->src[2] == node->src[2];
