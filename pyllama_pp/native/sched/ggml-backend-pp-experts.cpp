@@ -103,6 +103,50 @@ bool ggml_backend_sched_pp_selective_if_read(ggml_backend_sched_t sched, int bac
     return ggml_backend_sched_pp_gather_possible(sched, backend_id) || !ggml_backend_sched_pp_direct_possible(sched, backend_id);
 }
 
+// the selective copy's readback: the routing ids read back on the host (a sync that waits for everything queued
+// on ids_backend), the experts they use into g->used_ids, and the coverage measured
+static void ggml_backend_sched_pp_read_ids(ggml_backend_sched_t sched, ggml_sched_pp_graph * g, ggml_tensor * ids_tensor,
+                                           ggml_backend_t ids_backend, int64_t n_expert) {
+    std::vector<int32_t> & ids = g->ids;
+    std::vector<ggml_bitset_t> & used_ids = g->used_ids;
+    ids.resize(ggml_nbytes(ids_tensor) / sizeof(int32_t));
+    {
+        GGML_SCHED_PP_WAIT(sched, GGML_SCHED_PP_WAIT_IDS);
+        ggml_backend_tensor_get_async(ids_backend, ids_tensor, ids.data(), 0, ggml_nbytes(ids_tensor));
+        ggml_backend_synchronize(ids_backend);
+    }
+    sched->pp.id_readbacks++;
+
+    // find the used experts
+    used_ids.clear();
+    used_ids.resize(ggml_bitset_size(n_expert));
+    for (int64_t i1 = 0; i1 < ids_tensor->ne[1]; i1++) {
+        for (int64_t i0 = 0; i0 < ids_tensor->ne[0]; i0++) {
+            int32_t id = ids[i1 * ids_tensor->nb[1]/sizeof(int32_t) + i0 * ids_tensor->nb[0]/sizeof(int32_t)];
+            GGML_ASSERT(id >= 0 && id < n_expert);
+            ggml_bitset_set(used_ids.data(), id);
+        }
+    }
+
+    g->prev_ids_tensor = ids_tensor;
+    sched->pp_measure_now = false;
+
+    int64_t n_used = 0;
+    for (int64_t e = 0; e < n_expert; e++) {
+        n_used += ggml_bitset_get(used_ids.data(), e) ? 1 : 0;
+    }
+    sched->pp.experts_used  += n_used;
+    sched->pp.experts_total += n_expert;
+    // coverage grows with the ubatch: only ubatches that could upload all count (the one-row
+    // last layer of a prompt's output ubatch would otherwise pull the estimate down, and the
+    // next prompt would read ids back layer after layer until it recovers)
+    if (ids_tensor->ne[0] * ids_tensor->ne[1] >= ggml_backend_sched_pp_measure_min(sched, n_expert)) {
+        const double cov = (double) n_used / (double) n_expert;
+        sched->pp_cov_ema = sched->pp_cov_ema < 0 ? cov : 0.5*sched->pp_cov_ema + 0.5*cov;
+        sched->pp_graph_measured = true;
+    }
+}
+
 // the experts a MUL_MAT_ID reads from a host weight (split input input_id of split split_id), on time: by the path
 // ggml_backend_sched_pp_expert_path chooses (upstream's selective copy, with its counters, is the last)
 void ggml_backend_sched_pp_copy_experts(ggml_backend_sched_t sched, ggml_sched_pp_graph * g, int split_id, int input_id,
@@ -113,9 +157,6 @@ void ggml_backend_sched_pp_copy_experts(ggml_backend_sched_t sched, ggml_sched_p
     struct ggml_tensor * input = split->inputs[input_id];
     struct ggml_tensor * input_cpy = tensor_copy(input, split_backend_id, sched->cur_copy);
     ggml_tensor * node = split->graph.nodes[0];
-    ggml_tensor * & prev_ids_tensor = g->prev_ids_tensor;
-    std::vector<int32_t> & ids = g->ids;
-    std::vector<ggml_bitset_t> & used_ids = g->used_ids;
     const bool transient = ggml_backend_sched_pp_is_transient_copy(sched, input_cpy);
 
     const int64_t n_expert   = node->op == GGML_OP_MUL_MAT_ID ? input->ne[2] : input->ne[1];
@@ -139,7 +180,7 @@ void ggml_backend_sched_pp_copy_experts(ggml_backend_sched_t sched, ggml_sched_p
     ggml_sched_pp_expert_op op(GGML_SCHED_PP_ON_TIME, split_backend_id, input, ids_tensor, n_expert);
     op.transient     = transient;
     op.read_again    = ggml_backend_sched_pp_read_again(sched, input);
-    op.ids_read      = ids_tensor == prev_ids_tensor;
+    op.ids_read      = ids_tensor == g->prev_ids_tensor;
     op.ids_ready     = ids_input < 0;
     op.early_decided = early_it != g->early_decided.end();
     op.early_done    = op.early_decided && early_it->second; // (counted where it went up)
@@ -186,45 +227,10 @@ void ggml_backend_sched_pp_copy_experts(ggml_backend_sched_t sched, ggml_sched_p
         ids_backend = ggml_backend_sched_get_tensor_backend(sched, split->inputs[ids_input]);
     }
 
-    if (ids_tensor != prev_ids_tensor) {
-        ids.resize(ggml_nbytes(ids_tensor) / sizeof(int32_t));
-        {
-            GGML_SCHED_PP_WAIT(sched, GGML_SCHED_PP_WAIT_IDS);
-            ggml_backend_tensor_get_async(ids_backend, ids_tensor, ids.data(), 0, ggml_nbytes(ids_tensor));
-            ggml_backend_synchronize(ids_backend);
-        }
-        sched->pp.id_readbacks++;
-
-        // find the used experts
-        used_ids.clear();
-        used_ids.resize(ggml_bitset_size(n_expert));
-        for (int64_t i1 = 0; i1 < ids_tensor->ne[1]; i1++) {
-            for (int64_t i0 = 0; i0 < ids_tensor->ne[0]; i0++) {
-                int32_t id = ids[i1 * ids_tensor->nb[1]/sizeof(int32_t) + i0 * ids_tensor->nb[0]/sizeof(int32_t)];
-                GGML_ASSERT(id >= 0 && id < n_expert);
-                ggml_bitset_set(used_ids.data(), id);
-            }
-        }
-
-        prev_ids_tensor = ids_tensor;
-        sched->pp_measure_now = false;
-
-        int64_t n_used = 0;
-        for (int64_t e = 0; e < n_expert; e++) {
-            n_used += ggml_bitset_get(used_ids.data(), e) ? 1 : 0;
-        }
-        sched->pp.experts_used  += n_used;
-        sched->pp.experts_total += n_expert;
-        // coverage grows with the ubatch: only ubatches that could upload all count (the one-row
-        // last layer of a prompt's output ubatch would otherwise pull the estimate down, and the
-        // next prompt would read ids back layer after layer until it recovers)
-        if (ids_tensor->ne[0] * ids_tensor->ne[1] >= ggml_backend_sched_pp_measure_min(sched, n_expert)) {
-            const double cov = (double) n_used / (double) n_expert;
-            sched->pp_cov_ema = sched->pp_cov_ema < 0 ? cov : 0.5*sched->pp_cov_ema + 0.5*cov;
-            sched->pp_graph_measured = true;
-        }
+    if (ids_tensor != g->prev_ids_tensor) {
+        ggml_backend_sched_pp_read_ids(sched, g, ids_tensor, ids_backend, n_expert);
     }
-    ggml_backend_sched_pp_copy_used_experts(sched, split_backend_id, input, input_cpy, used_ids, n_expert,
+    ggml_backend_sched_pp_copy_used_experts(sched, split_backend_id, input, input_cpy, g->used_ids, n_expert,
                                             expert_size, transient, nullptr);
 }
 
