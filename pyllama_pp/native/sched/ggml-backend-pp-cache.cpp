@@ -425,21 +425,28 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
         const ggml_tensor * ids = op->src[2];
         const int64_t need = std::min(ids->ne[0] * ids->ne[1], l->n_expert);
         const auto [owner, fallback] = owner_of.at(op);
-        if (w->slots == nullptr || l->n_slots < need || l->backend_id != owner || ids->ne[0] != l->n_used ||
-            ids->ne[1] > GGML_SCHED_PP_CACHE_MAX_TOKENS || ids->ne[2] != 1 || ids->ne[3] != 1 || w->host->ne[2] != l->n_expert) {
-            tensor_backend_id(op) = fallback;
+        ggml_sched_pp_expert_op x(GGML_SCHED_PP_AT_SPLIT, owner, op->src[0], ids, w->host->ne[2]);
+        x.cache_fits         = w->slots != nullptr && l->n_slots >= need && l->backend_id == owner && ids->ne[0] == l->n_used &&
+                               ids->ne[1] <= GGML_SCHED_PP_CACHE_MAX_TOKENS && ids->ne[2] == 1 && ids->ne[3] == 1 &&
+                               w->host->ne[2] == l->n_expert;
+        x.cache_to_cpu       = l->to_cpu;
+        x.cache_fallback_cpu = fallback == sched->n_backends - 1;
+        const ggml_sched_pp_path path = ggml_backend_sched_pp_expert_path(sched, x);
+        if (!x.cache_fits) {
+            tensor_backend_id(op) = fallback; // (no slots for it: HOST_CPU, or LATER - its owner copies the weight in)
             continue;
         }
         if (std::find(c->planned.begin(), c->planned.end(), l) == c->planned.end()) {
             c->planned.push_back(l);
         }
-        l->on_cpu = l->to_cpu;
+        l->on_cpu = path == GGML_SCHED_PP_PATH_HOST_CPU;
         if (l->on_cpu) {
             // the guard: this layer's cache does not pay; its ops run on the CPU, where its shadow follows them
             tensor_backend_id(op) = sched->n_backends - 1;
             c->cpu_ops.push_back({ op, i, -1, false, w, l });
             continue;
         }
+        GGML_ASSERT(path == GGML_SCHED_PP_PATH_CACHE);
         const bool first = ids_seen.insert(ids).second;
         c->op_of[op] = (int) c->ops.size();
         c->ops.push_back({ op, i, -1, first, w, l });

@@ -27,14 +27,14 @@ bool ggml_backend_sched_pp_direct_possible(ggml_backend_sched_t sched, int backe
 // GPU of a backend known to run kernels on pinned host memory (CUDA: unified addressing; VDEV: host memory)
 // whose own host buffer type holds the weight, while pipelining, in a graph split for this compute (a reused
 // graph may replay a CUDA graph captured with the other pointer), and never where the graph should measure the
-// coverage (its first expert op with nothing in flight, or upload-all's refresh), which the selective copy does:
-// the coverage still steers upload-all.
+// coverage (upload-all's refresh here; the first expert op with nothing in flight: ggml_backend_sched_pp_expert_path
+// asks after this), which the selective copy does: the coverage still steers upload-all.
 // Kernels may read past a row into the padding the device's buffer type adds (CUDA's MMQ steps through rows 256
 // values at a time, 512 for FP4 types): past the last expert that is whatever follows in host memory. DIRECT
 // takes tensors the device pads with nothing, and rows of a whole number of such steps.
 // (A debug build of the CUDA backend asserts that sources are in its own buffers: release builds only.)
-bool ggml_backend_sched_pp_direct(ggml_backend_sched_t sched, int backend_id, struct ggml_tensor * input,
-                                  bool transient, int64_t n_sel, int64_t n_expert) {
+bool ggml_backend_sched_pp_direct_fits(ggml_backend_sched_t sched, int backend_id, struct ggml_tensor * input,
+                                       bool transient, int64_t n_sel, int64_t n_expert) {
     // (transient copies exist only while pipelining; the caller has read the weight's buffer)
     if (!transient || !sched->pp_graph_fresh || sched->pp_measure_now || !ggml_backend_sched_pp_direct_possible(sched, backend_id)) {
         return false;
@@ -54,10 +54,7 @@ bool ggml_backend_sched_pp_direct(ggml_backend_sched_t sched, int backend_id, st
     // used expert than that, reading host memory again costs more than the readback it saves
     const int64_t max_tokens = 128;
     const double  cov        = ggml_backend_sched_pp_coverage(sched);
-    if ((double) n_sel > (double) max_tokens * cov * (double) n_expert) {
-        return false;
-    }
-    return !ggml_backend_sched_pp_measures_here(sched, n_sel, n_expert);
+    return (double) n_sel <= (double) max_tokens * cov * (double) n_expert;
 }
 
 // after the splits are known (OVERLAP, DIRECT): the split-input copies (of copy slot 0) that a node of a later

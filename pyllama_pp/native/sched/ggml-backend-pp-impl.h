@@ -267,6 +267,57 @@ struct ggml_sched_pp_graph {
     std::unordered_set<const ggml_tensor *> prefetched;          // ... of those, partly filled by PREFETCH
 };
 
+// How an expert op gets its weight's experts on a device (ggml_backend_sched_pp_expert_path)
+enum ggml_sched_pp_path {
+    GGML_SCHED_PP_PATH_NONE,       // nothing to move: no ids to route by, or the copy went up early already
+    GGML_SCHED_PP_PATH_LATER,      // a copy, chosen later (early: by its own split; at split: on time)
+    GGML_SCHED_PP_PATH_UPLOAD_ALL, // the whole tensor (UPLOAD_ALL; LAYER_MAJOR's copies read again)
+    GGML_SCHED_PP_PATH_GATHER,     // the device gathers the used experts by the ids in its memory (GATHER; a
+                                   // prefetched copy: the rest)
+    GGML_SCHED_PP_PATH_PREFETCH,   // before its ids exist, the experts the weight used last time (PREFETCH)
+    GGML_SCHED_PP_PATH_DIRECT,     // the kernel reads the used experts from pinned host memory (DIRECT)
+    GGML_SCHED_PP_PATH_SELECTIVE,  // the ids read back on the host, the used experts copied (upstream's)
+    GGML_SCHED_PP_PATH_CACHE,      // the device's expert slots: hits read there, misses copied in (EXPERT_CACHE)
+    GGML_SCHED_PP_PATH_HOST_CPU,   // no device: the op runs on the host CPU, on the weight where it is
+    // (a hybrid path - a cached op's misses computed on the host CPU - would be one more)
+};
+
+// when the path is asked
+enum ggml_sched_pp_when {
+    GGML_SCHED_PP_AT_SPLIT, // split_graph, after pass 1: an op below op offload's threshold, for the expert cache
+    GGML_SCHED_PP_EARLY,    // OVERLAP=2: a split or two before the op's own split, for its copy placed early
+    GGML_SCHED_PP_ON_TIME,  // compute_splits: with the inputs of the op's split
+};
+
+// what ggml_backend_sched_pp_expert_path decides on about one expert op (besides the scheduler's switches, the
+// coverage measured so far, whether a graph is in flight and whether this graph measures)
+struct ggml_sched_pp_expert_op {
+    enum ggml_sched_pp_when    when;
+    int                        backend_id; // the device that runs the op
+    struct ggml_tensor *       input;      // the host expert weight
+    const struct ggml_tensor * ids;        // the routing ids the op reads
+    int64_t                    n_sel;      // tokens x experts used per token (against upload-all's bar)
+    int64_t                    n_expert;
+    bool transient     = false;  // the weight's copy is transient (GATE): one slot, written on the device's stream
+    bool read_again    = false;  // LAYER_MAJOR: later expert ops read the copy too
+    bool ids_read      = false;  // the ids are on the host already: an op before read them back
+    bool ids_ready     = false;  // the ids are computed, in the device's memory, before what the device does now
+                                 // (on time: unless they are an input of the split still to copy; early: where the
+                                 // op before, on the same device, routes by them)
+    bool early_decided = false;  // on time: the early path asked for this copy (and did not upload it all)
+    bool early_done    = false;  // the copy went up early (nothing left)
+    bool prefetched    = false;  // PREFETCH brought part of it early: the rest is left
+    enum ggml_sched_pp_path declined = GGML_SCHED_PP_PATH_NONE; // a path the caller could not take
+    // at split (EXPERT_CACHE)
+    bool cache_fits         = false; // the layer has slots on the op's owner for every expert the batch could use
+    bool cache_to_cpu       = false; // EXPERT_CACHE_MIN_HIT: the layer's cache does not pay, its ops go to the CPU
+    bool cache_fallback_cpu = false; // where the slots cannot serve: the CPU (else the owner, with its weight copied in)
+
+    ggml_sched_pp_expert_op(enum ggml_sched_pp_when when, int backend_id, struct ggml_tensor * input,
+                            const struct ggml_tensor * ids, int64_t n_expert)
+        : when(when), backend_id(backend_id), input(input), ids(ids), n_sel(ids->ne[0] * ids->ne[1]), n_expert(n_expert) {}
+};
+
 // DIRECT: a split-input copy pointed at the host weight while its split is submitted (kernel arguments are taken
 // at submission), restored when the split is done with it - so the next graph still finds its own memory
 struct ggml_sched_pp_direct_swap {
@@ -341,6 +392,46 @@ struct ggml_sched_pp_cache_swap {
     }
 };
 
+// The life of a graph: the hooks in the order they run, each with its file ("-x": ggml-backend-pp-x.cpp, "pp":
+// ggml-backend-pp.cpp), named without their ggml_backend_sched_pp_ prefix; called from ggml-backend.cpp unless
+// another caller is named
+//
+// llama_context, before the scheduler: llama_pp_overrides_allow_pp (GATE; llama-context.cpp) keeps pipelining
+//   with host weights; llama_layer_major::group_size (LAYER_MAJOR; llama-layer-major.cpp)
+// ggml_backend_sched_new: ggml_sched_pp_cfg_init (pp: the switches), ggml_backend_sched_pp_scan_devices (pp: links,
+//   DIRECT's devices, each device's gather - find_gather, -gather), ggml_gallocr_pp_keep_plans (ggml-alloc.c)
+// ggml_backend_sched_reserve (llama's sched_reserve) and ggml_backend_sched_alloc_graph (each graph):
+//   alloc_graph only, first: wait_input_events (-inputs)
+//   ggml_backend_sched_split_graph:
+//     pass 1, an op on a host weight: offload_owner (-owner), else cache_backend (-cache)
+//     after pass 1: cache_plan (-cache), asking expert_path AT_SPLIT (-experts) for each op it may take
+//     after pass 4: find_read_again (-layer-major)
+//     pass 5: cache_split (-cache), first_read (-layer-major), transient_src (-gate), shared_input (-inputs)
+//     the graph copy: pad_plan (-stable-reserve), find_early_copies and pool_copies (-overlap); per split
+//       add_early_inputs (-overlap; add_again_inputs, -layer-major), early_lead (-overlap), add_pad
+//       (-stable-reserve); the leafs: is_transient_copy (-gate)
+//   reserve: find_shared_copies (-direct), ring_assign (-prefetch), reserve_without_early (-overlap: where the
+//     reservation failed), save_layout (pp)
+//   alloc_graph: alloc_splits: find_shared_copies (-direct), ring_assign (-prefetch); where galloc cannot allocate:
+//     alloc_kept_plan (-stable-reserve), else note_realloc, drain and save_layout (pp) around the re-reservation
+// ggml_backend_sched_graph_compute_async -> compute_splits:
+//   graph_begin (pp; upload_inputs, -inputs)
+//   each split: each input: early_input and wait_user_input (-inputs), is_transient_copy (-gate), wait_slot
+//       (-inputs); a host expert weight: copy_experts (-experts: expert_path ON_TIME, then a gather (-gather), a
+//       DIRECT swap (-direct) or uploads (-staging)); another host weight: upload_whole (-experts); any other
+//       input: wait_source (-inputs)
+//     early_wait_split and early_uploads (-overlap: expert_path EARLY for the next splits' copies;
+//       again_uploads, -layer-major), cache_prepare (-cache)
+//     the split is submitted; then early_staged (-overlap), after_split (-prefetch), cache_after_split (-cache),
+//       record_event (-inputs)
+//   after the last split: stage_mark (-staging); a failed split: failed (pp)
+// ggml_backend_sched_synchronize: drain (pp)
+// llama_context, between graphs: before a batch, reallocs_since_reserve (pp): STABLE_RESERVE reserves again; a
+//   LAYER_MAJOR group's graphs merged into one before alloc_graph (llama-layer-major.cpp:
+//   ggml_backend_pp_layer_major_graph, -layer-major); resplit (-cache) before reusing a graph
+// ggml_backend_sched_free: stage_free (-staging), early_free (-overlap), ring_free (-prefetch), cache_free (-cache)
+// (an RPC server's scheduler, ggml-rpc-pp.cpp, hands its expert ops to the cache: cache_assigned, -cache)
+
 // hooks: where the scheduler calls the extension, and what the extension's files share, by file
 
 // ggml-backend-pp.cpp: the switches, the counters, the hooks of a scheduler's life
@@ -353,7 +444,9 @@ void ggml_backend_sched_pp_graph_begin(ggml_backend_sched_t sched, ggml_sched_pp
 enum ggml_status ggml_backend_sched_pp_failed(ggml_backend_sched_t sched, enum ggml_status ec);
 void ggml_backend_sched_pp_drain(ggml_backend_sched_t sched);
 
-// ggml-backend-pp-experts.cpp: the copy of a host expert tensor
+// ggml-backend-pp-experts.cpp: how an expert op gets its weight on a device; the copy of a host expert tensor
+ggml_sched_pp_path ggml_backend_sched_pp_expert_path(ggml_backend_sched_t sched, const ggml_sched_pp_expert_op & op);
+bool ggml_backend_sched_pp_selective_if_read(ggml_backend_sched_t sched, int backend_id);
 void ggml_backend_sched_pp_copy_experts(ggml_backend_sched_t sched, ggml_sched_pp_graph * g, int split_id, int input_id,
                                         ggml_backend_t input_backend, ggml_sched_pp_direct_swap * direct);
 void ggml_backend_sched_pp_upload_whole(ggml_backend_sched_t sched, int backend_id, ggml_tensor * input,
@@ -362,7 +455,7 @@ void ggml_backend_sched_pp_copy_used_experts(ggml_backend_sched_t sched, int bac
                                              ggml_tensor * input_cpy, const std::vector<ggml_bitset_t> & used_ids,
                                              int64_t n_expert, size_t expert_size, bool transient, ggml_backend_t via);
 
-// ggml-backend-pp-transient.cpp: GATE's transient copies
+// ggml-backend-pp-gate.cpp: GATE's transient copies
 bool ggml_backend_sched_pp_transient_src(ggml_backend_sched_t sched, const struct ggml_tensor * src);
 bool ggml_backend_sched_pp_is_transient_copy(ggml_backend_sched_t sched, const struct ggml_tensor * input_cpy);
 bool ggml_backend_sched_pp_is_expert_copy(ggml_backend_sched_t sched, const struct ggml_tensor * node,
@@ -401,7 +494,7 @@ void ggml_backend_sched_pp_upload(ggml_backend_sched_t sched, int backend_id, co
                                   struct ggml_tensor * dst, const void * data, size_t offset, size_t size,
                                   ggml_backend_t via = nullptr);
 
-// ggml-backend-pp-plans.cpp: STABLE_RESERVE's kept plans and padding
+// ggml-backend-pp-stable-reserve.cpp: STABLE_RESERVE's kept plans and padding
 int ggml_backend_sched_pp_alloc_kept_plan(ggml_backend_sched_t sched);
 int ggml_backend_sched_pp_pad_plan(ggml_backend_sched_t sched, const struct ggml_cgraph * graph,
                                    const std::unordered_map<ggml_tensor *, std::vector<ggml_tensor *>> & alloc_deps,
@@ -411,8 +504,8 @@ int ggml_backend_sched_pp_add_pad(ggml_backend_sched_t sched, const struct ggml_
 
 // ggml-backend-pp-direct.cpp: DIRECT
 bool ggml_backend_sched_pp_direct_possible(ggml_backend_sched_t sched, int backend_id);
-bool ggml_backend_sched_pp_direct(ggml_backend_sched_t sched, int backend_id, struct ggml_tensor * input,
-                                  bool transient, int64_t n_sel, int64_t n_expert);
+bool ggml_backend_sched_pp_direct_fits(ggml_backend_sched_t sched, int backend_id, struct ggml_tensor * input,
+                                       bool transient, int64_t n_sel, int64_t n_expert);
 void ggml_backend_sched_pp_find_shared_copies(ggml_backend_sched_t sched);
 
 // ggml-backend-pp-overlap.cpp: OVERLAP=2

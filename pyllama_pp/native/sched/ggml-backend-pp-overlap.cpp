@@ -74,12 +74,6 @@ bool ggml_backend_sched_pp_reserve_without_early(ggml_backend_sched_t sched, str
     return ggml_gallocr_reserve_n(sched->galloc, &sched->graph, sched->node_backend_ids, sched->leaf_backend_ids);
 }
 
-// OVERLAP=2: a copy whose op routes by the ids of the op before can go up early on this backend - by GATHER, or a
-// selective copy if those ids were read back - unless DIRECT may take the op (it decides late: it measures)
-static bool ggml_backend_sched_pp_early_selective(ggml_backend_sched_t sched, int backend_id) {
-    return ggml_backend_sched_pp_gather_possible(sched, backend_id) || !ggml_backend_sched_pp_direct_possible(sched, backend_id);
-}
-
 // OVERLAP=2: a second backend of a GPU backend's device - another stream - that takes async uploads and waits for
 // events, for a GPU whose backend records and waits for events; nullptr where there is none
 static ggml_backend_t ggml_backend_sched_pp_second_stream(ggml_backend_sched_t sched, int backend_id) {
@@ -162,10 +156,10 @@ void ggml_backend_sched_pp_find_early_copies(ggml_backend_sched_t sched, struct 
         }
         const ggml_tensor * node = graph->nodes[split->i_start];
         // a selective copy goes up early only with the ids the split before read back, and not where DIRECT may
-        // take the op (early_uploads): elsewhere its early place would cost memory for nothing
+        // take the op (ggml_backend_sched_pp_selective_if_read)
         const ggml_tensor * prev = sched->splits[i].i_start < sched->splits[i].i_end ? graph->nodes[sched->splits[i].i_start] : nullptr;
         const bool same_ids = prev != nullptr && prev->op == GGML_OP_MUL_MAT_ID && node->op == GGML_OP_MUL_MAT_ID &&
-                              prev->src[2] == node->src[2] && ggml_backend_sched_pp_early_selective(sched, b);
+                              prev->src[2] == node->src[2] && ggml_backend_sched_pp_selective_if_read(sched, b);
         // PREFETCH: a layer's first expert op (its ids are computed in the split before; not the same as its op's)
         const bool prefetch = !same_ids && node->op == GGML_OP_MUL_MAT_ID && ggml_backend_sched_pp_prefetch_possible(sched, b);
         // PREFETCH=2: an expert op routed as the split before's (up, down) goes two splits early, where split i-1
@@ -342,9 +336,10 @@ void ggml_backend_sched_pp_early_free(ggml_backend_sched_t sched) {
 
 // OVERLAP=2: at split `split_id`, before it is queued, upload the early copies (find_early_copies) of the next
 // split - and with PREFETCH=2 of the one after - on the device's second stream, once everything queued on the
-// compute stream so far has run (a PREFETCH=2 prefetch: once the last split that used its memory has); `decided`
-// keeps each upload-all decision made here, so the copy's split neither uploads nor decides again. Each copy's
-// split waits for that copy's uploads only.
+// compute stream so far has run (a PREFETCH=2 prefetch: once the last split that used its memory has), by the path
+// ggml_backend_sched_pp_expert_path chooses for each; `decided` keeps what was done here (true: the copy is up or
+// gathered, false: the copy's split goes on without asking upload-all again). Each copy's split waits for that
+// copy's uploads only.
 void ggml_backend_sched_pp_early_uploads(ggml_backend_sched_t sched, int split_id,
                                          std::unordered_map<const ggml_tensor *, bool> & decided,
                                          std::unordered_set<const ggml_tensor *> & prefetched,
@@ -433,83 +428,69 @@ void ggml_backend_sched_pp_early_uploads(ggml_backend_sched_t sched, int split_i
             if (lead == 2 && !ggml_backend_sched_pp_prefetch2(sched, b)) {
                 continue; // a graph PREFETCH=2 does not act on: the copy goes up one split early (below)
             }
-            if (lead == 1 && it->second == 2) {
-                // PREFETCH=2's copy of the next split, placed two splits early: done if it went up there; if it was
-                // prefetched, now gather its rest with the ids this split's own expert op routes by (computed
-                // before it) - elsewhere its split does; if nothing went up, it goes on as a copy placed one split
-                // early
-                const auto d = decided.find(cpy);
-                if (d != decided.end() && d->second) {
-                    continue;
+            if (it->second != lead && !(lead == 1 && it->second == 2)) {
+                continue; // (PREFETCH=2's copies placed two splits early are asked again one split early)
+            }
+            ggml_sched_pp_expert_op op(GGML_SCHED_PP_EARLY, b, input, node->src[2], input->ne[2]);
+            op.transient  = true; // (an early copy is: find_early_copies)
+            op.ids_read   = ids_read != nullptr && node->src[2] == ids_read;
+            op.ids_ready  = cur != nullptr && cur->op == GGML_OP_MUL_MAT_ID && cur->src[2] == node->src[2];
+            const auto d  = decided.find(cpy);
+            op.early_done = d != decided.end() && d->second;
+            op.prefetched = prefetched.count(cpy) > 0;
+            for (ggml_sched_pp_path path = ggml_backend_sched_pp_expert_path(sched, op);;
+                 op.declined = path, path = ggml_backend_sched_pp_expert_path(sched, op)) {
+                if (path == GGML_SCHED_PP_PATH_NONE) {
+                    break;
                 }
-                if (prefetched.count(cpy) > 0) {
-                    if (cur != nullptr && cur->op == GGML_OP_MUL_MAT_ID && cur->src[2] == node->src[2] && !sched->pp_measure_now &&
-                        ggml_backend_sched_pp_gather_fits(sched, b, input, node->src[2], /*transient =*/ true, /*ids_pending =*/ false)) {
-                        if (gather_after(split_id, false, wait_before, input, cpy, node->src[2], GGML_BACKEND_PP_GATHER_REST)) {
-                            decided[cpy] = true;
-                            ready(cpy);
-                        }
+                if (path == GGML_SCHED_PP_PATH_LATER) {
+                    decided[cpy] = false; // the copy's split goes on from "not upload-all" (GATHER, DIRECT or a readback)
+                    break;
+                }
+                if (path == GGML_SCHED_PP_PATH_PREFETCH) {
+                    // PREFETCH=2: only after the last split that used this memory (its ids are not needed). The gate's
+                    // prefetch also waits for the last user of up's, prefetched right behind it (two splits on), so that
+                    // one chains (CHAIN); both last users computed long before the link gets to these prefetches
+                    int w = ggml_backend_sched_pp_prefetch2(sched, b) ? ggml_backend_sched_pp_last_user(sched, split_id, cpy) : -1;
+                    const ggml_tensor * up2 = lead == 1 && w >= 0 &&
+                                              ggml_backend_sched_pp_prefetch2(sched, b) ? lead2_copy(split_id + 2) : nullptr;
+                    if (up2 != nullptr) {
+                        const int w2 = ggml_backend_sched_pp_last_user(sched, split_id, up2);
+                        w = w2 >= 0 ? std::max(w, w2) : w;
+                    }
+                    ggml_backend_event_t after = before ? nullptr : ggml_backend_sched_pp_after_event(sched, e, w);
+                    const auto wait_after = [&]() { ggml_backend_event_wait(e->up, after); };
+                    if (after != nullptr ? gather_after(w + 1, true, wait_after, input, cpy, nullptr, GGML_BACKEND_PP_GATHER_PREFETCH)
+                                         : gather_after(split_id, false, wait_before, input, cpy, nullptr, GGML_BACKEND_PP_GATHER_PREFETCH)) {
+                        decided[cpy] = false; // (the rest: a split later)
+                        prefetched.insert(cpy);
+                        ready(cpy);
+                        break;
                     }
                     continue;
                 }
-            } else if (it->second != lead) {
-                continue;
-            }
-            const bool all = ggml_backend_sched_pp_upload_all(sched, node->src[2]->ne[0] * node->src[2]->ne[1], input->ne[2]);
-            // not all: a selective copy now, if its ids are on the host already (this split's own expert op read the
-            // same routing back) and DIRECT cannot take the op there (its decision is not made early: it measures)
-            const bool selective = !all && ids_read != nullptr && node->src[2] == ids_read &&
-                                   ggml_backend_sched_pp_early_selective(sched, b);
-            // GATHER: the device's gather, with the ids this split's own expert op routes by (computed before it)
-            // (not where upload-all's refresh just asked this op to read the ids back)
-            bool gather = !all && !selective && !sched->pp_measure_now && cur != nullptr && cur->op == GGML_OP_MUL_MAT_ID && cur->src[2] == node->src[2] &&
-                          ggml_backend_sched_pp_gather_fits(sched, b, input, node->src[2], /*transient =*/ true, /*ids_pending =*/ false);
-            // PREFETCH: ids not computed yet - the device copies the experts this weight used last time (a later
-            // split gathers the rest, or reads the ids back to measure: then the prefetched experts are merely there
-            // early) (not where the op will read its ids back to measure the coverage: the first expert op of an idle graph)
-            const bool prefetch = !all && !selective && !gather && !sched->pp_measure_now && ggml_backend_sched_pp_prefetch_possible(sched, b) &&
-                                  !ggml_backend_sched_pp_would_measure(sched, node->src[2]->ne[0] * node->src[2]->ne[1], input->ne[2]) &&
-                                  ggml_backend_sched_pp_gather_fits(sched, b, input, node->src[2], /*transient =*/ true, /*ids_pending =*/ false);
-            if (!all && !selective && !gather) {
-                decided[cpy] = false; // the copy's split goes on from "not upload-all" (GATHER, DIRECT or a readback)
-                if (!prefetch) {
+                if (path == GGML_SCHED_PP_PATH_GATHER) {
+                    // by the ids this split's own expert op routes by (computed before it); a prefetched copy: its rest
+                    if (gather_after(split_id, false, wait_before, input, cpy, node->src[2],
+                                     op.prefetched ? GGML_BACKEND_PP_GATHER_REST : GGML_BACKEND_PP_GATHER_USED)) {
+                        decided[cpy] = true;
+                        ready(cpy);
+                        break;
+                    }
                     continue;
                 }
-            }
-            if (prefetch) {
-                // PREFETCH=2: only after the last split that used this memory (its ids are not needed). The gate's
-                // prefetch also waits for the last user of up's, prefetched right behind it (two splits on), so that
-                // one chains (CHAIN); both last users computed long before the link gets to these prefetches
-                int w = ggml_backend_sched_pp_prefetch2(sched, b) ? ggml_backend_sched_pp_last_user(sched, split_id, cpy) : -1;
-                const ggml_tensor * up2 = lead == 1 && w >= 0 &&
-                                          ggml_backend_sched_pp_prefetch2(sched, b) ? lead2_copy(split_id + 2) : nullptr;
-                if (up2 != nullptr) {
-                    const int w2 = ggml_backend_sched_pp_last_user(sched, split_id, up2);
-                    w = w2 >= 0 ? std::max(w, w2) : w;
+                // UPLOAD_ALL, or SELECTIVE with the ids this split's own expert op read back
+                GGML_ASSERT(path == GGML_SCHED_PP_PATH_UPLOAD_ALL || path == GGML_SCHED_PP_PATH_SELECTIVE);
+                const bool selective = path == GGML_SCHED_PP_PATH_SELECTIVE;
+                wait_before();
+                decided[cpy] = true;
+                if (ggml_backend_sched_pp_stages(sched, b, input)) {
+                    e->staged.push_back({ input, cpy, selective, selective ? used_ids : std::vector<ggml_bitset_t>() });
+                    break;
                 }
-                ggml_backend_event_t after = before ? nullptr : ggml_backend_sched_pp_after_event(sched, e, w);
-                const auto wait_after = [&]() { ggml_backend_event_wait(e->up, after); };
-                if (after != nullptr ? gather_after(w + 1, true, wait_after, input, cpy, nullptr, GGML_BACKEND_PP_GATHER_PREFETCH)
-                                     : gather_after(split_id, false, wait_before, input, cpy, nullptr, GGML_BACKEND_PP_GATHER_PREFETCH)) {
-                    prefetched.insert(cpy);
-                    ready(cpy);
-                }
-                continue;
+                ggml_backend_sched_pp_early_copy(sched, b, input, cpy, selective, used_ids);
+                break;
             }
-            if (gather) {
-                decided[cpy] = gather_after(split_id, false, wait_before, input, cpy, node->src[2], GGML_BACKEND_PP_GATHER_USED);
-                if (decided[cpy]) {
-                    ready(cpy);
-                }
-                continue;
-            }
-            wait_before();
-            decided[cpy] = true;
-            if (ggml_backend_sched_pp_stages(sched, b, input)) {
-                e->staged.push_back({ input, cpy, selective, selective ? used_ids : std::vector<ggml_bitset_t>() });
-                continue;
-            }
-            ggml_backend_sched_pp_early_copy(sched, b, input, cpy, selective, used_ids);
         }
     }
 }
