@@ -1,6 +1,7 @@
 """A timeline of one long prompt on a GPU: the copy stream beside the compute stream, and what stays exposed.
 
-One Session (patched by default, every expert in pinned host RAM), a warm-up prompt, then one prompt traced by
+One Session (patched by default, every expert in pinned host RAM or, `--host-experts none`, every weight in VRAM;
+patched switches as `GGML_SCHED_PP_<NAME>` variables), a warm-up prompt, then one prompt traced by
 PyTorch's profiler (CUPTI activity records: every kernel and copy of the process, ggml's included, with its stream,
 start, end and bytes). From the trace:
 
@@ -157,7 +158,7 @@ def trace_prompt(args) -> tuple[dict, str]:
     from pyllama_pp.session import Session
     model = args.model or str(synth.cached_model(models_dir(), args.preset, seed=1))
     ctx = ContextParams(n_ctx=args.p + 8, n_batch=args.p, n_ubatch=args.ubatch)
-    placement = Placement(host_experts="all", load_mode=args.load_mode)
+    placement = Placement(host_experts=args.host_experts, load_mode=args.load_mode)
     with Session(model, devices=args.devices, placement=placement, ctx=ctx, variant=args.variant) as s:
         prompt = np.random.default_rng(0).integers(0, s.info.n_vocab, args.p).tolist()
         warm = s.eval(prompt, logits="none", stats=False).seconds
@@ -170,8 +171,10 @@ def trace_prompt(args) -> tuple[dict, str]:
         prof.export_chrome_trace(str(tmp))
         trace = json.loads(tmp.read_text())
         tmp.unlink()
+    where = "every weight in VRAM" if args.host_experts == "none" else \
+        f"{args.load_mode if args.load_mode != 'none' else 'pinned'} host experts"
     title = (f"{Path(model).stem}, {args.devices}, pp{args.p} / ub{args.ubatch}, {args.variant}, "
-             f"{args.load_mode if args.load_mode != 'none' else 'pinned'} host experts: {args.p / res.seconds:.0f} t/s "
+             f"{where}: {args.p / res.seconds:.0f} t/s "
              f"traced ({args.p / warm:.0f} warm-up)")
     trace["pyllama_pp"] = {"title": title, "n_layer": n_layer, "seconds": res.seconds, "warmup_seconds": warm, "args": vars(args),
                            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
@@ -185,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", default="cuda:0", help="device spec (default: cuda:0)")
     ap.add_argument("--variant", default="patched", choices=["patched", "baseline"])
     ap.add_argument("--load-mode", default="none", choices=["none", "mmap"])
+    ap.add_argument("--host-experts", default="all", choices=["all", "none"],
+                    help="experts in host RAM (default: all) or none (every weight in VRAM, the reference)")
     ap.add_argument("-p", type=int, default=16384, help="prompt tokens (default: 16384)")
     ap.add_argument("-ub", "--ubatch", type=int, default=8192, help="n_ubatch (default: 8192)")
     ap.add_argument("--layers-shown", type=int, default=4, help="layers in the lower, zoomed panel (default: 4)")
