@@ -139,7 +139,7 @@ def guard(plan: Plan) -> dict:
     for every device); {} where a rate is missing (the native default stays)."""
     spec = devspec.parse(plan.devices_spec.get("text") or plan.devices_spec)
     cpu = plan.cpu_expert_gbps.get(str(threads(plan.ctx.get("n_threads", CONTEXT.n_threads))))
-    dev = spec.expert_read_rates(plan.cpu_expert_gbps, len(plan.devices)) if cpu else None
+    dev = spec.expert_read_rates(cpu, len(plan.devices)) if cpu else None
     links = [d.link or {} for d in plan.devices]
     if not cpu or not dev or not all(ln.get("pinned_gbps") or ln.get("pageable_gbps") for ln in links):
         return {}

@@ -257,8 +257,8 @@ def _rates_path() -> Path:
 
 
 class _GuardRates:
-    """The rates the expert cache's guard needs (the host CPU's expert op at the thread counts the run and the devices
-    compute with; each device's link), as cached on this machine, and what a dry run must measure (`missing`)."""
+    """The rates the expert cache's guard needs (the host CPU's expert op at the run's thread count; each device's
+    link), as cached on this machine, and what a dry run must measure (`missing`)."""
 
     def __init__(self, cpu_key: str, link_keys: list):
         self.cpu_key, self.link_keys = cpu_key, link_keys
@@ -277,8 +277,7 @@ class _GuardRates:
 
 def _guard_rates(model, spec: devspec.DeviceSpec, ctx: ContextParams) -> _GuardRates:
     shape, n_used = expert_tensor_shape(model), expert_layout(model)[0]
-    counts = sorted({threads(ctx.n_threads), *spec.compute_threads()})
-    return _GuardRates(f":{shape}:{n_used}:{counts}", [f":{spec}#{i}" for i in range(spec.n_devices or 0)] or
+    return _GuardRates(f":{shape}:{n_used}:{threads(ctx.n_threads)}", [f":{spec}#{i}" for i in range(spec.n_devices or 0)] or
                        [f":{spec}#0"])
 
 

@@ -221,20 +221,11 @@ class DeviceSpec(ABC):
         """bool: every device's host copies cross one link (their bytes add up on it)."""
         return False
 
-    def compute_threads(self) -> set[int]:
-        """The host CPU thread counts the devices compute with (VDEVs run the host's kernels).
-
-        Returns:
-            set[int]: the counts the CPU expert-rate probe measures at; empty where the devices are processors of
-            their own.
-        """
-        return set()
-
-    def expert_read_rates(self, cpu_gbps: dict, n_devices: int) -> Optional[list[float]]:
+    def expert_read_rates(self, cpu_gbps: float, n_devices: int) -> Optional[list[float]]:
         """Each device's read of expert weights in its own memory in decode (GB/s), for the expert cache's break-even.
 
         Args:
-            cpu_gbps: the host CPU's decode expert op, {str(threads): GB/s} (fit's "cpu_expert" rate).
+            cpu_gbps: the host CPU's decode expert op at the run's thread count (fit's "cpu_expert" rate).
             n_devices: how many devices the plan has.
         Returns:
             One rate per device, or None where the kind's is not known.

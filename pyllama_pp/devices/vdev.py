@@ -238,17 +238,10 @@ class VdevSpec(DeviceSpec):
         """bool: every VDEV is in one link group."""
         return len(self.vdevs) > 1 and len({v.link_group for v in self.vdevs}) == 1 and self.vdevs[0].link_group >= 0
 
-    def compute_threads(self) -> set[int]:
-        """set[int]: each VDEV computes with the host's kernels on its own threads."""
-        return {v.threads for v in self.vdevs}
-
-    def expert_read_rates(self, cpu_gbps: dict, n_devices: int) -> Optional[list[float]]:
-        """A VDEV reads expert weights as the host CPU does at its thread count, slowed by its speed factor; None where
-        that count was not measured."""
-        rates = [cpu_gbps.get(str(v.threads)) for v in self.vdevs]
-        if len(rates) != n_devices or not all(rates):
-            return None
-        return [r / v.speed for r, v in zip(rates, self.vdevs)]
+    def expert_read_rates(self, cpu_gbps: float, n_devices: int) -> Optional[list[float]]:
+        """A VDEV computes with the host CPU's own kernels: it reads expert weights no faster than the CPU path does,
+        slowed by its speed factor (its thread count is not measured apart: the same kernels on the same cores)."""
+        return [cpu_gbps / v.speed for v in self.vdevs] if len(self.vdevs) == n_devices else None
 
     def probe_specs(self, servers: Optional[list] = None) -> list[tuple[list[int], str]]:
         """One unthrottled VDEV without a memory limit per distinct compute speed (only compute is measured), or, where

@@ -37,8 +37,7 @@ def handle(job: FitJob) -> dict:
         local = [d for d in res["devices"] if d["name"] not in served]   # (a server's link is the server's own)
         res["rates"] = measure_rates(native, local, job.rates, expert_tensor_bytes(job.model))
         if "cpu_expert" in job.rates:
-            res["rates"]["cpu_expert_gbps"] = cpu_expert_rates(native, job.model,
-                                                               {threads(job.ctx.n_threads), *spec.compute_threads()})
+            res["rates"]["cpu_expert_gbps"] = cpu_expert_rates(native, job.model, {threads(job.ctx.n_threads)})
     return res
 
 
