@@ -88,11 +88,14 @@ def test_import_of_the_exported_series_gives_back_our_patches_and_files(exported
     assert _tree(repo / SCHED.relative_to(ROOT)) == _tree(SCHED)
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in SCHED.glob("*.cpp")))
+@pytest.mark.parametrize("name", sorted(p.name for p in [*SCHED.glob("*.cpp"), *SCHED.glob("*.c")]))
 def test_our_file_compiles_against_the_pinned_headers(name, pinned):
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    assert cxx, "no C++ compiler (the build needs one too)"
-    _run([cxx, "-std=c++17", "-fsyntax-only", "-I", SCHED, "-I", pinned / "ggml" / "include",
+    if name.endswith(".c"):
+        cc, std = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"), "-std=c11"
+    else:
+        cc, std = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++"), "-std=c++17"
+    assert cc, "no C/C++ compiler (the build needs one too)"
+    _run([cc, std, "-fsyntax-only", "-I", SCHED, "-I", pinned / "ggml" / "include",
           "-I", pinned / "ggml" / "src", "-I", pinned / "include", "-I", pinned / "src", "-I", pinned / "common",
           SCHED / name])
 

@@ -399,7 +399,8 @@ struct ggml_sched_pp_cache_swap {
 // llama_context, before the scheduler: llama_pp_overrides_allow_pp (GATE; llama-context.cpp) keeps pipelining
 //   with host weights; llama_layer_major::group_size (LAYER_MAJOR; llama-layer-major.cpp)
 // ggml_backend_sched_new: ggml_sched_pp_cfg_init (pp: the switches), ggml_backend_sched_pp_scan_devices (pp: links,
-//   DIRECT's devices, each device's gather - find_gather, -gather), ggml_gallocr_pp_keep_plans (ggml-alloc.c)
+//   DIRECT's devices, each device's gather - find_gather, -gather), ggml_gallocr_pp_keep_plans
+//   (ggml-alloc-pp-stable-reserve.c)
 // ggml_backend_sched_reserve (llama's sched_reserve) and ggml_backend_sched_alloc_graph (each graph):
 //   alloc_graph only, first: wait_input_events (-inputs)
 //   ggml_backend_sched_split_graph:
