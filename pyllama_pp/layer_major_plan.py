@@ -16,7 +16,7 @@ def layer_major_group(plan: Plan, n_batch: Optional[int] = None) -> int:
     op offload are in the plan (llama_layer_major::group_size); 1 where no group forms (the switch off, the
     baseline, one ubatch a batch, every weight on the devices).
     """
-    v = int(plan.switches.get("LAYER_MAJOR", 0)) if plan.variant == "patched" else 0
+    v = int(plan.switches.get(switches.LAYER_MAJOR, 0)) if plan.variant == "patched" else 0
     ub = plan.ctx["n_ubatch"]
     per_batch = -(-max(n_batch or plan.ctx["n_batch"], ub) // ub)
     if v <= 0 or per_batch < 2 or not any(plan.host_expert_layers) or not plan.ctx.get("op_offload", True):
@@ -34,7 +34,7 @@ def plan_layer_major(plan: Plan, force: dict, without=None) -> None:
     v = int(force.get(switches.LAYER_MAJOR) or 0)
     if v == 0:
         return
-    plan.switches["LAYER_MAJOR"] = v
+    plan.switches[switches.LAYER_MAJOR] = v
     k = layer_major_group(plan)
     plan.layer_major = {"switch": v, "group": k}
     if k < 2 or without is None:

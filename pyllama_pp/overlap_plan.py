@@ -14,12 +14,12 @@ def plan_copies(plan: Plan, once, check: bool, force: dict) -> Plan:
     again."""
     forced = force.get(switches.OVERLAP)
     if forced is not None:
-        plan.switches = {"OVERLAP": int(forced)}
+        plan.switches = {switches.OVERLAP: int(forced)}
         plan.copies = f"OVERLAP={int(forced)} as set"
         return plan
     problem = plan_problem(plan, check)
     compute = "/".join(f"{d.compute_bytes / MiB:.1f}" for d in plan.devices)
-    plan.switches = {"OVERLAP": 2}
+    plan.switches = {switches.OVERLAP: 2}
     plan.copies = (f"OVERLAP=2 (default): early expert copies planned, one more expert copy in each device's "
                    f"compute buffer (compute {compute} MiB)")
     if problem is None and (plan.path == "spread" or len(plan.devices) == 1):   # (one device: no spread to lose)
@@ -32,7 +32,7 @@ def plan_copies(plan: Plan, once, check: bool, force: dict) -> Plan:
     if alt_problem is not None or (problem is None and alt.path != "spread"):
         return plan     # no better without the copies (the same path, or no placement either way)
     why = str(problem).split(". Fix:")[0] if problem is not None else f"path {plan.path}: {'; '.join(plan.reasons)}"
-    alt.switches = {"OVERLAP": 0}
+    alt.switches = {switches.OVERLAP: 0}
     alt.copies = (f"OVERLAP=0: no room for OVERLAP=2's early expert copies (with them, compute {compute} MiB and "
                   f"{why}); planned without them")
     alt.seconds += plan.seconds

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from . import devices as devspec
+from . import switches as sw
 from .errors import ConfigError
 from .layer_major_plan import layer_major_group
 from .plan import Plan
@@ -146,12 +147,12 @@ def upload_share(n_tokens: int, n_used: int, n_expert: int, variant: str, switch
     if n_used <= 0 or n_expert <= 0:
         return 1.0
     cov = expected_coverage(n_tokens, n_used, n_expert)
-    if variant != "patched" or not int(switches.get("UPLOAD_ALL", 1)):
+    if variant != "patched" or not int(switches.get(sw.UPLOAD_ALL, 1)):
         return cov
-    min_sel = int(switches.get("UPLOAD_ALL_MIN", -1))
+    min_sel = int(switches.get(sw.UPLOAD_ALL_MIN, -1))
     min_sel = (2 if in_flight else 4) * n_expert if min_sel < 0 else min_sel
-    links = int(switches.get("LINKS", 0)) or n_links
-    min_cov = int(switches.get("UPLOAD_ALL_MIN_COV", -1))
+    links = int(switches.get(sw.LINKS, 0)) or n_links
+    min_cov = int(switches.get(sw.UPLOAD_ALL_MIN_COV, -1))
     min_cov = min(85, max(30, 110 // max(1, links))) if min_cov < 0 else min_cov   # (the native auto bar)
     return 1.0 if n_tokens * n_used >= min_sel and cov * 100 >= min_cov else cov
 
@@ -226,7 +227,7 @@ def predict(plan: Plan, expert_bytes: float, link_gbps: Sequence[float], shared_
         last = compute_for(compute, nd - 1)
         comp[-1] += k * last.outside_s[ub] * ub / last.n_tokens
     patched = plan.variant == "patched"
-    overlap = patched and plan.switches.get("OVERLAP", 2) == 2
+    overlap = patched and plan.switches.get(sw.OVERLAP, 2) == 2
     stage = []
     for d, x, c, t, c_dev in zip(plan.devices, xs, cs, transfer, comp):
         h, rest = d.host_expert_layers, c_dev - d.host_expert_layers * c

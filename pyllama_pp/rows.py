@@ -194,7 +194,7 @@ def idle_switch_notes(cfg: RunConfig, row: Row, ext: dict) -> list[str]:
     host = bool(row.tensor_buft_overrides)
     n_ub, ub_tokens = _batches(cfg, row)
     notes = []
-    if on("LAYER_MAJOR") and not row.layer_major_groups:
+    if on(switches.LAYER_MAJOR) and not row.layer_major_groups:
         if not accelerators:
             why = "the devices are the CPU alone, which computes every layer where its weights are: nothing is uploaded"
         elif not host:
@@ -206,9 +206,9 @@ def idle_switch_notes(cfg: RunConfig, row: Row, ext: dict) -> list[str]:
         else:
             why = (f"a batch has {n_ub} ubatches, but the devices had no room for a group's graph (its ubatches' "
                    "activations and whole expert copies), so they ran one by one; fit plans that room: --fit")
-        notes.append(f"LAYER_MAJOR={params['LAYER_MAJOR']} did not act: {why}")
+        notes.append(f"LAYER_MAJOR={params[switches.LAYER_MAJOR]} did not act: {why}")
     threshold = int(cfg.env.get("GGML_OP_OFFLOAD_MIN_BATCH", OFFLOAD_MIN_BATCH))
-    if on("EXPERT_CACHE") and not (row.expert_cache_ops or row.expert_cache_cpu_ops):
+    if on(switches.EXPERT_CACHE) and not (row.expert_cache_ops or row.expert_cache_cpu_ops):
         if not accelerators:
             why = "the devices are the CPU alone: there is no device memory to cache experts in"
         elif not host:
@@ -218,7 +218,7 @@ def idle_switch_notes(cfg: RunConfig, row: Row, ext: dict) -> list[str]:
                    f"ubatches of {ub_tokens} tokens, whose expert ops the devices compute on uploaded copies")
         else:
             why = "no expert op of the test read the slots"
-        notes.append(f"EXPERT_CACHE={params['EXPERT_CACHE']} did not act: {why}")
+        notes.append(f"EXPERT_CACHE={params[switches.EXPERT_CACHE]} did not act: {why}")
     return notes
 
 
@@ -226,7 +226,7 @@ def layer_major_groups(ext: dict, reps: int) -> Optional[int]:
     """Groups of ubatches that ran through each layer together, per run (LAYER_MAJOR); None where the switch was off
     in the run (its switches as the scheduler read them: ext's params) and none formed."""
     groups = int(ext["layer_major_graphs"] / reps) if "layer_major_graphs" in ext else 0
-    asked = str((ext.get("params") or {}).get("LAYER_MAJOR", 0)) != "0"
+    asked = str((ext.get("params") or {}).get(switches.LAYER_MAJOR, 0)) != "0"
     return groups if groups or asked else None
 
 
