@@ -113,7 +113,7 @@ def apply_switches(native: binding.Native, variant: str, switches: Optional[dict
 
 
 def env_problems(native: binding.Native) -> list[str]:
-    """GGML_SCHED_PP_* variables of this process's environment that the variant's switch table does not accept (a
+    """The GGML_SCHED_PP_* variables of this process's environment that the variant's switch table does not accept (a
     name it does not know, a value out of range), one line each; none for a build without the table."""
     if native.lib.pp_ext_version() <= 0:
         return []
