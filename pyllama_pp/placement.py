@@ -264,7 +264,7 @@ class _GuardRates:
         self.cpu_key, self.link_keys = cpu_key, link_keys
         self.cpu = cached_rate("cpu_expert_gbps", cpu_key)
         self.links = [cached_rate("links", k) for k in link_keys]
-        self.missing = ([] if self.cpu else ["cpu_expert"]) + ([] if all(self.links) else ["links"])
+        self.missing = ([] if self.cpu else ["cpu_expert"]) + ([] if self.links and all(self.links) else ["links"])
 
     def fill(self, plan: Plan) -> None:
         """The plan's rates: measured ones kept for later plans, cached ones filled in."""
@@ -276,9 +276,11 @@ class _GuardRates:
 
 
 def _guard_rates(model, spec: devspec.DeviceSpec, ctx: ContextParams) -> _GuardRates:
+    """The guard's rates for a model on a spec: the CPU's by the expert tensor's shape, its experts a token and the
+    run's threads; the links by the spec's devices (none where the spec does not count them, as "cuda": measured)."""
     shape, n_used = expert_tensor_shape(model), expert_layout(model)[0]
-    return _GuardRates(f":{shape}:{n_used}:{threads(ctx.n_threads)}", [f":{spec}#{i}" for i in range(spec.n_devices or 0)] or
-                       [f":{spec}#0"])
+    return _GuardRates(f":{shape}:{n_used}:{threads(ctx.n_threads)}",
+                       [f":{spec}#{i}" for i in range(spec.n_devices or 0)])
 
 
 def cached_rate(section: str, key: str = ""):
