@@ -216,7 +216,6 @@ def read_gguf_header(path) -> Dict[str, Any]:
     }
 
 
-
 def header(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     """read_gguf_header's result for `path`, parsed once per file and version of it (its size and modification
     time, inode): what the facts below read. Do not change the dict it returns: later callers get the same one."""

@@ -47,11 +47,9 @@ class LayerCompute:
         return self.layer_s[n_ubatch] * n_ubatch / self.n_tokens
 
 
-
 def compute_for(probed: dict[int, LayerCompute], device_index: int) -> LayerCompute:
     """The probe result that stands for a device (its own, or the one for every device)."""
     return probed.get(device_index) or probed[-1]
-
 
 
 def checked_rates(rates: list, spec: devspec.DeviceSpec, what: str, given: bool, n_devices: int = 0) -> list:
