@@ -9,9 +9,9 @@ export PYTHONPATH=/tmp/site PYLLAMA_PP_CACHE=/tmp/pp_cache PYTHONUNBUFFERED=1
 M=/tmp/pp_models/qwen3-30b-a3b-uniform.gguf; ls -la $M; nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv
 mkdir -p /tmp/tl; cd /tmp
 # the expert cache's guard from costs: fit measures the host CPU's expert op and each link where it plans the cache
-# (auto: what the plan leaves free; the margin keeps the experts in host RAM); the plan's break-even hit rates and rates
+# (4 GiB a device, reserved before placing; the margin keeps most experts in host RAM): the plan's break-even
 timeout 150 python3 -c "import sys; from pyllama_pp.cli import main; sys.exit(main(sys.argv[1:]))" fit $M \
-    --devices cuda:0 --margin 70GiB --expert-cache auto -c 4096 -b 2048 -ub 512 --json > $OUT/guard.json \
+    --devices cuda:0 --margin 60GiB --expert-cache 4096MiB -c 4096 -b 2048 -ub 512 --json > $OUT/guard.json \
     2> /tmp/tl/guard.err; tail -3 /tmp/tl/guard.err
 python3 -c "import json; d = json.load(open('$OUT/guard.json')); print('guard', d.get('cache_guard'), d.get('cpu_expert_gbps'), [x.get('link') for x in d['devices']], d['switches'])" || true
 tl() {  # NAME [VAR=VALUE...]; timeline.py's extra arguments in TLARGS
