@@ -229,8 +229,8 @@ def test_real_patch_has_a_header(name):
 
 def test_every_runtime_switch_is_documented_in_a_patch_header():
     headers = "\n".join(_header((PATCHES / n).read_text()) for n in _real_series())
-    # every switch of the extension's table (ggml_sched_pp_params in our ggml-backend-pp.cpp)
-    table = (ROOT / "pyllama_pp" / "native" / "sched" / "ggml-backend-pp.cpp").read_text()
+    # every switch of the extension's table (ggml_sched_pp_params in our ggml-backend-pp-base.cpp)
+    table = (ROOT / "pyllama_pp" / "native" / "sched" / "ggml-backend-pp-base.cpp").read_text()
     names = set(re.findall(r'^\s*GGML_SCHED_PP_ROW\("([A-Z_0-9]+)",', table, re.M))
     assert {"GATE", "UPLOAD_ALL", "OVERLAP", "STABLE_RESERVE", "PREFETCH"} <= names, names
     assert len(names) <= 18, names   # (one off-switch per mechanism, and the tuning knobs)

@@ -343,7 +343,7 @@ struct ggml_sched_pp_direct_swap {
 };
 
 // LAYER_MAJOR with OVERLAP=2: the copy of a weight that several expert ops read, placed for its first reader (split
-// `owner`) at split `at` and uploaded there on the second stream (ggml-backend-pp-layer-major.cpp)
+// `owner`) at split `at` and uploaded there on the second stream (ggml-backend-pp-layer-major.cpp; its uploads, again_uploads: -overlap.cpp)
 struct ggml_sched_pp_again {
     int           at;
     int           owner;
@@ -393,12 +393,12 @@ struct ggml_sched_pp_cache_swap {
 };
 
 // The life of a graph: the hooks in the order they run, each with its file ("-x": ggml-backend-pp-x.cpp, "pp":
-// ggml-backend-pp.cpp), named without their ggml_backend_sched_pp_ prefix; called from ggml-backend.cpp unless
-// another caller is named
+// ggml-backend-pp.cpp, "base": ggml-backend-pp-base.cpp), named without their ggml_backend_sched_pp_ prefix;
+// called from ggml-backend.cpp unless another caller is named
 //
 // llama_context, before the scheduler: llama_pp_overrides_allow_pp (GATE; llama-context.cpp) keeps pipelining
 //   with host weights; llama_layer_major::group_size (LAYER_MAJOR; llama-layer-major.cpp)
-// ggml_backend_sched_new: ggml_sched_pp_cfg_init (pp: the switches), ggml_backend_sched_pp_scan_devices (pp: links,
+// ggml_backend_sched_new: ggml_sched_pp_cfg_init (base: the switches), ggml_backend_sched_pp_scan_devices (pp: links,
 //   DIRECT's devices, each device's gather - find_gather, -gather), ggml_gallocr_pp_keep_plans
 //   (ggml-alloc-pp-stable-reserve.c)
 // ggml_backend_sched_reserve (llama's sched_reserve) and ggml_backend_sched_alloc_graph (each graph):
@@ -412,9 +412,9 @@ struct ggml_sched_pp_cache_swap {
 //       add_early_inputs (-overlap; add_again_inputs, -layer-major), early_lead (-overlap), add_pad
 //       (-stable-reserve); the leafs: is_transient_copy (-gate)
 //   reserve: find_shared_copies (-direct), ring_assign (-prefetch), reserve_without_early (-overlap: where the
-//     reservation failed), save_layout (pp)
+//     reservation failed), save_layout (base)
 //   alloc_graph: alloc_splits: find_shared_copies (-direct), ring_assign (-prefetch); where galloc cannot allocate:
-//     alloc_kept_plan (-stable-reserve), else note_realloc, drain and save_layout (pp) around the re-reservation
+//     alloc_kept_plan (-stable-reserve), else note_realloc, drain and save_layout (base) around the re-reservation
 // ggml_backend_sched_graph_compute_async -> compute_splits:
 //   graph_begin (pp; upload_inputs, -inputs)
 //   each split: each input: early_input and wait_user_input (-inputs), is_transient_copy (-gate), wait_slot
@@ -422,12 +422,12 @@ struct ggml_sched_pp_cache_swap {
 //       DIRECT swap (-direct) or uploads (-staging)); another host weight: upload_whole (-experts); any other
 //       input: wait_source (-inputs)
 //     early_wait_split and early_uploads (-overlap: expert_path EARLY for the next splits' copies;
-//       again_uploads, -layer-major), cache_prepare (-cache)
+//       again_uploads, -overlap), cache_prepare (-cache)
 //     the split is submitted; then early_staged (-overlap), after_split (-prefetch), cache_after_split (-cache),
 //       record_event (-inputs)
 //   after the last split: stage_mark (-staging); a failed split: failed (pp)
-// ggml_backend_sched_synchronize: drain (pp)
-// llama_context, between graphs: before a batch, reallocs_since_reserve (pp): STABLE_RESERVE reserves again; a
+// ggml_backend_sched_synchronize: drain (base)
+// llama_context, between graphs: before a batch, reallocs_since_reserve (base): STABLE_RESERVE reserves again; a
 //   LAYER_MAJOR group's graphs merged into one before alloc_graph (llama-layer-major.cpp:
 //   ggml_backend_pp_layer_major_graph, -layer-major); resplit (-cache) before reusing a graph
 // ggml_backend_sched_free: stage_free (-staging), early_free (-overlap), ring_free (-prefetch), cache_free (-cache)
@@ -435,15 +435,26 @@ struct ggml_sched_pp_cache_swap {
 
 // hooks: where the scheduler calls the extension, and what the extension's files share, by file
 
-// ggml-backend-pp.cpp: the switches, the counters, the hooks of a scheduler's life
+// The files call each other one way only: ggml-backend-pp-base.cpp calls none of the others; each mechanism's file
+// calls the base and files of mechanisms below it; ggml-backend-pp-experts.cpp (the decision and the copy on time)
+// calls the mechanisms it chooses between; -overlap (OVERLAP=2's early copies, which ask the decision) and -cache
+// (whose plan asks it) call it; ggml-backend-pp.cpp (the hooks of a scheduler's life) is on top.
+
+// ggml-backend-pp-base.cpp: the switches, the counters, a drain, the device's second stream (OVERLAP=2)
 void ggml_sched_pp_cfg_init(ggml_sched_pp_cfg * cfg);
+std::string ggml_sched_pp_params_json(void);
 void ggml_backend_sched_pp_save_layout(ggml_backend_sched_t sched);
 void ggml_backend_sched_pp_log_realloc(ggml_backend_sched_t sched);
 void ggml_backend_sched_pp_note_realloc(ggml_backend_sched_t sched, bool backend_ids_changed);
+void ggml_backend_sched_pp_drain(ggml_backend_sched_t sched);
+ggml_sched_pp_early * ggml_backend_sched_pp_early_get(ggml_backend_sched_t sched, int backend_id);
+void ggml_backend_sched_pp_early_wait(ggml_backend_sched_t sched, int backend_id, ggml_backend_t backend,
+                                      const ggml_tensor * cpy);
+
+// ggml-backend-pp.cpp: the hooks of a scheduler's life
 int ggml_backend_sched_pp_scan_devices(ggml_backend_sched_t sched, ggml_backend_t * backends, int n_backends);
 void ggml_backend_sched_pp_graph_begin(ggml_backend_sched_t sched, ggml_sched_pp_graph * g);
 enum ggml_status ggml_backend_sched_pp_failed(ggml_backend_sched_t sched, enum ggml_status ec);
-void ggml_backend_sched_pp_drain(ggml_backend_sched_t sched);
 
 // ggml-backend-pp-experts.cpp: how an expert op gets its weight on a device; the copy of a host expert tensor
 ggml_sched_pp_path ggml_backend_sched_pp_expert_path(ggml_backend_sched_t sched, const ggml_sched_pp_expert_op & op);
@@ -515,9 +526,6 @@ void ggml_backend_sched_pp_add_early_inputs(ggml_backend_sched_t sched, int i);
 bool ggml_backend_sched_pp_reserve_without_early(ggml_backend_sched_t sched, struct ggml_cgraph * measure_graph);
 void ggml_backend_sched_pp_find_early_copies(ggml_backend_sched_t sched, struct ggml_cgraph * graph);
 void ggml_backend_sched_pp_pool_copies(ggml_backend_sched_t sched, struct ggml_cgraph * graph);
-ggml_sched_pp_early * ggml_backend_sched_pp_early_get(ggml_backend_sched_t sched, int backend_id);
-void ggml_backend_sched_pp_early_wait(ggml_backend_sched_t sched, int backend_id, ggml_backend_t backend,
-                                      const ggml_tensor * cpy);
 void ggml_backend_sched_pp_early_wait_split(ggml_backend_sched_t sched, const ggml_backend_sched_split * split);
 void ggml_backend_sched_pp_early_free(ggml_backend_sched_t sched);
 void ggml_backend_sched_pp_early_uploads(ggml_backend_sched_t sched, int split_id,
@@ -527,6 +535,8 @@ void ggml_backend_sched_pp_early_uploads(ggml_backend_sched_t sched, int split_i
 void ggml_backend_sched_pp_early_staged(ggml_backend_sched_t sched, int split_id);
 void ggml_backend_sched_pp_early_copy(ggml_backend_sched_t sched, int b, ggml_tensor * input, ggml_tensor * cpy,
                                       bool selective, const std::vector<ggml_bitset_t> & used_ids);
+void ggml_backend_sched_pp_again_uploads(ggml_backend_sched_t sched, int split_id,
+                                         std::unordered_map<const ggml_tensor *, bool> & decided);
 
 // ggml-backend-pp-gather.cpp: GATHER
 ggml_backend_pp_gather_t ggml_backend_sched_pp_find_gather(ggml_backend_reg_t reg);
@@ -543,8 +553,6 @@ bool ggml_backend_sched_pp_read_again(ggml_backend_sched_t sched, const struct g
 bool ggml_backend_sched_pp_first_read(ggml_backend_sched_t sched, const struct ggml_tensor * node, int backend_id);
 int ggml_backend_sched_pp_again_lead(ggml_backend_sched_t sched, int split_id, struct ggml_tensor * input);
 void ggml_backend_sched_pp_add_again_inputs(ggml_backend_sched_t sched, int i);
-void ggml_backend_sched_pp_again_uploads(ggml_backend_sched_t sched, int split_id,
-                                         std::unordered_map<const ggml_tensor *, bool> & decided);
 
 // ggml-backend-pp-prefetch.cpp: PREFETCH and PREFETCH=2's lanes
 bool ggml_backend_sched_pp_prefetch_possible(ggml_backend_sched_t sched, int backend_id);

@@ -237,36 +237,6 @@ void ggml_backend_sched_pp_add_again_inputs(ggml_backend_sched_t sched, int i) {
     }
 }
 
-// OVERLAP=2 (early_uploads, at split `split_id` before it is queued): the copies placed here go up whole on the
-// device's second stream, after everything queued on its compute stream so far (the last users of their memory);
-// their first readers wait for them
-void ggml_backend_sched_pp_again_uploads(ggml_backend_sched_t sched, int split_id,
-                                         std::unordered_map<const ggml_tensor *, bool> & decided) {
-    if (sched->pp_again == nullptr) {
-        return;
-    }
-    bool before[GGML_SCHED_MAX_BACKENDS] = {};
-    for (const ggml_sched_pp_again & a : *sched->pp_again) {
-        const int b = sched->splits[a.owner].backend_id;
-        ggml_sched_pp_early * e = a.at == split_id ? ggml_backend_sched_pp_early_get(sched, b) : nullptr;
-        if (e == nullptr) {
-            continue; // (no second stream: the reader's split uploads it)
-        }
-        ggml_tensor * cpy = tensor_copy(a.input, b, sched->cur_copy);
-        if (!before[b]) {
-            ggml_backend_event_record(e->ev_before, sched->backends[b]);
-            ggml_backend_event_wait(e->up, e->ev_before);
-            before[b] = true;
-        }
-        decided[cpy] = true;
-        if (ggml_backend_sched_pp_stages(sched, b, a.input)) {
-            e->staged.push_back({ a.input, cpy, false, std::vector<ggml_bitset_t>() });
-            continue;
-        }
-        ggml_backend_sched_pp_early_copy(sched, b, a.input, cpy, false, std::vector<ggml_bitset_t>());
-    }
-}
-
 // LAYER_MAJOR's inputs (ggml_backend_pp_inputs_hold, release, restore)
 struct ggml_backend_pp_inputs {
     struct held {

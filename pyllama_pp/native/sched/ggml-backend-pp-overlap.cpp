@@ -74,23 +74,6 @@ bool ggml_backend_sched_pp_reserve_without_early(ggml_backend_sched_t sched, str
     return ggml_gallocr_reserve_n(sched->galloc, &sched->graph, sched->node_backend_ids, sched->leaf_backend_ids);
 }
 
-// OVERLAP=2: a second backend of a GPU backend's device - another stream - that takes async uploads and waits for
-// events, for a GPU whose backend records and waits for events; nullptr where there is none
-static ggml_backend_t ggml_backend_sched_pp_second_stream(ggml_backend_sched_t sched, int backend_id) {
-    ggml_backend_t backend = sched->backends[backend_id];
-    ggml_backend_dev_t dev = ggml_backend_get_device(backend);
-    if (dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU ||
-        backend->iface.event_wait == nullptr || backend->iface.event_record == nullptr) {
-        return nullptr;
-    }
-    ggml_backend_t up = ggml_backend_dev_init(dev, nullptr);
-    if (up != nullptr && (up->iface.set_tensor_async == nullptr || up->iface.event_wait == nullptr)) {
-        ggml_backend_free(up);
-        return nullptr;
-    }
-    return up;
-}
-
 static bool ggml_backend_sched_pp_read_only_by(const std::unordered_map<const ggml_tensor *, int> & reader,
                                               const ggml_tensor * t, int split_id) {
     const auto it = reader.find(t);
@@ -235,26 +218,6 @@ void ggml_backend_sched_pp_pool_copies(ggml_backend_sched_t sched, struct ggml_c
     ggml_gallocr_pp_set_pool_sizes(sched->galloc, classes.data(), (int) classes.size());
 }
 
-ggml_sched_pp_early * ggml_backend_sched_pp_early_get(ggml_backend_sched_t sched, int backend_id) {
-    ggml_sched_pp_early * e = sched->pp_early[backend_id];
-    if (e == nullptr) {
-        e = new ggml_sched_pp_early();
-        sched->pp_early[backend_id] = e;
-        ggml_backend_dev_t dev = ggml_backend_get_device(sched->backends[backend_id]);
-        e->unusable = true;
-        e->up = ggml_backend_sched_pp_second_stream(sched, backend_id);
-        if (e->up == nullptr) {
-            return nullptr;
-        }
-        e->ev_before = ggml_backend_event_new(dev);
-        if (e->ev_before == nullptr) {
-            return nullptr;
-        }
-        e->unusable = false;
-    }
-    return e->unusable ? nullptr : e;
-}
-
 // OVERLAP=2: record, on the upload stream, the event the split reading `cpy` waits for (behind what was queued
 // for it so far: a prefetch and its rest share one); false where no event can be had (nothing recorded)
 static bool ggml_backend_sched_pp_early_ready(ggml_backend_sched_t sched, int backend_id, ggml_sched_pp_early * e,
@@ -272,27 +235,6 @@ static bool ggml_backend_sched_pp_early_ready(ggml_backend_sched_t sched, int ba
     }
     ggml_backend_event_record(ev, e->up);
     return true;
-}
-
-// OVERLAP=2: order what `backend` (the compute stream of `backend_id`) does next after the early uploads of `cpy`
-// (nullptr: of every copy), if any are pending (`backend` nullptr: the uploads are known to be done, none waits)
-void ggml_backend_sched_pp_early_wait(ggml_backend_sched_t sched, int backend_id, ggml_backend_t backend,
-                                      const ggml_tensor * cpy) {
-    ggml_sched_pp_early * e = sched->pp_early[backend_id];
-    if (e == nullptr) {
-        return;
-    }
-    for (auto it = e->ready.begin(); it != e->ready.end();) {
-        if (cpy == nullptr || it->first == cpy) {
-            if (backend != nullptr) {
-                ggml_backend_event_wait(backend, it->second);
-            }
-            e->spare.push_back(it->second);
-            it = e->ready.erase(it);
-        } else {
-            ++it;
-        }
-    }
 }
 
 // OVERLAP=2: the split waits for the early uploads of its own inputs
@@ -523,4 +465,34 @@ void ggml_backend_sched_pp_early_staged(ggml_backend_sched_t sched, int split_id
         ggml_backend_sched_pp_early_copy(sched, b, c.input, c.cpy, c.selective, c.used_ids);
     }
     e->staged.clear();
+}
+
+// OVERLAP=2 (early_uploads, at split `split_id` before it is queued): the copies placed here go up whole on the
+// device's second stream, after everything queued on its compute stream so far (the last users of their memory);
+// their first readers wait for them
+void ggml_backend_sched_pp_again_uploads(ggml_backend_sched_t sched, int split_id,
+                                         std::unordered_map<const ggml_tensor *, bool> & decided) {
+    if (sched->pp_again == nullptr) {
+        return;
+    }
+    bool before[GGML_SCHED_MAX_BACKENDS] = {};
+    for (const ggml_sched_pp_again & a : *sched->pp_again) {
+        const int b = sched->splits[a.owner].backend_id;
+        ggml_sched_pp_early * e = a.at == split_id ? ggml_backend_sched_pp_early_get(sched, b) : nullptr;
+        if (e == nullptr) {
+            continue; // (no second stream: the reader's split uploads it)
+        }
+        ggml_tensor * cpy = tensor_copy(a.input, b, sched->cur_copy);
+        if (!before[b]) {
+            ggml_backend_event_record(e->ev_before, sched->backends[b]);
+            ggml_backend_event_wait(e->up, e->ev_before);
+            before[b] = true;
+        }
+        decided[cpy] = true;
+        if (ggml_backend_sched_pp_stages(sched, b, a.input)) {
+            e->staged.push_back({ a.input, cpy, false, std::vector<ggml_bitset_t>() });
+            continue;
+        }
+        ggml_backend_sched_pp_early_copy(sched, b, a.input, cpy, false, std::vector<ggml_bitset_t>());
+    }
 }
