@@ -12,6 +12,7 @@ import numpy as np
 from . import devices as devspec
 from . import switches
 from .errors import ConfigError, DeviceSpecError
+from .rows import MIN_HIT_RATE_LOOKUPS
 from .stats import Contention
 
 # the causes of the patched build's host waits (the scheduler's ggml_sched_pp_wait_names), as the legend explains them
@@ -41,8 +42,10 @@ LEGEND = """\
                     break_on_hyphens=False)
 SWITCHES_NOTE = ("- **patched switches**: the patched scheduler's switches the run set (`--switch`, a plan's, "
                  "`GGML_SCHED_PP_*`); the others at their defaults (`pyllama-pp info`).")
-CACHE_NOTE = ("- **cache hits**: the patched build's device expert cache (EXPERT_CACHE, `--expert-cache`): its hits over "
-              "its lookups, all devices (empty where it looked nothing up).")
+CACHE_NOTE = textwrap.fill("- **cache hits**: the patched build's device expert cache (EXPERT_CACHE, `--expert-cache`): "
+                           "its hits over its lookups, all devices (empty where it looked nothing up; where it looked "
+                           f"up fewer than {MIN_HIT_RATE_LOOKUPS} times, the lookups instead of a rate).", width=118,
+                           subsequent_indent="  ", break_on_hyphens=False)
 DECODE_NOTE = ("- **tg rows without `--paired`**: each variant's model was loaded once, and where a process's memory "
                "lands moves decode by a few percent; for a decode claim use `--paired N --loads K` (an interval).")
 
@@ -255,7 +258,7 @@ def markdown(df) -> str:
         return "(no rows)\n"
     patched = df[df.variant == "patched"].to_dict("records") if "variant" in df else []
     with_switches = any(switches_text(r) for r in patched)
-    with_cache = any(_real(r.get("expert_cache_hit_rate")) for r in patched)
+    with_cache = any(_real(r.get("expert_cache_hit_rate")) or cache_lookups(r) for r in patched)
     lines = ["| devices | host experts | n_batch | n_ubatch | test | coverage | baseline t/s | patched t/s "
              + ("| cache hits (patched) " if with_cache else "") + "| speedup "
              "| PP b/p | bytes/dev baseline | bytes/dev patched | bound t/s (patched): links, with fill | patched: re-reservations, host waits (largest cause) |"
@@ -308,7 +311,7 @@ def markdown(df) -> str:
         lines.append(
             f"| {devices_cell(b, p)} | {placed} | {ref['n_batch']} "
             f"| {ref['n_ubatch']} | {test} | {cov_s} | {ts(b)} | {ts(p)} "
-            + (f"| {num(p.get('expert_cache_hit_rate') if p is not None else None, '{:.0%}')} " if with_cache else "")
+            + (f"| {cache_cell(p)} " if with_cache else "")
             + f"| {sp_s} | {pp(b)}/{pp(p)} | {per_dev(b)} | {per_dev(p)} "
             f"| {bound} | {blocked(p)} |" + (f" {switches_text(p)}{groups_text(p)} |" if with_switches else ""))
     unpaired_tg = "test" in df and df["test"].astype(str).str.startswith("tg").any() and (
@@ -318,6 +321,25 @@ def markdown(df) -> str:
             + ("\n" + SWITCHES_NOTE if with_switches else "")
             + ("\n" + CACHE_NOTE if with_cache else "")
             + ("\n" + DECODE_NOTE if unpaired_tg else "") + "\n")
+
+
+def cache_lookups(r) -> int:
+    """The device expert cache's lookups in a row's runs (hits + misses; 0 where it has none)."""
+    if r is None:
+        return 0
+    counts = [r.get(k) for k in ("expert_cache_hits", "expert_cache_misses")]
+    return int(sum(counts)) if all(_real(c) for c in counts) else 0
+
+
+def cache_cell(p) -> str:
+    """The patched row's cache hits as the table shows them: its hit rate, or where it has none from too few lookups
+    (rows.MIN_HIT_RATE_LOOKUPS) how many there were; empty without lookups."""
+    if p is None:
+        return ""
+    if _real(p.get("expert_cache_hit_rate")):
+        return f"{p['expert_cache_hit_rate']:.0%}"
+    n = cache_lookups(p)
+    return f"{n} lookup{'s' if n != 1 else ''}" if n else ""
 
 
 def groups_text(r) -> str:

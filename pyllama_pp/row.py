@@ -45,7 +45,8 @@ class Row:
             reallocations, graph sizes, host-side times and buffer bytes.
         expert_cache_hits, expert_cache_misses, expert_cache_evictions: the expert cache's lookups per run (EXPERT_CACHE;
             all devices; its uploads are in h2d_bytes).
-        expert_cache_hit_rate: its hits over its lookups (None: it looked nothing up).
+        expert_cache_hit_rate: its hits over its lookups (None: it looked nothing up, or fewer than
+            rows.MIN_HIT_RATE_LOOKUPS times: the counts above say how many).
         layer_major_groups: groups of ubatches that ran through each layer together per run (LAYER_MAJOR; None where
             the switch was off and none formed).
         expert_cache_ops, expert_cache_cpu_ops, expert_cache_switches, expert_cache_shadow_hits,

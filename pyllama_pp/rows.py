@@ -84,11 +84,18 @@ def all_gpus(ext: dict, key: str, reps: int) -> Optional[int]:
     return None if v is None else sum(v)
 
 
+# the fewest lookups (all reps, all devices) a hit rate is given from: below it a rate says little (two lookups read
+# 0.0, 0.5 or 1.0) and the row keeps only its counts (expert_cache_hits, expert_cache_misses)
+MIN_HIT_RATE_LOOKUPS = 32
+
+
 def cache_hit_rate(ext: dict) -> Optional[float]:
     """The device expert cache's hits over its lookups, all devices (EXPERT_CACHE); None where it looked nothing up
-    (off, the baseline, no decode)."""
+    (off, the baseline, no decode) or fewer than MIN_HIT_RATE_LOOKUPS times (a prompt's few small ubatches)."""
     hits, misses = (all_gpus(ext, k, 1) for k in ("cache_hits", "cache_misses"))
-    return hits / (hits + misses) if hits is not None and misses is not None and hits + misses > 0 else None
+    if hits is None or misses is None or hits + misses < max(1, MIN_HIT_RATE_LOOKUPS):
+        return None
+    return hits / (hits + misses)
 
 
 def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> list[Row]:
