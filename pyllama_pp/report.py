@@ -40,8 +40,9 @@ LEGEND = """\
                     "pipeline), and the time its host thread waited, with the largest cause: "
                     + "; ".join(f"*{k}*: {v}" for k, v in WAIT_CAUSES.items()) + ".", width=118, subsequent_indent="  ",
                     break_on_hyphens=False)
-SWITCHES_NOTE = ("- **patched switches**: the patched scheduler's switches the run set (`--switch`, a plan's, "
-                 "`GGML_SCHED_PP_*`); the others at their defaults (`pyllama-pp info`).")
+SWITCHES_NOTE = textwrap.fill("- **patched switches**: the patched scheduler's switches the run set to other than their "
+                              "defaults (`--switch`, a plan's, `GGML_SCHED_PP_*`); the others at their defaults "
+                              "(`pyllama-pp info`).", width=118, subsequent_indent="  ", break_on_hyphens=False)
 CACHE_NOTE = textwrap.fill("- **cache hits**: the patched build's device expert cache (EXPERT_CACHE, `--expert-cache`): "
                            "its hits over its lookups, all devices (empty where it looked nothing up; where it looked "
                            f"up fewer than {MIN_HIT_RATE_LOOKUPS} times, the lookups instead of a rate).", width=118,

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from pyllama_pp import Placement, RunConfig, cli, fit, report, runner, synth
+from pyllama_pp import rows as runner_rows
 from pyllama_pp.check import check_logits
 from pyllama_pp.plan import DevicePlan
 
@@ -252,6 +253,20 @@ def test_coverage_is_shown_only_where_experts_are_in_host_ram():
 
 
 # -- a switch that cannot act says so, errors whole, the expert cache's options, noise in any A/B -------------------
+def test_a_switch_at_its_default_is_not_listed_as_set(tiny_model, capsys, tmp_path):
+    """OVERLAP=2 is the switch table's default (a plan's copies name it so): the rows and the table list only the
+    switches whose value differs from the defaults the run's own worker returned."""
+    assert cli.main(["ab", tiny_model, "--devices", "vdev:2x0@0", "-p", "64", "-n", "0", "-b", "64", "-ub", "32",
+                     "-r", "1", "--switch", "OVERLAP=2", "--switch", "GATHER=0", "-o", str(tmp_path), "--json"]) == 0
+    rows = {r["variant"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["patched"]["switches"] == {"GATHER": 0} and rows["baseline"]["switches"] == {}, rows["patched"]
+    table = "\n".join(ln for ln in (tmp_path / "results.md").read_text().splitlines() if ln.startswith("|"))
+    assert "GATHER=0" in table and "OVERLAP=2" not in table, table
+    assert runner_rows.set_switches({"OVERLAP": 2, "LAYER_MAJOR": 1}, {"OVERLAP": 2, "LAYER_MAJOR": 0}) == \
+        {"LAYER_MAJOR": 1}
+    assert runner_rows.set_switches({"OVERLAP": 2}, None) == {"OVERLAP": 2}   # (defaults unknown: as given)
+
+
 def test_a_switch_that_cannot_act_says_why_in_the_row_and_on_stderr(tiny_model, capsys):
     """LAYER_MAJOR with one ubatch a batch, on devices without room for a group, and on the CPU alone, and
     EXPERT_CACHE on the CPU alone and on a prompt (its ubatches at op offload's threshold): each row's notes say the
