@@ -114,6 +114,27 @@ def test_tables_and_plots_explain_themselves(tmp_path):
     assert png is not None and png.stat().st_size > 0
 
 
+def test_the_main_jobs_table_fits_a_terminal_and_shows_the_reps():
+    """The main job's line (the columns it fills; no switch off its default) stays within 200 characters, the text under the table within 120;
+    the repetitions have a column; a column empty on every line (no bound, no coverage) is left out."""
+    from pyllama_pp.defaults import MAIN_JOB
+    base = {"config": 0, "devices": MAIN_JOB.devices, "n_batch": 2048, "n_ubatch": 128, "host_experts": "fit: 6 overrides",
+            "test": "pp2048", "coverage": None, "pipeline_parallel": True, "stddev_ts": 71.0, "error": None,
+            "samples_ts": [1000.0, 1001.0, 1002.0], "host_wait_s": {"input_events": 0.86}, "re_reservations": 0}
+    df = pd.DataFrame([
+        {**base, "variant": "baseline", "avg_ts": 971.2, "speedup": None, "pipeline_parallel": False,
+         "h2d_bytes_per_device": [130.6 * 2 ** 20, 4.5 * 2 ** 20]},
+        {**base, "variant": "patched", "avg_ts": 1942.6, "speedup": 2.0, "switches": {},
+         "h2d_bytes_per_device": [82.0 * 2 ** 20, 55.6 * 2 ** 20]}])
+    md = report.markdown(df)
+    table = [ln for ln in md.splitlines() if ln.startswith("|")]
+    assert max(map(len, table)) <= 200, table
+    assert max(len(ln) for ln in md.splitlines() if not ln.startswith("|")) <= 120, md
+    cols = [c.strip() for c in table[0].split("|")]
+    assert [c.strip() for c in table[2].split("|")][cols.index("reps")] == "3", table
+    assert "bound t/s" not in cols and "coverage" not in cols and "patched switches" not in cols, cols
+
+
 def test_the_plot_marks_a_failed_run(tmp_path, monkeypatch):
     import matplotlib.axes   # (the plot's own import, here to watch its text calls)
     texts = []
