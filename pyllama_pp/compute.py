@@ -13,7 +13,8 @@ keys in all (`key_count`). Each candidate runs the prompt itself where that fits
 pyllama_pp.defaults); else a short prompt (one ubatch, at least PROBE.n_tokens) whose result b carries to the prompt's
 length (b: calibrated once, the shorter replica at two lengths); a candidate whose short prompt does not fit the
 budget either takes the per-token part of the nearest candidate measured ("estimated"). Each measurement is cached as
-it lands, per model file, device spec and replica (PYLLAMA_PP_CACHE/compute/), and serves later probes of any length.
+it lands, per model (by content: a copy elsewhere is the same model), device spec and replica
+(PYLLAMA_PP_CACHE/compute/), and serves later probes of any length.
 """
 from __future__ import annotations
 
@@ -54,9 +55,22 @@ def cache_dir() -> Path:
     return _cache_root() / "compute"
 
 
+# the model's bytes its cache key reads: this many at the start (the GGUF header: metadata and tensor infos) and at
+# each quarter of the file and its end (weights): a copy of the file anywhere gets the same key, another model not
+KEY_SAMPLE_BYTES = 1 << 20
+
+
 def _model_key(model: Union[str, os.PathLike]) -> str:
-    st = Path(model).stat()
-    return hashlib.sha1(f"{Path(model).resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    """The model named by its content, not its path: its size and a hash of its first MiB (the GGUF header) and a
+    MiB at each quarter of the file and its end, so the same file copied to another folder reuses the probe's
+    measurements and replicas (a path or a date would measure it again)."""
+    size = Path(model).stat().st_size
+    h = hashlib.sha1(str(size).encode())
+    with open(model, "rb") as f:
+        for at in dict.fromkeys((0, size // 4, size // 2, 3 * size // 4, max(0, size - KEY_SAMPLE_BYTES))):
+            f.seek(at)
+            h.update(f.read(KEY_SAMPLE_BYTES))
+    return h.hexdigest()[:12]
 
 
 def moe_layers(model: Union[str, os.PathLike]) -> int:

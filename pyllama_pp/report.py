@@ -12,6 +12,7 @@ import numpy as np
 from . import devices as devspec
 from . import switches
 from .errors import ConfigError, DeviceSpecError
+from .rows import MIN_HIT_RATE_LOOKUPS
 from .stats import Contention
 
 # the causes of the patched build's host waits (the scheduler's ggml_sched_pp_wait_names), as the legend explains them
@@ -27,22 +28,25 @@ WAIT_CAUSES = {
 
 # what the table's columns mean, printed under it (and in results.md)
 LEGEND = """\
-- **t/s**: avg_ts ± stddev_ts over the repetitions (llama-bench's columns); **error**: the run failed (its message is
-  under the table and in the rows' `error` column); **speedup**: patched / baseline avg_ts, and with `--paired` the
-  median of the paired rounds' ratios with its 95% interval.
+- **t/s**: avg_ts ± stddev_ts over the repetitions (llama-bench's columns), **reps** of them (with `--paired`: the
+  rounds); **error**: the run failed (its message is under the table and in the rows' `error` column); **speedup**:
+  patched / baseline avg_ts, and with `--paired` the median of the paired rounds' ratios with its 95% interval.
 - **PP b/p**: pipeline parallelism on or off in the baseline / patched build. **coverage**: the share of the
   host-resident experts that the routing used per ubatch.
-- **bytes/dev**: host-to-device bytes per device per run (what crossed each link).
+- **bytes/dev b, p**: host-to-device bytes per device per run (what crossed each link), baseline and patched.
 - **bound t/s**: the patched build's throughput if every link moved its bytes at its rate and nothing else took time
   (links), and the same with the pipeline's fill and drain (with fill).
-""" + textwrap.fill("- **re-reservations, host waits**: graph re-reservations of the patched build (each drains the "
+""" + textwrap.fill("- **re-reservations, waits**: graph re-reservations of the patched build (each drains the "
                     "pipeline), and the time its host thread waited, with the largest cause: "
                     + "; ".join(f"*{k}*: {v}" for k, v in WAIT_CAUSES.items()) + ".", width=118, subsequent_indent="  ",
                     break_on_hyphens=False)
-SWITCHES_NOTE = ("- **patched switches**: the patched scheduler's switches the run set (`--switch`, a plan's, "
-                 "`GGML_SCHED_PP_*`); the others at their defaults (`pyllama-pp info`).")
-CACHE_NOTE = ("- **cache hits**: the patched build's device expert cache (EXPERT_CACHE, `--expert-cache`): its hits over "
-              "its lookups, all devices (empty where it looked nothing up).")
+SWITCHES_NOTE = textwrap.fill("- **patched switches**: the patched scheduler's switches the run set to other than their "
+                              "defaults (`--switch`, a plan's, `GGML_SCHED_PP_*`); the others at their defaults "
+                              "(`pyllama-pp info`).", width=118, subsequent_indent="  ", break_on_hyphens=False)
+CACHE_NOTE = textwrap.fill("- **cache hits**: the patched build's device expert cache (EXPERT_CACHE, `--expert-cache`): "
+                           "its hits over its lookups, all devices (empty where it looked nothing up; where it looked "
+                           f"up fewer than {MIN_HIT_RATE_LOOKUPS} times, the lookups instead of a rate).", width=118,
+                           subsequent_indent="  ", break_on_hyphens=False)
 DECODE_NOTE = ("- **tg rows without `--paired`**: each variant's model was loaded once, and where a process's memory "
                "lands moves decode by a few percent; for a decode claim use `--paired N --loads K` (an interval).")
 
@@ -248,20 +252,42 @@ def speedup_estimate(p) -> tuple:
     return (sp if _real(sp) else nan), nan, nan, False
 
 
+# the table's columns that show wherever some line has a value; the others (devices, batch sizes, test, t/s, speedup)
+# show always
+SPARSE_COLUMNS = ("reps", "coverage", "PP b/p", "bytes/dev b", "bytes/dev p", "bound t/s",
+                  "re-reservations, waits")
+# the width a line of the text under the table is wrapped to
+TEXT_WIDTH = 118
+
+
+def _wrap_item(text: str) -> str:
+    """A "- " list item of the text under the table, wrapped to TEXT_WIDTH with its continuation lines indented."""
+    return textwrap.fill(text, width=TEXT_WIDTH, subsequent_indent="  ", break_on_hyphens=False,
+                         break_long_words=False)
+
+
+def _reps(b, p) -> str:
+    """A line's repetitions: the timed samples behind each t/s (paired rounds: the rounds), one number where both
+    variants have the same, else baseline/patched."""
+    n = [len(r["samples_ts"]) if r is not None and isinstance(r.get("samples_ts"), (list, tuple, np.ndarray))
+         and len(r["samples_ts"]) else None for r in (b, p)]
+    if not any(n):
+        return ""
+    return str(n[0] or n[1]) if n[0] == n[1] or not (n[0] and n[1]) else f"{n[0]}/{n[1]}"
+
+
 def markdown(df) -> str:
-    """A compare-llama-bench-like table: one line per config and test, baseline vs patched (and the patched
-    switches the runs set, where any did)."""
+    """A compare-llama-bench-like table: one line per config and test, baseline vs patched, with the repetitions
+    (and the patched switches the runs set, where any did); a column that is empty on every line is left out, and
+    the legend under it is wrapped to TEXT_WIDTH."""
     if df.empty:
         return "(no rows)\n"
     patched = df[df.variant == "patched"].to_dict("records") if "variant" in df else []
     with_switches = any(switches_text(r) for r in patched)
-    with_cache = any(_real(r.get("expert_cache_hit_rate")) for r in patched)
-    lines = ["| devices | host experts | n_batch | n_ubatch | test | coverage | baseline t/s | patched t/s "
-             + ("| cache hits (patched) " if with_cache else "") + "| speedup "
-             "| PP b/p | bytes/dev baseline | bytes/dev patched | bound t/s (patched): links, with fill | patched: re-reservations, host waits (largest cause) |"
-             + (" patched switches |" if with_switches else ""),
-             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | " + ("---: | " if with_cache else "")
-             + "---: | --- | --- | --- | ---: | --- |" + (" --- |" if with_switches else "")]
+    with_cache = any(_real(r.get("expert_cache_hit_rate")) or cache_lookups(r) for r in patched)
+    right = {"n_batch", "n_ubatch", "reps", "coverage", "baseline t/s", "patched t/s", "cache hits (patched)",
+             "speedup", "bound t/s"}
+    lines = []
     for (cfg, test), b, p in _groups(df):
         ref = p if p is not None else b
 
@@ -305,19 +331,47 @@ def markdown(df) -> str:
             sp_s += f" (paired {med:.3f} [{lo:.3f}, {hi:.3f}], {p['rounds']:.0f} rounds{loads_s})"
         bound = "" if p is None else ", ".join(filter(None, (num(p.get("bound_ts")), num(p.get("bound_pipe_ts")))))
         placed = " / ".join(dict.fromkeys(str(r.get("host_experts") or "") for r in (b, p) if r is not None))
-        lines.append(
-            f"| {devices_cell(b, p)} | {placed} | {ref['n_batch']} "
-            f"| {ref['n_ubatch']} | {test} | {cov_s} | {ts(b)} | {ts(p)} "
-            + (f"| {num(p.get('expert_cache_hit_rate') if p is not None else None, '{:.0%}')} " if with_cache else "")
-            + f"| {sp_s} | {pp(b)}/{pp(p)} | {per_dev(b)} | {per_dev(p)} "
-            f"| {bound} | {blocked(p)} |" + (f" {switches_text(p)}{groups_text(p)} |" if with_switches else ""))
+        pps = f"{pp(b)}/{pp(p)}"
+        cells = {"devices": devices_cell(b, p), "host experts": placed, "n_batch": str(ref["n_batch"]),
+                 "n_ubatch": str(ref["n_ubatch"]), "test": str(test), "reps": _reps(b, p), "coverage": cov_s,
+                 "baseline t/s": ts(b), "patched t/s": ts(p)}
+        if with_cache:
+            cells["cache hits (patched)"] = cache_cell(p)
+        cells.update({"speedup": sp_s, "PP b/p": "" if pps == "/" else pps, "bytes/dev b": per_dev(b),
+                      "bytes/dev p": per_dev(p), "bound t/s": bound, "re-reservations, waits": blocked(p)})
+        if with_switches:
+            cells["patched switches"] = f"{switches_text(p)}{groups_text(p)}"
+        lines.append(cells)
+    cols = [c for c in lines[0] if c not in SPARSE_COLUMNS or any(ln[c] for ln in lines)]
+    table = ["| " + " | ".join(cols) + " |",
+             "| " + " | ".join("---:" if c in right else "---" for c in cols) + " |"]
+    table += ["| " + " | ".join(ln[c] for c in cols) + " |" for ln in lines]
     unpaired_tg = "test" in df and df["test"].astype(str).str.startswith("tg").any() and (
         "speedup_ci_lo" not in df or df["speedup_ci_lo"].isna().all())
-    notes = "".join(f"- note: {n}\n" for n in row_notes(df))
-    return ("\n".join(lines) + "\n\n" + notes + ("\n" if notes else "") + LEGEND
+    notes = "".join(_wrap_item(f"- note: {n}") + "\n" for n in row_notes(df))
+    return ("\n".join(table) + "\n\n" + notes + ("\n" if notes else "") + LEGEND
             + ("\n" + SWITCHES_NOTE if with_switches else "")
             + ("\n" + CACHE_NOTE if with_cache else "")
-            + ("\n" + DECODE_NOTE if unpaired_tg else "") + "\n")
+            + ("\n" + _wrap_item(DECODE_NOTE) if unpaired_tg else "") + "\n")
+
+
+def cache_lookups(r) -> int:
+    """The device expert cache's lookups in a row's runs (hits + misses; 0 where it has none)."""
+    if r is None:
+        return 0
+    counts = [r.get(k) for k in ("expert_cache_hits", "expert_cache_misses")]
+    return int(sum(counts)) if all(_real(c) for c in counts) else 0
+
+
+def cache_cell(p) -> str:
+    """The patched row's cache hits as the table shows them: its hit rate, or where it has none from too few lookups
+    (rows.MIN_HIT_RATE_LOOKUPS) how many there were; empty without lookups."""
+    if p is None:
+        return ""
+    if _real(p.get("expert_cache_hit_rate")):
+        return f"{p['expert_cache_hit_rate']:.0%}"
+    n = cache_lookups(p)
+    return f"{n} lookup{'s' if n != 1 else ''}" if n else ""
 
 
 def groups_text(r) -> str:

@@ -45,7 +45,8 @@ class Row:
             reallocations, graph sizes, host-side times and buffer bytes.
         expert_cache_hits, expert_cache_misses, expert_cache_evictions: the expert cache's lookups per run (EXPERT_CACHE;
             all devices; its uploads are in h2d_bytes).
-        expert_cache_hit_rate: its hits over its lookups (None: it looked nothing up).
+        expert_cache_hit_rate: its hits over its lookups (None: it looked nothing up, or fewer than
+            rows.MIN_HIT_RATE_LOOKUPS times: the counts above say how many).
         layer_major_groups: groups of ubatches that ran through each layer together per run (LAYER_MAJOR; None where
             the switch was off and none formed).
         expert_cache_ops, expert_cache_cpu_ops, expert_cache_switches, expert_cache_shadow_hits,
@@ -53,8 +54,8 @@ class Row:
             (EXPERT_CACHE_MIN_HIT), the guard's decisions (a layer to the CPU or back), and its shadow's lookups.
         label, config, config_key: the configuration's label, its index in its sweep, and a hash of what it
             measures (a resumed sweep reuses rows with the same key).
-        env, switches, build, machine, date: the environment, the patched build's switches ({} for the baseline),
-            the build, the machine and when.
+        env, switches, build, machine, date: the environment, the patched build's switches the run set to other
+            than their defaults ({} for the baseline), the build, the machine and when.
         contention: what other processes took of the CPU while the config ran (stats.Contention's fields; None
             where it was not watched: RPC devices, workloads).
         error: why the run failed (then avg_ts is NaN); None when it did not.
@@ -139,7 +140,7 @@ class Row:
     config: Optional[int] = None                 # the configuration's index in its sweep
     config_key: Optional[str] = None             # a hash of what the configuration measures (resume)
     env: Optional[dict] = None
-    switches: Optional[dict] = None              # the patched build's switches ({} for the baseline)
+    switches: Optional[dict] = None              # the patched build's switches off their defaults
     error: Optional[str] = None                  # why the run failed (then avg_ts is NaN)
     notes: Optional[list] = None                 # a switch that could not act in the run, and why
     build: Optional[dict] = None

@@ -84,11 +84,33 @@ def all_gpus(ext: dict, key: str, reps: int) -> Optional[int]:
     return None if v is None else sum(v)
 
 
+# the fewest lookups (all reps, all devices) a hit rate is given from: below it a rate says little (two lookups read
+# 0.0, 0.5 or 1.0) and the row keeps only its counts (expert_cache_hits, expert_cache_misses)
+MIN_HIT_RATE_LOOKUPS = 32
+
+
 def cache_hit_rate(ext: dict) -> Optional[float]:
     """The device expert cache's hits over its lookups, all devices (EXPERT_CACHE); None where it looked nothing up
-    (off, the baseline, no decode)."""
+    (off, the baseline, no decode) or fewer than MIN_HIT_RATE_LOOKUPS times (a prompt's few small ubatches)."""
     hits, misses = (all_gpus(ext, k, 1) for k in ("cache_hits", "cache_misses"))
-    return hits / (hits + misses) if hits is not None and misses is not None and hits + misses > 0 else None
+    if hits is None or misses is None or hits + misses < max(1, MIN_HIT_RATE_LOOKUPS):
+        return None
+    return hits / (hits + misses)
+
+
+def set_switches(given: dict, defaults: Optional[dict]) -> dict:
+    """The switches of `given` whose value differs from the switch table's default (`defaults`, NAME -> value, as the
+    run's worker returned them: no worker of its own): a plan's OVERLAP=2 is the default, not a switch the run set.
+    All of `given` where the defaults are not known (an older result)."""
+    if not defaults:
+        return dict(given)
+
+    def differs(name, value) -> bool:
+        try:
+            return int(value) != defaults[str(name).upper()]
+        except (KeyError, TypeError, ValueError):
+            return True
+    return {k: v for k, v in given.items() if differs(k, v)}
 
 
 def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> list[Row]:
@@ -170,7 +192,8 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
             "expert_cache_switches": (None if all_gpus(ext, "cache_leaves", reps) is None else
                                       all_gpus(ext, "cache_leaves", reps) + all_gpus(ext, "cache_returns", reps)),
             "label": cfg.label, "config_key": config_key(cfg),
-            "switches": cfg.switches if variant == "patched" else {}, **meta}))
+            "switches": set_switches(cfg.switches, res.get("switch_defaults")) if variant == "patched" else {},
+            **meta}))
         rows[-1].notes = idle_switch_notes(cfg, rows[-1], ext) or None
     return rows
 

@@ -313,7 +313,8 @@ def _merge_rounds(results: list[dict], coverage: Optional[list] = None) -> dict:
         tests.append({**t, "seconds": [x for p in per for x in p["seconds"]],
                       "devices": sum_devices([p["devices"] for p in per]), "ext": ext, "reps": len(results),
                       "coverage": coverage[i] if coverage else None})
-    return {"model": last["model"], "schedule": last["schedule"], "tests": tests}
+    return {"model": last["model"], "schedule": last["schedule"], "switch_defaults": last.get("switch_defaults"),
+            "tests": tests}
 
 
 @dataclass

@@ -93,6 +93,25 @@ def test_a_second_probe_reuses_the_cache(tiny_model, tmp_path, monkeypatch, caps
     assert all(v > 0 for v in got.values()) and list((tmp_path / "compute").glob("compute-*.json"))
 
 
+def test_the_cache_names_the_model_by_content_not_by_path(tiny_model, tmp_path):
+    """The same file in another folder (a new date too) finds the first one's measurements and replica; a file
+    that differs in a weight does not."""
+    import os
+    import shutil
+    copy = tmp_path / "elsewhere" / "renamed.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(tiny_model, copy)
+    os.utime(copy, (1, 1))
+    path = lambda m: compute._Device(m, "vdev:1x0@0", [-1], "baseline", reps=1, timeout=60, cache=False).path
+    assert path(str(copy)) == path(tiny_model)
+    assert compute._model_key(copy) == compute._model_key(tiny_model)
+    other = tmp_path / "other.gguf"
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 0xFF   # (the last weight's last byte)
+    other.write_bytes(bytes(data))
+    assert path(str(other)) != path(tiny_model)
+
+
 def test_rpc_devices_are_probed_on_their_servers(monkeypatch):
     """A server computes its devices' layers itself: one of its devices stands for them (not the client's CPU);
     this machine's devices before them are probed as their kind is."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import pandas as pd
 import pytest
 
 from pyllama_pp import cli, devices as devspec, report, synth
@@ -243,8 +244,30 @@ def test_ab_markdown_shows_the_patched_hit_rate(model, capsys, tmp_path):
     cell = [c.strip() for c in line.split("|")][cols.index("cache hits (patched)")]
     assert cols.index("cache hits (patched)") == cols.index("patched t/s") + 1
     assert cell == f"{rows['patched']['expert_cache_hit_rate']:.0%}", (cell, line)
-    df = frame([Row.from_dict({**r, "expert_cache_hit_rate": None}) for r in rows.values()])
+    df = frame([Row.from_dict({**r, "expert_cache_hit_rate": None, "expert_cache_hits": None,
+                               "expert_cache_misses": None}) for r in rows.values()])
     assert "cache hits" not in report.markdown(df)   # (no lookups: no column)
+
+
+def test_a_hit_rate_from_a_few_lookups_is_not_shown_as_a_rate():
+    """Two lookups give no rate (a prompt row read 1.000 from them): the row keeps the counts, the table says how
+    many lookups there were; from rows.MIN_HIT_RATE_LOOKUPS on it is a rate again."""
+    from pyllama_pp import rows as rows_mod
+    ext = lambda hits, misses: {"backends": [{"name": "VDEV0", "cache_hits": hits, "cache_misses": misses},
+                                             {"name": "CPU", "cache_hits": 0, "cache_misses": 0}]}
+    assert rows_mod.cache_hit_rate(ext(2, 0)) is None and rows_mod.cache_hit_rate(ext(0, 0)) is None
+    n = rows_mod.MIN_HIT_RATE_LOOKUPS
+    assert n > 2 and rows_mod.cache_hit_rate(ext(n, 0)) == 1.0 and rows_mod.cache_hit_rate(ext(n - 1, 0)) is None
+    base = {"config": 0, "devices": SPEC, "n_batch": 64, "n_ubatch": 32, "host_experts": "all", "test": "pp64",
+            "stddev_ts": 1.0, "error": None}
+    df = pd.DataFrame([{**base, "variant": "baseline", "avg_ts": 100.0, "speedup": None},
+                       {**base, "variant": "patched", "avg_ts": 150.0, "speedup": 1.5, "expert_cache_hits": 2,
+                        "expert_cache_misses": 0, "expert_cache_hit_rate": rows_mod.cache_hit_rate(ext(2, 0))}])
+    md = report.markdown(df)
+    head, _, line = [ln for ln in md.splitlines() if ln.startswith("|")][:3]
+    cell = [c.strip() for c in line.split("|")][[c.strip() for c in head.split("|")].index("cache hits (patched)")]
+    assert cell == "2 lookups" and "100%" not in line, line
+    assert f"fewer than {n} times" in md
 
 
 # --- the guard: costs, not hits -----------------------------------------------------------------------------------

@@ -301,7 +301,8 @@ def test_cli_ab_with_fit_at_the_plans_own_memory(model, capsys, how):
     rows = {r["variant"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert set(rows) == {"baseline", "patched"} and not any(r.get("error") for r in rows.values()), rows
     assert rows["patched"]["pipeline_parallel"] and not rows["baseline"]["pipeline_parallel"]
-    assert rows["patched"]["switches"] == {"OVERLAP": 2}, rows["patched"]["switches"]   # the plan's copies
+    # (the plan's copies are OVERLAP=2, the switch's default: a row lists only switches off their defaults)
+    assert rows["patched"]["switches"] == {}, rows["patched"]["switches"]
     placement = lambda r: (r["n_gpu_layers"], r["tensor_split"], r["tensor_buft_overrides"])
     assert all("exps=CPU" in r["tensor_buft_overrides"] for r in rows.values())
     if how == "same":

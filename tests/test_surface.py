@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from pyllama_pp import Placement, RunConfig, cli, fit, report, runner, synth
+from pyllama_pp import rows as runner_rows
 from pyllama_pp.check import check_logits
 from pyllama_pp.plan import DevicePlan
 
@@ -111,6 +112,27 @@ def test_tables_and_plots_explain_themselves(tmp_path):
         warnings.simplefilter("error")   # (matplotlib's tight_layout warning on long labels, for one)
         png = report.plot(_frame(error=True), tmp_path / "ab.png")
     assert png is not None and png.stat().st_size > 0
+
+
+def test_the_main_jobs_table_fits_a_terminal_and_shows_the_reps():
+    """The main job's line (the columns it fills; no switch off its default) stays within 200 characters, the text under the table within 120;
+    the repetitions have a column; a column empty on every line (no bound, no coverage) is left out."""
+    from pyllama_pp.defaults import MAIN_JOB
+    base = {"config": 0, "devices": MAIN_JOB.devices, "n_batch": 2048, "n_ubatch": 128, "host_experts": "fit: 6 overrides",
+            "test": "pp2048", "coverage": None, "pipeline_parallel": True, "stddev_ts": 71.0, "error": None,
+            "samples_ts": [1000.0, 1001.0, 1002.0], "host_wait_s": {"input_events": 0.86}, "re_reservations": 0}
+    df = pd.DataFrame([
+        {**base, "variant": "baseline", "avg_ts": 971.2, "speedup": None, "pipeline_parallel": False,
+         "h2d_bytes_per_device": [130.6 * 2 ** 20, 4.5 * 2 ** 20]},
+        {**base, "variant": "patched", "avg_ts": 1942.6, "speedup": 2.0, "switches": {},
+         "h2d_bytes_per_device": [82.0 * 2 ** 20, 55.6 * 2 ** 20]}])
+    md = report.markdown(df)
+    table = [ln for ln in md.splitlines() if ln.startswith("|")]
+    assert max(map(len, table)) <= 200, table
+    assert max(len(ln) for ln in md.splitlines() if not ln.startswith("|")) <= 120, md
+    cols = [c.strip() for c in table[0].split("|")]
+    assert [c.strip() for c in table[2].split("|")][cols.index("reps")] == "3", table
+    assert "bound t/s" not in cols and "coverage" not in cols and "patched switches" not in cols, cols
 
 
 def test_the_plot_marks_a_failed_run(tmp_path, monkeypatch):
@@ -252,6 +274,20 @@ def test_coverage_is_shown_only_where_experts_are_in_host_ram():
 
 
 # -- a switch that cannot act says so, errors whole, the expert cache's options, noise in any A/B -------------------
+def test_a_switch_at_its_default_is_not_listed_as_set(tiny_model, capsys, tmp_path):
+    """OVERLAP=2 is the switch table's default (a plan's copies name it so): the rows and the table list only the
+    switches whose value differs from the defaults the run's own worker returned."""
+    assert cli.main(["ab", tiny_model, "--devices", "vdev:2x0@0", "-p", "64", "-n", "0", "-b", "64", "-ub", "32",
+                     "-r", "1", "--switch", "OVERLAP=2", "--switch", "GATHER=0", "-o", str(tmp_path), "--json"]) == 0
+    rows = {r["variant"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["patched"]["switches"] == {"GATHER": 0} and rows["baseline"]["switches"] == {}, rows["patched"]
+    table = "\n".join(ln for ln in (tmp_path / "results.md").read_text().splitlines() if ln.startswith("|"))
+    assert "GATHER=0" in table and "OVERLAP=2" not in table, table
+    assert runner_rows.set_switches({"OVERLAP": 2, "LAYER_MAJOR": 1}, {"OVERLAP": 2, "LAYER_MAJOR": 0}) == \
+        {"LAYER_MAJOR": 1}
+    assert runner_rows.set_switches({"OVERLAP": 2}, None) == {"OVERLAP": 2}   # (defaults unknown: as given)
+
+
 def test_a_switch_that_cannot_act_says_why_in_the_row_and_on_stderr(tiny_model, capsys):
     """LAYER_MAJOR with one ubatch a batch, on devices without room for a group, and on the CPU alone, and
     EXPERT_CACHE on the CPU alone and on a prompt (its ubatches at op offload's threshold): each row's notes say the

@@ -1,8 +1,9 @@
-"""What every handler needs: the job's session, and the tokens of a test."""
+"""What every handler needs: the job's session, the tokens of a test, and the patched build's switch table."""
 from __future__ import annotations
 
 import numpy as np
 
+from ... import binding
 from ...errors import ConfigError
 from ...jobs import Job
 from ...plan import Plan
@@ -37,3 +38,28 @@ def bench_tokens(n: int, n_vocab: int, seed: int, stream: bool = False) -> np.nd
         return random_tokens(n, n_vocab, seed)
     start = int(np.random.default_rng(seed).integers(0, max(n_vocab - n, 0) + 1))
     return (start + np.arange(n, dtype=np.int64)) % n_vocab
+
+
+def switch_table(native: binding.Native) -> list[dict]:
+    """The variant's switch table as its library holds it (one dict a switch: name, type, default, min, max, values,
+    meaning, value); [] for a library without the extension (the baseline)."""
+    if native.lib.pp_ext_version() <= 0:
+        return []
+    ffi, switches = native.ffi, []
+    name, desc, val = ffi.new("char[64]"), ffi.new("char[512]"), ffi.new("int64_t *")
+    typ, values, lo, hi, dflt = ffi.new("char[16]"), ffi.new("char[64]"), ffi.new("int64_t *"), ffi.new("int64_t *"), ffi.new("int64_t *")
+    for i in range(64):
+        if native.lib.pp_ext_param_info(i, name, 64, val, desc, 512) != 0:
+            break
+        native.check(native.lib.pp_ext_param_spec(i, typ, 16, dflt, lo, hi, values, 64))
+        accepted = [int(v) for v in native.str(values).split(",") if v]
+        switches.append({"name": native.str(name), "type": native.str(typ), "default": int(dflt[0]),
+                         "min": int(lo[0]), "max": int(hi[0]), "values": accepted or None,
+                         "meaning": native.str(desc), "value": int(val[0])})
+    return switches
+
+
+def switch_defaults(native: binding.Native) -> dict:
+    """The variant's switches' defaults, NAME -> value ({} for the baseline): what a result's rows compare the
+    switches a run set against, so that one set to its default is not reported as set."""
+    return {sw["name"]: sw["default"] for sw in switch_table(native)}

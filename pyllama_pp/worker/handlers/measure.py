@@ -10,7 +10,7 @@ from ...errors import ConfigError, PyllamaError
 from ...jobs import MeasureJob, depth_of
 from ...model_file import routes_by_stream
 from ...params import ContextParams
-from .base import bench_tokens, open_session
+from .base import bench_tokens, open_session, switch_defaults
 
 
 def run_tests(s, tests, reps: int, seed: int, coverage: bool, warmup: int = RUN.warmup,
@@ -88,12 +88,13 @@ def check(job: MeasureJob) -> None:
 
 
 def measure(s, job: MeasureJob) -> dict:
-    """Run the job's tests (or its contexts' tests) on the loaded session s."""
+    """Run the job's tests (or its contexts' tests) on the loaded session s; with the variant's switch defaults (the
+    rows report a switch as set only where its value differs from them)."""
     reps, seed, coverage, warmup = int(job.reps), int(job.seed), bool(job.coverage), int(job.warmup)
     stream = routes_by_stream(s.path)   # (a locality model's tests decode consecutive ids)
     if job.ctx_list is None:
         sched = s.schedule().to_dict()
-        return {"model": s.info.to_dict(), "schedule": sched,
+        return {"model": s.info.to_dict(), "schedule": sched, "switch_defaults": switch_defaults(s.native),
                 "tests": run_tests(s, job.tests, reps, seed, coverage, warmup, stream)}
     runs = []
     for i, entry in enumerate(job.ctx_list):
@@ -104,4 +105,4 @@ def measure(s, job: MeasureJob) -> dict:
                          "tests": run_tests(s, entry["tests"], reps, seed, coverage, warmup, stream)})
         except PyllamaError as e:
             runs.append({"error": f"{type(e).__name__}: {e}"})
-    return {"model": s.info.to_dict(), "runs": runs}
+    return {"model": s.info.to_dict(), "switch_defaults": switch_defaults(s.native), "runs": runs}
