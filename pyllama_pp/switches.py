@@ -43,11 +43,6 @@ def var(name: str) -> str:
     return PREFIX + name
 
 
-def get(name: str, env: Optional[dict] = None) -> Optional[str]:
-    """Switch `name` as a worker started with `env` reads it (env, then this process's environment); None: unset."""
-    return (env or {}).get(var(name), os.environ.get(var(name)))
-
-
 def in_env(env: Optional[dict]) -> dict:
     """The switch variables of `env` alone, NAME -> value."""
     return {k[len(PREFIX):]: v for k, v in (env or {}).items() if k.startswith(PREFIX)}
@@ -167,13 +162,8 @@ class ExpertCache:
         """How plans, rows and messages name it: "auto", "512MiB", "16slots", or "" (none)."""
         return "auto" if self.auto else f"{self.mib}MiB" if self.mib else f"{self.slots}slots" if self.slots else ""
 
-    @staticmethod
-    def of_switch(switch: int) -> "ExpertCache":
-        """The cache an EXPERT_CACHE value gives (M > 0: MiB a device; -N: slots a layer)."""
-        return ExpertCache(mib=max(0, switch), slots=max(0, -switch))
 
-
-__all__ = ["PREFIX", "var", "get", "in_env", "set_in", "in_force", "to_env", "parse_given", "ExpertCache", "OVERLAP",
+__all__ = ["PREFIX", "var", "in_env", "set_in", "in_force", "to_env", "parse_given", "ExpertCache", "OVERLAP",
            "UPLOAD_ALL", "UPLOAD_ALL_MIN", "UPLOAD_ALL_MIN_COV", "LINKS", "RPC_HOST", "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT",
            "LAYER_MAJOR"]
 

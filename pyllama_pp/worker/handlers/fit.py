@@ -37,7 +37,7 @@ def handle(job: FitJob) -> dict:
         local = [d for d in res["devices"] if d["name"] not in served]   # (a server's link is the server's own)
         res["rates"] = measure_rates(native, local, job.rates, expert_tensor_bytes(job.model))
         if "cpu_expert" in job.rates:
-            res["rates"]["cpu_expert_gbps"] = cpu_expert_rates(native, job.model, {threads(job.ctx.n_threads)})
+            res["rates"]["cpu_expert_gbps"] = cpu_expert_rate(native, job.model, threads(job.ctx.n_threads))
     return res
 
 
@@ -76,20 +76,17 @@ def measure_rates(native, devices: list[dict], what: list, copy_bytes: int) -> d
 CPU_EXPERT_REPS = 8
 
 
-def cpu_expert_rates(native, model: str, thread_counts) -> dict:
+def cpu_expert_rate(native, model: str, n_threads: int) -> dict:
     """The host CPU's decode expert op on the model's largest expert tensor (pp_cpu_expert_rate: one token's
-    n_used experts, GB/s of the experts it reads) at each thread count: {str(threads): GB/s}; {} for a model without
+    n_used experts, GB/s of the experts it reads) at n_threads: {str(n_threads): GB/s}; {} for a model without
     experts. The expert cache's break-even compares it with the link a miss takes and the device's own read."""
     shape, n_used = expert_tensor_shape(model), expert_layout(model)[0]
     if shape is None or n_used <= 0:
         return {}
     gtype, ne0, ne1, n_expert = shape
-    out = {}
-    for n in sorted(thread_counts):
-        got = native.ffi.new("double *")
-        native.check(native.lib.pp_cpu_expert_rate(gtype, ne0, ne1, n_expert, n_used, n, CPU_EXPERT_REPS, got))
-        out[str(n)] = got[0]
-    return out
+    got = native.ffi.new("double *")
+    native.check(native.lib.pp_cpu_expert_rate(gtype, ne0, ne1, n_expert, n_used, n_threads, CPU_EXPERT_REPS, got))
+    return {str(n_threads): got[0]}
 
 
 def run_fit(native, model: str, dev_names: str, split_mode: int, ctx, margins: list[int], n_ctx_min: int = 0) -> dict:
