@@ -309,3 +309,16 @@ def test_the_guard_sends_a_cache_that_does_not_pay_back_to_the_cpu(model, capsys
     (row,) = json.loads(capsys.readouterr().out)["rows"]
     assert row["switches"]["EXPERT_CACHE_MIN_HIT"] == 100, row["switches"]
     assert row["expert_cache_cpu_ops"] > 0 and row["expert_cache_ops"] > 0, row
+
+
+def test_a_plan_made_again_without_early_copies_keeps_the_guards_rates(plans):
+    """Where fit plans again with OVERLAP=0 (no room for OVERLAP=2's copies), the plan it keeps still carries the rates
+    its first dry run measured, so the cache's guard is set on it."""
+    from pyllama_pp.overlap_plan import plan_copies
+    d = plans(0).to_dict()
+    assert d["path"] == "spread"
+    first = Plan.from_dict({**d, "cpu_expert_gbps": {"2": 9.0}, "host_copy_gbps": 3.0, "path": "upstream"})
+    again = Plan.from_dict(d)
+    kept = plan_copies(first, lambda extra: again, True, {})
+    assert kept is again and kept.switches == {"OVERLAP": 0}
+    assert kept.cpu_expert_gbps == {"2": 9.0} and kept.host_copy_gbps == 3.0
