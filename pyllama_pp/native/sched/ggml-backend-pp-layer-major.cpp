@@ -1,6 +1,6 @@
 // pyllama_pp: LAYER_MAJOR - the ubatches of one batch run through each layer in turn, as one graph, so that a
-// layer's host experts go up once for all of them: the merged graph, the inputs its graphs set before it is
-// allocated, and the scheduler's side (a copy that several splits read holds every expert).
+// layer's host experts go up once for all of them: the merged graph and the scheduler's side (a copy that several
+// splits read holds every expert).
 
 #include "ggml-backend-pp-impl.h"
 
@@ -235,101 +235,4 @@ void ggml_backend_sched_pp_add_again_inputs(ggml_backend_sched_t sched, int i) {
         sched->node_backend_ids[graph_copy->n_nodes] = b;
         graph_copy->nodes[graph_copy->n_nodes++] = tensor_id_copy(input_id, b, sched->cur_copy);
     }
-}
-
-// LAYER_MAJOR's inputs (ggml_backend_pp_inputs_hold, release, restore)
-struct ggml_backend_pp_inputs {
-    struct held {
-        ggml_tensor * tensor;
-        size_t        offset;  // in the buffer of its graph
-        size_t        buffer;  // index in buffers
-    };
-    std::vector<held>                   tensors;
-    std::vector<ggml_tensor *>          views;   // of the graph held now: views of its inputs, pointed at the memory
-    std::vector<ggml_backend_buffer_t>  buffers; // one per graph
-    size_t                              first_of_graph = 0; // the first of `tensors` of the graph held now
-};
-
-ggml_backend_pp_inputs_t ggml_backend_pp_inputs_new(void) {
-    return new ggml_backend_pp_inputs();
-}
-
-static void ggml_backend_pp_inputs_clear(ggml_backend_pp_inputs_t inputs) {
-    for (ggml_backend_buffer_t b : inputs->buffers) {
-        ggml_backend_buffer_free(b);
-    }
-    inputs->buffers.clear();
-    inputs->tensors.clear();
-    inputs->views.clear();
-    inputs->first_of_graph = 0;
-}
-
-void ggml_backend_pp_inputs_free(ggml_backend_pp_inputs_t inputs) {
-    if (inputs != nullptr) {
-        ggml_backend_pp_inputs_release(inputs);
-        ggml_backend_pp_inputs_clear(inputs);
-        delete inputs;
-    }
-}
-
-bool ggml_backend_pp_inputs_hold(ggml_backend_pp_inputs_t inputs, struct ggml_cgraph * graph) {
-    ggml_backend_buffer_type_t buft = ggml_backend_cpu_buffer_type();
-    const size_t align = ggml_backend_buft_get_alignment(buft);
-    inputs->first_of_graph = inputs->tensors.size();
-    size_t size = 0;
-    for (int i = 0; i < graph->n_leafs; i++) {
-        ggml_tensor * leaf = graph->leafs[i];
-        if ((leaf->flags & GGML_TENSOR_FLAG_INPUT) == 0 || leaf->data != nullptr || leaf->buffer != nullptr) {
-            continue;
-        }
-        inputs->tensors.push_back({ leaf, size, inputs->buffers.size() });
-        size += GGML_PAD(ggml_backend_buft_get_alloc_size(buft, leaf), align);
-    }
-    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, std::max<size_t>(size, 1));
-    if (buf == nullptr) {
-        inputs->tensors.resize(inputs->first_of_graph);
-        return false;
-    }
-    inputs->buffers.push_back(buf);
-    char * base = (char *) ggml_backend_buffer_get_base(buf);
-    std::unordered_map<const ggml_tensor *, bool> held;
-    for (size_t t = inputs->first_of_graph; t < inputs->tensors.size(); t++) {
-        const auto & h = inputs->tensors[t];
-        ggml_backend_tensor_alloc(buf, h.tensor, base + h.offset);
-        held[h.tensor] = true;
-    }
-    // views of the inputs (an input object may write through one)
-    inputs->views.clear();
-    for (int i = 0; i < graph->n_nodes; i++) {
-        ggml_tensor * node = graph->nodes[i];
-        if (node->view_src != nullptr && node->data == nullptr && held.count(node->view_src) > 0) {
-            node->buffer = buf;
-            node->data   = (char *) node->view_src->data + node->view_offs;
-            inputs->views.push_back(node);
-        }
-    }
-    return true;
-}
-
-void ggml_backend_pp_inputs_release(ggml_backend_pp_inputs_t inputs) {
-    for (ggml_tensor * v : inputs->views) {
-        v->buffer = nullptr;
-        v->data   = nullptr;
-    }
-    inputs->views.clear();
-    for (size_t t = inputs->first_of_graph; t < inputs->tensors.size(); t++) {
-        ggml_tensor * tensor = inputs->tensors[t].tensor;
-        tensor->buffer = nullptr;
-        tensor->data   = nullptr;
-    }
-    inputs->first_of_graph = inputs->tensors.size();
-}
-
-void ggml_backend_pp_inputs_restore(ggml_backend_pp_inputs_t inputs) {
-    ggml_backend_pp_inputs_release(inputs);
-    for (const auto & h : inputs->tensors) {
-        const char * base = (const char *) ggml_backend_buffer_get_base(inputs->buffers[h.buffer]);
-        ggml_backend_tensor_set(h.tensor, base + h.offset, 0, ggml_nbytes(h.tensor));
-    }
-    ggml_backend_pp_inputs_clear(inputs);
 }

@@ -138,18 +138,6 @@ GGML_API int ggml_backend_sched_pp_max_group(ggml_backend_sched_t sched, size_t 
 // not be allocated - the scheduler takes no more (max_group 1)
 GGML_API void ggml_backend_sched_pp_note_layer_major(ggml_backend_sched_t sched, int n_ubatches);
 
-// LAYER_MAJOR: inputs set before their graph is allocated. The graphs of a batch's ubatches are built, and their
-// inputs set, one after the other (each with the KV cache as it is for that ubatch), before the merged graph is
-// allocated: hold() gives the unallocated input tensors of a graph host memory of their own, release() takes it
-// back from them (keeping what was set) so the scheduler allocates them, and restore() writes what was set into
-// them once it has.
-typedef struct ggml_backend_pp_inputs * ggml_backend_pp_inputs_t;
-GGML_API ggml_backend_pp_inputs_t ggml_backend_pp_inputs_new(void);
-GGML_API void ggml_backend_pp_inputs_free(ggml_backend_pp_inputs_t inputs);
-GGML_API bool ggml_backend_pp_inputs_hold(ggml_backend_pp_inputs_t inputs, struct ggml_cgraph * graph);
-GGML_API void ggml_backend_pp_inputs_release(ggml_backend_pp_inputs_t inputs);
-GGML_API void ggml_backend_pp_inputs_restore(ggml_backend_pp_inputs_t inputs);
-
 #ifdef  __cplusplus
 }
 #endif

@@ -10,6 +10,7 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 
 uint32_t llama_layer_major::group_size(const llama_model & model, const llama_cparams & cparams,
@@ -90,7 +91,27 @@ llama_layer_major::~llama_layer_major() {
     if (ctx_merged != nullptr) {
         ggml_free(ctx_merged);
     }
-    ggml_backend_pp_inputs_free(inputs);
+}
+
+// whether every token of `ubatch` comes after the tokens of the ubatches before it in a group, in each of its
+// sequences (pos_max: each sequence's last position in those, updated with this ubatch's). Then the KV cells of a
+// group's later ubatches are the future for every token of an earlier one: its KQ mask masks them, and is the same
+// with them in the cache as without (build_group sets a group's inputs once all of its cells are in).
+static bool llama_layer_major_follows(const llama_ubatch & ubatch, std::vector<llama_pos> & pos_max) {
+    for (uint32_t t = 0; t < ubatch.n_tokens; t++) {
+        for (int32_t s = 0; s < ubatch.n_seq_id[t]; s++) {
+            if (ubatch.pos[t] <= pos_max[ubatch.seq_id[t][s]]) {
+                return false;
+            }
+        }
+    }
+    for (uint32_t t = 0; t < ubatch.n_tokens; t++) {
+        for (int32_t s = 0; s < ubatch.n_seq_id[t]; s++) {
+            llama_pos & p = pos_max[ubatch.seq_id[t][s]];
+            p = std::max(p, ubatch.pos[t]);
+        }
+    }
+    return true;
 }
 
 bool llama_layer_major::take(llama_memory_context_i * mctx, llm_graph_result * & r, ggml_status & status) {
@@ -105,8 +126,10 @@ bool llama_layer_major::take(llama_memory_context_i * mctx, llm_graph_result * &
         return false;
     }
     llama_kv_cache_context probe(*kv);
+    std::vector<llama_pos> pos_max(LLAMA_MAX_SEQ, std::numeric_limits<llama_pos>::min());
+    llama_layer_major_follows(probe.get_ubatch(), pos_max);
     uint32_t n = 1;
-    while (n < group && probe.next()) {
+    while (n < group && probe.next() && llama_layer_major_follows(probe.get_ubatch(), pos_max)) {
         n++;
     }
     if (n < 2) {
@@ -133,9 +156,6 @@ bool llama_layer_major::build_group(const llama_kv_cache_context & at, uint32_t 
     while (res.size() < n) {
         res.push_back(std::make_unique<llm_graph_result>(max_nodes));
     }
-    if (inputs == nullptr) {
-        inputs = ggml_backend_pp_inputs_new();
-    }
     walker = std::make_unique<llama_kv_cache_context>(at);
     ubatches.clear();
     ubatches.reserve(n);
@@ -143,8 +163,7 @@ bool llama_layer_major::build_group(const llama_kv_cache_context & at, uint32_t 
     ggml_backend_sched_reset(sched);
     ggml_backend_sched_set_eval_callback(sched, cparams.cb_eval, cparams.cb_eval_user_data);
 
-    // each ubatch as llama_decode takes it: its KV cells applied, its graph built and its inputs set (into memory of
-    // their own: the graphs are allocated together, below)
+    // each ubatch as llama_decode takes it: its KV cells applied and its graph built
     std::vector<ggml_cgraph *> graphs;
     for (uint32_t i = 0; i < n; i++) {
         if ((i > 0 && !walker->next()) || !walker->apply()) {
@@ -164,14 +183,12 @@ bool llama_layer_major::build_group(const llama_kv_cache_context & at, uint32_t 
             }
         }
         ggml_cgraph * gf = build(res[i].get(), ubatch, walker.get(), n_outputs);
-        if (gf == nullptr || !ggml_backend_pp_inputs_hold(inputs, gf)) {
+        if (gf == nullptr) {
             LLAMA_LOG_ERROR("%s: failed to build the graph of ubatch %u of a group\n", __func__, i);
             forget(1, i + 1);
             status = GGML_STATUS_FAILED;
             return false;
         }
-        res[i]->set_inputs(&ubatch);
-        ggml_backend_pp_inputs_release(inputs);
         graphs.push_back(gf);
     }
 
@@ -186,7 +203,16 @@ bool llama_layer_major::build_group(const llama_kv_cache_context & at, uint32_t 
         status = GGML_STATUS_ALLOC_FAILED;
         return false;
     }
-    ggml_backend_pp_inputs_restore(inputs);
+    // each ubatch's inputs, straight into the merged graph's memory: with the walker (the memory context its graph's
+    // inputs read) at that ubatch again and the cells of the whole group in the cache, which its KQ mask masks as
+    // the future (take() groups only ubatches that follow each other in each sequence)
+    *walker = at;
+    for (uint32_t i = 0; i < n; i++) {
+        if (i > 0) {
+            walker->next();
+        }
+        res[i]->set_inputs(&ubatches[i]);
+    }
     ggml_backend_sched_pp_note_layer_major(sched, (int) n);
 
     status = lc.graph_compute(merged, true);
@@ -201,8 +227,6 @@ bool llama_layer_major::build_group(const llama_kv_cache_context & at, uint32_t 
 // a group that failed (llama_decode removes its first ubatch's cells) or found no room: the KV cells of its ubatches
 // [first, end) go, from each sequence's first position in them on, as llama_decode does for a failed ubatch
 void llama_layer_major::forget(uint32_t first, uint32_t end) {
-    ggml_backend_pp_inputs_free(inputs);
-    inputs = nullptr;
     std::map<llama_seq_id, llama_pos> pos_min;
     for (uint32_t u = first; u < end && u < ubatches.size(); u++) {
         const llama_ubatch & ubatch = ubatches[u];

@@ -44,8 +44,9 @@ public:
     ~llama_layer_major();
 
     // the ubatch llama_decode's `mctx` is at, computed in a group: the first of a group builds the graphs of the
-    // group's ubatches (each with its KV cells applied and its inputs set, as llama_decode would), merges and
-    // computes them; the others were computed with it. False: the ubatch is in no group, or its group's graph found
+    // group's ubatches (each with its KV cells applied, as llama_decode would), merges and allocates them, sets each
+    // graph's inputs into that allocation and computes them; the others were computed with it. A group holds the
+    // ubatches from this one on whose tokens follow those of the ubatches before them in each sequence. False: the ubatch is in no group, or its group's graph found
     // no room (then the group's KV cells are removed again, and no more groups form on this scheduler): llama_decode
     // processes it alone. True with res == nullptr: the group failed (status), and the KV cells of its ubatches after
     // this one are removed (llama_decode removes this one's).
@@ -65,8 +66,7 @@ private:
     std::vector<llm_graph_result_ptr> res;          // one per ubatch of the group
     std::vector<llama_ubatch>         ubatches;
     std::unique_ptr<llama_kv_cache_context> walker; // a copy of llama_decode's memory context, walking the group
-    ggml_context *           ctx_merged = nullptr;  // the merged graph
-    ggml_backend_pp_inputs_t inputs     = nullptr;
+    ggml_context * ctx_merged = nullptr;            // the merged graph
     uint32_t n_group = 0; // ubatches in the current group
     uint32_t next    = 0; // the next of them llama_decode takes
 };
