@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import subprocess
+import sys
 from typing import Optional
 
 import numpy as np
@@ -1034,6 +1036,48 @@ def test_layer_major_logits_are_the_baselines_bit_for_bit(runner, devs, group, g
     assert e["layer_major_graphs"] == graphs and e["layer_major_ubatches"] == ubatches, e
     # (every copy a group reads went up whole; only the ubatches that ran alone gathered their experts)
     assert e["read_again"] > 0 and (e["gather"] == 0) == (ubatches == 8) and e["selective"] == 0, e
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_layer_major_sets_inputs_on_threads_bit_for_bit(runner, threads):
+    """A group's inputs are set on up to n_threads threads, ubatch i by thread i % n_threads (1: on llama_decode's
+    thread alone; 3 for the 4 ubatches of a batch: the first and the last on one): every logit is the baseline's
+    with the same threads, to the bit."""
+    kw = _groups(32, 4, 128, "vdev:1x0@0")
+    kw["ctx"] = {**kw["ctx"], "n_threads": threads}
+    b = runner.logits("baseline", **kw)
+    on = runner.logits("patched", env=LAYER_MAJOR, **kw)
+    assert np.array_equal(on["logits"], b["logits"]), threads
+    assert on["ext"]["layer_major_graphs"] == 1 and on["ext"]["layer_major_ubatches"] == 4, on["ext"]
+
+
+_LEAD_IN_FAULTS = """
+import resource, sys, pyllama_pp as pp
+s = pp.Session(sys.argv[1], devices="vdev:1x0@0", variant="patched", placement=pp.Placement(host_experts="all"),
+               ctx=pp.ContextParams(n_ctx=4096, n_batch=4096, n_ubatch=2048, flash_attn=0),
+               switches={"LAYER_MAJOR": 1})
+toks = [1 + i % 100 for i in range(4096)]
+for _ in range(2):
+    s.eval(toks, stats=False)
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+s.eval(toks, stats=False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0, s.ext_stats()["layer_major_graphs"])
+"""
+
+
+def test_layer_major_sets_a_groups_inputs_in_its_graphs_memory(tiny_model):
+    """A prompt of two ubatches of 2048 tokens, the third in one context: llama sets the group's inputs (f32 KQ
+    masks of 2048 x 2048 and 4096 x 2048, 48 MiB) straight into the merged graph's memory, which the prompts before
+    touched, so the whole prompt faults in fewer host pages than a quarter of the larger mask's. Held in host memory
+    of their own and copied into the graph's, every group allocated (glibc maps a block of 32 MiB or more anew each
+    time) and faulted in the larger one again: 8,700 minor faults a prompt, 4 KiB pages (no transparent huge pages,
+    as on the test machines)."""
+    res = subprocess.run([sys.executable, "-c", _LEAD_IN_FAULTS, tiny_model], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    faults, groups = (int(x) for x in res.stdout.split())
+    assert groups == 3, res.stdout
+    assert faults < 4096 * 2048 * 4 // 4096 // 4, f"{faults} minor faults in a warm prompt"
 
 
 def test_layer_major_uploads_each_expert_tensor_once_per_group(runner, tiny_cfg):

@@ -10,8 +10,10 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <exception>
 #include <limits>
 #include <map>
+#include <thread>
 
 uint32_t llama_layer_major::group_size(const llama_model & model, const llama_cparams & cparams,
                                        const llama_memory_i * memory, bool has_samplers) {
@@ -114,6 +116,16 @@ static bool llama_layer_major_follows(const llama_ubatch & ubatch, std::vector<l
     return true;
 }
 
+// a memory context `k` ubatches on
+static bool llama_layer_major_advance(llama_kv_cache_context & walker, uint32_t k) {
+    for (uint32_t j = 0; j < k; j++) {
+        if (!walker.next()) {
+            return false;
+        }
+    }
+    return true;
+}
+
 bool llama_layer_major::take(llama_memory_context_i * mctx, llm_graph_result * & r, ggml_status & status) {
     if (next < n_group) { // computed with the first of its group
         r = res[next++].get();
@@ -156,7 +168,13 @@ bool llama_layer_major::build_group(const llama_kv_cache_context & at, uint32_t 
     while (res.size() < n) {
         res.push_back(std::make_unique<llm_graph_result>(max_nodes));
     }
-    walker = std::make_unique<llama_kv_cache_context>(at);
+    // one walker (the memory context a graph's inputs read) per thread that sets inputs below, ubatch i on walker
+    // i % n_walkers: the masks of later ubatches are larger (n_kv grows), so each thread takes every n_walkers-th
+    const uint32_t n_walkers = std::max<uint32_t>(1, std::min<uint32_t>(n, (uint32_t) cparams.n_threads_batch));
+    walkers.clear();
+    for (uint32_t w = 0; w < n_walkers; w++) {
+        walkers.push_back(std::make_unique<llama_kv_cache_context>(at));
+    }
     ubatches.clear();
     ubatches.reserve(n);
 
@@ -166,7 +184,8 @@ bool llama_layer_major::build_group(const llama_kv_cache_context & at, uint32_t 
     // each ubatch as llama_decode takes it: its KV cells applied and its graph built
     std::vector<ggml_cgraph *> graphs;
     for (uint32_t i = 0; i < n; i++) {
-        if ((i > 0 && !walker->next()) || !walker->apply()) {
+        llama_kv_cache_context * walker = walkers[i % n_walkers].get();
+        if (!llama_layer_major_advance(*walker, i >= n_walkers ? n_walkers : i) || !walker->apply()) {
             LLAMA_LOG_ERROR("%s: failed to apply the memory context of ubatch %u of a group\n", __func__, i);
             forget(1, i);
             status = GGML_STATUS_FAILED;
@@ -182,7 +201,7 @@ bool llama_layer_major::build_group(const llama_kv_cache_context & at, uint32_t 
                 n_outputs += ubatch.output[t] != 0 ? 1 : 0;
             }
         }
-        ggml_cgraph * gf = build(res[i].get(), ubatch, walker.get(), n_outputs);
+        ggml_cgraph * gf = build(res[i].get(), ubatch, walker, n_outputs);
         if (gf == nullptr) {
             LLAMA_LOG_ERROR("%s: failed to build the graph of ubatch %u of a group\n", __func__, i);
             forget(1, i + 1);
@@ -203,15 +222,34 @@ bool llama_layer_major::build_group(const llama_kv_cache_context & at, uint32_t 
         status = GGML_STATUS_ALLOC_FAILED;
         return false;
     }
-    // each ubatch's inputs, straight into the merged graph's memory: with the walker (the memory context its graph's
-    // inputs read) at that ubatch again and the cells of the whole group in the cache, which its KQ mask masks as
-    // the future (take() groups only ubatches that follow each other in each sequence)
-    *walker = at;
-    for (uint32_t i = 0; i < n; i++) {
-        if (i > 0) {
-            walker->next();
+    // each ubatch's inputs, straight into the merged graph's memory, on n_walkers threads: with its walker at that
+    // ubatch again and the cells of the whole group in the cache, which its KQ mask masks as the future (take()
+    // groups only ubatches that follow each other in each sequence). Nothing computes before the last mask is set,
+    // so the group's masks (n_kv x n_ubatch each) are filled side by side.
+    std::vector<std::exception_ptr> failed(n_walkers);
+    auto set_inputs = [&](uint32_t w) {
+        try {
+            *walkers[w] = at;
+            for (uint32_t i = w; i < n; i += n_walkers) {
+                llama_layer_major_advance(*walkers[w], i == w ? w : n_walkers);
+                res[i]->set_inputs(&ubatches[i]);
+            }
+        } catch (...) {
+            failed[w] = std::current_exception(); // (an abort callback that throws: rethrown on this thread)
         }
-        res[i]->set_inputs(&ubatches[i]);
+    };
+    std::vector<std::thread> threads;
+    for (uint32_t w = 1; w < n_walkers; w++) {
+        threads.emplace_back(set_inputs, w);
+    }
+    set_inputs(0);
+    for (std::thread & t : threads) {
+        t.join();
+    }
+    for (const std::exception_ptr & e : failed) {
+        if (e) {
+            std::rethrow_exception(e);
+        }
     }
     ggml_backend_sched_pp_note_layer_major(sched, (int) n);
 

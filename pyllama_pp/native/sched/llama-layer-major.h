@@ -65,7 +65,7 @@ private:
 
     std::vector<llm_graph_result_ptr> res;          // one per ubatch of the group
     std::vector<llama_ubatch>         ubatches;
-    std::unique_ptr<llama_kv_cache_context> walker; // a copy of llama_decode's memory context, walking the group
+    std::vector<std::unique_ptr<llama_kv_cache_context>> walkers; // copies of llama_decode's memory context, walking the group
     ggml_context * ctx_merged = nullptr;            // the merged graph
     uint32_t n_group = 0; // ubatches in the current group
     uint32_t next    = 0; // the next of them llama_decode takes
