@@ -31,6 +31,7 @@ from .row import Row, RowWriter, frame, read_rows
 from .rows import error_rows, error_text, meta, rows_from_result, workload_step_row
 from .stats import CpuWatch, paired_ci
 from .worker.client import ServingWorker, check_switch_env, run_job
+from .workload import Workload
 
 SWEEP_FILE = "sweep.json"
 
@@ -567,9 +568,8 @@ def _paired_rows(cur: _Rounds, variants: Sequence[str], got: dict, failed: dict,
     return per_v
 
 
-# a server's mixed load in one context (`pyllama-pp run/ab --workload mixed`): prompts of alternating
-# lengths, each from an empty cache, then decoding right after the last one
-MIXED_WORKLOAD = [["pp", 64], ["pp", 512], ["pp", 128], ["pp", 2048], ["tg", 16]]
+# a server's mixed load in one context (`pyllama-pp run/ab --workload mixed`, defaults.WORKLOADS)
+MIXED_WORKLOAD = Workload.parse("mixed").as_list()
 
 
 def workload_ctx(workload: list, n_ctx: Optional[int] = None) -> int:
@@ -588,7 +588,7 @@ def mixed_workload(configs: Union[RunConfig, Iterable[RunConfig]], variants: Seq
         configs: one RunConfig or several (their tests are not used; the context is sized for the workload).
         variants: which builds run it.
         rounds: how many times the workload runs in the one context.
-        workload: steps ["pp" or "tg", tokens] (default MIXED_WORKLOAD).
+        workload: a Workload, or steps ["pp" or "tg", tokens] (default MIXED_WORKLOAD).
         timeout: seconds per worker.
         out_dir: a folder for results.jsonl and results.csv, written as each variant finishes (None: nothing).
     Returns:
@@ -601,7 +601,7 @@ def mixed_workload(configs: Union[RunConfig, Iterable[RunConfig]], variants: Seq
         OSError: when out_dir cannot be written.
     """
     cfgs = _as_configs(configs)
-    workload = MIXED_WORKLOAD if workload is None else workload
+    workload = MIXED_WORKLOAD if workload is None else workload.as_list() if isinstance(workload, Workload) else workload
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ConfigError(f"rounds must be a whole number of at least 1, got {rounds!r}")
     bad = [st for st in workload if not (isinstance(st, (list, tuple)) and len(st) == 2 and st[0] in ("pp", "tg")
