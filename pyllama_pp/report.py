@@ -10,7 +10,6 @@ from typing import Optional, Union
 import numpy as np
 
 from . import devices as devspec
-from . import switches
 from .errors import ConfigError, DeviceSpecError
 from .rows import MIN_HIT_RATE_LOOKUPS
 from .stats import Contention
@@ -205,12 +204,9 @@ def fmt_bytes(b) -> str:
 
 
 def switches_text(r) -> str:
-    """The patched switches a row's run set (its `switches`, and GGML_SCHED_PP_* in its environment), "NAME=V ..."."""
-    if r is None:
-        return ""
-    env = r.get("env") if isinstance(r.get("env"), dict) else {}
-    given = switches.in_env(env)
-    given.update(r.get("switches") if isinstance(r.get("switches"), dict) else {})
+    """The patched switches a row's run set, "NAME=V ...": its `switches` (those of its environment, `--switch` and
+    its plan, off their defaults: switches.of_run)."""
+    given = r.get("switches") if r is not None and isinstance(r.get("switches"), dict) else {}
     return " ".join(f"{k}={v}" for k, v in sorted(given.items()))
 
 

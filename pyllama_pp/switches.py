@@ -61,6 +61,27 @@ def in_force(variant: str, env: Optional[dict] = None) -> dict:
     return {k: int(v) for k, v in set_in(env).items() if re.fullmatch(r"-?\d+", str(v).strip())}
 
 
+def off_defaults(given: dict, defaults: Optional[dict]) -> dict:
+    """The switches of `given`, NAME -> value, whose value differs from the switch table's default (`defaults`, NAME ->
+    value, as the run's worker returned them); all of `given` where the defaults are not known (an older result)."""
+    if not defaults:
+        return dict(given)
+
+    def differs(name, value) -> bool:
+        try:
+            return int(value) != defaults[str(name).upper()]
+        except (KeyError, TypeError, ValueError):
+            return True
+    return {k: v for k, v in given.items() if differs(k, v)}
+
+
+def of_run(env: Optional[dict], given: Optional[dict], defaults: Optional[dict]) -> dict:
+    """The switches a patched run set, NAME -> value, as rows and tables list them: the variables of this process's
+    environment and `env` (the worker's), then `given` over them (`--switch`, a plan's), each only where its value
+    differs from the table default (off_defaults): one rule for all three ways a switch is set."""
+    return off_defaults({**in_force("patched", env), **(given or {})}, defaults)
+
+
 def to_env(switches: Optional[dict]) -> dict:
     """Switches, NAME -> value, as environment variables (for a process this package does not start as a worker)."""
     return {var(k): str(v) for k, v in (switches or {}).items()}
@@ -163,7 +184,7 @@ class ExpertCache:
         return "auto" if self.auto else f"{self.mib}MiB" if self.mib else f"{self.slots}slots" if self.slots else ""
 
 
-__all__ = ["PREFIX", "var", "in_env", "set_in", "in_force", "to_env", "parse_given", "ExpertCache", "OVERLAP",
+__all__ = ["PREFIX", "var", "in_env", "set_in", "in_force", "off_defaults", "of_run", "to_env", "parse_given", "ExpertCache", "OVERLAP",
            "UPLOAD_ALL", "UPLOAD_ALL_MIN", "UPLOAD_ALL_MIN_COV", "LINKS", "RPC_HOST", "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT",
            "LAYER_MAJOR"]
 

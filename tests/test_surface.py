@@ -10,8 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pyllama_pp import Placement, RunConfig, cli, fit, report, runner, synth
-from pyllama_pp import rows as runner_rows
+from pyllama_pp import Placement, RunConfig, cli, fit, report, runner, switches, synth
 from pyllama_pp.check import check_logits
 from pyllama_pp.plan import DevicePlan
 
@@ -283,9 +282,28 @@ def test_a_switch_at_its_default_is_not_listed_as_set(tiny_model, capsys, tmp_pa
     assert rows["patched"]["switches"] == {"GATHER": 0} and rows["baseline"]["switches"] == {}, rows["patched"]
     table = "\n".join(ln for ln in (tmp_path / "results.md").read_text().splitlines() if ln.startswith("|"))
     assert "GATHER=0" in table and "OVERLAP=2" not in table, table
-    assert runner_rows.set_switches({"OVERLAP": 2, "LAYER_MAJOR": 1}, {"OVERLAP": 2, "LAYER_MAJOR": 0}) == \
+    assert switches.off_defaults({"OVERLAP": 2, "LAYER_MAJOR": 1}, {"OVERLAP": 2, "LAYER_MAJOR": 0}) == \
         {"LAYER_MAJOR": 1}
-    assert runner_rows.set_switches({"OVERLAP": 2}, None) == {"OVERLAP": 2}   # (defaults unknown: as given)
+    assert switches.off_defaults({"OVERLAP": 2}, None) == {"OVERLAP": 2}   # (defaults unknown: as given)
+
+
+def test_a_switch_variable_at_its_default_is_not_listed_as_set(tiny_model, capsys, tmp_path, monkeypatch):
+    """The environment's switch variables go through the rule `--switch` and plan switches do (switches.of_run): one
+    at its default is not listed, one off it is, in the rows and the table, for a measured A/B and a workload; a
+    `--switch` wins over the variable of the same name."""
+    assert switches.of_run({switches.var("GATHER"): "1"}, {"LAYER_MAJOR": 0}, {"GATHER": 1, "LAYER_MAJOR": 0}) == {}
+    monkeypatch.setenv(switches.var(switches.OVERLAP), "2")
+    monkeypatch.setenv(switches.var("GATHER"), "0")
+    monkeypatch.setenv(switches.var(switches.UPLOAD_ALL), "0")
+    common = [tiny_model, "--devices", "vdev:2x0@0", "-b", "64", "-ub", "32", "--switch", "UPLOAD_ALL=1", "--json"]
+    for argv, out in ((["ab", "-p", "64", "-n", "0", "-r", "1"], tmp_path / "ab"),
+                      (["ab", "--workload", "mixed", "-r", "1"], tmp_path / "mixed")):
+        assert cli.main(argv[:1] + common + argv[1:] + ["-o", str(out)]) == 0
+        rows = _rows(capsys)
+        assert rows and all(r["switches"] == ({"GATHER": 0} if r["variant"] == "patched" else {}) for r in rows), \
+            [(r["variant"], r["switches"]) for r in rows]
+        table = "\n".join(ln for ln in (out / "results.md").read_text().splitlines() if ln.startswith("|"))
+        assert "GATHER=0" in table and "OVERLAP" not in table and "UPLOAD_ALL" not in table, table
 
 
 def test_a_switch_that_cannot_act_says_why_in_the_row_and_on_stderr(tiny_model, capsys):
