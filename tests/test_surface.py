@@ -105,7 +105,7 @@ def _frame(error: bool) -> pd.DataFrame:
 def test_tables_and_plots_explain_themselves(tmp_path):
     md = report.markdown(_frame(error=True))
     assert "vdev:8MiB@1GBps,6MiB@1GBps,5MiB@1GBps" in md and '{"kind"' not in md   # a JSON spec, written short
-    assert "**error**" in md and "**PP b/p**" in md and "**bound t/s**" in md and "**speedup**" in md
+    assert "**error**" in md and "**PP b/p**" in md and "**speedup**" in md
     assert "tg rows without `--paired`" in md   # an unpaired decode row says what it is
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # (matplotlib's tight_layout warning on long labels, for one)
@@ -132,6 +132,36 @@ def test_the_main_jobs_table_fits_a_terminal_and_shows_the_reps():
     cols = [c.strip() for c in table[0].split("|")]
     assert [c.strip() for c in table[2].split("|")][cols.index("reps")] == "3", table
     assert "bound t/s" not in cols and "coverage" not in cols and "patched switches" not in cols, cols
+
+
+def _legend_entries(md: str) -> set[str]:
+    """The column names the legend under a table explains (its "- **name**:" items)."""
+    import re
+    return set(re.findall(r"^- \*\*([^*]+)\*\*:", md, flags=re.M))
+
+
+def test_the_legend_lists_only_the_columns_printed():
+    """Every column of the table that needs a word has its legend entry, and the legend has no entry for a column the
+    table left out (no bound, no coverage, no switches, no cache; then all of them); **error** only where a run
+    failed."""
+    def columns(md):
+        return {c.strip() for c in md.splitlines()[0].split("|") if c.strip()}
+
+    named = {"t/s": {"baseline t/s", "patched t/s"}, "bytes/dev b, p": {"bytes/dev b", "bytes/dev p"},
+             "cache hits": {"cache hits (patched)"}}
+    plain = {"devices", "host experts", "n_batch", "n_ubatch", "test"}
+    df = _frame(error=False).assign(coverage=None, pipeline_parallel=None)
+    full = _frame(error=False).assign(bound_ts=900.0, h2d_bytes_per_device=[[2 ** 20]] * 4, samples_ts=[[1.0, 2.0]] * 4,
+                                      host_wait_s=[{"ids": 0.1}] * 4, re_reservations=0, expert_cache_hit_rate=0.5,
+                                      switches=[{"GATHER": 0}] * 4)
+    for frame in (df, full):
+        md = report.markdown(frame)
+        notes = {"tg rows without `--paired`"}   # (a word on the rows, not a column)
+        explained = set().union(*(named.get(e, {e}) for e in _legend_entries(md) - notes))
+        assert explained == columns(md) - plain, (explained ^ (columns(md) - plain), md)
+        assert "**error**" not in md
+    assert {"bound t/s", "coverage", "reps", "PP b/p"} <= _legend_entries(report.markdown(full))
+    assert "**error**" in report.markdown(_frame(error=True))
 
 
 def test_the_plot_marks_a_failed_run(tmp_path, monkeypatch):
