@@ -10,6 +10,7 @@ from typing import Optional, Union
 import numpy as np
 
 from . import devices as devspec
+from . import switches
 from .errors import ConfigError, DeviceSpecError
 from .rows import MIN_HIT_RATE_LOOKUPS
 from .stats import Contention
@@ -220,9 +221,9 @@ def fmt_bytes(b) -> str:
 
 def switches_text(r) -> str:
     """The patched switches a row's run set, "NAME=V ...": its `switches` (those of its environment, `--switch` and
-    its plan, off their defaults: switches.of_run)."""
+    its plan, off their defaults: switches.of_run), EXPERT_CACHE in --expert-cache's form (switches.shown)."""
     given = r.get("switches") if r is not None and isinstance(r.get("switches"), dict) else {}
-    return " ".join(f"{k}={v}" for k, v in sorted(given.items()))
+    return " ".join(f"{k}={switches.shown(k, v)}" for k, v in sorted(given.items()))
 
 
 def _groups(df) -> list:

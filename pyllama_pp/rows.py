@@ -227,7 +227,8 @@ def idle_switch_notes(cfg: RunConfig, row: Row, ext: dict) -> list[str]:
                    f"ubatches of {ub_tokens} tokens, whose expert ops the devices compute on uploaded copies")
         else:
             why = "no expert op of the test read the slots"
-        notes.append(f"EXPERT_CACHE={params[switches.EXPERT_CACHE]} did not act: {why}")
+        notes.append(f"EXPERT_CACHE={switches.shown(switches.EXPERT_CACHE, params[switches.EXPERT_CACHE])} did not "
+                     f"act: {why}")
     return notes
 
 

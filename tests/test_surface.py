@@ -350,7 +350,7 @@ def test_a_switch_that_cannot_act_says_why_in_the_row_and_on_stderr(tiny_model, 
     room, = notes(["--devices", "vdev:2x3MiB@0.2GBps", "-b", "512", "-ub", "32"] + lm)
     assert "16 ubatches" in room and "no room for a group's graph" in room and "--fit" in room, room
     cpu = notes(["--devices", "cpu", "-b", "512", "-ub", "32", "--switch", "EXPERT_CACHE=1"] + lm)
-    assert [n.split(":")[0] for n in cpu] == ["LAYER_MAJOR=1 did not act", "EXPERT_CACHE=1 did not act"], cpu
+    assert [n.split(":")[0] for n in cpu] == ["LAYER_MAJOR=1 did not act", "EXPERT_CACHE=1MiB did not act"], cpu
     assert all("the CPU alone" in n for n in cpu), cpu
     prompt, = notes(["--devices", "vdev:2x256MiB@0.2GBps", "-b", "512", "-ub", "32", "--switch", "EXPERT_CACHE=1"])
     assert "below op offload's threshold (32 tokens: decode)" in prompt and "ubatches of 32 tokens" in prompt, prompt
@@ -379,7 +379,7 @@ def test_expert_cache_options_name_the_real_cause(plan_file, tiny_model, usage_e
     assert "more than a device of --devices vdev:2x5MiB@4GBps has (5 MiB)" in line, line
     notes = plan_runs(Choices(command="run", model=tiny_model, devices=("vdev:2x256MiB@4GBps",), expert_cache="1MiB",
                               pp=(), tg=(4,))).notes
-    assert any("sets EXPERT_CACHE=1 (MiB a device) as it is: no plan left room" in n for n in notes), notes
+    assert any("1MiB without --fit sets the cache (EXPERT_CACHE) as it is: no plan left room" in n for n in notes), notes
     line = usage_error(["run", "--plan", str(plan_file), "--expert-cache", "auto"])
     assert "was made without an expert cache" in line and "already" not in line, line
     line = usage_error(["ab", tiny_model, "--devices", "vdev:2x8MiB@4GBps", "-ub", "auto", "--fit", "each", "-p", "256"])
@@ -442,3 +442,38 @@ def test_a_value_not_measured_reads_the_same_in_every_table():
                 Row(variant="patched", test="tg16", avg_ts=5.0, coverage=None)])
     table = report.text_table(df, ["variant", "test", "avg_ts", "coverage"])
     assert "NaN" not in table and "None" not in table and table.splitlines()[2].split()[-1] == "-", table
+
+
+def test_the_cache_takes_the_switchs_slot_form_and_prints_one_form(tiny_model, capsys, tmp_path):
+    """`--expert-cache 16slots`, `--expert-cache -16` and `--switch EXPERT_CACHE=-16` ask the same: fit plans the
+    same cache from each (the switch was dropped from the plan), and help, plan text, the table and a row's note
+    name it as 4slots, never as the switch's -4; a slot count on devices the model does not fit names the model,
+    not the cache."""
+    from pyllama_pp.planning import Choices
+    fit_argv = ["fit", tiny_model, "--devices", "vdev:2x11MiB@4GBps", "-c", "512", "--json"]
+    plans = []
+    for asked in (["--expert-cache", "4slots"], ["--expert-cache", "-4"], ["--switch", "EXPERT_CACHE=-4"]):
+        assert cli.main(fit_argv + asked) == 0
+        d = json.loads(capsys.readouterr().out)
+        plans.append((d["expert_cache"], d["switches"], [x["cache_slots"] for x in d["devices"]]))
+    assert plans[0][0] == "4slots" and plans[0][1]["EXPERT_CACHE"] == -4 and len(set(map(str, plans))) == 1, plans
+    assert cli.main(fit_argv[:-1] + ["--switch", "EXPERT_CACHE=-4"]) == 0
+    text = capsys.readouterr().out
+    assert "expert cache 4slots (EXPERT_CACHE" in text and "=-4" not in text, text
+    c = Choices(command="ab", model=tiny_model, devices=("vdev:2x11MiB@4GBps",), fit="each", tg=(4,),
+                switches={"EXPERT_CACHE": -4, "GATHER": 0})
+    assert c.expert_cache.text == "4slots" and c.switches == {"GATHER": 0}
+    small = ["fit", tiny_model, "--devices", "vdev:2x8MiB@4GBps", "-c", "512", "--expert-cache", "16slots"]
+    assert cli.main(small) == 2 and "does not fit" in capsys.readouterr().err
+    helps = []
+    for cmd in ("fit", "run", "ab"):
+        with pytest.raises(SystemExit):
+            cli.main([cmd, "--help"])
+        helps.append(" ".join(capsys.readouterr().out.split()))
+    assert all("auto|SIZE|Nslots|0" in h and "such as 16slots" in h and "-16" not in h for h in helps)
+    assert cli.main(["ab", tiny_model, "--devices", "cpu", "-p", "0", "-n", "4", "-r", "1", "--expert-cache", "-4",
+                     "-o", str(tmp_path), "--json"]) == 0
+    notes = [n for r in _rows(capsys) for n in r["notes"] or []]
+    assert notes and all(n.startswith("EXPERT_CACHE=4slots did not act") for n in notes), notes
+    table = "\n".join(ln for ln in (tmp_path / "results.md").read_text().splitlines() if ln.startswith("|"))
+    assert "EXPERT_CACHE=4slots" in table and "=-4" not in table, table
