@@ -367,9 +367,9 @@ def _join_dash_values(argv: list[str]) -> list[str]:
 EXPERT_CACHE_HELP = ("the patched build's device expert cache for decode (EXPERT_CACHE): auto (what fit's plan leaves "
                      "free on each device after layers, KV, compute buffers, copies and the margin, at most every "
                      "expert of the device's host-expert layers), a size a device such as 512MiB or 2GiB (reserved "
-                     "before fit places the layers), slots a layer such as 16slots (the switch's -16), or 0 (none). The switch takes one value for every device: auto "
-                     "takes the largest that no device's free memory is short of (MiB a device, or slots a layer), and "
-                     "the plan shows each device's share")
+                     "before fit places the layers), slots a layer such as 16slots, or 0 (none). The switch takes one "
+                     "value for every device: auto takes the largest that no device's free memory is short of (MiB a "
+                     "device, or slots a layer), and the plan shows each device's share")
 
 
 def _margins_text() -> str:
@@ -477,7 +477,7 @@ def _add_measure_options(p, model_required: bool) -> None:
                         f"placement; the main job's default: {MAIN_JOB.fit})")
     p.add_argument("--margin", type=_margin_arg, default=None, metavar="SIZE[,SIZE]",
                    help=f"with --fit: memory to leave free per device (default: {_margins_text()})")
-    p.add_argument("--expert-cache", default=None, metavar="auto|SIZE|0",
+    p.add_argument("--expert-cache", default=None, metavar="auto|SIZE|Nslots|0",
                    help=EXPERT_CACHE_HELP + "; auto needs --fit or -ub auto, a size without them sets the switch as it "
                    f"is (default: fit's, {FIT.expert_cache}, where fit plans; else none)")
     p.add_argument("--resume", type=Path, metavar="DIR",

@@ -191,7 +191,7 @@ def plan_cache(plan: Plan, asked: ExpertCache, layout: Layout) -> Plan:
     for i, d in enumerate(plan.devices):
         d.cache_slots = layout.slots_at(switch, d.host_expert_layers)
         d.cache_bytes = layout.bytes_of(d.cache_slots, d.host_expert_layers)
-        if asked.slots and d.cache_bytes > room[i]:
+        if asked.slots and d.cache_bytes > max(0, room[i]):   # (no slots on a device over its target: fit's problem)
             raise ConfigError(f"--expert-cache {asked.text}: {d.name} has {max(0, room[i]) / MiB:.1f} MiB free after "
                               f"the plan, and {d.cache_slots} slots in each of its {d.host_expert_layers} host-expert "
                               f"layers take {d.cache_bytes / MiB:.1f} MiB. Fix: fewer slots, a size, or auto (what "

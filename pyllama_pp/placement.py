@@ -117,7 +117,8 @@ def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: 
             every device: the plan shows each device's share (pyllama_pp.expert_cache_plan). Here auto is what the
             placement leaves free: pyllama_pp.fit.fit then weighs it against resident layers.
         switches: the patched build's switches the dry runs measure with, NAME -> value (as a run gets them; a
-            GGML_SCHED_PP_* variable in env or this process's environment counts too, these win).
+            GGML_SCHED_PP_* variable in env or this process's environment counts too, these win); EXPERT_CACHE among
+            them, where expert_cache is not given, is planned as that expert_cache would be (MiB a device, -N slots).
     Returns:
         Plan: the plan (its devices, layers, host-expert layers, overrides, expected memory and switches).
     Raises:
@@ -188,6 +189,9 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
     ctx = fit_context(ctx)
     margins = _margins(margin, spec)
     given = dict(given or {}) if variant == "patched" else {}
+    if expert_cache is None or expert_cache == FIT.expert_cache:   # (EXPERT_CACHE given as a switch: planned alike)
+        taken, given = switches.take_expert_cache(given)
+        expert_cache = expert_cache if taken is None else taken
     force = {**switches.set_in(env), **given}   # (what the dry runs' scheduler reads)
     cache = _expert_cache(expert_cache, variant, force)
     reserved = reserved_bytes(model, spec, variant, force, cache.bytes)

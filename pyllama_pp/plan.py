@@ -24,6 +24,7 @@ GiB = 1024**3
 MiB = 1024**2
 from .switches import EXPERT_CACHE as CACHE_SWITCH
 from .switches import EXPERT_CACHE_MIN_HIT as CACHE_MIN_HIT_SWITCH
+from .switches import ExpertCache
 _EXPERT_NAMES = ("ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_exps.weight")
 _DENSE_FFN_NAMES = ("ffn_gate_inp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", "ffn_gate_shexp.weight")
 
@@ -215,13 +216,15 @@ class Plan:
             room = "/".join(f"{(d.target_bytes - d.expected_bytes) / MiB:.2f}" for d in self.devices)
             return (f"expert cache ({self.expert_cache}): none, no device with host-expert layers has room for the "
                     f"slots a token needs (free after the plan: {room} MiB)")
-        form = "MiB a device" if switch > 0 else "slots a layer"
+        form = ExpertCache.of_switch(switch).text
+        asked = f" (asked: {self.expert_cache})" if self.expert_cache != form else ""
         per = "; ".join(f"{d.name} {d.cache_bytes / MiB:.2f} MiB, {d.cache_slots} slots in each of its "
                         f"{d.host_expert_layers} host-expert layer{'s' if d.host_expert_layers > 1 else ''}"
                         for d in self.devices if d.host_expert_layers)
-        return (f"expert cache ({self.expert_cache}): {CACHE_SWITCH}={switch} ({form}, one value for every device): "
-                f"{per}; kept free on each device beside its layers (fit's target lowered by as much)" +
-                self._guard_text())
+        where = (f"{per}; kept free on each device beside its layers (fit's target lowered by as much)" if per else
+                 "no device has host-expert layers (every expert is on its device): nothing to cache")
+        return (f"expert cache {form}{asked} ({CACHE_SWITCH}, one value for every device): {where}"
+                + self._guard_text())
 
     def _guard_text(self) -> str:
         g = self.cache_guard

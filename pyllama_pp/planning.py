@@ -134,6 +134,11 @@ class Choices:
             object.__setattr__(self, "expert_cache", ExpertCache.parse(self.expert_cache))
         if self.workload is not None and not isinstance(self.workload, Workload):
             object.__setattr__(self, "workload", Workload.parse(self.workload))
+        if (self.fit or self.n_ubatch == "auto") and "patched" in self.variants:
+            # (where fit plans: --switch EXPERT_CACHE=V asks what --expert-cache does, planned the one way)
+            cache, rest = switches.take_expert_cache(self.switches, self.expert_cache)
+            object.__setattr__(self, "expert_cache", cache)
+            object.__setattr__(self, "switches", rest)
 
     @property
     def variants(self) -> list[str]:
@@ -517,12 +522,10 @@ def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
     elif c.fit:
         cfgs = [_with_fit(cfg, model, variants, c, made) for cfg in cfgs]
     notes += [n for spec in dict.fromkeys(c.devices + (c.baseline_devices or ())) for n in devspec.parse(spec).notes]
-    unplanned = _cache_switches(c).get(switches.EXPERT_CACHE)
-    if unplanned:
-        form = "MiB a device" if unplanned > 0 else "slots a layer"
-        notes.append(f"--expert-cache {c.expert_cache.text} without --fit sets {switches.EXPERT_CACHE}={unplanned} "
-                     f"({form}) as it is: no plan left room for the slots, which take device memory beside the layers; "
-                     "--fit plans them")
+    if _cache_switches(c):
+        notes.append(f"--expert-cache {c.expert_cache.text} without --fit sets the cache ({switches.EXPERT_CACHE}) as "
+                     "it is: no plan left room for the slots, which take device memory beside the layers; --fit plans "
+                     "them")
     if c.command == "ab":
         notes += cpu_only_notes(cfgs)
     return RunPlan(model=model, configs=tuple(cfgs), variants=tuple(variants), plans=tuple(made),

@@ -20,6 +20,7 @@ from typing import Iterable, Optional, Sequence, Union
 from tqdm import tqdm
 
 from . import devices as devspec
+from . import switches
 from .binding import VARIANTS
 from .config import RunConfig, config_key, load_key
 from .params import ctx_for
@@ -629,13 +630,15 @@ def _workload_rows(ci: int, cfg: RunConfig, variants: Sequence[str], rounds: int
         pl = cfg.placement_for(v)
         common = dict(variant=v, model=Path(cfg.model).name, devices=cfg.devices_for(v), host_experts=pl.label,
                       tensor_buft_overrides=";".join(pl.all_overrides()), n_ctx=ctx.n_ctx, n_batch=cfg.n_batch,
-                      n_ubatch=ctx.n_ubatch, config=ci, switches=bj.switches, **cfg_meta)
+                      n_ubatch=ctx.n_ubatch, config=ci, **cfg_meta)
         try:
             res = run_job(job, v, timeout=timeout, env=cfg.env)
         except WorkerError as e:
             mine = [Row(test="workload", error=error_text(e)[:2000], **common)]
         else:
-            mine = [Row(**common, **workload_step_row(st, res), seconds=st["seconds"]) for st in res["steps"]]
+            set_ = switches.of_run(cfg.env, bj.switches, res.get("switch_defaults")) if v == "patched" else {}
+            mine = [Row(**common, **workload_step_row(st, res), seconds=st["seconds"], switches=set_)
+                    for st in res["steps"]]
         base = {r.test: r.avg_ts for r in rows if r.variant == "baseline" and not r.error}
         for r in mine:
             if r.variant == "patched" and base.get(r.test):

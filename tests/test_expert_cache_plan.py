@@ -1,4 +1,4 @@
-"""fit plans the device expert cache (pyllama_pp.expert_cache_plan, `--expert-cache auto|SIZE|0`): the slots a layer
+"""fit plans the device expert cache (pyllama_pp.expert_cache_plan, `--expert-cache auto|SIZE|Nslots|0`): the slots a layer
 and bytes a device gets follow the native allocation's rule (and the device allocates exactly those slots); auto
 takes what the plan leaves free, with no device past it, and puts each share into the device's margin; a SIZE is
 reserved before fit places the layers, and one that leaves the model no room is a ConfigError naming the device and
@@ -23,6 +23,7 @@ from pyllama_pp.params import ContextParams
 from pyllama_pp.plan import Plan
 from pyllama_pp.row import Row, frame
 from pyllama_pp.planning import Choices, plan_runs
+from pyllama_pp.switches import ExpertCache
 from pyllama_pp.worker import run_job
 
 MiB = 1024**2
@@ -118,8 +119,8 @@ def test_auto_takes_what_the_plan_leaves_free(plans):
     sw = pa.switches["EXPERT_CACHE"]
     assert sw != 0 and {k: v for k, v in pa.switches.items() if not k.startswith("EXPERT_CACHE")} == p0.switches
     assert pa.switches["EXPERT_CACHE_MIN_HIT"] == pa.cache_guard["min_hit"]["none"]   # (its guard, from costs)
-    line = next(ln for ln in str(pa).splitlines() if "expert cache (auto)" in ln)
-    assert f"EXPERT_CACHE={sw}" in line and all(f"{d.name} {d.cache_bytes / MiB:.2f} MiB, {d.cache_slots} slots"
+    line = next(ln for ln in str(pa).splitlines() if "(asked: auto)" in ln)
+    assert f"expert cache {ExpertCache.of_switch(sw).text} (asked: auto)" in line and all(f"{d.name} {d.cache_bytes / MiB:.2f} MiB, {d.cache_slots} slots"
                                                 in line for d in pa.devices), line
     assert "margin" not in line and "kept free on each device beside its layers" in line, line   # (the margin is 0)
     d = pa.to_dict()
