@@ -20,10 +20,11 @@ from .about import about, about_text, switch_table, switches_markdown
 from .binding import VARIANTS
 from .check import check_context, check_logits
 from .defaults import (CHECK, CONTEXT, CUDA_LINK_GBPS, FIT, MAIN_JOB, MARGINS, OFFLOAD_MIN_BATCH, PAIRED, RPC_HOST,
-                       RPC_PORT, RUN, TRACE, UBATCH_CANDIDATES)
+                       RPC_PORT, RUN, TRACE, UBATCH_CANDIDATES, WORKLOADS)
 from .devices import FORMS, FORMS_HEADING
 from .errors import ConfigError, DeviceSpecError, PyllamaError
 from .fit import fit, fit_ubatch
+from .workload import Workload
 from .model_file import check_model_path
 from .params import ContextParams, Placement
 from .planning import Choices, check_switches, cpu_only_notes, main_job_model, plan_runs
@@ -51,6 +52,14 @@ def _ints(s: str) -> list[int]:
         return [int(x) for x in str(s).split(",") if x]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _workload_arg(s: str) -> str:
+    try:
+        Workload.parse(s)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
 
 
 def _positive(s: str) -> int:
@@ -136,7 +145,8 @@ def cmd_fit(args) -> int:
     kw = dict(devices=args.devices, ctx=ctx, variant=args.variant, margin=args.margin, split_mode=args.split_mode,
               check=not args.no_check, spread=spread, link_gbps=args.link_gbps, switches=switches,
               expert_cache=None if args.expert_cache is None else ExpertCache.parse(args.expert_cache, args.variant))
-    plan = fit_ubatch(args.model, shared_link=args.shared_link, n_batch=args.batch, progress=not args.json, **kw) \
+    kw.update(workload=args.workload, trace=args.trace, load_mode=args.load_mode, progress=not args.json)
+    plan = fit_ubatch(args.model, shared_link=args.shared_link, n_batch=args.batch, **kw) \
         if auto else fit(args.model, **kw)
     if args.out:
         plan.save(args.out)
@@ -247,7 +257,8 @@ def cmd_measure(args) -> int:
               "left to run; the table is its rows", file=sys.stderr)
     try:
         if workload:
-            df = runner.mixed_workload(cfgs, variants=variants, rounds=choices.reps, out_dir=out)
+            df = runner.mixed_workload(cfgs, variants=variants, rounds=choices.reps, out_dir=out,
+                                       workload=choices.workload)
         elif paired:
             df = runner.interleaved(cfgs, variants=variants, rounds=paired, out_dir=out, progress=not args.json,
                                     loads=args.loads)
@@ -356,9 +367,9 @@ def _join_dash_values(argv: list[str]) -> list[str]:
 EXPERT_CACHE_HELP = ("the patched build's device expert cache for decode (EXPERT_CACHE): auto (what fit's plan leaves "
                      "free on each device after layers, KV, compute buffers, copies and the margin, at most every "
                      "expert of the device's host-expert layers), a size a device such as 512MiB or 2GiB (reserved "
-                     "before fit places the layers), slots a layer such as 16slots (the switch's -16), or 0 (none). The switch takes one value for every device: auto "
-                     "takes the largest that no device's free memory is short of (MiB a device, or slots a layer), and "
-                     "the plan shows each device's share")
+                     "before fit places the layers), slots a layer such as 16slots, or 0 (none). The switch takes one "
+                     "value for every device: auto takes the largest that no device's free memory is short of (MiB a "
+                     "device, or slots a layer), and the plan shows each device's share")
 
 
 def _margins_text() -> str:
@@ -442,9 +453,9 @@ def _add_measure_options(p, model_required: bool) -> None:
                         f"(default: {_nums(RUN.depth)})")
     p.add_argument("-r", "--reps", type=_positive, default=RUN.reps, metavar="N",
                    help="repetitions per test; with --workload, rounds (default: %(default)s)")
-    p.add_argument("--workload", choices=["mixed"],
-                   help="mixed: prompts pp64, pp512, pp128, pp2048 from an empty cache, then tg16, in one context "
-                        "per variant, -r rounds (re-reservations and plan switches per step); -p/-n/-d are ignored")
+    p.add_argument("--workload", type=_workload_arg, metavar="NAME|pp=N,tg=N",
+                   help=f"run a workload's steps in one context per variant, -r rounds (re-reservations and plan "
+                        f"switches per step) instead of -p/-n/-d: {_workloads_text()}, or pp=N,tg=N")
     p.add_argument("--load-mode", default=RUN.load_mode, choices=["none", "mmap"],
                    help="none: no mmap, host weights pinned where possible - upstream's fastest (default: %(default)s)")
     p.add_argument("--offload-min-batch", type=int, metavar="N",
@@ -466,7 +477,7 @@ def _add_measure_options(p, model_required: bool) -> None:
                         f"placement; the main job's default: {MAIN_JOB.fit})")
     p.add_argument("--margin", type=_margin_arg, default=None, metavar="SIZE[,SIZE]",
                    help=f"with --fit: memory to leave free per device (default: {_margins_text()})")
-    p.add_argument("--expert-cache", default=None, metavar="auto|SIZE|0",
+    p.add_argument("--expert-cache", default=None, metavar="auto|SIZE|Nslots|0",
                    help=EXPERT_CACHE_HELP + "; auto needs --fit or -ub auto, a size without them sets the switch as it "
                    f"is (default: fit's, {FIT.expert_cache}, where fit plans; else none)")
     p.add_argument("--resume", type=Path, metavar="DIR",
@@ -504,6 +515,10 @@ def _add_ab(sub) -> None:
     p.set_defaults(func=cmd_measure)
 
 
+def _workloads_text() -> str:
+    return "; ".join(f"{k} ({', '.join(f'{a}{n}' for a, n in v)})" for k, v in WORKLOADS.items())
+
+
 def _add_fit(sub) -> None:
     p = sub.add_parser("fit", help="plan layers and host experts on the devices with a variant's fit (common/fit.cpp)",
                        formatter_class=_HelpFormatter, epilog="device specs (--devices):" + FORMS)
@@ -524,8 +539,18 @@ def _add_fit(sub) -> None:
     p.add_argument("--margin", type=_margin_arg, default=None, metavar="SIZE[,SIZE]",
                    help="memory to leave free on each device, one value or one per device "
                         f"(default: {_margins_text()}; upstream's on CUDA, VDEV budgets are exact)")
-    p.add_argument("--expert-cache", default=None, metavar="auto|SIZE|0",
+    p.add_argument("--expert-cache", default=None, metavar="auto|SIZE|Nslots|0",
                    help=EXPERT_CACHE_HELP + f" (default: {FIT.expert_cache}; the patched variant)")
+    p.add_argument("--workload", type=_workload_arg, default=FIT.workload, metavar="NAME|pp=N,tg=N",
+                   help=f"what the plan is for: with --expert-cache auto fit weighs each device's memory between "
+                        f"resident expert layers and cache slots by the time it predicts for it: {_workloads_text()}, "
+                        "or pp=N,tg=N (default: %(default)s)")
+    p.add_argument("--trace", metavar="T.npz",
+                   help="a trace of the model's decode (`pyllama-pp trace`) for the cache's hit rates (default: a "
+                        "synthetic model's routing, else a published prior, named in the plan)")
+    p.add_argument("--load-mode", default=CONTEXT.load_mode, choices=["none", "mmap"],
+                   help="how the run will keep host weights: mmap's cache misses cross the pageable link (default: "
+                        "%(default)s)")
     p.add_argument("--spread", default="equal", metavar="equal|links|W0,W1",
                    help="the patched fit's shares of host-expert layers: equal, links (by each device's host link "
                         "rate: a VDEV's own, on CUDA --link-gbps) or one weight per device (default: %(default)s)")

@@ -60,7 +60,7 @@ def cache_dir() -> Path:
 KEY_SAMPLE_BYTES = 1 << 20
 
 
-def _model_key(model: Union[str, os.PathLike]) -> str:
+def model_key(model: Union[str, os.PathLike]) -> str:
     """The model named by its content, not its path: its size and a hash of its first MiB (the GGUF header) and a
     MiB at each quarter of the file and its end, so the same file copied to another folder reuses the probe's
     measurements and replicas (a path or a date would measure it again)."""
@@ -97,7 +97,7 @@ def replica(model: Union[str, os.PathLike], n_moe_layers: int, out_dir: Optional
     if n_moe_layers < 1 or keep > n_layer:
         raise ConfigError(f"a replica of {Path(model).name} with {n_moe_layers} MoE layers needs {keep} layers; the "
                           f"model has {n_layer}")
-    out = Path(out_dir or cache_dir()) / f"{Path(model).stem}-{_model_key(model)}-L{keep}.gguf"
+    out = Path(out_dir or cache_dir()) / f"{Path(model).stem}-{model_key(model)}-L{keep}.gguf"
     if out.exists():
         return out
     reader = gguf.GGUFReader(str(model))
@@ -170,7 +170,7 @@ class _Device:
         self.reps, self.timeout, self.cache = reps, timeout, cache
         self.n_hi = min(REPLICA_LAYERS[1], moe_layers(model))
         self.n_lo = max(1, min(REPLICA_LAYERS[0], self.n_hi - 1))
-        key = hashlib.sha1(json.dumps([_model_key(model), spec, os.environ.get("GGML_CUDA_DEVICES", ""), variant,
+        key = hashlib.sha1(json.dumps([model_key(model), spec, os.environ.get("GGML_CUDA_DEVICES", ""), variant,
                                        self.n_lo, self.n_hi]).encode()).hexdigest()[:16]
         self.path = cache_dir() / f"compute-{key}.json"
         self.data = {"device": spec, "runs": {}, "calibration": {}}

@@ -58,8 +58,10 @@ class Defaults:
         check_every: the soak's calls between logits checkpoints.
         seed: the seed of random tokens (and of the paired interval's bootstrap).
         budget: seconds a probe may spend measuring before it estimates the rest (the compute probe).
-        expert_cache: the patched build's device expert cache fit plans (EXPERT_CACHE): "auto" (what the plan leaves
-            free on each device), a size ("512MiB": that much a device, reserved) or 0 (none).
+        expert_cache: the patched build's device expert cache fit plans (EXPERT_CACHE): "auto" (fit weighs cache slots
+            against resident expert layers for the workload), a size ("512MiB": that much a device, reserved), slots
+            a layer ("16slots") or 0 (none).
+        workload: what fit plans the memory for (pyllama_pp.workload.Workload: a name of WORKLOADS or "pp=N,tg=N").
     """
 
     variant: Optional[str] = None
@@ -88,6 +90,7 @@ class Defaults:
     seed: Optional[int] = None
     budget: Optional[float] = None
     expert_cache: Optional[Union[str, int]] = None
+    workload: Optional[str] = None
 
 
 # llama.cpp's own context defaults (llama_context_default_params, common's n_batch / n_ubatch); threads: every
@@ -114,8 +117,15 @@ MAIN_JOB_MODEL = {"preset": "tiny", "seed": 1, "n_layer": 7}   # its model: synt
 
 # fit plans for llama's context sizes; its API's devices are two VDEVs (each needs a memory budget to be planned)
 FIT = Defaults(variant="patched", devices="vdev:2x0@0", split_mode="layer", n_ctx=4096, n_batch=2048, n_ubatch=512,
-               timeout=600,
-               expert_cache=0)   # no device expert cache planned ("auto": what each device has free after the plan)
+               timeout=600, expert_cache="auto", workload="chat")
+
+# what fit plans memory for and `run` / `ab --workload` run in one context: steps ("pp" | "tg", tokens). chat: a turn
+# of a chat with a long system prompt and history (a 2048-token prompt, then 256 tokens decoded); prompt: one long
+# prompt (llama-bench-like pp16384, the prompt sweeps' length); decode: 128 tokens decoded (the decode tables' tg128);
+# mixed: a server's load, prompts of alternating lengths each from an empty
+# cache, then decoding right after the last one
+WORKLOADS = {"chat": (("pp", 2048), ("tg", 256)), "prompt": (("pp", 16384),), "decode": (("tg", 128),),
+             "mixed": (("pp", 64), ("pp", 512), ("pp", 128), ("pp", 2048), ("tg", 16))}
 
 # the logits check: two unthrottled VDEVs, several ubatches in flight (n_batch 4 x n_ubatch)
 CHECK = Defaults(devices="vdev:2x0@0", host_experts="all", n_ctx=512, n_batch=256, n_ubatch=64, n_tokens=256, seed=0,

@@ -25,6 +25,7 @@ from typing import Sequence
 
 from . import devices as devspec
 from .defaults import CONTEXT, threads
+from .model_file import expert_bytes_per_layer, expert_layout
 from .errors import ConfigError, OutOfMemoryError
 from .plan import MiB, Plan
 from .switches import EXPERT_CACHE as SWITCH
@@ -80,6 +81,20 @@ class Layout:
         return max(0, min(self.n_expert, int((room - self.other(layers)) // (self.slot_bytes * layers))))
 
 
+def layout_of(model, n_expert: int) -> Layout:
+    """The model's slots: one expert of a layer in every expert tensor, the experts a token uses.
+
+    Args:
+        model: the GGUF file.
+        n_expert: experts per MoE layer.
+    Returns:
+        Layout.
+    """
+    n_used, weights = expert_layout(model)
+    return Layout(slot_bytes=expert_bytes_per_layer(model) / n_expert, n_expert=n_expert, n_used=n_used,
+                  weights=weights)
+
+
 def auto_switch(layout: Layout, layers: Sequence[int], room: Sequence[int]) -> int:
     """The EXPERT_CACHE value that caches the most experts with no device past its room (0: none has room for the
     n_used slots a token needs): the largest M MiB (a device whose layers take every expert in less does not bound
@@ -127,7 +142,7 @@ def break_even_hit(cpu_gbps: float, link_gbps: float, dev_gbps: float) -> float:
     return 1.0 - link_gbps * (1.0 / cpu_gbps - 1.0 / dev_gbps)
 
 
-def _percent(h: float) -> int:
+def percent(h: float) -> int:
     """A break-even hit rate as the guard's switch value: whole percent, at least 1 (0 turns the guard off), at most
     100 (every layer goes to the CPU path once its window is seen)."""
     return min(100, max(1, math.ceil(h * 100)))
@@ -148,7 +163,7 @@ def guard(plan: Plan) -> dict:
         per[source] = [break_even_hit(cpu, ln.get(f"{source}_gbps") or ln.get("pageable_gbps"), r)
                        for ln, r in zip(links, dev)]
     caching = [i for i, d in enumerate(plan.devices) if d.cache_slots > 0] or range(len(plan.devices))
-    min_hit = {mode: _percent(max(per[source][i] for i in caching))
+    min_hit = {mode: percent(max(per[source][i] for i in caching))
                for mode, source in (("none", "pinned"), ("mmap", "pageable"))}
     return {"break_even": {k: [round(h, 4) for h in v] for k, v in per.items()}, "min_hit": min_hit,
             "cpu_gbps": round(cpu, 3), "dev_gbps": [round(r, 3) for r in dev]}
@@ -176,7 +191,7 @@ def plan_cache(plan: Plan, asked: ExpertCache, layout: Layout) -> Plan:
     for i, d in enumerate(plan.devices):
         d.cache_slots = layout.slots_at(switch, d.host_expert_layers)
         d.cache_bytes = layout.bytes_of(d.cache_slots, d.host_expert_layers)
-        if asked.slots and d.cache_bytes > room[i]:
+        if asked.slots and d.cache_bytes > max(0, room[i]):   # (no slots on a device over its target: fit's problem)
             raise ConfigError(f"--expert-cache {asked.text}: {d.name} has {max(0, room[i]) / MiB:.1f} MiB free after "
                               f"the plan, and {d.cache_slots} slots in each of its {d.host_expert_layers} host-expert "
                               f"layers take {d.cache_bytes / MiB:.1f} MiB. Fix: fewer slots, a size, or auto (what "
@@ -190,6 +205,27 @@ def plan_cache(plan: Plan, asked: ExpertCache, layout: Layout) -> Plan:
         plan.cache_guard = guard(plan)
         if plan.cache_guard:
             plan.switches[GUARD_SWITCH] = plan.cache_guard["min_hit"]["none"]
+    return plan
+
+
+def drop_cache(plan: Plan) -> Plan:
+    """A plan's cache taken out again (auto's share given back to each device's target, the switch and its guard
+    dropped; the measured rates and break-even kept).
+
+    Args:
+        plan: a patched plan, with or without a cache.
+    Returns:
+        Plan: the same plan, without a cache.
+    """
+    if not plan.expert_cache:
+        return plan
+    for i, d in enumerate(plan.devices):
+        if not ExpertCache.parse(plan.expert_cache).mib:
+            plan.margins[i] -= d.cache_bytes
+            d.target_bytes += d.cache_bytes
+        d.cache_slots = d.cache_bytes = 0
+    plan.switches = {k: v for k, v in plan.switches.items() if k not in (SWITCH, GUARD_SWITCH)}
+    plan.expert_cache = ""
     return plan
 
 

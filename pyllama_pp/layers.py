@@ -8,10 +8,11 @@ FLOORS = (
     (("_version", "errors", "_cdef", "defaults", "layers"),
      "the version; one exception hierarchy; the shim's cdef; the table of defaults; this list"),
     (("binding",), "one variant's cffi module in this process"),
-    (("_pin", "devices.base", "params", "counters", "stats", "rpc.network", "rpc.relay", "rpc.client", "expert_trace"),
+    (("_pin", "devices.base", "params", "counters", "stats", "rpc.network", "rpc.relay", "rpc.client", "expert_trace",
+      "workload"),
      "data: the upstream pin, what every device kind shares (`DeviceSpec`, the registry), `Placement` / "
      "`ContextParams` (frozen, checked once), counter sums, statistics (`nmse`, `paired_ci`); ggml RPC's transport: "
-     "bytes per ubatch, the loopback relay, the client's side; an expert trace"),
+     "bytes per ubatch, the loopback relay, the client's side; an expert trace; a `Workload` (steps a user runs)"),
     (("model_file", "switches", "rpc"),
      "a GGUF file: its format, its header read once, a ModelError before native code reads it, the facts fit needs; "
      "the patched build's switches: names, prefix, user values parsed once (`ExpertCache`), how they reach C; the "
@@ -19,9 +20,10 @@ FLOORS = (
     (("synth",), "synthetic GGUFs"),
     (("devices.cpu", "devices.cuda", "devices.vdev", "devices.rpc"), "one module per device kind"),
     (("devices",), "the registry of kinds and the public API of device specs"),
-    (("plan", "jobs", "row", "expert_cache_sim"),
+    (("plan", "jobs", "row", "expert_cache_sim", "decode_model"),
      "a fit `Plan`; the worker contract (one dataclass per job kind, `Job.load_key`); `Row` (the result row's fields, "
-     "types and values, its JSONL/CSV writer, `frame`); expert-cache hit rates simulated on a trace"),
+     "types and values, its JSONL/CSV writer, `frame`); expert-cache hit rates simulated on a trace; a decoded token's cost by where each layer's experts are"),
+    (("hit_curve",), "the expert cache's hit rate by its size: a trace, a synthetic model's routing, or a prior"),
     (("session", "servers.planning", "servers.serve", "expert_cache_plan", "overlap_plan", "layer_major_plan"),
      "`Session` over two owners, `LoadedModel` and `Context`; fit's sums for RPC servers; a server of this machine's "
      "devices; one planner per mechanism: the device expert cache, OVERLAP's early copies, LAYER_MAJOR's groups"),
@@ -40,7 +42,9 @@ FLOORS = (
     (("compute", "placement"),
      "the compute probe (a layer's compute on a device, measured); fit's placement (its dry runs, with each "
      "mechanism's plan)"),
-    (("planner",), "(n_batch, n_ubatch) chosen by predicted throughput; the probe is handed in"),
+    (("decode_probe",), "what a decoded token costs on a device, measured on the compute probe's replicas"),
+    (("planner", "memory_plan"), "(n_batch, n_ubatch) chosen by predicted throughput, the probe handed in; each "
+     "device's memory between resident expert layers and cache slots, by the workload's predicted time"),
     (("fit", "soak", "check", "trace", "about"),
      "fit as users call it (`fit`, `fit_ubatch` with the probe), the soak's API, the logits check, expert traces, what "
      "this install is (`pyllama-pp info`)"),

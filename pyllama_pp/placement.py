@@ -90,7 +90,7 @@ def spread_weights(spread, spec: devspec.DeviceSpec, link_gbps=None) -> list:
 def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: str = FIT.variant,
         margin=None, split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True,
         env: Optional[dict] = None, timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None,
-        expert_cache=FIT.expert_cache, switches: Optional[dict] = None) -> Plan:
+        expert_cache=None, switches: Optional[dict] = None) -> Plan:
     """Plan the placement of `model` on `devices` with `variant`'s fit (run in a worker process).
 
     Args:
@@ -113,10 +113,12 @@ def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: 
         expert_cache: the patched build's device expert cache for decode (EXPERT_CACHE): "auto" (what the plan leaves
             free on each device, at most every expert of its host-expert layers), a size such as "512MiB" (that much
             a device, reserved before placing), slots a layer such as "16slots", an ExpertCache, or 0 (none;
-            default: FIT's). The switch takes one value for every device: the plan shows each device's share
-            (pyllama_pp.expert_cache_plan).
+            None: FIT's, auto, which a switch that sets EXPERT_CACHE leaves out). The switch takes one value for
+            every device: the plan shows each device's share (pyllama_pp.expert_cache_plan). Here auto is what the
+            placement leaves free: pyllama_pp.fit.fit then weighs it against resident layers.
         switches: the patched build's switches the dry runs measure with, NAME -> value (as a run gets them; a
-            GGML_SCHED_PP_* variable in env or this process's environment counts too, these win).
+            GGML_SCHED_PP_* variable in env or this process's environment counts too, these win); EXPERT_CACHE among
+            them, where expert_cache is not given, is planned as that expert_cache would be (MiB a device, -N slots).
     Returns:
         Plan: the plan (its devices, layers, host-expert layers, overrides, expected memory and switches).
     Raises:
@@ -171,7 +173,7 @@ def reserved_bytes(model, spec: devspec.DeviceSpec, variant: str, force: dict,
 def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, margin=None,
               split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None,
               timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None, checked: bool = False,
-              rates: Sequence[str] = (), expert_cache=FIT.expert_cache, group_bytes: bool = True,
+              rates: Sequence[str] = (), expert_cache=None, group_bytes: bool = True,
               given: Optional[dict] = None) -> Plan:
     """fit's plan before its check (`check` decides whether the patched build plans again without OVERLAP=2's
     copies where they leave no room); `checked`: the caller ran check_inputs (fit_ubatch, once for all its
@@ -187,6 +189,9 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
     ctx = fit_context(ctx)
     margins = _margins(margin, spec)
     given = dict(given or {}) if variant == "patched" else {}
+    if expert_cache is None or expert_cache == FIT.expert_cache:   # (EXPERT_CACHE given as a switch: planned alike)
+        taken, given = switches.take_expert_cache(given)
+        expert_cache = expert_cache if taken is None else taken
     force = {**switches.set_in(env), **given}   # (what the dry runs' scheduler reads)
     cache = _expert_cache(expert_cache, variant, force)
     reserved = reserved_bytes(model, spec, variant, force, cache.bytes)
@@ -231,8 +236,10 @@ def _expert_cache(value, variant: str, force: dict) -> ExpertCache:
     """expert_cache as ExpertCache.parse gives it (None: FIT's default for the patched build); beside an EXPERT_CACHE
     the switches set, none planned where it is the default (the switch is kept as set, as OVERLAP's is), refused
     where one was asked."""
-    default = value is None or value == FIT.expert_cache
-    cache = ExpertCache.parse(FIT.expert_cache if value is None and variant == "patched" else value, variant)
+    default = value is None
+    if default and variant != "patched":
+        return ExpertCache()   # (the baseline has none to plan)
+    cache = ExpertCache.parse(FIT.expert_cache if value is None else value, variant)
     if cache and force.get(switches.EXPERT_CACHE) is not None:
         if default:
             return ExpertCache()
@@ -246,10 +253,7 @@ def _plan_expert_cache(plan: Plan, cache: ExpertCache, model) -> Plan:
     """The device expert cache written into a patched plan (expert_cache_plan.plan_cache), from the model's experts."""
     if not cache or not plan.n_expert:
         return plan
-    n_used, weights = expert_layout(model)
-    layout = expert_cache_plan.Layout(slot_bytes=expert_bytes_per_layer(model) / plan.n_expert,
-                                      n_expert=plan.n_expert, n_used=n_used, weights=weights)
-    return expert_cache_plan.plan_cache(plan, cache, layout)
+    return expert_cache_plan.plan_cache(plan, cache, expert_cache_plan.layout_of(model, plan.n_expert))
 
 
 def _rates_path() -> Path:

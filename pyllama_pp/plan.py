@@ -24,6 +24,7 @@ GiB = 1024**3
 MiB = 1024**2
 from .switches import EXPERT_CACHE as CACHE_SWITCH
 from .switches import EXPERT_CACHE_MIN_HIT as CACHE_MIN_HIT_SWITCH
+from .switches import ExpertCache
 _EXPERT_NAMES = ("ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_exps.weight")
 _DENSE_FFN_NAMES = ("ffn_gate_inp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", "ffn_gate_shexp.weight")
 
@@ -140,6 +141,9 @@ class Plan:
         cache_guard: where the expert cache is planned: the hit rate above which a layer's cached path costs less
             than the CPU path, per device and link ("pinned", "pageable"), the guard's switch value for each load mode
             ("min_hit": {"none": P, "mmap": P}), the rates it came from, and why (expert_cache_plan.guard).
+        memory_plan: where fit weighed the cache against resident expert layers (expert cache "auto",
+            pyllama_pp.memory_plan): the workload, the hit-rate curve and the decode costs it priced with, every
+            alternative with its prediction, the one chosen and why ({}: not weighed).
     """
 
     variant: str
@@ -175,6 +179,7 @@ class Plan:
     layer_major: dict = field(default_factory=dict)
     cpu_expert_gbps: dict = field(default_factory=dict)   # the host CPU's decode expert op, {threads: GB/s}
     cache_guard: dict = field(default_factory=dict)       # the cache's break-even hit rates (expert_cache_plan.guard)
+    memory_plan: dict = field(default_factory=dict)       # the cache weighed against resident layers (memory_plan)
 
     # -- views -----------------------------------------------------------------------------------------------
     @property
@@ -211,20 +216,24 @@ class Plan:
             room = "/".join(f"{(d.target_bytes - d.expected_bytes) / MiB:.2f}" for d in self.devices)
             return (f"expert cache ({self.expert_cache}): none, no device with host-expert layers has room for the "
                     f"slots a token needs (free after the plan: {room} MiB)")
-        form = "MiB a device" if switch > 0 else "slots a layer"
+        form = ExpertCache.of_switch(switch).text
+        asked = f" (asked: {self.expert_cache})" if self.expert_cache != form else ""
         per = "; ".join(f"{d.name} {d.cache_bytes / MiB:.2f} MiB, {d.cache_slots} slots in each of its "
                         f"{d.host_expert_layers} host-expert layer{'s' if d.host_expert_layers > 1 else ''}"
                         for d in self.devices if d.host_expert_layers)
-        return (f"expert cache ({self.expert_cache}): {CACHE_SWITCH}={switch} ({form}, one value for every device): "
-                f"{per}; kept free on each device beside its layers (fit's target lowered by as much)" +
-                self._guard_text())
+        where = (f"{per}; kept free on each device beside its layers (fit's target lowered by as much)" if per else
+                 "no device has host-expert layers (every expert is on its device): nothing to cache")
+        return (f"expert cache {form}{asked} ({CACHE_SWITCH}, one value for every device): {where}"
+                + self._guard_text())
 
     def _guard_text(self) -> str:
         g = self.cache_guard
         if not g:
             return ""
         pinned, mmap = g["min_hit"]["none"], g["min_hit"]["mmap"]
-        rates = (f"the host CPU's expert op {g['cpu_gbps']:.3g} GB/s, the devices' own read "
+        rates = ("a token's cost per layer on each path as the decode probe measured it, the links as fit measured "
+                 "them" if g.get("from") == "decode probe" else
+                 f"the host CPU's expert op {g['cpu_gbps']:.3g} GB/s, the devices' own read "
                  f"{'/'.join(f'{r:.3g}' for r in g['dev_gbps'])} GB/s, their links as measured")
         if pinned >= 100:
             return (f"\n  guard {CACHE_MIN_HIT_SWITCH}=100: the cache does not pay on these devices ({rates}): each "
@@ -247,7 +256,7 @@ class Plan:
             del d["expert_cache"]
         if not self.layer_major:   # (without LAYER_MAJOR a plan is the one made without the switch)
             del d["layer_major"]
-        for key in ("cpu_expert_gbps", "cache_guard"):   # (not measured: the plan reads as one made before them)
+        for key in ("cpu_expert_gbps", "cache_guard", "memory_plan"):   # (not measured: the plan reads as one made before them)
             if not d[key]:
                 del d[key]
         return d
@@ -261,7 +270,7 @@ class Plan:
             dict: the plan's switches, with the expert cache's guard at its break-even for the link a miss takes in
             that load mode (pageable for "mmap").
         """
-        min_hit = self.cache_guard.get("min_hit", {}).get(load_mode)
+        min_hit = self.cache_guard.get("min_hit", {}).get(load_mode) if self.switches.get(CACHE_SWITCH) else None
         return {**self.switches, CACHE_MIN_HIT_SWITCH: min_hit} if min_hit is not None else dict(self.switches)
 
     @classmethod
@@ -328,6 +337,8 @@ class Plan:
                 + (f"; host staging copy {self.host_copy_gbps:.3g} GB/s" if self.host_copy_gbps else ""))
         if self.expert_cache:
             lines.append(f"  {self.cache_text}")
+        if self.memory_plan:
+            lines += _memory_plan_lines(self.memory_plan)
         if self.spread_weights:
             lines.append(f"  spread: host-expert layers weighted {', '.join(f'{w:g}' for w in self.spread_weights)}")
         if self.ubatch_auto:
@@ -436,7 +447,9 @@ class Plan:
 def _layer_major_text(plan: Plan) -> str:
     """Plan.layer_major in words: the group size and what it keeps on each device."""
     lm, nb, ub = plan.layer_major, plan.ctx.get("n_batch"), plan.ctx.get("n_ubatch")
-    head = f"LAYER_MAJOR={lm['switch']}: "
+    if not lm["switch"]:
+        return f"LAYER_MAJOR {lm.get('why', 'off')}"
+    head = f"LAYER_MAJOR={lm['switch']}" + (f" ({lm['why']})" if lm.get("why") else "") + ": "
     if lm["group"] < 2:
         return head + (f"no groups (n_batch {nb} holds one ubatch of {ub})" if any(plan.host_expert_layers)
                        else "no groups (no host experts to upload)")
@@ -448,6 +461,25 @@ def _layer_major_text(plan: Plan) -> str:
         text += (f"; without the switch fit keeps host-expert layers {lm['without']['host_expert_layers']} "
                  f"(here {plan.host_expert_layers})")
     return text
+
+
+def _memory_plan_lines(m: dict) -> list[str]:
+    """The memory planner's alternatives and choice, as the plan prints them."""
+    w = m["workload"]
+    steps = ", ".join(f"{k}{n}" for k, n in w["steps"])
+    if not m.get("alternatives"):
+        return [f"  memory: weighed for the workload {w['name']} ({steps}): {m['why']}"]
+    lines = [f"  memory: weighed for the workload {w['name']} ({steps}), load mode {m['load_mode']}; hit rates: "
+             f"{m['curve']['source']}; chose {m['why']}"]
+    for i, a in enumerate(m["alternatives"]):
+        cache = (f"{a['slots']} slots a layer ({sum(a['cache_bytes']) / MiB:.0f} MiB, hits {a['hit']:.0%})"
+                 if a["slots"] else "no slots")
+        pred = (f"decode {a['decode_ts']:.1f} t/s" + (f", prompts +{a['prompt_extra_s']:.3f} s"
+                                                     if a["prompt_extra_s"] else "") + f", {a['seconds']:.2f} s"
+                if a["fits"] else "no room")
+        lines.append(f"    {'*' if i == m['chosen'] else ' '} {a['name']:<18} resident expert layers "
+                     f"{'/'.join(map(str, a['resident']))}, {cache}: {pred}")
+    return lines
 
 
 def _row_text(row: dict) -> str:

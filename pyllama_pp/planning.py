@@ -28,6 +28,7 @@ from .model_file import block_count, check_model_path
 from .params import INT32_MAX, ContextParams, Placement
 from .plan import Plan
 from .switches import ExpertCache
+from .workload import Workload
 
 CPU_ONLY_NOTE = ("--devices cpu (the default with a model): no accelerator, so no mechanism of the series acts and "
                  "both variants run the same CPU path. Name devices to measure it: --devices cuda (or cuda:0,1), or "
@@ -86,7 +87,7 @@ class Choices:
         tg: generation lengths (empty: none).
         depth: tokens in the context before each test.
         reps: repetitions per test; a workload's rounds.
-        workload: "mixed" for runner.MIXED_WORKLOAD in one context instead of the tests.
+        workload: a Workload (or a name of defaults.WORKLOADS, "pp=N,tg=N") run in one context instead of the tests.
         load_mode: "none" or "mmap".
         offload_min_batch: GGML_OP_OFFLOAD_MIN_BATCH for both variants' workers.
         switches: the patched build's switches, NAME -> value (switches.parse_given).
@@ -116,7 +117,7 @@ class Choices:
     tg: Optional[tuple] = None
     depth: tuple = RUN.depth
     reps: int = RUN.reps
-    workload: Optional[str] = None
+    workload: Optional[Workload] = None
     load_mode: str = RUN.load_mode
     offload_min_batch: Optional[int] = None
     switches: dict = field(default_factory=dict)
@@ -131,6 +132,13 @@ class Choices:
     def __post_init__(self):
         if self.expert_cache is not None and not isinstance(self.expert_cache, ExpertCache):   # (parsed once, here)
             object.__setattr__(self, "expert_cache", ExpertCache.parse(self.expert_cache))
+        if self.workload is not None and not isinstance(self.workload, Workload):
+            object.__setattr__(self, "workload", Workload.parse(self.workload))
+        if (self.fit or self.n_ubatch == "auto") and "patched" in self.variants:
+            # (where fit plans: --switch EXPERT_CACHE=V asks what --expert-cache does, planned the one way)
+            cache, rest = switches.take_expert_cache(self.switches, self.expert_cache)
+            object.__setattr__(self, "expert_cache", cache)
+            object.__setattr__(self, "switches", rest)
 
     @property
     def variants(self) -> list[str]:
@@ -418,6 +426,7 @@ def _ubatch_auto(c: Choices, model: str, progress: bool) -> tuple[Choices, Optio
         return c, None
     n_ctx = c.n_ctx or max(c.pp) + max(c.depth, default=0) + AUTO_CTX_SPARE
     plan = fit_ubatch(model, devices=c.devices[0], margin=c.margin, expert_cache=c.expert_cache, n_tokens=max(c.pp),
+                      workload=Workload.of_tests(c.pp, c.tg),
                       n_batch=max(c.n_batch) if c.n_batch else None, load_mode=c.load_mode, progress=progress,
                       ctx=ContextParams(n_ctx=n_ctx, n_batch=CONTEXT.n_batch, n_ubatch=CONTEXT.n_ubatch),
                       switches=c.switches)   # (the switches' memory and groups, planned)
@@ -459,7 +468,8 @@ def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, m
     plans, run_switches = {}, dict(cfg.switches)
     for v in (["patched"] if c.fit == "same" else variants):
         p = fit(model, devices=cfg.devices_for(v), ctx=ctx, variant=v, margin=c.margin, env=cfg.env or None,
-                expert_cache=c.expert_cache if v == "patched" else None, switches=cfg.switches)
+                expert_cache=c.expert_cache if v == "patched" else None, switches=cfg.switches,
+                workload=_tests_workload(cfg), load_mode=c.load_mode)
         made.append(p)
         plans[v] = p.placement(c.load_mode, source="fit")
         if v == "patched":
@@ -467,6 +477,11 @@ def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, m
     if c.fit == "same":
         plans = {v: plans["patched"] for v in variants}
     return dataclasses.replace(cfg, plans=plans, switches=run_switches)
+
+
+def _tests_workload(cfg: RunConfig) -> Workload:
+    """A config's own tests as the workload fit plans its memory for."""
+    return Workload.of_tests([t[1] for t in cfg.tests if t[0] == "pp"], [t[1] for t in cfg.tests if t[0] == "tg"])
 
 
 def cpu_only_notes(configs: Sequence[RunConfig]) -> list[str]:
@@ -507,12 +522,10 @@ def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
     elif c.fit:
         cfgs = [_with_fit(cfg, model, variants, c, made) for cfg in cfgs]
     notes += [n for spec in dict.fromkeys(c.devices + (c.baseline_devices or ())) for n in devspec.parse(spec).notes]
-    unplanned = _cache_switches(c).get(switches.EXPERT_CACHE)
-    if unplanned:
-        form = "MiB a device" if unplanned > 0 else "slots a layer"
-        notes.append(f"--expert-cache {c.expert_cache.text} without --fit sets {switches.EXPERT_CACHE}={unplanned} "
-                     f"({form}) as it is: no plan left room for the slots, which take device memory beside the layers; "
-                     "--fit plans them")
+    if _cache_switches(c):
+        notes.append(f"--expert-cache {c.expert_cache.text} without --fit sets the cache ({switches.EXPERT_CACHE}) as "
+                     "it is: no plan left room for the slots, which take device memory beside the layers; --fit plans "
+                     "them")
     if c.command == "ab":
         notes += cpu_only_notes(cfgs)
     return RunPlan(model=model, configs=tuple(cfgs), variants=tuple(variants), plans=tuple(made),

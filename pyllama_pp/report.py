@@ -26,27 +26,42 @@ WAIT_CAUSES = {
     "upload": "issuing host-weight uploads (blocks while a device's queue is full)",
 }
 
-# what the table's columns mean, printed under it (and in results.md)
-LEGEND = """\
-- **t/s**: avg_ts ± stddev_ts over the repetitions (llama-bench's columns), **reps** of them (with `--paired`: the
-  rounds); **error**: the run failed (its message is under the table and in the rows' `error` column); **speedup**:
-  patched / baseline avg_ts, and with `--paired` the median of the paired rounds' ratios with its 95% interval.
-- **PP b/p**: pipeline parallelism on or off in the baseline / patched build. **coverage**: the share of the
-  host-resident experts that the routing used per ubatch.
-- **bytes/dev b, p**: host-to-device bytes per device per run (what crossed each link), baseline and patched.
-- **bound t/s**: the patched build's throughput if every link moved its bytes at its rate and nothing else took time
-  (links), and the same with the pipeline's fill and drain (with fill).
-""" + textwrap.fill("- **re-reservations, waits**: graph re-reservations of the patched build (each drains the "
-                    "pipeline), and the time its host thread waited, with the largest cause: "
-                    + "; ".join(f"*{k}*: {v}" for k, v in WAIT_CAUSES.items()) + ".", width=118, subsequent_indent="  ",
-                    break_on_hyphens=False)
-SWITCHES_NOTE = textwrap.fill("- **patched switches**: the patched scheduler's switches the run set to other than their "
-                              "defaults (`--switch`, a plan's, `GGML_SCHED_PP_*`); the others at their defaults "
-                              "(`pyllama-pp info`).", width=118, subsequent_indent="  ", break_on_hyphens=False)
-CACHE_NOTE = textwrap.fill("- **cache hits**: the patched build's device expert cache (EXPERT_CACHE, `--expert-cache`): "
-                           "its hits over its lookups, all devices (empty where it looked nothing up; where it looked "
-                           f"up fewer than {MIN_HIT_RATE_LOOKUPS} times, the lookups instead of a rate).", width=118,
-                           subsequent_indent="  ", break_on_hyphens=False)
+# what the table's columns mean, printed under it (and in results.md): an entry for the columns it names, each where
+# one of them is printed
+LEGEND = (
+    (("baseline t/s", "patched t/s"), "**t/s**: avg_ts ± stddev_ts over the repetitions (llama-bench's columns)."),
+    (("reps",), "**reps**: the repetitions behind each t/s (with `--paired`: the rounds)."),
+    (("speedup",), "**speedup**: patched / baseline avg_ts, and with `--paired` the median of the paired rounds' ratios "
+                   "with its 95% interval."),
+    (("PP b/p",), "**PP b/p**: pipeline parallelism on or off in the baseline / patched build."),
+    (("coverage",), "**coverage**: the share of the host-resident experts that the routing used per ubatch."),
+    (("bytes/dev b", "bytes/dev p"), "**bytes/dev b, p**: host-to-device bytes per device per run (what crossed each "
+                                     "link), baseline and patched."),
+    (("bound t/s",), "**bound t/s**: the patched build's throughput if every link moved its bytes at its rate and "
+                     "nothing else took time (links), and the same with the pipeline's fill and drain (with fill)."),
+    (("re-reservations, waits",), "**re-reservations, waits**: graph re-reservations of the patched build (each drains "
+                                  "the pipeline), and the time its host thread waited, with the largest cause: "
+                                  + "; ".join(f"*{k}*: {v}" for k, v in WAIT_CAUSES.items()) + "."),
+    (("patched switches",), "**patched switches**: the patched scheduler's switches the run set to other than their "
+                            "defaults (`--switch`, a plan's, `GGML_SCHED_PP_*`); the others at their defaults "
+                            "(`pyllama-pp info`)."),
+    (("cache hits (patched)",), "**cache hits**: the patched build's device expert cache (EXPERT_CACHE, "
+                                "`--expert-cache`): its hits over its lookups, all devices (empty where it looked "
+                                "nothing up; where it looked up fewer than "
+                                f"{MIN_HIT_RATE_LOOKUPS} times, the lookups instead of a rate)."),
+)
+# said of the t/s columns where a run failed
+ERROR_NOTE = "**error**: the run failed (its message is under the table and in the rows' `error` column)."
+
+
+def legend(cols: list[str], with_error: bool = False) -> str:
+    """The legend of a table with columns `cols`: the entries (LEGEND) of the columns printed, none of one left out,
+    each a "- " item wrapped to TEXT_WIDTH; with_error: a t/s cell reads **error** somewhere."""
+    items = [text + (f" {ERROR_NOTE}" if with_error and "baseline t/s" in names else "")
+             for names, text in LEGEND if any(c in cols for c in names)]
+    return "".join(_wrap_item(f"- {text}") + "\n" for text in items)
+
+
 DECODE_NOTE = ("- **tg rows without `--paired`**: each variant's model was loaded once, and where a process's memory "
                "lands moves decode by a few percent; for a decode claim use `--paired N --loads K` (an interval).")
 
@@ -205,13 +220,10 @@ def fmt_bytes(b) -> str:
 
 
 def switches_text(r) -> str:
-    """The patched switches a row's run set (its `switches`, and GGML_SCHED_PP_* in its environment), "NAME=V ..."."""
-    if r is None:
-        return ""
-    env = r.get("env") if isinstance(r.get("env"), dict) else {}
-    given = switches.in_env(env)
-    given.update(r.get("switches") if isinstance(r.get("switches"), dict) else {})
-    return " ".join(f"{k}={v}" for k, v in sorted(given.items()))
+    """The patched switches a row's run set, "NAME=V ...": its `switches` (those of its environment, `--switch` and
+    its plan, off their defaults: switches.of_run), EXPERT_CACHE in --expert-cache's form (switches.shown)."""
+    given = r.get("switches") if r is not None and isinstance(r.get("switches"), dict) else {}
+    return " ".join(f"{k}={switches.shown(k, v)}" for k, v in sorted(given.items()))
 
 
 def _groups(df) -> list:
@@ -349,10 +361,8 @@ def markdown(df) -> str:
     unpaired_tg = "test" in df and df["test"].astype(str).str.startswith("tg").any() and (
         "speedup_ci_lo" not in df or df["speedup_ci_lo"].isna().all())
     notes = "".join(_wrap_item(f"- note: {n}") + "\n" for n in row_notes(df))
-    return ("\n".join(table) + "\n\n" + notes + ("\n" if notes else "") + LEGEND
-            + ("\n" + SWITCHES_NOTE if with_switches else "")
-            + ("\n" + CACHE_NOTE if with_cache else "")
-            + ("\n" + _wrap_item(DECODE_NOTE) if unpaired_tg else "") + "\n")
+    return ("\n".join(table) + "\n\n" + notes + ("\n" if notes else "") + legend(cols, any_failed(df))
+            + (_wrap_item(DECODE_NOTE) + "\n" if unpaired_tg else ""))
 
 
 def cache_lookups(r) -> int:

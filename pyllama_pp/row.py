@@ -55,7 +55,8 @@ class Row:
         label, config, config_key: the configuration's label, its index in its sweep, and a hash of what it
             measures (a resumed sweep reuses rows with the same key).
         env, switches, build, machine, date: the environment, the patched build's switches the run set to other
-            than their defaults ({} for the baseline), the build, the machine and when.
+            than their defaults (its environment's, `--switch` and a plan's; {} for the baseline), the build, the
+            machine and when.
         contention: what other processes took of the CPU while the config ran (stats.Contention's fields; None
             where it was not watched: RPC devices, workloads).
         error: why the run failed (then avg_ts is NaN); None when it did not.
@@ -140,7 +141,7 @@ class Row:
     config: Optional[int] = None                 # the configuration's index in its sweep
     config_key: Optional[str] = None             # a hash of what the configuration measures (resume)
     env: Optional[dict] = None
-    switches: Optional[dict] = None              # the patched build's switches off their defaults
+    switches: Optional[dict] = None              # the patched build's switches off their defaults (switches.of_run)
     error: Optional[str] = None                  # why the run failed (then avg_ts is NaN)
     notes: Optional[list] = None                 # a switch that could not act in the run, and why
     build: Optional[dict] = None

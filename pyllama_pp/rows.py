@@ -98,21 +98,6 @@ def cache_hit_rate(ext: dict) -> Optional[float]:
     return hits / (hits + misses)
 
 
-def set_switches(given: dict, defaults: Optional[dict]) -> dict:
-    """The switches of `given` whose value differs from the switch table's default (`defaults`, NAME -> value, as the
-    run's worker returned them: no worker of its own): a plan's OVERLAP=2 is the default, not a switch the run set.
-    All of `given` where the defaults are not known (an older result)."""
-    if not defaults:
-        return dict(given)
-
-    def differs(name, value) -> bool:
-        try:
-            return int(value) != defaults[str(name).upper()]
-        except (KeyError, TypeError, ValueError):
-            return True
-    return {k: v for k, v in given.items() if differs(k, v)}
-
-
 def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> list[Row]:
     """A row per test of a measure job's result `res` for `variant` (counters per run: divided by the reps)."""
     rows = []
@@ -192,7 +177,8 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
             "expert_cache_switches": (None if all_gpus(ext, "cache_leaves", reps) is None else
                                       all_gpus(ext, "cache_leaves", reps) + all_gpus(ext, "cache_returns", reps)),
             "label": cfg.label, "config_key": config_key(cfg),
-            "switches": set_switches(cfg.switches, res.get("switch_defaults")) if variant == "patched" else {},
+            "switches": (switches.of_run(cfg.env, cfg.switches, res.get("switch_defaults")) if variant == "patched"
+                         else {}),
             **meta}))
         rows[-1].notes = idle_switch_notes(cfg, rows[-1], ext) or None
     return rows
@@ -241,7 +227,8 @@ def idle_switch_notes(cfg: RunConfig, row: Row, ext: dict) -> list[str]:
                    f"ubatches of {ub_tokens} tokens, whose expert ops the devices compute on uploaded copies")
         else:
             why = "no expert op of the test read the slots"
-        notes.append(f"EXPERT_CACHE={params[switches.EXPERT_CACHE]} did not act: {why}")
+        notes.append(f"EXPERT_CACHE={switches.shown(switches.EXPERT_CACHE, params[switches.EXPERT_CACHE])} did not "
+                     f"act: {why}")
     return notes
 
 

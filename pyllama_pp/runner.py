@@ -20,6 +20,7 @@ from typing import Iterable, Optional, Sequence, Union
 from tqdm import tqdm
 
 from . import devices as devspec
+from . import switches
 from .binding import VARIANTS
 from .config import RunConfig, config_key, load_key
 from .params import ctx_for
@@ -31,6 +32,7 @@ from .row import Row, RowWriter, frame, read_rows
 from .rows import error_rows, error_text, meta, rows_from_result, workload_step_row
 from .stats import CpuWatch, paired_ci
 from .worker.client import ServingWorker, check_switch_env, run_job
+from .workload import Workload
 
 SWEEP_FILE = "sweep.json"
 
@@ -567,9 +569,8 @@ def _paired_rows(cur: _Rounds, variants: Sequence[str], got: dict, failed: dict,
     return per_v
 
 
-# a server's mixed load in one context (`pyllama-pp run/ab --workload mixed`): prompts of alternating
-# lengths, each from an empty cache, then decoding right after the last one
-MIXED_WORKLOAD = [["pp", 64], ["pp", 512], ["pp", 128], ["pp", 2048], ["tg", 16]]
+# a server's mixed load in one context (`pyllama-pp run/ab --workload mixed`, defaults.WORKLOADS)
+MIXED_WORKLOAD = Workload.parse("mixed").as_list()
 
 
 def workload_ctx(workload: list, n_ctx: Optional[int] = None) -> int:
@@ -588,7 +589,7 @@ def mixed_workload(configs: Union[RunConfig, Iterable[RunConfig]], variants: Seq
         configs: one RunConfig or several (their tests are not used; the context is sized for the workload).
         variants: which builds run it.
         rounds: how many times the workload runs in the one context.
-        workload: steps ["pp" or "tg", tokens] (default MIXED_WORKLOAD).
+        workload: a Workload, or steps ["pp" or "tg", tokens] (default MIXED_WORKLOAD).
         timeout: seconds per worker.
         out_dir: a folder for results.jsonl and results.csv, written as each variant finishes (None: nothing).
     Returns:
@@ -601,7 +602,7 @@ def mixed_workload(configs: Union[RunConfig, Iterable[RunConfig]], variants: Seq
         OSError: when out_dir cannot be written.
     """
     cfgs = _as_configs(configs)
-    workload = MIXED_WORKLOAD if workload is None else workload
+    workload = MIXED_WORKLOAD if workload is None else workload.as_list() if isinstance(workload, Workload) else workload
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ConfigError(f"rounds must be a whole number of at least 1, got {rounds!r}")
     bad = [st for st in workload if not (isinstance(st, (list, tuple)) and len(st) == 2 and st[0] in ("pp", "tg")
@@ -629,13 +630,15 @@ def _workload_rows(ci: int, cfg: RunConfig, variants: Sequence[str], rounds: int
         pl = cfg.placement_for(v)
         common = dict(variant=v, model=Path(cfg.model).name, devices=cfg.devices_for(v), host_experts=pl.label,
                       tensor_buft_overrides=";".join(pl.all_overrides()), n_ctx=ctx.n_ctx, n_batch=cfg.n_batch,
-                      n_ubatch=ctx.n_ubatch, config=ci, switches=bj.switches, **cfg_meta)
+                      n_ubatch=ctx.n_ubatch, config=ci, **cfg_meta)
         try:
             res = run_job(job, v, timeout=timeout, env=cfg.env)
         except WorkerError as e:
             mine = [Row(test="workload", error=error_text(e)[:2000], **common)]
         else:
-            mine = [Row(**common, **workload_step_row(st, res), seconds=st["seconds"]) for st in res["steps"]]
+            set_ = switches.of_run(cfg.env, bj.switches, res.get("switch_defaults")) if v == "patched" else {}
+            mine = [Row(**common, **workload_step_row(st, res), seconds=st["seconds"], switches=set_)
+                    for st in res["steps"]]
         base = {r.test: r.avg_ts for r in rows if r.variant == "baseline" and not r.error}
         for r in mine:
             if r.variant == "patched" and base.get(r.test):

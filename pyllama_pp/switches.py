@@ -61,6 +61,27 @@ def in_force(variant: str, env: Optional[dict] = None) -> dict:
     return {k: int(v) for k, v in set_in(env).items() if re.fullmatch(r"-?\d+", str(v).strip())}
 
 
+def off_defaults(given: dict, defaults: Optional[dict]) -> dict:
+    """The switches of `given`, NAME -> value, whose value differs from the switch table's default (`defaults`, NAME ->
+    value, as the run's worker returned them); all of `given` where the defaults are not known (an older result)."""
+    if not defaults:
+        return dict(given)
+
+    def differs(name, value) -> bool:
+        try:
+            return int(value) != defaults[str(name).upper()]
+        except (KeyError, TypeError, ValueError):
+            return True
+    return {k: v for k, v in given.items() if differs(k, v)}
+
+
+def of_run(env: Optional[dict], given: Optional[dict], defaults: Optional[dict]) -> dict:
+    """The switches a patched run set, NAME -> value, as rows and tables list them: the variables of this process's
+    environment and `env` (the worker's), then `given` over them (`--switch`, a plan's), each only where its value
+    differs from the table default (off_defaults): one rule for all three ways a switch is set."""
+    return off_defaults({**in_force("patched", env), **(given or {})}, defaults)
+
+
 def to_env(switches: Optional[dict]) -> dict:
     """Switches, NAME -> value, as environment variables (for a process this package does not start as a worker)."""
     return {var(k): str(v) for k, v in (switches or {}).items()}
@@ -162,8 +183,42 @@ class ExpertCache:
         """How plans, rows and messages name it: "auto", "512MiB", "16slots", or "" (none)."""
         return "auto" if self.auto else f"{self.mib}MiB" if self.mib else f"{self.slots}slots" if self.slots else ""
 
+    @staticmethod
+    def of_switch(switch) -> "ExpertCache":
+        """The cache an EXPERT_CACHE value asks for (M > 0: M MiB a device; -N: N slots a layer; 0: none).
 
-__all__ = ["PREFIX", "var", "in_env", "set_in", "in_force", "to_env", "parse_given", "ExpertCache", "OVERLAP",
-           "UPLOAD_ALL", "UPLOAD_ALL_MIN", "UPLOAD_ALL_MIN_COV", "LINKS", "RPC_HOST", "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT",
-           "LAYER_MAJOR"]
+        Raises:
+            ConfigError: for a value that is not an integer or has more slots than the switch takes.
+        """
+        try:
+            v = int(switch)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{EXPERT_CACHE}={switch!r}: the value must be an integer (MiB a device, or -N: N "
+                              "slots a layer)") from None
+        return ExpertCache.parse(f"{-v}slots" if v < 0 else f"{v}MiB" if v else 0)
 
+
+def take_expert_cache(given: dict, asked=None) -> tuple:
+    """`--switch EXPERT_CACHE=V` read as `--expert-cache` would be (ExpertCache.of_switch), where the cache is not
+    asked otherwise (`asked` None): (the cache, `given` without the switch), so that fit plans it the one way; (asked,
+    given) as they are where it is asked (a switch beside it is a conflict its caller names) or not set."""
+    if asked is not None or EXPERT_CACHE not in (given or {}):
+        return asked, given
+    rest = dict(given)
+    return ExpertCache.of_switch(rest.pop(EXPERT_CACHE)), rest
+
+
+def shown(name: str, value) -> str:
+    """A switch's value as tables and messages print it: EXPERT_CACHE in --expert-cache's form ("16slots" for -16,
+    "512MiB" for 512), the others as they are."""
+    if str(name).upper() == EXPERT_CACHE:
+        try:
+            return ExpertCache.of_switch(value).text or "0"
+        except ConfigError:
+            pass
+    return str(value)
+
+
+__all__ = ["PREFIX", "var", "in_env", "set_in", "in_force", "off_defaults", "of_run", "to_env", "parse_given",
+           "ExpertCache", "take_expert_cache", "shown", "OVERLAP", "UPLOAD_ALL", "UPLOAD_ALL_MIN", "UPLOAD_ALL_MIN_COV",
+           "LINKS", "RPC_HOST", "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT", "LAYER_MAJOR"]

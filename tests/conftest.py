@@ -13,7 +13,11 @@ from typing import Optional
 import numpy as np
 import pytest
 
+import sys
+
+import pyllama_pp.fit  # noqa: F401  (the module: the package's attribute `fit` is the function)
 from pyllama_pp import synth
+from pyllama_pp.decode_model import DecodeCosts
 from pyllama_pp.stats import max_abs_diff, nmse
 from pyllama_pp.worker import run_job
 
@@ -26,6 +30,19 @@ def pytest_configure(config):
     if name.startswith("gw") and hasattr(os, "sched_setaffinity"):
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[int(name[2:]) % len(cores)]})
+
+# the costs fit's memory planner prices decode with in tests: a device no faster than the host CPU (a VDEV computes
+# with the host's kernels), so that no cache pays and a plan does not move with this machine's load (the decode probe
+# times replicas: tests/test_memory_plan.py states its own costs, the probe's own test is marked measured_decode)
+STATED_DECODE = DecodeCosts("stated: a device no faster than the host CPU", outside_s=1e-3, resident_s=5e-4,
+                            cpu_s=5e-4, cached_s=6e-4)
+
+
+@pytest.fixture(autouse=True)
+def _stated_decode_costs(request, monkeypatch):
+    if "measured_decode" not in request.keywords:
+        monkeypatch.setattr(sys.modules["pyllama_pp.fit"], "decode_costs", lambda model, devices, **kw: {-1: STATED_DECODE})
+
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT = 120.0          # seconds; a tiny-model job takes well under one

@@ -104,7 +104,7 @@ def test_the_cache_names_the_model_by_content_not_by_path(tiny_model, tmp_path):
     os.utime(copy, (1, 1))
     path = lambda m: compute._Device(m, "vdev:1x0@0", [-1], "baseline", reps=1, timeout=60, cache=False).path
     assert path(str(copy)) == path(tiny_model)
-    assert compute._model_key(copy) == compute._model_key(tiny_model)
+    assert compute.model_key(copy) == compute.model_key(tiny_model)
     other = tmp_path / "other.gguf"
     data = bytearray(copy.read_bytes())
     data[-1] ^= 0xFF   # (the last weight's last byte)

@@ -1,4 +1,4 @@
-"""fit plans the device expert cache (pyllama_pp.expert_cache_plan, `--expert-cache auto|SIZE|0`): the slots a layer
+"""fit plans the device expert cache (pyllama_pp.expert_cache_plan, `--expert-cache auto|SIZE|Nslots|0`): the slots a layer
 and bytes a device gets follow the native allocation's rule (and the device allocates exactly those slots); auto
 takes what the plan leaves free, with no device past it, and puts each share into the device's margin; a SIZE is
 reserved before fit places the layers, and one that leaves the model no room is a ConfigError naming the device and
@@ -12,15 +12,18 @@ import json
 import pandas as pd
 import pytest
 
+import pyllama_pp
 from pyllama_pp import cli, devices as devspec, report, synth
+from pyllama_pp.defaults import FIT
 from pyllama_pp.errors import ConfigError
 from pyllama_pp.expert_cache_plan import Layout, auto_switch
-from pyllama_pp.fit import fit
+from pyllama_pp.placement import fit  # (auto: the leftover, the memory planner's start: tests/test_memory_plan.py)
 from pyllama_pp.placement import reserved_bytes
 from pyllama_pp.params import ContextParams
 from pyllama_pp.plan import Plan
 from pyllama_pp.row import Row, frame
 from pyllama_pp.planning import Choices, plan_runs
+from pyllama_pp.switches import ExpertCache
 from pyllama_pp.worker import run_job
 
 MiB = 1024**2
@@ -116,8 +119,8 @@ def test_auto_takes_what_the_plan_leaves_free(plans):
     sw = pa.switches["EXPERT_CACHE"]
     assert sw != 0 and {k: v for k, v in pa.switches.items() if not k.startswith("EXPERT_CACHE")} == p0.switches
     assert pa.switches["EXPERT_CACHE_MIN_HIT"] == pa.cache_guard["min_hit"]["none"]   # (its guard, from costs)
-    line = next(ln for ln in str(pa).splitlines() if "expert cache (auto)" in ln)
-    assert f"EXPERT_CACHE={sw}" in line and all(f"{d.name} {d.cache_bytes / MiB:.2f} MiB, {d.cache_slots} slots"
+    line = next(ln for ln in str(pa).splitlines() if "(asked: auto)" in ln)
+    assert f"expert cache {ExpertCache.of_switch(sw).text} (asked: auto)" in line and all(f"{d.name} {d.cache_bytes / MiB:.2f} MiB, {d.cache_slots} slots"
                                                 in line for d in pa.devices), line
     assert "margin" not in line and "kept free on each device beside its layers" in line, line   # (the margin is 0)
     d = pa.to_dict()
@@ -163,10 +166,11 @@ def test_a_size_too_large_names_the_device_and_its_free_memory(model, usage_erro
 
 
 def test_no_cache_leaves_the_plan_as_it_was(plans, model):
-    """0 (the default, FIT's) and "0" give the same plan, its JSON without a cache field, its text without a cache
-    line, no reservation; the baseline's fit takes no cache."""
+    """0 and "0" give the same plan, its JSON without a cache field, its text without a cache line, no reservation;
+    the default is auto (FIT's); the baseline's fit takes no cache."""
     p0, default = plans(0), fit(model, devices=SPEC, ctx=CTX, timeout=120)
-    for p in (plans("0"), default):
+    assert default.expert_cache == "auto" == FIT.expert_cache
+    for p in (plans("0"),):
         assert _without_time(p.to_dict()) == _without_time(p0.to_dict())
         assert str(p).split("\n", 2)[2] == str(p0).split("\n", 2)[2]
     d = p0.to_dict()
@@ -178,11 +182,16 @@ def test_no_cache_leaves_the_plan_as_it_was(plans, model):
         fit(model, devices=SPEC, ctx=CTX, variant="baseline", expert_cache="auto")
 
 
-def test_the_cli_gives_the_apis_plan(plans, model, capsys):
-    assert cli.main(["fit", model, "--devices", SPEC, "-c", "512", "-b", "512", "-ub", "128", "--expert-cache", "auto",
-                     "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert doc.pop("pyllama_pp_plan") == 1 and _without_time(doc) == _without_time(plans("auto").to_dict())
+def test_the_cli_gives_the_apis_plan(model, capsys):
+    """fit on the CLI is pyllama_pp.fit: the same plan, auto weighed for the same workload (the decode probe's costs
+    cached between them), a slot count as given."""
+    for cache in ("auto", "8slots"):
+        assert cli.main(["fit", model, "--devices", SPEC, "-c", "512", "-b", "512", "-ub", "128", "--expert-cache",
+                         cache, "--workload", "pp=64,tg=16", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        api = pyllama_pp.fit(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache=cache, workload="pp=64,tg=16")
+        assert doc.pop("pyllama_pp_plan") == 1 and _without_time(doc) == _without_time(api.to_dict())
+        assert bool(api.memory_plan) == (cache == "auto")
 
 
 # --- run and ab -------------------------------------------------------------------------------------------------
@@ -190,12 +199,12 @@ def test_the_cli_gives_the_apis_plan(plans, model, capsys):
 def test_run_and_ab_take_it_as_fit_does(model):
     """--expert-cache on run / ab is fit's: the CLI and Choices give equal configs; with --fit each only the patched
     plan has the cache (the baseline never gets the switch); a size without a fit is the switch as it is."""
-    argv = ["ab", model, "--devices", SPEC, "--fit", "--expert-cache", "auto", "-p", "0", "-n", "8"]
+    argv = ["ab", model, "--devices", SPEC, "--fit", "--expert-cache", "8slots", "-p", "0", "-n", "8"]
     by_cli = plan_runs(cli.choices_from_args(cli.build_parser().parse_args(argv)))
-    by_api = plan_runs(Choices(model=model, devices=(SPEC,), fit="each", expert_cache="auto", pp=(), tg=(8,)))
+    by_api = plan_runs(Choices(model=model, devices=(SPEC,), fit="each", expert_cache="8slots", pp=(), tg=(8,)))
     assert by_cli.configs == by_api.configs
     patched, baseline = sorted(by_api.plans, key=lambda p: p.variant != "patched")
-    assert patched.expert_cache == "auto" and "EXPERT_CACHE" in patched.switches
+    assert patched.expert_cache == "8slots" and patched.switches["EXPERT_CACHE"] == -8
     assert baseline.expert_cache == "" and "EXPERT_CACHE" not in baseline.switches
     cfg = by_api.configs[0]
     assert cfg.switches["EXPERT_CACHE"] == patched.switches["EXPERT_CACHE"] and cfg.job("baseline").switches == {}
@@ -220,21 +229,21 @@ def test_run_shows_the_hit_rate_beside_ts(model, capsys):
     """run --fit --expert-cache auto on a decode test: each row's hit rate is the devices' hits over their lookups,
     and the table shows it beside t/s; without a cache the column is left out."""
     argv = ["run", model, "--fit", "--devices", SPEC, "-p", "0", "-n", "16", "-r", "1"]
-    assert cli.main(argv + ["--expert-cache", "auto", "--json"]) == 0
+    assert cli.main(argv + ["--expert-cache", "8slots", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     for r in rows:
         lookups = r["expert_cache_hits"] + r["expert_cache_misses"]
         assert lookups > 0 and r["expert_cache_hit_rate"] == pytest.approx(r["expert_cache_hits"] / lookups), r
-    assert cli.main(argv + ["--expert-cache", "auto"]) == 0
+    assert cli.main(argv + ["--expert-cache", "8slots"]) == 0
     head = capsys.readouterr().out.splitlines()[0].split()
     assert head[head.index("stddev_ts") + 1] == "expert_cache_hit_rate", head
-    assert cli.main(argv) == 0
+    assert cli.main(argv + ["--expert-cache", "0"]) == 0
     out = capsys.readouterr().out
     assert "expert_cache_hit_rate" not in out and "stddev_ts" in out
 
 
 def test_ab_markdown_shows_the_patched_hit_rate(model, capsys, tmp_path):
-    assert cli.main(["ab", model, "--fit", "same", "--devices", SPEC, "--expert-cache", "auto", "-p", "0", "-n", "16",
+    assert cli.main(["ab", model, "--fit", "same", "--devices", SPEC, "--expert-cache", "8slots", "-p", "0", "-n", "16",
                      "-r", "1", "-o", str(tmp_path), "--json"]) == 0
     rows = {r["variant"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert rows["baseline"]["expert_cache_hit_rate"] is None and rows["baseline"]["switches"] == {}
@@ -276,13 +285,13 @@ def test_the_break_even_weighs_the_cpus_read_against_a_miss_over_the_link():
     """A layer's cached path (the device's read, plus a copy of each miss) costs what the CPU path does at
     h* = 1 - link (1/cpu - 1/dev): a GPU that reads far faster than the host with a link near the CPU's rate pays
     from a low hit rate; a slow (pageable) link needs many hits; a device no faster than the host never pays."""
-    from pyllama_pp.expert_cache_plan import _percent, break_even_hit
+    from pyllama_pp.expert_cache_plan import percent, break_even_hit
     h = break_even_hit(cpu_gbps=60, link_gbps=50, dev_gbps=2000)
     assert h == pytest.approx(1 - 50 * (1 / 60 - 1 / 2000)) and 0.15 < h < 0.25
     assert break_even_hit(60, 10, 2000) > 0.8 > h                       # (pageable: the same cache needs more hits)
     assert break_even_hit(60, 50, 60) == 1.0 and break_even_hit(60, 50, 30) > 1.0   # (a VDEV: the host's kernels)
     assert break_even_hit(10, 200, 2000) < 0                            # (a miss costs less than the CPU's read)
-    assert (_percent(h), _percent(1.3), _percent(-2.0), _percent(0.5)) == (20, 100, 1, 50)
+    assert (percent(h), percent(1.3), percent(-2.0), percent(0.5)) == (20, 100, 1, 50)
 
 
 def test_a_cache_on_vdevs_is_guarded_back_to_the_cpu_path(plans, model):

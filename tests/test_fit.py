@@ -372,7 +372,8 @@ def test_ubatch_auto_picks_the_fastest_pair_the_bytes_bound_predicts(model):
     from pyllama_pp.predict import batch_choices, predict, predicted_ts
     from pyllama_pp.model_file import expert_bytes_per_layer
     ctx = ContextParams(n_ctx=1024, n_batch=256, n_ubatch=128)
-    p = fit_ubatch(model, devices=TWO_EQUAL, ctx=ctx, timeout=120, count_compute=False)
+    p = fit_ubatch(model, devices=TWO_EQUAL, ctx=ctx, timeout=120, count_compute=False, switches={"LAYER_MAJOR": 0},
+                   expert_cache=0)   # (the search alone: no groups, no cache, whose guard keeps the links first kept)
     tried = {c["n_ubatch"]: c for c in p.ubatch_auto}
     assert sorted(tried) == [64, 128, 256, 512, 1024]
     ok = {u: c for u, c in tried.items() if c.get("predicted_ts")}
@@ -778,9 +779,11 @@ def test_ubatch_auto_with_groups_takes_a_smaller_ubatch(model, fake_compute):
     from pyllama_pp.layer_major_plan import layer_major_group
     fake_compute(lambda u: 1e-6 + 1e-8 * u)   # (seconds a layer a token rise with n_ubatch, as a GPU's past its best)
     kw = dict(devices=LM_SLOW, ctx=ContextParams(n_ctx=1280), n_tokens=1024, candidates=(32, 128), timeout=120)
-    without = fit_ubatch(model, **kw)
-    assert without.ctx["n_ubatch"] == 128 and "LAYER_MAJOR" not in without.switches and not without.layer_major
+    without = fit_ubatch(model, env=_layer_major(0), **kw)
+    assert without.ctx["n_ubatch"] == 128 and not without.switches.get("LAYER_MAJOR") and not without.layer_major
     p = fit_ubatch(model, env=_layer_major(1), **kw)
+    default = fit_ubatch(model, **kw)   # (the switch not set: -ub auto weighs it, and takes it here)
+    assert default.switches["LAYER_MAJOR"] == 1 and default.ctx == p.ctx and "predicted" in default.layer_major["why"]
     rows = {r["n_ubatch"]: r for r in p.ubatch_auto}
     assert p.ctx["n_ubatch"] == 32 and p.predicted_ts == max(r["predicted_ts"] for r in rows.values())
     assert p.switches["LAYER_MAJOR"] == 1 and p.layer_major["group"] == rows[32]["group"] == layer_major_group(p) > 1

@@ -10,8 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pyllama_pp import Placement, RunConfig, cli, fit, report, runner, synth
-from pyllama_pp import rows as runner_rows
+from pyllama_pp import Placement, RunConfig, cli, fit, report, runner, switches, synth
 from pyllama_pp.check import check_logits
 from pyllama_pp.plan import DevicePlan
 
@@ -106,7 +105,7 @@ def _frame(error: bool) -> pd.DataFrame:
 def test_tables_and_plots_explain_themselves(tmp_path):
     md = report.markdown(_frame(error=True))
     assert "vdev:8MiB@1GBps,6MiB@1GBps,5MiB@1GBps" in md and '{"kind"' not in md   # a JSON spec, written short
-    assert "**error**" in md and "**PP b/p**" in md and "**bound t/s**" in md and "**speedup**" in md
+    assert "**error**" in md and "**PP b/p**" in md and "**speedup**" in md
     assert "tg rows without `--paired`" in md   # an unpaired decode row says what it is
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # (matplotlib's tight_layout warning on long labels, for one)
@@ -133,6 +132,36 @@ def test_the_main_jobs_table_fits_a_terminal_and_shows_the_reps():
     cols = [c.strip() for c in table[0].split("|")]
     assert [c.strip() for c in table[2].split("|")][cols.index("reps")] == "3", table
     assert "bound t/s" not in cols and "coverage" not in cols and "patched switches" not in cols, cols
+
+
+def _legend_entries(md: str) -> set[str]:
+    """The column names the legend under a table explains (its "- **name**:" items)."""
+    import re
+    return set(re.findall(r"^- \*\*([^*]+)\*\*:", md, flags=re.M))
+
+
+def test_the_legend_lists_only_the_columns_printed():
+    """Every column of the table that needs a word has its legend entry, and the legend has no entry for a column the
+    table left out (no bound, no coverage, no switches, no cache; then all of them); **error** only where a run
+    failed."""
+    def columns(md):
+        return {c.strip() for c in md.splitlines()[0].split("|") if c.strip()}
+
+    named = {"t/s": {"baseline t/s", "patched t/s"}, "bytes/dev b, p": {"bytes/dev b", "bytes/dev p"},
+             "cache hits": {"cache hits (patched)"}}
+    plain = {"devices", "host experts", "n_batch", "n_ubatch", "test"}
+    df = _frame(error=False).assign(coverage=None, pipeline_parallel=None)
+    full = _frame(error=False).assign(bound_ts=900.0, h2d_bytes_per_device=[[2 ** 20]] * 4, samples_ts=[[1.0, 2.0]] * 4,
+                                      host_wait_s=[{"ids": 0.1}] * 4, re_reservations=0, expert_cache_hit_rate=0.5,
+                                      switches=[{"GATHER": 0}] * 4)
+    for frame in (df, full):
+        md = report.markdown(frame)
+        notes = {"tg rows without `--paired`"}   # (a word on the rows, not a column)
+        explained = set().union(*(named.get(e, {e}) for e in _legend_entries(md) - notes))
+        assert explained == columns(md) - plain, (explained ^ (columns(md) - plain), md)
+        assert "**error**" not in md
+    assert {"bound t/s", "coverage", "reps", "PP b/p"} <= _legend_entries(report.markdown(full))
+    assert "**error**" in report.markdown(_frame(error=True))
 
 
 def test_the_plot_marks_a_failed_run(tmp_path, monkeypatch):
@@ -283,9 +312,28 @@ def test_a_switch_at_its_default_is_not_listed_as_set(tiny_model, capsys, tmp_pa
     assert rows["patched"]["switches"] == {"GATHER": 0} and rows["baseline"]["switches"] == {}, rows["patched"]
     table = "\n".join(ln for ln in (tmp_path / "results.md").read_text().splitlines() if ln.startswith("|"))
     assert "GATHER=0" in table and "OVERLAP=2" not in table, table
-    assert runner_rows.set_switches({"OVERLAP": 2, "LAYER_MAJOR": 1}, {"OVERLAP": 2, "LAYER_MAJOR": 0}) == \
+    assert switches.off_defaults({"OVERLAP": 2, "LAYER_MAJOR": 1}, {"OVERLAP": 2, "LAYER_MAJOR": 0}) == \
         {"LAYER_MAJOR": 1}
-    assert runner_rows.set_switches({"OVERLAP": 2}, None) == {"OVERLAP": 2}   # (defaults unknown: as given)
+    assert switches.off_defaults({"OVERLAP": 2}, None) == {"OVERLAP": 2}   # (defaults unknown: as given)
+
+
+def test_a_switch_variable_at_its_default_is_not_listed_as_set(tiny_model, capsys, tmp_path, monkeypatch):
+    """The environment's switch variables go through the rule `--switch` and plan switches do (switches.of_run): one
+    at its default is not listed, one off it is, in the rows and the table, for a measured A/B and a workload; a
+    `--switch` wins over the variable of the same name."""
+    assert switches.of_run({switches.var("GATHER"): "1"}, {"LAYER_MAJOR": 0}, {"GATHER": 1, "LAYER_MAJOR": 0}) == {}
+    monkeypatch.setenv(switches.var(switches.OVERLAP), "2")
+    monkeypatch.setenv(switches.var("GATHER"), "0")
+    monkeypatch.setenv(switches.var(switches.UPLOAD_ALL), "0")
+    common = [tiny_model, "--devices", "vdev:2x0@0", "-b", "64", "-ub", "32", "--switch", "UPLOAD_ALL=1", "--json"]
+    for argv, out in ((["ab", "-p", "64", "-n", "0", "-r", "1"], tmp_path / "ab"),
+                      (["ab", "--workload", "mixed", "-r", "1"], tmp_path / "mixed")):
+        assert cli.main(argv[:1] + common + argv[1:] + ["-o", str(out)]) == 0
+        rows = _rows(capsys)
+        assert rows and all(r["switches"] == ({"GATHER": 0} if r["variant"] == "patched" else {}) for r in rows), \
+            [(r["variant"], r["switches"]) for r in rows]
+        table = "\n".join(ln for ln in (out / "results.md").read_text().splitlines() if ln.startswith("|"))
+        assert "GATHER=0" in table and "OVERLAP" not in table and "UPLOAD_ALL" not in table, table
 
 
 def test_a_switch_that_cannot_act_says_why_in_the_row_and_on_stderr(tiny_model, capsys):
@@ -302,7 +350,7 @@ def test_a_switch_that_cannot_act_says_why_in_the_row_and_on_stderr(tiny_model, 
     room, = notes(["--devices", "vdev:2x3MiB@0.2GBps", "-b", "512", "-ub", "32"] + lm)
     assert "16 ubatches" in room and "no room for a group's graph" in room and "--fit" in room, room
     cpu = notes(["--devices", "cpu", "-b", "512", "-ub", "32", "--switch", "EXPERT_CACHE=1"] + lm)
-    assert [n.split(":")[0] for n in cpu] == ["LAYER_MAJOR=1 did not act", "EXPERT_CACHE=1 did not act"], cpu
+    assert [n.split(":")[0] for n in cpu] == ["LAYER_MAJOR=1 did not act", "EXPERT_CACHE=1MiB did not act"], cpu
     assert all("the CPU alone" in n for n in cpu), cpu
     prompt, = notes(["--devices", "vdev:2x256MiB@0.2GBps", "-b", "512", "-ub", "32", "--switch", "EXPERT_CACHE=1"])
     assert "below op offload's threshold (32 tokens: decode)" in prompt and "ubatches of 32 tokens" in prompt, prompt
@@ -331,7 +379,7 @@ def test_expert_cache_options_name_the_real_cause(plan_file, tiny_model, usage_e
     assert "more than a device of --devices vdev:2x5MiB@4GBps has (5 MiB)" in line, line
     notes = plan_runs(Choices(command="run", model=tiny_model, devices=("vdev:2x256MiB@4GBps",), expert_cache="1MiB",
                               pp=(), tg=(4,))).notes
-    assert any("sets EXPERT_CACHE=1 (MiB a device) as it is: no plan left room" in n for n in notes), notes
+    assert any("1MiB without --fit sets the cache (EXPERT_CACHE) as it is: no plan left room" in n for n in notes), notes
     line = usage_error(["run", "--plan", str(plan_file), "--expert-cache", "auto"])
     assert "was made without an expert cache" in line and "already" not in line, line
     line = usage_error(["ab", tiny_model, "--devices", "vdev:2x8MiB@4GBps", "-ub", "auto", "--fit", "each", "-p", "256"])
@@ -394,3 +442,38 @@ def test_a_value_not_measured_reads_the_same_in_every_table():
                 Row(variant="patched", test="tg16", avg_ts=5.0, coverage=None)])
     table = report.text_table(df, ["variant", "test", "avg_ts", "coverage"])
     assert "NaN" not in table and "None" not in table and table.splitlines()[2].split()[-1] == "-", table
+
+
+def test_the_cache_takes_the_switchs_slot_form_and_prints_one_form(tiny_model, capsys, tmp_path):
+    """`--expert-cache 16slots`, `--expert-cache -16` and `--switch EXPERT_CACHE=-16` ask the same: fit plans the
+    same cache from each (the switch was dropped from the plan), and help, plan text, the table and a row's note
+    name it as 4slots, never as the switch's -4; a slot count on devices the model does not fit names the model,
+    not the cache."""
+    from pyllama_pp.planning import Choices
+    fit_argv = ["fit", tiny_model, "--devices", "vdev:2x11MiB@4GBps", "-c", "512", "--json"]
+    plans = []
+    for asked in (["--expert-cache", "4slots"], ["--expert-cache", "-4"], ["--switch", "EXPERT_CACHE=-4"]):
+        assert cli.main(fit_argv + asked) == 0
+        d = json.loads(capsys.readouterr().out)
+        plans.append((d["expert_cache"], d["switches"], [x["cache_slots"] for x in d["devices"]]))
+    assert plans[0][0] == "4slots" and plans[0][1]["EXPERT_CACHE"] == -4 and len(set(map(str, plans))) == 1, plans
+    assert cli.main(fit_argv[:-1] + ["--switch", "EXPERT_CACHE=-4"]) == 0
+    text = capsys.readouterr().out
+    assert "expert cache 4slots (EXPERT_CACHE" in text and "=-4" not in text, text
+    c = Choices(command="ab", model=tiny_model, devices=("vdev:2x11MiB@4GBps",), fit="each", tg=(4,),
+                switches={"EXPERT_CACHE": -4, "GATHER": 0})
+    assert c.expert_cache.text == "4slots" and c.switches == {"GATHER": 0}
+    small = ["fit", tiny_model, "--devices", "vdev:2x8MiB@4GBps", "-c", "512", "--expert-cache", "16slots"]
+    assert cli.main(small) == 2 and "does not fit" in capsys.readouterr().err
+    helps = []
+    for cmd in ("fit", "run", "ab"):
+        with pytest.raises(SystemExit):
+            cli.main([cmd, "--help"])
+        helps.append(" ".join(capsys.readouterr().out.split()))
+    assert all("auto|SIZE|Nslots|0" in h and "such as 16slots" in h and "-16" not in h for h in helps)
+    assert cli.main(["ab", tiny_model, "--devices", "cpu", "-p", "0", "-n", "4", "-r", "1", "--expert-cache", "-4",
+                     "-o", str(tmp_path), "--json"]) == 0
+    notes = [n for r in _rows(capsys) for n in r["notes"] or []]
+    assert notes and all(n.startswith("EXPERT_CACHE=4slots did not act") for n in notes), notes
+    table = "\n".join(ln for ln in (tmp_path / "results.md").read_text().splitlines() if ln.startswith("|"))
+    assert "EXPERT_CACHE=4slots" in table and "=-4" not in table, table

@@ -7,12 +7,13 @@ import numpy as np
 
 from ...counters import ext_delta, sum_devices
 from ...jobs import WorkloadJob
-from .base import open_session
+from .base import open_session, switch_defaults
 
 
 def handle(job: WorkloadJob) -> dict:
     """A mixed workload in ONE session (one context, as a server would): per step its time, bytes moved, host
-    syncs, VDEV allocation counters, compute buffers before/after and the patched counters . With
+    syncs, VDEV allocation counters, compute buffers before/after and the patched counters; with the variant's switch
+    defaults (as a measure job's). With
     "out", the logits of every step's last token (and of each decoded token) are saved there, in order."""
     s = open_session(job)
     keep = bool(job.out)
@@ -65,6 +66,7 @@ def handle(job: WorkloadJob) -> dict:
         if keep:
             np.save(job.out, np.stack(last_logits))
         return {"model": s.info.to_dict(), "schedule": sched0.to_dict(), "compute_buffer_at_creation": cb0,
-                "backend_names": [b.name for b in sched0.backends], "steps": steps}
+                "backend_names": [b.name for b in sched0.backends], "steps": steps,
+                "switch_defaults": switch_defaults(s.native)}
     finally:
         s.close()

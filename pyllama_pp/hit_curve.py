@@ -1,0 +1,96 @@
+"""The hit rate a per-layer expert cache of a given size gets in decode, as fit's planner predicts with it: from a
+trace of the user's own model (`pyllama-pp trace` writes one; LRU as the native cache, simulated by
+pyllama_pp.expert_cache_sim), from what a synthetic model says of its routing, or from a stated prior.
+
+The prior (`PRIOR`) is published decode locality: llama.cpp PR #27861 measured a per-layer GPU LRU of CPU-held
+experts hitting ~67% with 12.5% of a layer's experts cached and ~81% with 25%; the synthetic locality routing is
+calibrated to those two points, and its LRU gives the rest of the curve (47% with one token's experts, 8 of 128;
+88% at 50%; docs/RESULTS.md "Expert locality" and the cache's GPU table). A model whose routing is uniform (a synthetic
+one says so) hits its share: h = f.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from .expert_cache_sim import simulate
+from .expert_trace import ExpertTrace
+from .model_file import synth_routing
+
+# (fraction of a layer's experts cached, LRU hit rate): the prior's points, between them linear
+PRIOR = ((0.0, 0.0), (0.0625, 0.47), (0.125, 0.67), (0.25, 0.81), (0.5, 0.88), (1.0, 1.0))
+PRIOR_NAME = "prior: published decode locality (llama.cpp PR #27861's LRU: 67% at 12.5%, 81% at 25%)"
+# the fractions a trace is simulated at
+TRACE_FRACTIONS = (0.0625, 0.125, 0.25, 0.5, 1.0)
+
+
+@dataclass(frozen=True)
+class HitCurve:
+    """Decode hit rate by the fraction of a layer's experts cached.
+
+    Attributes:
+        points: (fraction, hit rate) pairs, fractions rising from 0 to 1.
+        source: where it comes from, as the plan names it.
+    """
+
+    points: tuple
+    source: str
+
+    def at(self, fraction: float) -> float:
+        """The hit rate with `fraction` of a layer's experts cached (linear between the points).
+
+        Args:
+            fraction: 0..1.
+        Returns:
+            hit rate 0..1.
+        """
+        xs, ys = zip(*self.points)
+        return float(np.interp(min(max(fraction, 0.0), 1.0), xs, ys))
+
+    def to_dict(self) -> dict:
+        """The curve as the plan's JSON holds it."""
+        return {"source": self.source, "points": [list(p) for p in self.points]}
+
+    @staticmethod
+    def from_dict(d: dict) -> "HitCurve":
+        """The curve of `to_dict`."""
+        return HitCurve(tuple(tuple(p) for p in d["points"]), d["source"])
+
+    @staticmethod
+    def from_trace(trace: Union[str, os.PathLike, ExpertTrace], fractions: Sequence[float] = TRACE_FRACTIONS) -> "HitCurve":
+        """LRU's hit rates on a recorded trace (its decode tokens after the warm-up expert_cache_sim takes).
+
+        Args:
+            trace: an ExpertTrace or the .npz `pyllama-pp trace` wrote.
+            fractions: the sizes simulated.
+        Returns:
+            HitCurve.
+        """
+        t = trace if isinstance(trace, ExpertTrace) else ExpertTrace.load(trace)
+        pts = [(0.0, 0.0)] + [(f, simulate(t, f, "lru")["hit_rate"]) for f in fractions]
+        name = t.meta.get("model") or getattr(trace, "name", "")
+        return HitCurve(tuple((f, round(h, 4)) for f, h in pts),
+                        f"trace {os.fspath(trace) if not isinstance(trace, ExpertTrace) else name} (LRU)")
+
+    @staticmethod
+    def for_model(model: Union[str, os.PathLike], trace: Optional[Union[str, os.PathLike, ExpertTrace]] = None) -> "HitCurve":
+        """The curve fit plans `model` with: its trace's where one is given; uniform where a synthetic model routes
+        uniformly; else the prior.
+
+        Args:
+            model: the GGUF file.
+            trace: a trace of the model's decode (optional).
+        Returns:
+            HitCurve.
+        """
+        if trace is not None:
+            return HitCurve.from_trace(trace)
+        if synth_routing(model) == "uniform":
+            return HitCurve(((0.0, 0.0), (1.0, 1.0)), "uniform routing (the synthetic model's): hits = share cached")
+        return HitCurve(PRIOR, PRIOR_NAME)
+
+
+__all__ = ["HitCurve", "PRIOR"]

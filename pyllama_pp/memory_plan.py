@@ -1,0 +1,249 @@
+"""fit's planner for device memory: how each device's free memory is split between resident expert layers and the
+expert cache's slots (EXPERT_CACHE, patch 0014), by the time it predicts for the user's workload
+(pyllama_pp.workload), not by what is left over.
+
+The alternatives: no cache (the layers fit placed); the cache in what the placement leaves free (the leftover); and
+for each slot count a layer N (a token's experts, 1/16, 1/8, 1/4, 1/2 of a layer's experts, all of them) the most
+resident layers that leave each device room for N slots in every host-expert layer - a layer moved to host RAM frees
+its experts' bytes, which then serve the cache. Each is priced by pyllama_pp.decode_model (decode: what the decode
+probe measured, the hit-rate curve, the links fit measured) and by the bytes its host-expert layers add to each prompt
+over the links (a prompt's compute does not change with where the experts live). The fastest for the workload wins;
+no cache unless a cache predicts at least GAIN_MIN less time. The chosen one is then placed for real (a dry run with
+its cache's bytes reserved before placing), and the plan keeps every alternative with its prediction and why.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Sequence
+
+from . import devices as devspec
+from .decode_model import DecodeCosts, DecodeShare, token_seconds
+from .defaults import CONTEXT, CUDA_LINK_GBPS
+from .expert_cache_plan import Layout, drop_cache, percent, plan_cache
+from .switches import EXPERT_CACHE, EXPERT_CACHE_MIN_HIT
+from .hit_curve import HitCurve
+from .plan import MiB, Plan
+from .predict import expected_coverage
+from .switches import ExpertCache
+from .workload import Workload
+
+# a cache must predict at least this much less time for the workload than none (the prediction's own error: a
+# coin-flip gain is not worth a change of placement)
+GAIN_MIN = 0.03
+# the slot counts tried, as shares of a layer's experts (besides a token's experts and the leftover)
+SHARES = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)
+
+
+@dataclass
+class Alternative:
+    """One way to spend the devices' memory, with what it predicts.
+
+    Attributes:
+        name: in words ("no cache", "leftover", "16 slots a layer").
+        slots: cache slots a host-expert layer (0: no cache).
+        resident: per device, MoE layers whose experts stay in its memory.
+        host: per device, MoE layers whose experts are in host RAM.
+        cache_bytes: per device, the slots' bytes.
+        hit: the hit rate the curve gives the slots.
+        decode_ts: predicted decode tokens/s.
+        prompt_extra_s: predicted prompt seconds over the workload beyond the no-cache placement's (the experts of
+            layers moved to host RAM crossing the links).
+        seconds: the workload's predicted seconds, less the prompt compute every alternative shares.
+        paths: per device, where its host-expert layers run ("cache", "cpu": the guard's choice; "": none).
+        fits: whether every device has room for it.
+    """
+
+    name: str
+    slots: int
+    resident: list
+    host: list
+    cache_bytes: list
+    hit: float = 0.0
+    decode_ts: float = 0.0
+    prompt_extra_s: float = 0.0
+    seconds: float = 0.0
+    paths: list = field(default_factory=list)
+    fits: bool = True
+
+    def to_dict(self) -> dict:
+        """The alternative as the plan's JSON holds it."""
+        return asdict(self)
+
+    def text(self, workload: Workload) -> str:
+        """One line: what it keeps where, and its prediction per phase."""
+        what = (f"{self.name}: resident expert layers {'/'.join(map(str, self.resident))}, "
+                f"{self.slots} slots a layer ({sum(self.cache_bytes) / MiB:.0f} MiB, hits {self.hit:.0%})"
+                if self.slots else f"{self.name}: resident expert layers {'/'.join(map(str, self.resident))}")
+        if not self.fits:
+            return what + ": no room"
+        pred = [f"decode {self.decode_ts:.1f} t/s" + (f" (host layers on the {'/'.join(p for p in self.paths if p)})"
+                                                      if any(self.paths) else "")]
+        if workload.prompt_tokens and self.prompt_extra_s:
+            pred.append(f"prompts +{self.prompt_extra_s:.3f} s")
+        return f"{what}: {', '.join(pred)}; {workload.name or 'workload'} {self.seconds:.2f} s"
+
+
+def _links(plan: Plan, load_mode: str) -> list[float]:
+    """Each device's host link for the cache's misses (GB/s): as fit measured it (pageable for mmap), else the spec's
+    rate, else a PCIe 5 x16 link's."""
+    spec = devspec.parse(plan.devices_spec.get("text") or plan.devices_spec)
+    shares = spec.link_shares() or []
+    out = []
+    for i, d in enumerate(plan.devices):
+        ln = d.link or {}
+        got = ln.get("pageable_gbps" if load_mode == "mmap" else "pinned_gbps") or ln.get("pageable_gbps")
+        out.append(got or (shares[i] if i < len(shares) and shares[i] > 0 else CUDA_LINK_GBPS))
+    return out
+
+
+def cost_guard(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts]) -> dict:
+    """The cache's guard from the decode probe's costs (what the planner priced with): per device the hit rate above
+    which its cached layer costs less than its CPU layer, from pinned and from pageable memory, and the switch value
+    for each load mode (the largest over the devices that cache)."""
+    miss = layout.n_used * layout.slot_bytes
+    per = {src: [(costs.get(i) or costs[-1]).break_even_hit(miss, ln) for i, ln in enumerate(_links(plan, mode))]
+           for src, mode in (("pinned", "none"), ("pageable", "mmap"))}
+    caching = [i for i, d in enumerate(plan.devices) if d.cache_slots > 0] or range(len(plan.devices))
+    return {"break_even": {k: [round(h, 4) for h in v] for k, v in per.items()},
+            "min_hit": {mode: percent(max(per[src][i] for i in caching)) for mode, src in (("none", "pinned"),
+                                                                                      ("mmap", "pageable"))},
+            "from": "decode probe"}
+
+
+def _prompt_extra(workload: Workload, moved: Sequence[int], layer_bytes: float, links: Sequence[float],
+                  plan: Plan, n_used: int, n_expert: int) -> float:
+    """Seconds the workload's prompts spend more when `moved` MoE layers per device keep their experts in host RAM:
+    their experts cross each link once a batch with LAYER_MAJOR's groups, else the share a ubatch uses once a ubatch
+    (the links of a pipeline overlap: the slowest counts)."""
+    if not any(moved):
+        return 0.0
+    n_batch, n_ubatch = plan.ctx.get("n_batch", CONTEXT.n_batch), plan.ctx.get("n_ubatch", CONTEXT.n_ubatch)
+    grouped = (plan.layer_major or {}).get("group", 1) > 1
+    total = 0.0
+    for kind, n in workload.steps:
+        if kind != "pp":
+            continue
+        unit = min(n, n_batch if grouped else n_ubatch)
+        share = 1.0 if grouped else expected_coverage(unit, n_used, n_expert)
+        per_unit = max(k * layer_bytes * share / (ln * 1e9) for k, ln in zip(moved, links))
+        total += math.ceil(n / unit) * per_unit
+    return total
+
+
+def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve: HitCurve, workload: Workload,
+                 load_mode: str = CONTEXT.load_mode, n_dense: int = 0) -> list[Alternative]:
+    """Every alternative for a plan's memory, priced.
+
+    Args:
+        plan: the placement with no cache in it (or the leftover cache, which is counted as free).
+        layout: the model's slots.
+        costs: device index -> DecodeCosts (-1: every device).
+        curve: the hit-rate curve.
+        workload: what the user will run.
+        load_mode: the run's load mode (mmap: misses cross the pageable link).
+        n_dense: the model's leading dense layers (on the first device; no experts).
+    Returns:
+        [no cache, leftover, N slots ...], each priced (fits False where a device has no room).
+    """
+    devs = plan.devices
+    room = [d.target_bytes + d.cache_bytes - d.expected_bytes for d in devs]
+    host0 = [d.host_expert_layers for d in devs]
+    dense = [min(n_dense, d.full_layers) if i == 0 else 0 for i, d in enumerate(devs)]
+    res0 = [max(0, d.full_layers - d.partial_layers - nd) for d, nd in zip(devs, dense)]
+    layer_bytes = layout.slot_bytes * layout.n_expert
+    links = _links(plan, load_mode)
+    per = [costs.get(i) or costs[-1] for i in range(len(devs))]
+    miss_bytes = layout.n_used * layout.slot_bytes
+
+    def priced(name: str, slots: int, moved: list) -> Alternative:
+        host = [h + k for h, k in zip(host0, moved)]
+        resident = [r - k for r, k in zip(res0, moved)]
+        cbytes = [layout.bytes_of(slots, h) for h in host]
+        fits = all(c <= r + k * layer_bytes for c, r, k in zip(cbytes, room, moved))
+        hit = curve.at(slots / layout.n_expert) if slots else 0.0
+        shares = [DecodeShare(r, h, slots, hit, miss_bytes, ln) for r, h, ln in zip(resident, host, links)]
+        tok, paths = token_seconds(per, shares)
+        extra = _prompt_extra(workload, moved, layer_bytes, links, plan, layout.n_used, layout.n_expert)
+        return Alternative(name, slots, resident, host, cbytes, round(hit, 4), round(1.0 / tok, 2) if tok else 0.0,
+                           round(extra, 4), round(extra + workload.decode_tokens * tok, 4), paths, fits)
+
+    def moved_for(slots: int) -> Optional[list]:
+        """Per device, the fewest layers to move to host RAM for `slots` slots in each host-expert layer."""
+        out = []
+        for r, h, free in zip(res0, host0, room):
+            k = next((k for k in range(r + 1) if layout.bytes_of(slots, h + k) <= free + k * layer_bytes), None)
+            if k is None:
+                return None
+            out.append(k)
+        return out
+
+    alts = [priced("no cache", 0, [0] * len(devs))]
+    left = min((layout.most_slots(free, h) for free, h in zip(room, host0) if h), default=0)
+    if left >= max(1, layout.n_used):
+        alts.append(priced("leftover", left, [0] * len(devs)))
+    counts = sorted({max(layout.n_used, round(s * layout.n_expert)) for s in SHARES} - {left})
+    for n in counts:
+        moved = moved_for(n)
+        if moved is not None and any(h + k for h, k in zip(host0, moved)):
+            alts.append(priced(f"{n} slots a layer", n, moved))
+    return alts
+
+
+def choose(alts: Sequence[Alternative]) -> tuple[int, str]:
+    """The alternative to take (its index) and why: the fastest that fits, a cache only where it saves GAIN_MIN."""
+    fits = [i for i, a in enumerate(alts) if a.fits]
+    if not fits:
+        return 0, "no cache: no alternative has room (the plan is over its target)"
+    best = min(fits, key=lambda i: alts[i].seconds)
+    none = alts[0]
+    if best == 0 or alts[best].seconds > none.seconds * (1 - GAIN_MIN):
+        gain = (none.seconds / alts[best].seconds - 1) if alts[best].seconds else 0.0
+        return 0, ("no cache: none predicts the workload faster" if best == 0 else
+                   f"no cache: the best cache ({alts[best].name}) predicts only {gain:.1%} less time, below "
+                   f"{GAIN_MIN:.0%}")
+    a = alts[best]
+    return best, (f"{a.name}: the workload in {a.seconds:.2f} s against {none.seconds:.2f} s without a cache "
+                  f"({none.seconds / a.seconds:.2f}x)")
+
+
+def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve: HitCurve, workload: Workload,
+                refit: Callable[[int], Plan], load_mode: str = CONTEXT.load_mode, n_dense: int = 0) -> Plan:
+    """Choose how a patched plan's memory is split between resident expert layers and the cache, and make that plan.
+
+    Args:
+        plan: fit's plan with the cache asked as auto (the leftover in it).
+        layout: the model's slots.
+        costs: device index -> DecodeCosts (the decode probe).
+        curve: the hit-rate curve.
+        workload: what the user will run.
+        refit: places the model again with this many MiB a device reserved for the cache before placing.
+        load_mode: the run's load mode.
+        n_dense: the model's leading dense layers.
+    Returns:
+        Plan: the chosen plan, with `memory_plan` (the alternatives, the choice and why).
+    """
+    alts = alternatives(plan, layout, costs, curve, workload, load_mode, n_dense)
+    pick, why = choose(alts)
+    a = alts[pick]
+    moved = [h - h0 for h, h0 in zip(a.host, (d.host_expert_layers for d in plan.devices))]
+    if not a.slots:
+        out = drop_cache(plan)
+    elif not any(moved):
+        out = plan_cache(drop_cache(plan), ExpertCache(slots=a.slots), layout)
+        out.expert_cache = "auto"
+    else:
+        out = refit(int(math.ceil(max(a.cache_bytes) / MiB)))
+        out.expert_cache = "auto"
+    if out.switches.get(EXPERT_CACHE):
+        out.cache_guard = {**out.cache_guard, **cost_guard(out, layout, costs)}
+        out.switches[EXPERT_CACHE_MIN_HIT] = out.cache_guard["min_hit"]["none"]
+    out.memory_plan = {"workload": {"name": workload.name, "steps": workload.as_list()}, "curve": curve.to_dict(),
+                       "load_mode": load_mode, "costs": {str(i): c.to_dict() for i, c in costs.items()},
+                       "alternatives": [x.to_dict() for x in alts], "chosen": pick, "why": why,
+                       "placed": {"host": out.host_expert_layers,
+                                  "slots": [d.cache_slots for d in out.devices]}}
+    return out
+
+
+__all__ = ["Alternative", "alternatives", "choose", "plan_memory", "GAIN_MIN"]

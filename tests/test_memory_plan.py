@@ -1,0 +1,178 @@
+"""fit's memory planner (pyllama_pp.memory_plan): resident expert layers against cache slots, priced by the decode
+model (pyllama_pp.decode_model) with handed-in costs (no timing here: the decode probe's numbers are stated per case),
+the hit-rate curve (pyllama_pp.hit_curve) and the workload (pyllama_pp.workload)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pyllama_pp import cli, synth
+from pyllama_pp.decode_model import DecodeCosts, DecodeShare, token_seconds
+from pyllama_pp.errors import ConfigError
+from pyllama_pp.expert_cache_plan import layout_of
+from pyllama_pp.fit import _weigh
+from pyllama_pp.hit_curve import PRIOR, HitCurve
+from pyllama_pp.memory_plan import GAIN_MIN, alternatives, choose, cost_guard, plan_memory
+from pyllama_pp.params import ContextParams
+from pyllama_pp.placement import fit as place
+from pyllama_pp.plan import Plan
+from pyllama_pp.workload import Workload
+
+CTX = ContextParams(n_ctx=512, n_batch=512, n_ubatch=128)
+# 12 tiny layers on one 9 MiB VDEV: about half of the layers keep their experts in host RAM
+SPEC = "vdev:1x9MiB@4GBps"
+# a GPU's shape of costs: a resident layer and a cached one (every lookup a hit) cost about the same on the device,
+# the host CPU's path many times more (an H100 with the 30B preset: 3.9 ms of GPU work a token over 48 layers, the
+# CPU path ~0.65 ms a layer)
+GPU_LIKE = DecodeCosts("gpu-like", outside_s=1e-3, resident_s=6e-5, cpu_s=6.5e-4, cached_s=8e-5)
+# a device that computes no faster than the host CPU (a VDEV runs the host's kernels): the cache never pays
+CPU_LIKE = DecodeCosts("cpu-like", outside_s=1e-3, resident_s=6e-4, cpu_s=6e-4, cached_s=6.5e-4)
+LOCALITY = HitCurve(PRIOR, "prior")
+UNIFORM = HitCurve(((0.0, 0.0), (1.0, 1.0)), "uniform")
+CHAT = Workload.parse("chat")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(synth.cached_model(tmp_path_factory.mktemp("memplan"), "tiny", seed=1, n_layer=12, routing="locality"))
+
+
+@pytest.fixture(scope="module")
+def leftover(model) -> Plan:
+    """The placement with the cache in what it leaves free (placement's auto: the planner's starting point)."""
+    return place(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache="auto")
+
+
+def _with_link(plan: Plan, layout, costs: DecodeCosts, miss_over_cpu: float) -> Plan:
+    """A copy of the plan whose links make a token's misses at one layer cost `miss_over_cpu` times the CPU path's
+    layer (an H100 with the 30B preset: about 0.4; a slow pageable link: 2 or more)."""
+    out = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    gbps = layout.n_used * layout.slot_bytes / (miss_over_cpu * costs.cpu_s) / 1e9
+    for d in out.devices:
+        d.link = {"pinned_gbps": gbps, "pageable_gbps": gbps, "copy_bytes": 0}
+    return out
+
+
+def _refit(model):
+    return lambda mib: place(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache=f"{mib}MiB")
+
+
+def test_workload_forms():
+    assert Workload.parse("chat").steps == (("pp", 2048), ("tg", 256))
+    w = Workload.parse("pp=4096,tg=512")
+    assert (w.prompt_tokens, w.decode_tokens) == (4096, 512)
+    assert Workload.parse("tg=64").steps == (("tg", 64),)
+    assert Workload.of_tests([512], [16, 0]).steps == (("pp", 512), ("tg", 16))
+    assert w.seconds(1000.0, 100.0) == pytest.approx(4.096 + 5.12)
+    for bad in ("chatty", "pp=1,pp=2", "pp=0,tg=0", "pp=-3"):
+        with pytest.raises(ConfigError):
+            Workload.parse(bad)
+
+
+def test_hit_curve_prior_and_trace(tmp_path, model):
+    """The prior passes through its published points; a uniform synthetic model is named as such; a trace's LRU
+    rises with the cache's size."""
+    assert LOCALITY.at(0.125) == pytest.approx(0.67) and LOCALITY.at(0.25) == pytest.approx(0.81)
+    assert HitCurve.for_model(model).source.startswith("prior")
+    uni = synth.cached_model(tmp_path, "tiny", seed=1, n_layer=4)
+    assert HitCurve.for_model(uni).at(0.25) == pytest.approx(0.25)
+    out = tmp_path / "t.npz"
+    assert cli.main(["trace", str(model), "-n", "64", "-o", str(out), "--json"]) == 0
+    curve = HitCurve.for_model(model, out)
+    hits = [h for _, h in curve.points]
+    assert curve.source.startswith("trace") and hits == sorted(hits) and hits[-1] > hits[1] > 0
+
+
+def test_guard_keeps_a_slow_link_at_the_cpu_path():
+    """A cached layer whose misses cost more than the CPU path (a slow pageable link) takes the CPU path: the cache
+    never costs more than upstream's path; a fast link keeps the cache."""
+    miss = 8 * 1.5e6   # (a token's 8 experts of 1.5 MB)
+    slow, path = GPU_LIKE.host_layer_s(0.3, miss, 5.0, 16)
+    assert path == "cpu" and slow == GPU_LIKE.cpu_s
+    fast, path = GPU_LIKE.host_layer_s(0.67, miss, 55.0, 16)
+    assert path == "cache" and fast < GPU_LIKE.cpu_s
+    t, paths = token_seconds([GPU_LIKE], [DecodeShare(2, 10, 16, 0.3, miss, 5.0)])
+    assert paths == ["cpu"] and t == pytest.approx(GPU_LIKE.outside_s + 2 * GPU_LIKE.resident_s + 10 * GPU_LIKE.cpu_s)
+
+
+def test_under_pressure_the_cache_gets_memory_before_whole_layers(model, leftover):
+    """GPU-like costs and locality routing: an alternative that moves resident layers to host RAM to give their
+    memory to slots decodes faster than the leftover plan and than no cache, and is chosen; made for real, its plan
+    has more host-expert layers and slots in each, and keeps every alternative in its JSON."""
+    layout = layout_of(model, leftover.n_expert)
+    alts = alternatives(_with_link(leftover, layout, GPU_LIKE, 0.4), layout, {-1: GPU_LIKE}, LOCALITY, CHAT)
+    assert alts[0].name == "no cache" and alts[0].slots == 0
+    moved = [a for a in alts if a.fits and a.slots and sum(a.host) > sum(leftover.host_expert_layers)]
+    assert moved, [a.text(CHAT) for a in alts]
+    best = max(moved, key=lambda a: a.decode_ts)
+    left = next((a for a in alts if a.name == "leftover"), alts[0])
+    assert best.decode_ts > left.decode_ts and best.decode_ts > alts[0].decode_ts
+    pick, why = choose(alts)
+    assert alts[pick].slots > 0 and "x)" in why
+    plan = plan_memory(_with_link(place(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache="auto"), layout,
+                                  GPU_LIKE, 0.4), layout, {-1: GPU_LIKE}, LOCALITY, CHAT, _refit(model))
+    chosen = alts[pick]
+    assert plan.host_expert_layers[0] >= leftover.host_expert_layers[0] + (sum(chosen.host) > sum(leftover.host_expert_layers))
+    assert plan.devices[0].cache_slots >= min(chosen.slots, layout.n_expert) * 0.9
+    assert plan.switches["EXPERT_CACHE"] != 0 and plan.devices[0].expected_bytes <= plan.devices[0].target_bytes
+    back = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert back.memory_plan["chosen"] == pick and len(back.memory_plan["alternatives"]) == len(alts)
+    text = str(plan)
+    assert "memory: weighed for the workload chat" in text and text.count(" t/s") >= len(alts)
+
+
+def test_no_cache_where_it_cannot_pay(model, leftover):
+    """A device no faster than the CPU, uniform routing with layers to give up, or a workload without decode: no
+    cache, and the plan says why."""
+    layout = layout_of(model, leftover.n_expert)
+    alts = alternatives(leftover, layout, {-1: CPU_LIKE}, LOCALITY, CHAT)
+    assert choose(alts)[0] == 0
+    uni = alternatives(_with_link(leftover, layout, GPU_LIKE, 2.0), layout, {-1: GPU_LIKE}, UNIFORM, CHAT)
+    pick, why = choose(uni)
+    assert all(uni[pick].seconds <= a.seconds * (1 + GAIN_MIN) for a in uni if a.fits)
+    assert not any(sum(a.host) > sum(leftover.host_expert_layers) for a in [uni[pick]]), why
+    plan = _weigh(place(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache="auto"), model, SPEC, "prompt",
+                  None, "none", 0, False, _refit(model))
+    assert not plan.expert_cache and "decodes no token" in plan.memory_plan["why"]
+    assert "EXPERT_CACHE" not in plan.switches
+
+
+def test_prompt_cost_of_moved_layers_counts(model, leftover):
+    """Moving layers' experts to host RAM costs prompts their bytes over the link: a prompt-heavy workload weighs it."""
+    layout = layout_of(model, leftover.n_expert)
+    long_prompt = Workload.parse("pp=16384,tg=8")
+    alts = alternatives(_with_link(leftover, layout, GPU_LIKE, 0.4), layout, {-1: GPU_LIKE}, LOCALITY, long_prompt)
+    moved = [a for a in alts if sum(a.host) > sum(leftover.host_expert_layers)]
+    assert moved and all(a.prompt_extra_s > 0 for a in moved)
+    assert all(a.prompt_extra_s == 0 for a in alts if sum(a.host) == sum(leftover.host_expert_layers))
+
+
+def test_guard_from_the_priced_costs(model, leftover):
+    """Where the planner chooses a cache, the guard's bar is the break-even of the costs it priced with: a hit rate
+    at the bar prices the cached layer as the CPU's; a pageable link slower than the pinned one raises mmap's bar."""
+    layout = layout_of(model, leftover.n_expert)
+    base = _with_link(place(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache="auto"), layout, GPU_LIKE, 0.4)
+    for d in base.devices:
+        d.link["pageable_gbps"] = d.link["pinned_gbps"] / 4
+    plan = plan_memory(base, layout, {-1: GPU_LIKE}, LOCALITY, CHAT, _refit(model))
+    assert plan.cache_guard["from"] == "decode probe"
+    assert plan.switches["EXPERT_CACHE_MIN_HIT"] == plan.cache_guard["min_hit"]["none"]
+    g = cost_guard(base, layout, {-1: GPU_LIKE})   # (the plan made again measured its own links)
+    miss, link = layout.n_used * layout.slot_bytes, base.devices[0].link["pinned_gbps"]
+    h = GPU_LIKE.break_even_hit(miss, link)
+    assert GPU_LIKE.cached_layer_s(h, miss, link) == pytest.approx(GPU_LIKE.cpu_s)
+    assert g["min_hit"]["mmap"] > g["min_hit"]["none"] >= 1
+
+
+@pytest.mark.measured_decode
+def test_the_decode_probe_measures_each_path_once(model, tmp_path, monkeypatch):
+    """The probe runs the replicas on each path (resident, host CPU, slots) and keeps the result: every cost is a
+    positive time, and a second call reads it back without a worker."""
+    from pyllama_pp import decode_probe, worker
+    monkeypatch.setenv("PYLLAMA_PP_CACHE", str(tmp_path))
+    costs = decode_probe.decode_costs(model, "vdev:1x0@4GBps", n_threads=1, reps=1)
+    c = costs[-1] if -1 in costs else costs[0]
+    assert min(c.resident_s, c.cpu_s, c.cached_s) > 0 and c.threads == 1 and c.load_mode == "none"
+    monkeypatch.setattr(decode_probe, "run_job", lambda *a, **k: pytest.fail("measured again"))
+    assert decode_probe.decode_costs(model, "vdev:1x0@4GBps", n_threads=1, reps=1) == costs
