@@ -120,34 +120,44 @@ struct ggml_sched_pp_cache_weight {
     std::vector<int32_t> content;          // the expert each slot of `slots` holds (-1: none yet)
 };
 
+// EXPERT_HYBRID: a layer's FFN cloned for the host CPU, for n_sel selections a token (ggml_sched_pp_hybrid_build)
+struct ggml_sched_pp_hybrid_clone {
+    ggml_context * ctx = nullptr;
+    ggml_cgraph *  gf  = nullptr;
+    ggml_tensor *  ids = nullptr;  // int32 [n_sel, n_tokens]: the CPU's experts
+    ggml_tensor *  out = nullptr;  // the clone of the last expert op: the CPU's rows
+    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> inputs; // (a tensor of device memory the FFN reads, its host copy)
+    uint64_t       built = 0;      // the plan (ggml_sched_pp_cache::plan_gen) it was made for (0: none)
+
+    void free() {
+        if (ctx != nullptr) {
+            ggml_free(ctx);
+        }
+        *this = ggml_sched_pp_hybrid_clone();
+    }
+};
+
 // EXPERT_HYBRID: a layer's FFN as the host CPU computes it for its share of the misses - the graph's nodes from the
-// layer's first expert op to its last that the last one depends on, cloned for the CPU (the plan: per graph split;
-// the clone: made at its first compute)
+// layer's first expert op to its last that the last one depends on (the plan: per graph split), cloned for the CPU
 struct ggml_sched_pp_hybrid {
     bool                       on = false;   // this graph's plan: the CPU takes misses of the layer
     std::vector<ggml_tensor *> nodes;        // the FFN, graph order (its last: the last expert op)
     ggml_tensor *              last = nullptr;
     int                        i_after = -1; // the first node after the last expert op that is not a view: a split
-    uint64_t                   built = 0;    // the plan (ggml_sched_pp_cache::plan_gen) the clone was made for
     int                        split = -1;   // the split that holds the FFN (-1: not checked; -2: it does not)
-    ggml_context *             ctx = nullptr;
-    ggml_cgraph *              gf  = nullptr;
-    ggml_tensor *              ids = nullptr;  // int32 [n_used, n_tokens]: the CPU's experts (the others: one of them)
-    ggml_tensor *              out = nullptr;  // the clone of the last expert op: the CPU's rows
-    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> inputs; // (a tensor of device memory the FFN reads, its host copy)
-    std::vector<int32_t>       cpu_ids;      // ids' content for this graph
-    std::vector<std::pair<int32_t, int32_t>> pairs; // this graph's (token, selection) rows the CPU computes, in order
+    std::vector<ggml_sched_pp_hybrid_clone> clones; // by n_sel (a token's selections the clone computes)
+    ggml_sched_pp_hybrid_clone * cur = nullptr;     // ... this graph's
+    std::vector<int32_t>       cpu_ids;      // this graph's CPU experts [n_used x n_tokens] (-1: not the CPU's)
+    std::vector<std::pair<int32_t, int32_t>> pairs; // ... its (token, selection) rows the CPU computes, in order
     bool                       pending = false; // the CPU's rows are to be computed after the split is submitted
 
-    void free_clone() {
-        if (ctx != nullptr) {
-            ggml_free(ctx);
+    void free_clones() {
+        for (auto & x : clones) {
+            x.free();
         }
-        ctx = nullptr; gf = nullptr; ids = nullptr; out = nullptr;
-        inputs.clear();
-        built = 0;
+        cur = nullptr;
     }
-    ~ggml_sched_pp_hybrid() { free_clone(); }
+    ~ggml_sched_pp_hybrid() { free_clones(); }
 };
 
 // the slot map of one layer, shared by the layer's expert weights
@@ -499,6 +509,7 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
         l->hy.on      = false;
         l->hy.split   = -1;
         l->hy.pending = false;
+        l->hy.cur     = nullptr;
     }
     if (c->candidates.empty()) {
         return;
@@ -783,41 +794,55 @@ static bool ggml_sched_pp_hybrid_ready(ggml_backend_sched_t sched, ggml_sched_pp
     return h.split >= 0;
 }
 
-// a graph node for the CPU: the same op, parameters, shape and strides; sources set by the caller
-static ggml_tensor * ggml_sched_pp_hybrid_clone(ggml_context * ctx, const ggml_tensor * n) {
-    ggml_tensor * t = ggml_new_tensor(ctx, n->type, GGML_MAX_DIMS, n->ne);
-    memcpy(t->nb, n->nb, sizeof(t->nb));
+// a graph node for the CPU: the same op and parameters; its shape with ne[1] = n_sel where it is n_used (a token's
+// selections; decode computes only the CPU's); a view keeps its strides (a row's, nb[1], does not change with the
+// selections: decode's ne[2] and ne[3] are 1), other nodes are contiguous; sources set by the caller
+static ggml_tensor * ggml_sched_pp_hybrid_node(ggml_context * ctx, const ggml_tensor * n, int64_t n_used, int64_t n_sel) {
+    int64_t ne[GGML_MAX_DIMS];
+    memcpy(ne, n->ne, sizeof(ne));
+    if (n_sel != n_used && ne[1] == n_used) {
+        ne[1] = n_sel;
+    }
+    ggml_tensor * t = ggml_new_tensor(ctx, n->type, GGML_MAX_DIMS, ne);
+    if (n->view_src != nullptr) {
+        memcpy(t->nb, n->nb, sizeof(t->nb));
+    }
     t->op = n->op;
     memcpy(t->op_params, n->op_params, sizeof(t->op_params));
     ggml_format_name(t, "%s (cpu)", n->name);
     return t;
 }
 
-// the layer's FFN cloned for the CPU (at the first compute of a plan, when the graph's sources are final): its expert
-// ops read the host weights and the CPU's ids; a tensor it reads from device memory is copied into host memory after
-// the ids are read back (the device has computed it then); host memory is read where it is
-static bool ggml_sched_pp_hybrid_build(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l) {
+// the layer's FFN cloned for the CPU with n_sel selections a token (at the first compute of a plan, when the graph's
+// sources are final): its expert ops read the host weights and the CPU's ids; a tensor it reads from device memory is
+// copied into host memory after the ids are read back (the device has computed it then); host memory is read where it
+// is. n_sel below n_used (decode: the CPU's misses alone) only where no such copy has a selection dimension; false:
+// not with that n_sel
+static bool ggml_sched_pp_hybrid_build(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l, int64_t n_sel) {
     ggml_sched_pp_cache * c = sched->pp_cache;
     ggml_sched_pp_hybrid & h = l->hy;
-    h.free_clone();
+    ggml_sched_pp_hybrid_clone & x = h.clones[n_sel];
+    x.free();
+    const int64_t n_used = l->n_used;
     const size_t n_max = h.nodes.size() * (GGML_MAX_SRC + 1) + 1;
     ggml_init_params params = { n_max * ggml_tensor_overhead() + ggml_graph_overhead_custom(n_max, false), nullptr, true };
-    h.ctx = ggml_init(params);
-    if (h.ctx == nullptr) {
+    x.ctx = ggml_init(params);
+    if (x.ctx == nullptr) {
         return false;
     }
     std::unordered_map<const ggml_tensor *, ggml_tensor *> map;
     for (const auto & op : c->ops) {
         if (op.layer == l) {
-            if (h.ids == nullptr) {
-                h.ids = ggml_new_tensor_2d(h.ctx, GGML_TYPE_I32, op.node->src[2]->ne[0], op.node->src[2]->ne[1]);
-                ggml_set_name(h.ids, "expert ids (cpu)");
-                ggml_set_input(h.ids);
+            if (x.ids == nullptr) {
+                x.ids = ggml_new_tensor_2d(x.ctx, GGML_TYPE_I32, n_sel, op.node->src[2]->ne[1]);
+                ggml_set_name(x.ids, "expert ids (cpu)");
+                ggml_set_input(x.ids);
             }
             map[op.node->src[0]] = const_cast<ggml_tensor *>(op.weight->host); // (read only)
-            map[op.node->src[2]] = h.ids;
+            map[op.node->src[2]] = x.ids;
         }
     }
+    bool ok = true;
     auto source = [&](ggml_tensor * src) -> ggml_tensor * {
         if (src == nullptr) {
             return nullptr;
@@ -828,17 +853,19 @@ static bool ggml_sched_pp_hybrid_build(ggml_backend_sched_t sched, ggml_sched_pp
         }
         ggml_tensor * t = src;
         if (src->buffer == nullptr || !ggml_backend_buffer_is_host(src->buffer)) {
-            t = ggml_sched_pp_hybrid_clone(h.ctx, src);
+            ok = ok && (n_sel == n_used || src->ne[1] != n_used);
+            t = ggml_sched_pp_hybrid_node(x.ctx, src, n_used, n_used);
+            memcpy(t->nb, src->nb, sizeof(t->nb)); // (its bytes as they are)
             t->op = GGML_OP_NONE;
             memset(t->op_params, 0, sizeof(t->op_params));
             ggml_set_input(t);
-            h.inputs.push_back({ src, t });
+            x.inputs.push_back({ src, t });
         }
         map[src] = t;
         return t;
     };
     for (ggml_tensor * n : h.nodes) {
-        ggml_tensor * t = ggml_sched_pp_hybrid_clone(h.ctx, n);
+        ggml_tensor * t = ggml_sched_pp_hybrid_node(x.ctx, n, n_used, n_sel);
         for (int j = 0; j < GGML_MAX_SRC; j++) {
             t->src[j] = source(n->src[j]);
         }
@@ -848,24 +875,37 @@ static bool ggml_sched_pp_hybrid_build(ggml_backend_sched_t sched, ggml_sched_pp
         }
         map[n] = t;
     }
-    h.out = map.at(h.last);
-    ggml_set_output(h.out);
-    h.gf = ggml_new_graph_custom(h.ctx, n_max, false);
-    ggml_build_forward_expand(h.gf, h.out);
-    h.built = c->plan_gen;
+    x.out = map.at(h.last);
+    if (!ok || x.out->ne[1] != n_sel) {
+        x.free();
+        return false;
+    }
+    ggml_set_output(x.out);
+    x.gf = ggml_new_graph_custom(x.ctx, n_max, false);
+    ggml_build_forward_expand(x.gf, x.out);
+    x.built = c->plan_gen;
     return true;
 }
 
-// after the layer's lookups: the CPU's share ready to compute - the clone allocated in host memory (pinned where the
-// device has a host buffer type: its rows go up from there), the tensors it reads from device memory copied in, its
-// ids set. false: the CPU cannot (its misses stay uncomputed: the caller sends them up instead)
-static bool ggml_sched_pp_hybrid_inputs(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l) {
+// after the layer's lookups: the CPU's share ready to compute - a clone for it (decode: the CPU's selections alone;
+// a batch of tokens: all of them, the others computed with one of the CPU's experts and not written), allocated in
+// host memory (pinned where the device has a host buffer type: its rows go up from there), the tensors it reads from
+// device memory copied in, its ids set. false: the CPU cannot
+static bool ggml_sched_pp_hybrid_inputs(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l, int64_t n_tokens) {
     ggml_sched_pp_cache * c = sched->pp_cache;
     ggml_sched_pp_hybrid & h = l->hy;
     const int b = l->backend_id;
-    if (h.built != c->plan_gen && !ggml_sched_pp_hybrid_build(sched, l)) {
-        return false;
+    const int64_t n_used = l->n_used;
+    h.clones.resize((size_t) n_used + 1);
+    int64_t n_sel = n_tokens == 1 ? (int64_t) h.pairs.size() : n_used;
+    if (h.clones[n_sel].built != c->plan_gen && !ggml_sched_pp_hybrid_build(sched, l, n_sel)) {
+        n_sel = n_used;
+        if (h.clones[n_sel].built != c->plan_gen && !ggml_sched_pp_hybrid_build(sched, l, n_sel)) {
+            return false;
+        }
     }
+    ggml_sched_pp_hybrid_clone & x = h.clones[n_sel];
+    h.cur = &x;
     if (c->hybrid_galloc[b] == nullptr) {
         ggml_backend_buffer_type_t buft = ggml_backend_dev_host_buffer_type(ggml_backend_get_device(sched->backends[b]));
         if (buft == nullptr) {
@@ -874,18 +914,23 @@ static bool ggml_sched_pp_hybrid_inputs(ggml_backend_sched_t sched, ggml_sched_p
         c->hybrid_galloc[b] = ggml_gallocr_new(buft);
     }
     // (the device has finished what it was given - the ids were read back - so no row copy still reads this memory)
-    if (!ggml_gallocr_alloc_graph(c->hybrid_galloc[b], h.gf)) {
+    if (!ggml_gallocr_alloc_graph(c->hybrid_galloc[b], x.gf)) {
         return false;
     }
-    for (const auto & [src, cpy] : h.inputs) {
+    for (const auto & [src, cpy] : x.inputs) {
         ggml_backend_tensor_get(src, cpy->data, 0, ggml_nbytes(src));
     }
-    // the CPU's experts; its other rows (ids -1) are computed with one of them and not written
-    const int32_t fill = h.cpu_ids[h.pairs.front().first * h.ids->ne[0] + h.pairs.front().second];
-    std::vector<int32_t> & v = h.cpu_ids;
-    std::replace(v.begin(), v.end(), (int32_t) -1, fill);
-    GGML_ASSERT(ggml_nbytes(h.ids) == v.size() * sizeof(int32_t));
-    memcpy(h.ids->data, v.data(), ggml_nbytes(h.ids));
+    int32_t * ids = (int32_t *) x.ids->data;
+    if (n_sel < n_used) {
+        for (size_t j = 0; j < h.pairs.size(); j++) {
+            ids[j] = h.cpu_ids[h.pairs[j].second];
+        }
+    } else {
+        const int32_t fill = h.cpu_ids[h.pairs.front().first * n_used + h.pairs.front().second];
+        for (size_t i = 0; i < h.cpu_ids.size(); i++) {
+            ids[i] = h.cpu_ids[i] >= 0 ? h.cpu_ids[i] : fill;
+        }
+    }
     return true;
 }
 
@@ -896,26 +941,30 @@ static bool ggml_sched_pp_hybrid_inputs(ggml_backend_sched_t sched, ggml_sched_p
 // (the routing weights, the sum over the selections) run as without it, in the same order
 static void ggml_sched_pp_hybrid_compute(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l) {
     ggml_sched_pp_hybrid & h = l->hy;
+    const ggml_sched_pp_hybrid_clone & x = *h.cur;
     h.pending = false;
-    const enum ggml_status st = ggml_backend_graph_compute(sched->backends[sched->n_backends - 1], h.gf);
+    const enum ggml_status st = ggml_backend_graph_compute(sched->backends[sched->n_backends - 1], x.gf);
     GGML_ASSERT(st == GGML_STATUS_SUCCESS);
     ggml_backend_t backend = sched->backends[l->backend_id];
     const size_t row = ggml_row_size(h.last->type, h.last->ne[0]);
-    GGML_ASSERT(h.last->nb[1] >= row);
-    size_t run_off = 0, run_len = 0;
-    for (const auto & [t, k] : h.pairs) {
-        const size_t off = (size_t) k * h.last->nb[1] + (size_t) t * h.last->nb[2];
-        if (run_len > 0 && run_off + run_len == off && h.last->nb[1] == row) {
+    const bool   all = x.out->ne[1] == h.last->ne[1]; // (the clone's rows where the device's are; else one per pair)
+    size_t run_src = 0, run_dst = 0, run_len = 0;
+    for (size_t j = 0; j < h.pairs.size(); j++) {
+        const auto [t, k] = h.pairs[j];
+        const size_t dst = (size_t) k * h.last->nb[1] + (size_t) t * h.last->nb[2];
+        const size_t src = all ? dst : j * x.out->nb[1];
+        if (run_len > 0 && run_dst + run_len == dst && run_src + run_len == src) {
             run_len += row;
             continue;
         }
         if (run_len > 0) {
-            ggml_backend_tensor_set_async(backend, h.last, (const char *) h.out->data + run_off, run_off, run_len);
+            ggml_backend_tensor_set_async(backend, h.last, (const char *) x.out->data + run_src, run_dst, run_len);
         }
-        run_off = off;
+        run_src = src;
+        run_dst = dst;
         run_len = row;
     }
-    ggml_backend_tensor_set_async(backend, h.last, (const char *) h.out->data + run_off, run_off, run_len);
+    ggml_backend_tensor_set_async(backend, h.last, (const char *) x.out->data + run_src, run_dst, run_len);
     sched->pp.cache_cpu_misses[l->backend_id]    += h.pairs.size();
     sched->pp.cache_hybrid_layers[l->backend_id] += 1;
 }
@@ -960,7 +1009,7 @@ void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_i
             l->lookup_seq = sched->pp_graph_seq;
             l->lookup_ids = ids;
             l->hy.pending = hybrid && !l->hy.pairs.empty();
-            if (l->hy.pending && !ggml_sched_pp_hybrid_inputs(sched, l)) {
+            if (l->hy.pending && !ggml_sched_pp_hybrid_inputs(sched, l, ids->ne[1])) {
                 GGML_ABORT("%s: no host memory for the CPU's share of a layer's misses (EXPERT_HYBRID)", __func__);
             }
         }
@@ -1088,7 +1137,7 @@ void ggml_backend_sched_pp_cache_free(ggml_backend_sched_t sched) {
     }
     // (the caller has synchronized: no graph still reads the slots; the backends may be gone already)
     for (auto & l : c->layers) {
-        l->hy.free_clone();
+        l->hy.free_clones();
     }
     for (auto * galloc : c->hybrid_galloc) {
         if (galloc != nullptr) {
