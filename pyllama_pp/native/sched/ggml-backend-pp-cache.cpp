@@ -42,6 +42,26 @@
 // again. A decision that changes the placement of a graph llama would reuse makes llama split it again
 // (ggml_backend_sched_pp_resplit). The slots keep what they hold while their layer is on the CPU; only the shadow
 // follows its tokens. Counters per device: cache_cpu_ops, cache_leaves, cache_returns, cache_shadow_hits/misses.
+//
+// The hybrid (EXPERT_HYBRID=N; 0: off): a cached token's misses need not all cross the link one after the other while
+// the host CPU idles. Per layer and token the link takes k = ceil(m x 100 / (100 + N)) of its m misses (the first k in
+// top-k order: copied into slots as above, kept for later tokens) and the host CPU the other m - k, computed from the
+// host weights where they live: N is the CPU's expert rate in percent of the link's, so both finish together (the
+// rounding to the link: one miss alone goes up; ggml_backend_sched_pp_hybrid_link_share). The CPU's misses are not
+// cached (the LRU steps over its hits and the link's misses only). The CPU computes the layer's whole FFN for them,
+// not op by op (one round trip a layer): the plan (after pass 1) takes the graph's nodes from the layer's first expert
+// op to its last that the last depends on, where nothing else reads them but the last's readers and a node that is not
+// a view follows it; that node starts a split (pass 5), so the FFN is one split on the device. Its first expert op's
+// readback of the ids (the device idle then) also copies what the FFN reads from device memory (its input) into host
+// memory; a clone of the FFN for the CPU (its expert ops on the host weights and the CPU's ids; at decode only the
+// CPU's selections, in a batch every selection, the others on one of its experts and not written) is computed on the
+// host's CPU backend after the split is submitted, beside the device's hits and the link's copies; the device computes
+// the CPU's selections too, from a slot the token reads anyway, and the CPU's rows of the last expert op (one per
+// (token, selection): nothing to sum) are then written over them on the device's stream, token-major, in top-k order,
+// before the next split reads them. The rest of the layer (routing weights, the sum over the selections) runs on the
+// device as without it. Where the FFN is not one split on its device (gpt-oss's expert biases run on the CPU between
+// its expert ops) or an eval callback runs the splits in parts, the layer keeps the cache alone. Counters per device:
+// cache_cpu_misses (misses the CPU computed; the link's are cache_misses less these), cache_hybrid_layers.
 
 #include "ggml-backend-pp-impl.h"
 
