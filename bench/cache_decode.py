@@ -56,7 +56,8 @@ from pyllama_pp.stats import max_abs_diff, nmse, paired_ci  # noqa: E402
 from pyllama_pp.worker import run_job  # noqa: E402
 from pyllama_pp.defaults import threads  # noqa: E402
 from pyllama_pp.worker.handlers.base import bench_tokens  # noqa: E402
-from pyllama_pp.worker.handlers.fit import cpu_expert_rate  # noqa: E402
+from pyllama_pp.model_file import expert_tensor_bytes, expert_tensor_shape  # noqa: E402
+from pyllama_pp.worker.handlers.fit import cpu_expert_rate, link_rate  # noqa: E402
 
 from _clock import left, log  # noqa: E402   (bench/_clock.py; this script's folder is on sys.path)
 from decode_probe import close_contexts, switch_contexts, tg_run  # noqa: E402   (bench/decode_probe.py)
@@ -120,7 +121,8 @@ def main() -> int:
     ap.add_argument("--hybrid", default="",
                     help="EXPERT_HYBRID values, comma-separated, each with every size but 0 and every --min-hit: the "
                          "host CPU's expert rate in percent of the link's (0: the cache alone; auto: measured here, "
-                         "the CPU's decode expert op against the spec's link)")
+                         "the CPU's decode expert op against a VDEV spec's link, or the first device's pinned link "
+                         "measured with one expert's copies)")
     ap.add_argument("--ci", action="store_true",
                     help="the CI case: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in CI_CASE.items()))
     ap.add_argument("-n", type=int, default=32, help="tokens per tg run (default 32)")
@@ -180,9 +182,12 @@ def main() -> int:
     rates = {}
     if "auto" in hybrid_text:
         rates["cpu_gbps"] = float(next(iter(cpu_expert_rate(s.native, model, threads(args.threads)).values())))
-        rates["link_gbps"] = float((s.spec.link_rates() or [0.0])[0])
+        rates["link_gbps"] = float((s.spec.link_rates() or [0.0])[0])   # (a VDEV's throttle; else measured)
         if not rates["link_gbps"] > 0:
-            ap.error("--hybrid auto needs a device spec with a link rate (a VDEV spec such as vdev:1x0@2GBps)")
+            dev = next(b["name"] for b in s.ext_stats()["backends"] if b["name"] != "CPU")
+            shape = expert_tensor_shape(model)
+            link = link_rate(s.native, dev, 1 << 30, expert_tensor_bytes(model) // max(1, shape[3] if shape else 1))
+            rates["link_gbps"] = link["pinned_gbps"] or link["pageable_gbps"]
         rates["auto"] = max(1, round(100 * rates["cpu_gbps"] / rates["link_gbps"]))
         log(f"EXPERT_HYBRID auto: CPU {rates['cpu_gbps']:.2f} GB/s, link {rates['link_gbps']:.2f} GB/s -> {rates['auto']}")
     hybrids = [rates["auto"] if x == "auto" else int(x) for x in hybrid_text]
