@@ -189,7 +189,8 @@ def main() -> int:
             link = link_rate(s.native, dev, 1 << 30, expert_tensor_bytes(model) // max(1, shape[3] if shape else 1))
             rates["link_gbps"] = link["pinned_gbps"] or link["pageable_gbps"]
         rates["auto"] = max(1, round(100 * rates["cpu_gbps"] / rates["link_gbps"]))
-        log(f"EXPERT_HYBRID auto: CPU {rates['cpu_gbps']:.2f} GB/s, link {rates['link_gbps']:.2f} GB/s -> {rates['auto']}")
+        log(f"EXPERT_HYBRID auto: CPU {rates['cpu_gbps']:.2f} GB/s, link {rates['link_gbps']:.2f} GB/s "
+            f"-> {rates['auto']}")
     hybrids = [rates["auto"] if x == "auto" else int(x) for x in hybrid_text]
 
     # a context per size, floor and hybrid value, each with its own scheduler and slots (the switches are read when a
@@ -238,7 +239,8 @@ def main() -> int:
         ts = np.asarray(samples[i])
         med, lo, hi = paired_ci(ts / np.asarray(samples[0])) if i else (1.0, 1.0, 1.0)
         # a hybrid row against the cache alone (its size and floor, EXPERT_HYBRID=0), paired by round
-        alone = next((j for j, x in enumerate(sets) if x[2] == 0 and x[:2] == sets[i][:2]), None) if sets[i][2] else None
+        alone = (next((j for j, x in enumerate(sets) if x[2] == 0 and x[:2] == sets[i][:2]), None)
+                 if sets[i][2] else None)
         vc = paired_ci(ts / np.asarray(samples[alone])) if alone is not None else (None, None, None)
         c = counts[i]
         tokens = len(ts) * args.n
@@ -277,8 +279,8 @@ def main() -> int:
              "(paired, 95%) | vs baseline | of in VRAM | hit rate | misses/token CPU / link | "
              "shadow hit rate | CPU ops/token (switches) | fetched MB/token | h2d MB/token | ids wait us/token | "
              "logits NMSE vs off (slot ops / CPU ops in that check) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-             "| ---: | ---: |"]
+             "| ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| ---: | ---: | ---: |"]
     for x in rows:
         vsc = (f"{x['vs_cache']:.3f} [{x['vs_cache_lo']:.3f}, {x['vs_cache_hi']:.3f}]" if x["vs_cache"] is not None
                else "")

@@ -27,7 +27,7 @@ def split_counts(ext: dict) -> dict:
     return {k: sum(b[k] for b in ext["backends"]) for k in ("cache_cpu_misses", "cache_hybrid_layers")}
 
 
-# --- the rule ----------------------------------------------------------------------------------------------------------
+# --- the rule ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("misses, cpu_pct, link", [
     (0, 100, 0), (1, 100, 1), (2, 100, 1), (3, 100, 2), (8, 100, 4),   # equal rates: half each, the odd one up
@@ -56,7 +56,7 @@ def test_the_simulators_split_on_a_known_trace():
     assert hybrid(t, 4, 0) == {"lookups": 8, "hits": 4, "cpu_misses": 0, "link_misses": 4}
 
 
-# --- numerics ----------------------------------------------------------------------------------------------------------
+# --- numerics ---------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def baseline_decode(runner):
@@ -103,7 +103,8 @@ def test_small_batches_split_their_misses_too(runner, assert_logits_match):
     assert split_counts(p["ext"])["cache_cpu_misses"] > 0
 
 
-@pytest.mark.parametrize("name, overrides", FAMILIES, ids=[n + "".join(f"-{v}" for v in o.values()) for n, o in FAMILIES])
+@pytest.mark.parametrize("name, overrides", FAMILIES,
+                         ids=[n + "".join(f"-{v}" for v in o.values()) for n, o in FAMILIES])
 def test_decode_logits_equal_the_baseline_in_every_family(tmp_path_factory, assert_logits_match, name, overrides):
     """Every synth family the cache runs (attention, shared experts, dense first layers, gating, expert types and
     gpt-oss's expert biases differ): the baseline's logits, and the CPU computed misses in every family but gpt-oss.
@@ -119,7 +120,7 @@ def test_decode_logits_equal_the_baseline_in_every_family(tmp_path_factory, asse
     assert (split_counts(p["ext"])["cache_cpu_misses"] > 0) == (name != "gptoss-tiny")
 
 
-# --- the counters ------------------------------------------------------------------------------------------------------
+# --- the counters -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("slots, cpu_pct, n_ubatch", [(2, 100, 1), (8, 100, 1), (8, 300, 1), (16, 50, 1), (16, 100, 4)])
 def test_the_split_is_the_simulators_on_the_traced_ids(runner, slots, cpu_pct, n_ubatch):
