@@ -558,7 +558,8 @@ def link_share(misses: int, cpu_pct: int) -> int:
     """EXPERT_HYBRID's split of a token's misses at a layer (ggml_backend_sched_pp_hybrid_link_share states the rule):
     the link takes ceil(misses x 100 / (100 + cpu_pct)) of them - so that the link (k experts at R_link) and the host
     CPU (misses - k at R_cpu = cpu_pct / 100 x R_link) finish together, the rounding to the link, which takes at least
-    one of a token's misses - and the CPU the rest; cpu_pct 0: the link takes them all.
+    one of a token's misses so that the slots keep following the routing (the CPU's misses are not cached) - and the
+    CPU the rest; cpu_pct 0: the link takes them all.
 
     Args:
         misses: the token's misses at the layer.

@@ -13,7 +13,7 @@ from pyllama_pp import synth
 from pyllama_pp.expert_cache_sim import hybrid, link_share
 from pyllama_pp.expert_trace import ExpertTrace
 
-from test_expert_cache import FAMILIES, HOST_ALL, TWO, _counts, cache, totals
+from test_expert_cache import FAMILIES, HOST_ALL, TWO, _counts, cache, totals, upstream_servers  # noqa: F401
 
 DECODE = {"n_ctx": 64, "n_batch": 1, "n_ubatch": 1}
 
@@ -118,6 +118,17 @@ def test_decode_logits_equal_the_baseline_in_every_family(tmp_path_factory, asse
     p = runner.logits("patched", env=hybrid_env(64, 100), **kw)
     assert_logits_match(p["logits"], b["logits"], name)
     assert (split_counts(p["ext"])["cache_cpu_misses"] > 0) == (name != "gptoss-tiny")
+
+
+def test_rpc_devices_split_their_misses_with_this_hosts_cpu(runner, upstream_servers, baseline_decode,
+                                                           assert_logits_match):
+    """RPC devices (upstream's servers, the experts in this host's RAM): the FFN's input is read back over the network,
+    this host's CPU computes its share and its rows go back as tensor sets; the baseline's logits."""
+    p = runner.logits("patched", env=hybrid_env(16, 100), devices=upstream_servers, placement=HOST_ALL, ctx=DECODE,
+                      n_tokens=12)
+    assert_logits_match(p["logits"], baseline_decode["logits"], "RPC devices, EXPERT_HYBRID=100")
+    rpc = [b for b in p["ext"]["backends"] if b["name"].startswith("RPC")]
+    assert len(rpc) == 2 and all(b["cache_cpu_misses"] > 0 for b in rpc)
 
 
 # --- the counters -----------------------------------------------------------------------------------------------------

@@ -423,8 +423,10 @@ static bool ggml_sched_pp_cache_alloc(ggml_backend_sched_t sched, int b, const s
 // EXPERT_HYBRID: the split of a token's m misses: k of them go over the link into slots, the host CPU computes the
 // other m - k from host memory. Per missed expert the link moves its bytes at R_link, the CPU reads them at R_cpu;
 // both finish together at k / R_link = (m - k) / R_cpu, k = m R_link / (R_link + R_cpu) = m 100 / (100 + cpu_pct)
-// with cpu_pct = 100 R_cpu / R_link, rounded up: the link takes at least one, so a token with one miss sends it up and
-// the CPU is asked only where it saves more than its fixed cost (the input read back, a launch, the rows written).
+// with cpu_pct = 100 R_cpu / R_link, rounded up: the link takes at least one of a token's misses - a token with one
+// miss sends it up, the CPU is asked only where the link would take longer than one miss, and the slots keep
+// following the routing however fast the CPU is (the CPU's misses are not cached: rounded to the nearest, a CPU much
+// faster than the link would take every miss and the slots would never fill).
 int64_t ggml_backend_sched_pp_hybrid_link_share(int64_t misses, int64_t cpu_pct) {
     if (misses <= 0) {
         return 0;
