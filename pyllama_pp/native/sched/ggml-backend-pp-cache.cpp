@@ -935,7 +935,12 @@ static bool ggml_sched_pp_hybrid_inputs(ggml_backend_sched_t sched, ggml_sched_p
         }
         c->hybrid_galloc[b] = ggml_gallocr_new(buft);
     }
-    // (the device has finished what it was given - the ids were read back - so no row copy still reads this memory)
+    // (the device has finished what it was given - the ids were read back - so no row copy still reads this memory;
+    // the clone's tensors are placed anew: the device's layers share the allocator, which may have moved its buffer)
+    for (ggml_tensor * t = ggml_get_first_tensor(x.ctx); t != nullptr; t = ggml_get_next_tensor(x.ctx, t)) {
+        t->data   = nullptr;
+        t->buffer = nullptr;
+    }
     if (!ggml_gallocr_alloc_graph(c->hybrid_galloc[b], x.gf)) {
         return false;
     }
