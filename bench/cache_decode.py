@@ -8,6 +8,8 @@ test-backend-ops holds to an NMSE of 5e-4 for MUL_MAT_ID; on VDEVs both are the 
     python bench/cache_decode.py --preset small --devices "vdev:1x0@4GBps" --sizes 0,-8,-16,-32,-128
     python bench/cache_decode.py --model M.gguf --devices cuda --sizes 0,-16,-32,-64 -n 64   # GPU machine
     python bench/cache_decode.py --ci                              # the CI case (CI_CASE below)
+    python bench/cache_decode.py --preset small --routing locality --devices "vdev:1x0@1GBps" --threads 1 \
+        --sizes 0,-16,-32,-64 --hybrid 0,auto --rounds 30 -n 64       # EXPERT_HYBRID against the cache alone
 
 The patched build runs in this process: the model is loaded once, each size gets its own context (a scheduler
 copies the switches when it is made), all at once, so each size's slots stay warm between its runs; rounds run
@@ -16,7 +18,10 @@ without the cache) by round (median ratio with its bootstrap interval). The firs
 cache and is not counted. The baseline runs in a worker process (its own model load). A size is EXPERT_CACHE's
 value: MiB per device, or -N: N slots per layer (0: off); every size's slots take device memory at once. Each size
 runs once per --min-hit value (EXPERT_CACHE_MIN_HIT, the guard's floor: 0 none; a layer whose cache's shadow hits
-less goes back to the CPU). The logits check counts the ops that read the slots while it decodes (logits_cache_ops):
+less goes back to the CPU), and once per --hybrid value (EXPERT_HYBRID: a token's misses split between the link
+and the host CPU, the value the CPU's expert rate in percent of the link's; auto measures both here), paired with the
+cache alone of its size and floor (vs cache alone), with the misses a token the CPU and the link took. The logits
+check counts the ops that read the slots while it decodes (logits_cache_ops):
 an NMSE of 0 with none of them compared the CPU path with itself.
 
 Routing decides the hit rate: a synthetic model's default ("uniform") routes consecutive tokens independently,
