@@ -8,6 +8,8 @@ test-backend-ops holds to an NMSE of 5e-4 for MUL_MAT_ID; on VDEVs both are the 
     python bench/cache_decode.py --preset small --devices "vdev:1x0@4GBps" --sizes 0,-8,-16,-32,-128
     python bench/cache_decode.py --model M.gguf --devices cuda --sizes 0,-16,-32,-64 -n 64   # GPU machine
     python bench/cache_decode.py --ci                              # the CI case (CI_CASE below)
+    python bench/cache_decode.py --preset small --routing locality --devices "vdev:1x0@1GBps" --threads 1 \
+        --sizes 0,-16,-32,-64 --hybrid 0,auto --rounds 30 -n 64       # EXPERT_HYBRID against the cache alone
 
 The patched build runs in this process: the model is loaded once, each size gets its own context (a scheduler
 copies the switches when it is made), all at once, so each size's slots stay warm between its runs; rounds run
@@ -16,7 +18,10 @@ without the cache) by round (median ratio with its bootstrap interval). The firs
 cache and is not counted. The baseline runs in a worker process (its own model load). A size is EXPERT_CACHE's
 value: MiB per device, or -N: N slots per layer (0: off); every size's slots take device memory at once. Each size
 runs once per --min-hit value (EXPERT_CACHE_MIN_HIT, the guard's floor: 0 none; a layer whose cache's shadow hits
-less goes back to the CPU). The logits check counts the ops that read the slots while it decodes (logits_cache_ops):
+less goes back to the CPU), and once per --hybrid value (EXPERT_HYBRID: a token's misses split between the link
+and the host CPU, the value the CPU's expert rate in percent of the link's; auto measures both here), paired with the
+cache alone of its size and floor (vs cache alone), with the misses a token the CPU and the link took. The logits
+check counts the ops that read the slots while it decodes (logits_cache_ops):
 an NMSE of 0 with none of them compared the CPU path with itself.
 
 Routing decides the hit rate: a synthetic model's default ("uniform") routes consecutive tokens independently,
@@ -54,13 +59,17 @@ from pyllama_pp.params import ContextParams, Placement  # noqa: E402
 from pyllama_pp.session import Session  # noqa: E402
 from pyllama_pp.stats import max_abs_diff, nmse, paired_ci  # noqa: E402
 from pyllama_pp.worker import run_job  # noqa: E402
+from pyllama_pp.defaults import threads  # noqa: E402
 from pyllama_pp.worker.handlers.base import bench_tokens  # noqa: E402
+from pyllama_pp.model_file import expert_tensor_bytes, expert_tensor_shape  # noqa: E402
+from pyllama_pp.worker.handlers.fit import cpu_expert_rate, link_rate  # noqa: E402
 
 from _clock import left, log  # noqa: E402   (bench/_clock.py; this script's folder is on sys.path)
 from decode_probe import close_contexts, switch_contexts, tg_run  # noqa: E402   (bench/decode_probe.py)
 
 CACHE_KEYS = ("cache_ops", "cache_hits", "cache_misses", "cache_evictions", "cache_bytes", "cache_cpu_ops",
-              "cache_leaves", "cache_returns", "cache_shadow_hits", "cache_shadow_misses")
+              "cache_leaves", "cache_returns", "cache_shadow_hits", "cache_shadow_misses", "cache_cpu_misses",
+              "cache_hybrid_layers")
 # the CI case (module docstring): argument defaults --ci sets (options given explicitly still win)
 CI_CASE = {"preset": "small", "routing": "locality", "devices": "vdev:1x0@16GBps", "threads": 1,
            "sizes": "0,-32,-64,-128", "rounds": 20, "n": 128}
@@ -114,6 +123,11 @@ def main() -> int:
     ap.add_argument("--min-hit", default="",
                     help="EXPERT_CACHE_MIN_HIT values, comma-separated, each with every size but 0 (default: the "
                          "switch's value in this process)")
+    ap.add_argument("--hybrid", default="",
+                    help="EXPERT_HYBRID values, comma-separated, each with every size but 0 and every --min-hit: the "
+                         "host CPU's expert rate in percent of the link's (0: the cache alone; auto: measured here, "
+                         "the CPU's decode expert op against a VDEV spec's link, or the first device's pinned link "
+                         "measured with one expert's copies)")
     ap.add_argument("--ci", action="store_true",
                     help="the CI case: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in CI_CASE.items()))
     ap.add_argument("-n", type=int, default=32, help="tokens per tg run (default 32)")
@@ -149,6 +163,9 @@ def main() -> int:
         ap.error(f"--min-hit takes integers 0..100 (percent), got {args.min_hit!r}")
     if any(m is not None and not 0 <= m <= 100 for m in min_hits):
         ap.error(f"--min-hit takes integers 0..100 (percent), got {args.min_hit!r}")
+    hybrid_text = [x.strip() for x in args.hybrid.split(",") if x.strip()] or ["0"]
+    if any(x != "auto" and not x.isdigit() for x in hybrid_text):
+        ap.error(f"--hybrid takes integers >= 0 (percent) or auto, got {args.hybrid!r}")
     if args.routing not in synth.ROUTING_MODES:
         ap.error(f"--routing must be one of {', '.join(synth.ROUTING_MODES)} in this build of synth")
     out = Path(args.out)
@@ -166,12 +183,28 @@ def main() -> int:
     prefix = bench_tokens(args.depth, s.info.n_vocab, seed=2, stream=consecutive) if args.depth else None
 
 
-    # a context per size and floor, each with its own scheduler and slots (the switches are read when a scheduler is
-    # made); size 0 once
+    # EXPERT_HYBRID's auto: the host CPU's decode expert op (as fit measures it) against the spec's link
+    rates = {}
+    if "auto" in hybrid_text:
+        rates["cpu_gbps"] = float(next(iter(cpu_expert_rate(s.native, model, threads(args.threads)).values())))
+        rates["link_gbps"] = float((s.spec.link_rates() or [0.0])[0])   # (a VDEV's throttle; else measured)
+        if not rates["link_gbps"] > 0:
+            dev = next(b["name"] for b in s.ext_stats()["backends"] if b["name"] != "CPU")
+            shape = expert_tensor_shape(model)
+            link = link_rate(s.native, dev, 1 << 30, expert_tensor_bytes(model) // max(1, shape[3] if shape else 1))
+            rates["link_gbps"] = link["pinned_gbps"] or link["pageable_gbps"]
+        rates["auto"] = max(1, round(100 * rates["cpu_gbps"] / rates["link_gbps"]))
+        log(f"EXPERT_HYBRID auto: CPU {rates['cpu_gbps']:.2f} GB/s, link {rates['link_gbps']:.2f} GB/s "
+            f"-> {rates['auto']}")
+    hybrids = [rates["auto"] if x == "auto" else int(x) for x in hybrid_text]
+
+    # a context per size, floor and hybrid value, each with its own scheduler and slots (the switches are read when a
+    # scheduler is made); size 0 once
     own = s.ext_stats()["params"]["EXPERT_CACHE_MIN_HIT"]
-    sets = [(0, own)] + [(v, own if m is None else m) for v in sizes[1:] for m in min_hits]
-    sizes = [v for v, _ in sets]
-    ctxs = switch_contexts(s, [{"EXPERT_CACHE": v, "EXPERT_CACHE_MIN_HIT": m} for v, m in sets], ctxp)
+    sets = [(0, own, 0)] + [(v, own if m is None else m, h) for v in sizes[1:] for m in min_hits for h in hybrids]
+    sizes = [v for v, _, _ in sets]
+    ctxs = switch_contexts(s, [{"EXPERT_CACHE": v, "EXPERT_CACHE_MIN_HIT": m, "EXPERT_HYBRID": h} for v, m, h in sets],
+                           ctxp)
     for c in ctxs:
         s._ctx = c
         tg_run(s, toks, args.n, prefix)   # warm-up: fills the cache (the context's: it stays warm between tg runs)
@@ -210,11 +243,16 @@ def main() -> int:
     for i, v in enumerate(sizes):
         ts = np.asarray(samples[i])
         med, lo, hi = paired_ci(ts / np.asarray(samples[0])) if i else (1.0, 1.0, 1.0)
+        # a hybrid row against the cache alone (its size and floor, EXPERT_HYBRID=0), paired by round
+        alone = (next((j for j, x in enumerate(sets) if x[2] == 0 and x[:2] == sets[i][:2]), None)
+                 if sets[i][2] else None)
+        vc = paired_ci(ts / np.asarray(samples[alone])) if alone is not None else (None, None, None)
         c = counts[i]
         tokens = len(ts) * args.n
         lookups = c["cache_hits"] + c["cache_misses"]
         shadow = c["cache_shadow_hits"] + c["cache_shadow_misses"]
-        rows.append({"expert_cache": v, "min_hit": sets[i][1], "slots_per_layer": levels[i]["cache_slots"],
+        rows.append({"expert_cache": v, "min_hit": sets[i][1], "hybrid": sets[i][2],
+                     "slots_per_layer": levels[i]["cache_slots"],
                      "nmse_vs_off": nmse(logits[i][0], logits[0][0]),
                      "max_abs_vs_off": max_abs_diff(logits[i][0], logits[0][0]),
                      "logits_cache_ops": logits[i][1], "logits_cpu_ops": logits[i][2],
@@ -222,7 +260,11 @@ def main() -> int:
                      "stddev_ts": float(ts.std(ddof=1)) if len(ts) > 1 else 0.0, "vs_off": med, "vs_off_lo": lo,
                      "vs_off_hi": hi, "vs_baseline": float(ts.mean()) / base if base else None,
                      "of_ceiling": float(ts.mean()) / ceiling if ceiling else None,
+                     "vs_cache": vc[0], "vs_cache_lo": vc[1], "vs_cache_hi": vc[2],
                      "hit_rate": c["cache_hits"] / lookups if lookups else None,
+                     "cpu_miss_share": c["cache_cpu_misses"] / c["cache_misses"] if c["cache_misses"] else None,
+                     "cpu_misses_per_token": c["cache_cpu_misses"] / tokens if tokens else None,
+                     "link_misses_per_token": (c["cache_misses"] - c["cache_cpu_misses"]) / tokens if tokens else None,
                      "fetched_mb_per_token": c["cache_bytes"] / tokens / 1e6 if tokens else None,
                      "h2d_mb_per_token": c["h2d_bytes"] / tokens / 1e6 if tokens and vdev else None,
                      "ids_wait_us_per_token": c["ids_wait_us"] / tokens if tokens else None,
@@ -232,22 +274,30 @@ def main() -> int:
                      "shadow_hit_rate": c["cache_shadow_hits"] / shadow if shadow else None,
                      "rounds": len(ts), "samples_ts": ts.tolist()})
     doc = {"model": model, "devices": args.devices, "n": args.n, "depth": args.depth, "routing": args.routing,
-           "threads": args.threads, "ceiling_ts": ceiling,
+           "threads": args.threads, "ceiling_ts": ceiling, "hybrid_rates": rates,
            "command": " ".join(sys.argv[1:]), "ci": args.ci,
            "tokens": "consecutive" if consecutive else "random", "baseline_ts": base,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
     (out / "cache_decode.json").write_text(json.dumps(doc, indent=1))
     fmt = lambda x, f: "" if x is None else format(x, f)   # noqa: E731
-    lines = ["| EXPERT_CACHE | MIN_HIT | slots/layer | MiB | t/s | vs off (paired, 95%) | vs baseline | of in VRAM | hit rate | "
+    lines = ["| EXPERT_CACHE | MIN_HIT | HYBRID | slots/layer | MiB | t/s | vs off (paired, 95%) | vs cache alone "
+             "(paired, 95%) | vs baseline | of in VRAM | hit rate | misses/token CPU / link | "
              "shadow hit rate | CPU ops/token (switches) | fetched MB/token | h2d MB/token | ids wait us/token | "
              "logits NMSE vs off (slot ops / CPU ops in that check) |",
-             "| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| ---: | ---: | ---: |"]
     for x in rows:
-        lines.append(f"| {x['expert_cache']} | {x['min_hit'] if x['expert_cache'] else ''} | {x['slots_per_layer']} | "
+        vsc = (f"{x['vs_cache']:.3f} [{x['vs_cache_lo']:.3f}, {x['vs_cache_hi']:.3f}]" if x["vs_cache"] is not None
+               else "")
+        split = (f"{x['cpu_misses_per_token']:.1f} / {x['link_misses_per_token']:.1f}"
+                 if x["cpu_misses_per_token"] is not None and x["expert_cache"] else "")
+        lines.append(f"| {x['expert_cache']} | {x['min_hit'] if x['expert_cache'] else ''} | "
+                     f"{x['hybrid'] if x['expert_cache'] else ''} | {x['slots_per_layer']} | "
                      f"{x['cache_mib']:.1f} | "
                      f"{x['avg_ts']:.1f} ± {x['stddev_ts']:.1f} | {x['vs_off']:.3f} [{x['vs_off_lo']:.3f}, "
-                     f"{x['vs_off_hi']:.3f}] ({x['rounds']}) | {fmt(x['vs_baseline'], '.2f')} | {fmt(x['of_ceiling'], '.0%')} | "
-                     f"{fmt(x['hit_rate'], '.3f')} | {fmt(x['shadow_hit_rate'], '.3f')} | "
+                     f"{x['vs_off_hi']:.3f}] ({x['rounds']}) | {vsc} | {fmt(x['vs_baseline'], '.2f')} | "
+                     f"{fmt(x['of_ceiling'], '.0%')} | "
+                     f"{fmt(x['hit_rate'], '.3f')} | {split} | {fmt(x['shadow_hit_rate'], '.3f')} | "
                      f"{fmt(x['cpu_ops_per_token'], '.1f')} ({x['switches']}) | "
                      f"{fmt(x['fetched_mb_per_token'], '.3f')} | "
                      f"{fmt(x['h2d_mb_per_token'], '.3f')} | {fmt(x['ids_wait_us_per_token'], '.0f')} | "

@@ -40,7 +40,7 @@ else
     # Python itself is not instrumented: its allocations are not leaks of ours
     export ASAN_OPTIONS="detect_leaks=0 abort_on_error=1 halt_on_error=1"
     export UBSAN_OPTIONS="print_stacktrace=1 halt_on_error=1"
-    tests=(tests/test_patched.py tests/test_vdev.py tests/test_variants.py tests/test_schedule.py)
+    tests=(tests/test_patched.py tests/test_vdev.py tests/test_variants.py tests/test_schedule.py tests/test_expert_hybrid.py)
 fi
 t0=$(date +%s)
 status=0

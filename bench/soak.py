@@ -100,7 +100,9 @@ def vram_line(r) -> str:
         rate = f" ({100 * ext.get('cache_hits', 0) / looked:.1f}% hits)" if looked else ""
         line += (f"; of it expert slots {per_dev(r.cache_buffer_bytes.values())} (EXPERT_CACHE={r.expert_cache}), "
                  f"which read {ext.get('cache_ops', 0)} expert ops: {ext.get('cache_hits', 0)} hits, "
-                 f"{ext.get('cache_misses', 0)} misses{rate}")
+                 f"{ext.get('cache_misses', 0)} misses{rate}" +
+                 (f", of which the host CPU computed {ext['cache_cpu_misses']} (EXPERT_HYBRID)"
+                  if ext.get("cache_cpu_misses") else ""))
     return line + (f"; host RSS {r.rss_warm / MiB:.1f} MiB after the warm-up, at most {100 * r.rss_growth:+.2f}% "
                    f"more after it, {r.rss_end / MiB:.1f} MiB at the end")
 

@@ -78,7 +78,7 @@ import numpy as np
 from .expert_trace import ExpertTrace
 
 __all__ = ["POLICIES", "DEFAULT_FRACTIONS", "DEFAULT_HALF_LIFE", "GUARD_WINDOW", "GUARD_MARGIN", "simulate",
-           "hit_rates", "guard", "locality_summary"]
+           "hit_rates", "guard", "link_share", "hybrid", "locality_summary"]
 
 POLICIES = ("lru", "lfu", "lfu_aged", "lru2", "slru", "2q", "arc", "tinylfu", "static", "belady")
 #: cache sizes as a fraction of each layer's experts (1/16, 1/8, 1/4, 3/8, 1/2)
@@ -552,6 +552,53 @@ def guard(trace: ExpertTrace, slots: int, min_hit: int, tokens_per_graph: int = 
     valid = trace.ids >= 0
     return {"per_layer_cpu": on_cpu, "cached_tokens": int((~on_cpu).sum()), "cpu_tokens": int(on_cpu.sum()), **out,
             "shadow_lookups": int(valid.sum()), "lookups": int((valid & ~on_cpu[:, :, None]).sum())}
+
+
+def link_share(misses: int, cpu_pct: int) -> int:
+    """EXPERT_HYBRID's split of a token's misses at a layer (ggml_backend_sched_pp_hybrid_link_share states the rule):
+    the link takes ceil(misses x 100 / (100 + cpu_pct)) of them - so that the link (k experts at R_link) and the host
+    CPU (misses - k at R_cpu = cpu_pct / 100 x R_link) finish together, the rounding to the link, which takes at least
+    one of a token's misses so that the slots keep following the routing (the CPU's misses are not cached) - and the
+    CPU the rest; cpu_pct 0: the link takes them all.
+
+    Args:
+        misses: the token's misses at the layer.
+        cpu_pct: the switch's value, 100 x R_cpu / R_link.
+    Returns:
+        int: the misses the link takes (into slots).
+    """
+    if misses <= 0:
+        return 0
+    if cpu_pct <= 0:
+        return misses
+    return -(-misses * 100 // (100 + cpu_pct))
+
+
+def hybrid(trace: ExpertTrace, slots: int, cpu_pct: int) -> dict:
+    """The native cache's counts with EXPERT_HYBRID=cpu_pct on a trace, every layer with `slots` slots, counted from the
+    first token: per token and layer a step of the LRU ("lru"), except that only the first `link_share` of its misses
+    (the trace's order of its ids) are inserted; the others the host CPU computes and nothing caches.
+
+    Returns:
+        dict: lookups, hits, cpu_misses (computed by the CPU), link_misses (copied into slots).
+    """
+    out = {"lookups": 0, "hits": 0, "cpu_misses": 0, "link_misses": 0}
+    for c in range(len(trace.layers)):
+        lru = _Cache(slots)
+        for ids in _steps(trace, c):
+            ids = [int(e) for e in ids]
+            hit_ids = [e for e in ids if e in lru]
+            misses = [e for e in ids if e not in lru]
+            for e in hit_ids:
+                lru._hit(e)
+            up = misses[:link_share(len(misses), cpu_pct)]
+            for e in up:
+                lru._miss(e, set(ids))
+            out["lookups"] += len(ids)
+            out["hits"] += len(hit_ids)
+            out["link_misses"] += len(up)
+            out["cpu_misses"] += len(misses) - len(up)
+    return out
 
 
 def hit_rates(trace: ExpertTrace, fractions: Iterable[float] = DEFAULT_FRACTIONS,

@@ -52,6 +52,8 @@ class Row:
         expert_cache_ops, expert_cache_cpu_ops, expert_cache_switches, expert_cache_shadow_hits,
             expert_cache_shadow_misses: its expert ops per run that read the slots and that its guard ran on the CPU
             (EXPERT_CACHE_MIN_HIT), the guard's decisions (a layer to the CPU or back), and its shadow's lookups.
+        expert_cache_cpu_misses: of its misses per run, those the host CPU computed instead of the link
+            (EXPERT_HYBRID; the link's are expert_cache_misses less these).
         label, config, config_key: the configuration's label, its index in its sweep, and a hash of what it
             measures (a resumed sweep reuses rows with the same key).
         env, switches, build, machine, date: the environment, the patched build's switches the run set to other
@@ -136,6 +138,7 @@ class Row:
     expert_cache_switches: Optional[int] = None
     expert_cache_shadow_hits: Optional[int] = None
     expert_cache_shadow_misses: Optional[int] = None
+    expert_cache_cpu_misses: Optional[int] = None
     # where and how
     label: str = ""
     config: Optional[int] = None                 # the configuration's index in its sweep

@@ -32,6 +32,7 @@ LINKS = "LINKS"                  # host links the devices upload over (0: counte
 RPC_HOST = "RPC_HOST"            # host experts kept on an RPC server
 EXPERT_CACHE = "EXPERT_CACHE"    # the device expert cache: MiB a device, or -N slots a layer
 EXPERT_CACHE_MIN_HIT = "EXPERT_CACHE_MIN_HIT"   # its guard: percent of hits below which a layer goes to the CPU
+EXPERT_HYBRID = "EXPERT_HYBRID"  # its misses split with the host CPU: the CPU's expert rate in percent of the link's
 LAYER_MAJOR = "LAYER_MAJOR"      # a batch's ubatches through each layer together
 
 MiB = 1 << 20

@@ -23,7 +23,7 @@ except (ValueError, TypeError) as e:
 SWITCHES = {"OVERLAP": [0, 2], "DIRECT": [-1, 0, 2], "UPLOAD_ALL": [0, 1], "EARLY_INPUTS": [0, 1], "STAGING": [0, 1],
             "OWNER_OFFLOAD": [0, 1], "STABLE_RESERVE": [0, 1], "GATHER": [-1, 0], "PREFETCH": [0, 1, 2],
             "LAYER_MAJOR": [0, 1, 2]}
-# (and EXPERT_CACHE with its EXPERT_CACHE_MIN_HIT, drawn in _case)
+# (and EXPERT_CACHE with its EXPERT_CACHE_MIN_HIT and EXPERT_HYBRID, drawn in _case)
 
 
 def _case(i: int) -> dict:
@@ -49,11 +49,13 @@ def _case(i: int) -> dict:
             "ctx": {"n_ctx": max(256, 2 * nb + 64), "n_batch": nb, "n_ubatch": ub}, "n_tokens": nb * rng.choice([1, 2]),
             "env": env}
     # EXPERT_CACHE, drawn last: a seed's other draws do not depend on it (it serves ubatches below op offload's 32
-    # tokens: 16 tokens x 2 ids need 32 slots a layer, which 64 MiB and -32 give and -2 does not), and its guard's
-    # floor (0: none; 100: a layer leaves for the CPU once its shadow has seen 32 tokens, and never returns)
+    # tokens: 16 tokens x 2 ids need 32 slots a layer, which 64 MiB and -32 give and -2 does not), its guard's
+    # floor (0: none; 100: a layer leaves for the CPU once its shadow has seen 32 tokens, and never returns) and the
+    # hybrid's rate ratio
     if rng.random() < 0.5:
         env["GGML_SCHED_PP_EXPERT_CACHE"] = rng.choice([64, -32, -2])
         env["GGML_SCHED_PP_EXPERT_CACHE_MIN_HIT"] = rng.choice([0, 30, 100])
+        env["GGML_SCHED_PP_EXPERT_HYBRID"] = rng.choice([0, 100, 1000])   # (its misses split with the host CPU)
     env.update(FORCE)
     return case
 

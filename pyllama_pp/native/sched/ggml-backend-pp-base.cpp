@@ -228,6 +228,8 @@ static ggml_sched_pp_param ggml_sched_pp_params[] = {
         "MiB of expert slots per device (-N: N slots per layer): an expert op on host weights below op offload's threshold (decode) runs on its layer's device, reading the experts from a per-layer LRU of slots there, not on the CPU (0: off)"),
     GGML_SCHED_PP_ROW("EXPERT_CACHE_MIN_HIT", GGML_SCHED_PP_INT, 30, 0, 100, nullptr, &ggml_sched_pp_cfg::expert_cache_min_hit,
         "with EXPERT_CACHE: percent of hits below which a layer's expert ops go back to the CPU, judged by a shadow of its slots over its last 32 tokens, until it hits this + 10 again (0: never)"),
+    GGML_SCHED_PP_ROW("EXPERT_HYBRID", GGML_SCHED_PP_INT, 0, 0, 100000, nullptr, &ggml_sched_pp_cfg::expert_hybrid,
+        "with EXPERT_CACHE: the host CPU's expert rate in percent of the device link's (N = 100 x R_cpu / R_link); a cached layer's misses are split so that both finish together: the link takes ceil(m x 100 / (100 + N)) of a token's m misses (into slots, as without it), the host CPU computes the layer's FFN for the rest from host memory while the device computes the hits (0: off, every miss over the link)"),
     GGML_SCHED_PP_ROW("LAYER_MAJOR", GGML_SCHED_PP_INT, 0, 0, 64, nullptr, nullptr,
         "run the ubatches of a batch through each layer together, as one graph, so a layer's host experts go up once for all of them (llama; 1: all the ubatches of a batch, N >= 2: at most N per graph; 0: off); their activations stay in the compute buffers"),
     GGML_SCHED_PP_ROW(nullptr, GGML_SCHED_PP_INT, 0, 0, 0, nullptr, nullptr, nullptr),

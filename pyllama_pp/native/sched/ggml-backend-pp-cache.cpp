@@ -42,6 +42,26 @@
 // again. A decision that changes the placement of a graph llama would reuse makes llama split it again
 // (ggml_backend_sched_pp_resplit). The slots keep what they hold while their layer is on the CPU; only the shadow
 // follows its tokens. Counters per device: cache_cpu_ops, cache_leaves, cache_returns, cache_shadow_hits/misses.
+//
+// The hybrid (EXPERT_HYBRID=N; 0: off): a cached token's misses need not all cross the link one after the other while
+// the host CPU idles. Per layer and token the link takes k = ceil(m x 100 / (100 + N)) of its m misses (the first k in
+// top-k order: copied into slots as above, kept for later tokens) and the host CPU the other m - k, computed from the
+// host weights where they live: N is the CPU's expert rate in percent of the link's, so both finish together (the
+// rounding to the link: one miss alone goes up; ggml_backend_sched_pp_hybrid_link_share). The CPU's misses are not
+// cached (the LRU steps over its hits and the link's misses only). The CPU computes the layer's whole FFN for them,
+// not op by op (one round trip a layer): the plan (after pass 1) takes the graph's nodes from the layer's first expert
+// op to its last that the last depends on, where nothing else reads them but the last's readers and a node that is not
+// a view follows it; that node starts a split (pass 5), so the FFN is one split on the device. Its first expert op's
+// readback of the ids (the device idle then) also copies what the FFN reads from device memory (its input) into host
+// memory; a clone of the FFN for the CPU (its expert ops on the host weights and the CPU's ids; at decode only the
+// CPU's selections, in a batch every selection, the others on one of its experts and not written) is computed on the
+// host's CPU backend after the split is submitted, beside the device's hits and the link's copies; the device computes
+// the CPU's selections too, from a slot the token reads anyway, and the CPU's rows of the last expert op (one per
+// (token, selection): nothing to sum) are then written over them on the device's stream, token-major, in top-k order,
+// before the next split reads them. The rest of the layer (routing weights, the sum over the selections) runs on the
+// device as without it. Where the FFN is not one split on its device (gpt-oss's expert biases run on the CPU between
+// its expert ops) or an eval callback runs the splits in parts, the layer keeps the cache alone. Counters per device:
+// cache_cpu_misses (misses the CPU computed; the link's are cache_misses less these), cache_hybrid_layers.
 
 #include "ggml-backend-pp-impl.h"
 
@@ -90,8 +110,10 @@ struct ggml_sched_pp_cache_lru {
     }
 
     // one token's step over its n ids (top-k order): its hits (held at the step's start) are touched, then its misses
-    // inserted; slot[k]: the slot of ids[k]. Returns the hits.
-    int step(const int32_t * ids, int64_t n, int32_t * slot, uint64_t & clock, uint64_t & evictions) {
+    // inserted; slot[k]: the slot of ids[k]. With cpu_pct > 0 (EXPERT_HYBRID) only the first
+    // ggml_backend_sched_pp_hybrid_link_share(misses, cpu_pct) misses in top-k order are inserted (the link's); the
+    // others keep slot -1 (the host CPU's: not cached). Returns the hits.
+    int step(const int32_t * ids, int64_t n, int32_t * slot, uint64_t & clock, uint64_t & evictions, int64_t cpu_pct = 0) {
         int hits = 0;
         for (int64_t k = 0; k < n; k++) {
             slot[k] = expert_slot[ids[k]];
@@ -100,9 +122,11 @@ struct ggml_sched_pp_cache_lru {
                 last_use[slot[k]] = ++clock;
             }
         }
+        int64_t up = cpu_pct > 0 ? ggml_backend_sched_pp_hybrid_link_share(n - hits, cpu_pct) : n - hits;
         for (int64_t k = 0; k < n; k++) {
-            if (slot[k] < 0) {
+            if (slot[k] < 0 && up > 0) {
                 slot[k] = expert_slot[ids[k]] >= 0 ? expert_slot[ids[k]] : insert(ids[k], clock, evictions);
+                up--;
             }
         }
         return hits;
@@ -114,6 +138,46 @@ struct ggml_sched_pp_cache_weight {
     const ggml_tensor *  host  = nullptr;  // the host weight [.., .., n_expert] (as the graph planned last holds it)
     ggml_tensor *        slots = nullptr;  // its experts on the device [.., .., n_slots] (nullptr: no room)
     std::vector<int32_t> content;          // the expert each slot of `slots` holds (-1: none yet)
+};
+
+// EXPERT_HYBRID: a layer's FFN cloned for the host CPU, for n_sel selections a token (ggml_sched_pp_hybrid_build)
+struct ggml_sched_pp_hybrid_clone {
+    ggml_context * ctx = nullptr;
+    ggml_cgraph *  gf  = nullptr;
+    ggml_tensor *  ids = nullptr;  // int32 [n_sel, n_tokens]: the CPU's experts
+    ggml_tensor *  out = nullptr;  // the clone of the last expert op: the CPU's rows
+    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> inputs; // (a tensor of device memory the FFN reads, its host copy)
+    uint64_t       built = 0;      // the plan (ggml_sched_pp_cache::plan_gen) it was made for (0: none)
+
+    void free() {
+        if (ctx != nullptr) {
+            ggml_free(ctx);
+        }
+        *this = ggml_sched_pp_hybrid_clone();
+    }
+};
+
+// EXPERT_HYBRID: a layer's FFN as the host CPU computes it for its share of the misses - the graph's nodes from the
+// layer's first expert op to its last that the last one depends on (the plan: per graph split), cloned for the CPU
+struct ggml_sched_pp_hybrid {
+    bool                       on = false;   // this graph's plan: the CPU takes misses of the layer
+    std::vector<ggml_tensor *> nodes;        // the FFN, graph order (its last: the last expert op)
+    ggml_tensor *              last = nullptr;
+    int                        i_after = -1; // the first node after the last expert op that is not a view: a split
+    int                        split = -1;   // the split that holds the FFN (-1: not checked; -2: it does not)
+    std::vector<ggml_sched_pp_hybrid_clone> clones; // by n_sel (a token's selections the clone computes)
+    ggml_sched_pp_hybrid_clone * cur = nullptr;     // ... this graph's
+    std::vector<int32_t>       cpu_ids;      // this graph's CPU experts [n_used x n_tokens] (-1: not the CPU's)
+    std::vector<std::pair<int32_t, int32_t>> pairs; // ... its (token, selection) rows the CPU computes, in order
+    bool                       pending = false; // the CPU's rows are to be computed after the split is submitted
+
+    void free_clones() {
+        for (auto & x : clones) {
+            x.free();
+        }
+        cur = nullptr;
+    }
+    ~ggml_sched_pp_hybrid() { free_clones(); }
 };
 
 // the slot map of one layer, shared by the layer's expert weights
@@ -147,6 +211,7 @@ struct ggml_sched_pp_cache_layer {
     int     window_hits = 0;                        // the hits of those it holds
     bool    to_cpu      = false;                    // the guard's decision for the graphs split from now: the CPU
     bool    on_cpu      = false;                    // where the ops of the graph split last run
+    ggml_sched_pp_hybrid hy;                        // EXPERT_HYBRID
 };
 
 // an expert op of the graph being computed that reads its device's slots (or, in cpu_ops, that the guard runs on the CPU)
@@ -177,6 +242,9 @@ struct ggml_sched_pp_cache {
     std::vector<ggml_sched_pp_cache_op>          cpu_ops;    // the graph's ops the guard gave to the CPU, in graph order
     std::vector<ggml_sched_pp_cache_layer *>     planned;    // the layers of both
     bool     splits_known = false;
+    uint64_t plan_gen     = 0;   // plans made (each split of a graph)
+    std::unordered_set<const ggml_tensor *> hybrid_after;    // EXPERT_HYBRID: nodes that start a split (after an FFN)
+    ggml_gallocr_t hybrid_galloc[GGML_SCHED_MAX_BACKENDS] = {}; // ... per device, the memory of its layers' clones
     uint64_t seq          = 0;   // the graph computed last (pp_graph_seq) ...
     size_t   next         = 0;   // ... its first op not prepared yet
     size_t   next_cpu     = 0;   // ... and its first CPU op whose split has not run
@@ -352,6 +420,99 @@ static bool ggml_sched_pp_cache_alloc(ggml_backend_sched_t sched, int b, const s
     return false;
 }
 
+// EXPERT_HYBRID: the split of a token's m misses: k of them go over the link into slots, the host CPU computes the
+// other m - k from host memory. Per missed expert the link moves its bytes at R_link, the CPU reads them at R_cpu;
+// both finish together at k / R_link = (m - k) / R_cpu, k = m R_link / (R_link + R_cpu) = m 100 / (100 + cpu_pct)
+// with cpu_pct = 100 R_cpu / R_link, rounded up: the link takes at least one of a token's misses - a token with one
+// miss sends it up, the CPU is asked only where the link would take longer than one miss, and the slots keep
+// following the routing however fast the CPU is (the CPU's misses are not cached: rounded to the nearest, a CPU much
+// faster than the link would take every miss and the slots would never fill).
+int64_t ggml_backend_sched_pp_hybrid_link_share(int64_t misses, int64_t cpu_pct) {
+    if (misses <= 0) {
+        return 0;
+    }
+    if (cpu_pct <= 0) {
+        return misses;
+    }
+    return (misses * 100 + 100 + cpu_pct - 1) / (100 + cpu_pct);
+}
+
+static bool ggml_sched_pp_is_view_op(enum ggml_op op) {
+    return op == GGML_OP_VIEW || op == GGML_OP_RESHAPE || op == GGML_OP_PERMUTE || op == GGML_OP_TRANSPOSE;
+}
+
+// EXPERT_HYBRID, after pass 1: the layers whose FFN the host CPU can compute for its misses (each layer's `hy` plan).
+// A layer's FFN: the nodes from its first expert op to its last (`ops`, graph order) that the last one depends on;
+// it fits where every expert op of the layer is among them, nothing outside reads any of them but the last (whose
+// rows the CPU overwrites) and a node that is not a view follows the last one (a split starts there: the CPU's rows
+// are written between the two splits). Where the FFN runs is checked when it is computed (one split on the owner).
+static std::unordered_set<ggml_sched_pp_cache_layer *> ggml_sched_pp_hybrid_plan(
+        ggml_backend_sched_t sched, const ggml_cgraph * graph,
+        const std::unordered_map<ggml_sched_pp_cache_layer *, std::vector<int>> & ops) {
+    std::unordered_set<ggml_sched_pp_cache_layer *> fits;
+    std::unordered_map<const ggml_tensor *, ggml_sched_pp_cache_layer *> member;
+    for (const auto & [l, idx] : ops) {
+        ggml_sched_pp_hybrid & h = l->hy;
+        h.nodes.clear();
+        h.last    = nullptr;
+        h.i_after = -1;
+        if (!l->guarded || idx.empty()) {
+            continue; // (an RPC server's layer: no CPU of this scheduler computes it)
+        }
+        const int i_first = idx.front(), i_last = idx.back();
+        std::unordered_set<const ggml_tensor *> need = { graph->nodes[i_last] };
+        for (int i = i_last; i >= i_first; i--) {
+            ggml_tensor * n = graph->nodes[i];
+            if (!need.count(n)) {
+                continue;
+            }
+            h.nodes.push_back(n);
+            for (int j = 0; j < GGML_MAX_SRC; j++) {
+                if (n->src[j] != nullptr) {
+                    need.insert(n->src[j]);
+                }
+            }
+            if (n->view_src != nullptr) {
+                need.insert(n->view_src);
+            }
+        }
+        std::reverse(h.nodes.begin(), h.nodes.end());
+        bool ok = true;
+        for (int i : idx) {
+            ok = ok && need.count(graph->nodes[i]) > 0;
+        }
+        for (int i = i_last + 1; i < graph->n_nodes && h.i_after < 0; i++) {
+            if (!ggml_sched_pp_is_view_op(graph->nodes[i]->op)) {
+                h.i_after = i;
+            }
+        }
+        h.last = graph->nodes[i_last];
+        for (const ggml_tensor * n : h.nodes) {
+            ok = ok && (n == h.last || !(n->flags & GGML_TENSOR_FLAG_OUTPUT));
+        }
+        if (ok && h.i_after >= 0) {
+            fits.insert(l);
+            for (const ggml_tensor * n : h.nodes) {
+                member[n] = l;
+            }
+        }
+    }
+    // nothing outside a layer's FFN reads a node of it but its last
+    for (int i = 0; i < graph->n_nodes && !fits.empty(); i++) {
+        const ggml_tensor * n = graph->nodes[i];
+        const auto self = member.find(n);
+        for (int j = 0; j <= GGML_MAX_SRC; j++) {
+            const ggml_tensor * src = j < GGML_MAX_SRC ? n->src[j] : n->view_src;
+            const auto it = src != nullptr ? member.find(src) : member.end();
+            if (it != member.end() && src != it->second->hy.last && (self == member.end() || self->second != it->second)) {
+                fits.erase(it->second);
+            }
+        }
+    }
+    (void) sched;
+    return fits;
+}
+
 // After pass 1 of split_graph: which of the expert ops pass 1 gave to their owner read the owner's slots (the slots
 // of layers met for the first time are allocated here); the others go back to the CPU, where upstream puts them
 void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cgraph * graph) {
@@ -364,6 +525,14 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
     c->cpu_ops.clear();
     c->planned.clear();
     c->splits_known = false;
+    c->plan_gen++;
+    c->hybrid_after.clear();
+    for (auto & l : c->layers) {
+        l->hy.on      = false;
+        l->hy.split   = -1;
+        l->hy.pending = false;
+        l->hy.cur     = nullptr;
+    }
     if (c->candidates.empty()) {
         return;
     }
@@ -416,8 +585,19 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
         }
     }
 
+    // EXPERT_HYBRID: the layers whose FFN the host CPU can compute
+    std::unordered_set<ggml_sched_pp_cache_layer *> hybrid_fits;
+    if (sched->pp_cfg.expert_hybrid > 0) {
+        std::unordered_map<ggml_sched_pp_cache_layer *, std::vector<int>> layer_ops;
+        for (const auto & [i, op] : cands) {
+            layer_ops[c->layer_of.at(op->src[0]->data)].push_back(i);
+        }
+        hybrid_fits = ggml_sched_pp_hybrid_plan(sched, graph, layer_ops);
+    }
+
     // the ops whose layer has slots enough for every expert the batch could use
     std::unordered_set<const ggml_tensor *> ids_seen;
+    std::unordered_set<ggml_sched_pp_cache_layer *> not_hybrid; // (a layer with an op that does not read the slots)
     for (const auto & [i, op] : cands) {
         ggml_sched_pp_cache_layer *  l = c->layer_of.at(op->src[0]->data);
         ggml_sched_pp_cache_weight * w = c->weights.at(op->src[0]->data).get();
@@ -431,7 +611,11 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
                                w->host->ne[2] == l->n_expert;
         x.cache_to_cpu       = l->to_cpu;
         x.cache_fallback_cpu = fallback == sched->n_backends - 1;
+        x.cache_hybrid_fits  = hybrid_fits.count(l) > 0;
         const ggml_sched_pp_path path = ggml_backend_sched_pp_expert_path(sched, x);
+        if (path != GGML_SCHED_PP_PATH_HYBRID) {
+            not_hybrid.insert(l);
+        }
         if (!x.cache_fits) {
             tensor_backend_id(op) = fallback; // (no slots for it: HOST_CPU, or LATER - its owner copies the weight in)
             continue;
@@ -446,10 +630,17 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
             c->cpu_ops.push_back({ op, i, -1, false, w, l });
             continue;
         }
-        GGML_ASSERT(path == GGML_SCHED_PP_PATH_CACHE);
+        GGML_ASSERT(path == GGML_SCHED_PP_PATH_CACHE || path == GGML_SCHED_PP_PATH_HYBRID);
         const bool first = ids_seen.insert(ids).second;
         c->op_of[op] = (int) c->ops.size();
         c->ops.push_back({ op, i, -1, first, w, l });
+    }
+    // EXPERT_HYBRID: a layer whose every op took the path; a split starts after its FFN
+    for (auto * l : hybrid_fits) {
+        if (!not_hybrid.count(l)) {
+            l->hy.on = true;
+            c->hybrid_after.insert(graph->nodes[l->hy.i_after]);
+        }
     }
 }
 
@@ -467,14 +658,19 @@ bool ggml_backend_sched_pp_resplit(ggml_backend_sched_t sched) {
 }
 
 // Pass 5 of split_graph: -1 for a node that does not read the slots; else whether it starts a split of its own (the
-// first expert op of its layer: its ids are read back before the split is submitted, so they come from an earlier one)
+// first expert op of its layer: its ids are read back before the split is submitted, so they come from an earlier one);
+// 2 for a node that does not read them but starts a split (EXPERT_HYBRID: the first after a layer's FFN, where the
+// host CPU's rows are written)
 int ggml_backend_sched_pp_cache_split(ggml_backend_sched_t sched, const struct ggml_tensor * node) {
     const ggml_sched_pp_cache * c = sched->pp_cache;
     if (c == nullptr || c->ops.empty()) {
         return -1;
     }
     const auto it = c->op_of.find(node);
-    return it == c->op_of.end() ? -1 : (c->ops[it->second].first ? 1 : 0);
+    if (it == c->op_of.end()) {
+        return c->hybrid_after.count(node) ? 2 : -1; // (2: EXPERT_HYBRID, the node after a layer's FFN starts a split)
+    }
+    return c->ops[it->second].first ? 1 : 0;
 }
 
 // the guard's part of a token's lookup: its ids into the layer's shadow, and the shadow's hits into the window where
@@ -524,8 +720,10 @@ static void ggml_sched_pp_cache_token(ggml_sched_pp_cache_layer * l, const ggml_
     }
 }
 
-// the layer's lookups for the ids of `op` (read back from the device): the slot numbers go up to the device
-static void ggml_sched_pp_cache_look_up(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l, const ggml_tensor * ids) {
+// the layer's lookups for the ids of `op` (read back from the device): the slot numbers go up to the device; with
+// `hybrid` (EXPERT_HYBRID) the misses the link does not take are the CPU's (l->hy.pairs, l->hy.cpu_ids)
+static void ggml_sched_pp_cache_look_up(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l, const ggml_tensor * ids,
+                                        bool hybrid) {
     ggml_backend_t backend = sched->backends[l->backend_id];
     int32_t * ids_host = l->ids_host;
     if (ggml_nbytes(ids) > l->ids_cap * sizeof(int32_t)) {
@@ -547,15 +745,28 @@ static void ggml_sched_pp_cache_look_up(ggml_backend_sched_t sched, ggml_sched_p
     const int b = l->backend_id;
     const int64_t n_used = ids->ne[0], n_tokens = ids->ne[1];
     const bool guard = sched->pp_cfg.expert_cache_min_hit > 0 && l->guarded;
+    const int64_t cpu_pct = hybrid ? sched->pp_cfg.expert_hybrid : 0;
     l->used.clear();
+    l->hy.pairs.clear();
+    l->hy.cpu_ids.assign((size_t) (n_used * n_tokens), -1);
     for (int64_t t = 0; t < n_tokens; t++) {
         int32_t * slot = l->remap_host + t * n_used;
         ggml_sched_pp_cache_token(l, ids, ids_host, t);
         // a step: the token's hits (cached at its start) are touched, then its misses inserted, each in top-k order
-        const int hits = l->lru.step(l->token.data(), n_used, slot, sched->pp_cache->clock, sched->pp.cache_evictions[b]);
+        // (EXPERT_HYBRID: the link's share of them; the rest the CPU computes)
+        const int hits = l->lru.step(l->token.data(), n_used, slot, sched->pp_cache->clock, sched->pp.cache_evictions[b], cpu_pct);
         sched->pp.cache_hits[b]   += hits;
         sched->pp.cache_misses[b] += n_used - hits;
         for (int64_t k = 0; k < n_used; k++) {
+            if (slot[k] < 0) {
+                // the CPU's: its row on the device is computed from a slot the token reads anyway (the link takes at
+                // least one miss of a token with misses), then overwritten with the CPU's
+                l->hy.pairs.push_back({ (int32_t) t, (int32_t) k });
+                l->hy.cpu_ids[t * n_used + k] = l->token[k];
+                slot[k] = *std::max_element(slot, slot + n_used);
+                GGML_ASSERT(slot[k] >= 0);
+                continue;
+            }
             const auto es = std::make_pair(l->token[k], slot[k]);
             if (std::find(l->used.begin(), l->used.end(), es) == l->used.end()) {
                 l->used.push_back(es);
@@ -580,6 +791,209 @@ static ggml_tensor * ggml_sched_pp_cache_ids_view(ggml_sched_pp_cache_layer * l,
         GGML_ASSERT(ggml_backend_view_init(v) == GGML_STATUS_SUCCESS);
     }
     return v;
+}
+
+// EXPERT_HYBRID: whether the layer's FFN is computed as its plan says - one split on the layer's device that ends
+// where the plan starts one, and no eval callback (which would run the split in parts) - checked once per plan
+static bool ggml_sched_pp_hybrid_ready(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l) {
+    ggml_sched_pp_hybrid & h = l->hy;
+    if (!h.on || sched->callback_eval != nullptr) {
+        return false;
+    }
+    if (h.split == -1) {
+        int s = -1;
+        bool ok = true;
+        for (const auto & op : sched->pp_cache->ops) {
+            if (op.layer == l) {
+                ok = ok && (s < 0 || op.split == s);
+                s = op.split;
+            }
+        }
+        ok = ok && s >= 0 && s < sched->n_splits && sched->splits[s].i_end == h.i_after &&
+             sched->splits[s].backend_id == l->backend_id;
+        h.split = ok ? s : -2;
+    }
+    return h.split >= 0;
+}
+
+// a graph node for the CPU: the same op and parameters; its shape with ne[1] = n_sel where it is n_used (a token's
+// selections; decode computes only the CPU's); a view keeps its strides (a row's, nb[1], does not change with the
+// selections: decode's ne[2] and ne[3] are 1), other nodes are contiguous; sources set by the caller
+static ggml_tensor * ggml_sched_pp_hybrid_node(ggml_context * ctx, const ggml_tensor * n, int64_t n_used, int64_t n_sel) {
+    int64_t ne[GGML_MAX_DIMS];
+    memcpy(ne, n->ne, sizeof(ne));
+    if (n_sel != n_used && ne[1] == n_used) {
+        ne[1] = n_sel;
+    }
+    ggml_tensor * t = ggml_new_tensor(ctx, n->type, GGML_MAX_DIMS, ne);
+    if (n->view_src != nullptr) {
+        memcpy(t->nb, n->nb, sizeof(t->nb));
+    }
+    t->op = n->op;
+    memcpy(t->op_params, n->op_params, sizeof(t->op_params));
+    ggml_format_name(t, "%s (cpu)", n->name);
+    return t;
+}
+
+// the layer's FFN cloned for the CPU with n_sel selections a token (at the first compute of a plan, when the graph's
+// sources are final): its expert ops read the host weights and the CPU's ids; a tensor it reads from device memory is
+// copied into host memory after the ids are read back (the device has computed it then); host memory is read where it
+// is. n_sel below n_used (decode: the CPU's misses alone) only where no such copy has a selection dimension; false:
+// not with that n_sel
+static bool ggml_sched_pp_hybrid_build(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l, int64_t n_sel) {
+    ggml_sched_pp_cache * c = sched->pp_cache;
+    ggml_sched_pp_hybrid & h = l->hy;
+    ggml_sched_pp_hybrid_clone & x = h.clones[n_sel];
+    x.free();
+    const int64_t n_used = l->n_used;
+    const size_t n_max = h.nodes.size() * (GGML_MAX_SRC + 1) + 1;
+    ggml_init_params params = { n_max * ggml_tensor_overhead() + ggml_graph_overhead_custom(n_max, false), nullptr, true };
+    x.ctx = ggml_init(params);
+    if (x.ctx == nullptr) {
+        return false;
+    }
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> map;
+    for (const auto & op : c->ops) {
+        if (op.layer == l) {
+            if (x.ids == nullptr) {
+                x.ids = ggml_new_tensor_2d(x.ctx, GGML_TYPE_I32, n_sel, op.node->src[2]->ne[1]);
+                ggml_set_name(x.ids, "expert ids (cpu)");
+                ggml_set_input(x.ids);
+            }
+            map[op.node->src[0]] = const_cast<ggml_tensor *>(op.weight->host); // (read only)
+            map[op.node->src[2]] = x.ids;
+        }
+    }
+    bool ok = true;
+    auto source = [&](ggml_tensor * src) -> ggml_tensor * {
+        if (src == nullptr) {
+            return nullptr;
+        }
+        const auto it = map.find(src);
+        if (it != map.end()) {
+            return it->second;
+        }
+        ggml_tensor * t = src;
+        if (src->buffer == nullptr || !ggml_backend_buffer_is_host(src->buffer)) {
+            ok = ok && (n_sel == n_used || src->ne[1] != n_used);
+            t = ggml_sched_pp_hybrid_node(x.ctx, src, n_used, n_used);
+            memcpy(t->nb, src->nb, sizeof(t->nb)); // (its bytes as they are)
+            t->op = GGML_OP_NONE;
+            memset(t->op_params, 0, sizeof(t->op_params));
+            ggml_set_input(t);
+            x.inputs.push_back({ src, t });
+        }
+        map[src] = t;
+        return t;
+    };
+    for (ggml_tensor * n : h.nodes) {
+        ggml_tensor * t = ggml_sched_pp_hybrid_node(x.ctx, n, n_used, n_sel);
+        for (int j = 0; j < GGML_MAX_SRC; j++) {
+            t->src[j] = source(n->src[j]);
+        }
+        if (n->view_src != nullptr) {
+            t->view_src  = source(n->view_src);
+            t->view_offs = n->view_offs;
+        }
+        map[n] = t;
+    }
+    x.out = map.at(h.last);
+    if (!ok || x.out->ne[1] != n_sel) {
+        x.free();
+        return false;
+    }
+    ggml_set_output(x.out);
+    x.gf = ggml_new_graph_custom(x.ctx, n_max, false);
+    ggml_build_forward_expand(x.gf, x.out);
+    x.built = c->plan_gen;
+    return true;
+}
+
+// after the layer's lookups: the CPU's share ready to compute - a clone for it (decode: the CPU's selections alone;
+// a batch of tokens: all of them, the others computed with one of the CPU's experts and not written), allocated in
+// host memory (pinned where the device has a host buffer type: its rows go up from there), the tensors it reads from
+// device memory copied in, its ids set. false: the CPU cannot
+static bool ggml_sched_pp_hybrid_inputs(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l, int64_t n_tokens) {
+    ggml_sched_pp_cache * c = sched->pp_cache;
+    ggml_sched_pp_hybrid & h = l->hy;
+    const int b = l->backend_id;
+    const int64_t n_used = l->n_used;
+    h.clones.resize((size_t) n_used + 1);
+    int64_t n_sel = n_tokens == 1 ? (int64_t) h.pairs.size() : n_used;
+    if (h.clones[n_sel].built != c->plan_gen && !ggml_sched_pp_hybrid_build(sched, l, n_sel)) {
+        n_sel = n_used;
+        if (h.clones[n_sel].built != c->plan_gen && !ggml_sched_pp_hybrid_build(sched, l, n_sel)) {
+            return false;
+        }
+    }
+    ggml_sched_pp_hybrid_clone & x = h.clones[n_sel];
+    h.cur = &x;
+    if (c->hybrid_galloc[b] == nullptr) {
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_host_buffer_type(ggml_backend_get_device(sched->backends[b]));
+        if (buft == nullptr) {
+            buft = ggml_backend_get_default_buffer_type(sched->backends[sched->n_backends - 1]);
+        }
+        c->hybrid_galloc[b] = ggml_gallocr_new(buft);
+    }
+    // (the device has finished what it was given - the ids were read back - so no row copy still reads this memory;
+    // the clone's tensors are placed anew: the device's layers share the allocator, which may have moved its buffer)
+    for (ggml_tensor * t = ggml_get_first_tensor(x.ctx); t != nullptr; t = ggml_get_next_tensor(x.ctx, t)) {
+        t->data   = nullptr;
+        t->buffer = nullptr;
+    }
+    if (!ggml_gallocr_alloc_graph(c->hybrid_galloc[b], x.gf)) {
+        return false;
+    }
+    for (const auto & [src, cpy] : x.inputs) {
+        ggml_backend_tensor_get(src, cpy->data, 0, ggml_nbytes(src));
+    }
+    int32_t * ids = (int32_t *) x.ids->data;
+    if (n_sel < n_used) {
+        for (size_t j = 0; j < h.pairs.size(); j++) {
+            ids[j] = h.cpu_ids[h.pairs[j].second];
+        }
+    } else {
+        const int32_t fill = h.cpu_ids[h.pairs.front().first * n_used + h.pairs.front().second];
+        for (size_t i = 0; i < h.cpu_ids.size(); i++) {
+            ids[i] = h.cpu_ids[i] >= 0 ? h.cpu_ids[i] : fill;
+        }
+    }
+    return true;
+}
+
+// EXPERT_HYBRID, after the split that holds a layer's FFN is submitted (the device computes the hits and the link's
+// misses meanwhile): the CPU computes the FFN for its misses, and each of its (token, selection) rows of the last
+// expert op is written over the device's row of it on the device's stream, in token-major, top-k order, before the
+// next split reads it - no sum: a row of a MUL_MAT_ID belongs to one (token, selection), so the device's later ops
+// (the routing weights, the sum over the selections) run as without it, in the same order
+static void ggml_sched_pp_hybrid_compute(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l) {
+    ggml_sched_pp_hybrid & h = l->hy;
+    const ggml_sched_pp_hybrid_clone & x = *h.cur;
+    h.pending = false;
+    const enum ggml_status st = ggml_backend_graph_compute(sched->backends[sched->n_backends - 1], x.gf);
+    GGML_ASSERT(st == GGML_STATUS_SUCCESS);
+    ggml_backend_t backend = sched->backends[l->backend_id];
+    const size_t row = ggml_row_size(h.last->type, h.last->ne[0]);
+    const bool   all = x.out->ne[1] == h.last->ne[1]; // (the clone's rows where the device's are; else one per pair)
+    size_t run_src = 0, run_dst = 0, run_len = 0;
+    for (size_t j = 0; j < h.pairs.size(); j++) {
+        const auto [t, k] = h.pairs[j];
+        const size_t dst = (size_t) k * h.last->nb[1] + (size_t) t * h.last->nb[2];
+        const size_t src = all ? dst : j * x.out->nb[1];
+        if (run_len > 0 && run_dst + run_len == dst && run_src + run_len == src) {
+            run_len += row;
+            continue;
+        }
+        if (run_len > 0) {
+            ggml_backend_tensor_set_async(backend, h.last, (const char *) x.out->data + run_src, run_dst, run_len);
+        }
+        run_src = src;
+        run_dst = dst;
+        run_len = row;
+    }
+    ggml_backend_tensor_set_async(backend, h.last, (const char *) x.out->data + run_src, run_dst, run_len);
+    sched->pp.cache_cpu_misses[l->backend_id]    += h.pairs.size();
+    sched->pp.cache_hybrid_layers[l->backend_id] += 1;
 }
 
 // Before split_id is submitted: the lookups of its expert ops that read slots, the missed experts uploaded into their
@@ -617,9 +1031,14 @@ void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_i
         ggml_backend_t backend = sched->backends[l->backend_id];
         const ggml_tensor * ids = op.node->src[2];
         if (l->lookup_seq != sched->pp_graph_seq || l->lookup_ids != ids) {
-            ggml_sched_pp_cache_look_up(sched, l, ids);
+            const bool hybrid = ggml_sched_pp_hybrid_ready(sched, l);
+            ggml_sched_pp_cache_look_up(sched, l, ids, hybrid);
             l->lookup_seq = sched->pp_graph_seq;
             l->lookup_ids = ids;
+            l->hy.pending = hybrid && !l->hy.pairs.empty();
+            if (l->hy.pending && !ggml_sched_pp_hybrid_inputs(sched, l, ids->ne[1])) {
+                GGML_ABORT("%s: no host memory for the CPU's share of a layer's misses (EXPERT_HYBRID)", __func__);
+            }
         }
         const size_t expert_size = w->host->nb[2];
         for (const auto & [e, s] : l->used) {
@@ -636,13 +1055,20 @@ void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_i
     }
 }
 
-// After split_id ran: the guard's lookups of its expert ops that the guard gave to the CPU. Their ids are the CPU's
+// After split_id ran (was submitted): the host CPU's share of the misses of a layer whose FFN it holds (EXPERT_HYBRID);
+// the guard's lookups of its expert ops that the guard gave to the CPU. Their ids are the CPU's
 // copy of the router's ids, an input of a CPU split (that split or one before), which the CPU backend, having no
 // async copy, fills synchronously before the split runs: in host memory already, without another wait.
 void ggml_backend_sched_pp_cache_after_split(ggml_backend_sched_t sched, int split_id) {
     ggml_sched_pp_cache * c = sched->pp_cache;
-    if (c == nullptr || c->cpu_ops.empty() || c->seq != sched->pp_graph_seq) {
+    if (c == nullptr || c->seq != sched->pp_graph_seq) {
         return;
+    }
+    // EXPERT_HYBRID: the CPU's share of the misses of a layer whose FFN this split holds
+    for (auto * l : c->planned) {
+        if (l->hy.pending && l->hy.split == split_id) {
+            ggml_sched_pp_hybrid_compute(sched, l);
+        }
     }
     for (; c->next_cpu < c->cpu_ops.size() && c->cpu_ops[c->next_cpu].split <= split_id; c->next_cpu++) {
         const ggml_sched_pp_cache_op & op = c->cpu_ops[c->next_cpu];
@@ -726,7 +1152,9 @@ std::string ggml_backend_sched_pp_cache_json(ggml_backend_sched_t sched, int bac
            ",\"cache_returns\":" + std::to_string(st.cache_returns[backend_id]) +
            ",\"cache_shadow_hits\":" + std::to_string(st.cache_shadow_hits[backend_id]) +
            ",\"cache_shadow_misses\":" + std::to_string(st.cache_shadow_misses[backend_id]) +
-           ",\"cache_cpu_layers\":" + std::to_string(cpu_layers);
+           ",\"cache_cpu_layers\":" + std::to_string(cpu_layers) +
+           ",\"cache_cpu_misses\":" + std::to_string(st.cache_cpu_misses[backend_id]) +
+           ",\"cache_hybrid_layers\":" + std::to_string(st.cache_hybrid_layers[backend_id]);
 }
 
 void ggml_backend_sched_pp_cache_free(ggml_backend_sched_t sched) {
@@ -735,6 +1163,14 @@ void ggml_backend_sched_pp_cache_free(ggml_backend_sched_t sched) {
         return;
     }
     // (the caller has synchronized: no graph still reads the slots; the backends may be gone already)
+    for (auto & l : c->layers) {
+        l->hy.free_clones();
+    }
+    for (auto * galloc : c->hybrid_galloc) {
+        if (galloc != nullptr) {
+            ggml_gallocr_free(galloc);
+        }
+    }
     for (auto * buf : c->bufs) {
         ggml_backend_buffer_free(buf);
     }

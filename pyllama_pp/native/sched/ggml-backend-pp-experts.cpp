@@ -12,7 +12,9 @@
 //  - AT_SPLIT (ggml_backend_sched_pp_cache_plan), for an op below op offload's threshold that pass 1 gave to its
 //    layer's owner for the expert cache: CACHE where the layer has slots for every expert the batch could use, else
 //    HOST_CPU, as where the cache's guard sent the layer to the CPU (an RPC server's op has no CPU path: LATER, its
-//    weight copied in). An op above the threshold runs on a device with a copy, decided at the next two moments.
+//    weight copied in); with EXPERT_HYBRID, HYBRID instead of CACHE where the host CPU can compute the layer's FFN
+//    for its share of the misses. An op above the threshold runs on a device with a copy, decided at the next two
+//    moments.
 //  - EARLY (OVERLAP=2, ggml_backend_sched_pp_early_uploads), a split or two before the op's own, for its copy
 //    placed early: UPLOAD_ALL, or SELECTIVE by ids read back already, now; GATHER (ids computed) or PREFETCH (ids
 //    not yet) on the device's second stream; else LATER.
@@ -29,9 +31,11 @@ ggml_sched_pp_path ggml_backend_sched_pp_expert_path(ggml_backend_sched_t sched,
         if (!op.cache_fits) {
             return op.cache_fallback_cpu ? GGML_SCHED_PP_PATH_HOST_CPU : GGML_SCHED_PP_PATH_LATER;
         }
-        // (a hybrid path - a cached op's misses computed on the host CPU beside the device's hits - would be
-        // chosen here, between the cache and the guard's CPU)
-        return op.cache_to_cpu ? GGML_SCHED_PP_PATH_HOST_CPU : GGML_SCHED_PP_PATH_CACHE;
+        if (op.cache_to_cpu) {
+            return GGML_SCHED_PP_PATH_HOST_CPU;
+        }
+        // EXPERT_HYBRID: the misses split between the link and the host CPU, where the CPU can compute the layer's FFN
+        return sched->pp_cfg.expert_hybrid > 0 && op.cache_hybrid_fits ? GGML_SCHED_PP_PATH_HYBRID : GGML_SCHED_PP_PATH_CACHE;
     }
     const bool early = op.when == GGML_SCHED_PP_EARLY;
     const int  b     = op.backend_id;

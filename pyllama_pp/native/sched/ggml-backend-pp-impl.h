@@ -112,6 +112,8 @@ struct ggml_sched_pp_stats {
     uint64_t cache_returns[GGML_SCHED_MAX_BACKENDS];    // ... a layer back to its cache
     uint64_t cache_shadow_hits[GGML_SCHED_MAX_BACKENDS];   // ... lookups in its shadow of the slots that found the expert
     uint64_t cache_shadow_misses[GGML_SCHED_MAX_BACKENDS]; // ... that did not
+    uint64_t cache_cpu_misses[GGML_SCHED_MAX_BACKENDS]; // misses of cached ops the host CPU computed, not the link (EXPERT_HYBRID)
+    uint64_t cache_hybrid_layers[GGML_SCHED_MAX_BACKENDS]; // ... a layer's expert ops of a graph where it did (one CPU compute each)
 };
 
 // The switches as a scheduler reads them: the switch table (ggml_sched_pp_params) is copied here once, when the
@@ -131,6 +133,7 @@ struct ggml_sched_pp_cfg {
     int64_t prefetch2_min_tokens; // PREFETCH2_MIN_TOKENS
     int64_t expert_cache;         // EXPERT_CACHE
     int64_t expert_cache_min_hit; // EXPERT_CACHE_MIN_HIT
+    int64_t expert_hybrid;        // EXPERT_HYBRID
 };
 
 struct ggml_backend_sched {
@@ -279,7 +282,8 @@ enum ggml_sched_pp_path {
     GGML_SCHED_PP_PATH_SELECTIVE,  // the ids read back on the host, the used experts copied (upstream's)
     GGML_SCHED_PP_PATH_CACHE,      // the device's expert slots: hits read there, misses copied in (EXPERT_CACHE)
     GGML_SCHED_PP_PATH_HOST_CPU,   // no device: the op runs on the host CPU, on the weight where it is
-    // (a hybrid path - a cached op's misses computed on the host CPU - would be one more)
+    GGML_SCHED_PP_PATH_HYBRID,     // the cache, its misses split between the link (into slots) and the host CPU,
+                                   // which computes its share of the layer's FFN beside the device (EXPERT_HYBRID)
 };
 
 // when the path is asked
@@ -312,6 +316,7 @@ struct ggml_sched_pp_expert_op {
     bool cache_fits         = false; // the layer has slots on the op's owner for every expert the batch could use
     bool cache_to_cpu       = false; // EXPERT_CACHE_MIN_HIT: the layer's cache does not pay, its ops go to the CPU
     bool cache_fallback_cpu = false; // where the slots cannot serve: the CPU (else the owner, with its weight copied in)
+    bool cache_hybrid_fits  = false; // the host CPU can compute the layer's FFN for its misses (EXPERT_HYBRID)
 
     ggml_sched_pp_expert_op(enum ggml_sched_pp_when when, int backend_id, struct ggml_tensor * input,
                             const struct ggml_tensor * ids, int64_t n_expert)
@@ -571,5 +576,6 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
 int  ggml_backend_sched_pp_cache_split(ggml_backend_sched_t sched, const struct ggml_tensor * node);
 void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_id, ggml_sched_pp_cache_swap * swap);
 void ggml_backend_sched_pp_cache_after_split(ggml_backend_sched_t sched, int split_id);
+int64_t ggml_backend_sched_pp_hybrid_link_share(int64_t misses, int64_t cpu_pct);
 std::string ggml_backend_sched_pp_cache_json(ggml_backend_sched_t sched, int backend_id);
 void ggml_backend_sched_pp_cache_free(ggml_backend_sched_t sched);

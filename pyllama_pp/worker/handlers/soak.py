@@ -116,7 +116,8 @@ def cache_memory(s) -> dict:
     return {b["name"]: b["cache_buffer_bytes"] for b in ext.get("backends", []) if b.get("cache_buffer_bytes")}
 
 
-CACHE_COUNTS = ("cache_ops", "cache_hits", "cache_misses", "cache_evictions")   # summed over the backends
+# summed over the backends (cache_cpu_misses: EXPERT_HYBRID's share of the misses)
+CACHE_COUNTS = ("cache_ops", "cache_hits", "cache_misses", "cache_evictions", "cache_cpu_misses")
 
 
 def _pick(rng, table):

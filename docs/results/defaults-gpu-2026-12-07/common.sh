@@ -1,0 +1,16 @@
+# shared by the calls (sourced): the build where the machine is fresh, the 30B-A3B preset with locality routing,
+# a margin that leaves ~10 GiB of the GPU to the model (about a quarter of its experts fit), helpers
+set -o pipefail
+R=$PWD; t0=$(date +%s); export PYTHONUNBUFFERED=1
+left() { echo $(( ${CALL_S:-585} - ($(date +%s) - t0) )); }
+if (cd /tmp && PYTHONPATH=/tmp/site python3 -c "import pyllama_pp.binding") 2>/dev/null; then echo "warm: build kept"
+else PP_CALL_LIMIT=400 bash bench/gpu_run.sh --devices cuda:0 --skip correctness,synth,sweep 2>&1 | tail -4; fi
+export PYTHONPATH=/tmp/site PYLLAMA_PP_CACHE=/tmp/pp_cache
+printf '#!/bin/sh\ncd /tmp && exec python3 -c "import sys; from pyllama_pp.cli import main; sys.exit(main(sys.argv[1:]))" "$@"\n' > /tmp/pp
+chmod +x /tmp/pp; pp() { /tmp/pp "$@"; }
+M=/tmp/pp_models/q30-loc.gguf; mkdir -p /tmp/pp_models /tmp/A
+[ -f $M ] || { pp synth $M --preset qwen3-30b-a3b --routing locality | tail -1; echo "synth: $(( $(date +%s) - t0 )) s"; }
+TOT=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+MARGIN=$(( TOT / 1024 - 10 ))GiB
+nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader
+echo "margin $MARGIN, $(left) s left"

@@ -1,0 +1,151 @@
+"""EXPERT_HYBRID (patch 0014, with EXPERT_CACHE) on VDEVs with every expert in host RAM: a cached layer's misses split
+between the link (copied into slots, as without it) and the host CPU, which computes the layer's FFN for its share
+from host memory while the device computes the rest; its rows of the last expert op are written over the device's
+before the next split. The logits equal the baseline's and the cache's alone (on VDEVs both sides run the CPU's kernels
+on the same bytes: the suite's NMSE bar of 1e-6, and they come out exact); the split follows the rule
+(expert_cache_sim.link_share) and the counts are the simulator's on the traced ids; 0 is the cache alone."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyllama_pp import synth
+from pyllama_pp.expert_cache_sim import hybrid, link_share
+from pyllama_pp.expert_trace import ExpertTrace
+
+from test_expert_cache import FAMILIES, HOST_ALL, TWO, _counts, cache, totals, upstream_servers  # noqa: F401
+
+DECODE = {"n_ctx": 64, "n_batch": 1, "n_ubatch": 1}
+
+
+def hybrid_env(slots: int, cpu_pct: int) -> dict:
+    """-slots a layer, no guard, EXPERT_HYBRID=cpu_pct."""
+    return {**cache(-slots), "GGML_SCHED_PP_EXPERT_HYBRID": cpu_pct}
+
+
+def split_counts(ext: dict) -> dict:
+    return {k: sum(b[k] for b in ext["backends"]) for k in ("cache_cpu_misses", "cache_hybrid_layers")}
+
+
+# --- the rule ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("misses, cpu_pct, link", [
+    (0, 100, 0), (1, 100, 1), (2, 100, 1), (3, 100, 2), (8, 100, 4),   # equal rates: half each, the odd one up
+    (8, 0, 8), (5, 0, 5),                                              # off: every miss over the link
+    (6, 200, 2), (7, 200, 3), (1, 10000, 1), (8, 10000, 1),            # a faster CPU: the link keeps one
+    (6, 50, 4), (8, 20, 7),                                            # a slower CPU: most go up
+])
+def test_the_link_takes_its_share_of_a_tokens_misses(misses, cpu_pct, link):
+    """k = ceil(m x 100 / (100 + N)): link k / R_link equals CPU (m - k) / R_cpu with N = 100 R_cpu / R_link, the
+    rounding to the link (one miss alone goes up)."""
+    k = link_share(misses, cpu_pct)
+    assert k == link
+    if misses and cpu_pct:
+        # the fewest for which the link (k / R_link) takes no less than the CPU ((m - k) / R_cpu): one fewer and the
+        # CPU would take longer
+        assert k * cpu_pct >= 100 * (misses - k)
+        assert k == 1 or (k - 1) * cpu_pct < 100 * (misses - k + 1)
+
+
+def test_the_simulators_split_on_a_known_trace():
+    """Two tokens at one layer, 4 slots, equal rates: token 0 misses 4 (2 up, 2 on the CPU), token 1 hits the 2 that
+    went up and misses the 2 the CPU computed again (1 up, 1 on the CPU)."""
+    ids = np.array([[[0, 1, 2, 3]], [[0, 1, 2, 3]]], dtype=np.int32)
+    t = ExpertTrace(ids, [0], 8)
+    assert hybrid(t, 4, 100) == {"lookups": 8, "hits": 2, "cpu_misses": 3, "link_misses": 3}
+    assert hybrid(t, 4, 0) == {"lookups": 8, "hits": 4, "cpu_misses": 0, "link_misses": 4}
+
+
+# --- numerics ---------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def baseline_decode(runner):
+    return runner.logits("baseline", devices=TWO, placement=HOST_ALL, ctx=DECODE, n_tokens=12)
+
+
+@pytest.mark.parametrize("slots, cpu_pct", [(2, 100), (8, 100), (8, 400), (64, 100)])
+def test_decode_logits_equal_the_baseline_and_the_cache_alone(runner, baseline_decode, assert_logits_match, tiny_info,
+                                                              slots, cpu_pct):
+    """The tiny model on two VDEVs: each token's misses split (a token of 2 ids: one up, one on the CPU where both
+    miss); the logits are the baseline's and the cache's alone; each CPU miss is one of the misses counted."""
+    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": DECODE, "n_tokens": 12}
+    p = runner.logits("patched", env=hybrid_env(slots, cpu_pct), **kw)
+    alone = runner.logits("patched", env=hybrid_env(slots, 0), **kw)
+    assert_logits_match(p["logits"], baseline_decode["logits"], f"EXPERT_HYBRID={cpu_pct}, {slots} slots")
+    assert np.array_equal(p["logits"], alone["logits"])
+    t, s = totals(p["ext"]), split_counts(p["ext"])
+    assert t["cache_ops"] == 3 * tiny_info["n_layer"] * 12
+    assert t["cache_hits"] + t["cache_misses"] == tiny_info["n_layer"] * 12 * tiny_info["n_expert_used"]
+    assert 0 < s["cache_cpu_misses"] < t["cache_misses"]
+    assert s["cache_hybrid_layers"] <= s["cache_cpu_misses"]
+    # only the link's misses were copied into slots
+    one = t["cache_bytes"] // (t["cache_misses"] - s["cache_cpu_misses"])
+    assert t["cache_bytes"] == one * (t["cache_misses"] - s["cache_cpu_misses"])
+
+
+def test_zero_is_the_cache_alone(runner):
+    """EXPERT_HYBRID=0 (the default): the same logits, bytes, copies and counters as the cache without the switch."""
+    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": DECODE, "n_tokens": 12}
+    z = runner.logits("patched", env=hybrid_env(8, 0), **kw)
+    p = runner.logits("patched", env=cache(-8), **kw)
+    assert np.array_equal(z["logits"], p["logits"])
+    assert _counts(z) == _counts(p)
+    assert not any(split_counts(z["ext"]).values())
+
+
+def test_small_batches_split_their_misses_too(runner, assert_logits_match):
+    """Ubatches of 4 tokens (the clone computes every selection of each token, the CPU's rows written back): the
+    baseline's logits."""
+    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": {"n_ctx": 64, "n_batch": 4, "n_ubatch": 4}, "n_tokens": 24}
+    b = runner.logits("baseline", **kw)
+    p = runner.logits("patched", env=hybrid_env(16, 100), **kw)
+    assert_logits_match(p["logits"], b["logits"], "ub4, 16 slots, EXPERT_HYBRID=100")
+    assert split_counts(p["ext"])["cache_cpu_misses"] > 0
+
+
+@pytest.mark.parametrize("name, overrides", FAMILIES,
+                         ids=[n + "".join(f"-{v}" for v in o.values()) for n, o in FAMILIES])
+def test_decode_logits_equal_the_baseline_in_every_family(tmp_path_factory, assert_logits_match, name, overrides):
+    """Every synth family the cache runs (attention, shared experts, dense first layers, gating, expert types and
+    gpt-oss's expert biases differ): the baseline's logits, and the CPU computed misses in every family but gpt-oss.
+    Its expert biases are host tensors too, whose ADD_ID ops run on the CPU between the layer's expert ops: its FFN is
+    not one split on the device, so its layers keep the cache alone."""
+    from conftest import JobRunner
+    path = synth.cached_model(tmp_path_factory.getbasetemp() / "families", name, seed=1, **overrides)
+    runner = JobRunner(str(path), tmp_path_factory.mktemp(name + "-hybrid"))
+    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": DECODE, "n_tokens": 6}
+    b = runner.logits("baseline", **kw)
+    p = runner.logits("patched", env=hybrid_env(64, 100), **kw)
+    assert_logits_match(p["logits"], b["logits"], name)
+    assert (split_counts(p["ext"])["cache_cpu_misses"] > 0) == (name != "gptoss-tiny")
+
+
+def test_rpc_devices_split_their_misses_with_this_hosts_cpu(runner, upstream_servers, baseline_decode,
+                                                           assert_logits_match):
+    """RPC devices (upstream's servers, the experts in this host's RAM): the FFN's input is read back over the network,
+    this host's CPU computes its share and its rows go back as tensor sets; the baseline's logits."""
+    p = runner.logits("patched", env=hybrid_env(16, 100), devices=upstream_servers, placement=HOST_ALL, ctx=DECODE,
+                      n_tokens=12)
+    assert_logits_match(p["logits"], baseline_decode["logits"], "RPC devices, EXPERT_HYBRID=100")
+    rpc = [b for b in p["ext"]["backends"] if b["name"].startswith("RPC")]
+    assert len(rpc) == 2 and all(b["cache_cpu_misses"] > 0 for b in rpc)
+
+
+# --- the counters -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("slots, cpu_pct, n_ubatch", [(2, 100, 1), (8, 100, 1), (8, 300, 1), (16, 50, 1), (16, 100, 4)])
+def test_the_split_is_the_simulators_on_the_traced_ids(runner, slots, cpu_pct, n_ubatch):
+    """The routing ids of 40 tokens recorded by the trace, then the same tokens decoded with the hybrid: its hits, CPU
+    misses and link misses are pyllama_pp.expert_cache_sim.hybrid's on those ids."""
+    ctx = {"n_ctx": 64, "n_batch": n_ubatch, "n_ubatch": n_ubatch}
+    n_prompt, n_decode = (40, 0) if n_ubatch > 1 else (0, 40)
+    tr = runner.run("patched", {"kind": "trace", "devices": "vdev:1x0@0.5", "placement": HOST_ALL, "ctx": ctx,
+                                "n_prompt": n_prompt, "n_decode": n_decode, "seed": 7})
+    trace = ExpertTrace(tr["ids"], tr["layers"], tr["n_expert"])
+    sim = hybrid(trace, slots, cpu_pct)
+    p = runner.logits("patched", devices="vdev:1x0@0.5", placement=HOST_ALL, ctx=ctx, tokens=tr["tokens"],
+                      env=hybrid_env(slots, cpu_pct))
+    t, s = totals(p["ext"]), split_counts(p["ext"])
+    assert t["cache_hits"] + t["cache_misses"] == sim["lookups"]
+    assert (t["cache_hits"], s["cache_cpu_misses"]) == (sim["hits"], sim["cpu_misses"]), (t, s, sim)
+    assert t["cache_misses"] - s["cache_cpu_misses"] == sim["link_misses"]
