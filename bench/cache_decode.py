@@ -54,7 +54,7 @@ if str(REPO) not in sys.path:   # `python bench/cache_decode.py` from anywhere f
     sys.path.insert(0, str(REPO))
 
 from pyllama_pp import synth  # noqa: E402
-from pyllama_pp.model_file import routes_by_stream  # noqa: E402
+from pyllama_pp.model_file import routes_by_stream, synth_routing  # noqa: E402
 from pyllama_pp.params import ContextParams, Placement  # noqa: E402
 from pyllama_pp.session import Session  # noqa: E402
 from pyllama_pp.stats import max_abs_diff, nmse, paired_ci  # noqa: E402
@@ -116,7 +116,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF model (default: --preset written once into /tmp/pp_models)")
     ap.add_argument("--preset", default="tiny", help="synthetic preset when no --model (default tiny)")
-    ap.add_argument("--routing", default="uniform", help=f"the preset's routing mode (this synth: {', '.join(synth.ROUTING_MODES)})")
+    ap.add_argument("--routing", default="uniform", help=f"the preset's routing mode (this synth: {', '.join(synth.ROUTING_MODES)}; "
+                    "with --model: the model's own, as its file says)")
     ap.add_argument("--devices", default="vdev:1x0@1GBps", help="device spec (default one VDEV on a 1 GB/s link; cuda)")
     ap.add_argument("--sizes", default="0,-4,-8,-16,-64",
                     help="EXPERT_CACHE values, comma-separated: MiB per device, -N slots per layer, 0 first (off)")
@@ -173,6 +174,8 @@ def main() -> int:
     model = args.model
     if not model:
         model = str(synth.cached_model("/tmp/pp_models", args.preset, seed=1, routing=args.routing))
+    else:
+        args.routing = synth_routing(model) or "the model's"   # (what the table and JSON name)
     n_ub = max(512, args.depth)   # the prompt in one ubatch: one upload of its experts
     ctxp = ContextParams(n_ctx=max(args.n_ctx, args.depth + args.n + 1), n_batch=n_ub, n_ubatch=n_ub,
                          n_threads=args.threads)
