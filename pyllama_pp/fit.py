@@ -36,19 +36,18 @@ def _weigh(plan: Plan, model, devices, workload, trace, load_mode: str, n_thread
     if plan.variant != "patched" or plan.expert_cache != "auto" or not plan.n_expert:
         return plan
     wl = Workload.parse(workload)
+
+    def none(why: str) -> Plan:
+        out = drop_cache(plan)
+        out.memory_plan = {"workload": {"name": wl.name, "steps": wl.as_list()}, "why": f"no cache: {why}",
+                           "alternatives": []}
+        return out
     if not wl.decode_tokens or not any(plan.host_expert_layers):
-        plan = drop_cache(plan)
-        why = "the workload decodes no token" if not wl.decode_tokens else "every expert layer is resident"
-        plan.memory_plan = {"workload": {"name": wl.name, "steps": wl.as_list()}, "why": f"no cache: {why}",
-                            "alternatives": []}
-        return plan
+        return none("the workload decodes no token" if not wl.decode_tokens else "every expert layer is resident")
     try:
         costs = decode_costs(model, devices, n_threads=n_threads, load_mode=load_mode, progress=progress)
     except PyllamaError as e:   # (a replica that cannot run there, e.g. on a small RPC server: nothing to weigh by)
-        plan = drop_cache(plan)
-        plan.memory_plan = {"workload": {"name": wl.name, "steps": wl.as_list()}, "alternatives": [],
-                            "why": f"no cache: the decode probe could not run ({str(e).splitlines()[0]})"}
-        return plan
+        return none(f"the decode probe could not run ({str(e).splitlines()[0]})")
     return plan_memory(plan, layout_of(model, plan.n_expert), costs, HitCurve.for_model(model, trace), wl, refit,
                        load_mode, layer_counts(model)[1])
 
@@ -66,8 +65,6 @@ def _with_layer_major(plan: Plan, workload: Workload, place: Callable[[dict], Pl
     try:
         lm = place({**given, switches.LAYER_MAJOR: 1})
     except OutOfMemoryError:
-        lm = None
-    if lm is None:
         return plan   # (its groups' memory leaves the model no placement)
     if lm.host_expert_layers != plan.host_expert_layers or layer_major_group(lm) < 2:
         return plan   # (its groups' memory would move expert layers to host RAM)
@@ -124,7 +121,8 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
     kw["switches"] = {**given, **({switches.LAYER_MAJOR: 1} if plan.switches.get(switches.LAYER_MAJOR) else {})}
     fit_kw = {k: v for k, v in kw.items() if k in ("margin", "split_mode", "env", "timeout", "spread", "link_gbps",
                                                  "switches")}
-    chosen = dataclasses.replace(placement.fit_context(ctx), n_batch=plan.ctx["n_batch"], n_ubatch=plan.ctx["n_ubatch"])
+    chosen = dataclasses.replace(placement.fit_context(ctx), n_ctx=plan.n_ctx, n_batch=plan.ctx["n_batch"],
+                                 n_ubatch=plan.ctx["n_ubatch"])
 
     def refit(mib: int) -> Plan:
         out = placement.fit(model, devices, chosen, variant, expert_cache=f"{mib}MiB", **fit_kw)

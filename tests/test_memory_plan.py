@@ -4,6 +4,7 @@ the hit-rate curve (pyllama_pp.hit_curve) and the workload (pyllama_pp.workload)
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -176,3 +177,21 @@ def test_the_decode_probe_measures_each_path_once(model, tmp_path, monkeypatch):
     assert min(c.resident_s, c.cpu_s, c.cached_s) > 0 and c.threads == 1 and c.load_mode == "none"
     monkeypatch.setattr(decode_probe, "run_job", lambda *a, **k: pytest.fail("measured again"))
     assert decode_probe.decode_costs(model, "vdev:1x0@4GBps", n_threads=1, reps=1) == costs
+
+
+def test_ubatch_auto_weighs_the_memory_at_its_chosen_pair(model, monkeypatch):
+    """-ub auto then the memory planner: with GPU-like costs and a slow link's prompts left aside (decode only), the
+    plan made again for the cache keeps the pair -ub auto chose, holds more host-expert layers with slots in each,
+    and drops the prompt prediction of the placement it left (its alternatives say what prompts pay)."""
+    fit_module = sys.modules["pyllama_pp.fit"]
+    monkeypatch.setattr(fit_module, "decode_costs", lambda m, d, **kw: {-1: GPU_LIKE})
+    base = fit_module.fit_ubatch(model, devices=SPEC, ctx=ContextParams(n_ctx=512), n_tokens=256, timeout=120,
+                                 candidates=(64, 128), count_compute=False, expert_cache=0, workload="decode")
+    plan = fit_module.fit_ubatch(model, devices=SPEC, ctx=ContextParams(n_ctx=512), n_tokens=256, timeout=120,
+                                 candidates=(64, 128), count_compute=False, workload="decode")
+    m = plan.memory_plan
+    assert m["alternatives"][m["chosen"]]["slots"] > 0 and plan.devices[0].cache_slots > 0, m["why"]
+    assert (plan.ctx["n_batch"], plan.ctx["n_ubatch"]) == (base.ctx["n_batch"], base.ctx["n_ubatch"])
+    moved = sum(plan.host_expert_layers) > sum(base.host_expert_layers)
+    assert (plan.predicted_ts is None) == moved
+    assert [r["n_ubatch"] for r in plan.ubatch_auto] == [r["n_ubatch"] for r in base.ubatch_auto]
