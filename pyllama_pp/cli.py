@@ -364,12 +364,12 @@ def _join_dash_values(argv: list[str]) -> list[str]:
     return out
 
 
-EXPERT_CACHE_HELP = ("the patched build's device expert cache for decode (EXPERT_CACHE): auto (what fit's plan leaves "
-                     "free on each device after layers, KV, compute buffers, copies and the margin, at most every "
-                     "expert of the device's host-expert layers), a size a device such as 512MiB or 2GiB (reserved "
-                     "before fit places the layers), slots a layer such as 16slots, or 0 (none). The switch takes one "
-                     "value for every device: auto takes the largest that no device's free memory is short of (MiB a "
-                     "device, or slots a layer), and the plan shows each device's share")
+EXPERT_CACHE_HELP = ("the patched build's device expert cache for decode (EXPERT_CACHE): auto (fit weighs each "
+                     "device's memory between resident expert layers and cache slots by the time it predicts for the "
+                     "workload, and may move layers to host RAM for slots; the plan lists what it weighed), a size a "
+                     "device such as 512MiB or 2GiB (reserved before fit places the layers), slots a layer such as "
+                     "16slots, or 0 (none). The switch takes one value for every device; the plan shows each "
+                     "device's share")
 
 
 def _margins_text() -> str:

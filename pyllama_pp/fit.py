@@ -93,10 +93,12 @@ def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, wor
     wl = Workload.parse(workload)
     given = dict(kw.pop("switches", None) or {})
     plan = placement.fit(model, devices, ctx, variant, switches=given, **kw)
-    plan = _with_layer_major(plan, wl, lambda sw: placement.fit(model, devices, ctx, variant, switches=sw, **kw),
+    pinned = dataclasses.replace(placement.fit_context(ctx), n_ctx=plan.n_ctx)   # (fit chose it: keep it)
+    plan = _with_layer_major(plan, wl, lambda sw: placement.fit(model, devices, pinned, variant, switches=sw, **kw),
                              {**switches.set_in(kw.get("env")), **given})
     given = {**given, **({switches.LAYER_MAJOR: 1} if plan.switches.get(switches.LAYER_MAJOR) else {})}
-    refit = lambda mib: placement.fit(model, devices, ctx, variant, switches=given, **{**kw, "expert_cache": f"{mib}MiB"})
+    refit = lambda mib: placement.fit(model, devices, pinned, variant, switches=given,
+                                      **{**kw, "expert_cache": f"{mib}MiB"})
     n_threads = placement.fit_context(ctx).n_threads
     return _weigh(plan, model, devices, wl, trace, load_mode, n_threads, progress, refit)
 

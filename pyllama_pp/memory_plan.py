@@ -22,6 +22,7 @@ from .decode_model import DecodeCosts, DecodeShare, token_seconds
 from .defaults import CONTEXT, CUDA_LINK_GBPS
 from .expert_cache_plan import Layout, drop_cache, percent, plan_cache
 from .switches import EXPERT_CACHE, EXPERT_CACHE_MIN_HIT
+from .errors import OutOfMemoryError
 from .hit_curve import HitCurve
 from .plan import MiB, Plan
 from .predict import expected_coverage
@@ -182,7 +183,7 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
     left = min((layout.most_slots(free, h) for free, h in zip(room, host0) if h), default=0)
     if left >= max(1, layout.n_used):
         alts.append(priced("leftover", left, [0] * len(devs)))
-    counts = sorted({max(layout.n_used, round(s * layout.n_expert)) for s in SHARES} - {left})
+    counts = sorted(({layout.n_used} | {max(layout.n_used, round(s * layout.n_expert)) for s in SHARES}) - {left})
     for n in counts:
         moved = moved_for(n)
         if moved is not None and any(h + k for h, k in zip(host0, moved)):
@@ -198,13 +199,39 @@ def choose(alts: Sequence[Alternative]) -> tuple[int, str]:
     best = min(fits, key=lambda i: alts[i].seconds)
     none = alts[0]
     if best == 0 or alts[best].seconds > none.seconds * (1 - GAIN_MIN):
-        gain = (none.seconds / alts[best].seconds - 1) if alts[best].seconds else 0.0
+        gain = 1 - alts[best].seconds / none.seconds if none.seconds else 0.0
         return 0, ("no cache: none predicts the workload faster" if best == 0 else
                    f"no cache: the best cache ({alts[best].name}) predicts only {gain:.1%} less time, below "
                    f"{GAIN_MIN:.0%}")
     a = alts[best]
     return best, (f"{a.name}: the workload in {a.seconds:.2f} s against {none.seconds:.2f} s without a cache "
                   f"({none.seconds / a.seconds:.2f}x)")
+
+
+def _placed(plan: Plan, a: Alternative, none: Alternative, layout: Layout, costs: dict, curve: HitCurve,
+            workload: Workload, load_mode: str, n_dense: int, refit: Callable[[int], Plan], why: str) -> tuple:
+    """The chosen alternative placed for real (its largest device's bytes reserved on every device: fit then decides
+    each device's host-expert layers), and why: where fit placed it otherwise, what it placed is priced again, and
+    where that no longer saves GAIN_MIN against no cache (or has no placement) the plan keeps no cache."""
+    try:
+        out = refit(int(math.ceil(max(a.cache_bytes) / MiB)))
+    except OutOfMemoryError as e:
+        return drop_cache(plan), f"no cache: {a.name} has no placement ({str(e).splitlines()[0]})"
+    out.expert_cache = "auto"
+    slots = min((d.cache_slots for d in out.devices if d.host_expert_layers), default=0)
+    if out.host_expert_layers == a.host and slots >= a.slots:
+        return out, why
+    tok, _ = token_seconds([costs.get(i) or costs[-1] for i in range(len(out.devices))],
+                           [DecodeShare(max(0, d.full_layers - d.partial_layers - (n_dense if i == 0 else 0)),
+                                        d.host_expert_layers, slots, curve.at(slots / layout.n_expert),
+                                        layout.n_used * layout.slot_bytes, ln)
+                            for i, (d, ln) in enumerate(zip(out.devices, _links(out, load_mode)))])
+    seconds = workload.decode_tokens * tok + a.prompt_extra_s
+    placed = (f"; fit placed host-expert layers {'/'.join(map(str, out.host_expert_layers))} with {slots} slots a "
+              f"layer: decode {1 / tok:.1f} t/s predicted, {seconds:.2f} s")
+    if slots <= 0 or seconds > none.seconds * (1 - GAIN_MIN):
+        return drop_cache(plan), f"no cache: {a.name} was chosen{placed}, no longer {GAIN_MIN:.0%} below no cache"
+    return out, why + placed
 
 
 def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve: HitCurve, workload: Workload,
@@ -233,8 +260,8 @@ def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve
         out = plan_cache(drop_cache(plan), ExpertCache(slots=a.slots), layout)
         out.expert_cache = "auto"
     else:
-        out = refit(int(math.ceil(max(a.cache_bytes) / MiB)))
-        out.expert_cache = "auto"
+        out, why = _placed(plan, a, alts[0], layout, costs, curve, workload, load_mode, n_dense, refit, why)
+        pick = pick if out.switches.get(EXPERT_CACHE) else 0
     if out.switches.get(EXPERT_CACHE):
         out.cache_guard = {**out.cache_guard, **cost_guard(out, layout, costs)}
         out.switches[EXPERT_CACHE_MIN_HIT] = out.cache_guard["min_hit"]["none"]

@@ -479,6 +479,20 @@ def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, m
     return dataclasses.replace(cfg, plans=plans, switches=run_switches)
 
 
+def _shared_plan_notes(made: Sequence[Plan], shared: bool) -> list[str]:
+    """Where both variants run the patched plan and its memory planner moved expert layers to host RAM for cache
+    slots the baseline has none of: the note that the baseline's placement is then not its best."""
+    def moved(p: Plan) -> bool:
+        alts = (p.memory_plan or {}).get("alternatives")
+        chosen = alts[p.memory_plan["chosen"]] if alts else None
+        return bool(chosen and chosen["slots"] and p.expert_cache and chosen["host"] != alts[0]["host"])
+    if not shared or not any(moved(p) for p in made if p.variant == "patched"):
+        return []
+    return ["both variants run the patched plan, whose memory planner moved expert layers to host RAM for cache "
+            "slots the baseline does not have: its placement is not the baseline's best. For upstream with its own "
+            "placement: --fit each (or --expert-cache 0 to keep the layers)"]
+
+
 def _tests_workload(cfg: RunConfig) -> Workload:
     """A config's own tests as the workload fit plans its memory for."""
     return Workload.of_tests([t[1] for t in cfg.tests if t[0] == "pp"], [t[1] for t in cfg.tests if t[0] == "tg"])
@@ -527,7 +541,7 @@ def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
                      "it is: no plan left room for the slots, which take device memory beside the layers; --fit plans "
                      "them")
     if c.command == "ab":
-        notes += cpu_only_notes(cfgs)
+        notes += cpu_only_notes(cfgs) + _shared_plan_notes(made, c.fit == "same" or auto is not None)
     return RunPlan(model=model, configs=tuple(cfgs), variants=tuple(variants), plans=tuple(made),
                    notes=tuple(notes), choices=c)
 
