@@ -29,10 +29,10 @@ from .plan import Plan
 from .workload import Workload
 
 
-def _weigh(plan: Plan, model, devices, workload, trace, load_mode: str, n_threads: int, progress: bool,
+def _weigh(plan: Plan, model, devices, workload, curve, load_mode: str, n_threads: int, progress: bool,
            refit: Callable[[int], Plan]) -> Plan:
     """The plan with its memory weighed between resident expert layers and cache slots, where the cache was asked as
-    auto; as it is elsewhere."""
+    auto (curve: the trace's hit rates, None: the model's own or the prior); as it is elsewhere."""
     if plan.variant != "patched" or plan.expert_cache != "auto" or not plan.n_expert:
         return plan
     wl = Workload.parse(workload)
@@ -48,7 +48,7 @@ def _weigh(plan: Plan, model, devices, workload, trace, load_mode: str, n_thread
         costs = decode_costs(model, devices, n_threads=n_threads, load_mode=load_mode, progress=progress)
     except PyllamaError as e:   # (a replica that cannot run there, e.g. on a small RPC server: nothing to weigh by)
         return none(f"the decode probe could not run ({str(e).splitlines()[0]})")
-    return plan_memory(plan, layout_of(model, plan.n_expert), costs, HitCurve.for_model(model, trace), wl, refit,
+    return plan_memory(plan, layout_of(model, plan.n_expert), costs, curve or HitCurve.for_model(model), wl, refit,
                        load_mode, layer_counts(model)[1])
 
 
@@ -91,6 +91,7 @@ def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, wor
         As pyllama_pp.placement.fit; ConfigError for a bad workload or trace.
     """
     wl = Workload.parse(workload)
+    curve = HitCurve.for_model(model, trace) if trace is not None else trace   # (a bad trace: an error before any run)
     given = dict(kw.pop("switches", None) or {})
     plan = placement.fit(model, devices, ctx, variant, switches=given, **kw)
     pinned = dataclasses.replace(placement.fit_context(ctx), n_ctx=plan.n_ctx)   # (fit chose it: keep it)
@@ -100,13 +101,14 @@ def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, wor
     refit = lambda mib: placement.fit(model, devices, pinned, variant, switches=given,
                                       **{**kw, "expert_cache": f"{mib}MiB"})
     n_threads = placement.fit_context(ctx).n_threads
-    return _weigh(plan, model, devices, wl, trace, load_mode, n_threads, progress, refit)
+    return _weigh(plan, model, devices, wl, curve, load_mode, n_threads, progress, refit)
 
 
 @functools.wraps(planner.fit_ubatch)
 def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, workload=None, trace=None,
                **kw) -> Plan:
     kw.setdefault("probe", Probe)
+    curve = HitCurve.for_model(model, trace) if trace is not None else trace   # (a bad trace: an error before any run)
     given = dict(kw.pop("switches", None) or {})
     plan = planner.fit_ubatch(model, devices, ctx, variant, switches=given, **kw)
     if variant == "patched" and switches.LAYER_MAJOR not in {**switches.set_in(kw.get("env")), **given} and \
@@ -130,7 +132,7 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
         out = placement.fit(model, devices, chosen, variant, expert_cache=f"{mib}MiB", **fit_kw)
         out.ubatch_auto = plan.ubatch_auto   # (its predicted_ts was the pair's with fewer host-expert layers: the
         return out                           # alternatives say what the moved layers add to prompts)
-    return _weigh(plan, model, devices, workload, trace, kw.get("load_mode", CONTEXT.load_mode), chosen.n_threads,
+    return _weigh(plan, model, devices, workload, curve, kw.get("load_mode", CONTEXT.load_mode), chosen.n_threads,
                   kw.get("progress", False), refit)
 
 

@@ -10,15 +10,17 @@ one says so) hits its share: h = f.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from .errors import ConfigError
 from .expert_cache_sim import simulate
 from .expert_trace import ExpertTrace
-from .model_file import synth_routing
+from .model_file import expert_tensor_shape, synth_routing
 
 # (fraction of a layer's experts cached, LRU hit rate): the prior's points, between them linear
 PRIOR = ((0.0, 0.0), (0.0625, 0.47), (0.125, 0.67), (0.25, 0.81), (0.5, 0.88), (1.0, 1.0))
@@ -69,11 +71,13 @@ class HitCurve:
         Returns:
             HitCurve.
         """
-        t = trace if isinstance(trace, ExpertTrace) else ExpertTrace.load(trace)
+        t = _load(trace)
         pts = [(0.0, 0.0)] + [(f, simulate(t, f, "lru")["hit_rate"]) for f in fractions]
-        name = t.meta.get("model") or getattr(trace, "name", "")
-        return HitCurve(tuple((f, round(h, 4)) for f, h in pts),
-                        f"trace {os.fspath(trace) if not isinstance(trace, ExpertTrace) else name} (LRU)")
+        if any(math.isnan(h) for _, h in pts):
+            raise ConfigError(f"--trace {_name(trace)}: no decoded "
+                              f"token after its warm-up ({t.n_tokens} tokens, {t.n_prompt} of them a prompt), so no "
+                              "hit rate. Fix: record decode, e.g. `pyllama-pp trace MODEL -n 128 -o T.npz`")
+        return HitCurve(tuple((f, round(h, 4)) for f, h in pts), f"trace {_name(trace)} (LRU)")
 
     @staticmethod
     def for_model(model: Union[str, os.PathLike], trace: Optional[Union[str, os.PathLike, ExpertTrace]] = None) -> "HitCurve":
@@ -87,10 +91,29 @@ class HitCurve:
             HitCurve.
         """
         if trace is not None:
+            shape = expert_tensor_shape(model)
+            got = _load(trace).n_expert
+            if shape and got != shape[3]:
+                raise ConfigError(f"--trace {_name(trace)}: a trace of {got} experts a layer for a model of "
+                                  f"{shape[3]}. Fix: record this model's trace (`pyllama-pp trace MODEL -o T.npz`)")
             return HitCurve.from_trace(trace)
         if synth_routing(model) == "uniform":
             return HitCurve(((0.0, 0.0), (1.0, 1.0)), "uniform routing (the synthetic model's): hits = share cached")
         return HitCurve(PRIOR, PRIOR_NAME)
+
+
+def _name(trace) -> str:
+    return trace.meta.get("model", "") if isinstance(trace, ExpertTrace) else os.fspath(trace)
+
+
+def _load(trace) -> ExpertTrace:
+    """A trace as given, or read from its file (ConfigError for a file that is not one)."""
+    if isinstance(trace, ExpertTrace):
+        return trace
+    try:
+        return ExpertTrace.load(trace)
+    except ValueError as e:
+        raise ConfigError(f"--trace: {e}. Fix: record one with `pyllama-pp trace MODEL -o T.npz`") from None
 
 
 __all__ = ["HitCurve", "PRIOR"]

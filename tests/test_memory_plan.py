@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from pyllama_pp import cli, synth
@@ -226,3 +227,20 @@ def test_ab_on_one_shared_plan_says_when_the_cache_moved_layers(model, monkeypat
     assert any("--fit each" in n for n in shared.notes), shared.notes
     each = plan_runs(Choices(model=model, devices=(SPEC,), fit="each", pp=(), tg=(16,)))
     assert not any("--fit each" in n for n in each.notes)
+
+
+def test_a_bad_trace_is_refused_before_any_run(model, tmp_path, no_worker):
+    """fit --trace with a file that is not a trace, a trace of another model's experts, or one with no decoded token
+    after its warm-up: a ConfigError that says what and how to fix, before any dry run or probe."""
+    from pyllama_pp.expert_trace import ExpertTrace
+    fit_module = sys.modules["pyllama_pp.fit"]
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a trace")
+    ids = np.zeros((8, 12, 2), dtype=np.int32)
+    other, prompt_only = tmp_path / "other.npz", tmp_path / "prompt.npz"
+    ExpertTrace(ids, np.arange(12), n_expert=32).save(other)
+    ExpertTrace(ids, np.arange(12), n_expert=64, n_prompt=8).save(prompt_only)
+    for path, words in ((bad, "not an expert trace"), (other, "32 experts a layer"), (prompt_only, "no decoded")):
+        with pytest.raises(ConfigError, match=words) as e:
+            fit_module.fit(model, devices=SPEC, ctx=CTX, trace=path)
+        assert "Fix:" in str(e.value)
