@@ -112,6 +112,13 @@ def cost_guard(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts]) -> dic
             "from": "decode probe"}
 
 
+def _resident(plan: Plan, n_dense: int) -> list[int]:
+    """Per device, the MoE layers whose experts are all in its memory (the leading dense layers, on the first device,
+    have none)."""
+    return [max(0, d.full_layers - d.partial_layers - (min(n_dense, d.full_layers) if i == 0 else 0))
+            for i, d in enumerate(plan.devices)]
+
+
 def _prompt_extra(workload: Workload, moved: Sequence[int], layer_bytes: float, links: Sequence[float],
                   plan: Plan, n_used: int, n_expert: int) -> float:
     """Seconds the workload's prompts spend more when `moved` MoE layers per device keep their experts in host RAM:
@@ -150,8 +157,7 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
     devs = plan.devices
     room = [d.target_bytes + d.cache_bytes - d.expected_bytes for d in devs]
     host0 = [d.host_expert_layers for d in devs]
-    dense = [min(n_dense, d.full_layers) if i == 0 else 0 for i, d in enumerate(devs)]
-    res0 = [max(0, d.full_layers - d.partial_layers - nd) for d, nd in zip(devs, dense)]
+    res0 = _resident(plan, n_dense)
     layer_bytes = layout.slot_bytes * layout.n_expert
     links = _links(plan, load_mode)
     per = [costs.get(i) or costs[-1] for i in range(len(devs))]
@@ -222,10 +228,9 @@ def _placed(plan: Plan, a: Alternative, none: Alternative, layout: Layout, costs
     if out.host_expert_layers == a.host and slots >= a.slots:
         return out, why
     tok, _ = token_seconds([costs.get(i) or costs[-1] for i in range(len(out.devices))],
-                           [DecodeShare(max(0, d.full_layers - d.partial_layers - (n_dense if i == 0 else 0)),
-                                        d.host_expert_layers, slots, curve.at(slots / layout.n_expert),
+                           [DecodeShare(r, d.host_expert_layers, slots, curve.at(slots / layout.n_expert),
                                         layout.n_used * layout.slot_bytes, ln)
-                            for i, (d, ln) in enumerate(zip(out.devices, _links(out, load_mode)))])
+                            for r, d, ln in zip(_resident(out, n_dense), out.devices, _links(out, load_mode))])
     seconds = workload.decode_tokens * tok + a.prompt_extra_s
     placed = (f"; fit placed host-expert layers {'/'.join(map(str, out.host_expert_layers))} with {slots} slots a "
               f"layer: decode {1 / tok:.1f} t/s predicted, {seconds:.2f} s")

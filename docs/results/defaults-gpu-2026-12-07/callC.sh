@@ -3,17 +3,8 @@
 # 30B-A3B shape (locality routing; 16 GB, written in half the time of the full preset), ~6 GiB of the GPU for it:
 # the patched build with -ub auto (fit weighs LAYER_MAJOR and the pair), the hand-set LAYER_MAJOR=1 / 0 rows, upstream
 # with its own fit, and every weight in VRAM (the ceiling), pp16384 (and PP=... lengths).
-set -o pipefail
-R=$PWD; t0=$(date +%s); export PYTHONUNBUFFERED=1
-left() { echo $(( ${CALL_S:-585} - ($(date +%s) - t0) )); }
-if (cd /tmp && PYTHONPATH=/tmp/site python3 -c "import pyllama_pp.binding") 2>/dev/null; then echo "warm: build kept"
-else PP_CALL_LIMIT=300 bash bench/gpu_run.sh --devices cuda:0 --skip correctness,synth,sweep 2>&1 | tail -2; fi
-export PYTHONPATH=/tmp/site PYLLAMA_PP_CACHE=/tmp/pp_cache
-printf '#!/bin/sh\ncd /tmp && exec python3 -c "import sys; from pyllama_pp.cli import main; sys.exit(main(sys.argv[1:]))" "$@"\n' > /tmp/pp
-chmod +x /tmp/pp; M=/tmp/pp_models/q24-loc.gguf; mkdir -p /tmp/pp_models /tmp/C
-[ -f $M ] || /tmp/pp synth $M --preset qwen3-30b-a3b --n-layer 24 --routing locality | tail -1
-TOT=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1); MARGIN=$(( TOT / 1024 - 6 ))GiB
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; echo "margin $MARGIN, $(left) s left"
+N_LAYER=24 MODEL=q24-loc SPARE_GIB=6 source docs/results/defaults-gpu-2026-12-07/common.sh
+mkdir -p /tmp/C
 row() {  # NAME ARGS...: one run, its table's last line
   local name=$1; shift; [ $(left) -lt 70 ] && { echo "== $name skipped: $(left) s left"; return; }
   echo "== $name ($(left) s left)"
@@ -21,7 +12,7 @@ row() {  # NAME ARGS...: one run, its table's last line
   grep -E "layer major|memory:|^patched|^baseline" /tmp/C/$name.txt | cut -c1-220 | tail -4
 }
 for p in ${PP:-16384}; do
-  row default-pp$p   --fit --margin $MARGIN -p $p -ub auto
+  row default-pp$p   --margin $MARGIN -p $p -ub auto   # (-ub auto makes its own plan: no --fit)
   row lm1-pp$p       --fit --margin $MARGIN -p $p -b $p -ub 4096 --switch LAYER_MAJOR=1
   row lm0-pp$p       --fit --margin $MARGIN -p $p -b $p -ub 8192 --switch LAYER_MAJOR=0
   row upstream-pp$p  --variant baseline --fit --margin $MARGIN -p $p -b $p -ub 8192

@@ -1,5 +1,6 @@
-# shared by the calls (sourced): the build where the machine is fresh, the 30B-A3B preset with locality routing,
-# a margin that leaves ~10 GiB of the GPU to the model (about a quarter of its experts fit), helpers
+# shared by the calls (sourced): the build where the machine is fresh, the 30B-A3B preset with locality routing
+# (N_LAYER of its layers, default all 48; MODEL its file's name), a margin that leaves SPARE_GIB of the GPU to the
+# model (default 10: about a quarter of the 48 layers' experts fit), helpers
 set -o pipefail
 R=$PWD; t0=$(date +%s); export PYTHONUNBUFFERED=1
 left() { echo $(( ${CALL_S:-585} - ($(date +%s) - t0) )); }
@@ -8,9 +9,10 @@ else PP_CALL_LIMIT=400 bash bench/gpu_run.sh --devices cuda:0 --skip correctness
 export PYTHONPATH=/tmp/site PYLLAMA_PP_CACHE=/tmp/pp_cache
 printf '#!/bin/sh\ncd /tmp && exec python3 -c "import sys; from pyllama_pp.cli import main; sys.exit(main(sys.argv[1:]))" "$@"\n' > /tmp/pp
 chmod +x /tmp/pp; pp() { /tmp/pp "$@"; }
-M=/tmp/pp_models/q30-loc.gguf; mkdir -p /tmp/pp_models /tmp/A
-[ -f $M ] || { pp synth $M --preset qwen3-30b-a3b --routing locality | tail -1; echo "synth: $(( $(date +%s) - t0 )) s"; }
+M=/tmp/pp_models/${MODEL:-q30-loc}.gguf; mkdir -p /tmp/pp_models /tmp/A
+[ -f $M ] || { pp synth $M --preset qwen3-30b-a3b --n-layer ${N_LAYER:-48} --routing locality | tail -1
+               echo "synth: $(( $(date +%s) - t0 )) s"; }
 TOT=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-MARGIN=$(( TOT / 1024 - 10 ))GiB
+MARGIN=$(( TOT / 1024 - ${SPARE_GIB:-10} ))GiB
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader
 echo "margin $MARGIN, $(left) s left"
