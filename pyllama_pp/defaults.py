@@ -180,6 +180,28 @@ CUDA_LINK_GBPS = 55.0   # a PCIe 5 x16 link's measured host -> device rate (docs
 # not measured; it only has to be far above the host CPU's rate for the expert cache's break-even to be right
 CUDA_EXPERT_READ_GBPS = 2000.0
 UBATCH_CANDIDATES = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)   # fit_ubatch's n_ubatch values
+
+
+@dataclass(frozen=True)
+class UbatchMeasure:
+    """`-ub auto`'s last step: the candidates predicted close to the best are run as planned and the fastest measured
+    wins (the probe's replicas order near pairs wrongly: on one H100 it put ub1024 10% above ub2048, which measured
+    12% faster).
+
+    Attributes:
+        band: a candidate predicted within this share below the best is measured.
+        most: at most this many (the best included; below 2: none is measured).
+        reps: timed prompts each, after `warmup` untimed; one model load each.
+        warmup: untimed prompts first.
+    """
+
+    band: float = 0.15
+    most: int = 3
+    reps: int = 2
+    warmup: int = 1
+
+
+UBATCH_MEASURE = UbatchMeasure()
 OFFLOAD_MIN_BATCH = 32   # llama.cpp's GGML_OP_OFFLOAD_MIN_BATCH (upstream's value; shown in the CLI's help)
 
 

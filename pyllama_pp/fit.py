@@ -11,22 +11,29 @@ layer_major_plan, expert_cache_plan).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import sys
+from statistics import median
 from typing import Callable
+
+from tqdm import tqdm
 
 from . import placement, planner, switches
 from .compute import Probe
 from .decode_probe import decode_costs
-from .defaults import CONTEXT, FIT
+from .defaults import CONTEXT, FIT, UBATCH_MEASURE
 from .expert_cache_plan import drop_cache, layout_of
 from .hit_curve import HitCurve
+from .jobs import MeasureJob
 from .layer_major_plan import layer_major_group
 from .memory_plan import plan_memory
 from .model_file import layer_counts
 from .errors import OutOfMemoryError, PyllamaError
 from .plan import Plan
 from .workload import Workload
+from .worker.client import run_job
 
 
 def _weigh(plan: Plan, model, devices, workload, curve, load_mode: str, n_threads: int, progress: bool,
@@ -104,24 +111,99 @@ def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, wor
     return _weigh(plan, model, devices, wl, curve, load_mode, n_threads, progress, refit)
 
 
-@functools.wraps(planner.fit_ubatch)
+def measure_prompts(plans: list[Plan], model, devices, n_tokens: int, load_mode: str, env=None,
+                    timeout=FIT.timeout, progress: bool = False) -> list[float]:
+    """Each plan's prompt measured as it runs: one load each, UBATCH_MEASURE's untimed then timed prompts of n_tokens
+    (at most the plan's context), the decode cache left out (fit weighs it after the pair).
+
+    Args:
+        plans: fit_ubatch's plans (each with its pair and switches).
+        model, devices: the model and device spec they were made for.
+        n_tokens: the prompt's length.
+        load_mode: how the runs keep host weights ("none": pinned, "mmap").
+        env: more environment for the runs' workers (fit's env).
+        timeout: seconds one run may take.
+        progress: a progress bar on stderr.
+    Returns:
+        Each plan's prompt t/s (the median of its timed runs).
+    Raises:
+        WorkerError: when a run fails (its worker's error: ModelError, OutOfMemoryError, ...).
+    """
+    out = []
+    for p in tqdm(plans, desc="--ubatch auto: measuring", unit="pair", file=sys.stderr, disable=not progress,
+                  leave=False):
+        run = drop_cache(copy.deepcopy(p))
+        n = min(n_tokens, run.n_ctx)
+        job = MeasureJob(variant=run.variant, model=str(model), devices=devices, placement=run.placement(load_mode),
+                         ctx=run.context_params(), switches=run.run_switches(load_mode), tests=[["pp", n]],
+                         reps=UBATCH_MEASURE.reps, warmup=UBATCH_MEASURE.warmup, coverage=False)
+        out.append(n / median(run_job(job, run.variant, timeout=timeout, env=env)["tests"][0]["seconds"]))
+    return out
+
+
+def _measured_best(best: Plan, near: list[Plan], measure: Callable, most: int) -> Plan:
+    """Of `best` and the candidates predicted close to it (`near`, both searches': with and without LAYER_MAJOR), the
+    `most` closest measured with measure(plans) -> t/s each, and the fastest measured returned, every measured pair
+    in its ubatch_measured; `best` where there is nothing to measure."""
+    bar = (1 - UBATCH_MEASURE.band) * (best.predicted_ts or 0)
+    pick = [best] + sorted((p for p in near if p is not best and (p.predicted_ts or 0) >= bar),
+                           key=lambda p: -p.predicted_ts)[:max(0, most - 1)]
+    if len(pick) < 2 or not best.predicted_ts:
+        return best
+    got = measure(pick)
+    rows = [{"n_ubatch": p.ctx["n_ubatch"], "n_batch": p.ctx["n_batch"], "layer_major": int(bool(p.layer_major)),
+             "predicted_ts": p.predicted_ts, "measured_ts": ts} for p, ts in zip(pick, got)]
+    won = pick[max(range(len(pick)), key=lambda i: got[i])]
+    won.ubatch_measured = rows
+    return won
+
+
 def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, workload=None, trace=None,
-               **kw) -> Plan:
+               measure: int = UBATCH_MEASURE.most, **kw) -> Plan:
+    """pyllama_pp.planner.fit_ubatch with the compute probe (pyllama_pp.compute.Probe); for the patched build where
+    switches do not set LAYER_MAJOR, the search with it too; then the candidates of both predicted within
+    UBATCH_MEASURE.band of the best run as planned (at most `measure`, the best included) and the fastest measured
+    taken; then, expert cache auto, the memory weighed for the workload at the chosen pair (as fit does).
+
+    Args:
+        model, devices, ctx, variant, **kw: as pyllama_pp.planner.fit_ubatch takes them (n_tokens, n_batch, margin,
+            switches, load_mode, count_compute, progress, ...).
+        workload, trace: as fit takes them.
+        measure: how many of the closest predictions to run (0 or 1: the prediction alone decides; nothing is
+            measured where compute is not counted).
+    Returns:
+        Plan: the chosen pair's plan; ubatch_measured holds what was measured.
+    Raises:
+        As pyllama_pp.planner.fit_ubatch; WorkerError where a measured run fails.
+    """
     kw.setdefault("probe", Probe)
     curve = HitCurve.for_model(model, trace) if trace is not None else trace   # (a bad trace: an error before any run)
     given = dict(kw.pop("switches", None) or {})
-    plan = planner.fit_ubatch(model, devices, ctx, variant, switches=given, **kw)
+    near: list[Plan] = []
+    plan = planner.fit_ubatch(model, devices, ctx, variant, switches=given, contenders=near, **kw)
     if variant == "patched" and switches.LAYER_MAJOR not in {**switches.set_in(kw.get("env")), **given} and \
             any(plan.host_expert_layers):
         # (-ub auto weighs LAYER_MAJOR too: the pair predicted fastest with its groups against the one without)
         try:
-            lm = planner.fit_ubatch(model, devices, ctx, variant, switches={**given, switches.LAYER_MAJOR: 1}, **kw)
+            lm = planner.fit_ubatch(model, devices, ctx, variant, switches={**given, switches.LAYER_MAJOR: 1},
+                                    contenders=near, **kw)
         except OutOfMemoryError:
             lm = None
-        if lm is not None and (lm.predicted_ts or 0) > (plan.predicted_ts or 0):
-            lm.layer_major["why"] = (f"on: predicted {lm.predicted_ts:.0f} t/s against {plan.predicted_ts or 0:.0f} "
-                                     "without it")
-            plan = lm
+        if lm is not None:
+            lm.layer_major["why"] = (f"on: predicted {lm.predicted_ts or 0:.0f} t/s against "
+                                     f"{plan.predicted_ts or 0:.0f} without it")
+            first, other = (lm, plan) if (lm.predicted_ts or 0) > (plan.predicted_ts or 0) else (plan, lm)
+            plan, near = first, near + [other]
+    load_mode = kw.get("load_mode", CONTEXT.load_mode)
+    if kw.get("count_compute", True) and kw["probe"] is not None:
+        plan = _measured_best(plan, near, functools.partial(
+            measure_prompts, model=model, devices=devices, n_tokens=kw.get("n_tokens") or plan.n_ctx,
+            load_mode=load_mode, env=kw.get("env"), timeout=kw.get("timeout") or FIT.timeout,
+            progress=kw.get("progress", False)), measure)
+        off = [r["measured_ts"] for r in plan.ubatch_measured if not r["layer_major"]]
+        if plan.layer_major.get("why") and off:   # (LAYER_MAJOR weighed here, and measured against a pair without)
+            plan.layer_major["why"] = (f"on: measured {max(r['measured_ts'] for r in plan.ubatch_measured):.0f} t/s "
+                                       f"against {max(off):.0f} without it")
     kw["switches"] = {**given, **({switches.LAYER_MAJOR: 1} if plan.switches.get(switches.LAYER_MAJOR) else {})}
     fit_kw = {k: v for k, v in kw.items() if k in ("margin", "split_mode", "env", "timeout", "spread", "link_gbps",
                                                  "switches")}
@@ -130,9 +212,9 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
 
     def refit(mib: int) -> Plan:
         out = placement.fit(model, devices, chosen, variant, expert_cache=f"{mib}MiB", **fit_kw)
-        out.ubatch_auto = plan.ubatch_auto   # (its predicted_ts was the pair's with fewer host-expert layers: the
-        return out                           # alternatives say what the moved layers add to prompts)
-    return _weigh(plan, model, devices, workload, curve, kw.get("load_mode", CONTEXT.load_mode), chosen.n_threads,
+        out.ubatch_auto, out.ubatch_measured = plan.ubatch_auto, plan.ubatch_measured   # (its predicted_ts was the
+        return out   # pair's with fewer host-expert layers: the alternatives say what the moved layers add to prompts)
+    return _weigh(plan, model, devices, workload, curve, load_mode, chosen.n_threads,
                   kw.get("progress", False), refit)
 
 

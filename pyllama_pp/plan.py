@@ -144,6 +144,8 @@ class Plan:
         memory_plan: where fit weighed the cache against resident expert layers (expert cache "auto",
             pyllama_pp.memory_plan): the workload, the hit-rate curve and the decode costs it priced with, every
             alternative with its prediction, the one chosen and why ({}: not weighed).
+        ubatch_measured: fit_ubatch: the pairs predicted closest to the best, each run as planned (n_ubatch,
+            n_batch, layer_major, predicted_ts, measured_ts): the fastest measured is the plan's ([]: none measured).
     """
 
     variant: str
@@ -180,6 +182,7 @@ class Plan:
     cpu_expert_gbps: dict = field(default_factory=dict)   # the host CPU's decode expert op, {threads: GB/s}
     cache_guard: dict = field(default_factory=dict)       # the cache's break-even hit rates (expert_cache_plan.guard)
     memory_plan: dict = field(default_factory=dict)       # the cache weighed against resident layers (memory_plan)
+    ubatch_measured: list = field(default_factory=list)   # fit_ubatch: the closest pairs, measured
 
     # -- views -----------------------------------------------------------------------------------------------
     @property
@@ -256,7 +259,7 @@ class Plan:
             del d["expert_cache"]
         if not self.layer_major:   # (without LAYER_MAJOR a plan is the one made without the switch)
             del d["layer_major"]
-        for key in ("cpu_expert_gbps", "cache_guard", "memory_plan"):   # (not measured: the plan reads as one made before them)
+        for key in ("cpu_expert_gbps", "cache_guard", "memory_plan", "ubatch_measured"):   # (not measured: the plan reads as one made before them)
             if not d[key]:
                 del d[key]
         return d
@@ -343,9 +346,16 @@ class Plan:
             lines.append(f"  spread: host-expert layers weighted {', '.join(f'{w:g}' for w in self.spread_weights)}")
         if self.ubatch_auto:
             lines.append(f"  --ubatch auto: n_batch {self.ctx.get('n_batch')}, n_ubatch {self.ctx.get('n_ubatch')}"
-                         + (f" predicted fastest ({self.predicted_ts:.0f} t/s)" if self.predicted_ts else "") + "; "
+                         + (f" predicted {self.predicted_ts:.0f} t/s, measured fastest (below)" if self.ubatch_measured
+                            else f" predicted fastest ({self.predicted_ts:.0f} t/s)" if self.predicted_ts else "") + "; "
                          "each candidate:")
             lines += ["    " + line for line in grouped_rows(self.ubatch_auto)]
+        if self.ubatch_measured:
+            lines.append("  --ubatch auto measured the closest predictions (one load each) and took the fastest:")
+            mine = (self.ctx.get("n_ubatch"), self.ctx.get("n_batch"), int(bool(self.layer_major)))
+            lines += [f"    {'*' if (r['n_ubatch'], r['n_batch'], r['layer_major']) == mine else ' '} n_ubatch "
+                      f"{r['n_ubatch']}, n_batch {r['n_batch']}, LAYER_MAJOR={r['layer_major']}: measured "
+                      f"{r['measured_ts']:.0f} t/s (predicted {r['predicted_ts']:.0f})" for r in self.ubatch_measured]
         if self.message:
             lines.append(f"  fit: {self.message}")
         lines += [f"  note: {n}" for n in self.notes]

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from . import devices as devspec
 from . import switches as switches_mod
-from .defaults import CONTEXT, FIT, PROBE, UBATCH_CANDIDATES
+from .defaults import CONTEXT, FIT, PROBE, UBATCH_CANDIDATES, UBATCH_MEASURE
 from .errors import OutOfMemoryError
 from .layer_major_plan import plan_layer_major
 from .model_file import embedding_length, expert_bytes_per_layer, expert_layout
@@ -70,7 +70,8 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
                candidates: Sequence[int] = UBATCH_CANDIDATES, link_gbps=None, shared_link: bool = False,
                count_compute: bool = True, n_tokens: Optional[int] = None, n_batch: Optional[int] = None,
                load_mode: str = CONTEXT.load_mode, skip: bool = True, progress: bool = False,
-               switches: Optional[dict] = None, probe: Optional[Callable] = None, **kw) -> Plan:
+               switches: Optional[dict] = None, probe: Optional[Callable] = None,
+               contenders: Optional[list] = None, **kw) -> Plan:
     """fit with (n_batch, n_ubatch) chosen together by the throughput predict() gives from bytes per link and
     measured compute.
 
@@ -105,6 +106,8 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
         skip: leave out, unprobed, a candidate even its best case shows slower than the best so far (False: predict
             every candidate with a placement, as a bench that measures them all needs).
         progress: say what it plans and probes, with progress bars on stderr.
+        contenders: a list to add the other candidates predicted within UBATCH_MEASURE.band of the winner to, made
+            final as the winner is (the facade measures the closest: pyllama_pp.fit.fit_ubatch).
         **kw: more of fit's arguments (margin, split_mode, env, timeout, spread, expert_cache, ...); check is ignored (a
             candidate that fails the check is out).
     Returns:
@@ -125,6 +128,8 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
     search = _Search(model, devices, ctx, variant, link_gbps, n_tokens, n_batch, load_mode, switches, kw)
     rows, placed = search.place(candidates, progress)
     rows, best = search.choose(rows, placed, shared_link, probe if count_compute else None, skip, progress)
+    if contenders is not None:
+        contenders += [search.finish(p, rows) for p in search.near(best)]
     return search.finish(best, rows)
 
 
@@ -150,6 +155,7 @@ class _Search:
         self.groups = variant == "patched" and int(self.force.get(switches_mod.LAYER_MAJOR) or 0) != 0
         self.rated: dict = {}   # what the first dry run's process measured: each device's link, the staging copy
         self.placed_nb: dict = {}
+        self.predicted: list[Plan] = []   # the candidates predicted, at their best n_batch
 
     def plan_at(self, n: int, u: int, nb: Optional[int] = None, group_bytes: bool = False,
                 extra: Optional[dict] = None) -> Plan:
@@ -267,12 +273,22 @@ class _Search:
                              "network_s": pred.network_s if pred else {}, "compute": "; ".join(how),
                              "why": "" if pred else "no host experts: compute binds",
                              "group": pred.group if pred else 1})
+                if pred:
+                    self.predicted.append(plan)
                 if best is None or (score(pred), u) > (best_ts, best.ctx["n_ubatch"]):
                     best, best_ts = plan, score(pred)
         finally:
             if probe is not None:
                 probe.close()
         return rows, best
+
+    def near(self, best: Plan) -> list[Plan]:
+        """The other candidates predicted within UBATCH_MEASURE.band of `best`, the closest first."""
+        if not best.predicted_ts:
+            return []
+        bar = (1 - UBATCH_MEASURE.band) * best.predicted_ts
+        return sorted((p for p in self.predicted if p is not best and p.predicted_ts >= bar),
+                      key=lambda p: -p.predicted_ts)
 
     def finish(self, best: Plan, rows: list) -> Plan:
         """The winner as it runs: with LAYER_MAJOR its memory at the n_batch it runs with and its group's bytes;

@@ -241,10 +241,12 @@ class _FakeProbe:
 @pytest.fixture
 def fake_compute(monkeypatch):
     """fit_ubatch's compute probe replaced: fake_compute(per_token) makes a layer take per_token(n_ubatch) seconds a
-    prompt token (the choice's logic, not timing, is under test)."""
+    prompt token (the choice's logic, not timing, is under test); the closest pairs "measure" at their prediction."""
     import sys
 
     def use(per_token):
         probe = type("FakeProbe", (_FakeProbe,), {"per_token": staticmethod(per_token)})
         monkeypatch.setattr(sys.modules["pyllama_pp.fit"], "Probe", probe)
+        monkeypatch.setattr(sys.modules["pyllama_pp.fit"], "measure_prompts",
+                            lambda plans, **kw: [p.predicted_ts for p in plans])
     return use
