@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from . import devices as devspec
 from .defaults import CONTEXT, threads
@@ -142,6 +142,24 @@ def break_even_hit(cpu_gbps: float, link_gbps: float, dev_gbps: float) -> float:
     return 1.0 - link_gbps * (1.0 / cpu_gbps - 1.0 / dev_gbps)
 
 
+def miss_gbps(link: dict, source: str, host_copy_gbps: Optional[float] = None) -> Optional[float]:
+    """The rate a cache miss comes up at from `source` host memory.
+
+    Args:
+        link: the device's link as fit measured it (DevicePlan.link: pinned_gbps, pageable_gbps).
+        source: "pinned" (load mode none) or "pageable" (mmap).
+        host_copy_gbps: the host's copy into the pinned staging slots, as measured (None: not measured).
+    Returns:
+        GB/s: pinned, the link's; pageable, through the staging slots (STAGING) where their copy was measured: the
+        slower of that copy and the pinned link (a piece is copied while the one before crosses the link), else the
+        pageable link's; None where the link was not measured.
+    """
+    pinned, pageable = link.get("pinned_gbps"), link.get("pageable_gbps")
+    if source == "pinned":
+        return pinned or pageable
+    return min(host_copy_gbps, pinned) if host_copy_gbps and pinned else pageable
+
+
 def percent(h: float) -> int:
     """A break-even hit rate as the guard's switch value: whole percent, at least 1 (0 turns the guard off), at most
     100 (every layer goes to the CPU path once its window is seen)."""
@@ -160,8 +178,7 @@ def guard(plan: Plan) -> dict:
         return {}
     per = {}
     for source in ("pinned", "pageable"):
-        per[source] = [break_even_hit(cpu, ln.get(f"{source}_gbps") or ln.get("pageable_gbps"), r)
-                       for ln, r in zip(links, dev)]
+        per[source] = [break_even_hit(cpu, miss_gbps(ln, source, plan.host_copy_gbps), r) for ln, r in zip(links, dev)]
     caching = [i for i, d in enumerate(plan.devices) if d.cache_slots > 0] or range(len(plan.devices))
     min_hit = {mode: percent(max(per[source][i] for i in caching))
                for mode, source in (("none", "pinned"), ("mmap", "pageable"))}

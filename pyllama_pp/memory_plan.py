@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 from . import devices as devspec
 from .decode_model import DecodeCosts, DecodeShare, token_seconds
 from .defaults import CONTEXT, CUDA_LINK_GBPS
-from .expert_cache_plan import Layout, drop_cache, percent, plan_cache
+from .expert_cache_plan import Layout, drop_cache, miss_gbps, percent, plan_cache
 from .switches import EXPERT_CACHE, EXPERT_CACHE_MIN_HIT
 from .errors import OutOfMemoryError
 from .hit_curve import HitCurve
@@ -86,14 +86,13 @@ class Alternative:
 
 
 def _links(plan: Plan, load_mode: str) -> list[float]:
-    """Each device's host link for the cache's misses (GB/s): as fit measured it (pageable for mmap), else the spec's
-    rate, else a PCIe 5 x16 link's."""
+    """Each device's host link for the cache's misses (GB/s): as fit measured it (for mmap: through the staging
+    slots, expert_cache_plan.miss_gbps), else the spec's rate, else a PCIe 5 x16 link's."""
     spec = devspec.parse(plan.devices_spec.get("text") or plan.devices_spec)
     shares = spec.link_shares() or []
     out = []
     for i, d in enumerate(plan.devices):
-        ln = d.link or {}
-        got = ln.get("pageable_gbps" if load_mode == "mmap" else "pinned_gbps") or ln.get("pageable_gbps")
+        got = miss_gbps(d.link or {}, "pageable" if load_mode == "mmap" else "pinned", plan.host_copy_gbps)
         out.append(got or (shares[i] if i < len(shares) and shares[i] > 0 else CUDA_LINK_GBPS))
     return out
 
@@ -149,7 +148,7 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
         costs: device index -> DecodeCosts (-1: every device).
         curve: the hit-rate curve.
         workload: what the user will run.
-        load_mode: the run's load mode (mmap: misses cross the pageable link).
+        load_mode: the run's load mode (mmap: misses come up through the staging slots).
         n_dense: the model's leading dense layers (on the first device; no experts).
     Returns:
         [no cache, leftover, N slots ...], each priced (fits False where a device has no room).

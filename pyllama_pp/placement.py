@@ -262,19 +262,25 @@ def _rates_path() -> Path:
 
 class _GuardRates:
     """The rates the expert cache's guard needs (the host CPU's expert op at the run's thread count; each device's
-    link), as cached on this machine, and what a dry run must measure (`missing`)."""
+    link; the host's copy into the staging slots, which an mmap-ed model's misses go through), as cached on this
+    machine, and what a dry run must measure (`missing`)."""
 
     def __init__(self, cpu_key: str, link_keys: list):
         self.cpu_key, self.link_keys = cpu_key, link_keys
         self.cpu = cached_rate("cpu_expert_gbps", cpu_key)
         self.links = [cached_rate("links", k) for k in link_keys]
-        self.missing = ([] if self.cpu else ["cpu_expert"]) + ([] if self.links and all(self.links) else ["links"])
+        self.copy = cached_rate("host_copy_gbps")
+        self.missing = ([] if self.cpu else ["cpu_expert"]) + ([] if self.links and all(self.links) else ["links"]) \
+            + ([] if self.copy else ["host_copy"])
 
     def fill(self, plan: Plan) -> None:
         """The plan's rates: measured ones kept for later plans, cached ones filled in."""
         if plan.cpu_expert_gbps:
             plan.cpu_expert_gbps = keep_rate("cpu_expert_gbps", plan.cpu_expert_gbps, self.cpu_key)
         plan.cpu_expert_gbps = plan.cpu_expert_gbps or self.cpu or {}
+        if plan.host_copy_gbps and not self.copy:
+            plan.host_copy_gbps = keep_rate("host_copy_gbps", plan.host_copy_gbps)
+        plan.host_copy_gbps = plan.host_copy_gbps or self.copy
         for d, key, known in zip(plan.devices, self.link_keys, self.links):
             d.link = keep_rate("links", d.link, key) if d.link and not known else d.link or known
 

@@ -178,6 +178,21 @@ def _counts(r: dict) -> tuple:
     return devs, ext, backends
 
 
+def test_misses_from_an_mmaped_model_go_through_the_staging_slots(runner, baseline_decode, assert_logits_match):
+    """An mmap-ed model's host experts are pageable: a miss copied from there straight makes the host wait on the
+    copy, so the misses go up through the pinned staging slots the prompt's uploads use (STAGING): every byte the
+    cache fetched is staged, the logits are the baseline's; STAGING=0 copies them as they are."""
+    mmap = {**HOST_ALL, "load_mode": "mmap"}
+    p = runner.logits("patched", devices=TWO, placement=mmap, ctx=DECODE, n_tokens=12, env=cache(-2))
+    assert_logits_match(p["logits"], baseline_decode["logits"], "EXPERT_CACHE=-2, mmap")
+    staged = sum(b["staged_bytes"] for b in p["ext"]["backends"])
+    assert staged == totals(p["ext"])["cache_bytes"] > 0, p["ext"]["backends"]
+    off = runner.logits("patched", devices=TWO, placement=mmap, ctx=DECODE, n_tokens=12,
+                        env={**cache(-2), "GGML_SCHED_PP_STAGING": 0})
+    assert sum(b["staged_bytes"] for b in off["ext"]["backends"]) == 0 and totals(off["ext"])["cache_bytes"] > 0
+    assert_logits_match(off["logits"], baseline_decode["logits"], "EXPERT_CACHE=-2, mmap, STAGING=0")
+
+
 def test_zero_is_the_path_without_the_cache(runner, baseline_decode):
     """EXPERT_CACHE=0 (the default): the same logits bit for bit, and the same bytes, copies, syncs, graphs and
     allocations as a run that does not name the switch; the cache's counters stay 0 and it holds no memory."""

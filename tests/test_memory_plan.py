@@ -153,7 +153,9 @@ def test_prompt_cost_of_moved_layers_counts(model, leftover):
 
 def test_guard_from_the_priced_costs(model, leftover):
     """Where the planner chooses a cache, the guard's bar is the break-even of the costs it priced with: a hit rate
-    at the bar prices the cached layer as the CPU's; a pageable link slower than the pinned one raises mmap's bar."""
+    at the bar prices the cached layer as the CPU's. An mmap-ed model's misses come up through the staging slots: at
+    the slower of the host's copy into them and the pinned link (a copy as fast as the link: the same bar as pinned
+    memory's; a slower one raises it); where that copy was not measured, at the pageable link's rate."""
     layout = layout_of(model, leftover.n_expert)
     base = _with_link(place(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache="auto"), layout, GPU_LIKE, 0.4)
     for d in base.devices:
@@ -161,11 +163,15 @@ def test_guard_from_the_priced_costs(model, leftover):
     plan = plan_memory(base, layout, {-1: GPU_LIKE}, LOCALITY, CHAT, _refit(model))
     assert plan.cache_guard["from"] == "decode probe"
     assert plan.switches["EXPERT_CACHE_MIN_HIT"] == plan.cache_guard["min_hit"]["none"]
-    g = cost_guard(base, layout, {-1: GPU_LIKE})   # (the plan made again measured its own links)
     miss, link = layout.n_used * layout.slot_bytes, base.devices[0].link["pinned_gbps"]
     h = GPU_LIKE.break_even_hit(miss, link)
     assert GPU_LIKE.cached_layer_s(h, miss, link) == pytest.approx(GPU_LIKE.cpu_s)
-    assert g["min_hit"]["mmap"] > g["min_hit"]["none"] >= 1
+    bars = {}
+    for copy in (None, link, link / 3):   # (the plan made again measured its own links)
+        base.host_copy_gbps = copy
+        bars[copy] = cost_guard(base, layout, {-1: GPU_LIKE})["min_hit"]
+    assert bars[link]["mmap"] == bars[link]["none"] >= 1
+    assert bars[None]["mmap"] > bars[link / 3]["mmap"] > bars[link]["mmap"]   # (pageable: a quarter of the link)
 
 
 @pytest.mark.measured_decode

@@ -1028,7 +1028,6 @@ void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_i
         }
         ggml_sched_pp_cache_layer *  l = op.layer;
         ggml_sched_pp_cache_weight * w = op.weight;
-        ggml_backend_t backend = sched->backends[l->backend_id];
         const ggml_tensor * ids = op.node->src[2];
         if (l->lookup_seq != sched->pp_graph_seq || l->lookup_ids != ids) {
             const bool hybrid = ggml_sched_pp_hybrid_ready(sched, l);
@@ -1043,8 +1042,10 @@ void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_i
         const size_t expert_size = w->host->nb[2];
         for (const auto & [e, s] : l->used) {
             if (w->content[s] != e) {
-                ggml_backend_tensor_set_async(backend, w->slots, (const char *) w->host->data + e * expert_size,
-                                              (size_t) s * expert_size, expert_size);
+                // (from pageable memory, an mmap-ed model, through the staging slots: STAGING)
+                ggml_backend_sched_pp_upload(sched, l->backend_id, w->host, w->slots,
+                                             (const char *) w->host->data + e * expert_size, (size_t) s * expert_size,
+                                             expert_size, nullptr);
                 w->content[s] = e;
                 sched->pp.cache_bytes[l->backend_id]  += expert_size;
                 sched->pp.weight_bytes[l->backend_id] += expert_size;
