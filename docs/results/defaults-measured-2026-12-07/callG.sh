@@ -12,7 +12,7 @@ one() {  # NAME ARGS...: one pyllama-pp command, its table's last lines
   grep -E "memory:|layer major|^    \*|^    [ *] n_ubatch|^\| |^patched|^baseline|rror" /tmp/G/$name.txt | cut -c1-240 | tail -8
 }
 one dec-default   ab $M --devices cuda --fit each --margin $MS -p 0 -n 128 -d 2048 -r 3
-for s in 0 16slots 32slots; do
+for s in 16slots 32slots; do
   one dec-$s      run $M --devices cuda --fit --margin $MS -p 0 -n 128 -d 2048 -r 3 --expert-cache $s
 done
 one pp-default    run $M --devices cuda --margin $MS -p 16384 -n 0 -r 2 -ub auto
