@@ -113,8 +113,9 @@ def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, wor
 
 def measure_prompts(plans: list[Plan], model, devices, n_tokens: int, load_mode: str, env=None,
                     timeout=FIT.timeout, progress: bool = False) -> list[float]:
-    """Each plan's prompt measured as it runs: one load each, UBATCH_MEASURE's untimed then timed prompts of n_tokens
-    (at most the plan's context), the decode cache left out (fit weighs it after the pair).
+    """Each plan's prompt measured as it runs: UBATCH_MEASURE's untimed then timed prompts of n_tokens (at most the
+    plan's context), the decode cache left out (fit weighs it after the pair). Plans with the same placement and
+    switches share one load (a fresh context each).
 
     Args:
         plans: fit_ubatch's plans (each with its pair and switches).
@@ -122,22 +123,29 @@ def measure_prompts(plans: list[Plan], model, devices, n_tokens: int, load_mode:
         n_tokens: the prompt's length.
         load_mode: how the runs keep host weights ("none": pinned, "mmap").
         env: more environment for the runs' workers (fit's env).
-        timeout: seconds one run may take.
+        timeout: seconds one load's runs may take.
         progress: a progress bar on stderr.
     Returns:
-        Each plan's prompt t/s (the median of its timed runs).
+        Each plan's prompt t/s (the median of its timed runs; 0 where its context failed).
     Raises:
-        WorkerError: when a run fails (its worker's error: ModelError, OutOfMemoryError, ...).
+        WorkerError: when a load fails (its worker's error: ModelError, OutOfMemoryError, ...).
     """
-    out = []
-    for p in tqdm(plans, desc="--ubatch auto: measuring", unit="pair", file=sys.stderr, disable=not progress,
-                  leave=False):
+    loads: dict = {}
+    for i, p in enumerate(plans):
         run = drop_cache(copy.deepcopy(p))
         n = min(n_tokens, run.n_ctx)
         job = MeasureJob(variant=run.variant, model=str(model), devices=devices, placement=run.placement(load_mode),
                          ctx=run.context_params(), switches=run.run_switches(load_mode), tests=[["pp", n]],
                          reps=UBATCH_MEASURE.reps, warmup=UBATCH_MEASURE.warmup, coverage=False)
-        out.append(n / median(run_job(job, run.variant, timeout=timeout, env=env)["tests"][0]["seconds"]))
+        loads.setdefault(job.load_key(), []).append((i, job))
+    out = [0.0] * len(plans)
+    for same in tqdm(loads.values(), desc="--ubatch auto: measuring", unit="load", file=sys.stderr,
+                     disable=not progress, leave=False):
+        job = dataclasses.replace(same[0][1], ctx_list=[{"ctx": j.ctx.to_dict(), "tests": j.tests} for _, j in same])
+        runs = run_job(job, job.variant, timeout=timeout, env=env)["runs"]
+        for (i, j), r in zip(same, runs):
+            if "tests" in r:
+                out[i] = j.tests[0][1] / median(r["tests"][0]["seconds"])
     return out
 
 
@@ -151,6 +159,8 @@ def _measured_best(best: Plan, near: list[Plan], measure: Callable, most: int) -
     if len(pick) < 2 or not best.predicted_ts:
         return best
     got = measure(pick)
+    if max(got) <= 0:   # (no context ran: the prediction decides)
+        return best
     rows = [{"n_ubatch": p.ctx["n_ubatch"], "n_batch": p.ctx["n_batch"], "layer_major": int(bool(p.layer_major)),
              "predicted_ts": p.predicted_ts, "measured_ts": ts} for p, ts in zip(pick, got)]
     won = pick[max(range(len(pick)), key=lambda i: got[i])]

@@ -855,13 +855,21 @@ def test_ubatch_auto_takes_the_fastest_measured_of_the_closest_pairs(model, fake
     assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))).ubatch_measured == p.ubatch_measured
 
 
-def test_measure_prompts_runs_a_plan_as_planned(plans, model):
+def test_measure_prompts_runs_a_plan_as_planned(plans, model, monkeypatch):
     """What -ub auto measures a close pair with: the plan's placement, pair and switches in a worker, a positive t/s
-    for each plan."""
-    from pyllama_pp.fit import measure_prompts
+    for each plan; pairs with the same placement share one load (a fresh context each)."""
+    import sys
+    fit_mod = sys.modules["pyllama_pp.fit"]
     p = plans("patched", TWO_EQUAL)
-    (ts,) = measure_prompts([p], model, TWO_EQUAL, 128, "none", timeout=120)
-    assert ts > 0
+    q = Plan.from_dict(json.loads(json.dumps(p.to_dict())))
+    q.ctx = {**q.ctx, "n_ubatch": p.ctx["n_ubatch"] // 2}
+    jobs = []
+    real = fit_mod.run_job
+    monkeypatch.setattr(fit_mod, "run_job", lambda job, *a, **kw: jobs.append(job) or real(job, *a, **kw))
+    got = fit_mod.measure_prompts([p, q], model, TWO_EQUAL, 128, "none", timeout=120)
+    assert len(got) == 2 and min(got) > 0
+    (job,) = jobs
+    assert [e["ctx"]["n_ubatch"] for e in job.ctx_list] == [p.ctx["n_ubatch"], p.ctx["n_ubatch"] // 2]
 
 
 def test_prediction_moves_the_used_experts_of_a_small_ubatch():
