@@ -351,7 +351,7 @@ class Plan:
                          "each candidate:")
             lines += ["    " + line for line in grouped_rows(self.ubatch_auto)]
         if self.ubatch_measured:
-            lines.append("  --ubatch auto measured the closest predictions (one load each) and took the fastest:")
+            lines.append("  --ubatch auto ran the closest predictions as planned and took the fastest measured:")
             mine = (self.ctx.get("n_ubatch"), self.ctx.get("n_batch"), int(bool(self.layer_major)))
             lines += [f"    {'*' if (r['n_ubatch'], r['n_batch'], r['layer_major']) == mine else ' '} n_ubatch "
                       f"{r['n_ubatch']}, n_batch {r['n_batch']}, LAYER_MAJOR={r['layer_major']}: measured "

@@ -851,7 +851,7 @@ def test_ubatch_auto_takes_the_fastest_measured_of_the_closest_pairs(model, fake
     slowest = min(ran, key=lambda r: r[1])
     assert p.ctx["n_ubatch"] == slowest[0] != alone.ctx["n_ubatch"] and p.predicted_ts == slowest[1]
     assert [(r["n_ubatch"], r["predicted_ts"]) for r in p.ubatch_measured] == ran
-    assert "measured the closest predictions" in str(p) and f"* n_ubatch {slowest[0]}," in str(p)
+    assert "ran the closest predictions as planned" in str(p) and f"* n_ubatch {slowest[0]}," in str(p)
     assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))).ubatch_measured == p.ubatch_measured
 
 
