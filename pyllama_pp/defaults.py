@@ -191,7 +191,7 @@ class UbatchMeasure:
     Attributes:
         band: a candidate predicted within this share below the best is measured.
         most: at most this many (the best included; below 2: none is measured).
-        reps: timed prompts each, after `warmup` untimed; one model load each.
+        reps: timed prompts each, after `warmup` untimed (one model load per placement).
         warmup: untimed prompts first.
     """
 
