@@ -8,16 +8,28 @@ them. Per MoE layer:
 - experts in host RAM, no slots: the host CPU computes them where they live (upstream's path): `cpu_s`;
 - experts in host RAM with S slots a layer, hit rate h: the device reads the hits from its slots and copies each miss
   over the link first: `cached_s + (1 - h) n_used x expert / link` - unless that costs more than the CPU path, where
-  the cache's guard sends the layer to the CPU (EXPERT_CACHE_MIN_HIT, set from the same costs): the smaller of the two.
+  the cache's guard sends the layer to the CPU (EXPERT_CACHE_MIN_HIT, set from the same costs): the smaller of the two;
+- the same with EXPERT_HYBRID=N: a token's m misses (binomial in n_used with 1 - h) split as the native rule splits
+  them (expert_cache_sim.link_share: the link takes ceil(100 m / (100 + N)), at least one), the host CPU computing the rest beside
+  the link: the slower of the two counts, and the CPU's share costs HYBRID_FIXED_EXPERTS experts' CPU time more (its
+  FFN's fixed part: the activations' round trip, the wait, the sum on the device).
 `cached_s` is measured with every lookup a hit (the device's compute, the routing ids read back, the slots' lookup),
 `cpu_s` at the run's thread count (the activations' round trip included), so the fixed costs a rate leaves out are in.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from .defaults import CONTEXT
+from .expert_cache_sim import link_share
+
+# the hybrid's fixed part, in experts' CPU time (cpu_s / n_used each): what makes the measured gains of one H100 (the
+# 30B-A3B shape, 16 layers, locality routing, tg128 @ d2048, paired: 1.113x [1.044, 1.182] the cache alone at 16
+# slots a layer, 1.008x [0.918, 1.098] at 32; docs/results/gpu-2026-12-07-prompts-hybrid) come out of this model
+# (1.097x, 1.015x); with none it predicts 1.30x and 1.20x
+HYBRID_FIXED_EXPERTS = 2.5
 
 
 @dataclass
@@ -72,22 +84,61 @@ class DecodeCosts:
         miss_s = miss_bytes / (link_gbps * 1e9)
         return 1.0 - (self.cpu_s - self.cached_s) / miss_s if miss_s > 0 else (0.0 if self.cached_s < self.cpu_s else 1.0)
 
-    def host_layer_s(self, hit: float, miss_bytes: float, link_gbps: float, slots: int) -> tuple[float, str]:
-        """One host-expert layer's seconds a token and the path it takes: with slots, the cached path or, where that
-        costs more, the CPU (the guard); without, the CPU.
+    def hybrid_pct(self, miss_bytes: float, link_gbps: float) -> int:
+        """EXPERT_HYBRID's value for this device: 100 x the host CPU's expert rate (a layer's experts read on the CPU
+        path, cpu_s) over the link's.
+
+        Args:
+            miss_bytes: bytes of a token's lookups at a layer (n_used experts).
+            link_gbps: the device's host link for the misses.
+        Returns:
+            N (at least 1).
+        """
+        return max(1, round(100 * miss_bytes / self.cpu_s / (link_gbps * 1e9))) if self.cpu_s > 0 else 1
+
+    def hybrid_layer_s(self, hit: float, miss_bytes: float, link_gbps: float, n_used: int, cpu_pct: int) -> float:
+        """One host-expert layer's seconds a token on the cached path with EXPERT_HYBRID=cpu_pct: over the token's
+        misses (binomial), the link's share and the CPU's (its experts and the fixed part) side by side.
+
+        Args:
+            hit: the layer's hit rate.
+            miss_bytes: bytes of a token's lookups at a layer (n_used experts).
+            link_gbps: the device's host link.
+            n_used: experts a token uses.
+            cpu_pct: EXPERT_HYBRID's value.
+        Returns:
+            seconds.
+        """
+        e_link, e_cpu = miss_bytes / n_used / (link_gbps * 1e9), self.cpu_s / n_used
+        total = 0.0
+        for m in range(1, n_used + 1):
+            k = link_share(m, cpu_pct)
+            cpu = (m - k + HYBRID_FIXED_EXPERTS) * e_cpu if m > k else 0.0
+            total += math.comb(n_used, m) * (1 - hit) ** m * hit ** (n_used - m) * max(k * e_link, cpu)
+        return self.cached_s + total
+
+    def host_layer_s(self, hit: float, miss_bytes: float, link_gbps: float, slots: int, n_used: int = 0,
+                     hybrid: int = 0) -> tuple[float, str]:
+        """One host-expert layer's seconds a token and the path it takes: with slots, the cached path (with
+        EXPERT_HYBRID=hybrid where given) or, where that costs more, the CPU (the guard); without, the CPU.
 
         Args:
             hit: the layer's hit rate with its slots.
             miss_bytes: bytes of a token's lookups at a layer (n_used experts).
             link_gbps: the device's host link.
             slots: slots a layer (0: none).
+            n_used: experts a token uses (for the hybrid's split).
+            hybrid: EXPERT_HYBRID's value (0: off).
         Returns:
-            (seconds, "cache" | "cpu").
+            (seconds, "cache" | "hybrid" | "cpu").
         """
         if slots <= 0:
             return self.cpu_s, "cpu"
-        cached = self.cached_layer_s(hit, miss_bytes, link_gbps)
-        return (cached, "cache") if cached < self.cpu_s else (self.cpu_s, "cpu")
+        if hybrid and n_used:
+            cached, path = self.hybrid_layer_s(hit, miss_bytes, link_gbps, n_used, hybrid), "hybrid"
+        else:
+            cached, path = self.cached_layer_s(hit, miss_bytes, link_gbps), "cache"
+        return (cached, path) if cached < self.cpu_s else (self.cpu_s, "cpu")
 
 
 @dataclass
@@ -101,6 +152,8 @@ class DecodeShare:
         hit: the hit rate those slots get.
         miss_bytes: bytes of a token's lookups at one layer (n_used experts).
         link_gbps: its host link for the misses.
+        n_used: experts a token uses.
+        hybrid: EXPERT_HYBRID's value (0: off).
     """
 
     resident_layers: int
@@ -109,6 +162,8 @@ class DecodeShare:
     hit: float = 0.0
     miss_bytes: float = 0.0
     link_gbps: float = 0.0
+    n_used: int = 0
+    hybrid: int = 0
 
 
 def token_seconds(costs: Sequence[DecodeCosts], shares: Sequence[DecodeShare]) -> tuple[float, list[str]]:
@@ -118,12 +173,13 @@ def token_seconds(costs: Sequence[DecodeCosts], shares: Sequence[DecodeShare]) -
         costs: per device (one entry standing for every device is repeated by the caller).
         shares: per device.
     Returns:
-        (seconds, per device "cache" | "cpu" | "" (no host-expert layer)).
+        (seconds, per device "cache" | "hybrid" | "cpu" | "" (no host-expert layer)).
     """
     total = max((c.outside_s for c in costs), default=0.0)
     paths = []
     for c, s in zip(costs, shares):
-        host, path = c.host_layer_s(s.hit, s.miss_bytes, s.link_gbps, s.slots) if s.host_layers else (0.0, "")
+        host, path = c.host_layer_s(s.hit, s.miss_bytes, s.link_gbps, s.slots, s.n_used, s.hybrid) \
+            if s.host_layers else (0.0, "")
         total += s.resident_layers * c.resident_s + s.host_layers * host
         paths.append(path)
     return total, paths

@@ -30,6 +30,7 @@ from .errors import ConfigError, OutOfMemoryError
 from .plan import MiB, Plan
 from .switches import EXPERT_CACHE as SWITCH
 from .switches import EXPERT_CACHE_MIN_HIT as GUARD_SWITCH
+from .switches import EXPERT_HYBRID as HYBRID_SWITCH
 from .switches import MAX_SLOTS as MAX_SLOTS_SWITCH
 from .switches import ExpertCache
 
@@ -226,8 +227,8 @@ def plan_cache(plan: Plan, asked: ExpertCache, layout: Layout) -> Plan:
 
 
 def drop_cache(plan: Plan) -> Plan:
-    """A plan's cache taken out again (auto's share given back to each device's target, the switch and its guard
-    dropped; the measured rates and break-even kept).
+    """A plan's cache taken out again (auto's share given back to each device's target, the switch, its guard and
+    the hybrid dropped; the measured rates and break-even kept).
 
     Args:
         plan: a patched plan, with or without a cache.
@@ -241,7 +242,7 @@ def drop_cache(plan: Plan) -> Plan:
             plan.margins[i] -= d.cache_bytes
             d.target_bytes += d.cache_bytes
         d.cache_slots = d.cache_bytes = 0
-    plan.switches = {k: v for k, v in plan.switches.items() if k not in (SWITCH, GUARD_SWITCH)}
+    plan.switches = {k: v for k, v in plan.switches.items() if k not in (SWITCH, GUARD_SWITCH, HYBRID_SWITCH)}
     plan.expert_cache = ""
     return plan
 

@@ -20,10 +20,11 @@ FLOORS = (
     (("synth",), "synthetic GGUFs"),
     (("devices.cpu", "devices.cuda", "devices.vdev", "devices.rpc"), "one module per device kind"),
     (("devices",), "the registry of kinds and the public API of device specs"),
-    (("plan", "jobs", "row", "expert_cache_sim", "decode_model"),
+    (("plan", "jobs", "row", "expert_cache_sim"),
      "a fit `Plan`; the worker contract (one dataclass per job kind, `Job.load_key`); `Row` (the result row's fields, "
-     "types and values, its JSONL/CSV writer, `frame`); expert-cache hit rates simulated on a trace; a decoded token's cost by where each layer's experts are"),
-    (("hit_curve",), "the expert cache's hit rate by its size: a trace, a synthetic model's routing, or a prior"),
+     "types and values, its JSONL/CSV writer, `frame`); expert-cache hit rates simulated on a trace"),
+    (("hit_curve", "decode_model"), "the expert cache's hit rate by its size: a trace, a synthetic model's routing, or "
+     "a prior; a decoded token's cost by where each layer's experts are (the hybrid's split as the simulator's)"),
     (("session", "servers.planning", "servers.serve", "expert_cache_plan", "overlap_plan", "layer_major_plan"),
      "`Session` over two owners, `LoadedModel` and `Context`; fit's sums for RPC servers; a server of this machine's "
      "devices; one planner per mechanism: the device expert cache, OVERLAP's early copies, LAYER_MAJOR's groups"),

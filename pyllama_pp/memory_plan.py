@@ -10,6 +10,8 @@ probe measured, the hit-rate curve, the links fit measured) and by the bytes its
 over the links (a prompt's compute does not change with where the experts live). The fastest for the workload wins;
 no cache unless a cache predicts at least GAIN_MIN less time. The chosen one is then placed for real (a dry run with
 its cache's bytes reserved before placing), and the plan keeps every alternative with its prediction and why.
+Each cached alternative is priced with its misses split between the link and the host CPU too (EXPERT_HYBRID, at
+the rates the decode probe measured), and takes the split where it predicts GAIN_MIN less decode time.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from . import devices as devspec
 from .decode_model import DecodeCosts, DecodeShare, token_seconds
 from .defaults import CONTEXT, CUDA_LINK_GBPS
 from .expert_cache_plan import Layout, drop_cache, miss_gbps, percent, plan_cache
-from .switches import EXPERT_CACHE, EXPERT_CACHE_MIN_HIT
+from .switches import EXPERT_CACHE, EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID
 from .errors import OutOfMemoryError
 from .hit_curve import HitCurve
 from .plan import MiB, Plan
@@ -51,8 +53,10 @@ class Alternative:
         prompt_extra_s: predicted prompt seconds over the workload beyond the no-cache placement's (the experts of
             layers moved to host RAM crossing the links).
         seconds: the workload's predicted seconds, less the prompt compute every alternative shares.
-        paths: per device, where its host-expert layers run ("cache", "cpu": the guard's choice; "": none).
+        paths: per device, where its host-expert layers run ("cache", "hybrid", "cpu": the guard's choice; "": none).
         fits: whether every device has room for it.
+        hybrid: EXPERT_HYBRID's value where the misses split with the host CPU predicts GAIN_MIN less decode time
+            than the cache alone (0: off).
     """
 
     name: str
@@ -66,6 +70,7 @@ class Alternative:
     seconds: float = 0.0
     paths: list = field(default_factory=list)
     fits: bool = True
+    hybrid: int = 0
 
     def to_dict(self) -> dict:
         """The alternative as the plan's JSON holds it."""
@@ -79,7 +84,8 @@ class Alternative:
         if not self.fits:
             return what + ": no room"
         pred = [f"decode {self.decode_ts:.1f} t/s" + (f" (host layers on the {'/'.join(p for p in self.paths if p)})"
-                                                      if any(self.paths) else "")]
+                                                      if any(self.paths) else "")
+                + (f", {EXPERT_HYBRID}={self.hybrid}" if self.hybrid else "")]
         if workload.prompt_tokens and self.prompt_extra_s:
             pred.append(f"prompts +{self.prompt_extra_s:.3f} s")
         return f"{what}: {', '.join(pred)}; {workload.name or 'workload'} {self.seconds:.2f} s"
@@ -161,6 +167,10 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
     links = _links(plan, load_mode)
     per = [costs.get(i) or costs[-1] for i in range(len(devs))]
     miss_bytes = layout.n_used * layout.slot_bytes
+    # EXPERT_HYBRID's one value (the first device's rates) where a device's own CPU can take misses: not on RPC
+    # servers (their cache runs alone)
+    remote = devspec.parse(plan.devices_spec.get("text") or plan.devices_spec).remote
+    hybrid = 0 if remote or not layout.n_used else per[0].hybrid_pct(miss_bytes, links[0])
 
     def priced(name: str, slots: int, moved: list) -> Alternative:
         host = [h + k for h, k in zip(host0, moved)]
@@ -168,11 +178,16 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
         cbytes = [layout.bytes_of(slots, h) for h in host]
         fits = all(c <= r + k * layer_bytes for c, r, k in zip(cbytes, room, moved))
         hit = curve.at(slots / layout.n_expert) if slots else 0.0
-        shares = [DecodeShare(r, h, slots, hit, miss_bytes, ln) for r, h, ln in zip(resident, host, links)]
-        tok, paths = token_seconds(per, shares)
+        tok, paths, n = None, [], 0
+        for value in ((0, hybrid) if slots and hybrid else (0,)):
+            t, p = token_seconds(per, [DecodeShare(r, h, slots, hit, miss_bytes, ln, layout.n_used, value)
+                                       for r, h, ln in zip(resident, host, links)])
+            if tok is None or t < tok * (1 - GAIN_MIN):
+                tok, paths, n = t, p, value
         extra = _prompt_extra(workload, moved, layer_bytes, links, plan, layout.n_used, layout.n_expert)
         return Alternative(name, slots, resident, host, cbytes, round(hit, 4), round(1.0 / tok, 2) if tok else 0.0,
-                           round(extra, 4), round(extra + workload.decode_tokens * tok, 4), paths, fits)
+                           round(extra, 4), round(extra + workload.decode_tokens * tok, 4), paths, fits,
+                           n if "hybrid" in paths else 0)
 
     def moved_for(slots: int) -> Optional[list]:
         """Per device, the fewest layers to move to host RAM for `slots` slots in each host-expert layer."""
@@ -228,7 +243,7 @@ def _placed(plan: Plan, a: Alternative, none: Alternative, layout: Layout, costs
         return out, why
     tok, _ = token_seconds([costs.get(i) or costs[-1] for i in range(len(out.devices))],
                            [DecodeShare(r, d.host_expert_layers, slots, curve.at(slots / layout.n_expert),
-                                        layout.n_used * layout.slot_bytes, ln)
+                                        layout.n_used * layout.slot_bytes, ln, layout.n_used, a.hybrid)
                             for r, d, ln in zip(_resident(out, n_dense), out.devices, _links(out, load_mode))])
     seconds = workload.decode_tokens * tok + a.prompt_extra_s
     placed = (f"; fit placed host-expert layers {'/'.join(map(str, out.host_expert_layers))} with {slots} slots a "
@@ -269,6 +284,8 @@ def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve
     if out.switches.get(EXPERT_CACHE):
         out.cache_guard = {**out.cache_guard, **cost_guard(out, layout, costs)}
         out.switches[EXPERT_CACHE_MIN_HIT] = out.cache_guard["min_hit"]["none"]
+        if a.hybrid:
+            out.switches[EXPERT_HYBRID] = a.hybrid
     out.memory_plan = {"workload": {"name": workload.name, "steps": workload.as_list()}, "curve": curve.to_dict(),
                        "load_mode": load_mode, "costs": {str(i): c.to_dict() for i, c in costs.items()},
                        "alternatives": [x.to_dict() for x in alts], "chosen": pick, "why": why,

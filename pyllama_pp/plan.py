@@ -24,6 +24,7 @@ GiB = 1024**3
 MiB = 1024**2
 from .switches import EXPERT_CACHE as CACHE_SWITCH
 from .switches import EXPERT_CACHE_MIN_HIT as CACHE_MIN_HIT_SWITCH
+from .switches import EXPERT_HYBRID as HYBRID_SWITCH
 from .switches import ExpertCache
 _EXPERT_NAMES = ("ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_exps.weight")
 _DENSE_FFN_NAMES = ("ffn_gate_inp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", "ffn_gate_shexp.weight")
@@ -226,8 +227,10 @@ class Plan:
                         for d in self.devices if d.host_expert_layers)
         where = (f"{per}; kept free on each device beside its layers (fit's target lowered by as much)" if per else
                  "no device has host-expert layers (every expert is on its device): nothing to cache")
+        hybrid = self.switches.get(HYBRID_SWITCH)
         return (f"expert cache {form}{asked} ({CACHE_SWITCH}, one value for every device): {where}"
-                + self._guard_text())
+                + (f"; a token's misses split between the link and the host CPU ({HYBRID_SWITCH}={hybrid}: the CPU's "
+                   f"expert rate {hybrid}% of the link's)" if hybrid else "") + self._guard_text())
 
     def _guard_text(self) -> str:
         g = self.cache_guard

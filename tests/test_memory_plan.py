@@ -250,3 +250,50 @@ def test_a_bad_trace_is_refused_before_any_run(model, tmp_path, no_worker):
         with pytest.raises(ConfigError, match=words) as e:
             fit_module.fit(model, devices=SPEC, ctx=CTX, trace=path)
         assert "Fix:" in str(e.value)
+
+
+def test_the_hybrid_is_priced_and_taken_where_it_gains():
+    """EXPERT_HYBRID in fit's model: no misses (every hit) costs the slots alone; with the rates of one H100 (the
+    30B-A3B shape, 16 MoE layers) the split predicts the gain measured at 16 slots a layer (1.113x the cache alone,
+    paired) within its interval and none worth the switch at 32 (1.008x), as measured; the split's value is the CPU's
+    rate over the link's."""
+    h100 = DecodeCosts("h100", outside_s=0.185e-3, resident_s=0.068e-3, cpu_s=0.508e-3, cached_s=0.087e-3)
+    miss, link = 8 * 5.0e6, 53.3
+    n = h100.hybrid_pct(miss, link)
+    assert n == round(100 * (miss / h100.cpu_s) / (link * 1e9))
+    assert h100.hybrid_layer_s(1.0, miss, link, 8, n) == pytest.approx(h100.cached_s)
+    gains = {}
+    for hit, token_s in ((0.667, 7.0e-3), (0.80, 5.04e-3)):   # (the cache alone's measured token at that hit rate)
+        saved = h100.cached_layer_s(hit, miss, link) - h100.hybrid_layer_s(hit, miss, link, 8, n)
+        gains[hit] = token_s / (token_s - 16 * saved)
+    assert 1.044 <= gains[0.667] <= 1.182 and gains[0.80] < 1 + GAIN_MIN
+    t, paths = token_seconds([h100], [DecodeShare(0, 16, 16, 0.667, miss, link, 8, n)])
+    assert paths == ["hybrid"] and t < token_seconds([h100], [DecodeShare(0, 16, 16, 0.667, miss, link, 8)])[0]
+
+
+def test_a_plan_splits_the_misses_where_the_hybrid_gains(tmp_path_factory):
+    """GPU-like costs, eight experts a token and a link at which a token's misses cost 1.5 times the CPU path's
+    layer (the host CPU reads experts 1.5 times as fast as the link moves them, as on one H100): 8 slots a layer
+    (67% hits) take EXPERT_HYBRID, 16 (81%) do not (it predicts less than GAIN_MIN there, as measured at 25% on the
+    H100); where the 8 slots are chosen the plan sets the switch and says so. With a link as fast as the CPU no
+    alternative takes it; on a device no faster than the CPU: no cache, no hybrid."""
+    model = str(synth.cached_model(tmp_path_factory.mktemp("used8"), "tiny", seed=1, n_layer=12, routing="locality",
+                                   n_expert_used=8))
+
+    def planned(spec: str, miss_over_cpu: float, costs=GPU_LIKE) -> Plan:
+        base = place(model, devices=spec, ctx=CTX, timeout=120, expert_cache="auto")
+        layout = layout_of(model, base.n_expert)
+        assert layout.n_used == 8
+        return plan_memory(_with_link(base, layout, costs, miss_over_cpu), layout, {-1: costs}, LOCALITY, CHAT,
+                           lambda mib: place(model, devices=spec, ctx=CTX, timeout=120, expert_cache=f"{mib}MiB"))
+    roomy = {a["slots"]: a for a in planned("vdev:1x14MiB@4GBps", 1.5).memory_plan["alternatives"]}
+    assert roomy[8]["hybrid"] == 150 and roomy[8]["paths"] == ["hybrid"]
+    assert roomy[16]["hybrid"] == 0 and roomy[16]["paths"] == ["cache"]
+    plan = planned("vdev:1x12MiB@4GBps", 1.5)
+    chosen = plan.memory_plan["alternatives"][plan.memory_plan["chosen"]]
+    assert chosen["slots"] == 8 and plan.switches["EXPERT_HYBRID"] == chosen["hybrid"] == 150
+    assert "EXPERT_HYBRID=150" in str(plan)
+    fast = planned("vdev:1x12MiB@4GBps", 0.4)
+    assert not any(a["hybrid"] for a in fast.memory_plan["alternatives"]) and "EXPERT_HYBRID" not in fast.switches
+    none = planned("vdev:1x12MiB@4GBps", 1.5, CPU_LIKE)
+    assert "EXPERT_HYBRID" not in none.switches and "EXPERT_CACHE" not in none.switches
