@@ -2,20 +2,19 @@
 # Call E (device run, carry [".upstream", ".whl", ".cuda"]): prompts pp16384 with the defaults on a 16-layer model of
 # the 30B-A3B shape (locality routing), ~4 GiB of the GPU for it: `-ub auto` now runs the pairs it predicts close
 # to the best and takes the fastest measured; beside it the hand-set LAYER_MAJOR=1 pairs and upstream with its own fit.
-# Then, time left, the decode probe (fit, pinned) and the CPU path of the full model at depth 0 and 2048 (what the
-# probe's replicas at depth 0 stand for).
+# Then decode tg128 @ d2048 with the defaults (each variant its own fit: the patched planner weighs the cache, and
+# the hybrid, against resident layers), paired over two loads.
 N_LAYER=16 MODEL=q16-loc SPARE_GIB=4 source docs/results/defaults-gpu-2026-12-07/common.sh
 mkdir -p /tmp/E
 one() {  # NAME ARGS...: one pyllama-pp command, its table's last lines
   local name=$1; shift; [ $(left) -lt 60 ] && { echo "== $name skipped: $(left) s left"; return; }
   echo "== $name ($(left) s left)"
   timeout $(( $(left) - 20 )) /tmp/pp "$@" -o /tmp/E/$name > /tmp/E/$name.txt 2>&1
-  grep -E "layer major|measured|memory:|^    [ *] n_ubatch|^patched|^baseline|rror" /tmp/E/$name.txt | cut -c1-220 | tail -8
+  grep -E "layer major|measured|memory:|^    [ *] n_ubatch|^\| |^patched|^baseline|rror" /tmp/E/$name.txt | cut -c1-260 | tail -8
 }
 one default-pp16384   run $M --devices cuda:0 --margin $MARGIN -p 16384 -n 0 -r 2 -ub auto
 one lm1-pp16384       run $M --devices cuda:0 --fit --margin $MARGIN -p 16384 -n 0 -r 2 -b 16384 -ub 1024,2048 --switch LAYER_MAJOR=1
 one upstream-pp16384  run $M --devices cuda:0 --variant baseline --fit --margin $MARGIN -p 16384 -n 0 -r 2 -b 16384 -ub 8192
-one plan-decode       fit $M --devices cuda:0 --margin $MARGIN -c 4096 --workload decode
-one cpu-depth         run $M --devices cuda:0 --expert-cache 0 -p 0 -n 32 -d 0,2048 -r 3
+one decode-default    ab $M --devices cuda:0 --fit each --margin $MARGIN -p 0 -n 128 -d 2048 --paired 4 --loads 2
 cp -r /tmp/pp_cache/compute /tmp/E/probe 2>/dev/null; rm -f /tmp/E/probe/*.gguf
 tar czf $OUT/E.tgz -C /tmp E; ls -la $OUT; echo "call: $(( $(date +%s) - t0 )) s"

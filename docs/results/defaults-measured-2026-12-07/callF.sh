@@ -15,7 +15,7 @@ one() {  # NAME ARGS...: one pyllama-pp command, its table's last lines
 }
 one mmap-default  ab $M --devices cuda:0 --fit each --margin $MARGIN --load-mode mmap -p 0 -n 128 -d 2048 --paired 6 --loads 2
 one mmap-16slots  ab $M --devices cuda:0 --load-mode mmap --expert-cache 16slots -p 0 -n 128 -d 2048 --paired 6 --loads 2
-one uni-default   ab $U --devices cuda:0 --fit each --margin $MARGIN -p 0 -n 128 -d 2048 --paired 6 --loads 2
-one uni-16slots   ab $U --devices cuda:0 --expert-cache 16slots -p 0 -n 128 -d 2048 --paired 6 --loads 2
-one mmap-lm1      run $M --devices cuda:0 --load-mode mmap -p 16384 -n 0 -r 2 -b 16384 -ub 4096 --switch LAYER_MAJOR=1
+
+
+
 tar czf $OUT/F.tgz -C /tmp F; ls -la $OUT; echo "call: $(( $(date +%s) - t0 )) s"
