@@ -4,7 +4,7 @@
 # fit: the patched planner prices misses staged through pinned slots) and with 16 slots a layer (12.5%) against
 # upstream's CPU path.
 N_LAYER=16 MODEL=q16-loc SPARE_GIB=4 source docs/results/defaults-gpu-2026-12-07/common.sh
-U=/tmp/pp_models/q16-uni.gguf; mkdir -p /tmp/F
+mkdir -p /tmp/F
 [ -f $U ] || pp synth $U --preset qwen3-30b-a3b --n-layer 16 --routing uniform | tail -1
 one() {  # NAME ARGS...: one pyllama-pp command, its table's last lines
   local name=$1; shift; [ $(left) -lt 70 ] && { echo "== $name skipped: $(left) s left"; return; }
