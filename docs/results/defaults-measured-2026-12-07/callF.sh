@@ -5,7 +5,6 @@
 # upstream's CPU path.
 N_LAYER=16 MODEL=q16-loc SPARE_GIB=4 source docs/results/defaults-gpu-2026-12-07/common.sh
 mkdir -p /tmp/F
-[ -f $U ] || pp synth $U --preset qwen3-30b-a3b --n-layer 16 --routing uniform | tail -1
 one() {  # NAME ARGS...: one pyllama-pp command, its table's last lines
   local name=$1; shift; [ $(left) -lt 70 ] && { echo "== $name skipped: $(left) s left"; return; }
   echo "== $name ($(left) s left)"
@@ -14,5 +13,4 @@ one() {  # NAME ARGS...: one pyllama-pp command, its table's last lines
 }
 one mmap-default  ab $M --devices cuda:0 --fit each --margin $MARGIN --load-mode mmap -p 0 -n 128 -d 2048 --paired 4 --loads 2
 one mmap-16slots  ab $M --devices cuda:0 --load-mode mmap --expert-cache 16slots -p 0 -n 128 -d 2048 --paired 4 --loads 2
-
 tar czf $OUT/F.tgz -C /tmp F; ls -la $OUT; echo "call: $(( $(date +%s) - t0 )) s"
