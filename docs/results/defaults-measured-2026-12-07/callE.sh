@@ -5,13 +5,7 @@
 # Then decode tg128 @ d2048 with the defaults (each variant its own fit: the patched planner weighs the cache, and
 # the hybrid, against resident layers), paired over two loads.
 N_LAYER=16 MODEL=q16-loc SPARE_GIB=4 source docs/results/defaults-gpu-2026-12-07/common.sh
-mkdir -p /tmp/E
-one() {  # NAME ARGS...: one pyllama-pp command, its table's last lines
-  local name=$1; shift; [ $(left) -lt 60 ] && { echo "== $name skipped: $(left) s left"; return; }
-  echo "== $name ($(left) s left)"
-  timeout $(( $(left) - 20 )) /tmp/pp "$@" -o /tmp/E/$name > /tmp/E/$name.txt 2>&1
-  grep -E "layer major|measured|memory:|^    [ *] n_ubatch|^\| |^patched|^baseline|rror" /tmp/E/$name.txt | cut -c1-260 | tail -8
-}
+D=/tmp/E SHOW='layer major|measured|memory:|^    [ *] n_ubatch|^\| |^patched|^baseline|rror'; mkdir -p $D
 one default-pp16384   run $M --devices cuda:0 --margin $MARGIN -p 16384 -n 0 -r 2 -ub auto
 one lm1-pp16384       run $M --devices cuda:0 --fit --margin $MARGIN -p 16384 -n 0 -r 2 -b 16384 -ub 1024,2048 --switch LAYER_MAJOR=1
 one upstream-pp16384  run $M --devices cuda:0 --variant baseline --fit --margin $MARGIN -p 16384 -n 0 -r 2 -b 16384 -ub 8192

@@ -3,14 +3,9 @@
 # the 16-layer model, ~2 GiB of each half for it (the margin is per device): the defaults against upstream's own fit
 # and the hand-set alternatives, decode tg128 @ d2048 and prompts pp16384.
 N_LAYER=16 MODEL=q16-loc SPARE_GIB=4 source docs/results/defaults-gpu-2026-12-07/common.sh
+D=/tmp/G SHOW='memory:|layer major|^    \*|^    [ *] n_ubatch|^\| |^patched|^baseline|rror'; mkdir -p $D
 export GGML_CUDA_DEVICES=2 CUDA_VISIBLE_DEVICES=0
-MS=$(( TOT / 2048 - 2 ))GiB; mkdir -p /tmp/G; echo "split margin $MS a device"
-one() {  # NAME ARGS...: one pyllama-pp command, its table's last lines
-  local name=$1; shift; [ $(left) -lt 60 ] && { echo "== $name skipped: $(left) s left"; return; }
-  echo "== $name ($(left) s left)"
-  timeout $(( $(left) - 20 )) /tmp/pp "$@" -o /tmp/G/$name > /tmp/G/$name.txt 2>&1
-  grep -E "memory:|layer major|^    \*|^    [ *] n_ubatch|^\| |^patched|^baseline|rror" /tmp/G/$name.txt | cut -c1-240 | tail -8
-}
+MS=$(( TOT / 2048 - 2 ))GiB; echo "split margin $MS a device"
 one dec-default   ab $M --devices cuda --fit each --margin $MS -p 0 -n 128 -d 2048 -r 3
 for s in 16slots 32slots; do
   one dec-$s      run $M --devices cuda --fit --margin $MS -p 0 -n 128 -d 2048 -r 3 --expert-cache $s
