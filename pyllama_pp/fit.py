@@ -179,8 +179,8 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
         model, devices, ctx, variant, **kw: as pyllama_pp.planner.fit_ubatch takes them (n_tokens, n_batch, margin,
             switches, load_mode, count_compute, progress, ...).
         workload, trace: as fit takes them.
-        measure: how many of the closest predictions to run (0 or 1: the prediction alone decides; nothing is
-            measured where compute is not counted).
+        measure: how many of the closest predictions to run, at most UBATCH_MEASURE.most (0 or 1: the prediction
+            alone decides; nothing is measured where compute is not counted).
     Returns:
         Plan: the chosen pair's plan; ubatch_measured holds what was measured.
     Raises:
@@ -189,14 +189,16 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
     kw.setdefault("probe", Probe)
     curve = HitCurve.for_model(model, trace) if trace is not None else trace   # (a bad trace: an error before any run)
     given = dict(kw.pop("switches", None) or {})
+    measuring = measure >= 2 and kw.get("count_compute", True) and kw["probe"] is not None
     near: list[Plan] = []
-    plan = planner.fit_ubatch(model, devices, ctx, variant, switches=given, contenders=near, **kw)
+    contenders = near if measuring else None   # (each made final costs a dry run: only those to be measured)
+    plan = planner.fit_ubatch(model, devices, ctx, variant, switches=given, contenders=contenders, **kw)
     if variant == "patched" and switches.LAYER_MAJOR not in {**switches.set_in(kw.get("env")), **given} and \
             any(plan.host_expert_layers):
         # (-ub auto weighs LAYER_MAJOR too: the pair predicted fastest with its groups against the one without)
         try:
             lm = planner.fit_ubatch(model, devices, ctx, variant, switches={**given, switches.LAYER_MAJOR: 1},
-                                    contenders=near, **kw)
+                                    contenders=contenders, **kw)
         except OutOfMemoryError:
             lm = None
         if lm is not None:
@@ -205,7 +207,7 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
             first, other = (lm, plan) if (lm.predicted_ts or 0) > (plan.predicted_ts or 0) else (plan, lm)
             plan, near = first, near + [other]
     load_mode = kw.get("load_mode", CONTEXT.load_mode)
-    if kw.get("count_compute", True) and kw["probe"] is not None:
+    if measuring:
         plan = _measured_best(plan, near, functools.partial(
             measure_prompts, model=model, devices=devices, n_tokens=kw.get("n_tokens") or plan.n_ctx,
             load_mode=load_mode, env=kw.get("env"), timeout=kw.get("timeout") or FIT.timeout,

@@ -106,8 +106,9 @@ def fit_ubatch(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, va
         skip: leave out, unprobed, a candidate even its best case shows slower than the best so far (False: predict
             every candidate with a placement, as a bench that measures them all needs).
         progress: say what it plans and probes, with progress bars on stderr.
-        contenders: a list to add the other candidates predicted within UBATCH_MEASURE.band of the winner to, made
-            final as the winner is (the facade measures the closest: pyllama_pp.fit.fit_ubatch).
+        contenders: a list to add the other candidates predicted within UBATCH_MEASURE.band of the winner to (the
+            closest, at most UBATCH_MEASURE.most - 1), made final as the winner is (the facade measures them:
+            pyllama_pp.fit.fit_ubatch); None: none is made final.
         **kw: more of fit's arguments (margin, split_mode, env, timeout, spread, expert_cache, ...); check is ignored (a
             candidate that fails the check is out).
     Returns:
@@ -283,12 +284,13 @@ class _Search:
         return rows, best
 
     def near(self, best: Plan) -> list[Plan]:
-        """The other candidates predicted within UBATCH_MEASURE.band of `best`, the closest first."""
+        """The other candidates predicted within UBATCH_MEASURE.band of `best`, the closest first, as many as the
+        facade measures beside it (a candidate made final costs a dry run with LAYER_MAJOR)."""
         if not best.predicted_ts:
             return []
         bar = (1 - UBATCH_MEASURE.band) * best.predicted_ts
         return sorted((p for p in self.predicted if p is not best and p.predicted_ts >= bar),
-                      key=lambda p: -p.predicted_ts)
+                      key=lambda p: -p.predicted_ts)[:max(0, UBATCH_MEASURE.most - 1)]
 
     def finish(self, best: Plan, rows: list) -> Plan:
         """The winner as it runs: with LAYER_MAJOR its memory at the n_batch it runs with and its group's bytes;

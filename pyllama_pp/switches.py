@@ -222,4 +222,4 @@ def shown(name: str, value) -> str:
 
 __all__ = ["PREFIX", "var", "in_env", "set_in", "in_force", "off_defaults", "of_run", "to_env", "parse_given",
            "ExpertCache", "take_expert_cache", "shown", "OVERLAP", "UPLOAD_ALL", "UPLOAD_ALL_MIN", "UPLOAD_ALL_MIN_COV",
-           "LINKS", "RPC_HOST", "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT", "LAYER_MAJOR"]
+           "LINKS", "RPC_HOST", "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT", "EXPERT_HYBRID", "LAYER_MAJOR"]
