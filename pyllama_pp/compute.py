@@ -11,7 +11,8 @@ A layer's time over a prompt of P tokens in ubatches of u is P a(u) + b K(P, u):
 ubatch (the matrix products, the experts a ubatch uses) and attention's, b seconds per key a query reads, K(P, u) the
 keys in all (`key_count`). Each candidate runs the prompt itself where that fits the time budget (PROBE.budget,
 pyllama_pp.defaults); else a short prompt (one ubatch, at least PROBE.n_tokens) whose result b carries to the prompt's
-length (b: calibrated once, the shorter replica at two lengths); a candidate whose short prompt does not fit the
+length (b: calibrated once, a layer's time - the replicas' difference, free of any fixed cost a prompt has - at one
+n_ubatch on two lengths, the second CALIBRATION_SPAN times the first); a candidate whose short prompt does not fit the
 budget either takes the per-token part of the nearest candidate measured ("estimated"). Each measurement is cached as
 it lands, per model (by content: a copy elsewhere is the same model), device spec and replica
 (PYLLAMA_PP_CACHE/compute/), and serves later probes of any length.
@@ -46,8 +47,11 @@ from .worker.client import ServingWorker
 # stay in a CPU's cache from ubatch to ubatch where a model's many layers' do not (one layer alone runs well below
 # the per-layer time of two or more)
 REPLICA_LAYERS = (2, 10)
-# attention's calibration: the shorter replica on the short prompt and on this many times its length
-CALIBRATION_SPAN = 4
+# attention's calibration: both replicas at one n_ubatch (PROBE.n_tokens where the candidates reach it) on the short
+# prompt and on this many times its length (up to the prompt's): on a GPU attention is a few percent of a layer at a
+# few thousand tokens, so the span must be long for its part to stand above the noise (at 512 and 2048 tokens of
+# ubatches of 64 the H100's fit solved to b < 0 and predicted a prompt of 16384 tokens carried from 1024 20% fast)
+CALIBRATION_SPAN = 16
 
 
 def cache_dir() -> Path:
@@ -173,7 +177,7 @@ class _Device:
         key = hashlib.sha1(json.dumps([model_key(model), spec, os.environ.get("GGML_CUDA_DEVICES", ""), variant,
                                        self.n_lo, self.n_hi]).encode()).hexdigest()[:16]
         self.path = cache_dir() / f"compute-{key}.json"
-        self.data = {"device": spec, "runs": {}, "calibration": {}}
+        self.data = {"device": spec, "runs": {}}
         if cache and self.path.exists():
             self.data = json.loads(self.path.read_text())
         self.workers: dict[int, ServingWorker] = {}
@@ -210,31 +214,34 @@ class _Device:
         return self.data["runs"][key]
 
     def calibrate(self, n_ubatch: int, lengths: Sequence[int]) -> None:
-        """Attention's part b from the shorter replica at two prompt lengths: its seconds are P x + n_lo b K(P, u)."""
-        pts = []
-        for n in lengths:
-            key = f"{n_ubatch}:{n}"
-            if key not in self.data["calibration"]:
-                self.data["calibration"][key] = self._seconds(self.n_lo, n_ubatch, n)
-                self._save()
-            pts.append((n, key_count(n, n_ubatch), self.data["calibration"][key]))
-        (p1, k1, t1), (p2, k2, t2) = pts[0], pts[-1]
+        """Attention's part b from one layer's time (the replicas' difference: a fixed cost of the prompt's, outside
+        the layers, cancels) at n_ubatch on two prompt lengths: a layer takes P a + b K(P, u); both runs are kept as
+        measurements too.
+
+        Args:
+            n_ubatch: the n_ubatch of both runs.
+            lengths: the two prompt lengths (the first and the last count).
+        """
+        (p1, p2) = lengths[0], lengths[-1]
+        for n in (p1, p2):
+            self.run(n_ubatch, n)
+        self.data["attention"] = [n_ubatch, p1, p2]
+        self._save()
+        (l1, _), (l2, _) = self._split(n_ubatch, p1), self._split(n_ubatch, p2)
+        k1, k2 = key_count(p1, n_ubatch), key_count(p2, n_ubatch)
         det = p1 * k2 - p2 * k1
-        b = max((p1 * t2 - p2 * t1) / det / self.n_lo, 0.0) if det else 0.0
-        self.kv = (max(t1 - self.n_lo * b * k1, 0.0) / (p1 * self.n_lo), b)
+        b = max((p1 * l2 - p2 * l1) / det, 0.0) if det else 0.0
+        lo = self.data["runs"][f"{n_ubatch}:{p2}"][0]   # (the shorter replica's seconds a token: what a run costs)
+        self.kv = (max(lo - self.n_lo * b * k2, 0.0) / (p2 * self.n_lo), b)
 
     def calibrated(self) -> bool:
-        """Whether attention's calibration is in the cache (any)."""
-        return bool(self.data["calibration"])
+        """Whether attention's calibration is in the cache."""
+        return "attention" in self.data
 
     def load_calibration(self) -> None:
-        """Attention's part from the cached calibration (its first two lengths at one n_ubatch)."""
-        by_ub: dict = {}
-        for key in self.data["calibration"]:
-            u, n = map(int, key.split(":"))
-            by_ub.setdefault(u, []).append(n)
-        u, lengths = min(by_ub.items())
-        self.calibrate(u, sorted(lengths)[:1] + sorted(lengths)[-1:])
+        """Attention's part from the cached calibration."""
+        u, p1, p2 = self.data["attention"]
+        self.calibrate(u, (p1, p2))
 
     # -- what a layer costs
     def _split(self, n_ubatch: int, n_tokens: int) -> tuple[float, float]:
@@ -358,18 +365,22 @@ class Probe:
         about to do (or that the cache answers it)."""
         self.started = True
         todo = [u for u in self.pending if any(d.layer(u, self.n_tokens) is None for d in self.devices)]
-        if not todo:
-            self._say(f"compute probe: every candidate cached in {self.devices[0].path.parent} (no run)")
-            for d in self.devices:
-                if d.calibrated():
-                    d.load_calibration()
-            return
-        t0 = time.perf_counter()
-        longer = min(self.n_tokens, CALIBRATION_SPAN * self.short)
+        asked = self.pending or [self.short]
+        u = min(max(self.short, min(asked)), max(asked))   # (PROBE.n_tokens, within the candidates)
+        short = max(u, self.short)
+        longer = min(self.n_tokens, CALIBRATION_SPAN * short)
+        t0, runs = time.perf_counter(), sum(len(d.data["runs"]) for d in self.devices)
         for d in self.devices:
-            if longer > self.short:
-                d.calibrate(min(self.pending), (self.short, longer))
+            if d.calibrated():
+                d.load_calibration()
+            elif longer > short:
+                d.calibrate(u, (short, longer))
         self.spent += time.perf_counter() - t0
+        if not todo:
+            ran = sum(len(d.data["runs"]) for d in self.devices) > runs
+            self._say(f"compute probe: every candidate cached in {self.devices[0].path.parent}"
+                      f"{f' (attention calibrated: {self.spent:.0f} s)' if ran else ' (no run)'}")
+            return
         est, pending = self.spent, len(self.pending)
         for i, u in enumerate(todo):   # (as compute() will choose, candidate by candidate, the budget shrinking)
             est += self._plan(u, est, pending, measured=i > 0)[1]

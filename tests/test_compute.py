@@ -40,14 +40,22 @@ def test_a_short_measurement_is_carried_to_the_prompt(tiny_model):
 
 
 def test_attentions_calibration_recovers_its_part(tiny_model):
-    """The shorter replica at two lengths is P x + n_lo b K(P, u): b comes back exactly."""
+    """A layer's time (the replicas' difference) at two lengths is P a + b K(P, u): b comes back exactly, also where
+    each prompt has a fixed cost outside the layers (which the shorter replica's time alone would take for a part
+    of the per-token cost, and solve to the wrong b)."""
     d = _device(tiny_model)
-    x, b = 3e-4, 5e-9
-    for n in (512, 2048):
-        d.data["calibration"][f"64:{n}"] = n * x + d.n_lo * b * key_count(n, 64)
-    d.calibrate(64, (512, 2048))
-    assert d.kv[1] == pytest.approx(b) and d.kv[0] == pytest.approx(x / d.n_lo)
-    assert d.cost(64, 512) == pytest.approx(4 * (d.n_lo + d.n_hi) * (512 * x / d.n_lo + b * key_count(512, 64)))
+    a, b, fixed = 3e-4, 5e-9, 0.02
+    for n in (512, 8192):
+        layer = n * a + b * key_count(n, 512)
+        d.data["runs"][f"512:{n}"] = [fixed + d.n_lo * layer, fixed + d.n_hi * layer]
+    d.calibrate(512, (512, 8192))
+    assert d.kv[1] == pytest.approx(b) and d.calibrated() and d.data["attention"] == [512, 512, 8192]
+    x = (fixed + d.n_lo * 8192 * a) / (8192 * d.n_lo)   # (what a run costs a layer-token, the fixed part in it)
+    assert d.kv[0] == pytest.approx(x)
+    assert d.cost(512, 512) == pytest.approx(4 * (d.n_lo + d.n_hi) * (512 * x + b * key_count(512, 512)))
+    d.kv = None
+    d.load_calibration()                                 # (from the cache: the same runs, no new one)
+    assert d.kv[1] == pytest.approx(b)
 
 
 def test_the_budget_chooses_the_prompt_a_short_one_or_an_estimate(tiny_model):
