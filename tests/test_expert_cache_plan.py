@@ -143,6 +143,21 @@ def test_auto_on_unequal_devices_gives_each_its_own_slots(model, tmp_path):
     assert [got[d.name] for d in pa.devices] == [d.cache_slots for d in pa.devices]
 
 
+def test_run_plan_replays_a_per_device_cache(model, capsys, tmp_path):
+    """run --plan with a plan whose cache is a list: the run sets the plan's list (its rows' switches in
+    --expert-cache's form), each device reads its own slots, and the rows give each device's hit rate."""
+    path = tmp_path / "plan.json"
+    assert cli.main(["fit", model, "--devices", UNEQUAL, "-c", "512", "-b", "512", "-ub", "128", "--expert-cache",
+                     "6slots,2slots", "-o", str(path)]) == 0
+    capsys.readouterr()
+    assert Plan.load(str(path)).switches["EXPERT_CACHE"] == "-6,-2"
+    assert cli.main(["run", model, "--plan", str(path), "-p", "0", "-n", "16", "-r", "1", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["switches"]["EXPERT_CACHE"] == "-6,-2", row["switches"]
+    rates = row["expert_cache_hit_rate_per_device"]
+    assert len(rates) == 2 and all(r is not None and 0 <= r <= 1 for r in rates), rates
+
+
 def test_a_list_asks_each_device_its_own(plans):
     """--expert-cache 3slots,5slots: each device's slots as given, each share in its own margin; the switch -3,-5."""
     p0, pl = plans(0), plans("3slots,5slots")
