@@ -285,8 +285,8 @@ void ggml_backend_sched_pp_cache_devices(ggml_backend_sched_t sched, ggml_backen
         auto send = reg != nullptr ? (bool (*)(ggml_backend_dev_t, const char *, int64_t))
             ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_pp_device_switch") : nullptr;
         if (send != nullptr && !send(dev, "EXPERT_CACHE", sched->pp_cfg.expert_cache_dev[b])) {
-            GGML_LOG_WARN("%s: the server of %s takes no per-device EXPERT_CACHE (an older one): its device keeps the "
-                          "value of every device\n", __func__, ggml_backend_dev_name(dev));
+            GGML_LOG_WARN("%s: the server of %s takes no per-device EXPERT_CACHE (an older one): its device caches "
+                          "nothing\n", __func__, ggml_backend_dev_name(dev));
         }
     }
 }
