@@ -369,8 +369,8 @@ EXPERT_CACHE_HELP = ("the patched build's device expert cache for decode (EXPERT
                      "workload, and may move layers to host RAM for slots; the plan lists what it weighed), a size a "
                      "device such as 512MiB or 2GiB (reserved before fit places the layers), slots a layer such as "
                      "16slots, or 0 (none); or one per device for devices that differ, in the device spec's order: "
-                     "a comma list of sizes, slots and 0s such as 16slots,32slots or 1GiB,512MiB (EXPERT_CACHE=-16,-32"
-                     "). The plan shows each device's share; auto gives unequal devices their own slots")
+                     "a comma list of sizes, slots and 0s such as 16slots,32slots or 1GiB,512MiB. The plan shows "
+                     "each device's share; auto gives unequal devices their own slots")
 
 
 def _margins_text() -> str:
