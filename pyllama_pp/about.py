@@ -17,7 +17,7 @@ def accepted_values(sw: dict) -> str:
         return ", ".join(str(v) for v in sw["values"])
     if sw.get("type") == "bool":
         return "0/1"
-    return f"{sw['min']}..{sw['max']}"
+    return f"{sw['min']}..{sw['max']}" + (", or a comma list of those, one per device" if sw.get("type") == "ints" else "")
 
 
 def switches_markdown(switches: list[dict]) -> str:

@@ -368,8 +368,9 @@ EXPERT_CACHE_HELP = ("the patched build's device expert cache for decode (EXPERT
                      "device's memory between resident expert layers and cache slots by the time it predicts for the "
                      "workload, and may move layers to host RAM for slots; the plan lists what it weighed), a size a "
                      "device such as 512MiB or 2GiB (reserved before fit places the layers), slots a layer such as "
-                     "16slots, or 0 (none). The switch takes one value for every device; the plan shows each "
-                     "device's share")
+                     "16slots, or 0 (none); or one per device for devices that differ, in the device spec's order: "
+                     "a comma list of sizes, slots and 0s such as 16slots,32slots or 1GiB,512MiB. The plan shows "
+                     "each device's share; auto gives unequal devices their own slots")
 
 
 def _margins_text() -> str:
@@ -477,7 +478,7 @@ def _add_measure_options(p, model_required: bool) -> None:
                         f"placement; the main job's default: {MAIN_JOB.fit})")
     p.add_argument("--margin", type=_margin_arg, default=None, metavar="SIZE[,SIZE]",
                    help=f"with --fit: memory to leave free per device (default: {_margins_text()})")
-    p.add_argument("--expert-cache", default=None, metavar="auto|SIZE|Nslots|0",
+    p.add_argument("--expert-cache", default=None, metavar="auto|SIZE|Nslots|0[,...]",
                    help=EXPERT_CACHE_HELP + "; auto needs --fit or -ub auto, a size without them sets the switch as it "
                    f"is (default: fit's, {FIT.expert_cache}, where fit plans; else none)")
     p.add_argument("--resume", type=Path, metavar="DIR",
@@ -539,7 +540,7 @@ def _add_fit(sub) -> None:
     p.add_argument("--margin", type=_margin_arg, default=None, metavar="SIZE[,SIZE]",
                    help="memory to leave free on each device, one value or one per device "
                         f"(default: {_margins_text()}; upstream's on CUDA, VDEV budgets are exact)")
-    p.add_argument("--expert-cache", default=None, metavar="auto|SIZE|Nslots|0",
+    p.add_argument("--expert-cache", default=None, metavar="auto|SIZE|Nslots|0[,...]",
                    help=EXPERT_CACHE_HELP + f" (default: {FIT.expert_cache}; the patched variant)")
     p.add_argument("--workload", type=_workload_arg, default=FIT.workload, metavar="NAME|pp=N,tg=N",
                    help=f"what the plan is for: with --expert-cache auto fit weighs each device's memory between "

@@ -3,14 +3,18 @@ for (pyllama_pp.switches.ExpertCache), each device's slots per layer and bytes a
 (`Layout`), the one switch value that gives them (`auto_switch`), and all of it written into a fit `Plan`
 (`plan_cache`).
 
-The native switch takes one value for every device: EXPERT_CACHE=M gives each device M MiB, split evenly over the
-host-expert layers it owns (as many slots a layer as fit, at most every expert), and a device whose layers can use less
-(every expert cached) takes only that; EXPERT_CACHE=-N gives each such layer N slots, whatever they take. SIZE is M:
-fit reserves it on every device (`fit.reserved_bytes`), so the placement leaves room for it. auto is what the plan
-leaves free on each device after its layers, KV, compute buffers, early copies and margin: of the two forms it takes
-the one that caches more experts without any device going past its free memory (the largest M, or the most slots N
-every device has room for), and adds each device's share to its margin. Nslots is -N: each device's share is added to
-its margin as auto's is, and a device without room for it is named.
+The native switch takes one value for every device, or a list of one per device: EXPERT_CACHE=M gives each device M
+MiB, split evenly over the host-expert layers it owns (as many slots a layer as fit, at most every expert), and a device
+whose layers can use less (every expert cached) takes only that; EXPERT_CACHE=-N gives each such layer N slots,
+whatever they take; EXPERT_CACHE=A,B,... gives the first device A, the second B (each M, -N or 0). SIZE is M: fit
+reserves it on every device (`fit.reserved_bytes`; a list's sizes each on its own device), so the placement leaves room
+for it. auto is what the plan leaves free on each device after its layers, KV, compute buffers, early copies and
+margin: of the two forms it takes the one that caches more experts without any device going past its free memory (the
+largest M, or the most slots N every device has room for), and adds each device's share to its margin; where the
+devices differ (free memory, host-expert layers) so that one would have room for more slots a layer than that value
+gives it, each device takes the most its own room allows instead (`own_slots`: a list of -N, one per device; 0 where a
+device has no room for the slots a token needs). Nslots is -N: each device's share is added to its margin as auto's
+is, and a device without room for it is named; a list's entries are each device's own.
 
 The guard (EXPERT_CACHE_MIN_HIT: a layer whose shadow hits fall below it goes back to the CPU path) is set from costs,
 not a fixed bar: `break_even_hit` is the hit rate above which a layer's cached path costs less than the CPU's, from
@@ -126,6 +130,28 @@ def auto_switch(layout: Layout, layers: Sequence[int], room: Sequence[int]) -> i
     return best if best and cached(best) > 0 else 0
 
 
+def own_slots(layout: Layout, switch: int, layers: Sequence[int], room: Sequence[int]) -> Optional[list[int]]:
+    """Each device's own slots a layer where one EXPERT_CACHE value would leave a device room for more: per device the
+    most slots its room allows (at least what `switch` gives it; 0 below the slots a token needs); None where every
+    device with host-expert layers would get the same slots either way (one value keeps the plan).
+
+    Args:
+        layout: the model's slots.
+        switch: the one value chosen for every device.
+        layers: host-expert layers per device.
+        room: bytes free per device.
+    Returns:
+        slots a layer per device, or None.
+    """
+    one = [layout.slots_at(switch, n) for n in layers]
+    own = [max(s, layout.most_slots(max(0, r), n)) if n > 0 else 0 for s, n, r in zip(one, layers, room)]
+    own = [s if s >= max(1, layout.n_used) else 0 for s in own]
+    owning = {s for s, n in zip(own, layers) if n > 0}
+    if len(owning) <= 1 or own == one:
+        return None
+    return own
+
+
 def break_even_hit(cpu_gbps: float, link_gbps: float, dev_gbps: float) -> float:
     """The hit rate above which a layer's cached path costs less per token than the CPU path (upstream's).
 
@@ -205,19 +231,24 @@ def plan_cache(plan: Plan, asked: ExpertCache, layout: Layout) -> Plan:
         return plan
     layers = [d.host_expert_layers for d in plan.devices]
     room = [d.target_bytes - d.expected_bytes for d in plan.devices]
-    switch = auto_switch(layout, layers, room) if asked.auto else asked.switch
+    per = [asked.at(i).switch for i in range(len(plan.devices))]
+    if asked.auto:
+        switch = auto_switch(layout, layers, room)
+        own = own_slots(layout, switch, layers, room) if switch else None
+        per = [-s for s in own] if own else [switch] * len(plan.devices)
     for i, d in enumerate(plan.devices):
-        d.cache_slots = layout.slots_at(switch, d.host_expert_layers)
+        d.cache_slots = layout.slots_at(per[i], d.host_expert_layers)
         d.cache_bytes = layout.bytes_of(d.cache_slots, d.host_expert_layers)
-        if asked.slots and d.cache_bytes > max(0, room[i]):   # (no slots on a device over its target: fit's problem)
+        if asked.at(i).slots and d.cache_bytes > max(0, room[i]):   # (no slots on a device over its target: fit's)
             raise ConfigError(f"--expert-cache {asked.text}: {d.name} has {max(0, room[i]) / MiB:.1f} MiB free after "
                               f"the plan, and {d.cache_slots} slots in each of its {d.host_expert_layers} host-expert "
                               f"layers take {d.cache_bytes / MiB:.1f} MiB. Fix: fewer slots, a size, or auto (what "
                               "fit leaves free)")
-        if not asked.mib:
+        if not asked.at(i).mib:
             plan.margins[i] += d.cache_bytes
             d.target_bytes -= d.cache_bytes
     plan.expert_cache = asked.text
+    switch = per[0] if len(set(per)) == 1 else ",".join(map(str, per))   # (equal devices: one value)
     if switch:
         plan.switches = {**plan.switches, SWITCH: switch}
         plan.cache_guard = guard(plan)
@@ -238,7 +269,7 @@ def drop_cache(plan: Plan) -> Plan:
     if not plan.expert_cache:
         return plan
     for i, d in enumerate(plan.devices):
-        if not ExpertCache.parse(plan.expert_cache).mib:
+        if not ExpertCache.parse(plan.expert_cache).at(i).mib:
             plan.margins[i] -= d.cache_bytes
             d.target_bytes += d.cache_bytes
         d.cache_slots = d.cache_bytes = 0
@@ -250,12 +281,13 @@ def drop_cache(plan: Plan) -> Plan:
 def room_error(plan: Plan, problem: Exception) -> Exception:
     """fit's problem with a plan, as the cache's error where a SIZE left the model no room (ConfigError, naming the
     device and its free memory); any other problem as it is."""
-    size = ExpertCache.parse(plan.expert_cache or None).bytes
-    if not size or not isinstance(problem, OutOfMemoryError) or not plan.devices:
+    cache = ExpertCache.parse(plan.expert_cache or None)
+    if not any(cache.at(i).bytes for i in range(len(plan.devices))) or not isinstance(problem, OutOfMemoryError):
         return problem
     asked = plan.expert_cache
     over = [d for d in plan.devices if d.expected_bytes > d.target_bytes]
     d = over[0] if over else min(plan.devices, key=lambda x: x.target_bytes)
+    size = cache.at(plan.devices.index(d)).bytes
     margin = plan.margins[plan.devices.index(d)] - size
     why = str(problem).split(". Fix:")[0].split(": ", 1)[-1]
     return ConfigError(f"--expert-cache {asked}: no room for the model beside it on {d.name}, which has "

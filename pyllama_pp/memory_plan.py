@@ -2,7 +2,10 @@
 expert cache's slots (EXPERT_CACHE, patch 0014), by the time it predicts for the user's workload
 (pyllama_pp.workload), not by what is left over.
 
-The alternatives: no cache (the layers fit placed); the cache in what the placement leaves free (the leftover); and
+The alternatives: no cache (the layers fit placed); the cache in what the placement leaves free (the leftover: one
+slot count a layer for every device, the most the device with the least room takes; where the devices differ - free
+memory, host-expert layers - so that one would waste another's room, each device takes the most slots its own room
+allows, EXPERT_CACHE's per-device list, and a device without room for a token's experts none); and
 for each slot count a layer N (a token's experts, 1/16, 1/8, 1/4, 1/2 of a layer's experts, all of them) the most
 resident layers that leave each device room for N slots in every host-expert layer - a layer moved to host RAM frees
 its experts' bytes, which then serve the cache. Each is priced by pyllama_pp.decode_model (decode: what the decode
@@ -22,7 +25,7 @@ from typing import Callable, Optional, Sequence
 from . import devices as devspec
 from .decode_model import DecodeCosts, DecodeShare, token_seconds
 from .defaults import CONTEXT, CUDA_LINK_GBPS
-from .expert_cache_plan import Layout, drop_cache, miss_gbps, percent, plan_cache
+from .expert_cache_plan import Layout, drop_cache, miss_gbps, own_slots, percent, plan_cache
 from .switches import EXPERT_CACHE, EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID
 from .errors import OutOfMemoryError
 from .hit_curve import HitCurve
@@ -57,6 +60,8 @@ class Alternative:
         fits: whether every device has room for it.
         hybrid: EXPERT_HYBRID's value where the misses split with the host CPU predicts GAIN_MIN less decode time
             than the cache alone (0: off).
+        device_slots: per device, its own slots a layer where the devices take different counts (the leftover on
+            unequal devices; `slots` is then the most of them); [] where every device takes `slots`.
     """
 
     name: str
@@ -71,6 +76,7 @@ class Alternative:
     paths: list = field(default_factory=list)
     fits: bool = True
     hybrid: int = 0
+    device_slots: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """The alternative as the plan's JSON holds it."""
@@ -79,7 +85,8 @@ class Alternative:
     def text(self, workload: Workload) -> str:
         """One line: what it keeps where, and its prediction per phase."""
         what = (f"{self.name}: resident expert layers {'/'.join(map(str, self.resident))}, "
-                f"{self.slots} slots a layer ({sum(self.cache_bytes) / MiB:.0f} MiB, hits {self.hit:.0%})"
+                f"{'/'.join(map(str, self.device_slots)) if self.device_slots else self.slots} slots a layer "
+                f"({sum(self.cache_bytes) / MiB:.0f} MiB, hits {self.hit:.0%})"
                 if self.slots else f"{self.name}: resident expert layers {'/'.join(map(str, self.resident))}")
         if not self.fits:
             return what + ": no room"
@@ -172,22 +179,27 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
     remote = devspec.parse(plan.devices_spec.get("text") or plan.devices_spec).remote
     hybrid = 0 if remote or not layout.n_used else per[0].hybrid_pct(miss_bytes, links[0])
 
-    def priced(name: str, slots: int, moved: list) -> Alternative:
+    def priced(name: str, slots, moved: list) -> Alternative:
+        """`slots` a layer on every device, or a list of each device's own."""
+        own = list(slots) if isinstance(slots, (list, tuple)) else []
+        each = own or [slots] * len(devs)
         host = [h + k for h, k in zip(host0, moved)]
         resident = [r - k for r, k in zip(res0, moved)]
-        cbytes = [layout.bytes_of(slots, h) for h in host]
+        cbytes = [layout.bytes_of(n, h) for n, h in zip(each, host)]
         fits = all(c <= r + k * layer_bytes for c, r, k in zip(cbytes, room, moved))
-        hit = curve.at(slots / layout.n_expert) if slots else 0.0
+        hits = [curve.at(n / layout.n_expert) if n else 0.0 for n in each]
         tok, paths, n = None, [], 0
-        for value in ((0, hybrid) if slots and hybrid else (0,)):
-            t, p = token_seconds(per, [DecodeShare(r, h, slots, hit, miss_bytes, ln, layout.n_used, value)
-                                       for r, h, ln in zip(resident, host, links)])
+        for value in ((0, hybrid) if any(each) and hybrid else (0,)):
+            t, p = token_seconds(per, [DecodeShare(r, h, k, hi, miss_bytes, ln, layout.n_used, value)
+                                       for r, h, k, hi, ln in zip(resident, host, each, hits, links)])
             if tok is None or t < tok * (1 - GAIN_MIN):
                 tok, paths, n = t, p, value
         extra = _prompt_extra(workload, moved, layer_bytes, links, plan, layout.n_used, layout.n_expert)
-        return Alternative(name, slots, resident, host, cbytes, round(hit, 4), round(1.0 / tok, 2) if tok else 0.0,
-                           round(extra, 4), round(extra + workload.decode_tokens * tok, 4), paths, fits,
-                           n if "hybrid" in paths else 0)
+        hit = max(hits, default=0.0) if own else hits[0] if hits else 0.0   # (a list: its largest device's)
+        return Alternative(name, max(each, default=0), resident, host, cbytes, round(hit, 4),
+                           round(1.0 / tok, 2) if tok else 0.0, round(extra, 4),
+                           round(extra + workload.decode_tokens * tok, 4), paths, fits, n if "hybrid" in paths else 0,
+                           own)
 
     def moved_for(slots: int) -> Optional[list]:
         """Per device, the fewest layers to move to host RAM for `slots` slots in each host-expert layer."""
@@ -201,7 +213,10 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
 
     alts = [priced("no cache", 0, [0] * len(devs))]
     left = min((layout.most_slots(free, h) for free, h in zip(room, host0) if h), default=0)
-    if left >= max(1, layout.n_used):
+    own = own_slots(layout, -left, host0, room)   # (unequal devices: each its own room's slots)
+    if own:
+        alts.append(priced("leftover", own, [0] * len(devs)))
+    elif left >= max(1, layout.n_used):
         alts.append(priced("leftover", left, [0] * len(devs)))
     counts = sorted(({layout.n_used} | {max(layout.n_used, round(s * layout.n_expert)) for s in SHARES}) - {left})
     for n in counts:
@@ -276,7 +291,9 @@ def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve
     if not a.slots:
         out = drop_cache(plan)
     elif not any(moved):
-        out = plan_cache(drop_cache(plan), ExpertCache(slots=a.slots), layout)
+        asked = (ExpertCache(devices=tuple(ExpertCache(slots=n) for n in a.device_slots)) if a.device_slots else
+                 ExpertCache(slots=a.slots))
+        out = plan_cache(drop_cache(plan), asked, layout)
         out.expert_cache = "auto"
     else:
         out, why = _placed(plan, a, alts[0], layout, costs, curve, workload, load_mode, n_dense, refit, why)

@@ -113,8 +113,9 @@ def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: 
         expert_cache: the patched build's device expert cache for decode (EXPERT_CACHE): "auto" (what the plan leaves
             free on each device, at most every expert of its host-expert layers), a size such as "512MiB" (that much
             a device, reserved before placing), slots a layer such as "16slots", an ExpertCache, or 0 (none;
-            None: FIT's, auto, which a switch that sets EXPERT_CACHE leaves out). The switch takes one value for
-            every device: the plan shows each device's share (pyllama_pp.expert_cache_plan). Here auto is what the
+            None: FIT's, auto, which a switch that sets EXPERT_CACHE leaves out), or a comma list of sizes, slot
+            counts and 0s, one per device ("16slots,32slots"). The plan shows each device's share
+            (pyllama_pp.expert_cache_plan); auto gives unequal devices their own slots. Here auto is what the
             placement leaves free: pyllama_pp.fit.fit then weighs it against resident layers.
         switches: the patched build's switches the dry runs measure with, NAME -> value (as a run gets them; a
             GGML_SCHED_PP_* variable in env or this process's environment counts too, these win); EXPERT_CACHE among
@@ -194,8 +195,10 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
         expert_cache = expert_cache if taken is None else taken
     force = {**switches.set_in(env), **given}   # (what the dry runs' scheduler reads)
     cache = _expert_cache(expert_cache, variant, force)
+    cache.check_devices(spec.n_devices, spec.label)
     reserved = reserved_bytes(model, spec, variant, force, cache.bytes)
-    margins = [m + sum(reserved.values()) for m in margins]
+    # (a per-device list's sizes: each on its own device)
+    margins = [m + sum(reserved.values()) + (cache.at(i).bytes if cache.devices else 0) for i, m in enumerate(margins)]
     server_copies = reserved.get("rpc_server_copies", 0)
     weights = spread_weights(spread, spec, link_gbps)
     if weights:

@@ -131,8 +131,10 @@ class Plan:
             and the fix.
         host_copy_gbps: the host's copy from pageable into pinned memory as the patched build's staging runs it, as
             measured (GB/s; None: not measured): what an mmap-ed model's host experts go through first.
-        expert_cache: the device expert cache asked for ("auto" or a size such as "512MiB"; "": none): its switch
-            is in `switches`, each device's share in DevicePlan.cache_bytes / cache_slots (pyllama_pp.expert_cache_plan).
+        expert_cache: the device expert cache asked for ("auto", a size such as "512MiB", slots such as "16slots",
+            or one of those per device, "16slots,32slots"; "": none): its switch is in `switches` (one value, or a
+            list of one per device, "-16,-32"), each device's share in DevicePlan.cache_bytes / cache_slots
+            (pyllama_pp.expert_cache_plan).
         layer_major: with LAYER_MAJOR (patched; {} without it): "switch" (its value), "group" (ubatches per group at
             the plan's n_batch and n_ubatch; 1: none form), "bytes" (each device's compute buffer bytes the group
             keeps, in compute_bytes: its ubatches' activations and whole expert copies; where measured) and
@@ -222,13 +224,14 @@ class Plan:
                     f"slots a token needs (free after the plan: {room} MiB)")
         form = ExpertCache.of_switch(switch).text
         asked = f" (asked: {self.expert_cache})" if self.expert_cache != form else ""
+        values = "one value per device" if isinstance(switch, str) else "one value for every device"
         per = "; ".join(f"{d.name} {d.cache_bytes / MiB:.2f} MiB, {d.cache_slots} slots in each of its "
                         f"{d.host_expert_layers} host-expert layer{'s' if d.host_expert_layers > 1 else ''}"
                         for d in self.devices if d.host_expert_layers)
         where = (f"{per}; kept free on each device beside its layers (fit's target lowered by as much)" if per else
                  "no device has host-expert layers (every expert is on its device): nothing to cache")
         hybrid = self.switches.get(HYBRID_SWITCH)
-        return (f"expert cache {form}{asked} ({CACHE_SWITCH}, one value for every device): {where}"
+        return (f"expert cache {form}{asked} ({CACHE_SWITCH}, {values}): {where}"
                 + (f"; a token's misses split between the link and the host CPU ({HYBRID_SWITCH}={hybrid}: the CPU's "
                    f"expert rate {hybrid}% of the link's)" if hybrid else "") + self._guard_text())
 

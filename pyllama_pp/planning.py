@@ -60,7 +60,12 @@ def check_switches(switches: dict, variants: Sequence[str]) -> None:
                               + (f" (did you mean {', '.join(near)}?)" if near else "")
                               + "; `pyllama-pp info` lists them")
         sw = known[name]
-        if "min" in sw and (not sw["min"] <= x <= sw["max"] or (sw.get("values") and x not in sw["values"])):
+        if isinstance(x, str) and sw.get("type") != "ints":
+            raise ConfigError(f"--switch {name}={x}: {name} takes one value, not one per device; {name} accepts "
+                              f"{accepted_values(sw)}")
+        entries = [int(v) for v in x.split(",")] if isinstance(x, str) else [x]
+        if "min" in sw and any(not sw["min"] <= v <= sw["max"] or (sw.get("values") and v not in sw["values"])
+                               for v in entries):
             raise ConfigError(f"--switch {name}={x}: out of range; {name} accepts {accepted_values(sw)} "
                               f"(default {sw['default']}): {sw['meaning']}")
 
@@ -330,6 +335,11 @@ def _check_modes(c: Choices) -> None:
 def _check_expert_cache(c: Choices) -> None:
     """--expert-cache: a value ExpertCache.parse takes, for a run with the patched build, not beside --switch
     EXPERT_CACHE or a plan file (whose cache fit planned already); auto only where fit plans."""
+    given = c.switches.get(switches.EXPERT_CACHE)
+    for text in c.devices if given is not None or c.expert_cache is not None else ():
+        spec = devspec.parse(text)   # (a list: no more values than devices)
+        for cache in (ExpertCache.parse(c.expert_cache), ExpertCache.of_switch(given or 0)):
+            cache.check_devices(spec.n_devices, text)
     if c.expert_cache is None:
         return
     asked = ExpertCache.parse(c.expert_cache, "patched" if "patched" in c.variants else c.variant)
@@ -349,7 +359,7 @@ def _check_expert_cache(c: Choices) -> None:
     if asked and not (c.fit or c.n_ubatch == "auto"):
         for text in c.devices:
             room = [v.memory for v in getattr(devspec.parse(text), "vdevs", ()) if v.memory]
-            if room and asked.bytes > min(room):
+            if room and max(asked.at(i).bytes for i in range(len(room))) > min(room):
                 raise ConfigError(f"--expert-cache {asked.text}: more than a device of --devices {text} has "
                                   f"({min(room) >> 20} MiB), and without --fit no one plans the cache's room. Fix: "
                                   f"--fit with --expert-cache auto (what the plan leaves free), or a size below the "

@@ -98,6 +98,17 @@ def cache_hit_rate(ext: dict) -> Optional[float]:
     return hits / (hits + misses)
 
 
+def cache_hit_rate_per_device(ext: dict) -> Optional[list]:
+    """Each device's own hit rate (None below MIN_HIT_RATE_LOOKUPS lookups) where EXPERT_CACHE was a per-device list
+    (its value a list's text); None with one value for every device, or none."""
+    if not isinstance((ext.get("params") or {}).get(switches.EXPERT_CACHE), str):
+        return None
+    hits, misses = per_gpu(ext, "cache_hits"), per_gpu(ext, "cache_misses")
+    if hits is None or misses is None:
+        return None
+    return [h / (h + m) if h + m >= max(1, MIN_HIT_RATE_LOOKUPS) else None for h, m in zip(hits, misses)]
+
+
 def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> list[Row]:
     """A row per test of a measure job's result `res` for `variant` (counters per run: divided by the reps)."""
     rows = []
@@ -171,6 +182,7 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
                                                                 "cache_ops", "cache_cpu_ops", "cache_shadow_hits",
                                                                 "cache_shadow_misses", "cache_cpu_misses")},
             "expert_cache_hit_rate": cache_hit_rate(ext),
+            "expert_cache_hit_rate_per_device": cache_hit_rate_per_device(ext),
             # LAYER_MAJOR's groups (a switch asked for but no group formed shows as 0)
             "layer_major_groups": layer_major_groups(ext, reps),
             # ... and its guard's decisions (EXPERT_CACHE_MIN_HIT: a layer to the CPU, or back to its slots)

@@ -105,7 +105,10 @@ def apply_switches(native: binding.Native, variant: str, switches: Optional[dict
         raise UnsupportedError(f"the {variant} build has no scheduler switches ({sorted(switches)})")
     for k, v in switches.items():
         try:
-            native.check(native.lib.pp_ext_set_param(str(k).upper().encode(), int(v)))
+            if isinstance(v, str) and "," in v:   # (a switch of type "ints": one value per device)
+                native.check(native.lib.pp_ext_set_param_text(str(k).upper().encode(), v.encode()))
+            else:
+                native.check(native.lib.pp_ext_set_param(str(k).upper().encode(), int(v)))
         except UnsupportedError:
             raise
         except PyllamaError as e:

@@ -22,9 +22,10 @@ from __future__ import annotations
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from .defaults import CONTEXT, SOAK, TIMEOUTS
+from .switches import ExpertCache
 from .worker.client import run_job
 
 NMSE_MAX = 1e-6
@@ -62,7 +63,7 @@ class SoakResult:
     ext: Optional[dict]
     problems: list = field(default_factory=list)
     rows: list = field(default_factory=list)   # the checkpoints, with their NMSE
-    expert_cache: int = 0        # EXPERT_CACHE as the soak ran (0: off, or the baseline)
+    expert_cache: Union[int, str] = 0   # EXPERT_CACHE as the soak ran (0: off, or the baseline; a list: its text)
     cache_buffer_bytes: dict = field(default_factory=dict)   # the expert slots' memory per backend at the end
     # CUDA devices only (None otherwise): per device its name, total_bytes, used_start_bytes (the session made),
     # warm_used_bytes (the warm-up's last checkpoint); used_bytes at each checkpoint after the warm-up (one list per
@@ -143,7 +144,8 @@ def judge(res: dict, variant: str, devices: str) -> SoakResult:
         changed = next(c for c in judged if c["alloc_bytes"] != allocs[0])
         problems.append(f"device memory moved after the warm-up: {allocs[0]} -> {changed['alloc_bytes']} bytes "
                         f"per device at call {changed['call']}")
-    budget = res.get("expert_cache", 0) * MiB
+    cache = ExpertCache.of_switch(res.get("expert_cache", 0))   # (a per-device list: its largest size bounds all)
+    budget = max((cache.at(i).bytes for i in range(max(1, len(cache.devices)))), default=0)
     for c in judged if budget > 0 else []:
         over = {b: n for b, n in c.get("cache_buffer_bytes", {}).items() if n > budget}
         if over:

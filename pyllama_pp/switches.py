@@ -7,7 +7,9 @@ info`; Python names only the switches it plans with. A run hands its switches to
 is only for tools that start processes of their own (bench scripts, an RPC server's environment).
 
 `--expert-cache` is parsed here once, into an `ExpertCache` the immutable choices keep: "auto" (fit plans it), a
-size (MiB a device: "512MiB", "2GiB") or a slot count a layer ("16slots"; the switch's own form, -16, too), or 0.
+size (MiB a device: "512MiB", "2GiB") or a slot count a layer ("16slots"; the switch's own form, -16, too), or 0; or a
+comma list of sizes, slot counts and 0s, one per device in the device spec's order ("16slots,32slots": the switch's
+list form, -16,-32), for devices that differ.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ LAYER_MAJOR = "LAYER_MAJOR"      # a batch's ubatches through each layer togethe
 
 MiB = 1 << 20
 MAX_SLOTS = 65536   # EXPERT_CACHE's range: -65536 slots a layer at most
+MAX_DEVICES = 15    # ... its list: a value for each device of a scheduler (GGML_SCHED_MAX_BACKENDS less the CPU)
 
 
 def var(name: str) -> str:
@@ -54,12 +57,24 @@ def set_in(env: Optional[dict]) -> dict:
     return in_env({**os.environ, **(env or {})})
 
 
+_INTS = re.compile(r"-?\d+(\s*,\s*-?\d+)*")
+
+
+def value_of(text):
+    """A switch's value from its text: an int, or for a comma list of ints (a switch of type "ints": one per device,
+    EXPERT_CACHE's) the list's text without spaces ("-2,-4"); None for anything else."""
+    t = str(text).strip()
+    if not _INTS.fullmatch(t):
+        return None
+    return int(t) if "," not in t else ",".join(str(int(x)) for x in t.split(","))
+
+
 def in_force(variant: str, env: Optional[dict] = None) -> dict:
-    """The patched switches the environment sets (this process's, then `env` over it), NAME -> int; {} for the
-    baseline (it reads none). A switch not set takes its table default where it is read."""
+    """The patched switches the environment sets (this process's, then `env` over it), NAME -> int (a list: its text,
+    value_of); {} for the baseline (it reads none). A switch not set takes its table default where it is read."""
     if variant != "patched":
         return {}
-    return {k: int(v) for k, v in set_in(env).items() if re.fullmatch(r"-?\d+", str(v).strip())}
+    return {k: value_of(v) for k, v in set_in(env).items() if value_of(v) is not None}
 
 
 def off_defaults(given: dict, defaults: Optional[dict]) -> dict:
@@ -89,20 +104,21 @@ def to_env(switches: Optional[dict]) -> dict:
 
 
 def parse_given(given: Optional[Iterable[str]]) -> dict:
-    """`--switch NAME=VALUE` strings (repeatable) as {NAME: int}, names upper-cased.
+    """`--switch NAME=VALUE` strings (repeatable) as {NAME: int}, names upper-cased; a comma list of integers (one per
+    device, for a switch of type "ints" such as EXPERT_CACHE=-2,-4) as its text (value_of).
 
     Raises:
-        ConfigError: for a string without '=' or a value that is not an integer.
+        ConfigError: for a string without '=' or a value that is neither an integer nor a list of them.
     """
     switches = {}
     for kv in given or ():
         name, sep, value = str(kv).partition("=")
         if not sep or not name.strip():
             raise ConfigError(f"--switch takes NAME=VALUE (e.g. UPLOAD_ALL=0), not {kv!r}")
-        try:
-            switches[name.strip().upper()] = int(value)
-        except ValueError:
-            raise ConfigError(f"--switch {kv!r}: the value must be an integer (e.g. UPLOAD_ALL=0)") from None
+        if value_of(value) is None:
+            raise ConfigError(f"--switch {kv!r}: the value must be an integer (e.g. UPLOAD_ALL=0), or for "
+                              f"{EXPERT_CACHE} a comma list of one per device (e.g. {EXPERT_CACHE}=-2,-4)")
+        switches[name.strip().upper()] = value_of(value)
     return switches
 
 
@@ -117,32 +133,81 @@ class ExpertCache:
         auto: fit plans its size from the memory the plan leaves free.
         mib: MiB a device (EXPERT_CACHE=M), split evenly over the host-expert layers the device owns.
         slots: slots a layer (EXPERT_CACHE=-N), whatever they take.
+        devices: one cache per device, in the device spec's order (EXPERT_CACHE=A,B,...: each entry a size, a slot
+            count or none; devices past the list: none), for devices that differ.
     At most one is set; none: no cache.
     """
 
     auto: bool = False
     mib: int = 0
     slots: int = 0
+    devices: tuple = ()
 
     @staticmethod
     def parse(value, variant: str = FIT.variant) -> "ExpertCache":
         """The cache `value` asks for: "auto", a size ("512MiB", "2GiB", bytes as an int), a slot count a layer
-        ("16slots", or the switch's own -16), 0 / "0" / None (none), or an ExpertCache (as it is).
+        ("16slots", or the switch's own -16), 0 / "0" / None (none), a comma list of sizes, slot counts and 0s, one
+        per device ("16slots,32slots", "1GiB,512MiB", "-16,-32"), or an ExpertCache (as it is).
 
         Raises:
             ConfigError: for a value that is none of these, a size that is not a whole number of MiB, more slots than
-                the switch takes, or a cache for the baseline.
+                the switch takes, auto in a list, or a cache for the baseline.
         """
         if isinstance(value, ExpertCache):
             cache = value
         elif value is None:
             cache = ExpertCache()
+        elif "," in str(value):
+            cache = ExpertCache.of_list([ExpertCache._entry(value, i, x) for i, x in enumerate(str(value).split(","))],
+                                        value)
         else:
             cache = ExpertCache._parse_text(value)
         if cache and variant != "patched":
             raise ConfigError(f"--expert-cache {value}: the {variant} build has no expert cache (patch 0014). Fix: "
                               "drop --expert-cache, or plan for --variant patched")
         return cache
+
+    @staticmethod
+    def of_list(entries, asked=None) -> "ExpertCache":
+        """One cache per device from `entries` (ExpertCaches of a size, a slot count or none; none at all: no cache).
+
+        Raises:
+            ConfigError: for auto among them (auto plans every device) or a list longer than a scheduler's devices.
+        """
+        entries = tuple(entries)
+        if any(e.auto or e.devices for e in entries):
+            raise ConfigError(f"--expert-cache {asked or ','.join(e.text or '0' for e in entries)}: auto plans every "
+                              "device; a list takes a size, Nslots or 0 for each device")
+        if len(entries) > MAX_DEVICES:
+            raise ConfigError(f"--expert-cache {asked}: {len(entries)} values; a scheduler has at most {MAX_DEVICES} "
+                              "devices")
+        return ExpertCache(devices=entries) if any(entries) else ExpertCache()
+
+    def at(self, i: int) -> "ExpertCache":
+        """What the cache asks of device `i` (the device spec's order): a size, a slot count or none."""
+        if not self.devices:
+            return self
+        return self.devices[i] if i < len(self.devices) else ExpertCache()
+
+    def check_devices(self, n: int, spec: str = "") -> None:
+        """Refuse a per-device list with more values than the `n` devices of the spec it runs on (0: a spec that
+        names its devices only once they are found, "cuda": not checked here; the scheduler logs it).
+
+        Raises:
+            ConfigError: naming the count, the devices and the fix.
+        """
+        if n and len(self.devices) > n:
+            raise ConfigError(f"--expert-cache {self.text}: {len(self.devices)} values for the {n} device"
+                              f"{'s' if n != 1 else ''} of {spec or 'the device spec'}. Fix: one value per device "
+                              "in the spec's order, or one value for every device")
+
+    @staticmethod
+    def _entry(value, i: int, text: str) -> "ExpertCache":
+        try:
+            return ExpertCache._parse_text(text)
+        except ConfigError as e:   # (the whole list named, and which of its values)
+            raise ConfigError(f"--expert-cache {value}: its value {i + 1} ({text.strip()!r}): "
+                              f"{str(e).split(': ', 1)[-1]}") from None
 
     @staticmethod
     def _parse_text(value) -> "ExpertCache":
@@ -167,35 +232,45 @@ class ExpertCache:
         return ExpertCache(mib=size // MiB)
 
     def __bool__(self) -> bool:
-        return self.auto or self.mib > 0 or self.slots > 0
+        return self.auto or self.mib > 0 or self.slots > 0 or any(self.devices)
 
     @property
-    def switch(self) -> int:
-        """EXPERT_CACHE's value for a size or slot count (0 for auto, which only a plan turns into a value)."""
+    def switch(self):
+        """EXPERT_CACHE's value for a size or slot count (0 for auto, which only a plan turns into a value); for a
+        per-device list its text, one entry a device ("-16,-32")."""
+        if self.devices:
+            return ",".join(str(e.switch) for e in self.devices)
         return self.mib or -self.slots
 
     @property
     def bytes(self) -> int:
-        """The bytes a size asks of every device (0 for auto and slots: those depend on the placement)."""
+        """The bytes a size asks of every device (0 for auto, slots and a per-device list: at(i).bytes)."""
         return self.mib * MiB
 
     @property
     def text(self) -> str:
-        """How plans, rows and messages name it: "auto", "512MiB", "16slots", or "" (none)."""
+        """How plans, rows and messages name it: "auto", "512MiB", "16slots", a per-device list such as
+        "16slots,32slots" (0: none on that device), or "" (none)."""
+        if self.devices:
+            return ",".join(e.text or "0" for e in self.devices)
         return "auto" if self.auto else f"{self.mib}MiB" if self.mib else f"{self.slots}slots" if self.slots else ""
 
     @staticmethod
     def of_switch(switch) -> "ExpertCache":
-        """The cache an EXPERT_CACHE value asks for (M > 0: M MiB a device; -N: N slots a layer; 0: none).
+        """The cache an EXPERT_CACHE value asks for (M > 0: M MiB a device; -N: N slots a layer; 0: none; a comma
+        list: one of those per device).
 
         Raises:
-            ConfigError: for a value that is not an integer or has more slots than the switch takes.
+            ConfigError: for a value that is not an integer or a list of them, or has more slots than the switch takes.
         """
+        v = value_of(switch) if isinstance(switch, str) else switch
+        if isinstance(v, str):
+            return ExpertCache.of_list([ExpertCache.of_switch(x) for x in v.split(",")], switch)
         try:
-            v = int(switch)
+            v = int(v)
         except (TypeError, ValueError):
             raise ConfigError(f"{EXPERT_CACHE}={switch!r}: the value must be an integer (MiB a device, or -N: N "
-                              "slots a layer)") from None
+                              "slots a layer) or a comma list of them, one per device") from None
         return ExpertCache.parse(f"{-v}slots" if v < 0 else f"{v}MiB" if v else 0)
 
 
@@ -220,6 +295,6 @@ def shown(name: str, value) -> str:
     return str(value)
 
 
-__all__ = ["PREFIX", "var", "in_env", "set_in", "in_force", "off_defaults", "of_run", "to_env", "parse_given",
+__all__ = ["PREFIX", "var", "in_env", "set_in", "value_of", "in_force", "off_defaults", "of_run", "to_env", "parse_given",
            "ExpertCache", "take_expert_cache", "shown", "OVERLAP", "UPLOAD_ALL", "UPLOAD_ALL_MIN", "UPLOAD_ALL_MIN_COV",
            "LINKS", "RPC_HOST", "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT", "EXPERT_HYBRID", "LAYER_MAJOR"]

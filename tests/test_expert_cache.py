@@ -283,6 +283,16 @@ def test_lru_counts_follow_the_number_of_slots(runner, tiny_cfg, tiny_info):
     assert runs[64]["cache_hits"] > runs[2]["cache_hits"]   # (40 tokens of 2 of 64 experts: some come back)
 
 
+def test_patched_servers_take_their_own_devices_values(runner, patched_servers, baseline_decode, assert_logits_match):
+    """EXPERT_CACHE=-3,-5 over two servers: each server's device takes its own entry (sent as EXPERT_CACHE@D when the
+    client makes its scheduler), and the logits are the baseline's."""
+    on = runner.logits("patched", env=cache("-3,-5"), devices=patched_servers, placement=HOST_ALL, ctx=DECODE,
+                       n_tokens=12)
+    assert_logits_match(on["logits"], baseline_decode["logits"], "EXPERT_CACHE=-3,-5 on two patched servers")
+    rpc = [b for b in on["ext"]["backends"] if b["name"].startswith("RPC")]
+    assert [b["cache_slots"] for b in rpc] == [3, 5] and all(b["cache_ops"] > 0 for b in rpc)
+
+
 def test_the_slots_take_what_the_switch_gives(runner, tiny_cfg):
     """-N: N slots in every layer of every device; N MiB: as many slots as fit in N MiB per device, the same in each
     of its layers."""
@@ -299,6 +309,37 @@ def test_the_slots_take_what_the_switch_gives(runner, tiny_cfg):
                 assert b["cache_slots"] == 5 and slots_bytes <= b["cache_buffer_bytes"] < slots_bytes + (64 << 10)
             else:
                 assert b["cache_buffer_bytes"] <= 1 << 20 < slots_bytes + b["cache_layers"] * one + (64 << 10)
+
+
+def device_slots(ext: dict) -> dict:
+    """Each device backend's slots a layer, by name (the CPU's left out)."""
+    return {b["name"]: b["cache_slots"] for b in ext["backends"] if b["name"] != "CPU"}
+
+
+def test_each_device_takes_its_own_value_of_a_list(locality_runner, assert_logits_match, tiny_info):
+    """EXPERT_CACHE=-2,-4: the first device 2 slots a layer, the second 4 (the scheduler's device order), each
+    counting its own lookups; the logits are the baseline's. A list of one device's 0 leaves that device none."""
+    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": DECODE, "tokens": list(range(100, 108))}
+    base = locality_runner.logits("baseline", **kw)
+    p = locality_runner.logits("patched", env=cache("-2,-4"), **kw)
+    assert_logits_match(p["logits"], base["logits"], "EXPERT_CACHE=-2,-4")
+    assert list(device_slots(p["ext"]).values()) == [2, 4]
+    assert p["ext"]["params"]["EXPERT_CACHE"] == "-2,-4"
+    devs = [b for b in p["ext"]["backends"] if b["name"] != "CPU"]
+    assert all(b["cache_layers"] > 0 and b["cache_ops"] == OPS * b["cache_layers"] * 8 for b in devs)
+    assert sum(b["cache_layers"] for b in devs) == tiny_info["n_layer"]
+    half = locality_runner.logits("patched", env=cache("0,-4"), **kw)
+    assert_logits_match(half["logits"], base["logits"], "EXPERT_CACHE=0,-4")
+    first, second = [b for b in half["ext"]["backends"] if b["name"] != "CPU"]
+    assert (first["cache_slots"], first["cache_ops"], second["cache_slots"]) == (0, 0, 4) and second["cache_ops"] > 0
+
+
+def test_a_list_the_table_refuses_is_named(runner):
+    """A list entry out of range, a word, or a list for a switch of one value: the session's ConfigError names it."""
+    for env, word in ((cache("-2,x"), "comma list"), (cache("-2,-70000"), "out of range"),
+                      ({"GGML_SCHED_PP_OVERLAP": "0,2"}, "not an integer")):
+        with pytest.raises(Exception, match=word):
+            _decode(runner, "patched", env, n_tokens=1)
 
 
 # --- the hit-rate guard (EXPERT_CACHE_MIN_HIT) -----------------------------------------------------------------------

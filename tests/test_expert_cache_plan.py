@@ -16,7 +16,7 @@ import pyllama_pp
 from pyllama_pp import cli, devices as devspec, report, synth
 from pyllama_pp.defaults import FIT
 from pyllama_pp.errors import ConfigError
-from pyllama_pp.expert_cache_plan import Layout, auto_switch
+from pyllama_pp.expert_cache_plan import Layout, auto_switch, own_slots
 from pyllama_pp.placement import fit  # (auto: the leftover, the memory planner's start: tests/test_memory_plan.py)
 from pyllama_pp.placement import reserved_bytes
 from pyllama_pp.params import ContextParams
@@ -99,6 +99,71 @@ def test_auto_prefers_mib_where_slots_a_layer_would_hold_a_device_back():
 def test_auto_without_room_for_a_tokens_experts_plans_none():
     assert auto_switch(TINY, [3, 3], [TINY.bytes_of(TINY.n_used, 3) - 1, 50 * MiB]) == 0
     assert auto_switch(TINY, [0, 0], [50 * MiB, 50 * MiB]) == 0
+
+
+def test_unequal_devices_take_their_own_slots_where_one_value_would_waste_room():
+    """own_slots: equal devices (or unequal ones whose one value already fills each room) keep one value (None); a
+    device with more room than one value uses takes the most its own room allows; one without room for a token's
+    experts takes none while the other still caches (one value would have given both none)."""
+    assert own_slots(TINY, auto_switch(TINY, [3, 3], [2 * MiB] * 2), [3, 3], [2 * MiB] * 2) is None
+    small, big = TINY.bytes_of(TINY.n_used, 3) - 1, 3 * MiB
+    assert auto_switch(TINY, [3, 3], [small, big]) == 0
+    assert own_slots(TINY, 0, [3, 3], [small, big]) == [0, TINY.most_slots(big, 3)]
+    sw = auto_switch(TINY, [3, 3], [MiB, 3 * MiB])
+    own = own_slots(TINY, sw, [3, 3], [MiB, 3 * MiB])
+    assert own == [TINY.most_slots(MiB, 3), TINY.most_slots(3 * MiB, 3)] and own[1] > TINY.slots_at(sw, 3)
+    assert all(TINY.bytes_of(n, 3) <= r for n, r in zip(own, [MiB, 3 * MiB]))
+
+
+# two VDEVs of unequal memory: fit leaves them unequal room and host-expert layers
+UNEQUAL = json.dumps({"kind": "vdev", "devices": [{"memory": "10MiB", "link_gbps": 4},
+                                                  {"memory": "14MiB", "link_gbps": 4}]})
+
+
+def test_auto_on_unequal_devices_gives_each_its_own_slots(model, tmp_path):
+    """auto where one value would leave a device's room unused: the switch is a list, one value per device, each
+    device's slots the most its own room allows (within it), more than one value gives it on at least one; the plan's
+    text says so; each device allocates its own slots."""
+    p0 = fit(model, devices=UNEQUAL, ctx=CTX, timeout=120, expert_cache=0)
+    pa = fit(model, devices=UNEQUAL, ctx=CTX, timeout=120, expert_cache="auto")
+    layers = [d.host_expert_layers for d in p0.devices]
+    room = [d.target_bytes - d.expected_bytes for d in p0.devices]
+    one = auto_switch(TINY, layers, room)
+    sw = pa.switches["EXPERT_CACHE"]
+    assert sw == ",".join(str(-d.cache_slots) for d in pa.devices), sw
+    assert [d.cache_slots for d in pa.devices] == [TINY.most_slots(r, n) for r, n in zip(room, layers)]
+    assert all(0 < d.cache_bytes <= r for d, r in zip(pa.devices, room))
+    assert any(d.cache_slots > TINY.slots_at(one, n) for d, n in zip(pa.devices, layers))
+    assert "one value per device" in pa.cache_text and ExpertCache.of_switch(sw).text in pa.cache_text
+    job = {"kind": "logits", "model": model, "devices": UNEQUAL, "placement": pa.placement().to_dict(),
+           "ctx": {"n_ctx": 64, "n_batch": 1, "n_ubatch": 1}, "n_tokens": 4, "logits": "last", "seed": 0,
+           "out": str(tmp_path / "logits.npy"), "switches": pa.switches}
+    res = run_job(job, "patched", timeout=120)
+    got = {b["name"]: b["cache_slots"] for b in res["ext"]["backends"]}
+    assert [got[d.name] for d in pa.devices] == [d.cache_slots for d in pa.devices]
+
+
+def test_run_plan_replays_a_per_device_cache(model, capsys, tmp_path):
+    """run --plan with a plan whose cache is a list: the run sets the plan's list (its rows' switches in
+    --expert-cache's form), each device reads its own slots, and the rows give each device's hit rate."""
+    path = tmp_path / "plan.json"
+    assert cli.main(["fit", model, "--devices", UNEQUAL, "-c", "512", "-b", "512", "-ub", "128", "--expert-cache",
+                     "6slots,2slots", "-o", str(path)]) == 0
+    capsys.readouterr()
+    assert Plan.load(str(path)).switches["EXPERT_CACHE"] == "-6,-2"
+    assert cli.main(["run", model, "--plan", str(path), "-p", "0", "-n", "16", "-r", "1", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["switches"]["EXPERT_CACHE"] == "-6,-2", row["switches"]
+    rates = row["expert_cache_hit_rate_per_device"]
+    assert len(rates) == 2 and all(r is not None and 0 <= r <= 1 for r in rates), rates
+
+
+def test_a_list_asks_each_device_its_own(plans):
+    """--expert-cache 3slots,5slots: each device's slots as given, each share in its own margin; the switch -3,-5."""
+    p0, pl = plans(0), plans("3slots,5slots")
+    assert pl.switches["EXPERT_CACHE"] == "-3,-5" and [d.cache_slots for d in pl.devices] == [3, 5]
+    assert pl.margins == [m + d.cache_bytes for m, d in zip(p0.margins, pl.devices)]
+    assert plans("4slots,4slots").switches["EXPERT_CACHE"] == -4   # (equal devices: one value)
 
 
 # --- fit -------------------------------------------------------------------------------------------------------
@@ -218,7 +283,11 @@ def test_choices_refused_before_any_worker(model, no_worker, tmp_path):
     for kw, words in ((dict(expert_cache="auto"), "add --fit"),
                       (dict(expert_cache="1MiB", switches={"EXPERT_CACHE": 4}), "set the same switch"),
                       (dict(expert_cache="auto", fit="each", command="run", variant="baseline"), "baseline build"),
-                      (dict(expert_cache="much", fit="each"), "give auto")):
+                      (dict(expert_cache="much", fit="each"), "give auto"),
+                      (dict(expert_cache="1slots,2slots,3slots"), r"3 values for the 2 devices of vdev:2x10MiB"),
+                      (dict(switches={"EXPERT_CACHE": "-1,-2,-3"}), "3 values for the 2 devices"),
+                      (dict(expert_cache="2slots,lots"), r"its value 2 \('lots'\): give auto"),
+                      (dict(expert_cache="auto,2slots", fit="each"), "auto plans every device")):
         with pytest.raises(ConfigError, match=words):
             plan_runs(Choices(model=model, devices=(SPEC,), pp=(), tg=(8,), **kw))
     with pytest.raises(ConfigError, match="sets already"):

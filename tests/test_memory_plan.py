@@ -125,6 +125,29 @@ def test_under_pressure_the_cache_gets_memory_before_whole_layers(model, leftove
     assert "memory: weighed for the workload chat" in text and text.count(" t/s") >= len(alts)
 
 
+def test_unequal_devices_each_take_their_own_leftover(model):
+    """Two VDEVs of unequal memory: the leftover alternative gives each device the most slots its own room allows (one
+    value, the smaller room's, would waste the other's), is priced with each device's own hits, and where chosen the
+    plan's switch is the per-device list with each device's slots."""
+    spec = json.dumps({"kind": "vdev", "devices": [{"memory": "10MiB", "link_gbps": 4},
+                                                   {"memory": "14MiB", "link_gbps": 4}]})
+    start = place(model, devices=spec, ctx=CTX, timeout=120, expert_cache="auto")
+    layout = layout_of(model, start.n_expert)
+    plan = _with_link(start, layout, GPU_LIKE, 0.4)
+    alts = alternatives(plan, layout, {-1: GPU_LIKE}, LOCALITY, Workload.parse("tg=64"))
+    left = next(a for a in alts if a.name == "leftover")
+    room = [d.target_bytes + d.cache_bytes - d.expected_bytes for d in plan.devices]
+    own = [layout.most_slots(r, d.host_expert_layers) for r, d in zip(room, plan.devices)]
+    assert left.device_slots == own and len(set(own)) > 1 and left.fits and left.slots == max(own)
+    assert left.cache_bytes == [layout.bytes_of(n, d.host_expert_layers) for n, d in zip(own, plan.devices)]
+    assert "/".join(map(str, own)) in left.text(CHAT)
+    out = plan_memory(plan, layout, {-1: GPU_LIKE}, LOCALITY, Workload.parse("tg=64"),
+                      lambda mib: place(model, devices=spec, ctx=CTX, timeout=120, expert_cache=f"{mib}MiB"))
+    assert out.memory_plan["chosen"] == alts.index(left), out.memory_plan["why"]   # (decode only: the most hits)
+    assert out.switches["EXPERT_CACHE"] == ",".join(str(-n) for n in own)
+    assert [d.cache_slots for d in out.devices] == own and out.memory_plan["placed"]["slots"] == own
+
+
 def test_no_cache_where_it_cannot_pay(model, leftover):
     """A device no faster than the CPU, uniform routing with layers to give up, or a workload without decode: no
     cache, and the plan says why."""

@@ -42,6 +42,31 @@ def test_expert_cache_refuses_what_it_cannot_give_with_the_fix():
         ExpertCache.parse("auto", "baseline")
 
 
+def test_expert_cache_takes_one_value_per_device():
+    """A comma list of sizes, slot counts and 0s: one cache per device (the switch's list form, -16,-32), each
+    device's own by index (none past the list); its text and switch read back as the same cache."""
+    for text, switch, shown in (("16slots,32slots", "-16,-32", "16slots,32slots"), ("-16,-32", "-16,-32", "16slots,32slots"),
+                                ("1GiB, 512MiB", "1024,512", "1024MiB,512MiB"), ("0,8slots", "0,-8", "0,8slots")):
+        c = ExpertCache.parse(text)
+        assert (c.switch, c.text, bool(c)) == (switch, shown, True), text
+        assert ExpertCache.of_switch(c.switch) == ExpertCache.parse(c.text) == c
+    c = ExpertCache.parse("512MiB,16slots")
+    assert (c.at(0).mib, c.at(1).slots, bool(c.at(2)), c.bytes) == (512, 16, False, 0)
+    assert not ExpertCache.parse("0,0") and ExpertCache.parse("16slots").at(3).slots == 16
+    assert switches.shown("EXPERT_CACHE", "-16,-32") == "16slots,32slots"
+    assert switches.parse_given(["expert_cache=-2, -4"]) == {"EXPERT_CACHE": "-2,-4"}
+    assert switches.in_force("patched", {"GGML_SCHED_PP_EXPERT_CACHE": "-2,-4"}) == {"EXPERT_CACHE": "-2,-4"}
+    for bad, words in (("auto,16slots", "auto plans every device"), ("16slots,lots", r"its value 2 \('lots'\)"),
+                       ("16slots,", r"its value 2 \(''\)"), (",".join(["1slots"] * 16), "at most 15 devices")):
+        with pytest.raises(ConfigError, match=words):
+            ExpertCache.parse(bad)
+    with pytest.raises(ConfigError, match=r"3 values for the 2 devices of vdev:2x1MiB. Fix: one value per device"):
+        ExpertCache.parse("1slots,2slots,3slots").check_devices(2, "vdev:2x1MiB")
+    ExpertCache.parse("1slots,2slots").check_devices(2)   # (as many as the devices, or fewer: the rest none)
+    with pytest.raises(ConfigError, match="comma list of one per device"):
+        switches.parse_given(["EXPERT_CACHE=-2,x"])
+
+
 def test_switch_strings_and_environment():
     assert switches.parse_given(["upload_all=0", "OVERLAP=2"]) == {"UPLOAD_ALL": 0, "OVERLAP": 2}
     for bad in ("OVERLAP", "=2", "OVERLAP=two"):

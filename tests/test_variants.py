@@ -50,7 +50,7 @@ def test_info(variant):
         sw = {s["name"]: s for s in info["switches"]}
         assert list(sw) == SWITCH_NAMES, list(sw)
         for s in sw.values():
-            assert s["type"] in ("bool", "int") and s["meaning"] and s["min"] <= s["default"] <= s["max"], s
+            assert s["type"] in ("bool", "int", "ints") and s["meaning"] and s["min"] <= s["default"] <= s["max"], s
             assert s["value"] == s["default"], s
             assert s["type"] != "bool" or (s["min"], s["max"]) == (0, 1), s
             assert not s["values"] or s["default"] in s["values"], s

@@ -123,6 +123,8 @@ struct ext_api {
     int (*version)(void) = nullptr;
     int (*set_param)(const char *, int64_t) = nullptr;
     int (*get_param)(const char *, int64_t *) = nullptr;
+    int (*set_param_text)(const char *, const char *) = nullptr;
+    int (*get_param_text)(const char *, char *, size_t) = nullptr;
     size_t (*stats_json)(ggml_backend_sched_t, char *, size_t) = nullptr;
     void (*reset_stats)(ggml_backend_sched_t) = nullptr;
     const char * (*param_info)(int, int64_t *, const char **) = nullptr;
@@ -139,6 +141,8 @@ const ext_api & ext() {
             a.version     = (int (*)(void)) dlsym(h, "ggml_backend_sched_pp_ext_version");
             a.set_param   = (int (*)(const char *, int64_t)) dlsym(h, "ggml_backend_sched_pp_set_param");
             a.get_param   = (int (*)(const char *, int64_t *)) dlsym(h, "ggml_backend_sched_pp_get_param");
+            a.set_param_text = (int (*)(const char *, const char *)) dlsym(h, "ggml_backend_sched_pp_set_param_text");
+            a.get_param_text = (int (*)(const char *, char *, size_t)) dlsym(h, "ggml_backend_sched_pp_get_param_text");
             a.stats_json  = (size_t (*)(ggml_backend_sched_t, char *, size_t)) dlsym(h, "ggml_backend_sched_pp_stats_json");
             a.reset_stats = (void (*)(ggml_backend_sched_t)) dlsym(h, "ggml_backend_sched_pp_reset_stats");
             a.param_info  = (const char * (*)(int, int64_t *, const char **)) dlsym(h, "ggml_backend_sched_pp_param_info");
@@ -1076,6 +1080,25 @@ PP_EXPORT int pp_ext_set_param(const char * name, int64_t value) {
         return fail(PP_ERR_ARG, std::string("switch ") + name + "=" + std::to_string(value) + " is out of range; accepted: " + accepted);
     }
     return rc == 0 ? PP_OK : fail(PP_ERR_ARG, std::string("unknown switch ") + (name ? name : "(null)"));
+}
+
+PP_EXPORT int pp_ext_set_param_text(const char * name, const char * text) {
+    if (!ext().set_param_text) {
+        return fail(PP_ERR_UNSUPPORTED, std::string("the ") + PP_VARIANT + " build has no switches by text");
+    }
+    const int rc = ext().set_param_text(name, text);
+    if (rc == -2) {
+        return fail(PP_ERR_ARG, std::string("switch ") + name + "=" + (text ? text : "(null)") +
+                    " is not accepted (out of range, not an integer, or a list for a switch of one value): see pyllama-pp info");
+    }
+    return rc == 0 ? PP_OK : fail(PP_ERR_ARG, std::string("unknown switch ") + (name ? name : "(null)"));
+}
+
+PP_EXPORT int pp_ext_get_param_text(const char * name, char * buf, size_t buf_size) {
+    if (!ext().get_param_text) {
+        return fail(PP_ERR_UNSUPPORTED, std::string("the ") + PP_VARIANT + " build has no switches by text");
+    }
+    return ext().get_param_text(name, buf, buf_size) >= 0 ? PP_OK : fail(PP_ERR_ARG, std::string("unknown switch ") + (name ? name : "(null)"));
 }
 
 PP_EXPORT int pp_ext_param_spec(int i, char * type, size_t type_size, int64_t * def, int64_t * min, int64_t * max,

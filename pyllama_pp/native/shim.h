@@ -235,9 +235,12 @@ int pp_ext_version(void);
 int pp_ext_get_stats_json(pp_context * ctx, char * buf, size_t buf_size);
 int pp_ext_set_param(const char * name, int64_t value);
 int pp_ext_get_param(const char * name, int64_t * value);
+// ... as text: an integer, or for a switch of type "ints" a comma list of one value per device too ("-2,-4")
+int pp_ext_set_param_text(const char * name, const char * text);
+int pp_ext_get_param_text(const char * name, char * buf, size_t buf_size);
 // the i-th switch (0-based): name, current value, meaning; PP_ERR_ARG past the last one
 int pp_ext_param_info(int i, char * name, size_t name_size, int64_t * value, char * desc, size_t desc_size);
-// ... its type ("bool" or "int"), default and accepted range [min, max]; `values` gets the accepted values where not
+// ... its type ("bool", "int" or "ints": an int or one per device), default and accepted range [min, max]; `values` gets the accepted values where not
 // every value in the range is accepted ("0,2"), else ""
 int pp_ext_param_spec(int i, char * type, size_t type_size, int64_t * def, int64_t * min, int64_t * max,
                       char * values, size_t values_size);

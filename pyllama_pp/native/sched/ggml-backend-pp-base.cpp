@@ -172,7 +172,9 @@ void ggml_backend_sched_pp_early_wait(ggml_backend_sched_t sched, int backend_id
     }
 }
 
-enum ggml_sched_pp_type { GGML_SCHED_PP_BOOL, GGML_SCHED_PP_INT };
+// a switch's type: bool (0 or 1), int, or ints - one int for every device, or a comma list of one per device of the
+// scheduler in its order (each entry in the switch's range; devices past the list take 0)
+enum ggml_sched_pp_type { GGML_SCHED_PP_BOOL, GGML_SCHED_PP_INT, GGML_SCHED_PP_INTS };
 
 struct ggml_sched_pp_param {
     const char *         name;    // GGML_SCHED_PP_<name>
@@ -181,13 +183,20 @@ struct ggml_sched_pp_param {
     int64_t              min;     // accepted range [min, max] ...
     int64_t              max;
     const char *         values;  // ... and, where not every value in it is accepted, the accepted ones ("0,2")
-    int64_t ggml_sched_pp_cfg::* field; // where a scheduler reads it (nullptr: llama reads it by name)
+    int64_t ggml_sched_pp_cfg::* field; // where a scheduler reads it (nullptr: llama reads it by name; ints: the first
+                                        // device's value that is not 0, else 0)
     const char *         help;    // one line: what it does
-    int64_t              value;   // current value (environment, then ggml_backend_sched_pp_set_param)
+    int64_t              value;   // current value (environment, then ggml_backend_sched_pp_set_param; ints: of every
+                                  // device, 0 while a list is set)
+    int64_t (ggml_sched_pp_cfg::* per_device)[GGML_SCHED_MAX_BACKENDS]; // ints: where a scheduler reads each device's
+    int                  n_list;  // ints: entries of the list set (0: `value` for every device)
+    int64_t              list[GGML_SCHED_MAX_BACKENDS];
 };
 
 #define GGML_SCHED_PP_ROW(name, type, def, min, max, values, field, help) \
-    { name, type, def, min, max, values, field, help, def }
+    { name, type, def, min, max, values, field, help, def, nullptr, 0, {} }
+#define GGML_SCHED_PP_INTS_ROW(name, def, min, max, field, per_device, help) \
+    { name, GGML_SCHED_PP_INTS, def, min, max, nullptr, field, help, def, per_device, 0, {} }
 
 // The switch table: one off-switch per mechanism and the tuning knobs. Defaults: every patched behaviour on, except
 // the opt-in PREFETCH=2 and LAYER_MAJOR (off until measured on a GPU). Thresholds in tokens x experts used per token
@@ -224,8 +233,8 @@ static ggml_sched_pp_param ggml_sched_pp_params[] = {
         "PREFETCH=2 acts only on graphs whose largest expert op routes at least this many tokens (below: PREFETCH=1)"),
     GGML_SCHED_PP_ROW("RPC_HOST", GGML_SCHED_PP_BOOL, 1, 0, 1, nullptr, nullptr,
         "host weights of a layer on an RPC device are kept in its server's host memory and copied in by its device there (llama; a server of the patched protocol 7.1); 0: in this host's RAM, as upstream"),
-    GGML_SCHED_PP_ROW("EXPERT_CACHE", GGML_SCHED_PP_INT, 0, -65536, INT32_MAX, nullptr, &ggml_sched_pp_cfg::expert_cache,
-        "MiB of expert slots per device (-N: N slots per layer): an expert op on host weights below op offload's threshold (decode) runs on its layer's device, reading the experts from a per-layer LRU of slots there, not on the CPU (0: off)"),
+    GGML_SCHED_PP_INTS_ROW("EXPERT_CACHE", 0, -65536, INT32_MAX, &ggml_sched_pp_cfg::expert_cache, &ggml_sched_pp_cfg::expert_cache_dev,
+        "MiB of expert slots per device (-N: N slots per layer; a comma list: one value per device, in the scheduler's order, e.g. -2,-4): an expert op on host weights below op offload's threshold (decode) runs on its layer's device, reading the experts from a per-layer LRU of slots there, not on the CPU (0: off)"),
     GGML_SCHED_PP_ROW("EXPERT_CACHE_MIN_HIT", GGML_SCHED_PP_INT, 30, 0, 100, nullptr, &ggml_sched_pp_cfg::expert_cache_min_hit,
         "with EXPERT_CACHE: percent of hits below which a layer's expert ops go back to the CPU, judged by a shadow of its slots over its last 32 tokens, until it hits this + 10 again (0: never)"),
     GGML_SCHED_PP_ROW("EXPERT_HYBRID", GGML_SCHED_PP_INT, 0, 0, 100000, nullptr, &ggml_sched_pp_cfg::expert_hybrid,
@@ -267,7 +276,70 @@ static std::string ggml_sched_pp_accepted(const ggml_sched_pp_param & p) {
     if (p.type == GGML_SCHED_PP_BOOL) {
         return "0 or 1";
     }
-    return std::to_string(p.min) + ".." + std::to_string(p.max);
+    const std::string range = std::to_string(p.min) + ".." + std::to_string(p.max);
+    return p.type == GGML_SCHED_PP_INTS ? range + ", or a comma list of those, one per device (at most " +
+                                          std::to_string(GGML_SCHED_MAX_BACKENDS - 1) + ")" : range;
+}
+
+// A switch's value as text: an integer, or for ints a comma list too. False with why (e.g. "out of range") where p
+// does not accept it; else the value, and for a list of two or more entries the entries.
+static bool ggml_sched_pp_parse(const ggml_sched_pp_param & p, const char * text, int64_t * value,
+                                std::vector<int64_t> * list, std::string * why) {
+    list->clear();
+    const char * c = text;
+    for (;;) {
+        char * end = nullptr;
+        errno = 0;
+        const long long x = strtoll(c, &end, 10);
+        while (end != nullptr && (*end == ' ' || *end == '\t')) {
+            end++;
+        }
+        if (*c == '\0' || end == c || errno != 0 || (*end != '\0' && *end != ',')) {
+            *why = p.type == GGML_SCHED_PP_INTS ? "not an integer or a comma list of integers" : "not an integer";
+            return false;
+        }
+        if (!ggml_sched_pp_accepts(p, x)) {
+            *why = "out of range";
+            return false;
+        }
+        list->push_back(x);
+        if (*end == '\0') {
+            break;
+        }
+        if (p.type != GGML_SCHED_PP_INTS) {
+            *why = "not an integer";
+            return false;
+        }
+        c = end + 1;
+    }
+    if (list->size() > GGML_SCHED_MAX_BACKENDS - 1) {
+        *why = "more values than devices a scheduler takes";
+        return false;
+    }
+    *value = list->size() == 1 ? list->front() : 0;
+    if (list->size() == 1) {
+        list->clear();
+    }
+    return true;
+}
+
+// sets an accepted value: one for every device (an empty list), or one per device
+static void ggml_sched_pp_assign(ggml_sched_pp_param & p, int64_t value, const std::vector<int64_t> & list) {
+    p.value  = value;
+    p.n_list = (int) list.size();
+    std::copy(list.begin(), list.end(), p.list);
+}
+
+// a switch's current value as text (ints: the list where one is set)
+static std::string ggml_sched_pp_text(const ggml_sched_pp_param & p) {
+    if (p.n_list == 0) {
+        return std::to_string(p.value);
+    }
+    std::string out;
+    for (int i = 0; i < p.n_list; i++) {
+        out += (i ? "," : "") + std::to_string(p.list[i]);
+    }
+    return out;
 }
 
 static ggml_sched_pp_param * ggml_sched_pp_lookup(const char * name) {
@@ -310,20 +382,16 @@ static std::vector<std::string> ggml_sched_pp_scan_env(bool apply) {
             problems.push_back(std::string(prefix) + name + "=" + v + ": no such switch (known: " + known + ")");
             continue;
         }
-        char * end = nullptr;
-        errno = 0;
-        const long long x = strtoll(v, &end, 10);
-        while (end != nullptr && (*end == ' ' || *end == '\t')) {
-            end++;
-        }
-        const bool integer = *v != '\0' && end != v && end != nullptr && *end == '\0' && errno == 0;
-        if (!integer || !ggml_sched_pp_accepts(*p, x)) {
-            problems.push_back(std::string(prefix) + name + "=" + v + ": " + (integer ? "out of range" : "not an integer") +
+        int64_t x = 0;
+        std::vector<int64_t> list;
+        std::string why;
+        if (!ggml_sched_pp_parse(*p, v, &x, &list, &why)) {
+            problems.push_back(std::string(prefix) + name + "=" + v + ": " + why +
                                "; accepted: " + ggml_sched_pp_accepted(*p) + " (using the default, " + std::to_string(p->def) + ")");
             continue;
         }
         if (apply) {
-            p->value = x;
+            ggml_sched_pp_assign(*p, x, list);
         }
     }
     return problems;
@@ -360,8 +428,18 @@ void ggml_sched_pp_cfg_init(ggml_sched_pp_cfg * cfg) {
     ggml_sched_pp_params_init();
     ggml_sched_pp_log_problems(ggml_sched_pp_scan_env(/*apply =*/ false));
     for (int i = 0; i < ggml_sched_pp_n_params; i++) {
-        if (ggml_sched_pp_params[i].field != nullptr) {
-            cfg->*(ggml_sched_pp_params[i].field) = ggml_sched_pp_params[i].value;
+        const ggml_sched_pp_param & p = ggml_sched_pp_params[i];
+        int64_t value = p.value;
+        if (p.per_device != nullptr) {
+            for (int b = 0; b < GGML_SCHED_MAX_BACKENDS; b++) {
+                (cfg->*(p.per_device))[b] = p.n_list == 0 ? p.value : b < p.n_list ? p.list[b] : 0;
+            }
+            for (int b = p.n_list - 1; b >= 0; b--) {
+                value = p.list[b] != 0 ? p.list[b] : value;
+            }
+        }
+        if (p.field != nullptr) {
+            cfg->*(p.field) = value;
         }
     }
 }
@@ -381,8 +459,34 @@ int ggml_backend_sched_pp_set_param(const char * name, int64_t value) {
                        ggml_sched_pp_accepted(*p).c_str());
         return -2;
     }
-    p->value = value;
+    ggml_sched_pp_assign(*p, value, {});
     return 0;
+}
+
+int ggml_backend_sched_pp_set_param_text(const char * name, const char * text) {
+    ggml_sched_pp_param * p = ggml_sched_pp_find(name);
+    if (p == NULL) {
+        GGML_LOG_ERROR("%s: no switch %s\n", __func__, name ? name : "(null)");
+        return -1;
+    }
+    int64_t value = 0;
+    std::vector<int64_t> list;
+    std::string why;
+    if (text == NULL || !ggml_sched_pp_parse(*p, text, &value, &list, &why)) {
+        GGML_LOG_ERROR("%s: %s=%s is %s; accepted: %s\n", __func__, name, text ? text : "(null)",
+                       text ? why.c_str() : "missing", ggml_sched_pp_accepted(*p).c_str());
+        return -2;
+    }
+    ggml_sched_pp_assign(*p, value, list);
+    return 0;
+}
+
+int ggml_backend_sched_pp_get_param_text(const char * name, char * buf, size_t size) {
+    ggml_sched_pp_param * p = ggml_sched_pp_find(name);
+    if (p == NULL) {
+        return -1;
+    }
+    return snprintf(buf, size, "%s", ggml_sched_pp_text(*p).c_str());
 }
 
 int ggml_backend_sched_pp_get_param(const char * name, int64_t * value) {
@@ -446,7 +550,7 @@ const char * ggml_backend_sched_pp_param_spec(int i, const char ** type, int64_t
         return NULL;
     }
     const ggml_sched_pp_param & p = ggml_sched_pp_params[i];
-    if (type   != NULL) { *type   = p.type == GGML_SCHED_PP_BOOL ? "bool" : "int"; }
+    if (type   != NULL) { *type   = p.type == GGML_SCHED_PP_BOOL ? "bool" : p.type == GGML_SCHED_PP_INTS ? "ints" : "int"; }
     if (def    != NULL) { *def    = p.def; }
     if (min    != NULL) { *min    = p.min; }
     if (max    != NULL) { *max    = p.max; }
@@ -469,7 +573,9 @@ std::string ggml_sched_pp_params_json(void) {
     bool first = true;
     for (int i = 0; i < ggml_sched_pp_n_params; i++) {
         const ggml_sched_pp_param & p = ggml_sched_pp_params[i];
-        out += std::string(first ? "" : ",") + "\"" + p.name + "\":" + std::to_string(p.value);
+        // (a list: as a string of its entries)
+        const std::string v = p.n_list ? "\"" + ggml_sched_pp_text(p) + "\"" : std::to_string(p.value);
+        out += std::string(first ? "" : ",") + "\"" + p.name + "\":" + v;
         first = false;
     }
     out += "}";

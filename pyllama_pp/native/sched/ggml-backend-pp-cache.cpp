@@ -17,7 +17,11 @@
 //
 // The slots come from the device's buffer type, outside the graph allocator: EXPERT_CACHE=N gives each device N MiB,
 // split evenly over the layers whose expert ops it takes (as many slots per layer as fit, at most n_expert);
-// EXPERT_CACHE=-N gives each such layer N slots (at most n_expert), whatever memory that takes. An op whose batch
+// EXPERT_CACHE=-N gives each such layer N slots (at most n_expert), whatever memory that takes. A comma list gives each
+// device of the scheduler its own value in its order (EXPERT_CACHE=-2,-4: the first device 2 slots a layer, the second
+// 4; 0 or a device past the list: none there): unequal devices (memory, links, layers) each take their own. An RPC
+// device's value goes to its server (ggml_backend_sched_pp_cache_devices), whose scheduler of that device takes it.
+// An op whose batch
 // could use more experts than its layer has slots (tokens x experts per token, at most n_expert) stays on the CPU, as
 // does every op where the device has no room.
 //
@@ -66,6 +70,7 @@
 #include "ggml-backend-pp-impl.h"
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -252,13 +257,38 @@ struct ggml_sched_pp_cache {
 
 // whether the cache may take an expert op on `weight` run by backend `owner` (below op offload's threshold)
 static bool ggml_sched_pp_cache_may_take(ggml_backend_sched_t sched, const ggml_tensor * op, const ggml_tensor * weight, int owner) {
-    if (sched->pp_cfg.expert_cache == 0 || op->op != GGML_OP_MUL_MAT_ID || op->src[0] != weight ||
+    if (owner < 0 || sched->pp_cfg.expert_cache_dev[owner] == 0 || op->op != GGML_OP_MUL_MAT_ID || op->src[0] != weight ||
         weight->view_src != nullptr || weight->data == nullptr || !ggml_is_contiguous(weight) ||
         op->src[2] == nullptr || op->src[2]->type != GGML_TYPE_I32 || ggml_nelements(op) == 0) {
         return false; // (no data: a dry run that only measures)
     }
     return owner != -1 && ggml_backend_supports_op(sched->backends[owner], op) &&
            !ggml_backend_offload_op(sched->backends[owner], op);
+}
+
+// A new scheduler's devices (ggml_backend_sched_new, after the switches): a per-device list longer than its devices
+// is an error (logged; the extra values are ignored), and each RPC device's value goes to its server for the scheduler
+// it makes of that device (a list only: one value for every device goes with the backend, rpc_host_send_switches)
+void ggml_backend_sched_pp_cache_devices(ggml_backend_sched_t sched, ggml_backend_t * backends, int n_backends) {
+    char text[512];
+    if (ggml_backend_sched_pp_get_param_text("EXPERT_CACHE", text, sizeof(text)) < 0 || strchr(text, ',') == nullptr) {
+        return;
+    }
+    const int n_values = 1 + (int) std::count(text, text + strlen(text), ',');
+    if (n_values > n_backends - 1) {
+        GGML_LOG_ERROR("%s: EXPERT_CACHE=%s has %d values for the scheduler's %d devices: those past its last device "
+                       "are ignored\n", __func__, text, n_values, n_backends - 1);
+    }
+    for (int b = 0; b < n_backends - 1; b++) {
+        ggml_backend_dev_t dev = ggml_backend_get_device(backends[b]);
+        ggml_backend_reg_t reg = dev != nullptr ? ggml_backend_dev_backend_reg(dev) : nullptr;
+        auto send = reg != nullptr ? (bool (*)(ggml_backend_dev_t, const char *, int64_t))
+            ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_pp_device_switch") : nullptr;
+        if (send != nullptr && !send(dev, "EXPERT_CACHE", sched->pp_cfg.expert_cache_dev[b])) {
+            GGML_LOG_WARN("%s: the server of %s takes no per-device EXPERT_CACHE (an older one): its device caches "
+                          "nothing\n", __func__, ggml_backend_dev_name(dev));
+        }
+    }
 }
 
 static void ggml_sched_pp_cache_candidate(ggml_backend_sched_t sched, ggml_tensor * op, int owner, int fallback) {
@@ -329,7 +359,7 @@ static bool ggml_sched_pp_cache_alloc(ggml_backend_sched_t sched, int b, const s
                                       const std::vector<ggml_sched_pp_cache_weight *> & weights) {
     ggml_sched_pp_cache * c = sched->pp_cache;
     ggml_backend_buffer_type_t buft = sched->bufts[b];
-    const int64_t cfg    = sched->pp_cfg.expert_cache;
+    const int64_t cfg    = sched->pp_cfg.expert_cache_dev[b];
     const size_t  budget = cfg > 0 ? (size_t) cfg * 1024 * 1024 : SIZE_MAX; // (-N: N slots a layer, whatever they take)
     const size_t  left   = budget > c->bytes[b] ? budget - c->bytes[b] : 0;
 
@@ -390,7 +420,7 @@ static bool ggml_sched_pp_cache_alloc(ggml_backend_sched_t sched, int b, const s
         ggml_backend_buffer_t buf = fits ? ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft) : nullptr;
         if (buf == nullptr) {
             GGML_LOG_WARN("%s: no room for %zu bytes of expert slots on %s (EXPERT_CACHE=%lld): its expert ops stay on the CPU\n",
-                          __func__, need, ggml_backend_name(sched->backends[b]), (long long) sched->pp_cfg.expert_cache);
+                          __func__, need, ggml_backend_name(sched->backends[b]), (long long) cfg);
             ggml_free(ctx);
             for (auto * w : weights) {
                 w->slots = nullptr;

@@ -131,7 +131,8 @@ struct ggml_sched_pp_cfg {
     int64_t gather;               // GATHER
     int64_t prefetch;             // PREFETCH
     int64_t prefetch2_min_tokens; // PREFETCH2_MIN_TOKENS
-    int64_t expert_cache;         // EXPERT_CACHE
+    int64_t expert_cache;         // EXPERT_CACHE: not 0 where some device caches
+    int64_t expert_cache_dev[GGML_SCHED_MAX_BACKENDS]; // ... each backend's value (MiB; -N: N slots a layer; 0: none)
     int64_t expert_cache_min_hit; // EXPERT_CACHE_MIN_HIT
     int64_t expert_hybrid;        // EXPERT_HYBRID
 };
@@ -404,7 +405,8 @@ struct ggml_sched_pp_cache_swap {
 // llama_context, before the scheduler: llama_pp_overrides_allow_pp (GATE; llama-context.cpp) keeps pipelining
 //   with host weights; llama_layer_major::group_size (LAYER_MAJOR; llama-layer-major.cpp)
 // ggml_backend_sched_new: ggml_sched_pp_cfg_init (base: the switches), ggml_backend_sched_pp_scan_devices (pp: links,
-//   DIRECT's devices, each device's gather - find_gather, -gather), ggml_gallocr_pp_keep_plans
+//   DIRECT's devices, each device's gather - find_gather, -gather; EXPERT_CACHE's per-device values - cache_devices,
+//   -cache), ggml_gallocr_pp_keep_plans
 //   (ggml-alloc-pp-stable-reserve.c)
 // ggml_backend_sched_reserve (llama's sched_reserve) and ggml_backend_sched_alloc_graph (each graph):
 //   alloc_graph only, first: wait_input_events (-inputs)
@@ -571,6 +573,7 @@ void ggml_backend_sched_pp_after_split(ggml_backend_sched_t sched, int split_id)
 ggml_backend_event_t ggml_backend_sched_pp_after_event(ggml_backend_sched_t sched, const ggml_sched_pp_early * e, int split_id);
 
 // ggml-backend-pp-cache.cpp: EXPERT_CACHE
+void ggml_backend_sched_pp_cache_devices(ggml_backend_sched_t sched, ggml_backend_t * backends, int n_backends);
 int  ggml_backend_sched_pp_cache_backend(ggml_backend_sched_t sched, struct ggml_tensor * op, const struct ggml_tensor * weight);
 void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cgraph * graph);
 int  ggml_backend_sched_pp_cache_split(ggml_backend_sched_t sched, const struct ggml_tensor * node);

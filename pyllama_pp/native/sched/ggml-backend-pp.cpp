@@ -23,6 +23,7 @@ static const char * ggml_sched_pp_wait_names[GGML_SCHED_PP_WAIT_COUNT] = {
 // virtual devices of one GPU (GGML_CUDA_DEVICES) carry it with a "-v<N>" suffix; a GPU without an id counts as
 // a link of its own. GPUs behind one PCIe switch uplink have different ids: set LINKS for them.
 int ggml_backend_sched_pp_scan_devices(ggml_backend_sched_t sched, ggml_backend_t * backends, int n_backends) {
+    ggml_backend_sched_pp_cache_devices(sched, backends, n_backends);
     int n_stages = 0;
     sched->pp_n_links = (int) sched->pp_cfg.links;
     const bool auto_links = sched->pp_n_links <= 0;

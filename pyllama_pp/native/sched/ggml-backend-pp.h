@@ -25,11 +25,16 @@ GGML_API int ggml_backend_sched_pp_ext_version(void);
 // A scheduler reads the switches once, when it is created: a change applies to schedulers created after it.
 GGML_API int ggml_backend_sched_pp_set_param(const char * name, int64_t value);
 GGML_API int ggml_backend_sched_pp_get_param(const char * name, int64_t * value);
+// ... as text: an integer, or for a switch of type "ints" (one value per device) a comma list too ("-2,-4": the
+// scheduler's first device -2, its second -4, the others 0; one integer: every device); get writes it like snprintf
+// (with a list set, get_param reads 0 and get_param_text the list)
+GGML_API int ggml_backend_sched_pp_set_param_text(const char * name, const char * text);
+GGML_API int ggml_backend_sched_pp_get_param_text(const char * name, char * buf, size_t size);
 // current value of a switch (an unknown name is logged as an error and reads as 0)
 GGML_API int64_t ggml_backend_sched_pp_param(const char * name);
 // the i-th switch (0-based): its name, current value and what it does; NULL past the last one
 GGML_API const char * ggml_backend_sched_pp_param_info(int i, int64_t * value, const char ** description);
-// ... its type ("bool" or "int"), default, accepted range [min, max] and, where not every value in the range is
+// ... its type ("bool", "int" or "ints": an int or a comma list of one per device), default, accepted range [min, max] and, where not every value in the range is
 // accepted, the accepted ones ("0,2"; else NULL)
 GGML_API const char * ggml_backend_sched_pp_param_spec(int i, const char ** type, int64_t * def, int64_t * min,
                                                        int64_t * max, const char ** values);

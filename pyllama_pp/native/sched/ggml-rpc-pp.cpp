@@ -76,6 +76,26 @@ void rpc_host_send_switches(const char * endpoint) {
     }
 }
 
+// EXPERT_CACHE per device: the client's value for an RPC device goes to its server under "NAME@D" (D: the server's
+// device), which the scheduler the server makes of that device takes over NAME; false where the server refuses it
+static bool ggml_backend_rpc_pp_device_switch(ggml_backend_dev_t dev, const char * name, int64_t value) {
+    std::string endpoint;
+    uint32_t    device = 0;
+    if (!rpc_host_dev_endpoint(dev, &endpoint, &device)) {
+        return false;
+    }
+    const rpc_host_conn conn = rpc_host_connect(endpoint.c_str());
+    if (!rpc_host_server_caches(conn)) {
+        return true;   // (no cache there to set)
+    }
+    auto request = std::make_shared<rpc_host_msg_set_switch_req>();
+    snprintf(request->name, sizeof(request->name), "%s@%u", name, device);
+    request->value = value;
+    rpc_host_msg_set_switch_rsp response;
+    conn.send(RPC_HOST_CMD_SET_HOST_SWITCH, request, sizeof(*request), &response, sizeof(response));
+    return response.result != 0;
+}
+
 bool ggml_backend_rpc_dev_host_memory(ggml_backend_dev_t dev, size_t * free, size_t * total) {
     std::string endpoint;
     uint32_t    device = 0;
@@ -264,38 +284,62 @@ void rpc_server_host::forget(ggml_backend_buffer_t buffer) {
 }
 
 bool rpc_server_host::set_switch(const char * name, int64_t value) {
-    int64_t old = 0;
-    if (ggml_backend_sched_pp_get_param(name, &old) != 0) {
+    // NAME, or NAME@D: NAME's value for the scheduler of device D only (a per-device EXPERT_CACHE)
+    const std::string full = name;
+    const std::string base = full.substr(0, full.find('@'));
+    char old[512];
+    if (ggml_backend_sched_pp_get_param_text(base.c_str(), old, sizeof(old)) < 0) {
         return false;
     }
-    if (ggml_backend_sched_pp_set_param(name, value) != 0) {   // (a value it refuses is logged)
+    if (ggml_backend_sched_pp_set_param(base.c_str(), value) != 0) {   // (a value it refuses is logged)
         return false;
     }
-    ggml_backend_sched_pp_set_param(name, old);
-    auto it = std::find_if(switches.begin(), switches.end(), [&](const auto & sw) { return sw.first == name; });
+    ggml_backend_sched_pp_set_param_text(base.c_str(), old);
+    bool changed = false;
+    if (full == base) {   // (one value for every device: the per-device ones go)
+        const size_t n = switches.size();
+        switches.erase(std::remove_if(switches.begin(), switches.end(),
+                                      [&](const auto & sw) { return sw.first.rfind(base + "@", 0) == 0; }), switches.end());
+        changed = switches.size() != n;
+    }
+    auto it = std::find_if(switches.begin(), switches.end(), [&](const auto & sw) { return sw.first == full; });
     if (it == switches.end()) {
-        switches.emplace_back(name, value);
+        switches.emplace_back(full, value);
+        changed = changed || full != base;
     } else if (it->second != value) {
         it->second = value;
+        changed = true;
+    }
+    if (changed) {
         free_scheds();   // (the next graph makes a scheduler with the new value)
     }
     return true;
 }
 
-// a scheduler over the device and the host device, with the client's switches: a scheduler reads the switch table
-// when it is made, so they are set around that (a server serves one client at a time) and set back
-ggml_backend_sched_t rpc_server_host::new_sched(ggml_backend_t device, size_t size) const {
-    std::vector<int64_t> own(switches.size());
-    for (size_t i = 0; i < switches.size(); i++) {
-        ggml_backend_sched_pp_get_param(switches[i].first.c_str(), &own[i]);
-        ggml_backend_sched_pp_set_param(switches[i].first.c_str(), switches[i].second);
+// a scheduler over devices[device] and the host device, with the client's switches (NAME@device over NAME): a
+// scheduler reads the switch table when it is made, so they are set around that (a server serves one client at a time)
+// and set back
+ggml_backend_sched_t rpc_server_host::new_sched(uint32_t device, size_t size) const {
+    const std::string suffix = "@" + std::to_string(device);
+    std::vector<std::pair<std::string, std::string>> own;   // (switch, its value before), in the order set
+    for (size_t pass = 0; pass < 2; pass++) {   // (NAME first, then NAME@device over it)
+        for (const auto & [name, value] : switches) {
+            const size_t at = name.find('@');
+            if ((pass == 0) != (at == std::string::npos) || (at != std::string::npos && name.substr(at) != suffix)) {
+                continue;
+            }
+            char text[512];
+            ggml_backend_sched_pp_get_param_text(name.substr(0, at).c_str(), text, sizeof(text));
+            own.emplace_back(name.substr(0, at), text);
+            ggml_backend_sched_pp_set_param(name.substr(0, at).c_str(), value);
+        }
     }
-    ggml_backend_t pair[2] = { device, backend };
+    ggml_backend_t pair[2] = { sched_devices[device], backend };
     // (parallel: the series' mechanisms that act while pipelining - one transient copy per host weight, the
     // next split's copy beside compute - act on the server's own device as on a local one)
     ggml_backend_sched_t sched = ggml_backend_sched_new(pair, nullptr, 2, size, true, true);
-    for (size_t i = 0; i < switches.size(); i++) {
-        ggml_backend_sched_pp_set_param(switches[i].first.c_str(), own[i]);
+    for (auto it = own.rbegin(); it != own.rend(); ++it) {   // (back in reverse: each to what was there before it)
+        ggml_backend_sched_pp_set_param_text(it->first.c_str(), it->second.c_str());
     }
     return sched;
 }
@@ -341,7 +385,7 @@ bool rpc_server_host::compute(const std::vector<ggml_backend_t> & devices, uint3
         if (scheds[device] != nullptr) {
             retire(device);
         }
-        scheds[device] = new_sched(devices[device], need);
+        scheds[device] = new_sched(device, need);
         sched_sizes[device] = need;
     }
     ggml_backend_sched_reset(scheds[device]);
@@ -448,6 +492,9 @@ void * rpc_host_proc_address(const char * name) {
     }
     if (std::strcmp(name, "ggml_backend_rpc_host_cache_counts") == 0) {
         return (void *)ggml_backend_rpc_host_cache_counts;
+    }
+    if (std::strcmp(name, "ggml_backend_rpc_pp_device_switch") == 0) {
+        return (void *)ggml_backend_rpc_pp_device_switch;
     }
     return NULL;
 }

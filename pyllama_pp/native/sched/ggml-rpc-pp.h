@@ -110,7 +110,8 @@ struct rpc_server_host {
     std::vector<size_t> sched_sizes;
     std::vector<uint64_t> sched_bytes_before;   // host-weight bytes moved to each device by its schedulers freed so far
     std::vector<ggml_backend_pp_cache_counts> sched_cache_before;   // ... and their expert caches' counters
-    // the client's switches (RPC_CMD_SET_HOST_SWITCH) over this process's, for the schedulers made from now
+    // the client's switches (RPC_CMD_SET_HOST_SWITCH) over this process's, for the schedulers made from now (NAME@D:
+    // device D's over NAME)
     std::vector<std::pair<std::string, int64_t>> switches;
 
     ~rpc_server_host();
@@ -126,8 +127,9 @@ struct rpc_server_host {
     ggml_backend_buffer_t alloc(ggml_backend_t device, uint64_t size);
     // before a buffer of the server is freed (a host buffer's: the schedulers go first, whose caches hold its experts)
     void forget(ggml_backend_buffer_t buffer);
-    // a switch of the client for the schedulers made from now (those made before go where its value changes); false
-    // for a name or value the switch table refuses
+    // a switch of the client for the schedulers made from now (those made before go where its value changes): NAME for
+    // every device (its per-device values go), or NAME@D for device D's only (EXPERT_CACHE's list); false for a name
+    // or value the switch table refuses
     bool set_switch(const char * name, int64_t value);
     // whether a graph with these tensors reads a host buffer
     bool reads(const std::unordered_map<uint64_t, ggml_tensor *> & tensors) const;
@@ -143,7 +145,7 @@ struct rpc_server_host {
     void free_scheds();
 
 private:
-    ggml_backend_sched_t new_sched(ggml_backend_t device, size_t size) const;
+    ggml_backend_sched_t new_sched(uint32_t device, size_t size) const;
     void retire(uint32_t device);
     std::vector<ggml_backend_t> sched_devices;   // the device of each scheduler
 };

@@ -8,6 +8,7 @@ from ...errors import ConfigError
 from ...jobs import Job
 from ...plan import Plan
 from ...session import Session
+from ...switches import value_of
 
 
 def open_session(job: Job) -> Session:
@@ -53,9 +54,14 @@ def switch_table(native: binding.Native) -> list[dict]:
             break
         native.check(native.lib.pp_ext_param_spec(i, typ, 16, dflt, lo, hi, values, 64))
         accepted = [int(v) for v in native.str(values).split(",") if v]
+        value = int(val[0])
+        if native.str(typ) == "ints":   # (one value per device: a list reads as its text, "-2,-4")
+            text = ffi.new("char[512]")
+            native.check(native.lib.pp_ext_get_param_text(name, text, 512))
+            value = value_of(native.str(text))
         switches.append({"name": native.str(name), "type": native.str(typ), "default": int(dflt[0]),
                          "min": int(lo[0]), "max": int(hi[0]), "values": accepted or None,
-                         "meaning": native.str(desc), "value": int(val[0])})
+                         "meaning": native.str(desc), "value": value})
     return switches
 
 
