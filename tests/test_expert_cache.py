@@ -40,6 +40,12 @@ def totals(ext: dict) -> dict:
     return {k: sum(b[k] for b in ext["backends"]) for k in keys}
 
 
+def expert_ops_per_layer(cfg: synth.SynthConfig) -> int:
+    """The expert ops of a MoE layer that read its slots: gate, up and down (MUL_MAT_ID), and for gpt-oss the ADD_ID
+    of each one's expert biases."""
+    return 6 if cfg.arch == "gpt-oss" else 3
+
+
 def expert_bytes_of_layer(cfg: synth.SynthConfig) -> int:
     """One expert of one layer in all its weights (gate, up, down)."""
     return synth.expert_bytes_per_layer(cfg) // cfg.n_expert
@@ -84,7 +90,54 @@ def test_decode_logits_equal_the_baseline_in_every_family(tmp_path_factory, asse
     p = _decode(runner, "patched", cache(64), n_tokens=6)
     assert_logits_match(p["logits"], b["logits"], name)
     moe_layers = cfg.n_layer - cfg.n_layer_dense_lead
-    assert totals(p["ext"])["cache_ops"] == 3 * moe_layers * 6
+    assert totals(p["ext"])["cache_ops"] == expert_ops_per_layer(cfg) * moe_layers * 6
+
+
+# --- gpt-oss's expert biases -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gptoss(tmp_path_factory):
+    """The tiny gpt-oss (MXFP4 experts with biases) and its runner."""
+    from conftest import JobRunner
+    path = synth.cached_model(tmp_path_factory.getbasetemp() / "families", "gptoss-tiny", seed=1)
+    return synth.preset("gptoss-tiny", seed=1), JobRunner(str(path), tmp_path_factory.mktemp("gptoss-biases"))
+
+
+def test_gptoss_expert_biases_read_the_slots(runner, gptoss, assert_logits_match):
+    """gpt-oss adds a row of a host bias [n, n_expert] to each selection after each expert op (ADD_ID, routed by the
+    layer's ids): the biases are weights of the layer's slot map too, so its whole expert FFN runs on the device. Six
+    ops a layer and token read the slots; its decode graph has as many splits as the tiny qwen3moe's (6 layers too;
+    ADD_IDs left on the CPU split each layer three more times); a miss uploads its expert's bias rows with its
+    weights; the logits are the baseline's."""
+    cfg, oss = gptoss
+    b = _decode(oss, "baseline", n_tokens=6)
+    p = _decode(oss, "patched", cache(-8), n_tokens=6)
+    assert_logits_match(p["logits"], b["logits"], "gpt-oss, 8 slots")
+    t = totals(p["ext"])
+    assert t["cache_ops"] == 6 * cfg.n_layer * 6
+    assert t["cache_hits"] + t["cache_misses"] == cfg.n_layer * 6 * cfg.n_expert_used
+    assert p["ext"]["n_splits"] == _decode(runner, "patched", cache(-2))["ext"]["n_splits"]
+    bias_bytes = 4 * (2 * cfg.n_ff_exp + cfg.n_embd)   # F32 rows of the gate, up and down biases
+    assert t["cache_bytes"] == t["cache_misses"] * (expert_bytes_of_layer(cfg) + bias_bytes)
+
+
+@pytest.mark.parametrize("n_ubatch", [1, 2])
+def test_gptoss_misses_split_with_the_cpu(gptoss, assert_logits_match, n_ubatch):
+    """EXPERT_HYBRID on gpt-oss: its FFN is one split on the device, so the host CPU computes its share of the misses
+    (its clone of the FFN adds the biases from host memory); the logits are the baseline's and the cache's alone."""
+    cfg, oss = gptoss
+    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": {"n_ctx": 64, "n_batch": n_ubatch, "n_ubatch": n_ubatch},
+          "n_tokens": 6}
+    b = oss.logits("baseline", **kw)
+    alone = oss.logits("patched", env=cache(-8), **kw)
+    p = oss.logits("patched", env={**cache(-8), "GGML_SCHED_PP_EXPERT_HYBRID": 100}, **kw)
+    assert_logits_match(p["logits"], b["logits"], f"gpt-oss, EXPERT_HYBRID=100, ub{n_ubatch}")
+    assert np.array_equal(p["logits"], alone["logits"])
+    t = totals(p["ext"])
+    cpu = sum(x["cache_cpu_misses"] for x in p["ext"]["backends"])
+    assert t["cache_ops"] == 6 * cfg.n_layer * 6 // n_ubatch
+    assert 0 < cpu < t["cache_misses"]
+    assert sum(x["cache_hybrid_layers"] for x in p["ext"]["backends"]) > 0
 
 
 def two_servers(variant: str):

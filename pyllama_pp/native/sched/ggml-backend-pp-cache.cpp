@@ -4,11 +4,15 @@
 // expert op on a host weight runs on the host CPU, so a generated token runs at the CPU's expert-matmul speed. With
 // EXPERT_CACHE=MiB the op runs on the device that owns its layer instead, reading the experts from slots in that
 // device's memory: per layer, a slot map shared by the layer's expert weights (gate, up, down: the ops that route by
-// one ids tensor), per weight a tensor of n_slots experts. Before the op's split is submitted the scheduler reads the
-// routing ids back, looks each id up in the layer's slots, uploads the missed experts' bytes from the host weight into
-// their slots on the device's own stream (so a slot is rewritten only after every graph queued before has read it),
-// writes the slot numbers as the op's ids and points the op at the slots - no copy of the whole weight. Only the
-// generic backend API is used (async sets, a readback), so CUDA, VDEV and RPC devices work alike.
+// one ids tensor), per weight a tensor of n_slots experts. A model's expert biases are such weights too (gpt-oss:
+// ADD_ID adds row ids[k] of a host [n, n_expert] bias to each selection, routed by the same ids): their ADD_ID ops
+// read the layer's slots as its MUL_MAT_IDs do (a bias's rows uploaded with the missed experts into a slot tensor of
+// [n, n_slots], the slot numbers as their ids), so the layer's whole expert FFN runs on its device - left on the CPU,
+// they would cost two copies of the activations a bias and split the FFN. Before the op's split is submitted the
+// scheduler reads the routing ids back, looks each id up in the layer's slots, uploads the missed experts' bytes from
+// the host weight into their slots on the device's own stream (so a slot is rewritten only after every graph queued
+// before has read it), writes the slot numbers as the op's ids and points the op at the slots - no copy of the whole
+// weight. Only the generic backend API is used (async sets, a readback), so CUDA, VDEV and RPC devices work alike.
 //
 // An RPC server's scheduler (ggml-rpc-pp.cpp) keeps every op on the device that holds its result, so its expert ops
 // on the host weights it keeps never reach pass 1: it hands them over (ggml_backend_sched_pp_cache_assigned), and one
@@ -63,8 +67,9 @@
 // the CPU's selections too, from a slot the token reads anyway, and the CPU's rows of the last expert op (one per
 // (token, selection): nothing to sum) are then written over them on the device's stream, token-major, in top-k order,
 // before the next split reads them. The rest of the layer (routing weights, the sum over the selections) runs on the
-// device as without it. Where the FFN is not one split on its device (gpt-oss's expert biases run on the CPU between
-// its expert ops) or an eval callback runs the splits in parts, the layer keeps the cache alone. Counters per device:
+// device as without it. Where the FFN is not one split on its device (an ADD_ID that op offload takes - its rows are
+// tokens x selections: gpt-oss's from 8 tokens - runs there with its bias copied in, which starts a split) or an eval
+// callback runs the splits in parts, the layer keeps the cache alone. Counters per device:
 // cache_cpu_misses (misses the CPU computed; the link's are cache_misses less these), cache_hybrid_layers.
 
 #include "ggml-backend-pp-impl.h"
@@ -141,7 +146,8 @@ struct ggml_sched_pp_cache_lru {
 // one host expert weight and its slots on the device
 struct ggml_sched_pp_cache_weight {
     const ggml_tensor *  host  = nullptr;  // the host weight [.., .., n_expert] (as the graph planned last holds it)
-    ggml_tensor *        slots = nullptr;  // its experts on the device [.., .., n_slots] (nullptr: no room)
+    int                  dim   = 2;        // its dimension of experts (1: expert biases [.., n_expert], ADD_ID's)
+    ggml_tensor *        slots = nullptr;  // its experts on the device, n_slots in dimension dim (nullptr: no room)
     std::vector<int32_t> content;          // the expert each slot of `slots` holds (-1: none yet)
 };
 
@@ -255,9 +261,15 @@ struct ggml_sched_pp_cache {
     size_t   next_cpu     = 0;   // ... and its first CPU op whose split has not run
 };
 
+// the host weight of an expert op the cache may take (MUL_MAT_ID's experts, ADD_ID's expert biases)
+static ggml_tensor * ggml_sched_pp_cache_weight_of(const ggml_tensor * op) {
+    return op->src[ggml_sched_pp_expert_src(op)];
+}
+
 // whether the cache may take an expert op on `weight` run by backend `owner` (below op offload's threshold)
 static bool ggml_sched_pp_cache_may_take(ggml_backend_sched_t sched, const ggml_tensor * op, const ggml_tensor * weight, int owner) {
-    if (owner < 0 || sched->pp_cfg.expert_cache_dev[owner] == 0 || op->op != GGML_OP_MUL_MAT_ID || op->src[0] != weight ||
+    const int src = ggml_sched_pp_expert_src(op);
+    if (owner < 0 || sched->pp_cfg.expert_cache_dev[owner] == 0 || src < 0 || op->src[src] != weight ||
         weight->view_src != nullptr || weight->data == nullptr || !ggml_is_contiguous(weight) ||
         op->src[2] == nullptr || op->src[2]->type != GGML_TYPE_I32 || ggml_nelements(op) == 0) {
         return false; // (no data: a dry run that only measures)
@@ -316,7 +328,8 @@ int ggml_backend_sched_pp_cache_backend(ggml_backend_sched_t sched, struct ggml_
 // and the copy they would go back to moves no fewer bytes than the misses.
 void ggml_backend_sched_pp_cache_assigned(ggml_backend_sched_t sched, struct ggml_tensor * op, ggml_backend_t backend) {
     for (int b = 0; b < sched->n_backends - 1; b++) {
-        if (sched->backends[b] == backend && ggml_sched_pp_cache_may_take(sched, op, op->src[0], b)) {
+        if (sched->backends[b] == backend && ggml_sched_pp_expert_src(op) >= 0 &&
+            ggml_sched_pp_cache_may_take(sched, op, op->src[ggml_sched_pp_expert_src(op)], b)) {
             ggml_sched_pp_cache_candidate(sched, op, b, b);
         }
     }
@@ -369,7 +382,7 @@ static bool ggml_sched_pp_cache_alloc(ggml_backend_sched_t sched, int b, const s
     for (const auto * w : weights) {
         const ggml_sched_pp_cache_layer * l = c->layer_of.at(w->host->data);
         if (l->n_slots == 0) {
-            per_slot += w->host->nb[2];
+            per_slot += w->host->nb[w->dim];
         }
         other += ggml_backend_buft_get_alignment(buft) + GGML_BACKEND_PP_GATHER_TAIL;
     }
@@ -399,9 +412,12 @@ static bool ggml_sched_pp_cache_alloc(ggml_backend_sched_t sched, int b, const s
         }
         for (auto * w : weights) {
             const ggml_sched_pp_cache_layer * l = c->layer_of.at(w->host->data);
-            w->slots = ggml_new_tensor_4d(ctx, w->host->type, w->host->ne[0], w->host->ne[1], l->n_slots, 1);
+            int64_t ne[GGML_MAX_DIMS];
+            memcpy(ne, w->host->ne, sizeof(ne));
+            ne[w->dim] = l->n_slots;
+            w->slots = ggml_new_tensor(ctx, w->host->type, w->dim + 1, ne);
             ggml_format_name(w->slots, "%s (cache)", w->host->name);
-            GGML_ASSERT(w->slots->nb[2] == w->host->nb[2]);
+            GGML_ASSERT(w->slots->nb[w->dim] == w->host->nb[w->dim]);
         }
         for (auto * l : layers) {
             l->remap = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, l->n_used * GGML_SCHED_PP_CACHE_MAX_TOKENS);
@@ -579,7 +595,7 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
     // the layer of each op: its weight's, else that of the ops routed by the same ids, else a new one
     std::unordered_map<const ggml_tensor *, ggml_sched_pp_cache_layer *> layer_of_ids;
     for (const auto & [i, op] : cands) {
-        const auto it = c->layer_of.find(op->src[0]->data);
+        const auto it = c->layer_of.find(ggml_sched_pp_cache_weight_of(op)->data);
         if (it != c->layer_of.end()) {
             layer_of_ids.emplace(op->src[2], it->second);
         }
@@ -587,7 +603,7 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
     std::vector<ggml_sched_pp_cache_layer *>  new_layers[GGML_SCHED_MAX_BACKENDS];
     std::vector<ggml_sched_pp_cache_weight *> new_weights[GGML_SCHED_MAX_BACKENDS];
     for (const auto & [i, op] : cands) {
-        const ggml_tensor * w = op->src[0];
+        const ggml_tensor * w = ggml_sched_pp_cache_weight_of(op);
         if (c->layer_of.count(w->data)) {
             continue;
         }
@@ -597,7 +613,7 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
             l = c->layers.back().get();
             l->backend_id = owner_of.at(op).first;
             l->guarded    = owner_of.at(op).second == sched->n_backends - 1;
-            l->n_expert   = w->ne[2];
+            l->n_expert   = w->ne[ggml_sched_pp_expert_dim(op)];
             l->n_used     = op->src[2]->ne[0];
             new_layers[l->backend_id].push_back(l);
         }
@@ -605,6 +621,7 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
         auto & cw = c->weights[w->data];
         cw.reset(new ggml_sched_pp_cache_weight());
         cw->host = w;
+        cw->dim  = ggml_sched_pp_expert_dim(op);
         if (l->n_slots > 0 || std::find(new_layers[l->backend_id].begin(), new_layers[l->backend_id].end(), l) != new_layers[l->backend_id].end()) {
             new_weights[l->backend_id].push_back(cw.get());
         }
@@ -620,7 +637,7 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
     if (sched->pp_cfg.expert_hybrid > 0) {
         std::unordered_map<ggml_sched_pp_cache_layer *, std::vector<int>> layer_ops;
         for (const auto & [i, op] : cands) {
-            layer_ops[c->layer_of.at(op->src[0]->data)].push_back(i);
+            layer_ops[c->layer_of.at(ggml_sched_pp_cache_weight_of(op)->data)].push_back(i);
         }
         hybrid_fits = ggml_sched_pp_hybrid_plan(sched, graph, layer_ops);
     }
@@ -629,16 +646,17 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
     std::unordered_set<const ggml_tensor *> ids_seen;
     std::unordered_set<ggml_sched_pp_cache_layer *> not_hybrid; // (a layer with an op that does not read the slots)
     for (const auto & [i, op] : cands) {
-        ggml_sched_pp_cache_layer *  l = c->layer_of.at(op->src[0]->data);
-        ggml_sched_pp_cache_weight * w = c->weights.at(op->src[0]->data).get();
-        w->host = op->src[0];
+        ggml_tensor *                wt = ggml_sched_pp_cache_weight_of(op);
+        ggml_sched_pp_cache_layer *  l  = c->layer_of.at(wt->data);
+        ggml_sched_pp_cache_weight * w  = c->weights.at(wt->data).get();
+        w->host = wt;
         const ggml_tensor * ids = op->src[2];
         const int64_t need = std::min(ids->ne[0] * ids->ne[1], l->n_expert);
         const auto [owner, fallback] = owner_of.at(op);
-        ggml_sched_pp_expert_op x(GGML_SCHED_PP_AT_SPLIT, owner, op->src[0], ids, w->host->ne[2]);
+        ggml_sched_pp_expert_op x(GGML_SCHED_PP_AT_SPLIT, owner, wt, ids, w->host->ne[w->dim]);
         x.cache_fits         = w->slots != nullptr && l->n_slots >= need && l->backend_id == owner && ids->ne[0] == l->n_used &&
                                ids->ne[1] <= GGML_SCHED_PP_CACHE_MAX_TOKENS && ids->ne[2] == 1 && ids->ne[3] == 1 &&
-                               w->host->ne[2] == l->n_expert;
+                               w->host->ne[w->dim] == l->n_expert;
         x.cache_to_cpu       = l->to_cpu;
         x.cache_fallback_cpu = fallback == sched->n_backends - 1;
         x.cache_hybrid_fits  = hybrid_fits.count(l) > 0;
@@ -890,7 +908,7 @@ static bool ggml_sched_pp_hybrid_build(ggml_backend_sched_t sched, ggml_sched_pp
                 ggml_set_name(x.ids, "expert ids (cpu)");
                 ggml_set_input(x.ids);
             }
-            map[op.node->src[0]] = const_cast<ggml_tensor *>(op.weight->host); // (read only)
+            map[ggml_sched_pp_cache_weight_of(op.node)] = const_cast<ggml_tensor *>(op.weight->host); // (read only)
             map[op.node->src[2]] = x.ids;
         }
     }
@@ -1069,7 +1087,7 @@ void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_i
                 GGML_ABORT("%s: no host memory for the CPU's share of a layer's misses (EXPERT_HYBRID)", __func__);
             }
         }
-        const size_t expert_size = w->host->nb[2];
+        const size_t expert_size = w->host->nb[w->dim];
         for (const auto & [e, s] : l->used) {
             if (w->content[s] != e) {
                 // (from pageable memory, an mmap-ed model, through the staging slots: STAGING)

@@ -381,19 +381,30 @@ struct ggml_sched_pp_early {
     bool                 unusable  = false;
 };
 
+// EXPERT_CACHE: an op whose source holds per-expert rows routed by its ids (src[2]): MUL_MAT_ID's weight (src[0],
+// [.., .., n_expert]) or ADD_ID's expert biases (src[1], [.., n_expert]: gpt-oss); that source, -1 for other ops
+static inline int ggml_sched_pp_expert_src(const struct ggml_tensor * op) {
+    return op->op == GGML_OP_MUL_MAT_ID ? 0 : op->op == GGML_OP_ADD_ID ? 1 : -1;
+}
+// ... the dimension of that source that counts its experts
+static inline int ggml_sched_pp_expert_dim(const struct ggml_tensor * op) {
+    return op->op == GGML_OP_ADD_ID ? 1 : 2;
+}
+
 // EXPERT_CACHE: expert ops pointed at their device's expert slots while their split is submitted (kernel arguments
 // are taken at submission), restored afterwards, so the graph keeps its own sources for the next compute
 struct ggml_sched_pp_cache_swap {
-    std::vector<struct ggml_tensor *> node, src0, src2;
-    void add(struct ggml_tensor * n, struct ggml_tensor * slots, struct ggml_tensor * ids) {
-        node.push_back(n); src0.push_back(n->src[0]); src2.push_back(n->src[2]);
-        n->src[0] = slots;
-        n->src[2] = ids;
+    std::vector<struct ggml_tensor *> node, weight, ids;
+    void add(struct ggml_tensor * n, struct ggml_tensor * slots, struct ggml_tensor * slot_ids) {
+        const int w = ggml_sched_pp_expert_src(n);
+        node.push_back(n); weight.push_back(n->src[w]); ids.push_back(n->src[2]);
+        n->src[w] = slots;
+        n->src[2] = slot_ids;
     }
     ~ggml_sched_pp_cache_swap() {
         for (size_t i = 0; i < node.size(); i++) {
-            node[i]->src[0] = src0[i];
-            node[i]->src[2] = src2[i];
+            node[i]->src[ggml_sched_pp_expert_src(node[i])] = weight[i];
+            node[i]->src[2] = ids[i];
         }
     }
 };

@@ -406,10 +406,12 @@ bool rpc_server_host::compute(const std::vector<ggml_backend_t> & devices, uint3
             }
         }
     }
-    // EXPERT_CACHE: a small batch's expert ops on host weights read the device's slots of those experts
+    // EXPERT_CACHE: a small batch's expert ops on host weights read the device's slots of those experts (MUL_MAT_ID's
+    // experts, src[0], and ADD_ID's expert biases, src[1]: gpt-oss)
     for (int i = 0; i < graph->n_nodes; i++) {
         ggml_tensor * node = graph->nodes[i];
-        if (node->op == GGML_OP_MUL_MAT_ID && node->src[0] != nullptr && buffers.count(node->src[0]->buffer)) {
+        const int w = node->op == GGML_OP_MUL_MAT_ID ? 0 : node->op == GGML_OP_ADD_ID ? 1 : -1;
+        if (w >= 0 && node->src[w] != nullptr && buffers.count(node->src[w]->buffer)) {
             ggml_backend_sched_pp_cache_assigned(scheds[device], node, devices[device]);
         }
     }
