@@ -14,13 +14,15 @@ them. Per MoE layer:
   the link: the slower of the two counts, and the CPU's share costs HYBRID_FIXED_EXPERTS experts' CPU time more (its
   FFN's fixed part: the activations' round trip, the wait, the sum on the device).
 `cached_s` is measured with every lookup a hit (the device's compute, the routing ids read back, the slots' lookup),
+a miss at the lower of the link's rate and the one measured with the fewest slots (`miss_gbps`: an mmap-ed model's
+misses are copied into pinned staging first, which the link's rate leaves out),
 `cpu_s` at the run's thread count (the activations' round trip included), so the fixed costs a rate leaves out are in.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from .defaults import CONTEXT
 from .expert_cache_sim import link_share
@@ -45,6 +47,9 @@ class DecodeCosts:
         cached_s: one MoE layer with its experts read from the device's slots, every lookup a hit.
         threads: the host CPU threads cpu_s ran with.
         load_mode: the load mode cpu_s ran with ("none": pinned host weights; "mmap").
+        miss_gbps: what a miss costs on the cached path, as a rate: the bytes it copied into a slot over the seconds
+            it added (the copy, from pageable memory its staging, and what waits on them), measured with the fewest
+            slots; the link's rate counts where it is lower (None: not measured: the link's alone).
     """
 
     device: str
@@ -54,6 +59,18 @@ class DecodeCosts:
     cached_s: float
     threads: int = CONTEXT.n_threads
     load_mode: str = CONTEXT.load_mode
+    miss_gbps: Optional[float] = None
+
+    def miss_rate(self, link_gbps: float) -> float:
+        """The rate a token's misses go up at: the link's, or the measured miss_gbps where lower (a miss from an
+        mmap-ed model is copied into pinned staging first; the link's rate leaves that out).
+
+        Args:
+            link_gbps: the device's host link for the misses.
+        Returns:
+            GB/s.
+        """
+        return min(link_gbps, self.miss_gbps) if self.miss_gbps else link_gbps
 
     def to_dict(self) -> dict:
         """The costs as a plan's JSON holds them."""
@@ -69,7 +86,7 @@ class DecodeCosts:
         Returns:
             seconds.
         """
-        return self.cached_s + (1.0 - hit) * miss_bytes / (link_gbps * 1e9)
+        return self.cached_s + (1.0 - hit) * miss_bytes / (self.miss_rate(link_gbps) * 1e9)
 
     def break_even_hit(self, miss_bytes: float, link_gbps: float) -> float:
         """The hit rate above which a layer's cached path costs less than the CPU path: cached_s + (1 - h) miss = cpu_s
@@ -81,7 +98,7 @@ class DecodeCosts:
         Returns:
             h*.
         """
-        miss_s = miss_bytes / (link_gbps * 1e9)
+        miss_s = miss_bytes / (self.miss_rate(link_gbps) * 1e9)
         return 1.0 - (self.cpu_s - self.cached_s) / miss_s if miss_s > 0 else (0.0 if self.cached_s < self.cpu_s else 1.0)
 
     def hybrid_pct(self, miss_bytes: float, link_gbps: float) -> int:
@@ -94,7 +111,7 @@ class DecodeCosts:
         Returns:
             N (at least 1).
         """
-        return max(1, round(100 * miss_bytes / self.cpu_s / (link_gbps * 1e9))) if self.cpu_s > 0 else 1
+        return max(1, round(100 * miss_bytes / self.cpu_s / (self.miss_rate(link_gbps) * 1e9))) if self.cpu_s > 0 else 1
 
     def hybrid_layer_s(self, hit: float, miss_bytes: float, link_gbps: float, n_used: int, cpu_pct: int) -> float:
         """One host-expert layer's seconds a token on the cached path with EXPERT_HYBRID=cpu_pct: over the token's
@@ -109,7 +126,7 @@ class DecodeCosts:
         Returns:
             seconds.
         """
-        e_link, e_cpu = miss_bytes / n_used / (link_gbps * 1e9), self.cpu_s / n_used
+        e_link, e_cpu = miss_bytes / n_used / (self.miss_rate(link_gbps) * 1e9), self.cpu_s / n_used
         total = 0.0
         for m in range(1, n_used + 1):
             k = link_share(m, cpu_pct)

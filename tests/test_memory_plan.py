@@ -208,9 +208,45 @@ def test_the_decode_probe_measures_each_path_once(model, tmp_path, monkeypatch):
     c = costs[-1] if -1 in costs else costs[0]
     assert min(c.outside_s, c.resident_s, c.cpu_s, c.cached_s) >= 0 and c.outside_s + c.resident_s > 0
     assert c.threads == 1
-    assert c.load_mode == "none"
+    assert c.load_mode == "none" and c.miss_gbps is None   # (pinned: the link's measured rate prices the misses)
     monkeypatch.setattr(decode_probe, "run_job", lambda *a, **k: pytest.fail("measured again"))
     assert decode_probe.decode_costs(model, "vdev:1x0@4GBps", n_threads=1, reps=1) == costs
+
+
+def test_a_measured_miss_rate_below_the_links_prices_the_misses():
+    """An mmap-ed model's misses are copied into pinned staging before the link takes them: where the probe measured
+    them slower than the link (miss_gbps), a miss costs that, the break-even hit rate rises and the plan's decode
+    with a cache slows (on one H100, 16 slots a layer from an mmap-ed model: predicted 204 t/s at the link's 55 GB/s,
+    measured 70 against the CPU path's 128; the misses went up at about 13 GB/s)."""
+    from dataclasses import replace
+    miss, link = 40e6, 55.0
+    staged = replace(GPU_LIKE, miss_gbps=13.0)
+    assert staged.miss_rate(link) == 13.0 and GPU_LIKE.miss_rate(link) == link
+    assert replace(GPU_LIKE, miss_gbps=80.0).miss_rate(link) == link              # (the link bounds a fast copy)
+    assert staged.cached_layer_s(0.66, miss, link) == pytest.approx(8e-5 + 0.34 * miss / 13e9)
+    assert staged.break_even_hit(miss, link) > GPU_LIKE.break_even_hit(miss, link)
+    assert staged.hybrid_pct(miss, link) > GPU_LIKE.hybrid_pct(miss, link)        # (the CPU's share grows)
+    share = DecodeShare(0, 14, slots=16, hit=0.66, miss_bytes=miss, link_gbps=link)
+    fast, staged_s = token_seconds([GPU_LIKE], [share])[0], token_seconds([staged], [share])[0]
+    assert staged_s > fast
+
+
+def test_the_decode_probe_prices_a_miss_from_its_counters(monkeypatch):
+    """The fewest slots' run against the hits' run: the seconds a token added over the bytes its misses copied (the
+    counters are over the timed reps); nothing added or nothing moved: no rate (the link's counts)."""
+    from pyllama_pp import decode_probe
+    runs = []
+
+    def fake(model, spec, path, n_layers, n_expert, n_threads, load_mode, reps, timeout, slots=None):
+        runs.append((path, n_layers, slots))
+        per_token = 0.010 if slots else 0.002
+        moved = 3 * decode_probe.DECODE_TOKENS * 80e6 if slots else 0
+        return {"seconds": [per_token * decode_probe.DECODE_TOKENS] * 3,
+                "ext": {"backends": [{"name": "CUDA0", "cache_bytes": moved}, {"name": "CPU", "cache_bytes": 1}]}}
+    monkeypatch.setattr(decode_probe, "_run", fake)
+    rate = decode_probe._miss_gbps("m", "cuda:0", 10, 128, 8, 16, "mmap", 3, 60, cached_s=0.002)
+    assert rate == pytest.approx(80e6 / 0.008 / 1e9, rel=1e-3) and runs == [("cached", 10, 8)]
+    assert decode_probe._miss_gbps("m", "cuda:0", 10, 128, 8, 16, "mmap", 3, 60, cached_s=0.011) is None
 
 
 def test_ubatch_auto_weighs_the_memory_at_its_chosen_pair(model, monkeypatch):
