@@ -38,10 +38,21 @@ STATED_DECODE = DecodeCosts("stated: a device no faster than the host CPU", outs
                             cpu_s=5e-4, cached_s=6e-4)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _stated_decode_costs():
+    """The stated costs for the whole session (from its start: a module's fixture that plans runs before a test's
+    own fixtures would), the probe's own function put back around each test marked measured_decode."""
+    fit_module = sys.modules["pyllama_pp.fit"]
+    measured = fit_module.decode_costs
+    fit_module.decode_costs = lambda model, devices, **kw: {-1: STATED_DECODE}
+    yield measured
+    fit_module.decode_costs = measured
+
+
 @pytest.fixture(autouse=True)
-def _stated_decode_costs(request, monkeypatch):
-    if "measured_decode" not in request.keywords:
-        monkeypatch.setattr(sys.modules["pyllama_pp.fit"], "decode_costs", lambda model, devices, **kw: {-1: STATED_DECODE})
+def _measured_decode_costs(request, monkeypatch, _stated_decode_costs):
+    if "measured_decode" in request.keywords:
+        monkeypatch.setattr(sys.modules["pyllama_pp.fit"], "decode_costs", _stated_decode_costs)
 
 
 ROOT = Path(__file__).resolve().parents[1]
