@@ -14,8 +14,8 @@ them. Per MoE layer:
   the link: the slower of the two counts, and the CPU's share costs HYBRID_FIXED_EXPERTS experts' CPU time more (its
   FFN's fixed part: the activations' round trip, the wait, the sum on the device).
 `cached_s` is measured with every lookup a hit (the device's compute, the routing ids read back, the slots' lookup),
-a miss at the lower of the link's rate and the one measured with the fewest slots (`miss_gbps`: an mmap-ed model's
-misses are copied into pinned staging first, which the link's rate leaves out),
+a miss at the lower of the link's rate and the one measured with the fewest slots (`miss_gbps`: what a miss costs
+beside its bytes, its copies' calls and, from an mmap-ed model, the copy into pinned staging first),
 `cpu_s` at the run's thread count (the activations' round trip included), so the fixed costs a rate leaves out are in.
 """
 from __future__ import annotations
@@ -48,8 +48,9 @@ class DecodeCosts:
         threads: the host CPU threads cpu_s ran with.
         load_mode: the load mode cpu_s ran with ("none": pinned host weights; "mmap").
         miss_gbps: what a miss costs on the cached path, as a rate: the bytes it copied into a slot over the seconds
-            it added (the copy, from pageable memory its staging, and what waits on them), measured with the fewest
-            slots; the link's rate counts where it is lower (None: not measured: the link's alone).
+            it added (its copies' calls, the copy, from pageable memory its staging, and what waits on them),
+            measured with the fewest slots; the link's rate counts where it is lower (None: not measured, or no time
+            added within the noise: the link's alone).
     """
 
     device: str

@@ -5,11 +5,12 @@ As the compute probe (pyllama_pp.compute) does for prompts, it runs two replicas
 + 2 and + 10 MoE layers) and takes their difference as eight MoE layers, the rest of the shorter as the cost outside
 the layers - three times: every weight resident on the device; every expert in host RAM on the host CPU (upstream's
 decode path); every expert in host RAM read from the device's slots (EXPERT_CACHE with a slot for every expert, the
-guard off: after the untimed run every lookup hits, as the runs decode the same tokens). For an mmap-ed model a
-fourth run, the longer replica with the fewest slots (a token's experts), prices a miss: the seconds it adds over the
-hits' run against the bytes its misses copied (the run's counters), as a rate (DecodeCosts.miss_gbps): each miss is
-copied into pinned staging before the link takes it, which the link's measured rate leaves out (on one H100 the
-misses went up at about 13 GB/s against the link's 55; from pinned memory the link's rate predicts them). The patched build runs them,
+guard off: after the untimed run every lookup hits, as the runs decode the same tokens). A fourth run, the longer
+replica with the fewest slots (a token's experts), prices a miss: the seconds it adds over the hits' run against the
+bytes its misses copied (the run's counters), as a rate (DecodeCosts.miss_gbps). The link's measured rate leaves out
+what each miss costs beside its bytes: its copies' calls, and from an mmap-ed model the copy into pinned staging before
+the link takes it (on one H100 an mmap-ed model's misses went up at about 13 GB/s against the link's 55; from pinned
+memory the link's rate predicted decode 11% fast on one device, 19% split in two). The patched build runs them,
 on the probe's devices (pyllama_pp.compute.probe_devices), at the run's thread count and load mode. Results are cached
 per model (by content), spec, threads and load mode (PYLLAMA_PP_CACHE/compute/).
 """
@@ -89,7 +90,7 @@ def _costs_on(model, spec: str, n_threads: int, load_mode: str, reps: int, timeo
     outside = max(t["resident"][0] - n_lo * layer["resident"], 0.0)
     n_used = expert_layout(model)[0]
     miss = _miss_gbps(model, spec, n_hi, n_expert, n_used, n_threads, load_mode, reps, timeout, t["cached"][1]) \
-        if load_mode == "mmap" and 0 < n_used < n_expert else None
+        if 0 < n_used < n_expert else None
     costs = DecodeCosts(device=spec, outside_s=outside, resident_s=layer["resident"], cpu_s=layer["cpu"],
                         cached_s=layer["cached"], threads=n_threads, load_mode=load_mode, miss_gbps=miss)
     if cache:

@@ -208,7 +208,8 @@ def test_the_decode_probe_measures_each_path_once(model, tmp_path, monkeypatch):
     c = costs[-1] if -1 in costs else costs[0]
     assert min(c.outside_s, c.resident_s, c.cpu_s, c.cached_s) >= 0 and c.outside_s + c.resident_s > 0
     assert c.threads == 1
-    assert c.load_mode == "none" and c.miss_gbps is None   # (pinned: the link's measured rate prices the misses)
+    assert c.load_mode == "none"
+    assert c.miss_gbps is None or c.miss_gbps > 0   # (None: the fewest slots added no time here, within the noise)
     monkeypatch.setattr(decode_probe, "run_job", lambda *a, **k: pytest.fail("measured again"))
     assert decode_probe.decode_costs(model, "vdev:1x0@4GBps", n_threads=1, reps=1) == costs
 
