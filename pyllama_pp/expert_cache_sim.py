@@ -78,7 +78,7 @@ import numpy as np
 from .expert_trace import ExpertTrace
 
 __all__ = ["POLICIES", "DEFAULT_FRACTIONS", "DEFAULT_HALF_LIFE", "GUARD_WINDOW", "GUARD_MARGIN", "simulate",
-           "hit_rates", "guard", "link_share", "hybrid", "locality_summary"]
+           "cached_before", "hit_rates", "guard", "link_share", "hybrid", "locality_summary"]
 
 POLICIES = ("lru", "lfu", "lfu_aged", "lru2", "slru", "2q", "arc", "tinylfu", "static", "belady")
 #: cache sizes as a fraction of each layer's experts (1/16, 1/8, 1/4, 3/8, 1/2)
@@ -492,6 +492,37 @@ def simulate(trace: ExpertTrace, fraction: float, policy: str, warmup: Optional[
     hits = int(sum(per_layer))
     return {"policy": policy, "fraction": float(fraction), "capacity": capacity, "warmup": warmup, "hits": hits,
             "lookups": lookups, "hit_rate": hits / lookups if lookups else float("nan"), "per_layer": per_layer}
+
+
+def cached_before(trace: ExpertTrace, fraction: float, policy: str = "lru",
+                  half_life: float = DEFAULT_HALF_LIFE) -> np.ndarray:
+    """What each layer's cache held when each token looked its experts up (an online policy, as simulate() runs it):
+    which of a token's experts missed, and which others a prefetch would have found cached.
+
+    Args:
+        trace: the recorded routing.
+        fraction: the cache's size as a fraction of each layer's experts.
+        policy: an online policy (not "static" or "belady").
+        half_life: lfu_aged's half-life in tokens.
+    Returns:
+        np.ndarray: bool [tokens, layers, n_expert], True where the expert was cached at the token's start.
+    Raises:
+        ValueError: for a policy that is not online or a fraction outside [0, 1].
+    """
+    if policy not in POLICIES or policy in ("static", "belady"):
+        raise ValueError(f"cached_before needs an online policy, not {policy!r}")
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"a cache fraction must be in [0, 1], got {fraction!r}")
+    capacity = capacity_of(fraction, trace.n_expert)
+    out = np.zeros((trace.n_tokens, len(trace.layers), trace.n_expert), dtype=bool)
+    for c in range(len(trace.layers)):
+        cache = _online(policy, capacity, trace.n_expert, half_life) if capacity > 0 else None
+        for t, ids in enumerate(_steps(trace, c)):
+            if cache is None:
+                continue
+            out[t, c] = [e in cache for e in range(trace.n_expert)]
+            cache.step(ids)
+    return out
 
 
 def default_warmup(trace: ExpertTrace) -> int:

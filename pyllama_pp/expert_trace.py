@@ -26,6 +26,9 @@ class ExpertTrace:
         n_expert: experts per layer.
         n_prompt: the first tokens that were a prompt (decoded as one batch); the rest were decoded one by one.
         meta: what made it (model, variant, devices, seed, routing, tokens, ...).
+        tensors: hidden states captured with the ids (``Session.trace_experts(capture=...)``): llama's tensor name
+            ("l_out", "ffn_inp", "ffn_norm") -> float32 [tokens, the model's layers, width] (NaN: not recorded).
+            Not written by save().
     Raises:
         ValueError: for ids that are not [tokens, layers, k] with one column per layer, or out of range.
     """
@@ -35,6 +38,7 @@ class ExpertTrace:
     n_expert: int
     n_prompt: int = 0
     meta: dict = field(default_factory=dict)
+    tensors: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.ids = np.asarray(self.ids, dtype=np.int32)
@@ -91,6 +95,39 @@ class ExpertTrace:
             raise ValueError(f"the trace lacks token {t} at layer {layers[c]} (a layer that computed only some rows, "
                              "or records past the trace's limit)")
         return ExpertTrace(ids, np.asarray(layers), n_expert, n_prompt, dict(meta or {}))
+
+    @staticmethod
+    def place_tensors(records: Sequence[tuple], values: np.ndarray, names: Sequence[str], n_tokens: int,
+                      n_layer: int) -> dict:
+        """Place the shim's captured tensors - one per layer per ubatch and name, in compute order - into
+        [tokens, layers, width] per name: each layer's records follow each other in token order.
+
+        Args:
+            records: (capture, layer, n_tokens, width, offset) each (pp_trace_tensor: capture indexes names).
+            values: every record's values, each record's n_tokens x width token-major.
+            names: the captured names, in the order they were asked for.
+            n_tokens: the tokens decoded.
+            n_layer: the model's layers.
+        Returns:
+            dict: name -> float32 [n_tokens, n_layer, width], NaN where nothing was recorded.
+        Raises:
+            ValueError: when a layer's records hold more than n_tokens tokens or a layer index is out of range.
+        """
+        out: dict = {}
+        cursor = np.zeros((len(names), n_layer), dtype=np.int64)
+        for which, layer, n_tok, width, offset in records:
+            name = names[which]
+            if not 0 <= layer < n_layer:
+                raise ValueError(f"a captured {name} names layer {layer} of a {n_layer}-layer model")
+            if name not in out:
+                out[name] = np.full((n_tokens, n_layer, width), np.nan, dtype=np.float32)
+            start = int(cursor[which, layer])
+            if start + n_tok > n_tokens:
+                raise ValueError(f"the captured {name} holds more than the {n_tokens} tokens decoded (layer {layer})")
+            out[name][start: start + n_tok, layer] = np.asarray(values[offset: offset + n_tok * width],
+                                                                dtype=np.float32).reshape(n_tok, width)
+            cursor[which, layer] = start + n_tok
+        return out
 
     def save(self, path: Union[str, Path]) -> None:
         """Write the trace as a compressed .npz: ids, layers, n_expert, n_prompt and meta (JSON text).

@@ -137,12 +137,16 @@ class WorkloadJob(Job):
 @dataclass
 class TraceJob(Job):
     """Record the experts each MoE layer chooses for each token: a prompt of `n_prompt` tokens, then `n_decode` tokens
-    decoded one by one after it, the tokens chosen as a measure job's are (`seed`; a stream for a locality model)."""
+    decoded one by one after it, the tokens chosen as a measure job's are (`seed`; a stream for a locality model).
+    `capture` names f32 tensors to keep too (Session.trace_experts), written as arrays of that name into `capture_out`
+    (.npz)."""
 
     kind: ClassVar[str] = "trace"
     n_prompt: int = TRACE.pp[0]
     n_decode: int = TRACE.tg[0]
     seed: int = TRACE.seed
+    capture: list = field(default_factory=list)
+    capture_out: str = ""
 
     def check(self) -> None:
         """The job's own checks, before any model load (the parent's and the worker's).
@@ -157,6 +161,8 @@ class TraceJob(Job):
         if n_prompt + n_decode > self.ctx.n_ctx:
             raise ConfigError(f"{n_prompt} + {n_decode} tokens do not fit in n_ctx={self.ctx.n_ctx}: raise the "
                               "context size")
+        if self.capture and not self.capture_out:
+            raise ConfigError("a trace that captures tensors needs capture_out (the .npz they are written to)")
 
 
 @dataclass

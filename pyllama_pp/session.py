@@ -768,7 +768,8 @@ class Session:
                 "experts_used_per_layer_ubatch": mean_used, "coverage": mean_used / n_expert,
                 "n_records": len(recs), "per_layer_mean": {k: float(np.mean(v)) for k, v in sorted(per_layer.items())}}
 
-    def trace_experts(self, tokens: Iterable[int], n_prompt: int = 0, exclusive: bool = False) -> ExpertTrace:
+    def trace_experts(self, tokens: Iterable[int], n_prompt: int = 0, exclusive: bool = False,
+                      capture: Sequence[str] = ()) -> ExpertTrace:
         """The experts each MoE layer chose for each token, recorded in a separate context (llama's eval callback:
         one host sync per MoE layer, so never part of a timed run).
 
@@ -777,8 +778,11 @@ class Session:
                 output so that the last layer routes them all), then the others one by one after it.
             n_prompt: how many of them form the prompt (0: every token decoded one by one).
             exclusive: free the session's own context meanwhile (as in coverage()).
+            capture: llama's names of f32 tensors to keep too ("l_out", "ffn_inp", "ffn_norm": "<name>-<layer>",
+                [n_embd, n_tokens]), e.g. the hidden states that predict a layer's experts.
         Returns:
-            ExpertTrace: ids [tokens, MoE layers, k], the layers, n_expert, n_prompt.
+            ExpertTrace: ids [tokens, MoE layers, k], the layers, n_expert, n_prompt; `tensors` holds the captured
+                names (those the graph has), each [tokens, n_layer, width].
         Raises:
             DecodeError: for an empty sequence, a token out of range, more tokens than n_ctx, n_prompt out of range,
                 or a failed decode; also for a model whose layers choose no experts.
@@ -798,6 +802,10 @@ class Session:
         if raw == ffi.NULL:
             raise OutOfMemoryError(self.native.last_error())
         trace = ffi.gc(raw, lib.pp_trace_free)
+        names = list(capture)
+        for name in names:   # room for every token of every layer, n_embd wide
+            self.native.check(lib.pp_trace_capture(trace, name.encode(), len(t) * max(self.info.n_layer, 1)
+                                                   * max(self.info.n_embd, 1)))
         if exclusive:
             self._ctx.close()
         try:
@@ -812,6 +820,7 @@ class Session:
             flat = np.zeros(max(int(sizes[1]), 1), dtype=np.int32)
             self.native.check(lib.pp_trace_get(trace, recs, sizes[0], ffi.cast("int32_t *", flat.ctypes.data),
                                                sizes[1]))
+            captured = self._captured(trace, names, len(t))
         finally:
             if exclusive:
                 self._ctx = self._model.context(self.ctx_params)
@@ -819,9 +828,26 @@ class Session:
             raise DecodeError(f"{self.path.name} has no layer that chooses experts: nothing to trace")
         records = [(recs[i].layer, recs[i].n_tokens, recs[i].k, recs[i].offset) for i in range(int(sizes[0]))]
         try:
-            return ExpertTrace.from_records(records, flat, len(t), self.info.n_expert, n_prompt)
+            tr = ExpertTrace.from_records(records, flat, len(t), self.info.n_expert, n_prompt)
+            tr.tensors = ExpertTrace.place_tensors(captured[0], captured[1], names, len(t), self.info.n_layer)
+            return tr
         except ValueError as e:
             raise DecodeError(f"the expert trace is incomplete: {e}") from None
+
+    def _captured(self, trace, names: Sequence[str], n_tokens: int) -> tuple:
+        """The tensors a trace captured: (records as tuples, values); none where names is empty."""
+        if not names:
+            return [], np.zeros(0, dtype=np.float32)
+        lib, ffi = self.native.lib, self.native.ffi
+        sizes = ffi.new("int64_t[3]")
+        self.native.check(lib.pp_trace_tensors_size(trace, sizes, sizes + 1, sizes + 2))
+        if sizes[2]:
+            raise DecodeError(f"{int(sizes[2])} captured tensors did not fit the trace's room for {n_tokens} tokens")
+        recs = ffi.new("pp_trace_tensor[]", max(int(sizes[0]), 1))
+        values = np.zeros(max(int(sizes[1]), 1), dtype=np.float32)
+        self.native.check(lib.pp_trace_tensors_get(trace, recs, sizes[0], ffi.cast("float *", values.ctypes.data),
+                                                   sizes[1]))
+        return [(r.capture, r.layer, r.n_tokens, r.width, r.offset) for r in (recs[i] for i in range(int(sizes[0])))], values
 
     # -- lifetime -------------------------------------------------------------------------------------------
     @property

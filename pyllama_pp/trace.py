@@ -8,8 +8,11 @@ consecutive ids for a synthetic model with routing "locality"). `summary` and `d
 from __future__ import annotations
 
 import math
+import tempfile
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
+
+import numpy as np
 
 from .errors import ConfigError
 from .expert_cache_sim import locality_summary, simulate
@@ -27,7 +30,7 @@ SUMMARY_FRACTIONS = (0.125, 0.25)
 def record(model: Union[str, Path], n_prompt: int = TRACE.pp[0], n_decode: int = TRACE.tg[0],
            seed: int = TRACE.seed, variant: str = TRACE.variant, devices: Union[str, dict] = TRACE.devices, placement: Union[Placement, dict, None] = None,
            ctx: Optional[ContextParams] = None, out: Union[str, Path, None] = None,
-           timeout: Optional[float] = None) -> ExpertTrace:
+           timeout: Optional[float] = None, capture: Sequence[str] = ()) -> ExpertTrace:
     """The experts each MoE layer of `model` chose for each token of a prompt and a decode after it.
 
     Args:
@@ -41,8 +44,10 @@ def record(model: Union[str, Path], n_prompt: int = TRACE.pp[0], n_decode: int =
         ctx: the context's parameters (default: n_ctx for the tokens, the default batch sizes).
         out: write the trace here too (.npz; checked before the run).
         timeout: seconds the worker may take.
+        capture: llama's names of f32 tensors to keep too ("l_out", "ffn_inp", "ffn_norm"; Session.trace_experts).
     Returns:
-        ExpertTrace: ids [tokens, MoE layers, k], meta: model, variant, devices, seed, routing, tokens.
+        ExpertTrace: ids [tokens, MoE layers, k], meta: model, variant, devices, seed, routing, tokens; `tensors`
+            the captured ones, [tokens, n_layer, width] each (not written to `out`).
     Raises:
         ModelError: for a missing or damaged model; ConfigError for bad counts or an `out` that is not a .npz in
             an existing folder (before any worker starts); WorkerError (with the worker's own class) when the run
@@ -52,13 +57,19 @@ def record(model: Union[str, Path], n_prompt: int = TRACE.pp[0], n_decode: int =
     if out is not None:
         check_out(out)
     ctx = ctx or ContextParams(n_ctx=ctx_for(n_prompt + n_decode))
-    job = TraceJob(variant=variant, model=str(model), devices=devices, placement=as_placement(placement), ctx=ctx,
-                   n_prompt=int(n_prompt), n_decode=int(n_decode), seed=int(seed))
-    job.check()
-    r = run_job(job, variant, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="pp-trace-") as tmp:
+        job = TraceJob(variant=variant, model=str(model), devices=devices, placement=as_placement(placement),
+                       ctx=ctx, n_prompt=int(n_prompt), n_decode=int(n_decode), seed=int(seed), capture=list(capture),
+                       capture_out=str(Path(tmp) / "captured.npz") if capture else "")
+        job.check()
+        r = run_job(job, variant, timeout=timeout)
+        tensors = {}
+        if capture:
+            with np.load(job.capture_out) as z:
+                tensors = {name: z[name] for name in z.files}
     meta = {"model": str(model), "variant": variant, "devices": devices, "seed": int(seed), "routing": r["routing"],
             "tokens": r["tokens"], "arch": r["model"]["arch"]}
-    tr = ExpertTrace(r["ids"], r["layers"], r["n_expert"], r["n_prompt"], meta)
+    tr = ExpertTrace(r["ids"], r["layers"], r["n_expert"], r["n_prompt"], meta, tensors)
     if out is not None:
         tr.save(out)
     return tr

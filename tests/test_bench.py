@@ -336,8 +336,11 @@ def _bench_script(name: str):
     """A script of bench/ (not part of the package), as a module."""
     import importlib.util
     path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    if str(path.parent) not in sys.path:   # (as `python bench/X.py` has it: its helpers, e.g. _common, import)
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod   # (a dataclass in it looks its module up)
     spec.loader.exec_module(mod)
     return mod
 
@@ -537,3 +540,47 @@ def test_check_families_writes_the_logits_tolerance_table(tmp_path):
         assert r["nmse"] == 0.0 and r["max_abs_diff"] == 0.0 and r["ok"], r
     table = (tmp_path / "results.md").read_text()
     assert "| test-backend-ops MUL_MAT_ID NMSE limit |" in table and table.count("| 0.0005 | yes |") == 4, table
+
+
+def test_prefetch_accuracy_predicts_exactly_from_the_router_s_input(tiny_model):
+    """bench/prefetch_accuracy.py on the tiny model: the router applied to the captured router input (source "exact")
+    names the actual experts (recall 1.0, every miss predicted, nothing wasted); from the previous layer's states the
+    recall and the share of misses predicted lie in [0, 1]."""
+    pa = _bench_script("prefetch_accuracy")
+    from pyllama_pp import trace
+    tr = trace.record(tiny_model, n_prompt=8, n_decode=40, seed=1, capture=pa.CAPTURE)
+    router = pa.Router(tiny_model)
+    gain = pa.Gain(**pa.H100)
+    cols = list(range(1, len(tr.layers)))   # (the layers with one before them, as run() counts every source)
+    exact = pa.evaluate(tr, pa.predictions(tr, router, "exact", router.k), router.k, [0.125], gain, cols)
+    assert exact["recall"] == 1.0 and exact["0.125"]["misses_predicted"] == 1.0
+    assert exact["0.125"]["wasted_per_token"] == 0 and exact["0.125"]["speedup"] > 1.0
+    for source in ("ffn_inp", "l_out"):
+        r = pa.evaluate(tr, pa.predictions(tr, router, source, router.k), router.k, [0.125], gain, cols)
+        assert r["layer_pairs"] == len(tr.layers) - 1 and 0.0 <= r["recall"] <= 1.0, r
+        assert 0.0 <= r["0.125"]["misses_predicted"] <= 1.0 and r["0.125"]["speedup"] <= exact["0.125"]["speedup_perfect"]
+
+
+def test_prefetch_saves_what_the_window_fits():
+    """The gain model's window: predicted copies best first, cached ones skipped, a right one in flight saves the part
+    done and a wrong one in flight costs its rest."""
+    pa = _bench_script("prefetch_accuracy")
+    cached = np.zeros(8, dtype=bool)
+    cached[3] = True
+    assert pa.saved_experts([3, 1, 2], {1, 2}, cached, 1.5) == 1.5    # 3 cached: 1 whole, half of 2
+    assert pa.saved_experts([5, 1], {1}, cached, 0.25) == -0.75         # 5 wrong, cut a quarter in
+    assert pa.Gain(0.1, 50.0, 5.0).speedup(2.0, 0.0) == 1.0
+
+
+def test_prefetch_accuracy_bad_paths_are_one_line(tmp_path):
+    """A missing model, a file that is not a GGUF and an --out without its parent: one line on stderr, exit 2."""
+    script = Path(__file__).parents[1] / "bench" / "prefetch_accuracy.py"
+    junk = tmp_path / "junk.gguf"
+    junk.write_text("not a model")
+    for argv, what in [([str(tmp_path / "none.gguf")], "no such model"), ([str(junk)], "junk.gguf"),
+                       (["--synth", "tiny", "--out", str(tmp_path / "a" / "b")], "does not exist")]:
+        res = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=120)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and lines[-1].startswith("prefetch_accuracy.py: error: ") and what in lines[-1], \
+            res.stderr
+    assert not (tmp_path / "a").exists()

@@ -123,3 +123,26 @@ def test_save_and_load(tmp_path):
         ExpertTrace.load(tmp_path / "bad.npz")
     with pytest.raises(ValueError, match="out of range"):
         ExpertTrace(np.array([[[9]]]), [0], 8)
+
+
+def test_captured_hidden_states_are_the_graph_s(tiny_model, tiny_cfg):
+    """trace.record(capture=...): each named tensor lands per token and layer, n_embd wide, every one recorded, and
+    they are the graph's: ffn_norm-L is rms_norm(ffn_inp-L) times layer L's norm weight (the ones of the synth), and
+    ffn_inp-L is l_out-(L-1) plus attention (not a copy of it)."""
+    from pyllama_pp import trace
+    tr = trace.record(tiny_model, n_prompt=8, n_decode=6, seed=4, capture=("ffn_inp", "l_out", "ffn_norm"))
+    assert set(tr.tensors) == {"ffn_inp", "l_out", "ffn_norm"}
+    for x in tr.tensors.values():
+        assert x.shape == (14, tiny_cfg.n_layer, tiny_cfg.n_embd) and np.isfinite(x).all()
+    inp, norm = tr.tensors["ffn_inp"], tr.tensors["ffn_norm"]
+    rms = inp / np.sqrt(np.mean(inp.astype(np.float64) ** 2, axis=2, keepdims=True) + 1e-6)
+    assert np.allclose(norm, rms, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(inp[:, 1:], tr.tensors["l_out"][:, :-1])
+
+
+def test_a_capture_without_its_file_is_refused():
+    """The trace job writes captured tensors to capture_out: a job that captures without one is a ConfigError."""
+    from pyllama_pp.errors import ConfigError
+    from pyllama_pp.jobs import TraceJob
+    with pytest.raises(ConfigError, match="capture_out"):
+        TraceJob(variant="patched", model="m.gguf", n_prompt=0, n_decode=4, capture=["l_out"]).check()

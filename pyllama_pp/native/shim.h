@@ -189,6 +189,22 @@ int        pp_trace_size(pp_trace * trace, int64_t * n_records, int64_t * n_ids,
 // copies every record and id; PP_ERR_ARG where the buffers are smaller than pp_trace_size says
 int        pp_trace_get(pp_trace * trace, pp_trace_record * records, int64_t max_records, int32_t * ids, int64_t max_ids);
 void       pp_trace_clear(pp_trace * trace);
+// Also record the f32 tensors named "<prefix>-<layer>" (llama's eval-callback names: "l_out", "ffn_inp", "ffn_norm"),
+// [n_embd, n_tokens] each, for hidden-state studies; at most max_values values for this prefix (later ones are dropped
+// and counted). Call before the decode; at most PP_TRACE_MAX_CAPTURES prefixes.
+#define PP_TRACE_MAX_CAPTURES 8
+typedef struct {
+    int32_t capture;    // which prefix: its index in the order pp_trace_capture added them
+    int32_t layer;
+    int32_t n_tokens;
+    int32_t width;      // values per token (ne[0])
+    int64_t offset;     // where its n_tokens x width values (token-major) start in the trace's values
+} pp_trace_tensor;
+int pp_trace_capture(pp_trace * trace, const char * prefix, int64_t max_values);
+int pp_trace_tensors_size(pp_trace * trace, int64_t * n_records, int64_t * n_values, int64_t * n_dropped);
+// copies every tensor record and value; PP_ERR_ARG where the buffers are smaller than pp_trace_tensors_size says
+int pp_trace_tensors_get(pp_trace * trace, pp_trace_tensor * records, int64_t max_records, float * values,
+                         int64_t max_values);
 
 // ---- fit (upstream's common_fit_params, the variant's own common/fit.cpp) -----------------------------------
 #define PP_FIT_OVERRIDES_LEN 65536
