@@ -370,7 +370,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.out is not None:
         args.out.mkdir(exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(doc, indent=1, default=float) + "\n")
-        (args.out / "results.md").write_text(f"- command: `{doc['command']}`\n- machine: {doc['machine']}\n\n{md}")
+        m = doc["machine"]
+        machine = f"{m['nproc']}-core {m['cpu']} ({m['host']}), {m['date_utc']}"
+        (args.out / "results.md").write_text(f"- command: `{doc['command']}`\n- machine: {machine}\n\n{md}")
     print(json.dumps(doc, default=float) if args.json else md)
     return 0
 
