@@ -23,7 +23,7 @@ from .binding import VARIANTS, backend_modules
 from .config import RunConfig, expand
 from .defaults import CONTEXT, MAIN_JOB, MAIN_JOB_MODEL, PAIRED, RUN, cache_dir
 from .errors import ConfigError, DeviceSpecError
-from .fit import fit, fit_ubatch
+from .fit import fit, fit_ubatch, plan_on_placement
 from .model_file import block_count, check_model_path
 from .params import INT32_MAX, ContextParams, Placement
 from .plan import Plan
@@ -100,9 +100,9 @@ class Choices:
         fit: "each" (each variant's own fit plan), "same" (the patched plan for every variant) or None.
         margin: memory fit leaves free per device (one size, or one per device).
         expert_cache: the patched build's device expert cache (an ExpertCache; its text forms are parsed into one):
-            "auto" (what fit's plan leaves free; with --fit, -ub auto or the main job's fit), a size ("512MiB" a
-            device) or slots a layer ("16slots"; without a fit, either is the switch alone), or 0 (None: fit's
-            default, FIT.expert_cache, where fit plans; none elsewhere).
+            "auto" (as the memory planner weighs it for the workload: with a fit against resident layers, without
+            one on the run's own placement, no layer moved), a size ("512MiB" a device) or slots a layer ("16slots";
+            without a fit, either is the switch alone), or 0 (None: auto).
         baseline_devices: per device spec, the baseline's RPC servers on the same hosts.
         paired: rounds of a paired run (None: -r reps per worker).
         loads: fresh loads of a paired run.
@@ -334,7 +334,7 @@ def _check_modes(c: Choices) -> None:
 
 def _check_expert_cache(c: Choices) -> None:
     """--expert-cache: a value ExpertCache.parse takes, for a run with the patched build, not beside --switch
-    EXPERT_CACHE or a plan file (whose cache fit planned already); auto only where fit plans."""
+    EXPERT_CACHE or a plan file (whose cache fit planned already); a size without a fit within the devices."""
     given = c.switches.get(switches.EXPERT_CACHE)
     for text in c.devices if given is not None or c.expert_cache is not None else ():
         spec = devspec.parse(text)   # (a list: no more values than devices)
@@ -353,9 +353,6 @@ def _check_expert_cache(c: Choices) -> None:
         raise ConfigError(f"--expert-cache {asked.text}: a plan runs as fit made it, and the plan {c.plan} {why}. "
                           f"Fix: drop --expert-cache, or make the plan with `pyllama-pp fit ... --expert-cache "
                           f"{asked.text} -o PLAN.json`")
-    if asked.auto and not (c.fit or c.n_ubatch == "auto"):
-        raise ConfigError("--expert-cache auto sizes the cache from fit's plan: add --fit (or -ub auto), or give a "
-                          "size (e.g. --expert-cache 512MiB)")
     if asked and not (c.fit or c.n_ubatch == "auto"):
         for text in c.devices:
             room = [v.memory for v in getattr(devspec.parse(text), "vdevs", ()) if v.memory]
@@ -489,6 +486,46 @@ def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, m
     return dataclasses.replace(cfg, plans=plans, switches=run_switches)
 
 
+def _placed_cache(cfg: RunConfig, c: Choices, model: str, made: list, measured: dict) -> RunConfig:
+    """Without a fit, the patched runs' expert cache planned on the config's own placement (fit.plan_on_placement:
+    no layer moved, one dry run per placement and context, kept in `measured`), where the user set none (no
+    --expert-cache or auto, no EXPERT_CACHE switch or variable): the config with the plan's EXPERT_CACHE, guard and
+    EXPERT_HYBRID in its switches where a cache was chosen, and in its notes what was planned and why, or why
+    nothing. As it is for the baseline alone, on the CPU alone, or where the user set the cache."""
+    asked = c.expert_cache
+    if "patched" not in c.variants or (asked is not None and not asked.auto) or \
+            switches.EXPERT_CACHE in {**c.switches, **switches.set_in(cfg.env)}:
+        return cfg
+    spec = devspec.parse(cfg.devices)
+    where = f"--devices {cfg.devices}, --host-experts {cfg.placement.label}, -ub {min(cfg.n_ubatch, cfg.n_batch)}"
+    workload = c.workload or _tests_workload(cfg)
+    host = any(o.endswith("=CPU") for o in cfg.placement.all_overrides(block_count(model)))
+    why = ("" if spec.accelerators else "the devices are the CPU alone") or \
+          ("" if host else "no expert is in host RAM (every expert is on its device)") or \
+          ("" if workload.decode_tokens else "the workload decodes no token")
+    if not why:
+        try:
+            spec.fit_check(CONTEXT.split_mode)
+        except DeviceSpecError as e:
+            why = f"its room cannot be planned ({str(e).splitlines()[0]})"
+    if why:
+        return cfg if not spec.accelerators and asked is None else dataclasses.replace(
+            cfg, notes=cfg.notes + (f"expert cache ({where}): no cache: {why}",))
+    key = json.dumps([cfg.devices, cfg.placement.to_dict(), cfg.context().to_dict(), workload.as_list()])
+    if key not in measured:
+        measured[key] = plan_on_placement(model, cfg.devices, cfg.placement, cfg.context(), workload=workload,
+                                          margin=c.margin, env=cfg.env or None, switches=cfg.switches,
+                                          load_mode=c.load_mode)
+        made.append(measured[key])
+    plan = measured[key]
+    cache = {k: v for k, v in plan.run_switches(c.load_mode).items()
+             if k in (switches.EXPERT_CACHE, switches.EXPERT_CACHE_MIN_HIT, switches.EXPERT_HYBRID)}
+    set_ = f"; {switches.EXPERT_CACHE} {switches.shown(switches.EXPERT_CACHE, cache[switches.EXPERT_CACHE])}" \
+        if cache.get(switches.EXPERT_CACHE) else ""
+    note = f"expert cache ({where}), planned on this placement without a fit: {plan.memory_plan['why']}{set_}"
+    return dataclasses.replace(cfg, switches={**cfg.switches, **cache}, notes=cfg.notes + (note,))
+
+
 def _shared_plan_notes(made: Sequence[Plan], shared: bool) -> list[str]:
     """Where both variants run the patched plan and its memory planner moved expert layers to host RAM for cache
     slots the baseline has none of: the note that the baseline's placement is then not its best."""
@@ -545,6 +582,10 @@ def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
         cfgs = [_with_plan(cfg, plan, model, variants, c, "fit" if auto else "plan") for cfg in cfgs]
     elif c.fit:
         cfgs = [_with_fit(cfg, model, variants, c, made) for cfg in cfgs]
+    else:
+        measured: dict = {}
+        cfgs = [_placed_cache(cfg, c, model, made, measured) for cfg in cfgs]
+        notes += list(dict.fromkeys(n for cfg in cfgs for n in cfg.notes))
     notes += [n for spec in dict.fromkeys(c.devices + (c.baseline_devices or ())) for n in devspec.parse(spec).notes]
     if _cache_switches(c):
         notes.append(f"--expert-cache {c.expert_cache.text} without --fit sets the cache ({switches.EXPERT_CACHE}) as "
