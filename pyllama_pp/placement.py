@@ -142,8 +142,8 @@ def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: 
     return plan
 
 
-def measure(model: Union[str, os.PathLike], devices, placement: Placement, ctx, margin=None,
-            env: Optional[dict] = None, timeout: Optional[float] = FIT.timeout, switches: Optional[dict] = None) -> Plan:
+def measure(model: Union[str, os.PathLike], devices, placement: Placement, ctx, margin=None, env: Optional[dict] = None,
+            timeout: Optional[float] = FIT.timeout, switches: Optional[dict] = None) -> Plan:
     """A placement given as it is (a run's own, without fit) as the patched build's plan: no layer moved, its layers
     and host-expert layers, the memory one dry run measures on each device with the run's switches, each device's free
     memory and target (free less the margin, as fit keeps it), and the rates the expert cache's plan prices with

@@ -4,8 +4,9 @@ the configs and prints; a Python caller with the same choices gets the same conf
 
 The steps, in order: a plan file's model and sizes (`--plan`), the context's defaults (pyllama_pp.defaults: RUN, or
 MAIN_JOB for `ab` without a model), the checks that need no worker (`check_choices`), `-ub auto` (fit_ubatch), the
-matrix (config.expand), and the placements of `--plan`, `-ub auto` and `--fit`. Switches (`--switch NAME=VALUE`) are
-parsed once (`switches.parse_given`) and checked against the patched build's table (`check_switches`).
+matrix (config.expand), and the placements of `--plan`, `-ub auto` and `--fit`, or without them the expert cache
+planned on each config's own placement (fit.plan_on_placement). Switches (`--switch NAME=VALUE`) are parsed once
+(`switches.parse_given`) and checked against the patched build's table (`check_switches`).
 """
 from __future__ import annotations
 
@@ -165,7 +166,8 @@ class RunPlan:
         model: the model file.
         configs: the RunConfigs, frozen, with each variant's placement from a plan where one placed it.
         variants: the variants that run them, in order.
-        plans: the fit plans made (`-ub auto`, `--fit`), in the order they were made.
+        plans: the fit plans made (`-ub auto`, `--fit`; without a fit, the dry runs of the configs' own placements the
+            expert cache was planned on), in the order they were made.
         notes: notes for the user (pairs left out, how a device spec was read, a CPU-only A/B).
         choices: the choices with every default filled in (what ran).
     """
@@ -486,7 +488,7 @@ def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, m
     return dataclasses.replace(cfg, plans=plans, switches=run_switches)
 
 
-def _placed_cache(cfg: RunConfig, c: Choices, model: str, made: list, measured: dict) -> RunConfig:
+def _placed_cache(cfg: RunConfig, c: Choices, model: str, made: list, measured: dict, progress: bool) -> RunConfig:
     """Without a fit, the patched runs' expert cache planned on the config's own placement (fit.plan_on_placement:
     no layer moved, one dry run per placement and context, kept in `measured`), where the user set none (no
     --expert-cache or auto, no EXPERT_CACHE switch or variable): the config with the plan's EXPERT_CACHE, guard and
@@ -515,7 +517,7 @@ def _placed_cache(cfg: RunConfig, c: Choices, model: str, made: list, measured: 
     if key not in measured:
         measured[key] = plan_on_placement(model, cfg.devices, cfg.placement, cfg.context(), workload=workload,
                                           margin=c.margin, env=cfg.env or None, switches=cfg.switches,
-                                          load_mode=c.load_mode)
+                                          load_mode=c.load_mode, progress=progress)
         made.append(measured[key])
     plan = measured[key]
     cache = {k: v for k, v in plan.run_switches(c.load_mode).items()
@@ -552,12 +554,12 @@ def cpu_only_notes(configs: Sequence[RunConfig]) -> list[str]:
 
 def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
     """The configs `run` / `ab` measure for these choices: defaults filled in, checked, (n_batch, n_ubatch) chosen
-    (-ub auto), crossed into the matrix and placed (--plan, -ub auto, --fit). Fit plans run in workers; nothing is
-    measured.
+    (-ub auto), crossed into the matrix and placed (--plan, -ub auto, --fit; without them the expert cache planned on
+    each config's own placement). Fit plans and dry runs run in workers; nothing is measured.
 
     Args:
         choices: what the user chose (the CLI's options).
-        progress: -ub auto says what it plans and probes, with progress bars on stderr.
+        progress: -ub auto and the decode probe say what they plan and probe, with progress bars on stderr.
     Returns:
         RunPlan: the frozen configs, the variants, the plans used, notes for the user and the filled-in choices.
     Raises:
@@ -584,7 +586,7 @@ def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
         cfgs = [_with_fit(cfg, model, variants, c, made) for cfg in cfgs]
     else:
         measured: dict = {}
-        cfgs = [_placed_cache(cfg, c, model, made, measured) for cfg in cfgs]
+        cfgs = [_placed_cache(cfg, c, model, made, measured, progress) for cfg in cfgs]
         notes += list(dict.fromkeys(n for cfg in cfgs for n in cfg.notes))
     notes += [n for spec in dict.fromkeys(c.devices + (c.baseline_devices or ())) for n in devspec.parse(spec).notes]
     if _cache_switches(c):
