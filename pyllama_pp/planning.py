@@ -30,6 +30,7 @@ from .params import INT32_MAX, ContextParams, Placement
 from .plan import Plan
 from .switches import ExpertCache
 from .workload import Workload
+from .worker.client import check_switch_env
 
 CPU_ONLY_NOTE = ("--devices cpu (the default with a model): no accelerator, so no mechanism of the series acts and "
                  "both variants run the same CPU path. Name devices to measure it: --devices cuda (or cuda:0,1), or "
@@ -576,6 +577,7 @@ def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
     variants = c.variants
     notes = check_choices(c, c.model)
     check_switches(c.switches, variants)
+    check_switch_env(variants)   # (a misspelled GGML_SCHED_PP_* variable: refused before any plan or note)
     model = c.model if c.model is not None else main_job_model()
     c, auto = _ubatch_auto(c, model, progress)
     cfgs, made = _matrix(c, model), [auto] if auto else []
