@@ -479,8 +479,8 @@ def _add_measure_options(p, model_required: bool) -> None:
     p.add_argument("--margin", type=_margin_arg, default=None, metavar="SIZE[,SIZE]",
                    help=f"with --fit: memory to leave free per device (default: {_margins_text()})")
     p.add_argument("--expert-cache", default=None, metavar="auto|SIZE|Nslots|0[,...]",
-                   help=EXPERT_CACHE_HELP + "; auto needs --fit or -ub auto, a size without them sets the switch as it "
-                   f"is (default: fit's, {FIT.expert_cache}, where fit plans; else none)")
+                   help=EXPERT_CACHE_HELP + "; without --fit or -ub auto, auto is planned on the run's own placement "
+                   f"(no layer moved) and a size sets the switch as it is (default: {FIT.expert_cache})")
     p.add_argument("--resume", type=Path, metavar="DIR",
                    help="continue the sweep whose rows are in DIR (its -o folder) with its own options: configs "
                         "whose rows are all there without an error are not measured again")

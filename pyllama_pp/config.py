@@ -64,6 +64,8 @@ class RunConfig:
         baseline_devices: for RPC devices, the baseline's own servers on the same hosts, in the same order ("": the
             same devices). Upstream's client speaks RPC protocol 7.0 and refuses the patched servers (7.1), so an A/B
             over RPC needs a server of each variant per host.
+        notes: what planning says of the patched runs (the expert cache planned on this placement without a fit, or
+            why none); their rows carry them.
     Raises:
         ConfigError: for tests, batch sizes, reps or link rates out of range, or switches / env that are not dicts.
         DeviceSpecError: for a link rate that is not a rate ("4GBps", a number).
@@ -86,6 +88,7 @@ class RunConfig:
     shared_link: bool = False
     plans: dict = field(default_factory=dict)
     baseline_devices: str = ""
+    notes: tuple = ()
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -98,6 +101,7 @@ class RunConfig:
         set_("tests", check_tests(self.tests))
         set_("placement", as_placement(self.placement))
         set_("plans", {v: as_placement(p) for v, p in self.plans.items()})
+        set_("notes", tuple(self.notes))
         if not isinstance(self.switches, dict) or not isinstance(self.env, dict):
             raise ConfigError("switches and env take dicts, NAME -> value")
         if self.baseline_devices:

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import sys
 from statistics import median
-from typing import Callable
+from typing import Callable, Optional
 
 from tqdm import tqdm
 
@@ -31,15 +31,18 @@ from .layer_major_plan import layer_major_group
 from .memory_plan import plan_memory
 from .model_file import layer_counts
 from .errors import OutOfMemoryError, PyllamaError
-from .plan import Plan
+from .params import Placement
+from .plan import MiB, Plan
+from .placement import measure as measure_placement
 from .workload import Workload
 from .worker.client import run_job
 
 
 def _weigh(plan: Plan, model, devices, workload, curve, load_mode: str, n_threads: int, progress: bool,
-           refit: Callable[[int], Plan]) -> Plan:
+           refit: Optional[Callable[[int], Plan]]) -> Plan:
     """The plan with its memory weighed between resident expert layers and cache slots, where the cache was asked as
-    auto (curve: the trace's hit rates, None: the model's own or the prior); as it is elsewhere."""
+    auto (curve: the trace's hit rates, None: the model's own or the prior); as it is elsewhere. refit None: the
+    placement is the user's (no layer moves; no room for a token's slots: no probe)."""
     if plan.variant != "patched" or plan.expert_cache != "auto" or not plan.n_expert:
         return plan
     wl = Workload.parse(workload)
@@ -51,12 +54,62 @@ def _weigh(plan: Plan, model, devices, workload, curve, load_mode: str, n_thread
         return out
     if not wl.decode_tokens or not any(plan.host_expert_layers):
         return none("the workload decodes no token" if not wl.decode_tokens else "every expert layer is resident")
+    layout = layout_of(model, plan.n_expert)
+    if refit is None and not _has_room(plan, layout):   # (no layer moves for room: nothing to probe for)
+        room = "/".join(f"{(d.target_bytes - d.expected_bytes) / MiB:.1f}" for d in plan.devices)
+        return none(f"no room: the placement leaves {room} MiB free on the devices (their target less what the dry "
+                    f"run measured), and {layout.n_used} slots a layer (a token's experts) need "
+                    f"{_least_bytes(plan, layout) / MiB:.1f} MiB on a device with host-expert layers")
     try:
         costs = decode_costs(model, devices, n_threads=n_threads, load_mode=load_mode, progress=progress)
     except PyllamaError as e:   # (a replica that cannot run there, e.g. on a small RPC server: nothing to weigh by)
         return none(f"the decode probe could not run ({str(e).splitlines()[0]})")
-    return plan_memory(plan, layout_of(model, plan.n_expert), costs, curve or HitCurve.for_model(model), wl, refit,
-                       load_mode, layer_counts(model)[1])
+    return plan_memory(plan, layout, costs, curve or HitCurve.for_model(model), wl, refit, load_mode,
+                       layer_counts(model)[1])
+
+
+def _has_room(plan: Plan, layout) -> bool:
+    """Whether some device with host-expert layers has room beside the placement for a token's slots a layer."""
+    return any(layout.most_slots(d.target_bytes - d.expected_bytes, d.host_expert_layers) >= max(1, layout.n_used)
+               for d in plan.devices if d.host_expert_layers)
+
+
+def _least_bytes(plan: Plan, layout) -> int:
+    """The fewest bytes a token's slots a layer take on a device of the plan with host-expert layers."""
+    return min(layout.bytes_of(max(1, layout.n_used), d.host_expert_layers) for d in plan.devices
+               if d.host_expert_layers)
+
+
+def plan_on_placement(model, devices, placement: Placement, ctx, *, workload=None, trace=None, margin=None,
+                      env=None, switches=None, load_mode: str = CONTEXT.load_mode, progress: bool = False) -> Plan:
+    """The expert cache planned on a placement the user gave (run / ab without a fit), as fit's memory planner plans
+    it with no layer moved: one dry run of the placement (pyllama_pp.placement.measure) for each device's room, the
+    decode probe's costs and the hit curve, the alternatives no cache and the slot counts that room holds, the
+    fastest for the workload (a cache only where it saves GAIN_MIN), its guard from the costs, EXPERT_HYBRID where it
+    gains. The patched build's.
+
+    Args:
+        model: the GGUF file.
+        devices: the device spec.
+        placement: the run's placement (it is not changed).
+        ctx: the run's context.
+        workload: what the run does (a Workload, a name of defaults.WORKLOADS, "pp=N,tg=N"; default: FIT's).
+        trace: a trace of the model's decode for the hit rates, as fit takes it.
+        margin: memory left free per device, as fit takes it.
+        env, switches: the run's environment and switches (the dry run measures with them).
+        load_mode: the run's load mode.
+        progress: say what the decode probe measures.
+    Returns:
+        Plan: path "given", with memory_plan (the alternatives, the choice and why) and, where a cache is chosen,
+        EXPERT_CACHE, its guard and EXPERT_HYBRID in its switches (Plan.run_switches).
+    Raises:
+        As pyllama_pp.placement.measure; ConfigError for a bad workload or trace.
+    """
+    wl = Workload.parse(workload)
+    curve = HitCurve.for_model(model, trace) if trace is not None else trace
+    plan = measure_placement(model, devices, placement, ctx, margin=margin, env=env, switches=switches)
+    plan.expert_cache = "auto"   # (weighed as auto is: no slots in it yet)
+    return _weigh(plan, model, devices, wl, curve, load_mode, plan.context_params().n_threads, progress, None)
 
 
 def _with_layer_major(plan: Plan, workload: Workload, place: Callable[[dict], Plan], given: dict) -> Plan:
@@ -230,4 +283,4 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
                   kw.get("progress", False), refit)
 
 
-__all__ = ["fit", "fit_ubatch"]
+__all__ = ["fit", "fit_ubatch", "plan_on_placement"]

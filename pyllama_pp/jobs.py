@@ -167,13 +167,15 @@ class TraceJob(Job):
 
 @dataclass
 class FitJob(Job):
-    """Run the variant's fit (common/fit.cpp) for the model on the devices; per-device margins in bytes."""
+    """Run the variant's fit (common/fit.cpp) for the model on the devices; per-device margins in bytes. With
+    `measure`, no fit: the job's placement's memory per device, as fit's dry run measures a placement."""
 
     kind: ClassVar[str] = "fit"
     split_mode: str = CONTEXT.split_mode
     margins: list = field(default_factory=list)
     n_ctx_min: int = 0
     rates: list = field(default_factory=list)   # also measure: "links" (each device's host link), "host_copy"
+    measure: bool = False   # no fit: the job's placement measured as it is (a run's own placement, without --fit)
 
 
 @dataclass

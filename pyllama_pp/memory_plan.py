@@ -152,7 +152,7 @@ def _prompt_extra(workload: Workload, moved: Sequence[int], layer_bytes: float, 
 
 
 def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve: HitCurve, workload: Workload,
-                 load_mode: str = CONTEXT.load_mode, n_dense: int = 0) -> list[Alternative]:
+                 load_mode: str = CONTEXT.load_mode, n_dense: int = 0, move: bool = True) -> list[Alternative]:
     """Every alternative for a plan's memory, priced.
 
     Args:
@@ -163,6 +163,8 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
         workload: what the user will run.
         load_mode: the run's load mode (mmap: misses come up through the staging slots).
         n_dense: the model's leading dense layers (on the first device; no experts).
+        move: N slots a layer may move resident layers to host RAM for their room (False: the placement is the
+            user's, no layer moves: only the slot counts its room holds).
     Returns:
         [no cache, leftover, N slots ...], each priced (fits False where a device has no room).
     """
@@ -205,7 +207,8 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
         """Per device, the fewest layers to move to host RAM for `slots` slots in each host-expert layer."""
         out = []
         for r, h, free in zip(res0, host0, room):
-            k = next((k for k in range(r + 1) if layout.bytes_of(slots, h + k) <= free + k * layer_bytes), None)
+            k = next((k for k in range(r + 1 if move else 1)
+                      if layout.bytes_of(slots, h + k) <= free + k * layer_bytes), None)
             if k is None:
                 return None
             out.append(k)
@@ -278,13 +281,14 @@ def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve
         costs: device index -> DecodeCosts (the decode probe).
         curve: the hit-rate curve.
         workload: what the user will run.
-        refit: places the model again with this many MiB a device reserved for the cache before placing.
+        refit: places the model again with this many MiB a device reserved for the cache before placing (None: the
+            placement is the user's, no layer moves: the cache takes what its room holds or nothing).
         load_mode: the run's load mode.
         n_dense: the model's leading dense layers.
     Returns:
         Plan: the chosen plan, with `memory_plan` (the alternatives, the choice and why).
     """
-    alts = alternatives(plan, layout, costs, curve, workload, load_mode, n_dense)
+    alts = alternatives(plan, layout, costs, curve, workload, load_mode, n_dense, move=refit is not None)
     pick, why = choose(alts)
     a = alts[pick]
     moved = [h - h0 for h, h0 in zip(a.host, (d.host_expert_layers for d in plan.devices))]

@@ -26,7 +26,7 @@ from .errors import ConfigError, DeviceSpecError
 from .layer_major_plan import plan_layer_major
 from .model_file import check_model_path, expert_bytes_per_layer, expert_layout, expert_tensor_shape
 from .overlap_plan import plan_copies
-from .params import SPLIT_MODES, ContextParams, as_context
+from .params import SPLIT_MODES, ContextParams, Placement, as_context
 from .plan import MiB, Plan, plan_from_result, plan_problem
 from .predict import checked_rates
 from .servers.planning import check_server_host_memory, server_copy_bytes
@@ -142,6 +142,31 @@ def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: 
     return plan
 
 
+def measure(model: Union[str, os.PathLike], devices, placement: Placement, ctx, margin=None, env: Optional[dict] = None,
+            timeout: Optional[float] = FIT.timeout, switches: Optional[dict] = None) -> Plan:
+    """A placement given as it is (a run's own, without fit) as the patched build's plan: no layer moved, its layers
+    and host-expert layers, the memory one dry run measures on each device with the run's switches, each device's free
+    memory and target (free less the margin, as fit keeps it), and the rates the expert cache's plan prices with
+    (each device's link, the host CPU's expert op, the staging copy: measured once on this machine, then read back).
+
+    Args:
+        model: the GGUF file.
+        devices: a device spec with accelerators, as fit takes it.
+        placement: the run's placement (host experts, -ngl, -ts or overrides).
+        ctx: the run's context (ContextParams or its dict).
+        margin: as fit takes it (default: the spec's).
+        env: environment for the worker, NAME -> value.
+        timeout: seconds the worker may take.
+        switches: the patched build's switches the run has (the dry run's scheduler reads them).
+    Returns:
+        Plan: path "given"; a device over its target is left as it is (the plan says so by its room).
+    Raises:
+        As fit, but no OutOfMemoryError for a placement that fit would not make.
+    """
+    return _fit_plan(model, devices, ctx, "patched", margin, check=False, env=env, timeout=timeout, expert_cache=0,
+                     given=switches, placement=placement)
+
+
 def check_inputs(model, variant: str, env: Optional[dict] = None) -> None:
     """What fit checks once before its dry runs: the model file, and the GGML_SCHED_PP_* variables of env and this
     process's environment against the patched build's switch table (ModelError, ConfigError)."""
@@ -175,12 +200,13 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
               split_mode: str = FIT.split_mode, n_ctx_min: int = 0, check: bool = True, env: Optional[dict] = None,
               timeout: Optional[float] = FIT.timeout, spread="equal", link_gbps=None, checked: bool = False,
               rates: Sequence[str] = (), expert_cache=None, group_bytes: bool = True,
-              given: Optional[dict] = None) -> Plan:
+              given: Optional[dict] = None, placement: Optional[Placement] = None) -> Plan:
     """fit's plan before its check (`check` decides whether the patched build plans again without OVERLAP=2's
     copies where they leave no room); `checked`: the caller ran check_inputs (fit_ubatch, once for all its
     candidates); `rates`: what the fit job also measures (FitJob.rates), into the plan; `group_bytes`: with
     LAYER_MAJOR, a dry run without it tells the group's bytes per device (plan_layer_major); `given`: the switches
-    the dry runs get (FitJob.switches, as a run's)."""
+    the dry runs get (FitJob.switches, as a run's); `placement`: no fit, this placement measured as it is (`measure`),
+    with the expert cache's rates and nothing planned into it."""
     if not checked:
         check_model_path(model)
     spec = devspec.parse(devices)
@@ -206,11 +232,12 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
     if not checked:
         check_switch_env([variant], env)
     job = {"kind": "fit", "model": str(model), "devices": spec.to_dict(), "ctx": ctx.to_dict(),
-           "split_mode": split_mode, "margins": margins, "n_ctx_min": n_ctx_min}
+           "split_mode": split_mode, "margins": margins, "n_ctx_min": n_ctx_min,
+           **({"placement": placement.to_dict(), "measure": True} if placement is not None else {})}
 
     # the expert cache's guard weighs the host CPU's expert op against each device's link (expert_cache_plan.guard):
     # measured once on this machine, then read back
-    guard_rates = _guard_rates(model, spec, ctx) if cache and variant == "patched" else None
+    guard_rates = _guard_rates(model, spec, ctx) if (cache or placement) and variant == "patched" else None
     if guard_rates is not None:
         rates = list(dict.fromkeys([*rates, *guard_rates.missing]))
 
@@ -222,7 +249,9 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
     plan = once({})
     if guard_rates is not None:
         guard_rates.fill(plan)
-    if variant == "patched":
+    if placement is not None:
+        plan.path, plan.reasons = "given", ["the run's own placement, measured as it is (no fit)"]
+    elif variant == "patched":
         if plan.devices:   # (one device is pipelined too, GATE)
             plan = plan_copies(plan, once, check, force)
         plan_layer_major(plan, force, once if group_bytes else None)
@@ -333,4 +362,4 @@ def _host_key() -> str:
     return f"{socket.gethostname()}:{usable_cores()}"
 
 
-__all__ = ["fit", "check_inputs", "fit_context", "spread_weights", "reserved_bytes", "cached_rate", "keep_rate"]
+__all__ = ["fit", "measure", "check_inputs", "fit_context", "spread_weights", "reserved_bytes", "cached_rate", "keep_rate"]

@@ -4,8 +4,9 @@ the configs and prints; a Python caller with the same choices gets the same conf
 
 The steps, in order: a plan file's model and sizes (`--plan`), the context's defaults (pyllama_pp.defaults: RUN, or
 MAIN_JOB for `ab` without a model), the checks that need no worker (`check_choices`), `-ub auto` (fit_ubatch), the
-matrix (config.expand), and the placements of `--plan`, `-ub auto` and `--fit`. Switches (`--switch NAME=VALUE`) are
-parsed once (`switches.parse_given`) and checked against the patched build's table (`check_switches`).
+matrix (config.expand), and the placements of `--plan`, `-ub auto` and `--fit`, or without them the expert cache
+planned on each config's own placement (fit.plan_on_placement). Switches (`--switch NAME=VALUE`) are parsed once
+(`switches.parse_given`) and checked against the patched build's table (`check_switches`).
 """
 from __future__ import annotations
 
@@ -23,12 +24,13 @@ from .binding import VARIANTS, backend_modules
 from .config import RunConfig, expand
 from .defaults import CONTEXT, MAIN_JOB, MAIN_JOB_MODEL, PAIRED, RUN, cache_dir
 from .errors import ConfigError, DeviceSpecError
-from .fit import fit, fit_ubatch
+from .fit import fit, fit_ubatch, plan_on_placement
 from .model_file import block_count, check_model_path
 from .params import INT32_MAX, ContextParams, Placement
 from .plan import Plan
 from .switches import ExpertCache
 from .workload import Workload
+from .worker.client import check_switch_env
 
 CPU_ONLY_NOTE = ("--devices cpu (the default with a model): no accelerator, so no mechanism of the series acts and "
                  "both variants run the same CPU path. Name devices to measure it: --devices cuda (or cuda:0,1), or "
@@ -100,9 +102,9 @@ class Choices:
         fit: "each" (each variant's own fit plan), "same" (the patched plan for every variant) or None.
         margin: memory fit leaves free per device (one size, or one per device).
         expert_cache: the patched build's device expert cache (an ExpertCache; its text forms are parsed into one):
-            "auto" (what fit's plan leaves free; with --fit, -ub auto or the main job's fit), a size ("512MiB" a
-            device) or slots a layer ("16slots"; without a fit, either is the switch alone), or 0 (None: fit's
-            default, FIT.expert_cache, where fit plans; none elsewhere).
+            "auto" (as the memory planner weighs it for the workload: with a fit against resident layers, without
+            one on the run's own placement, no layer moved), a size ("512MiB" a device) or slots a layer ("16slots";
+            without a fit, either is the switch alone), or 0 (None: auto).
         baseline_devices: per device spec, the baseline's RPC servers on the same hosts.
         paired: rounds of a paired run (None: -r reps per worker).
         loads: fresh loads of a paired run.
@@ -165,7 +167,8 @@ class RunPlan:
         model: the model file.
         configs: the RunConfigs, frozen, with each variant's placement from a plan where one placed it.
         variants: the variants that run them, in order.
-        plans: the fit plans made (`-ub auto`, `--fit`), in the order they were made.
+        plans: the fit plans made (`-ub auto`, `--fit`; without a fit, the dry runs of the configs' own placements the
+            expert cache was planned on), in the order they were made.
         notes: notes for the user (pairs left out, how a device spec was read, a CPU-only A/B).
         choices: the choices with every default filled in (what ran).
     """
@@ -334,7 +337,7 @@ def _check_modes(c: Choices) -> None:
 
 def _check_expert_cache(c: Choices) -> None:
     """--expert-cache: a value ExpertCache.parse takes, for a run with the patched build, not beside --switch
-    EXPERT_CACHE or a plan file (whose cache fit planned already); auto only where fit plans."""
+    EXPERT_CACHE or a plan file (whose cache fit planned already); a size without a fit within the devices."""
     given = c.switches.get(switches.EXPERT_CACHE)
     for text in c.devices if given is not None or c.expert_cache is not None else ():
         spec = devspec.parse(text)   # (a list: no more values than devices)
@@ -353,9 +356,6 @@ def _check_expert_cache(c: Choices) -> None:
         raise ConfigError(f"--expert-cache {asked.text}: a plan runs as fit made it, and the plan {c.plan} {why}. "
                           f"Fix: drop --expert-cache, or make the plan with `pyllama-pp fit ... --expert-cache "
                           f"{asked.text} -o PLAN.json`")
-    if asked.auto and not (c.fit or c.n_ubatch == "auto"):
-        raise ConfigError("--expert-cache auto sizes the cache from fit's plan: add --fit (or -ub auto), or give a "
-                          "size (e.g. --expert-cache 512MiB)")
     if asked and not (c.fit or c.n_ubatch == "auto"):
         for text in c.devices:
             room = [v.memory for v in getattr(devspec.parse(text), "vdevs", ()) if v.memory]
@@ -489,6 +489,46 @@ def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, m
     return dataclasses.replace(cfg, plans=plans, switches=run_switches)
 
 
+def _placed_cache(cfg: RunConfig, c: Choices, model: str, made: list, measured: dict, progress: bool) -> RunConfig:
+    """Without a fit, the patched runs' expert cache planned on the config's own placement (fit.plan_on_placement:
+    no layer moved, one dry run per placement and context, kept in `measured`), where the user set none (no
+    --expert-cache or auto, no EXPERT_CACHE switch or variable): the config with the plan's EXPERT_CACHE, guard and
+    EXPERT_HYBRID in its switches where a cache was chosen, and in its notes what was planned and why, or why
+    nothing. As it is for the baseline alone, on the CPU alone, or where the user set the cache."""
+    asked = c.expert_cache
+    if "patched" not in c.variants or (asked is not None and not asked.auto) or \
+            switches.EXPERT_CACHE in {**c.switches, **switches.set_in(cfg.env)}:
+        return cfg
+    spec = devspec.parse(cfg.devices)
+    where = f"--devices {cfg.devices}, --host-experts {cfg.placement.label}, -ub {min(cfg.n_ubatch, cfg.n_batch)}"
+    workload = c.workload or _tests_workload(cfg)
+    host = any(o.endswith("=CPU") for o in cfg.placement.all_overrides(block_count(model)))
+    why = ("" if spec.accelerators else "the devices are the CPU alone") or \
+          ("" if host else "no expert is in host RAM (every expert is on its device)") or \
+          ("" if workload.decode_tokens else "the workload decodes no token")
+    if not why:
+        try:
+            spec.fit_check(CONTEXT.split_mode)
+        except DeviceSpecError as e:
+            why = f"its room cannot be planned ({str(e).splitlines()[0]})"
+    if why:
+        return cfg if not spec.accelerators and asked is None else dataclasses.replace(
+            cfg, notes=cfg.notes + (f"expert cache ({where}): no cache: {why}",))
+    key = json.dumps([cfg.devices, cfg.placement.to_dict(), cfg.context().to_dict(), workload.as_list()])
+    if key not in measured:
+        measured[key] = plan_on_placement(model, cfg.devices, cfg.placement, cfg.context(), workload=workload,
+                                          margin=c.margin, env=cfg.env or None, switches=cfg.switches,
+                                          load_mode=c.load_mode, progress=progress)
+        made.append(measured[key])
+    plan = measured[key]
+    cache = {k: v for k, v in plan.run_switches(c.load_mode).items()
+             if k in (switches.EXPERT_CACHE, switches.EXPERT_CACHE_MIN_HIT, switches.EXPERT_HYBRID)}
+    set_ = f"; {switches.EXPERT_CACHE} {switches.shown(switches.EXPERT_CACHE, cache[switches.EXPERT_CACHE])}" \
+        if cache.get(switches.EXPERT_CACHE) else ""
+    note = f"expert cache ({where}), planned on this placement without a fit: {plan.memory_plan['why']}{set_}"
+    return dataclasses.replace(cfg, switches={**cfg.switches, **cache}, notes=cfg.notes + (note,))
+
+
 def _shared_plan_notes(made: Sequence[Plan], shared: bool) -> list[str]:
     """Where both variants run the patched plan and its memory planner moved expert layers to host RAM for cache
     slots the baseline has none of: the note that the baseline's placement is then not its best."""
@@ -515,12 +555,12 @@ def cpu_only_notes(configs: Sequence[RunConfig]) -> list[str]:
 
 def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
     """The configs `run` / `ab` measure for these choices: defaults filled in, checked, (n_batch, n_ubatch) chosen
-    (-ub auto), crossed into the matrix and placed (--plan, -ub auto, --fit). Fit plans run in workers; nothing is
-    measured.
+    (-ub auto), crossed into the matrix and placed (--plan, -ub auto, --fit; without them the expert cache planned on
+    each config's own placement). Fit plans and dry runs run in workers; nothing is measured.
 
     Args:
         choices: what the user chose (the CLI's options).
-        progress: -ub auto says what it plans and probes, with progress bars on stderr.
+        progress: -ub auto and the decode probe say what they plan and probe, with progress bars on stderr.
     Returns:
         RunPlan: the frozen configs, the variants, the plans used, notes for the user and the filled-in choices.
     Raises:
@@ -537,6 +577,7 @@ def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
     variants = c.variants
     notes = check_choices(c, c.model)
     check_switches(c.switches, variants)
+    check_switch_env(variants)   # (a misspelled GGML_SCHED_PP_* variable: refused before any plan or note)
     model = c.model if c.model is not None else main_job_model()
     c, auto = _ubatch_auto(c, model, progress)
     cfgs, made = _matrix(c, model), [auto] if auto else []
@@ -545,6 +586,10 @@ def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
         cfgs = [_with_plan(cfg, plan, model, variants, c, "fit" if auto else "plan") for cfg in cfgs]
     elif c.fit:
         cfgs = [_with_fit(cfg, model, variants, c, made) for cfg in cfgs]
+    else:
+        measured: dict = {}
+        cfgs = [_placed_cache(cfg, c, model, made, measured, progress) for cfg in cfgs]
+        notes += list(dict.fromkeys(n for cfg in cfgs for n in cfg.notes))
     notes += [n for spec in dict.fromkeys(c.devices + (c.baseline_devices or ())) for n in devspec.parse(spec).notes]
     if _cache_switches(c):
         notes.append(f"--expert-cache {c.expert_cache.text} without --fit sets the cache ({switches.EXPERT_CACHE}) as "

@@ -65,8 +65,10 @@ class Row:
         contention: what other processes took of the CPU while the config ran (stats.Contention's fields; None
             where it was not watched: RPC devices, workloads).
         error: why the run failed (then avg_ts is NaN); None when it did not.
-        notes: what the run could not do as asked, each a sentence with why (a patched switch that could not act
-            here: LAYER_MAJOR with one ubatch a batch, EXPERT_CACHE on the CPU alone, ...); None where nothing.
+        notes: what planning said of the run (the patched build's expert cache planned on its placement without a
+            fit, or why none: RunConfig.notes) and what it could not do as asked, each a sentence with why (a patched
+            switch that could not act here: LAYER_MAJOR with one ubatch a batch, EXPERT_CACHE on the CPU alone, ...);
+            None where nothing.
         rounds, loads, ratios, speedup_median, speedup_ci_lo, speedup_ci_hi: paired rounds (runner.interleaved):
             over `loads` model loads, the per-round ratios to the baseline, their median and its 95% interval.
         round, seconds: a workload step (runner.mixed_workload): its round and wall time.
@@ -150,7 +152,7 @@ class Row:
     env: Optional[dict] = None
     switches: Optional[dict] = None              # the patched build's switches off their defaults (switches.of_run)
     error: Optional[str] = None                  # why the run failed (then avg_ts is NaN)
-    notes: Optional[list] = None                 # a switch that could not act in the run, and why
+    notes: Optional[list] = None                 # what planning said of it; a switch that could not act, and why
     build: Optional[dict] = None
     machine: Optional[str] = None
     date: Optional[str] = None

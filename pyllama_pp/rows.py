@@ -192,7 +192,7 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
             "switches": (switches.of_run(cfg.env, cfg.switches, res.get("switch_defaults")) if variant == "patched"
                          else {}),
             **meta}))
-        rows[-1].notes = idle_switch_notes(cfg, rows[-1], ext) or None
+        rows[-1].notes = [*(cfg.notes if variant == "patched" else ()), *idle_switch_notes(cfg, rows[-1], ext)] or None
     return rows
 
 

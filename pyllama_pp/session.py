@@ -240,6 +240,36 @@ class EvalResult:
 
 
 
+def model_params(native, path, dev_names: str, placement: Placement) -> tuple:
+    """The native model parameters of a placement (pp_model_params), as a load and fit's measure of a placement take
+    them.
+
+    Args:
+        native: the loaded variant (binding.load).
+        path: the GGUF file.
+        dev_names: the device names for the model ("none": the CPU only).
+        placement: where the weights go.
+    Returns:
+        (the pp_model_params pointer, the cffi objects it points into: keep them while it is used).
+    """
+    ffi = native.ffi
+    overrides = placement.all_overrides()
+    keep = [ffi.new("char[]", s.encode()) for s in [str(path), dev_names] + overrides]
+    p = ffi.new("pp_model_params *")
+    p.path, p.devices = keep[0], keep[1]
+    p.n_gpu_layers = 0 if dev_names == "none" else placement.n_gpu_layers
+    p.split_mode = SPLIT_MODES[placement.split_mode]
+    p.main_gpu = placement.main_gpu
+    for i, v in enumerate((placement.tensor_split or ())[:16]):
+        p.tensor_split[i] = float(v)
+    items = ffi.new("const char *[]", keep[2:] or [ffi.NULL])
+    p.overrides, p.n_overrides = items, len(overrides)
+    p.load_mode = LOAD_MODES[placement.load_mode]
+    p.no_host = int(placement.no_host)
+    p.use_extra_bufts = 0
+    return p, keep + [items]
+
+
 class LoadedModel:
     """Owns one loaded llama model (its native handle) and what llama.cpp read from the file.
 
@@ -257,20 +287,7 @@ class LoadedModel:
     def __init__(self, native, path: Path, dev_names: str, placement: Placement):
         self.native = native
         lib, ffi = native.lib, native.ffi
-        overrides = placement.all_overrides()
-        keep = [ffi.new("char[]", s.encode()) for s in [str(path), dev_names] + overrides]
-        p = ffi.new("pp_model_params *")
-        p.path, p.devices = keep[0], keep[1]
-        p.n_gpu_layers = 0 if dev_names == "none" else placement.n_gpu_layers
-        p.split_mode = SPLIT_MODES[placement.split_mode]
-        p.main_gpu = placement.main_gpu
-        for i, v in enumerate((placement.tensor_split or ())[:16]):
-            p.tensor_split[i] = float(v)
-        items = ffi.new("const char *[]", keep[2:] or [ffi.NULL])
-        p.overrides, p.n_overrides = items, len(overrides)
-        p.load_mode = LOAD_MODES[placement.load_mode]
-        p.no_host = int(placement.no_host)
-        p.use_extra_bufts = 0
+        p, keep = model_params(native, path, dev_names, placement)
         handle = lib.pp_model_load(p)
         if handle == ffi.NULL:
             raw = native.last_error()

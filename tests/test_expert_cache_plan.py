@@ -280,8 +280,7 @@ def test_run_and_ab_take_it_as_fit_does(model):
 def test_choices_refused_before_any_worker(model, no_worker, tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text("{}")
-    for kw, words in ((dict(expert_cache="auto"), "add --fit"),
-                      (dict(expert_cache="1MiB", switches={"EXPERT_CACHE": 4}), "set the same switch"),
+    for kw, words in ((dict(expert_cache="1MiB", switches={"EXPERT_CACHE": 4}), "set the same switch"),
                       (dict(expert_cache="auto", fit="each", command="run", variant="baseline"), "baseline build"),
                       (dict(expert_cache="much", fit="each"), "give auto"),
                       (dict(expert_cache="1slots,2slots,3slots"), r"3 values for the 2 devices of vdev:2x10MiB"),

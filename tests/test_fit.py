@@ -890,3 +890,19 @@ def test_prediction_moves_the_used_experts_of_a_small_ubatch():
     plan.ctx["n_ubatch"] = 512
     assert predict(plan, 1e6, [1.0, 1.0], shared_link=True, n_tokens=1024, n_used=2).transfer_s == \
         predict(plan, 1e6, [1.0, 1.0], shared_link=True, n_tokens=1024).transfer_s
+
+
+def test_a_given_placement_is_measured_as_fit_measures_its_own(plans, model):
+    """placement.measure (a run's own placement, no fit): fit's plan applied as a given placement measures the same
+    layers, host-expert layers and bytes per device as fit's dry run did; the patched build's rates come with it (the
+    expert cache prices misses at the links)."""
+    from pyllama_pp.placement import measure
+    fitted = plans("patched", TWO_EQUAL)
+    got = measure(model, TWO_EQUAL, fitted.placement(), CTX, switches=fitted.switches)
+    assert got.path == "given" and got.host_expert_layers == fitted.host_expert_layers
+    assert [(d.layers, d.model_bytes, d.context_bytes, d.compute_bytes, d.target_bytes) for d in got.devices] == \
+        [(d.layers, d.model_bytes, d.context_bytes, d.compute_bytes, d.target_bytes) for d in fitted.devices]
+    assert all(d.link and d.link["pinned_gbps"] > 0 for d in got.devices)
+    every = measure(model, TWO_EQUAL, Placement(host_experts="all"), CTX, switches=fitted.switches)
+    assert sum(every.host_expert_layers) == N_LAYER and sum(d.model_bytes for d in every.devices) < \
+        sum(d.model_bytes for d in fitted.devices)

@@ -357,3 +357,60 @@ def test_a_plan_splits_the_misses_where_the_hybrid_gains(tmp_path_factory):
     assert not any(a["hybrid"] for a in fast.memory_plan["alternatives"]) and "EXPERT_HYBRID" not in fast.switches
     none = planned("vdev:1x12MiB@4GBps", 1.5, CPU_LIKE)
     assert "EXPERT_HYBRID" not in none.switches and "EXPERT_CACHE" not in none.switches
+
+
+# --- run / ab without a fit: the cache planned on the user's placement ------------------------------------------
+
+def _gpu_like(monkeypatch, layout) -> None:
+    """GPU-like decode costs and links at which a token's misses cost 0.4 x the CPU path's layer (an H100's)."""
+    monkeypatch.setattr(sys.modules["pyllama_pp.fit"], "decode_costs", lambda m, d, **kw: {-1: GPU_LIKE})
+    gbps = layout.n_used * layout.slot_bytes / (0.4 * GPU_LIKE.cpu_s) / 1e9
+    monkeypatch.setattr(sys.modules["pyllama_pp.memory_plan"], "_links", lambda plan, mode: [gbps] * len(plan.devices))
+
+
+def test_without_a_fit_the_cache_is_planned_on_the_users_placement(model, monkeypatch):
+    """ab without --fit, every expert in host RAM (the user's placement), GPU-like costs: the patched config gets
+    EXPERT_CACHE in slots a layer that fit the room the placement's dry run leaves on the device, and its guard; the
+    placement is not changed (no plan places it, every layer's experts stay in host RAM); the notes name the choice;
+    the baseline gets no switch. --expert-cache auto (refused without --fit before) plans the same."""
+    layout = layout_of(model, 64)
+    _gpu_like(monkeypatch, layout)
+    planned = plan_runs(Choices(model=model, devices=(SPEC,), pp=(), tg=(16,)))
+    (cfg,), (plan,) = planned.configs, planned.plans
+    slots = -cfg.switches["EXPERT_CACHE"]
+    d = plan.devices[0]
+    assert slots >= layout.n_used and plan.host_expert_layers == [12] and cfg.plans == {}
+    assert layout.bytes_of(slots, 12) <= d.free_bytes - plan.margins[0] + d.cache_bytes - d.expected_bytes
+    assert cfg.switches["EXPERT_CACHE_MIN_HIT"] == plan.cache_guard["min_hit"]["none"]
+    chosen = plan.memory_plan["alternatives"][plan.memory_plan["chosen"]]
+    assert chosen["slots"] == slots and all(a["host"] == [12] for a in plan.memory_plan["alternatives"])
+    assert any("without a fit" in n and chosen["name"] in n and "x)" in n for n in planned.notes), planned.notes
+    assert cfg.notes and cfg.job("baseline").switches == {}
+    argv = ["ab", model, "--devices", SPEC, "--expert-cache", "auto", "-p", "0", "-n", "16"]
+    auto = plan_runs(cli.choices_from_args(cli.build_parser().parse_args(argv)))
+    assert auto.configs[0].switches == cfg.switches
+
+
+def test_without_a_fit_no_cache_where_none_pays_and_the_rows_say_why(model, capsys):
+    """run without --fit on a device no faster than the host CPU (the tests' stated costs: a VDEV): no cache is set,
+    and the run's notes and its rows' say why."""
+    assert cli.main(["run", model, "--devices", SPEC, "-p", "0", "-n", "4", "-r", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (note,) = [n for n in doc["notes"] if n.startswith("expert cache")]
+    assert "no cache: none predicts the workload faster" in note, note
+    assert doc["rows"][0]["switches"].get("EXPERT_CACHE", 0) == 0 and note in doc["rows"][0]["notes"]
+
+
+def test_without_a_fit_a_cache_the_user_set_is_not_planned(model, monkeypatch):
+    """--expert-cache 0, a size, or --switch EXPERT_CACHE without --fit: nothing planned (no dry run, no probe), the
+    switch as given; a prompt-only run plans nothing either, and says why."""
+    monkeypatch.setattr(sys.modules["pyllama_pp.planning"], "plan_on_placement",
+                        lambda *a, **k: pytest.fail("planned a cache the user set"))
+    for kw, switch in ((dict(expert_cache="0"), None), (dict(expert_cache="2MiB"), 2),
+                       (dict(switches={"EXPERT_CACHE": -4}), -4)):
+        planned = plan_runs(Choices(model=model, devices=(SPEC,), pp=(), tg=(16,), **kw))
+        assert planned.plans == () and planned.configs[0].switches.get("EXPERT_CACHE") == switch
+        assert not any("planned on this placement" in n for n in planned.notes)
+    prompt = plan_runs(Choices(command="run", model=model, devices=(SPEC,), pp=(64,), tg=()))
+    assert prompt.plans == () and "EXPERT_CACHE" not in prompt.configs[0].switches
+    assert any("no cache: the workload decodes no token" in n for n in prompt.notes), prompt.notes

@@ -491,6 +491,57 @@ static ggml_backend_buffer_type_t find_buft(const std::string & name) {
     return nullptr;
 }
 
+// llama's model parameters for p, with the device list and tensor overrides they point to kept in m
+static int model_params_of(const pp_model_params * p, pp_model & m, llama_model_params & mp) {
+    mp = llama_model_default_params();
+    mp.n_gpu_layers = p->n_gpu_layers;
+    mp.split_mode   = (enum llama_split_mode) p->split_mode;
+    mp.main_gpu     = p->main_gpu;
+    mp.load_mode    = (enum llama_load_mode) p->load_mode;
+    mp.no_host      = p->no_host != 0;
+    mp.use_extra_bufts = p->use_extra_bufts != 0;
+    mp.tensor_split = p->tensor_split;
+    if (p->devices && strcmp(p->devices, "none") == 0) {
+        m.devices.push_back(nullptr);   // no accelerator at all: CPU only
+        mp.devices = m.devices.data();
+    } else if (p->devices && *p->devices) {
+        for (const auto & name : split(p->devices, ',')) {
+            ggml_backend_dev_t dev = ggml_backend_dev_by_name(name.c_str());
+            if (!dev) {
+                return fail(PP_ERR_DEVICE, "unknown device '" + name + "'");
+            }
+            m.devices.push_back(dev);
+        }
+        m.devices.push_back(nullptr);
+        mp.devices = m.devices.data();
+    }
+    if (p->n_overrides < 0 || (p->n_overrides > 0 && !p->overrides)) {
+        return fail(PP_ERR_ARG, "bad tensor overrides: n_overrides must be >= 0 with that many strings");
+    }
+    if (p->n_overrides > 0) {
+        m.patterns.reserve(p->n_overrides);
+        for (int32_t k = 0; k < p->n_overrides; k++) {
+            const std::string item = p->overrides[k] ? p->overrides[k] : "";
+            size_t eq = item.rfind('=');
+            if (eq == std::string::npos || eq == 0) {
+                return fail(PP_ERR_ARG, "bad tensor override '" + item + "': expected PATTERN=BUFFER_TYPE");
+            }
+            ggml_backend_buffer_type_t buft = find_buft(item.substr(eq + 1));
+            if (!buft) {
+                return fail(PP_ERR_ARG, "unknown buffer type '" + item.substr(eq + 1) + "' in override '" + item + "'");
+            }
+            m.patterns.push_back(item.substr(0, eq));
+            m.overrides.push_back({ nullptr, buft });
+        }
+        for (size_t i = 0; i < m.patterns.size(); i++) {
+            m.overrides[i].pattern = m.patterns[i].c_str();
+        }
+        m.overrides.push_back({ nullptr, nullptr });
+        mp.tensor_buft_overrides = m.overrides.data();
+    }
+    return PP_OK;
+}
+
 PP_EXPORT pp_model * pp_model_load(const pp_model_params * p) {
     pp_model * result = nullptr;
     int rc = guarded([&] {
@@ -502,51 +553,9 @@ PP_EXPORT pp_model * pp_model_load(const pp_model_params * p) {
             return fail(PP_ERR_MODEL, std::string("model file not found: ") + p->path);
         }
         auto m = std::make_unique<pp_model>();
-        llama_model_params mp = llama_model_default_params();
-        mp.n_gpu_layers = p->n_gpu_layers;
-        mp.split_mode   = (enum llama_split_mode) p->split_mode;
-        mp.main_gpu     = p->main_gpu;
-        mp.load_mode    = (enum llama_load_mode) p->load_mode;
-        mp.no_host      = p->no_host != 0;
-        mp.use_extra_bufts = p->use_extra_bufts != 0;
-        mp.tensor_split = p->tensor_split;
-        if (p->devices && strcmp(p->devices, "none") == 0) {
-            m->devices.push_back(nullptr);   // no accelerator at all: CPU only
-            mp.devices = m->devices.data();
-        } else if (p->devices && *p->devices) {
-            for (const auto & name : split(p->devices, ',')) {
-                ggml_backend_dev_t dev = ggml_backend_dev_by_name(name.c_str());
-                if (!dev) {
-                    return fail(PP_ERR_DEVICE, "unknown device '" + name + "'");
-                }
-                m->devices.push_back(dev);
-            }
-            m->devices.push_back(nullptr);
-            mp.devices = m->devices.data();
-        }
-        if (p->n_overrides < 0 || (p->n_overrides > 0 && !p->overrides)) {
-            return fail(PP_ERR_ARG, "bad tensor overrides: n_overrides must be >= 0 with that many strings");
-        }
-        if (p->n_overrides > 0) {
-            m->patterns.reserve(p->n_overrides);
-            for (int32_t k = 0; k < p->n_overrides; k++) {
-                const std::string item = p->overrides[k] ? p->overrides[k] : "";
-                size_t eq = item.rfind('=');
-                if (eq == std::string::npos || eq == 0) {
-                    return fail(PP_ERR_ARG, "bad tensor override '" + item + "': expected PATTERN=BUFFER_TYPE");
-                }
-                ggml_backend_buffer_type_t buft = find_buft(item.substr(eq + 1));
-                if (!buft) {
-                    return fail(PP_ERR_ARG, "unknown buffer type '" + item.substr(eq + 1) + "' in override '" + item + "'");
-                }
-                m->patterns.push_back(item.substr(0, eq));
-                m->overrides.push_back({ nullptr, buft });
-            }
-            for (size_t i = 0; i < m->patterns.size(); i++) {
-                m->overrides[i].pattern = m->patterns[i].c_str();
-            }
-            m->overrides.push_back({ nullptr, nullptr });
-            mp.tensor_buft_overrides = m->overrides.data();
+        llama_model_params mp;
+        if (int err = model_params_of(p, *m, mp); err != PP_OK) {
+            return err;
         }
         m->model = llama_model_load_from_file(p->path, mp);
         if (!m->model) {
@@ -956,6 +965,13 @@ PP_EXPORT int pp_fit(const pp_fit_params * p, const pp_context_params * cx, pp_f
         llama_model_params mp = llama_model_default_params();
         mp.devices    = devices.data();
         mp.split_mode = (enum llama_split_mode) p->split_mode;
+        pp_model given;   // (the measured placement's devices and overrides)
+        if (p->placement) {
+            if (int err = model_params_of(p->placement, given, mp); err != PP_OK) {
+                return err;
+            }
+            mp.devices = devices.data();
+        }
         const llama_model_params mp0 = mp;
 
         llama_context_params cp = to_llama_context_params(*cx);
@@ -969,10 +985,12 @@ PP_EXPORT int pp_fit(const pp_fit_params * p, const pp_context_params * cx, pp_f
         }
 
         pp_fit_log_begin();
-        common_params_fit_status status;
+        common_params_fit_status status = COMMON_PARAMS_FIT_STATUS_SUCCESS;
         try {
-            status = common_fit_params(p->path, &mp, &cp, tensor_split.data(), tbo.data(), margins.data(),
-                                       p->n_ctx_min > 0 ? p->n_ctx_min : 4096, nullptr, GGML_LOG_LEVEL_ERROR);
+            if (!p->placement) {   // (a given placement is measured as it is)
+                status = common_fit_params(p->path, &mp, &cp, tensor_split.data(), tbo.data(), margins.data(),
+                                           p->n_ctx_min > 0 ? p->n_ctx_min : 4096, nullptr, GGML_LOG_LEVEL_ERROR);
+            }
         } catch (...) {
             pp_fit_log_end();
             throw;
@@ -1004,7 +1022,8 @@ PP_EXPORT int pp_fit(const pp_fit_params * p, const pp_context_params * cx, pp_f
                                                 GGML_LOG_LEVEL_ERROR);
         } catch (const std::exception & e) {
             if (ok) {
-                return fail(PP_ERR_INTERNAL, std::string("could not measure the fitted parameters: ") + e.what());
+                return fail(PP_ERR_INTERNAL, std::string("could not measure the ") + (p->placement ? "given placement: " :
+                            "fitted parameters: ") + e.what());
             }
         }
         out->n_gpu_layers = ok ? mp.n_gpu_layers : -1;

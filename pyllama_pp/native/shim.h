@@ -216,6 +216,8 @@ typedef struct {
     int32_t      split_mode;                   // enum llama_split_mode
     uint64_t     margins[PP_MAX_DEVICES];      // bytes to leave free on each device (fit's target = free - margin)
     uint32_t     n_ctx_min;                    // the smallest context fit may reduce an automatic n_ctx (0) to
+    const pp_model_params * placement;         // non-NULL: no fit, this placement's memory measured as it is (its
+                                               // layers, split and overrides; its path and devices are not read)
 } pp_fit_params;
 
 typedef struct {
@@ -240,8 +242,9 @@ typedef struct {
 } pp_fit_result;
 
 // Runs common_fit_params for the model at params->path on the listed devices with the context parameters ctx
-// (n_ctx 0: fit chooses it), then measures the fitted parameters' memory per device. Returns PP_OK with
-// out->status telling whether fit found a placement; PP_ERR_MODEL when the model cannot be loaded at all.
+// (n_ctx 0: fit chooses it), then measures the fitted parameters' memory per device (with params->placement: that
+// placement's, no fit). Returns PP_OK with out->status telling whether fit found a placement; PP_ERR_MODEL when the
+// model cannot be loaded at all.
 int pp_fit(const pp_fit_params * params, const pp_context_params * ctx, pp_fit_result * out);
 
 // ---- patched-build extension (discovered at run time) ------------------------------------------------

@@ -12,7 +12,7 @@ from ...jobs import FitJob
 from ...model_file import expert_layout, expert_tensor_bytes, expert_tensor_shape
 from ...params import SPLIT_MODES
 from ...rpc.client import describe_servers
-from ...session import apply_switches
+from ...session import apply_switches, model_params
 
 
 def handle(job: FitJob) -> dict:
@@ -28,8 +28,9 @@ def handle(job: FitJob) -> dict:
     names = spec.register(native, servers)
     if names == "none":
         raise DeviceSpecError("fit needs accelerator devices")
+    given = model_params(native, job.model, names, job.placement) if job.measure else None
     res = run_fit(native, job.model, names, SPLIT_MODES[job.split_mode], job.ctx, list(job.margins),
-                  int(job.n_ctx_min))
+                  int(job.n_ctx_min), given[0] if given else None)
     if servers:
         describe_servers(native, servers, res["devices"])
     if job.rates:
@@ -89,12 +90,15 @@ def cpu_expert_rate(native, model: str, n_threads: int) -> dict:
     return {str(n_threads): got[0]}
 
 
-def run_fit(native, model: str, dev_names: str, split_mode: int, ctx, margins: list[int], n_ctx_min: int = 0) -> dict:
-    """pp_fit in this process (devices already set up); the raw result as a dict (used by the worker)."""
+def run_fit(native, model: str, dev_names: str, split_mode: int, ctx, margins: list[int], n_ctx_min: int = 0,
+            placement=None) -> dict:
+    """pp_fit in this process (devices already set up); the raw result as a dict (used by the worker). `placement`:
+    a pp_model_params (session.model_params) whose memory is measured as it is, no fit."""
     lib, ffi, s = native.lib, native.ffi, native.str
     keep = [ffi.new("char[]", str(model).encode()), ffi.new("char[]", dev_names.encode())]
     p = ffi.new("pp_fit_params *")
     p.path, p.devices, p.split_mode, p.n_ctx_min = keep[0], keep[1], split_mode, n_ctx_min
+    p.placement = placement if placement is not None else ffi.NULL
     each = margins * 16 if len(margins) == 1 else margins   # (one margin: every device's)
     for i, m in enumerate(each[:16]):
         p.margins[i] = int(m)
