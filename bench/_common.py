@@ -69,6 +69,14 @@ def parser(qname: str, doc: str, reps: int) -> argparse.ArgumentParser:
     return ap
 
 
+def add_trace_options(ap: argparse.ArgumentParser, fractions: Sequence[float]) -> None:
+    """The options of the benches that trace decode and simulate a cache on it: the tokens' seed and the cache
+    sizes (--fractions, fractions of a layer's experts)."""
+    ap.add_argument("--seed", type=int, default=0, help="the tokens' seed (default %(default)s)")
+    ap.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=list(fractions),
+                    help="cache sizes, fractions of a layer's experts (default %(default)s)")
+
+
 def setup(args) -> dict:
     """Resolve model, tensor split and output folder; returns a context dict for the script."""
     if args.quick:

@@ -106,10 +106,8 @@ def main() -> int:
                     help="with --synth: a SynthConfig field's values (each combination is a model)")
     ap.add_argument("-p", "--pp", type=int, default=0, help="prompt tokens of a trace made here (default 0)")
     ap.add_argument("-n", "--tg", type=int, default=512, help="decoded tokens of a trace made here (default 512)")
-    ap.add_argument("--seed", type=int, default=0, help="the tokens' seed (default 0)")
+    C.add_trace_options(ap, DEFAULT_FRACTIONS)
     ap.add_argument("--devices", default="cpu", help="device spec of a trace made here (default cpu)")
-    ap.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=list(DEFAULT_FRACTIONS),
-                    help="cache sizes, fractions of a layer's experts (default %(default)s)")
     ap.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES),
                     help=f"policies (default: {','.join(POLICIES)})")
     ap.add_argument("--warmup", type=int, default=None,

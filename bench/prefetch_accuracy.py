@@ -348,10 +348,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="a synthetic model (written once into the model cache), e.g. small:locality; repeatable")
     ap.add_argument("-p", "--prompt", type=int, default=32, help="prompt tokens (default %(default)s)")
     ap.add_argument("-n", "--tokens", type=int, default=256, help="tokens decoded one by one (default %(default)s)")
-    ap.add_argument("--seed", type=int, default=0, help="the tokens' seed (default %(default)s)")
+    C.add_trace_options(ap, FRACTIONS)
     ap.add_argument("--width", type=int, default=0, help="experts predicted (default: the model's k)")
-    ap.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=list(FRACTIONS),
-                    help="LRU cache sizes, fractions of a layer's experts (default 0.125,0.25)")
     ap.add_argument("--t-dev-ms", type=float, default=H100["t_dev_ms"],
                     help="a MoE layer's device time at full hits (default: the H100's %(default)s)")
     ap.add_argument("--link-gbps", type=float, default=H100["link_gbps"], help="the link (default %(default)s)")
