@@ -512,7 +512,9 @@ def _placed_cache(cfg: RunConfig, c: Choices, model: str, made: list, measured: 
         except DeviceSpecError as e:
             why = f"its room cannot be planned ({str(e).splitlines()[0]})"
     if why:
-        return cfg if not spec.accelerators and asked is None else dataclasses.replace(
+        # (said where the user asked for the cache, or where a decode with host experts could have had one: a
+        # default that cannot act on a prompt-only run, the CPU or every expert on its device is no news)
+        return cfg if asked is None and not why.startswith("its room") else dataclasses.replace(
             cfg, notes=cfg.notes + (f"expert cache ({where}): no cache: {why}",))
     key = json.dumps([cfg.devices, cfg.placement.to_dict(), cfg.context().to_dict(), workload.as_list()])
     if key not in measured:

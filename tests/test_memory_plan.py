@@ -403,7 +403,8 @@ def test_without_a_fit_no_cache_where_none_pays_and_the_rows_say_why(model, caps
 
 def test_without_a_fit_a_cache_the_user_set_is_not_planned(model, monkeypatch):
     """--expert-cache 0, a size, or --switch EXPERT_CACHE without --fit: nothing planned (no dry run, no probe), the
-    switch as given; a prompt-only run plans nothing either, and says why."""
+    switch as given; a prompt-only run plans nothing either, and says why where the cache was asked (auto) - not
+    where it is only the default (no news on every prompt run)."""
     monkeypatch.setattr(sys.modules["pyllama_pp.planning"], "plan_on_placement",
                         lambda *a, **k: pytest.fail("planned a cache the user set"))
     for kw, switch in ((dict(expert_cache="0"), None), (dict(expert_cache="2MiB"), 2),
@@ -412,5 +413,8 @@ def test_without_a_fit_a_cache_the_user_set_is_not_planned(model, monkeypatch):
         assert planned.plans == () and planned.configs[0].switches.get("EXPERT_CACHE") == switch
         assert not any("planned on this placement" in n for n in planned.notes)
     prompt = plan_runs(Choices(command="run", model=model, devices=(SPEC,), pp=(64,), tg=()))
+    assert prompt.plans == () and "EXPERT_CACHE" not in prompt.configs[0].switches
+    assert not any("expert cache" in n for n in prompt.notes), prompt.notes
+    prompt = plan_runs(Choices(command="run", model=model, devices=(SPEC,), pp=(64,), tg=(), expert_cache="auto"))
     assert prompt.plans == () and "EXPERT_CACHE" not in prompt.configs[0].switches
     assert any("no cache: the workload decodes no token" in n for n in prompt.notes), prompt.notes
