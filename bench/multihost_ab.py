@@ -37,7 +37,7 @@ from pyllama_pp.planning import models_dir
 from pyllama_pp.model_file import block_count
 from pyllama_pp.params import ContextParams, Placement
 from pyllama_pp.plan import layer_ranges
-from pyllama_pp.rows import per_gpu
+from pyllama_pp.counters import per_gpu
 from pyllama_pp.rpc.relay import Link
 from pyllama_pp.servers.serve import spawn_server, wait_listening
 from pyllama_pp.session import Session
@@ -62,7 +62,7 @@ def server_cpu_overrides(model: str, endpoints: list[str]) -> tuple[str, ...]:
 
 def pcie_bytes(s: Session) -> list[int]:
     """Host-weight bytes moved to each device so far (a patched server's copies included: it reports them)."""
-    return per_gpu(s.ext_stats() or {}, "weight_bytes", plus=("direct_bytes_est", "gather_bytes_est")) or []
+    return per_gpu(s.ext_stats() or {}, "weight_bytes", 1, plus=("direct_bytes_est", "gather_bytes_est")) or []
 
 
 def measure(cfg: dict) -> dict:

@@ -69,3 +69,19 @@ def ext_add(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
     out["backends"] = [{"name": y["name"], **{k: x.get(k, 0) + y[k] for k in y if k != "name"}}
                        for x, y in zip(a["backends"], b["backends"])]
     return out
+
+
+def per_gpu(ext: dict, key: str, reps: int, plus: tuple = ()) -> Optional[list]:
+    """One value per device backend (the CPU left out) from the patched scheduler's per-backend stats, per rep
+    (with the keys in `plus` added where the stats have them); None where they do not have `key` (baseline, older
+    builds)."""
+    backends = ext.get("backends") or []
+    if not backends or key not in backends[0]:
+        return None
+    return [int((b[key] + sum(b.get(k, 0) for k in plus)) / reps) for b in backends if b["name"] != "CPU"]
+
+
+def all_gpus(ext: dict, key: str, reps: int) -> Optional[int]:
+    """per_gpu's values summed over the devices, per rep; None where the stats do not have `key`."""
+    v = per_gpu(ext, key, reps)
+    return None if v is None else sum(v)

@@ -24,6 +24,7 @@ from statistics import median
 from typing import Optional, Union
 
 from .compute import REPLICA_LAYERS, cache_dir, model_key, moe_layers, probe_devices, replica
+from .counters import all_gpus
 from .decode_model import DecodeCosts
 from .defaults import CONTEXT, PROBE, threads
 from .jobs import MeasureJob
@@ -65,8 +66,7 @@ def _miss_gbps(model, spec: str, n_layers: int, n_expert: int, n_used: int, n_th
     against `cached_s` (its seconds a token with every lookup a hit); None where nothing missed or nothing was
     added (a rate the link's bounds anyway)."""
     test = _run(model, spec, "cached", n_layers, n_expert, n_threads, load_mode, reps, timeout, slots=n_used)
-    backends = [b for b in (test.get("ext") or {}).get("backends") or [] if b.get("name") != "CPU"]
-    moved = sum(b.get("cache_bytes", 0) for b in backends) / max(1, reps) / DECODE_TOKENS   # (bytes a token)
+    moved = (all_gpus(test.get("ext") or {}, "cache_bytes", max(1, reps)) or 0) / DECODE_TOKENS   # (bytes a token)
     added = median(test["seconds"]) / DECODE_TOKENS - cached_s
     return round(moved / added / 1e9, 3) if moved > 0 and added > 0 else None
 

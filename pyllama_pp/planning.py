@@ -506,16 +506,17 @@ def _placed_cache(cfg: RunConfig, c: Choices, model: str, made: list, measured: 
     why = ("" if spec.accelerators else "the devices are the CPU alone") or \
           ("" if host else "no expert is in host RAM (every expert is on its device)") or \
           ("" if workload.decode_tokens else "the workload decodes no token")
+    # (said where the user asked for the cache, or where a decode with host experts could have had one: a default
+    # that cannot act on a prompt-only run, the CPU or every expert on its device is no news)
+    news = asked is not None
     if not why:
         try:
             spec.fit_check(CONTEXT.split_mode)
         except DeviceSpecError as e:
-            why = f"its room cannot be planned ({str(e).splitlines()[0]})"
+            why, news = f"its room cannot be planned ({str(e).splitlines()[0]})", True
     if why:
-        # (said where the user asked for the cache, or where a decode with host experts could have had one: a
-        # default that cannot act on a prompt-only run, the CPU or every expert on its device is no news)
-        return cfg if asked is None and not why.startswith("its room") else dataclasses.replace(
-            cfg, notes=cfg.notes + (f"expert cache ({where}): no cache: {why}",))
+        return dataclasses.replace(cfg, notes=cfg.notes + (f"expert cache ({where}): no cache: {why}",)) if news \
+            else cfg
     key = json.dumps([cfg.devices, cfg.placement.to_dict(), cfg.context().to_dict(), workload.as_list()])
     if key not in measured:
         measured[key] = plan_on_placement(model, cfg.devices, cfg.placement, cfg.context(), workload=workload,

@@ -14,6 +14,7 @@ from . import devices as devspec
 from . import switches
 from .binding import backend_modules, build_info
 from .config import RunConfig, config_key
+from .counters import all_gpus, per_gpu
 from .defaults import OFFLOAD_MIN_BATCH
 from .jobs import depth_of, test_name
 from .row import Row
@@ -68,22 +69,6 @@ def pipe_bound(cfg: RunConfig, h2d: list[int], gbps: list[float], n_tokens: int,
     return n_tokens / max(fill, links)
 
 
-def per_gpu(ext: dict, key: str, reps: int = 1, plus: tuple = ()) -> Optional[list]:
-    """One value per device backend (the CPU left out) from the patched scheduler's per-backend stats, per rep
-    (with the keys in `plus` added where the stats have them); None where they do not have `key` (baseline, older
-    builds)."""
-    backends = ext.get("backends") or []
-    if not backends or key not in backends[0]:
-        return None
-    return [int((b[key] + sum(b.get(k, 0) for k in plus)) / reps) for b in backends if b["name"] != "CPU"]
-
-
-def all_gpus(ext: dict, key: str, reps: int) -> Optional[int]:
-    """per_gpu's values summed over the devices, per rep; None where the stats do not have `key`."""
-    v = per_gpu(ext, key, reps)
-    return None if v is None else sum(v)
-
-
 # the fewest lookups (all reps, all devices) a hit rate is given from: below it a rate says little (two lookups read
 # 0.0, 0.5 or 1.0) and the row keeps only its counts (expert_cache_hits, expert_cache_misses)
 MIN_HIT_RATE_LOOKUPS = 32
@@ -103,7 +88,7 @@ def cache_hit_rate_per_device(ext: dict) -> Optional[list]:
     (its value a list's text); None with one value for every device, or none."""
     if not isinstance((ext.get("params") or {}).get(switches.EXPERT_CACHE), str):
         return None
-    hits, misses = per_gpu(ext, "cache_hits"), per_gpu(ext, "cache_misses")
+    hits, misses = per_gpu(ext, "cache_hits", 1), per_gpu(ext, "cache_misses", 1)
     if hits is None or misses is None:
         return None
     return [h / (h + m) if h + m >= max(1, MIN_HIT_RATE_LOOKUPS) else None for h, m in zip(hits, misses)]
@@ -176,7 +161,7 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
             "gather_bytes_est_per_device": per_gpu(ext, "gather_bytes_est", reps),
             "compute_buffer_bytes": [b["compute_buffer_bytes"] for b in sched["backends"]],
             # PREFETCH=2's lanes per device (VRAM outside the compute buffers; a level, not a delta)
-            "ring_bytes_per_device": per_gpu({"backends": t.get("ext_ring")}, "ring_bytes"),
+            "ring_bytes_per_device": per_gpu({"backends": t.get("ext_ring")}, "ring_bytes", 1),
             # EXPERT_CACHE's lookups, all devices
             **{f"expert_{k}": all_gpus(ext, k, reps) for k in ("cache_hits", "cache_misses", "cache_evictions",
                                                                 "cache_ops", "cache_cpu_ops", "cache_shadow_hits",
