@@ -549,7 +549,7 @@ def test_each_device_takes_its_own_floor_of_a_list(runner, tiny_info, floors):
         assert d["cache_hits"] + d["cache_misses"] == d["cache_ops"] // OPS * tiny_info["n_expert_used"]
 
 
-def test_patched_servers_take_their_own_devices_guard_and_split(runner, patched_servers, baseline_decode,
+def test_patched_servers_split_with_their_own_cpus_per_device(runner, patched_servers, baseline_decode,
                                                                assert_logits_match, tiny_info):
     """EXPERT_HYBRID=100,0 over two patched servers (sent as EXPERT_HYBRID@D with the other per-device switches): the
     first server's own CPU computes a share of its device's misses, which are then not copied into slots (its cache
