@@ -51,6 +51,10 @@ class DecodeCosts:
             it added (its copies' calls, the copy, from pageable memory its staging, and what waits on them),
             measured with the fewest slots; the link's rate counts where it is lower (None: not measured, or no time
             added within the noise: the link's alone).
+        hybrid_cpu_s: one MoE layer's experts on the CPU that takes the hybrid's share of the misses, where that is
+            not the CPU of cpu_s: an RPC device's server's own CPU (its cpu_s is its server's device copying the
+            experts in, the path its layers take without slots). None: cpu_s's CPU (a device of this host), or for
+            an RPC device not known (the planner then leaves its hybrid off).
     """
 
     device: str
@@ -61,6 +65,7 @@ class DecodeCosts:
     threads: int = CONTEXT.n_threads
     load_mode: str = CONTEXT.load_mode
     miss_gbps: Optional[float] = None
+    hybrid_cpu_s: Optional[float] = None
 
     def miss_rate(self, link_gbps: float) -> float:
         """The rate a token's misses go up at: the link's, or the measured miss_gbps where lower (a miss from an
@@ -102,9 +107,14 @@ class DecodeCosts:
         miss_s = miss_bytes / (self.miss_rate(link_gbps) * 1e9)
         return 1.0 - (self.cpu_s - self.cached_s) / miss_s if miss_s > 0 else (0.0 if self.cached_s < self.cpu_s else 1.0)
 
+    @property
+    def share_cpu_s(self) -> float:
+        """One MoE layer's experts on the CPU that takes the hybrid's share (hybrid_cpu_s where given, else cpu_s)."""
+        return self.hybrid_cpu_s if self.hybrid_cpu_s is not None else self.cpu_s
+
     def hybrid_pct(self, miss_bytes: float, link_gbps: float) -> int:
-        """EXPERT_HYBRID's value for this device: 100 x the host CPU's expert rate (a layer's experts read on the CPU
-        path, cpu_s) over the link's.
+        """EXPERT_HYBRID's value for this device: 100 x the expert rate of the CPU that takes the hybrid's share (a
+        layer's experts read on its CPU path, share_cpu_s) over the link's.
 
         Args:
             miss_bytes: bytes of a token's lookups at a layer (n_used experts).
@@ -112,7 +122,8 @@ class DecodeCosts:
         Returns:
             N (at least 1).
         """
-        return max(1, round(100 * miss_bytes / self.cpu_s / (self.miss_rate(link_gbps) * 1e9))) if self.cpu_s > 0 else 1
+        cpu_s = self.share_cpu_s
+        return max(1, round(100 * miss_bytes / cpu_s / (self.miss_rate(link_gbps) * 1e9))) if cpu_s > 0 else 1
 
     def hybrid_layer_s(self, hit: float, miss_bytes: float, link_gbps: float, n_used: int, cpu_pct: int) -> float:
         """One host-expert layer's seconds a token on the cached path with EXPERT_HYBRID=cpu_pct: over the token's
@@ -127,7 +138,7 @@ class DecodeCosts:
         Returns:
             seconds.
         """
-        e_link, e_cpu = miss_bytes / n_used / (self.miss_rate(link_gbps) * 1e9), self.cpu_s / n_used
+        e_link, e_cpu = miss_bytes / n_used / (self.miss_rate(link_gbps) * 1e9), self.share_cpu_s / n_used
         total = 0.0
         for m in range(1, n_used + 1):
             k = link_share(m, cpu_pct)

@@ -19,7 +19,8 @@ is, and a device without room for it is named; a list's entries are each device'
 The guard (EXPERT_CACHE_MIN_HIT: a layer whose shadow hits fall below it goes back to the CPU path) is set from costs,
 not a fixed bar: `break_even_hit` is the hit rate above which a layer's cached path costs less than the CPU's, from
 the rates fit measured (the host CPU's decode expert op, each device's link from pinned and from pageable memory)
-and the device's own read (`guard`); a run takes the value for its load mode (Plan.run_switches).
+and the device's own read (`guard`), each device its own (a list where they differ); a run takes the value for its
+load mode (Plan.run_switches).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from .switches import EXPERT_CACHE as SWITCH
 from .switches import EXPERT_CACHE_MIN_HIT as GUARD_SWITCH
 from .switches import EXPERT_HYBRID as HYBRID_SWITCH
 from .switches import MAX_SLOTS as MAX_SLOTS_SWITCH
-from .switches import ExpertCache
+from .switches import ExpertCache, one_or_list
 
 # the native allocation's sizes (pyllama_pp/native/sched/ggml-backend-pp-cache.cpp, ggml_sched_pp_cache_alloc)
 ALIGN = 128          # a device buffer's tensor alignment (CUDA's and VDEV's)
@@ -193,10 +194,17 @@ def percent(h: float) -> int:
     return min(100, max(1, math.ceil(h * 100)))
 
 
+def guard_value(plan: Plan, break_even: Sequence[float]):
+    """EXPERT_CACHE_MIN_HIT's value for the devices' break-even hit rates: each device that caches (every device where
+    none does) its own bar in whole percent (`percent`), one value where they agree (switches.one_or_list)."""
+    caching = [d.cache_slots > 0 for d in plan.devices]
+    return one_or_list([percent(h) for h in break_even], caching if any(caching) else None)
+
+
 def guard(plan: Plan) -> dict:
     """The cache's guard for a plan, from what fit measured: per device its break-even hit rate from pinned and from
-    pageable memory, and the switch value for each load mode (the largest over the devices that cache: one value
-    for every device); {} where a rate is missing (the native default stays)."""
+    pageable memory, and the switch value for each load mode (each caching device its own bar, guard_value); {} where
+    a rate is missing (the native default stays)."""
     spec = devspec.parse(plan.devices_spec.get("text") or plan.devices_spec)
     cpu = plan.cpu_expert_gbps.get(str(threads(plan.ctx.get("n_threads", CONTEXT.n_threads))))
     dev = spec.expert_read_rates(cpu, len(plan.devices)) if cpu else None
@@ -206,9 +214,7 @@ def guard(plan: Plan) -> dict:
     per = {}
     for source in ("pinned", "pageable"):
         per[source] = [break_even_hit(cpu, miss_gbps(ln, source, plan.host_copy_gbps), r) for ln, r in zip(links, dev)]
-    caching = [i for i, d in enumerate(plan.devices) if d.cache_slots > 0] or range(len(plan.devices))
-    min_hit = {mode: percent(max(per[source][i] for i in caching))
-               for mode, source in (("none", "pinned"), ("mmap", "pageable"))}
+    min_hit = {mode: guard_value(plan, per[source]) for mode, source in (("none", "pinned"), ("mmap", "pageable"))}
     return {"break_even": {k: [round(h, 4) for h in v] for k, v in per.items()}, "min_hit": min_hit,
             "cpu_gbps": round(cpu, 3), "dev_gbps": [round(r, 3) for r in dev]}
 

@@ -15,9 +15,17 @@ no cache unless a cache predicts at least GAIN_MIN less time. The chosen one is 
 its cache's bytes reserved before placing), and the plan keeps every alternative with its prediction and why.
 Each cached alternative is priced with its misses split between the link and the host CPU too (EXPERT_HYBRID, at
 the rates the decode probe measured), and takes the split where it predicts GAIN_MIN less decode time.
+
+Every device is priced with its own costs and link, so the guard (EXPERT_CACHE_MIN_HIT: each device's own break-even
+hit rate) and the split (EXPERT_HYBRID: each device's own CPU rate over its own link's) are one value per device
+(`switches.one_or_list`: one value where the devices agree, as on equal devices): a device with a slow link goes to
+the CPU path without sending the others' layers there. An RPC device's misses would split with its server's own CPU,
+whose rate the decode probe does not measure (its layers' CPU path is the server's device copying the experts in):
+its entry stays 0 unless that rate is given (DecodeCosts.hybrid_cpu_s), and the plan says so.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
@@ -25,8 +33,8 @@ from typing import Callable, Optional, Sequence
 from . import devices as devspec
 from .decode_model import DecodeCosts, DecodeShare, token_seconds
 from .defaults import CONTEXT, CUDA_LINK_GBPS
-from .expert_cache_plan import Layout, drop_cache, miss_gbps, own_slots, percent, plan_cache
-from .switches import EXPERT_CACHE, EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID
+from .expert_cache_plan import Layout, drop_cache, guard_value, miss_gbps, own_slots, plan_cache
+from .switches import EXPERT_CACHE, EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID, one_or_list, per_device
 from .errors import OutOfMemoryError
 from .hit_curve import HitCurve
 from .plan import MiB, Plan
@@ -59,7 +67,8 @@ class Alternative:
         paths: per device, where its host-expert layers run ("cache", "hybrid", "cpu": the guard's choice; "": none).
         fits: whether every device has room for it.
         hybrid: EXPERT_HYBRID's value where the misses split with the host CPU predicts GAIN_MIN less decode time
-            than the cache alone (0: off).
+            than the cache alone (0: off): one value for every device, or the list's text, each device its own (0 where
+            its split does not gain), switches.one_or_list.
         device_slots: per device, its own slots a layer where the devices take different counts (the leftover on
             unequal devices; `slots` is then the most of them); [] where every device takes `slots`.
     """
@@ -75,7 +84,7 @@ class Alternative:
     seconds: float = 0.0
     paths: list = field(default_factory=list)
     fits: bool = True
-    hybrid: int = 0
+    hybrid: object = 0
     device_slots: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -113,15 +122,46 @@ def _links(plan: Plan, load_mode: str) -> list[float]:
 def cost_guard(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts]) -> dict:
     """The cache's guard from the decode probe's costs (what the planner priced with): per device the hit rate above
     which its cached layer costs less than its CPU layer, from pinned and from pageable memory, and the switch value
-    for each load mode (the largest over the devices that cache)."""
+    for each load mode: each device that caches its own bar (one value where they agree, guard_value)."""
     miss = layout.n_used * layout.slot_bytes
     per = {src: [(costs.get(i) or costs[-1]).break_even_hit(miss, ln) for i, ln in enumerate(_links(plan, mode))]
            for src, mode in (("pinned", "none"), ("pageable", "mmap"))}
-    caching = [i for i, d in enumerate(plan.devices) if d.cache_slots > 0] or range(len(plan.devices))
     return {"break_even": {k: [round(h, 4) for h in v] for k, v in per.items()},
-            "min_hit": {mode: percent(max(per[src][i] for i in caching)) for mode, src in (("none", "pinned"),
-                                                                                      ("mmap", "pageable"))},
+            "min_hit": {mode: guard_value(plan, per[src]) for mode, src in (("none", "pinned"), ("mmap", "pageable"))},
             "from": "decode probe"}
+
+
+def hybrid_values(plan: Plan, costs: Sequence[DecodeCosts], links: Sequence[float], layout: Layout) -> list[int]:
+    """Each device's EXPERT_HYBRID from its own costs and link (DecodeCosts.hybrid_pct): 0 where its split's CPU has no
+    known rate (an RPC device whose server's CPU was not measured: hybrid_cpu_s)."""
+    miss = layout.n_used * layout.slot_bytes
+    return [c.hybrid_pct(miss, ln) if layout.n_used and (not d.server or c.hybrid_cpu_s is not None) else 0
+            for c, ln, d in zip(costs, links, plan.devices)]
+
+
+def split_where_it_gains(costs: Sequence[DecodeCosts], shares: Sequence[DecodeShare], hybrid: Sequence[int]) -> list:
+    """Per device the EXPERT_HYBRID value a token is priced with: each device's own value where its split saves time
+    (its host-expert layers' seconds with it below those without), 0 elsewhere - all 0 unless the devices that save
+    save GAIN_MIN of the token together (equal devices: one decision for all, as the total's)."""
+    t0, _ = token_seconds(costs, shares)
+    saved = [s.host_layers * (c.host_layer_s(s.hit, s.miss_bytes, s.link_gbps, s.slots, s.n_used)[0]
+                              - c.host_layer_s(s.hit, s.miss_bytes, s.link_gbps, s.slots, s.n_used, v)[0])
+             if v and s.slots and s.host_layers else 0.0 for c, s, v in zip(costs, shares, hybrid)]
+    if sum(x for x in saved if x > 0) <= t0 * GAIN_MIN:
+        return [0] * len(shares)
+    return [v if x > 0 else 0 for v, x in zip(hybrid, saved)]
+
+
+def hybrid_note(plan: Plan, costs: dict[int, DecodeCosts]) -> str:
+    """Why RPC devices' EXPERT_HYBRID entries stay 0 ("" where they do not: no RPC device, or its server's CPU rate
+    given)."""
+    unknown = [d.name for i, d in enumerate(plan.devices)
+               if d.server and d.host_expert_layers and (costs.get(i) or costs[-1]).hybrid_cpu_s is None]
+    if not unknown:
+        return ""
+    return (f"{EXPERT_HYBRID} 0 on {', '.join(unknown)}: an RPC device's misses would split with its server's own "
+            "CPU, whose expert rate is not measured (the decode probe's CPU path there is the server's device copying "
+            "the experts in)")
 
 
 def _resident(plan: Plan, n_dense: int) -> list[int]:
@@ -176,10 +216,7 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
     links = _links(plan, load_mode)
     per = [costs.get(i) or costs[-1] for i in range(len(devs))]
     miss_bytes = layout.n_used * layout.slot_bytes
-    # EXPERT_HYBRID's one value (the first device's rates) where a device's own CPU can take misses: not on RPC
-    # servers (their cache runs alone)
-    remote = devspec.parse(plan.devices_spec.get("text") or plan.devices_spec).remote
-    hybrid = 0 if remote or not layout.n_used else per[0].hybrid_pct(miss_bytes, links[0])
+    hybrid = hybrid_values(plan, per, links, layout)   # (each device's own EXPERT_HYBRID, where its CPU's rate is known)
 
     def priced(name: str, slots, moved: list) -> Alternative:
         """`slots` a layer on every device, or a list of each device's own."""
@@ -190,18 +227,16 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
         cbytes = [layout.bytes_of(n, h) for n, h in zip(each, host)]
         fits = all(c <= r + k * layer_bytes for c, r, k in zip(cbytes, room, moved))
         hits = [curve.at(n / layout.n_expert) if n else 0.0 for n in each]
-        tok, paths, n = None, [], 0
-        for value in ((0, hybrid) if any(each) and hybrid else (0,)):
-            t, p = token_seconds(per, [DecodeShare(r, h, k, hi, miss_bytes, ln, layout.n_used, value)
-                                       for r, h, k, hi, ln in zip(resident, host, each, hits, links)])
-            if tok is None or t < tok * (1 - GAIN_MIN):
-                tok, paths, n = t, p, value
+        shares = [DecodeShare(r, h, k, hi, miss_bytes, ln, layout.n_used)
+                  for r, h, k, hi, ln in zip(resident, host, each, hits, links)]
+        split = split_where_it_gains(per, shares, hybrid)
+        tok, paths = token_seconds(per, [dataclasses.replace(sh, hybrid=v) for sh, v in zip(shares, split)])
         extra = _prompt_extra(workload, moved, layer_bytes, links, plan, layout.n_used, layout.n_expert)
         hit = max(hits, default=0.0) if own else hits[0] if hits else 0.0   # (a list: its largest device's)
         return Alternative(name, max(each, default=0), resident, host, cbytes, round(hit, 4),
                            round(1.0 / tok, 2) if tok else 0.0, round(extra, 4),
-                           round(extra + workload.decode_tokens * tok, 4), paths, fits, n if "hybrid" in paths else 0,
-                           own)
+                           round(extra + workload.decode_tokens * tok, 4), paths, fits,
+                           one_or_list(split, [bool(k and h) for k, h in zip(each, host)]), own)
 
     def moved_for(slots: int) -> Optional[list]:
         """Per device, the fewest layers to move to host RAM for `slots` slots in each host-expert layer."""
@@ -261,8 +296,9 @@ def _placed(plan: Plan, a: Alternative, none: Alternative, layout: Layout, costs
         return out, why
     tok, _ = token_seconds([costs.get(i) or costs[-1] for i in range(len(out.devices))],
                            [DecodeShare(r, d.host_expert_layers, slots, curve.at(slots / layout.n_expert),
-                                        layout.n_used * layout.slot_bytes, ln, layout.n_used, a.hybrid)
-                            for r, d, ln in zip(_resident(out, n_dense), out.devices, _links(out, load_mode))])
+                                        layout.n_used * layout.slot_bytes, ln, layout.n_used, v)
+                            for r, d, ln, v in zip(_resident(out, n_dense), out.devices, _links(out, load_mode),
+                                                   per_device(a.hybrid, len(out.devices)))])
     seconds = workload.decode_tokens * tok + a.prompt_extra_s
     placed = (f"; fit placed host-expert layers {'/'.join(map(str, out.host_expert_layers))} with {slots} slots a "
               f"layer: decode {1 / tok:.1f} t/s predicted, {seconds:.2f} s")
@@ -307,11 +343,13 @@ def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve
         out.switches[EXPERT_CACHE_MIN_HIT] = out.cache_guard["min_hit"]["none"]
         if a.hybrid:
             out.switches[EXPERT_HYBRID] = a.hybrid
+    note = hybrid_note(out, costs) if out.switches.get(EXPERT_CACHE) else ""
     out.memory_plan = {"workload": {"name": workload.name, "steps": workload.as_list()}, "curve": curve.to_dict(),
                        "load_mode": load_mode, "costs": {str(i): c.to_dict() for i, c in costs.items()},
                        "alternatives": [x.to_dict() for x in alts], "chosen": pick, "why": why,
                        "placed": {"host": out.host_expert_layers,
-                                  "slots": [d.cache_slots for d in out.devices]}}
+                                  "slots": [d.cache_slots for d in out.devices]},
+                       **({"hybrid_note": note} if note else {})}
     return out
 
 

@@ -222,6 +222,7 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
     force = {**switches.set_in(env), **given}   # (what the dry runs' scheduler reads)
     cache = _expert_cache(expert_cache, variant, force)
     cache.check_devices(spec.n_devices, spec.label)
+    switches.check_device_lists(force, spec.n_devices, spec.label)
     reserved = reserved_bytes(model, spec, variant, force, cache.bytes)
     # (a per-device list's sizes: each on its own device)
     margins = [m + sum(reserved.values()) + (cache.at(i).bytes if cache.devices else 0) for i, m in enumerate(margins)]

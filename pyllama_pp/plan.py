@@ -25,7 +25,7 @@ MiB = 1024**2
 from .switches import EXPERT_CACHE as CACHE_SWITCH
 from .switches import EXPERT_CACHE_MIN_HIT as CACHE_MIN_HIT_SWITCH
 from .switches import EXPERT_HYBRID as HYBRID_SWITCH
-from .switches import ExpertCache
+from .switches import ExpertCache, per_device
 _EXPERT_NAMES = ("ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_exps.weight")
 _DENSE_FFN_NAMES = ("ffn_gate_inp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", "ffn_gate_shexp.weight")
 
@@ -230,10 +230,21 @@ class Plan:
                         for d in self.devices if d.host_expert_layers)
         where = (f"{per}; kept free on each device beside its layers (fit's target lowered by as much)" if per else
                  "no device has host-expert layers (every expert is on its device): nothing to cache")
+        return (f"expert cache {form}{asked} ({CACHE_SWITCH}, {values}): {where}" + self._hybrid_text()
+                + self._guard_text())
+
+    def _hybrid_text(self) -> str:
         hybrid = self.switches.get(HYBRID_SWITCH)
-        return (f"expert cache {form}{asked} ({CACHE_SWITCH}, {values}): {where}"
-                + (f"; a token's misses split between the link and the host CPU ({HYBRID_SWITCH}={hybrid}: the CPU's "
-                   f"expert rate {hybrid}% of the link's)" if hybrid else "") + self._guard_text())
+        if not hybrid:
+            return ""
+        if not isinstance(hybrid, str):
+            return (f"; a token's misses split between the link and the host CPU ({HYBRID_SWITCH}={hybrid}: the CPU's "
+                    f"expert rate {hybrid}% of the link's)")
+        each = per_device(hybrid, len(self.devices))
+        split = "; ".join(f"{d.name} {n}% of its link's" if n else f"{d.name} none (every miss over its link)"
+                          for d, n in zip(self.devices, each) if d.host_expert_layers)
+        return (f"; a token's misses split between the link and the host CPU, each device its own ({HYBRID_SWITCH}="
+                f"{hybrid}: the CPU's expert rate {split})")
 
     def _guard_text(self) -> str:
         g = self.cache_guard
@@ -244,6 +255,15 @@ class Plan:
                  "them" if g.get("from") == "decode probe" else
                  f"the host CPU's expert op {g['cpu_gbps']:.3g} GB/s, the devices' own read "
                  f"{'/'.join(f'{r:.3g}' for r in g['dev_gbps'])} GB/s, their links as measured")
+        if isinstance(pinned, str) or isinstance(mmap, str):   # (each device its own bar)
+            n = len(self.devices)
+            bars = "; ".join(f"{d.name} {p}%" + (f" (mmap {m}%)" if m != p else "")
+                             + (": the cache does not pay there, its layers go to the CPU path once their first tokens "
+                                "are seen" if p >= 100 else "")
+                             for d, p, m in zip(self.devices, per_device(pinned, n), per_device(mmap, n))
+                             if d.cache_slots)
+            return (f"\n  guard {CACHE_MIN_HIT_SWITCH}={pinned} (mmap: {mmap}), each device its own: below its bar a "
+                    f"layer's cached path costs more than the CPU path ({rates}): {bars}")
         if pinned >= 100:
             return (f"\n  guard {CACHE_MIN_HIT_SWITCH}=100: the cache does not pay on these devices ({rates}): each "
                     "layer goes back to the CPU path once its first tokens are seen")
@@ -487,6 +507,8 @@ def _memory_plan_lines(m: dict) -> list[str]:
         return [f"  memory: weighed for the workload {w['name']} ({steps}): {m['why']}"]
     lines = [f"  memory: weighed for the workload {w['name']} ({steps}), load mode {m['load_mode']}; hit rates: "
              f"{m['curve']['source']}; chose {m['why']}"]
+    if m.get("hybrid_note"):
+        lines.append(f"    {m['hybrid_note']}")
     for i, a in enumerate(m["alternatives"]):
         cache = (f"{a['slots']} slots a layer ({sum(a['cache_bytes']) / MiB:.0f} MiB, hits {a['hit']:.0%})"
                  if a["slots"] else "no slots")

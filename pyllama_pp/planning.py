@@ -337,7 +337,11 @@ def _check_modes(c: Choices) -> None:
 
 def _check_expert_cache(c: Choices) -> None:
     """--expert-cache: a value ExpertCache.parse takes, for a run with the patched build, not beside --switch
-    EXPERT_CACHE or a plan file (whose cache fit planned already); a size without a fit within the devices."""
+    EXPERT_CACHE or a plan file (whose cache fit planned already); a size without a fit within the devices; a guard's
+    or a split's per-device list (--switch or the environment) with a value for each device of every spec."""
+    lists = {**switches.in_force("patched"), **c.switches}
+    for text in c.devices if any(isinstance(lists.get(k), str) for k in switches.EVERY_DEVICE) else ():
+        switches.check_device_lists(lists, devspec.parse(text).n_devices, text)
     given = c.switches.get(switches.EXPERT_CACHE)
     for text in c.devices if given is not None or c.expert_cache is not None else ():
         spec = devspec.parse(text)   # (a list: no more values than devices)
@@ -528,7 +532,9 @@ def _placed_cache(cfg: RunConfig, c: Choices, model: str, made: list, measured: 
              if k in (switches.EXPERT_CACHE, switches.EXPERT_CACHE_MIN_HIT, switches.EXPERT_HYBRID)}
     set_ = f"; {switches.EXPERT_CACHE} {switches.shown(switches.EXPERT_CACHE, cache[switches.EXPERT_CACHE])}" \
         if cache.get(switches.EXPERT_CACHE) else ""
-    note = f"expert cache ({where}), planned on this placement without a fit: {plan.memory_plan['why']}{set_}"
+    split = plan.memory_plan.get("hybrid_note")
+    note = (f"expert cache ({where}), planned on this placement without a fit: {plan.memory_plan['why']}{set_}"
+            + (f"; {split}" if split else ""))
     return dataclasses.replace(cfg, switches={**cfg.switches, **cache}, notes=cfg.notes + (note,))
 
 

@@ -9,14 +9,15 @@ is only for tools that start processes of their own (bench scripts, an RPC serve
 `--expert-cache` is parsed here once, into an `ExpertCache` the immutable choices keep: "auto" (fit plans it), a
 size (MiB a device: "512MiB", "2GiB") or a slot count a layer ("16slots"; the switch's own form, -16, too), or 0; or a
 comma list of sizes, slot counts and 0s, one per device in the device spec's order ("16slots,32slots": the switch's
-list form, -16,-32), for devices that differ.
+list form, -16,-32), for devices that differ. The cache's guard and hybrid split (EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID)
+take one value for every device or a list of one per device too (`per_device`, `one_or_list`, `check_device_lists`).
 """
 from __future__ import annotations
 
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 from .defaults import FIT
 from .devices.base import parse_size
@@ -36,6 +37,10 @@ EXPERT_CACHE = "EXPERT_CACHE"    # the device expert cache: MiB a device, or -N 
 EXPERT_CACHE_MIN_HIT = "EXPERT_CACHE_MIN_HIT"   # its guard: percent of hits below which a layer goes to the CPU
 EXPERT_HYBRID = "EXPERT_HYBRID"  # its misses split with the host CPU: the CPU's expert rate in percent of the link's
 LAYER_MAJOR = "LAYER_MAJOR"      # a batch's ubatches through each layer together
+# the switches of type "ints" (one value for every device, or a comma list of one per device): the cache's; a guard's
+# or a split's list names every device (read as 0 past its list, they would be off there unsaid)
+PER_DEVICE = (EXPERT_CACHE, EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID)
+EVERY_DEVICE = (EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID)
 
 MiB = 1 << 20
 MAX_SLOTS = 65536   # EXPERT_CACHE's range: -65536 slots a layer at most
@@ -98,6 +103,45 @@ def of_run(env: Optional[dict], given: Optional[dict], defaults: Optional[dict])
     return off_defaults({**in_force("patched", env), **(given or {})}, defaults)
 
 
+def per_device(value, n: int) -> list[int]:
+    """A switch of type "ints" as each of `n` devices reads it: one value for every device, or a list's entries in
+    order (0 past the list)."""
+    v = value_of(value) if isinstance(value, str) else value
+    if isinstance(v, str):
+        own = [int(x) for x in v.split(",")]
+        return (own + [0] * n)[:n]
+    return [int(v or 0)] * n
+
+
+def one_or_list(values: Sequence[int], matters: Optional[Sequence[bool]] = None):
+    """The switch value that gives each device its own of `values`: one int where every device it matters for (all,
+    where `matters` is not given) takes the same (the others then take it too: it changes nothing there), else the
+    comma list's text, one per device (0 where it does not matter)."""
+    m = list(matters) if matters is not None else [True] * len(values)
+    own = {int(v) for v, x in zip(values, m) if x}
+    if len(own) <= 1:
+        return own.pop() if own else 0
+    return ",".join(str(int(v) if x else 0) for v, x in zip(values, m))
+
+
+def check_device_lists(given: Optional[dict], n: int, spec: str = "") -> None:
+    """Refuse a guard's or a split's list (EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID) whose length is not the `n` devices of
+    the spec it runs on (0: a spec that names its devices only once they are found, not checked here; the scheduler
+    logs it). EXPERT_CACHE's own list may be shorter (ExpertCache.check_devices).
+
+    Raises:
+        ConfigError: naming the switch, the counts and the fix.
+    """
+    for name in EVERY_DEVICE:
+        v = value_of((given or {}).get(name, 0))
+        if not n or not isinstance(v, str) or len(v.split(",")) == n:
+            continue
+        k = len(v.split(","))
+        raise ConfigError(f"{name}={v}: {k} values for the {n} device{'s' if n != 1 else ''} of "
+                          f"{spec or 'the device spec'}. Fix: one value for every device ({name}={v.split(',')[0]}), "
+                          f"or {n} values, one per device in the spec's order")
+
+
 def to_env(switches: Optional[dict]) -> dict:
     """Switches, NAME -> value, as environment variables (for a process this package does not start as a worker)."""
     return {var(k): str(v) for k, v in (switches or {}).items()}
@@ -117,7 +161,7 @@ def parse_given(given: Optional[Iterable[str]]) -> dict:
             raise ConfigError(f"--switch takes NAME=VALUE (e.g. UPLOAD_ALL=0), not {kv!r}")
         if value_of(value) is None:
             raise ConfigError(f"--switch {kv!r}: the value must be an integer (e.g. UPLOAD_ALL=0), or for "
-                              f"{EXPERT_CACHE} a comma list of one per device (e.g. {EXPERT_CACHE}=-2,-4)")
+                              f"{', '.join(PER_DEVICE)} a comma list of one per device (e.g. {EXPERT_CACHE}=-2,-4)")
         switches[name.strip().upper()] = value_of(value)
     return switches
 
@@ -296,5 +340,6 @@ def shown(name: str, value) -> str:
 
 
 __all__ = ["PREFIX", "var", "in_env", "set_in", "value_of", "in_force", "off_defaults", "of_run", "to_env", "parse_given",
+           "per_device", "one_or_list", "check_device_lists", "PER_DEVICE", "EVERY_DEVICE",
            "ExpertCache", "take_expert_cache", "shown", "OVERLAP", "UPLOAD_ALL", "UPLOAD_ALL_MIN", "UPLOAD_ALL_MIN_COV",
            "LINKS", "RPC_HOST", "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT", "EXPERT_HYBRID", "LAYER_MAJOR"]

@@ -519,3 +519,48 @@ def test_rows_carry_the_guards_counters(tiny_model, tiny_info, capsys):
     assert row["expert_cache_ops"] + row["expert_cache_cpu_ops"] == OPS * n_layer * 48 and row["expert_cache_cpu_ops"] > 0
     assert row["expert_cache_shadow_hits"] + row["expert_cache_shadow_misses"] == n_layer * 48 * tiny_info["n_expert_used"]
     assert row["expert_cache_hits"] + row["expert_cache_misses"] == row["expert_cache_ops"] // OPS * tiny_info["n_expert_used"]
+
+
+def _devices(ext: dict) -> list:
+    """The device backends' stats (the CPU's left out), in the scheduler's order."""
+    return [b for b in ext["backends"] if b["name"] != "CPU"]
+
+
+@pytest.mark.parametrize("floors", [(100, 0), (0, 100)])
+def test_each_device_takes_its_own_floor_of_a_list(runner, tiny_info, floors):
+    """EXPERT_CACHE_MIN_HIT=100,0 (and 0,100) on two VDEVs, uniform routing's 8 slots: only the device whose floor is
+    100 keeps a shadow and sends its layers to the CPU (every one, once seen); the other's layers read their slots for
+    every token and keep no shadow. The logits are the baseline's."""
+    n = 64
+    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": GUARD_CTX, "n_tokens": n, "seed": 3}
+    b = runner.logits("baseline", **kw)
+    p = runner.logits("patched", env=cache(-8, ",".join(map(str, floors))), **kw)
+    assert np.array_equal(p["logits"], b["logits"])
+    assert p["ext"]["params"]["EXPERT_CACHE_MIN_HIT"] == ",".join(map(str, floors))
+    devs = _devices(p["ext"])
+    assert len(devs) == 2 and sum(d["cache_layers"] for d in devs) == tiny_info["n_layer"]
+    for d, floor in zip(devs, floors):
+        if floor:
+            assert d["cache_leaves"] == d["cache_cpu_layers"] == d["cache_layers"] and d["cache_cpu_ops"] > 0
+            assert d["cache_shadow_hits"] + d["cache_shadow_misses"] == d["cache_layers"] * n * tiny_info["n_expert_used"]
+        else:
+            assert d["cache_leaves"] == d["cache_cpu_ops"] == d["cache_shadow_hits"] + d["cache_shadow_misses"] == 0
+            assert d["cache_ops"] == OPS * d["cache_layers"] * n
+        assert d["cache_hits"] + d["cache_misses"] == d["cache_ops"] // OPS * tiny_info["n_expert_used"]
+
+
+def test_patched_servers_split_with_their_own_cpus_per_device(runner, patched_servers, baseline_decode,
+                                                               assert_logits_match, tiny_info):
+    """EXPERT_HYBRID=100,0 over two patched servers (sent as EXPERT_HYBRID@D with the other per-device switches): the
+    first server's own CPU computes a share of its device's misses, which are then not copied into slots (its cache
+    bytes fall short of its misses' bytes), the second's every miss goes up; one value for both (sent with the
+    backend) splits on both. The logits are the baseline's."""
+    one = expert_bytes_of_layer(synth.preset("tiny", seed=1))
+    kw = {"devices": patched_servers, "placement": HOST_ALL, "ctx": DECODE, "n_tokens": 12}
+    for value, splits in (("100,0", [True, False]), ("100", [True, True])):
+        p = runner.logits("patched", env={**cache(-16), "GGML_SCHED_PP_EXPERT_HYBRID": value}, **kw)
+        assert_logits_match(p["logits"], baseline_decode["logits"], f"EXPERT_HYBRID={value} on two patched servers")
+        rpc = [b for b in p["ext"]["backends"] if b["name"].startswith("RPC")]
+        assert len(rpc) == 2 and all(b["cache_ops"] > 0 and b["cache_misses"] > 0 for b in rpc)
+        assert [b["cache_bytes"] < b["cache_misses"] * one for b in rpc] == splits, (value, rpc)
+        assert all(b["cache_bytes"] == b["cache_misses"] * one for b, s in zip(rpc, splits) if not s)

@@ -93,6 +93,17 @@ def test_zero_is_the_cache_alone(runner):
     assert not any(split_counts(z["ext"]).values())
 
 
+def test_each_device_takes_its_own_value_of_a_list(runner, baseline_decode, assert_logits_match):
+    """EXPERT_HYBRID=0,400 on two VDEVs: only the second device's misses split with the host CPU (the first copies
+    every miss into its slots); the logits are the baseline's."""
+    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": DECODE, "n_tokens": 12}
+    p = runner.logits("patched", env={**cache(-8), "GGML_SCHED_PP_EXPERT_HYBRID": "0,400"}, **kw)
+    assert_logits_match(p["logits"], baseline_decode["logits"], "EXPERT_HYBRID=0,400")
+    first, second = [b for b in p["ext"]["backends"] if b["name"] != "CPU"]
+    assert first["cache_misses"] > 0 and first["cache_cpu_misses"] == first["cache_hybrid_layers"] == 0
+    assert 0 < second["cache_cpu_misses"] < second["cache_misses"] and second["cache_hybrid_layers"] > 0
+
+
 def test_small_batches_split_their_misses_too(runner, assert_logits_match):
     """Ubatches of 4 tokens (the clone computes every selection of each token, the CPU's rows written back): the
     baseline's logits."""

@@ -3,6 +3,7 @@ model (pyllama_pp.decode_model) with handed-in costs (no timing here: the decode
 the hit-rate curve (pyllama_pp.hit_curve) and the workload (pyllama_pp.workload)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 from pyllama_pp import cli, synth
 from pyllama_pp.decode_model import DecodeCosts, DecodeShare, token_seconds
 from pyllama_pp.errors import ConfigError
-from pyllama_pp.expert_cache_plan import layout_of
+from pyllama_pp.expert_cache_plan import layout_of, percent
 from pyllama_pp.fit import _weigh
 from pyllama_pp.hit_curve import PRIOR, HitCurve
 from pyllama_pp.memory_plan import GAIN_MIN, alternatives, choose, cost_guard, plan_memory
@@ -418,3 +419,70 @@ def test_without_a_fit_a_cache_the_user_set_is_not_planned(model, monkeypatch):
     prompt = plan_runs(Choices(command="run", model=model, devices=(SPEC,), pp=(64,), tg=(), expert_cache="auto"))
     assert prompt.plans == () and "EXPERT_CACHE" not in prompt.configs[0].switches
     assert any("no cache: the workload decodes no token" in n for n in prompt.notes), prompt.notes
+
+
+# --- unequal devices: each its own guard and split ----------------------------------------------------------------
+
+def _with_links(plan: Plan, layout, costs: DecodeCosts, miss_over_cpu) -> Plan:
+    """A copy of the plan whose devices' links make a token's misses at one layer cost `miss_over_cpu[i]` times the CPU
+    path's layer on device i."""
+    out = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    for d, r in zip(out.devices, miss_over_cpu):
+        gbps = layout.n_used * layout.slot_bytes / (r * costs.cpu_s) / 1e9
+        d.link = {"pinned_gbps": gbps, "pageable_gbps": gbps, "copy_bytes": 0}
+    return out
+
+
+def _two(model, mib: int, links=(8, 0.2)):
+    """fit's plan with the cache as auto on two VDEVs of `mib` MiB each, the second with the slower link."""
+    spec = json.dumps({"kind": "vdev", "devices": [{"memory": f"{mib}MiB", "link_gbps": g} for g in links]})
+    refit = lambda m: place(model, devices=spec, ctx=CTX, timeout=120, expert_cache=f"{m}MiB")   # noqa: E731
+    return place(model, devices=spec, ctx=CTX, timeout=120, expert_cache="auto"), refit
+
+
+def test_unequal_links_give_each_device_its_own_guard(model):
+    """Two VDEVs whose links differ (a token's misses cost 0.4 and 3 times the CPU path's layer): each is priced with
+    its own link, so the planned guard is each device's own break-even - the fast one's cache stays on at the hit rate
+    the plan predicts while the slow one's layers go to the CPU path; one bar (the largest, as before) would have sent
+    the fast device's layers to the CPU too. The plan names each device's bar, its JSON keeps the list, `run --plan`
+    replays it; equal links give one value, as before."""
+    start, refit = _two(model, 8)
+    layout = layout_of(model, start.n_expert)
+    plan = plan_memory(_with_links(start, layout, GPU_LIKE, (0.4, 3.0)), layout, {-1: GPU_LIKE}, LOCALITY, CHAT, refit)
+    chosen = plan.memory_plan["alternatives"][plan.memory_plan["chosen"]]
+    assert chosen["slots"] and all(d.cache_slots for d in plan.devices), plan.memory_plan["why"]
+    assert chosen["paths"] == ["cache", "cpu"] and not chosen["hybrid"], chosen
+    miss, links = layout.n_used * layout.slot_bytes, [d.link["pinned_gbps"] for d in plan.devices]
+    bars = [percent(GPU_LIKE.break_even_hit(miss, ln)) for ln in links]
+    fast, slow = bars
+    assert plan.switches["EXPERT_CACHE_MIN_HIT"] == f"{fast},{slow}" == plan.cache_guard["min_hit"]["none"]
+    assert fast < chosen["hit"] * 100 < slow   # (the fast device keeps its slots, the slow one's layers leave)
+    assert f"EXPERT_CACHE_MIN_HIT={fast},{slow}" in str(plan) and f"VDEV1 {slow}%" in str(plan)
+    back = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert back.run_switches("none") == plan.run_switches("none") and \
+        back.run_switches("none")["EXPERT_CACHE_MIN_HIT"] == f"{fast},{slow}"
+    same = plan_memory(_with_links(start, layout, GPU_LIKE, (0.4, 0.4)), layout, {-1: GPU_LIKE}, LOCALITY, CHAT, refit)
+    assert isinstance(same.switches["EXPERT_CACHE_MIN_HIT"], int)
+
+
+def test_unequal_links_give_each_device_its_own_split(model):
+    """The same devices with room for more slots: the slow link's misses split with the host CPU (its CPU reads experts
+    three times as fast as that link moves them: EXPERT_HYBRID 300 there) while the fast link's do not gain from it (0:
+    every miss over its link); the plan names each device's split. An RPC device's split would run on its server's
+    CPU, whose rate the decode probe does not measure: its entry stays 0 and the plan says why, unless that rate is
+    given."""
+    start, refit = _two(model, 7)
+    layout = layout_of(model, start.n_expert)
+    base = _with_links(start, layout, GPU_LIKE, (0.4, 3.0))
+    plan = plan_memory(base, layout, {-1: GPU_LIKE}, LOCALITY, CHAT, refit)
+    chosen = plan.memory_plan["alternatives"][plan.memory_plan["chosen"]]
+    assert chosen["paths"] == ["cache", "hybrid"] and plan.switches["EXPERT_HYBRID"] == chosen["hybrid"] == "0,300"
+    assert "EXPERT_HYBRID=0,300" in str(plan) and "VDEV1 300% of its link's" in str(plan)
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))).run_switches("none")["EXPERT_HYBRID"] == "0,300"
+    served = Plan.from_dict(json.loads(json.dumps(base.to_dict())))
+    served.devices[1].server = "10.0.0.2:50052"
+    remote = plan_memory(served, layout, {-1: GPU_LIKE}, LOCALITY, CHAT, refit)
+    assert not remote.switches.get("EXPERT_HYBRID") and "VDEV1: an RPC device's misses would split with its server's own CPU" \
+        in remote.memory_plan["hybrid_note"] and remote.memory_plan["hybrid_note"] in str(remote)
+    known = {-1: GPU_LIKE, 1: dataclasses.replace(GPU_LIKE, hybrid_cpu_s=GPU_LIKE.cpu_s)}
+    assert plan_memory(served, layout, known, LOCALITY, CHAT, refit).switches["EXPERT_HYBRID"] == "0,300"

@@ -67,6 +67,39 @@ def test_expert_cache_takes_one_value_per_device():
         switches.parse_given(["EXPERT_CACHE=-2,x"])
 
 
+def test_the_guard_and_the_split_take_one_value_or_one_per_device():
+    """EXPERT_CACHE_MIN_HIT and EXPERT_HYBRID as EXPERT_CACHE: one value for every device, or a comma list of one per
+    device (each device reads its own, 0 past the list); the planner's values fold to one where the devices agree (the
+    devices they do not matter for take it too)."""
+    assert switches.parse_given(["expert_cache_min_hit=25, 100", "EXPERT_HYBRID=150,0"]) == \
+        {"EXPERT_CACHE_MIN_HIT": "25,100", "EXPERT_HYBRID": "150,0"}
+    assert switches.in_force("patched", {"GGML_SCHED_PP_EXPERT_HYBRID": "0,400"}) == {"EXPERT_HYBRID": "0,400"}
+    assert switches.per_device("25,100", 2) == [25, 100] and switches.per_device(30, 3) == [30, 30, 30]
+    assert switches.per_device("1,2", 3) == [1, 2, 0] and switches.per_device(None, 2) == [0, 0]
+    assert switches.one_or_list([40, 40]) == 40 and switches.one_or_list([25, 100]) == "25,100"
+    assert switches.one_or_list([150, 7], [True, False]) == 150 and switches.one_or_list([150, 0], [True, True]) == "150,0"
+    assert switches.one_or_list([25, 100, 60], [True, False, True]) == "25,0,60"
+    for value in (30, "30,100", 0):
+        switches.check_device_lists({"EXPERT_CACHE_MIN_HIT": value, "EXPERT_HYBRID": "150,0"}, 2, "vdev:2x1MiB")
+    switches.check_device_lists({"EXPERT_HYBRID": "150,0,1"}, 0)   # (devices not known yet: the scheduler logs it)
+    switches.check_device_lists({"EXPERT_CACHE": "-2"}, 3)           # (EXPERT_CACHE's list may be shorter)
+
+
+@pytest.mark.parametrize("name, value, n", [("EXPERT_CACHE_MIN_HIT", "25,100,5", 2), ("EXPERT_HYBRID", "150,0", 3)])
+def test_a_guard_or_split_list_of_the_wrong_length_is_refused_with_the_fix(tiny_model, no_worker, name, value, n):
+    """A per-device guard or split with more or fewer values than the spec's devices: a ConfigError naming the
+    switch, the counts and the fix, before any worker - from `run`'s checks and from fit."""
+    from pyllama_pp.placement import fit
+    from pyllama_pp.planning import Choices, plan_runs
+    spec = f"vdev:{n}x64MiB@4GBps"
+    words = (rf"{name}={value}: {len(value.split(','))} values for the {n} devices of {spec}\. Fix: one value for "
+             rf"every device \({name}={value.split(',')[0]}\), or {n} values, one per device in the spec's order")
+    with pytest.raises(ConfigError, match=words):
+        plan_runs(Choices(command="run", model=tiny_model, devices=(spec,), pp=(), tg=(4,), switches={name: value}))
+    with pytest.raises(ConfigError, match=rf"{name}={value}: .* Fix: one value for every device"):
+        fit(tiny_model, devices=spec, switches={name: value})
+
+
 def test_switch_strings_and_environment():
     assert switches.parse_given(["upload_all=0", "OVERLAP=2"]) == {"UPLOAD_ALL": 0, "OVERLAP": 2}
     for bad in ("OVERLAP", "=2", "OVERLAP=two"):

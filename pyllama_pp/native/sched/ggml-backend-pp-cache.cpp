@@ -38,8 +38,9 @@
 // (an eviction) - never one of the step's own: an op uses at most as many experts as its layer has slots.
 // Counters per device (ggml_sched_pp_stats: cache_hits, cache_misses, cache_evictions, cache_bytes, cache_ops).
 //
-// The hit-rate guard (EXPERT_CACHE_MIN_HIT=P percent; 0: off): a layer whose cache does not pay goes back to the
-// host CPU path, and comes back when it would pay. Each layer keeps a shadow of its slots - an LRU of as many experts
+// The hit-rate guard (EXPERT_CACHE_MIN_HIT=P percent; 0: off; a comma list: each device its own P, in the scheduler's
+// order, as its layers' link and costs are its own): a layer whose cache does not pay goes back to the host CPU path,
+// and comes back when it would pay. Each layer keeps a shadow of its slots - an LRU of as many experts
 // with the same rule - that follows every token its expert ops route, wherever they run: on the device from the ids
 // read back for the lookups, on the CPU from the ids the CPU's split already holds in host memory (the router's ids
 // are an input of that split, copied there synchronously: the CPU backend has no async copy), read after the split,
@@ -51,8 +52,8 @@
 // (ggml_backend_sched_pp_resplit). The slots keep what they hold while their layer is on the CPU; only the shadow
 // follows its tokens. Counters per device: cache_cpu_ops, cache_leaves, cache_returns, cache_shadow_hits/misses.
 //
-// The hybrid (EXPERT_HYBRID=N; 0: off): a cached token's misses need not all cross the link one after the other while
-// the host CPU idles. Per layer and token the link takes k = ceil(m x 100 / (100 + N)) of its m misses (the first k in
+// The hybrid (EXPERT_HYBRID=N; 0: off; a comma list: each device its own N, its own CPU and link rates): a cached
+// token's misses need not all cross the link one after the other while the host CPU idles. Per layer and token the link takes k = ceil(m x 100 / (100 + N)) of its m misses (the first k in
 // top-k order: copied into slots as above, kept for later tokens) and the host CPU the other m - k, computed from the
 // host weights where they live: N is the CPU's expert rate in percent of the link's, so both finish together (the
 // rounding to the link: one miss alone goes up; ggml_backend_sched_pp_hybrid_link_share). The CPU's misses are not
@@ -69,8 +70,10 @@
 // before the next split reads them. The rest of the layer (routing weights, the sum over the selections) runs on the
 // device as without it. Where the FFN is not one split on its device (an ADD_ID that op offload takes - its rows are
 // tokens x selections: gpt-oss's from 8 tokens - runs there with its bias copied in, which starts a split) or an eval
-// callback runs the splits in parts, the layer keeps the cache alone. Counters per device:
-// cache_cpu_misses (misses the CPU computed; the link's are cache_misses less these), cache_hybrid_layers.
+// callback runs the splits in parts, the layer keeps the cache alone. On an RPC server the host CPU is the server's
+// (its scheduler's host backend, beside the host weights it keeps): the client sends each RPC device's N as
+// EXPERT_HYBRID@D with the other per-device switches. Counters per device: cache_cpu_misses (misses the CPU computed;
+// the link's are cache_misses less these), cache_hybrid_layers.
 
 #include "ggml-backend-pp-impl.h"
 
@@ -278,27 +281,47 @@ static bool ggml_sched_pp_cache_may_take(ggml_backend_sched_t sched, const ggml_
            !ggml_backend_offload_op(sched->backends[owner], op);
 }
 
-// A new scheduler's devices (ggml_backend_sched_new, after the switches): a per-device list longer than its devices
-// is an error (logged; the extra values are ignored), and each RPC device's value goes to its server for the scheduler
-// it makes of that device (a list only: one value for every device goes with the backend, rpc_host_send_switches)
+// the cache's switches that take one value per device (type ints), where each backend reads its own; `exact`: a list
+// must name every device (a guard or a split read as 0 past the list would be silently off there)
+static const struct {
+    const char * name;
+    int64_t (ggml_sched_pp_cfg::* dev)[GGML_SCHED_MAX_BACKENDS];
+    bool exact;
+} ggml_sched_pp_cache_lists[] = {
+    { "EXPERT_CACHE",         &ggml_sched_pp_cfg::expert_cache_dev,         false },
+    { "EXPERT_CACHE_MIN_HIT", &ggml_sched_pp_cfg::expert_cache_min_hit_dev, true  },
+    { "EXPERT_HYBRID",        &ggml_sched_pp_cfg::expert_hybrid_dev,        true  },
+};
+
+// A new scheduler's devices (ggml_backend_sched_new, after the switches), for each of the cache's per-device switches
+// set as a list: a list longer than its devices is an error (logged; the extra values are ignored), and so is a guard's
+// or a split's shorter one (the devices past it read 0); each RPC device's value goes to its server as NAME@D for the
+// scheduler it makes of that device (a list only: one value for every device goes with the backend,
+// rpc_host_send_switches)
 void ggml_backend_sched_pp_cache_devices(ggml_backend_sched_t sched, ggml_backend_t * backends, int n_backends) {
-    char text[512];
-    if (ggml_backend_sched_pp_get_param_text("EXPERT_CACHE", text, sizeof(text)) < 0 || strchr(text, ',') == nullptr) {
-        return;
-    }
-    const int n_values = 1 + (int) std::count(text, text + strlen(text), ',');
-    if (n_values > n_backends - 1) {
-        GGML_LOG_ERROR("%s: EXPERT_CACHE=%s has %d values for the scheduler's %d devices: those past its last device "
-                       "are ignored\n", __func__, text, n_values, n_backends - 1);
-    }
-    for (int b = 0; b < n_backends - 1; b++) {
-        ggml_backend_dev_t dev = ggml_backend_get_device(backends[b]);
-        ggml_backend_reg_t reg = dev != nullptr ? ggml_backend_dev_backend_reg(dev) : nullptr;
-        auto send = reg != nullptr ? (bool (*)(ggml_backend_dev_t, const char *, int64_t))
-            ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_pp_device_switch") : nullptr;
-        if (send != nullptr && !send(dev, "EXPERT_CACHE", sched->pp_cfg.expert_cache_dev[b])) {
-            GGML_LOG_WARN("%s: the server of %s takes no per-device EXPERT_CACHE (an older one): its device caches "
-                          "nothing\n", __func__, ggml_backend_dev_name(dev));
+    for (const auto & sw : ggml_sched_pp_cache_lists) {
+        char text[512];
+        if (ggml_backend_sched_pp_get_param_text(sw.name, text, sizeof(text)) < 0 || strchr(text, ',') == nullptr) {
+            continue;
+        }
+        const int n_values = 1 + (int) std::count(text, text + strlen(text), ',');
+        if (n_values > n_backends - 1) {
+            GGML_LOG_ERROR("%s: %s=%s has %d values for the scheduler's %d devices: those past its last device are "
+                           "ignored\n", __func__, sw.name, text, n_values, n_backends - 1);
+        } else if (sw.exact && n_values < n_backends - 1) {
+            GGML_LOG_ERROR("%s: %s=%s has %d values for the scheduler's %d devices: the devices past the list read 0 "
+                           "(give one value for every device, or one per device)\n", __func__, sw.name, text, n_values,
+                           n_backends - 1);
+        }
+        for (int b = 0; b < n_backends - 1; b++) {
+            ggml_backend_dev_t dev = ggml_backend_get_device(backends[b]);
+            ggml_backend_reg_t reg = dev != nullptr ? ggml_backend_dev_backend_reg(dev) : nullptr;
+            auto send = reg != nullptr ? (bool (*)(ggml_backend_dev_t, const char *, int64_t))
+                ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_pp_device_switch") : nullptr;
+            if (send != nullptr && !send(dev, sw.name, (sched->pp_cfg.*(sw.dev))[b])) {
+                GGML_LOG_WARN("%s: the server of %s takes no per-device %s (an older one): its device takes the "
+                              "value it had\n", __func__, ggml_backend_dev_name(dev), sw.name);
+            }
         }
     }
 }
@@ -502,8 +525,8 @@ static std::unordered_set<ggml_sched_pp_cache_layer *> ggml_sched_pp_hybrid_plan
         h.nodes.clear();
         h.last    = nullptr;
         h.i_after = -1;
-        if (!l->guarded || idx.empty()) {
-            continue; // (an RPC server's layer: no CPU of this scheduler computes it)
+        if (sched->pp_cfg.expert_hybrid_dev[l->backend_id] <= 0 || idx.empty()) {
+            continue; // (its device does not split: every miss over its link)
         }
         const int i_first = idx.front(), i_last = idx.back();
         std::unordered_set<const ggml_tensor *> need = { graph->nodes[i_last] };
@@ -634,7 +657,7 @@ void ggml_backend_sched_pp_cache_plan(ggml_backend_sched_t sched, struct ggml_cg
 
     // EXPERT_HYBRID: the layers whose FFN the host CPU can compute
     std::unordered_set<ggml_sched_pp_cache_layer *> hybrid_fits;
-    if (sched->pp_cfg.expert_hybrid > 0) {
+    if (sched->pp_cfg.expert_hybrid > 0) {   // (some device splits: each layer by its own device's value)
         std::unordered_map<ggml_sched_pp_cache_layer *, std::vector<int>> layer_ops;
         for (const auto & [i, op] : cands) {
             layer_ops[c->layer_of.at(ggml_sched_pp_cache_weight_of(op)->data)].push_back(i);
@@ -745,7 +768,7 @@ static void ggml_sched_pp_cache_decide(ggml_backend_sched_t sched, ggml_sched_pp
     if (l->window_n < GGML_SCHED_PP_CACHE_GUARD_WINDOW) {
         return;
     }
-    const int64_t floor   = sched->pp_cfg.expert_cache_min_hit;
+    const int64_t floor   = sched->pp_cfg.expert_cache_min_hit_dev[l->backend_id];
     const int64_t lookups = GGML_SCHED_PP_CACHE_GUARD_WINDOW * l->n_used;
     if (!l->to_cpu && l->window_hits * 100 < floor * lookups) {
         l->to_cpu = true;
@@ -792,8 +815,8 @@ static void ggml_sched_pp_cache_look_up(ggml_backend_sched_t sched, ggml_sched_p
 
     const int b = l->backend_id;
     const int64_t n_used = ids->ne[0], n_tokens = ids->ne[1];
-    const bool guard = sched->pp_cfg.expert_cache_min_hit > 0 && l->guarded;
-    const int64_t cpu_pct = hybrid ? sched->pp_cfg.expert_hybrid : 0;
+    const bool guard = sched->pp_cfg.expert_cache_min_hit_dev[b] > 0 && l->guarded;
+    const int64_t cpu_pct = hybrid ? sched->pp_cfg.expert_hybrid_dev[b] : 0;
     l->used.clear();
     l->hy.pairs.clear();
     l->hy.cpu_ids.assign((size_t) (n_used * n_tokens), -1);

@@ -35,7 +35,8 @@ ggml_sched_pp_path ggml_backend_sched_pp_expert_path(ggml_backend_sched_t sched,
             return GGML_SCHED_PP_PATH_HOST_CPU;
         }
         // EXPERT_HYBRID: the misses split between the link and the host CPU, where the CPU can compute the layer's FFN
-        return sched->pp_cfg.expert_hybrid > 0 && op.cache_hybrid_fits ? GGML_SCHED_PP_PATH_HYBRID : GGML_SCHED_PP_PATH_CACHE;
+        return sched->pp_cfg.expert_hybrid_dev[op.backend_id] > 0 && op.cache_hybrid_fits ? GGML_SCHED_PP_PATH_HYBRID
+                                                                                          : GGML_SCHED_PP_PATH_CACHE;
     }
     const bool early = op.when == GGML_SCHED_PP_EARLY;
     const int  b     = op.backend_id;

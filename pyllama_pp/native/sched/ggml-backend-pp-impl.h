@@ -133,8 +133,10 @@ struct ggml_sched_pp_cfg {
     int64_t prefetch2_min_tokens; // PREFETCH2_MIN_TOKENS
     int64_t expert_cache;         // EXPERT_CACHE: not 0 where some device caches
     int64_t expert_cache_dev[GGML_SCHED_MAX_BACKENDS]; // ... each backend's value (MiB; -N: N slots a layer; 0: none)
-    int64_t expert_cache_min_hit; // EXPERT_CACHE_MIN_HIT
-    int64_t expert_hybrid;        // EXPERT_HYBRID
+    int64_t expert_cache_min_hit; // EXPERT_CACHE_MIN_HIT: not 0 where some device guards
+    int64_t expert_cache_min_hit_dev[GGML_SCHED_MAX_BACKENDS]; // ... each backend's floor (percent; 0: no guard)
+    int64_t expert_hybrid;        // EXPERT_HYBRID: not 0 where some device splits its misses
+    int64_t expert_hybrid_dev[GGML_SCHED_MAX_BACKENDS]; // ... each backend's value (0: every miss over its link)
 };
 
 struct ggml_backend_sched {

@@ -76,8 +76,9 @@ void rpc_host_send_switches(const char * endpoint) {
     }
 }
 
-// EXPERT_CACHE per device: the client's value for an RPC device goes to its server under "NAME@D" (D: the server's
-// device), which the scheduler the server makes of that device takes over NAME; false where the server refuses it
+// The cache's switches per device (EXPERT_CACHE, EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID): the client's value for an RPC
+// device goes to its server under "NAME@D" (D: the server's device), which the scheduler the server makes of that
+// device takes over NAME; false where the server refuses it
 static bool ggml_backend_rpc_pp_device_switch(ggml_backend_dev_t dev, const char * name, int64_t value) {
     std::string endpoint;
     uint32_t    device = 0;
@@ -161,9 +162,10 @@ void rpc_server_host_set_threads(size_t n_threads) {
     rpc_server_host_threads = n_threads;
 }
 
-// EXPERT_CACHE: a server's device caches the experts of its own layers (the schedulers that run a client's graphs
-// take the client's values; a client of 7.1.0 leaves this process's)
-const char * const rpc_server_host_client_switches[2] = { "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT" };
+// EXPERT_CACHE: a server's device caches the experts of its own layers, and with EXPERT_HYBRID its own CPU takes a
+// share of their misses (the schedulers that run a client's graphs take the client's values; a client of 7.1.0 leaves
+// this process's)
+const char * const rpc_server_host_client_switches[3] = { "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT", "EXPERT_HYBRID" };
 
 ggml_backend_buffer_t rpc_server_host::alloc(ggml_backend_t device, uint64_t size) {
     if (backend == nullptr && rpc_server_host_dev != nullptr) {
@@ -284,7 +286,7 @@ void rpc_server_host::forget(ggml_backend_buffer_t buffer) {
 }
 
 bool rpc_server_host::set_switch(const char * name, int64_t value) {
-    // NAME, or NAME@D: NAME's value for the scheduler of device D only (a per-device EXPERT_CACHE)
+    // NAME, or NAME@D: NAME's value for the scheduler of device D only (a per-device EXPERT_CACHE, guard or split)
     const std::string full = name;
     const std::string base = full.substr(0, full.find('@'));
     char old[512];

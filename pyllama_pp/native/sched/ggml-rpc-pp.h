@@ -98,7 +98,7 @@ void * rpc_host_proc_address(const char * name);
 void rpc_server_host_set_threads(size_t n_threads);
 
 // the client's switches that the schedulers running its graphs on a server take (7.1.1, RPC_CMD_SET_HOST_SWITCH)
-extern const char * const rpc_server_host_client_switches[2];
+extern const char * const rpc_server_host_client_switches[3];
 
 struct rpc_server_host {
     // host buffers (ALLOC_HOST_BUFFER): a graph that reads one runs through a scheduler over its device and the
@@ -128,7 +128,7 @@ struct rpc_server_host {
     // before a buffer of the server is freed (a host buffer's: the schedulers go first, whose caches hold its experts)
     void forget(ggml_backend_buffer_t buffer);
     // a switch of the client for the schedulers made from now (those made before go where its value changes): NAME for
-    // every device (its per-device values go), or NAME@D for device D's only (EXPERT_CACHE's list); false for a name
+    // every device (its per-device values go), or NAME@D for device D's only (the cache's lists); false for a name
     // or value the switch table refuses
     bool set_switch(const char * name, int64_t value);
     // whether a graph with these tensors reads a host buffer
