@@ -463,8 +463,8 @@ def _add_measure_options(p, model_required: bool) -> None:
                    help=f"GGML_OP_OFFLOAD_MIN_BATCH for both variants (default: llama.cpp's, {OFFLOAD_MIN_BATCH})")
     p.add_argument("--switch", action="append", metavar="NAME=VALUE",
                    help="a patched scheduler switch, e.g. UPLOAD_ALL=0, or LAYER_MAJOR=1 (a batch's ubatches through "
-                        "each layer together, one expert upload a group: for prompts whose uploads bind; with --fit "
-                        "its buffers are planned), repeatable (default: none; `pyllama-pp info` lists them; a row says "
+                        "each layer together, one expert upload a group: for prompts whose uploads bind; set where "
+                        "a run's groups form and their buffers fit, LAYER_MAJOR=0 keeps it off), repeatable (default: none; `pyllama-pp info` lists them; a row says "
                         "when a switch could not act)")
     p.add_argument("-o", "--out", type=Path, metavar="DIR",
                    help="folder for the rows (jsonl, csv), the table and the plot "

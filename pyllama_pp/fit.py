@@ -27,13 +27,14 @@ from .defaults import CONTEXT, FIT, UBATCH_MEASURE
 from .expert_cache_plan import drop_cache, layout_of
 from .hit_curve import HitCurve
 from .jobs import MeasureJob
-from .layer_major_plan import layer_major_group
+from .layer_major_plan import layer_major_group, plan_layer_major, wants_layer_major
 from .memory_plan import plan_memory
 from .model_file import layer_counts
 from .errors import OutOfMemoryError, PyllamaError
 from .params import Placement
 from .plan import MiB, Plan
 from .placement import measure as measure_placement
+from .switches import set_in
 from .workload import Workload
 from .worker.client import run_job
 
@@ -81,12 +82,15 @@ def _least_bytes(plan: Plan, layout) -> int:
 
 
 def plan_on_placement(model, devices, placement: Placement, ctx, *, workload=None, trace=None, margin=None,
-                      env=None, switches=None, load_mode: str = CONTEXT.load_mode, progress: bool = False) -> Plan:
-    """The expert cache planned on a placement the user gave (run / ab without a fit), as fit's memory planner plans
-    it with no layer moved: one dry run of the placement (pyllama_pp.placement.measure) for each device's room, the
-    decode probe's costs and the hit curve, the alternatives no cache and the slot counts that room holds, the
-    fastest for the workload (a cache only where it saves GAIN_MIN), its guard from the costs, EXPERT_HYBRID where it
-    gains. The patched build's.
+                      env=None, switches=None, load_mode: str = CONTEXT.load_mode, progress: bool = False,
+                      cache: bool = True) -> Plan:
+    """The patched build's switches that take device memory, planned on a placement the user gave (run / ab without a
+    fit) as fit plans them, with no layer moved: one dry run of the placement (pyllama_pp.placement.measure) for each
+    device's room; LAYER_MAJOR first, by fit's rule (where the switches do not set it, expert layers are in host RAM
+    and the workload's prompts form groups), on where a second dry run with it stays within every device's target
+    (free less the margin); then the expert cache in the room left after the groups: the decode probe's costs and the
+    hit curve, the alternatives no cache and the slot counts that room holds, the fastest for the workload (a cache
+    only where it saves GAIN_MIN), its guard from the costs, EXPERT_HYBRID where it gains.
 
     Args:
         model: the GGUF file.
@@ -96,40 +100,68 @@ def plan_on_placement(model, devices, placement: Placement, ctx, *, workload=Non
         workload: what the run does (a Workload, a name of defaults.WORKLOADS, "pp=N,tg=N"; default: FIT's).
         trace: a trace of the model's decode for the hit rates, as fit takes it.
         margin: memory left free per device, as fit takes it.
-        env, switches: the run's environment and switches (the dry run measures with them).
+        env, switches: the run's environment and switches (the dry runs measure with them).
         load_mode: the run's load mode.
         progress: say what the decode probe measures.
+        cache: plan the expert cache (False: the user set it; LAYER_MAJOR alone).
     Returns:
-        Plan: path "given", with memory_plan (the alternatives, the choice and why) and, where a cache is chosen,
-        EXPERT_CACHE, its guard and EXPERT_HYBRID in its switches (Plan.run_switches).
+        Plan: path "given"; layer_major where LAYER_MAJOR was tried (on: the switch, its group and bytes; off: why),
+        memory_plan where the cache was weighed (the alternatives, the choice and why); the switches chosen in
+        Plan.run_switches (LAYER_MAJOR; EXPERT_CACHE, its guard and EXPERT_HYBRID).
     Raises:
         As pyllama_pp.placement.measure; ConfigError for a bad workload or trace.
     """
     wl = Workload.parse(workload)
     curve = HitCurve.for_model(model, trace) if trace is not None else trace
-    plan = measure_placement(model, devices, placement, ctx, margin=margin, env=env, switches=switches)
+    given = dict(switches or {})
+    dry_run = lambda sw: measure_placement(model, devices, placement, ctx, margin=margin, env=env, switches=sw)
+    plan = dry_run(given)
+    plan, off = _with_layer_major(plan, wl, lambda sw: _within_targets(dry_run(sw), sw, plan),
+                                  {**set_in(env), **given}, "on: the run's prompts form groups, and their memory "
+                                  "fits beside the placement")
+    if off:
+        plan.layer_major = {"switch": 0, "why": f"off: {off}"}
+    if not cache:
+        return plan
     plan.expert_cache = "auto"   # (weighed as auto is: no slots in it yet)
     return _weigh(plan, model, devices, wl, curve, load_mode, plan.context_params().n_threads, progress, None)
 
 
-def _with_layer_major(plan: Plan, workload: Workload, place: Callable[[dict], Plan], given: dict) -> Plan:
-    """LAYER_MAJOR, where the user did not set it: on where the workload's prompts form groups of ubatches (two or
-    more a batch) over host-expert layers and the groups' memory costs no resident expert layer (where it does,
-    prompts upload those layers' experts once a group, decode computes them on the host: measured slower); else the
-    plan as it is. `place` makes the plan again with more switches."""
-    if plan.variant != "patched" or switches.LAYER_MAJOR in given or not any(plan.host_expert_layers):
-        return plan   # (given: the switches and the environment's GGML_SCHED_PP_* variables)
-    per_batch = min(plan.ctx["n_batch"], max((n for k, n in workload.steps if k == "pp"), default=0))
-    if per_batch < 2 * plan.ctx["n_ubatch"]:
-        return plan
+def _within_targets(lm: Plan, force: dict, without: Plan) -> Plan:
+    """A placement's dry run with LAYER_MAJOR (`force`: its switches) as its plan: the switch, the group and each
+    device's group bytes over the dry run `without` it (plan_layer_major). No layer may move, so where a device's
+    total passes its target (free less the margin) the groups do not fit: OutOfMemoryError naming each such device."""
+    plan_layer_major(lm, force, lambda extra: without)
+    over = [(d, b) for d, b in zip(lm.devices, without.devices) if d.expected_bytes > d.target_bytes]
+    if over:
+        raise OutOfMemoryError("; ".join(
+            f"{d.name} would hold {d.expected_bytes / MiB:.1f} MiB with a group's buffers ({b.expected_bytes / MiB:.1f} "
+            f"without them), over its {d.target_bytes / MiB:.1f} MiB (free less the margin)" for d, b in over)
+            + ". Fix: --fit (it moves expert layers for the room), or a smaller -b (smaller groups)")
+    return lm
+
+
+def _with_layer_major(plan: Plan, workload: Workload, place: Callable[[dict], Plan], given: dict,
+                      why: str) -> tuple[Plan, str]:
+    """LAYER_MAJOR where the user did not set it, by wants_layer_major's rule: on where the workload's prompts form
+    groups of ubatches (two or more a batch) over host-expert layers and `place`, which makes the plan again with more
+    switches, places the groups with the same host-expert layers (fit: their memory costs no resident expert layer;
+    where it does, prompts upload those layers' experts once a group, decode computes them on the host: measured
+    slower) and an OutOfMemoryError where they do not fit. Returns the plan (`why` in its layer_major where the
+    switch is on) and why the switch stayed off after a trial ("" where it is on or was not tried)."""
+    host = any(plan.host_expert_layers)   # (given: the switches and the environment's GGML_SCHED_PP_* variables)
+    if not wants_layer_major(plan.variant, given, host, workload, plan.ctx["n_batch"], plan.ctx["n_ubatch"]):
+        return plan, ""
     try:
         lm = place({**given, switches.LAYER_MAJOR: 1})
-    except OutOfMemoryError:
-        return plan   # (its groups' memory leaves the model no placement)
-    if lm.host_expert_layers != plan.host_expert_layers or layer_major_group(lm) < 2:
-        return plan   # (its groups' memory would move expert layers to host RAM)
-    lm.layer_major["why"] = "on: the workload's prompts form groups and their memory costs no resident expert layer"
-    return lm
+    except OutOfMemoryError as e:
+        return plan, f"its groups' memory has no room: {str(e).splitlines()[0]}"
+    if lm.host_expert_layers != plan.host_expert_layers:
+        return plan, "its groups' memory would move expert layers to host RAM"
+    if layer_major_group(lm) < 2:
+        return plan, "no group forms here (op offload off)"
+    lm.layer_major["why"] = why
+    return lm, ""
 
 
 def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, workload=None, trace=None,
@@ -155,8 +187,9 @@ def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, wor
     given = dict(kw.pop("switches", None) or {})
     plan = placement.fit(model, devices, ctx, variant, switches=given, **kw)
     pinned = dataclasses.replace(placement.fit_context(ctx), n_ctx=plan.n_ctx)   # (fit chose it: keep it)
-    plan = _with_layer_major(plan, wl, lambda sw: placement.fit(model, devices, pinned, variant, switches=sw, **kw),
-                             {**switches.set_in(kw.get("env")), **given})
+    plan, _ = _with_layer_major(plan, wl, lambda sw: placement.fit(model, devices, pinned, variant, switches=sw, **kw),
+                                {**switches.set_in(kw.get("env")), **given}, "on: the workload's prompts form groups "
+                                "and their memory costs no resident expert layer")
     given = {**given, **({switches.LAYER_MAJOR: 1} if plan.switches.get(switches.LAYER_MAJOR) else {})}
     refit = lambda mib: placement.fit(model, devices, pinned, variant, switches=given,
                                       **{**kw, "expert_cache": f"{mib}MiB"})

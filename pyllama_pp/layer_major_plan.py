@@ -1,11 +1,35 @@
-"""LAYER_MAJOR (patch 0015) as fit plans it: the group a plan's batches form (`layer_major_group`), and the switch,
-the group and the group's memory written into a patched plan (`plan_layer_major`)."""
+"""LAYER_MAJOR (patch 0015) as fit plans it: whether a run's prompts would use it (`wants_layer_major`, the rule fit and
+a run without a fit turn it on by), the group a plan's batches form (`layer_major_group`), and the switch, the group
+and the group's memory written into a patched plan (`plan_layer_major`)."""
 from __future__ import annotations
 
 from typing import Optional
 
 from . import switches
 from .plan import Plan
+from .workload import Workload
+
+
+def wants_layer_major(variant: str, given: dict, host_experts: bool, workload: Workload, n_batch: int,
+                      n_ubatch: int) -> bool:
+    """Whether LAYER_MAJOR is worth a trial where it is not set: the patched build, the switch not given, expert layers
+    in host RAM, and the workload's longest prompt giving a batch two or more ubatches (groups form). The trial then
+    asks whether the groups' memory fits (fit: beside every resident expert layer; a run's own placement: beside what
+    it keeps).
+
+    Args:
+        variant: "patched" or "baseline".
+        given: the switches the user set, NAME -> value (the run's and the environment's GGML_SCHED_PP_* variables).
+        host_experts: some expert layer is in host RAM.
+        workload: what the run does (its prompt steps).
+        n_batch, n_ubatch: the run's batch sizes.
+    Returns:
+        bool: whether to try it.
+    """
+    if variant != "patched" or switches.LAYER_MAJOR in given or not host_experts:
+        return False
+    per_batch = min(n_batch, max((n for k, n in workload.steps if k == "pp"), default=0))
+    return per_batch >= 2 * min(n_ubatch, n_batch)
 
 
 def layer_major_group(plan: Plan, n_batch: Optional[int] = None) -> int:
@@ -46,4 +70,4 @@ def plan_layer_major(plan: Plan, force: dict, without=None) -> None:
         plan.layer_major["without"] = {"host_expert_layers": off.host_expert_layers, "n_gpu_layers": off.n_gpu_layers}
 
 
-__all__ = ["layer_major_group", "plan_layer_major"]
+__all__ = ["wants_layer_major", "layer_major_group", "plan_layer_major"]

@@ -246,6 +246,11 @@ class Plan:
         return (f"; a token's misses split between the link and the host CPU, each device its own ({HYBRID_SWITCH}="
                 f"{hybrid}: the CPU's expert rate {split})")
 
+    @property
+    def layer_major_text(self) -> str:
+        """LAYER_MAJOR in words: on, with its group size and bytes a device, or off and why ("" where not planned)."""
+        return _layer_major_text(self) if self.layer_major else ""
+
     def _guard_text(self) -> str:
         g = self.cache_guard
         if not g:
@@ -352,7 +357,7 @@ class Plan:
         if self.copies:
             lines.append(f"  copies: {self.copies}")
         if self.layer_major:
-            lines.append(f"  layer major: {_layer_major_text(self)}")
+            lines.append(f"  layer major: {self.layer_major_text}")
         nets = {d.server: d.server_net for d in self.devices if d.server and d.server_net}
         if nets:
             lines.append("  network (measured): " + "; ".join(

@@ -4,8 +4,8 @@ the configs and prints; a Python caller with the same choices gets the same conf
 
 The steps, in order: a plan file's model and sizes (`--plan`), the context's defaults (pyllama_pp.defaults: RUN, or
 MAIN_JOB for `ab` without a model), the checks that need no worker (`check_choices`), `-ub auto` (fit_ubatch), the
-matrix (config.expand), and the placements of `--plan`, `-ub auto` and `--fit`, or without them the expert cache
-planned on each config's own placement (fit.plan_on_placement). Switches (`--switch NAME=VALUE`) are parsed once
+matrix (config.expand), and the placements of `--plan`, `-ub auto` and `--fit`, or without them LAYER_MAJOR and the
+expert cache planned on each config's own placement (fit.plan_on_placement). Switches (`--switch NAME=VALUE`) are parsed once
 (`switches.parse_given`) and checked against the patched build's table (`check_switches`).
 """
 from __future__ import annotations
@@ -25,6 +25,8 @@ from .config import RunConfig, expand
 from .defaults import CONTEXT, MAIN_JOB, MAIN_JOB_MODEL, PAIRED, RUN, cache_dir
 from .errors import ConfigError, DeviceSpecError
 from .fit import fit, fit_ubatch, plan_on_placement
+from .jobs import depth_of
+from .layer_major_plan import wants_layer_major
 from .model_file import block_count, check_model_path
 from .params import INT32_MAX, ContextParams, Placement
 from .plan import Plan
@@ -167,8 +169,8 @@ class RunPlan:
         model: the model file.
         configs: the RunConfigs, frozen, with each variant's placement from a plan where one placed it.
         variants: the variants that run them, in order.
-        plans: the fit plans made (`-ub auto`, `--fit`; without a fit, the dry runs of the configs' own placements the
-            expert cache was planned on), in the order they were made.
+        plans: the fit plans made (`-ub auto`, `--fit`; without a fit, the dry runs of the configs' own placements
+            LAYER_MAJOR and the expert cache were planned on), in the order they were made.
         notes: notes for the user (pairs left out, how a device spec was read, a CPU-only A/B).
         choices: the choices with every default filled in (what ran).
     """
@@ -493,49 +495,64 @@ def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, m
     return dataclasses.replace(cfg, plans=plans, switches=run_switches)
 
 
-def _placed_cache(cfg: RunConfig, c: Choices, model: str, made: list, measured: dict, progress: bool) -> RunConfig:
-    """Without a fit, the patched runs' expert cache planned on the config's own placement (fit.plan_on_placement:
-    no layer moved, one dry run per placement and context, kept in `measured`), where the user set none (no
-    --expert-cache or auto, no EXPERT_CACHE switch or variable): the config with the plan's EXPERT_CACHE, guard and
-    EXPERT_HYBRID in its switches where a cache was chosen, and in its notes what was planned and why, or why
-    nothing. As it is for the baseline alone, on the CPU alone, or where the user set the cache."""
-    asked = c.expert_cache
-    if "patched" not in c.variants or (asked is not None and not asked.auto) or \
-            switches.EXPERT_CACHE in {**c.switches, **switches.set_in(cfg.env)}:
+def _placed_switches(cfg: RunConfig, c: Choices, model: str, made: list, measured: dict,
+                     progress: bool) -> RunConfig:
+    """Without a fit, the patched runs' switches that take device memory planned on the config's own placement
+    (fit.plan_on_placement: no layer moved, its dry runs per placement, context and workload kept in `measured`):
+    LAYER_MAJOR where the user did not set it (a switch or its variable) and the run's prompts (-p, -d, the workload)
+    form groups over host experts (layer_major_plan.wants_layer_major), on where its groups fit beside the placement;
+    the expert cache where the user set none (no --expert-cache or auto, no EXPERT_CACHE switch or variable), in the
+    room the groups leave. The config with the plan's switches, and in its notes what was planned and why, or why
+    nothing where that is news. As it is for the baseline alone, on the CPU alone, or where the user set both."""
+    if "patched" not in c.variants:
         return cfg
+    asked, given = c.expert_cache, {**c.switches, **switches.set_in(cfg.env)}
     spec = devspec.parse(cfg.devices)
-    where = f"--devices {cfg.devices}, --host-experts {cfg.placement.label}, -ub {min(cfg.n_ubatch, cfg.n_batch)}"
+    where = (f"--devices {cfg.devices}, --host-experts {cfg.placement.label}, -b {cfg.n_batch} "
+             f"-ub {min(cfg.n_ubatch, cfg.n_batch)}")
     workload = c.workload or _tests_workload(cfg)
     host = any(o.endswith("=CPU") for o in cfg.placement.all_overrides(block_count(model)))
+    cache = not (asked is not None and not asked.auto) and switches.EXPERT_CACHE not in given
+    groups = bool(spec.accelerators) and wants_layer_major("patched", given, host, workload, cfg.n_batch, cfg.n_ubatch)
     why = ("" if spec.accelerators else "the devices are the CPU alone") or \
           ("" if host else "no expert is in host RAM (every expert is on its device)") or \
           ("" if workload.decode_tokens else "the workload decodes no token")
     # (said where the user asked for the cache, or where a decode with host experts could have had one: a default
-    # that cannot act on a prompt-only run, the CPU or every expert on its device is no news)
-    news = asked is not None
-    if not why:
+    # that cannot act on a prompt-only run, the CPU or every expert on its device is no news; LAYER_MAJOR's off is
+    # news wherever its groups would have formed)
+    news, room = asked is not None, ""
+    if groups or (cache and not why):
         try:
             spec.fit_check(CONTEXT.split_mode)
         except DeviceSpecError as e:
-            why, news = f"its room cannot be planned ({str(e).splitlines()[0]})", True
-    if why:
-        return dataclasses.replace(cfg, notes=cfg.notes + (f"expert cache ({where}): no cache: {why}",)) if news \
-            else cfg
-    key = json.dumps([cfg.devices, cfg.placement.to_dict(), cfg.context().to_dict(), workload.as_list()])
+            room = f"its room cannot be planned ({str(e).splitlines()[0]})"
+    notes: tuple = ()
+    if cache and (why and news or room and not why):
+        notes += (f"expert cache ({where}): no cache: {why or room}",)
+    if groups and room:
+        notes += (f"layer major ({where}): LAYER_MAJOR off: {room}",)
+    cache, groups = cache and not why and not room, groups and not room
+    if not (cache or groups):
+        return dataclasses.replace(cfg, notes=cfg.notes + notes)
+    key = json.dumps([cfg.devices, cfg.placement.to_dict(), cfg.context().to_dict(), workload.as_list(), cache])
     if key not in measured:
         measured[key] = plan_on_placement(model, cfg.devices, cfg.placement, cfg.context(), workload=workload,
                                           margin=c.margin, env=cfg.env or None, switches=cfg.switches,
-                                          load_mode=c.load_mode, progress=progress)
+                                          load_mode=c.load_mode, progress=progress, cache=cache)
         made.append(measured[key])
     plan = measured[key]
-    cache = {k: v for k, v in plan.run_switches(c.load_mode).items()
-             if k in (switches.EXPERT_CACHE, switches.EXPERT_CACHE_MIN_HIT, switches.EXPERT_HYBRID)}
-    set_ = f"; {switches.EXPERT_CACHE} {switches.shown(switches.EXPERT_CACHE, cache[switches.EXPERT_CACHE])}" \
-        if cache.get(switches.EXPERT_CACHE) else ""
-    split = plan.memory_plan.get("hybrid_note")
-    note = (f"expert cache ({where}), planned on this placement without a fit: {plan.memory_plan['why']}{set_}"
-            + (f"; {split}" if split else ""))
-    return dataclasses.replace(cfg, switches={**cfg.switches, **cache}, notes=cfg.notes + (note,))
+    planned = {k: v for k, v in plan.run_switches(c.load_mode).items()
+               if k in (switches.LAYER_MAJOR, switches.EXPERT_CACHE, switches.EXPERT_CACHE_MIN_HIT,
+                        switches.EXPERT_HYBRID)}
+    if plan.layer_major:
+        notes += (f"layer major ({where}), planned on this placement without a fit: {plan.layer_major_text}",)
+    if cache:
+        set_ = f"; {switches.EXPERT_CACHE} {switches.shown(switches.EXPERT_CACHE, planned[switches.EXPERT_CACHE])}" \
+            if planned.get(switches.EXPERT_CACHE) else ""
+        split = plan.memory_plan.get("hybrid_note")
+        notes += (f"expert cache ({where}), planned on this placement without a fit: {plan.memory_plan['why']}{set_}"
+                  + (f"; {split}" if split else ""),)
+    return dataclasses.replace(cfg, switches={**cfg.switches, **planned}, notes=cfg.notes + notes)
 
 
 def _shared_plan_notes(made: Sequence[Plan], shared: bool) -> list[str]:
@@ -553,8 +570,11 @@ def _shared_plan_notes(made: Sequence[Plan], shared: bool) -> list[str]:
 
 
 def _tests_workload(cfg: RunConfig) -> Workload:
-    """A config's own tests as the workload fit plans its memory for."""
-    return Workload.of_tests([t[1] for t in cfg.tests if t[0] == "pp"], [t[1] for t in cfg.tests if t[0] == "tg"])
+    """A config's own tests as the workload fit plans its memory for: its prompts (-p, and each depth's -d tokens, which
+    the context takes as a prompt before its tests) and its decodes."""
+    depths = dict.fromkeys(depth_of(t) for t in cfg.tests if depth_of(t))
+    return Workload.of_tests([t[1] for t in cfg.tests if t[0] == "pp"] + list(depths),
+                             [t[1] for t in cfg.tests if t[0] == "tg"])
 
 
 def cpu_only_notes(configs: Sequence[RunConfig]) -> list[str]:
@@ -564,8 +584,8 @@ def cpu_only_notes(configs: Sequence[RunConfig]) -> list[str]:
 
 def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
     """The configs `run` / `ab` measure for these choices: defaults filled in, checked, (n_batch, n_ubatch) chosen
-    (-ub auto), crossed into the matrix and placed (--plan, -ub auto, --fit; without them the expert cache planned on
-    each config's own placement). Fit plans and dry runs run in workers; nothing is measured.
+    (-ub auto), crossed into the matrix and placed (--plan, -ub auto, --fit; without them LAYER_MAJOR and the expert
+    cache planned on each config's own placement). Fit plans and dry runs run in workers; nothing is measured.
 
     Args:
         choices: what the user chose (the CLI's options).
@@ -597,7 +617,7 @@ def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
         cfgs = [_with_fit(cfg, model, variants, c, made) for cfg in cfgs]
     else:
         measured: dict = {}
-        cfgs = [_placed_cache(cfg, c, model, made, measured, progress) for cfg in cfgs]
+        cfgs = [_placed_switches(cfg, c, model, made, measured, progress) for cfg in cfgs]
         notes += list(dict.fromkeys(n for cfg in cfgs for n in cfg.notes))
     notes += [n for spec in dict.fromkeys(c.devices + (c.baseline_devices or ())) for n in devspec.parse(spec).notes]
     if _cache_switches(c):

@@ -404,8 +404,8 @@ def test_without_a_fit_no_cache_where_none_pays_and_the_rows_say_why(model, caps
 
 def test_without_a_fit_a_cache_the_user_set_is_not_planned(model, monkeypatch):
     """--expert-cache 0, a size, or --switch EXPERT_CACHE without --fit: nothing planned (no dry run, no probe), the
-    switch as given; a prompt-only run plans nothing either, and says why where the cache was asked (auto) - not
-    where it is only the default (no news on every prompt run)."""
+    switch as given; a prompt-only run plans nothing either (its prompt one ubatch: no LAYER_MAJOR to plan), and says
+    why where the cache was asked (auto) - not where it is only the default (no news on every prompt run)."""
     monkeypatch.setattr(sys.modules["pyllama_pp.planning"], "plan_on_placement",
                         lambda *a, **k: pytest.fail("planned a cache the user set"))
     for kw, switch in ((dict(expert_cache="0"), None), (dict(expert_cache="2MiB"), 2),
@@ -413,10 +413,11 @@ def test_without_a_fit_a_cache_the_user_set_is_not_planned(model, monkeypatch):
         planned = plan_runs(Choices(model=model, devices=(SPEC,), pp=(), tg=(16,), **kw))
         assert planned.plans == () and planned.configs[0].switches.get("EXPERT_CACHE") == switch
         assert not any("planned on this placement" in n for n in planned.notes)
-    prompt = plan_runs(Choices(command="run", model=model, devices=(SPEC,), pp=(64,), tg=()))
+    prompt = plan_runs(Choices(command="run", model=model, devices=(SPEC,), pp=(64,), tg=(), n_ubatch=(64,)))
     assert prompt.plans == () and "EXPERT_CACHE" not in prompt.configs[0].switches
     assert not any("expert cache" in n for n in prompt.notes), prompt.notes
-    prompt = plan_runs(Choices(command="run", model=model, devices=(SPEC,), pp=(64,), tg=(), expert_cache="auto"))
+    prompt = plan_runs(Choices(command="run", model=model, devices=(SPEC,), pp=(64,), tg=(), n_ubatch=(64,),
+                               expert_cache="auto"))
     assert prompt.plans == () and "EXPERT_CACHE" not in prompt.configs[0].switches
     assert any("no cache: the workload decodes no token" in n for n in prompt.notes), prompt.notes
 
@@ -486,3 +487,93 @@ def test_unequal_links_give_each_device_its_own_split(model):
         in remote.memory_plan["hybrid_note"] and remote.memory_plan["hybrid_note"] in str(remote)
     known = {-1: GPU_LIKE, 1: dataclasses.replace(GPU_LIKE, hybrid_cpu_s=GPU_LIKE.cpu_s)}
     assert plan_memory(served, layout, known, LOCALITY, CHAT, refit).switches["EXPERT_HYBRID"] == "0,300"
+
+
+# --- run / ab without a fit: LAYER_MAJOR planned on the user's placement --------------------------------------------
+# prompts of two batches of four ubatches (every expert in host RAM: the runs' default placement)
+GROUPS = dict(n_batch=(128,), n_ubatch=(32,), pp=(256,), tg=())
+GROUPS_ARGS = ["-b", "128", "-ub", "32", "-p", "256", "-n", "0", "-r", "1"]
+
+
+def _layer_major_note(notes) -> str:
+    (note,) = [n for n in notes if n.startswith("layer major")]
+    return note
+
+
+def test_without_a_fit_layer_major_is_on_where_the_groups_fit(model, capsys):
+    """ab without --fit, the device with room for a group's buffers beside the placement: the patched config gets
+    LAYER_MAJOR=1 from a dry run of the same placement with it (within the device's target, no layer moved), its notes
+    and the plan name the group; the patched rows count the groups the runs formed and carry the note, the baseline's
+    have no switch; its logits are the baseline's. A depth (-d) is a prompt too."""
+    planned = plan_runs(Choices(model=model, devices=(SPEC,), **GROUPS))
+    (cfg,), (plan,) = planned.configs, planned.plans
+    assert cfg.switches == {"LAYER_MAJOR": 1} and cfg.plans == {} and cfg.job("baseline").switches == {}
+    assert plan.host_expert_layers == [12] and plan.layer_major["group"] == 4 and plan.layer_major["bytes"][0] > 0
+    assert all(d.expected_bytes <= d.target_bytes for d in plan.devices)
+    note = _layer_major_note(planned.notes)
+    assert "LAYER_MAJOR=1 (on: " in note and "groups of 4 ubatches (n_batch 128 / n_ubatch 32)" in note, note
+    assert note in cfg.notes and "groups of 4 ubatches" in str(plan)
+    assert cli.main(["ab", model, "--devices", SPEC, *GROUPS_ARGS, "--json"]) == 0
+    rows = {r["variant"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["patched"]["layer_major_groups"] == 2 and rows["patched"]["switches"]["LAYER_MAJOR"] == 1, rows
+    assert note in rows["patched"]["notes"]
+    assert rows["baseline"]["layer_major_groups"] is None and not rows["baseline"]["switches"], rows["baseline"]
+    from pyllama_pp.check import check_logits
+    got = check_logits(model, devices=SPEC, placement=cfg.placement, ctx=cfg.context(), switches=cfg.switches,
+                       n_tokens=256)
+    assert got.ok and got.nmse <= 1e-6, got
+    depth = plan_runs(Choices(command="run", model=model, devices=(SPEC,), n_batch=(128,), n_ubatch=(32,), pp=(),
+                              tg=(4,), depth=(256,), expert_cache="0"))
+    assert depth.configs[0].switches["LAYER_MAJOR"] == 1
+
+
+def test_without_a_fit_layer_major_stays_off_where_no_group_forms_or_it_is_set(model, monkeypatch):
+    """One ubatch a batch (-b == -ub), LAYER_MAJOR=0 as a switch or a variable, the baseline alone: nothing planned (no
+    dry run), no switch added, no note; LAYER_MAJOR=0 given stays in the patched config (the A/B's off-switch)."""
+    monkeypatch.setattr(sys.modules["pyllama_pp.planning"], "plan_on_placement",
+                        lambda *a, **k: pytest.fail("planned LAYER_MAJOR where it cannot act or is set"))
+    from pyllama_pp import switches
+    kw = dict(command="run", model=model, devices=(SPEC,), pp=(256,), tg=())
+    one = plan_runs(Choices(**kw, n_batch=(32,), n_ubatch=(32,)))
+    given = plan_runs(Choices(**{**kw, "command": "ab"}, n_batch=(128,), n_ubatch=(32,), switches={"LAYER_MAJOR": 0}))
+    baseline = plan_runs(Choices(**kw, variant="baseline", n_batch=(128,), n_ubatch=(32,)))
+    monkeypatch.setenv(switches.var(switches.LAYER_MAJOR), "0")
+    env = plan_runs(Choices(**kw, n_batch=(128,), n_ubatch=(32,)))
+    for planned, switch in ((one, None), (given, 0), (baseline, None), (env, None)):
+        cfg = planned.configs[0]
+        assert planned.plans == () and cfg.switches.get("LAYER_MAJOR") == switch, cfg.switches
+        assert not any("layer major" in n or "LAYER_MAJOR" in n for n in planned.notes), planned.notes
+    assert given.configs[0].job("baseline").switches == {}
+
+
+@pytest.mark.parametrize("devices,margin,target", [("vdev:1x5MiB@4GBps", None, "5.0"), (SPEC, ("3MiB",), "6.0")],
+                         ids=["small-device", "margin"])
+def test_without_a_fit_layer_major_stays_off_where_the_groups_do_not_fit(model, capsys, devices, margin, target):
+    """A device whose memory (less the --margin) holds the placement but not a group's buffers beside it: no switch,
+    and the notes (the run's and its rows') say why, naming the device, what it would hold and its target."""
+    planned = plan_runs(Choices(command="run", model=model, devices=(devices,), margin=margin, **GROUPS))
+    (cfg,), (plan,) = planned.configs, planned.plans
+    assert "LAYER_MAJOR" not in cfg.switches and plan.layer_major["switch"] == 0, plan.layer_major
+    assert all(d.expected_bytes <= d.target_bytes for d in plan.devices)   # (the placement alone fits)
+    note = _layer_major_note(planned.notes)
+    assert "LAYER_MAJOR off: its groups' memory has no room: VDEV0 would hold" in note, note
+    assert f"over its {target} MiB (free less the margin)" in note and "Fix: --fit" in note, note
+    if margin is None:
+        assert cli.main(["run", model, "--devices", devices, *GROUPS_ARGS, "--json"]) == 0
+        (row,) = json.loads(capsys.readouterr().out)["rows"]
+        assert note in row["notes"] and row["layer_major_groups"] is None, row
+
+
+def test_without_a_fit_the_cache_takes_the_room_the_groups_leave(model, monkeypatch):
+    """Prompts that form groups and a decode, GPU-like costs: LAYER_MAJOR first, then the cache in what the placement
+    and the groups' buffers leave (fewer slots than the same run gets with LAYER_MAJOR=0)."""
+    layout = layout_of(model, 64)
+    _gpu_like(monkeypatch, layout)
+    kw = dict(model=model, devices=(SPEC,), **{**GROUPS, "tg": (16,)})
+    both, alone = plan_runs(Choices(**kw)), plan_runs(Choices(**kw, switches={"LAYER_MAJOR": 0}))
+    (cfg,), (plan,) = both.configs, both.plans
+    slots, alone_slots = -cfg.switches["EXPERT_CACHE"], -alone.configs[0].switches["EXPERT_CACHE"]
+    d = plan.devices[0]
+    assert cfg.switches["LAYER_MAJOR"] == 1 and plan.layer_major["group"] == 4
+    assert layout.bytes_of(slots, 12) <= d.free_bytes - plan.margins[0] + d.cache_bytes - d.expected_bytes
+    assert d.compute_bytes > alone.plans[0].devices[0].compute_bytes and 0 < slots < alone_slots, (slots, alone_slots)

@@ -342,9 +342,10 @@ def test_a_switch_that_cannot_act_says_why_in_the_row_and_on_stderr(tiny_model, 
     """LAYER_MAJOR with one ubatch a batch, on devices without room for a group, and on the CPU alone, and
     EXPERT_CACHE on the CPU alone and on a prompt (its ubatches at op offload's threshold): each row's notes say the
     switch did not act and why, and stderr says it once; a run where the switch acts has no note."""
-    def notes(argv):   # (the switches' notes; planning's on the expert cache aside)
+    def notes(argv):   # (the switches' notes; planning's on the expert cache and LAYER_MAJOR aside)
         assert cli.main(["run", tiny_model, "-p", "512", "-n", "0", "-r", "1", "--json"] + argv) == 0
-        return [n for r in _rows(capsys) for n in r["notes"] or [] if not n.startswith("expert cache (")]
+        return [n for r in _rows(capsys) for n in r["notes"] or [] if not n.startswith(("expert cache (",
+                                                                                         "layer major ("))]
 
     lm = ["--switch", "LAYER_MAJOR=1"]
     one, = notes(["--devices", "vdev:2x256MiB@0.2GBps", "-b", "32", "-ub", "32"] + lm)
