@@ -107,6 +107,32 @@ class DecodeCosts:
         miss_s = miss_bytes / (self.miss_rate(link_gbps) * 1e9)
         return 1.0 - (self.cpu_s - self.cached_s) / miss_s if miss_s > 0 else (0.0 if self.cached_s < self.cpu_s else 1.0)
 
+    def hybrid_break_even_hit(self, miss_bytes: float, link_gbps: float, n_used: int, cpu_pct: int) -> float:
+        """The hit rate above which a layer's cached path with EXPERT_HYBRID=cpu_pct costs less than the CPU path (the
+        guard's bar where the hybrid is on: the guard sends a layer below it to the CPU path, hybrid and all; the
+        bar of the cache alone would send layers the hybrid makes faster back to the CPU).
+
+        Args:
+            miss_bytes: bytes of a token's lookups at a layer (n_used experts).
+            link_gbps: the device's host link for the misses.
+            n_used: experts a token uses.
+            cpu_pct: EXPERT_HYBRID's value (0: the cache alone, break_even_hit).
+        Returns:
+            h* (with the hybrid in [0, 1]; at or below 0: the path always pays; at or above 1: never).
+        """
+        if cpu_pct <= 0 or n_used <= 0:
+            return self.break_even_hit(miss_bytes, link_gbps)
+        cost = lambda h: self.hybrid_layer_s(h, miss_bytes, link_gbps, n_used, cpu_pct) - self.cpu_s
+        if cost(0.0) <= 0:
+            return 0.0
+        if cost(1.0) >= 0:
+            return 1.0
+        lo, hi = 0.0, 1.0   # (the path's cost falls as hits rise: bisect to a tenth of a percent)
+        while hi - lo > 1e-3:
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if cost(mid) > 0 else (lo, mid)
+        return hi
+
     @property
     def share_cpu_s(self) -> float:
         """One MoE layer's experts on the CPU that takes the hybrid's share (hybrid_cpu_s where given, else cpu_s)."""

@@ -21,14 +21,14 @@ def wants_layer_major(variant: str, given: dict, host_experts: bool, workload: W
         variant: "patched" or "baseline".
         given: the switches the user set, NAME -> value (the run's and the environment's GGML_SCHED_PP_* variables).
         host_experts: some expert layer is in host RAM.
-        workload: what the run does (its prompt steps).
+        workload: what the run does (its prompts, timed or not).
         n_batch, n_ubatch: the run's batch sizes.
     Returns:
         bool: whether to try it.
     """
     if variant != "patched" or switches.LAYER_MAJOR in given or not host_experts:
         return False
-    per_batch = min(n_batch, max((n for k, n in workload.steps if k == "pp"), default=0))
+    per_batch = min(n_batch, workload.longest_prompt)
     return per_batch >= 2 * min(n_ubatch, n_batch)
 
 

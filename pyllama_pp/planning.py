@@ -534,7 +534,8 @@ def _placed_switches(cfg: RunConfig, c: Choices, model: str, made: list, measure
     cache, groups = cache and not why and not room, groups and not room
     if not (cache or groups):
         return dataclasses.replace(cfg, notes=cfg.notes + notes)
-    key = json.dumps([cfg.devices, cfg.placement.to_dict(), cfg.context().to_dict(), workload.as_list(), cache])
+    key = json.dumps([cfg.devices, cfg.placement.to_dict(), cfg.context().to_dict(), workload.as_list(),
+                      [list(s) for s in workload.untimed], cache])
     if key not in measured:
         measured[key] = plan_on_placement(model, cfg.devices, cfg.placement, cfg.context(), workload=workload,
                                           margin=c.margin, env=cfg.env or None, switches=cfg.switches,
@@ -570,11 +571,12 @@ def _shared_plan_notes(made: Sequence[Plan], shared: bool) -> list[str]:
 
 
 def _tests_workload(cfg: RunConfig) -> Workload:
-    """A config's own tests as the workload fit plans its memory for: its prompts (-p, and each depth's -d tokens, which
-    the context takes as a prompt before its tests) and its decodes."""
+    """A config's own tests as the workload fit plans its memory for: its prompts (-p) and decodes, timed; each depth's
+    -d tokens, which the context takes as a prompt before its test, untimed (they form LAYER_MAJOR's groups; the
+    memory plan does not trade the timed tests' speed for them)."""
     depths = dict.fromkeys(depth_of(t) for t in cfg.tests if depth_of(t))
-    return Workload.of_tests([t[1] for t in cfg.tests if t[0] == "pp"] + list(depths),
-                             [t[1] for t in cfg.tests if t[0] == "tg"])
+    return Workload.of_tests([t[1] for t in cfg.tests if t[0] == "pp"], [t[1] for t in cfg.tests if t[0] == "tg"],
+                             list(depths))
 
 
 def cpu_only_notes(configs: Sequence[RunConfig]) -> list[str]:

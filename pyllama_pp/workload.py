@@ -22,10 +22,13 @@ class Workload:
     Attributes:
         steps: ("pp" | "tg", tokens) each.
         name: a name of WORKLOADS, "pp=N,tg=N", or "tests" (a run's own tests).
+        untimed: prompts ("pp", tokens) the run processes but does not time (a test's depth, -d): they form
+            LAYER_MAJOR's groups, but no plan trades the timed steps' speed for theirs.
     """
 
     steps: tuple
     name: str = ""
+    untimed: tuple = ()
 
     @staticmethod
     def parse(value: Union[str, "Workload", None] = None) -> "Workload":
@@ -50,12 +53,18 @@ class Workload:
         return Workload(steps, text)
 
     @staticmethod
-    def of_tests(pp: Sequence[int] = (), tg: Sequence[int] = ()) -> "Workload":
-        """A run's own tests as the workload it plans for: each prompt, then each decode (llama-bench's -p / -n)."""
+    def of_tests(pp: Sequence[int] = (), tg: Sequence[int] = (), depths: Sequence[int] = ()) -> "Workload":
+        """A run's own tests as the workload it plans for: each prompt, then each decode (llama-bench's -p / -n); each
+        depth (-d) a prompt processed before its test and not timed."""
         steps = tuple(("pp", int(n)) for n in pp if n) + tuple(("tg", int(n)) for n in tg if n)
         if not steps:
             raise ConfigError("a run with no test (-p 0 -n 0) has no workload to plan for: give -p or -n")
-        return Workload(steps, "tests")
+        return Workload(steps, "tests", tuple(("pp", int(n)) for n in depths if n))
+
+    @property
+    def longest_prompt(self) -> int:
+        """The longest prompt the run processes, timed or not (LAYER_MAJOR's groups form in any)."""
+        return max((n for k, n in self.steps + self.untimed if k == "pp"), default=0)
 
     @property
     def prompt_tokens(self) -> int:

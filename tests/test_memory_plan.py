@@ -20,7 +20,7 @@ from pyllama_pp.memory_plan import GAIN_MIN, alternatives, choose, cost_guard, p
 from pyllama_pp.params import ContextParams
 from pyllama_pp.placement import fit as place
 from pyllama_pp.plan import Plan
-from pyllama_pp.planning import Choices, plan_runs
+from pyllama_pp.planning import _tests_workload, Choices, plan_runs
 from pyllama_pp.workload import Workload
 
 CTX = ContextParams(n_ctx=512, n_batch=512, n_ubatch=128)
@@ -341,12 +341,13 @@ def test_a_plan_splits_the_misses_where_the_hybrid_gains(tmp_path_factory):
     model = str(synth.cached_model(tmp_path_factory.mktemp("used8"), "tiny", seed=1, n_layer=12, routing="locality",
                                    n_expert_used=8))
 
-    def planned(spec: str, miss_over_cpu: float, costs=GPU_LIKE) -> Plan:
+    def planned(spec: str, miss_over_cpu: float, costs=GPU_LIKE, load_mode: str = "none") -> Plan:
         base = place(model, devices=spec, ctx=CTX, timeout=120, expert_cache="auto")
         layout = layout_of(model, base.n_expert)
         assert layout.n_used == 8
         return plan_memory(_with_link(base, layout, costs, miss_over_cpu), layout, {-1: costs}, LOCALITY, CHAT,
-                           lambda mib: place(model, devices=spec, ctx=CTX, timeout=120, expert_cache=f"{mib}MiB"))
+                           lambda mib: place(model, devices=spec, ctx=CTX, timeout=120, expert_cache=f"{mib}MiB"),
+                           load_mode)
     roomy = {a["slots"]: a for a in planned("vdev:1x14MiB@4GBps", 1.5).memory_plan["alternatives"]}
     assert roomy[8]["hybrid"] == 150 and roomy[8]["paths"] == ["hybrid"]
     assert roomy[16]["hybrid"] == 0 and roomy[16]["paths"] == ["cache"]
@@ -354,10 +355,35 @@ def test_a_plan_splits_the_misses_where_the_hybrid_gains(tmp_path_factory):
     chosen = plan.memory_plan["alternatives"][plan.memory_plan["chosen"]]
     assert chosen["slots"] == 8 and plan.switches["EXPERT_HYBRID"] == chosen["hybrid"] == 150
     assert "EXPERT_HYBRID=150" in str(plan)
+    # (the guard's bar is the hybrid path's break-even, below the cache alone's: the layers keep the priced path)
+    alone = 1 - (GPU_LIKE.cpu_s - GPU_LIKE.cached_s) / (1.5 * GPU_LIKE.cpu_s)   # (a token's misses: 1.5 CPU layers)
+    assert plan.switches["EXPERT_CACHE_MIN_HIT"] < round(100 * alone) and \
+        plan.switches["EXPERT_CACHE_MIN_HIT"] <= round(100 * chosen["hit"])
+    # (an mmap-ed model's misses are staged by the host's threads: no split, and the plan says why)
+    mapped = planned("vdev:1x12MiB@4GBps", 1.5, load_mode="mmap")
+    assert not any(a["hybrid"] for a in mapped.memory_plan["alternatives"]) and "EXPERT_HYBRID" not in mapped.switches
+    assert not mapped.switches.get("EXPERT_CACHE") or "mmap-ed" in mapped.memory_plan["hybrid_note"]
     fast = planned("vdev:1x12MiB@4GBps", 0.4)
     assert not any(a["hybrid"] for a in fast.memory_plan["alternatives"]) and "EXPERT_HYBRID" not in fast.switches
     none = planned("vdev:1x12MiB@4GBps", 1.5, CPU_LIKE)
     assert "EXPERT_HYBRID" not in none.switches and "EXPERT_CACHE" not in none.switches
+
+
+def test_the_guard_keeps_the_layers_the_hybrid_makes_faster():
+    """An H100's decode probe on an mmap-ed model (16-layer 30B-A3B preset: a miss staged at 14.3 GB/s, the CPU
+    path 0.81 ms a layer): 16 slots a layer hit 67%, below the cache alone's break-even (75%): a guard at that bar
+    sent every layer to the CPU path and the plan, priced with the misses split (EXPERT_HYBRID), lost 0.83x. With
+    the split the cached path beats the CPU path from a lower hit rate, and that is the bar."""
+    h100 = DecodeCosts("h100-mmap", outside_s=0.163e-3, resident_s=0.070e-3, cpu_s=0.806e-3, cached_s=0.087e-3,
+                       miss_gbps=14.257)
+    miss, link = 8 * 641.73e6 / 128, 55.5
+    alone = h100.break_even_hit(miss, link)
+    n = h100.hybrid_pct(miss, link)
+    split = h100.hybrid_break_even_hit(miss, link, 8, n)
+    assert split < 0.667 < alone
+    assert h100.hybrid_layer_s(split + 0.01, miss, link, 8, n) < h100.cpu_s < h100.hybrid_layer_s(split - 0.01, miss,
+                                                                                                  link, 8, n)
+    assert h100.hybrid_break_even_hit(miss, link, 8, 0) == alone
 
 
 # --- run / ab without a fit: the cache planned on the user's placement ------------------------------------------
@@ -525,6 +551,10 @@ def test_without_a_fit_layer_major_is_on_where_the_groups_fit(model, capsys):
     depth = plan_runs(Choices(command="run", model=model, devices=(SPEC,), n_batch=(128,), n_ubatch=(32,), pp=(),
                               tg=(4,), depth=(256,), expert_cache="0"))
     assert depth.configs[0].switches["LAYER_MAJOR"] == 1
+    # (the depth is not timed: it forms the groups, but the memory plan prices the decode alone)
+    wl = _tests_workload(depth.configs[0])
+    assert wl.steps == (("tg", 4),) and wl.untimed == (("pp", 256),) and wl.longest_prompt == 256
+    assert wl.prompt_tokens == 0
 
 
 def test_without_a_fit_layer_major_stays_off_where_no_group_forms_or_it_is_set(model, monkeypatch):
