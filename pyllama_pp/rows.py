@@ -153,7 +153,7 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
             "host_submit_s": ([b["submit_us"] / 1e6 / reps for b in ext["backends"]]
                               if ext.get("backends") and "submit_us" in ext["backends"][0] else None),
             "host_sched_s": ({k[:-3]: ext[k] / 1e6 / reps for k in ("compute_async_us", "alloc_us", "synchronize_us",
-                                                                  "stage_wait_us") if k in ext}
+                                                                  "stage_wait_us", "stage_copy_us") if k in ext}
                              if "compute_async_us" in ext else None),
             # host-weight bytes that went through pinned staging (pageable host weights; STAGING)
             "staged_bytes_per_device": per_gpu(ext, "staged_bytes", reps),

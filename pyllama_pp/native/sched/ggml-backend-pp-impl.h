@@ -97,6 +97,7 @@ struct ggml_sched_pp_stats {
     uint64_t overlap_uploads[GGML_SCHED_MAX_BACKENDS];  // host-weight uploads issued on the upload stream (OVERLAP)
     uint64_t stage_waits;                               // host waits for a staging slot the device was still reading
     int64_t  stage_wait_us;                             // time of those waits (part of the "upload" host wait)
+    int64_t  stage_copy_us;                             // time the host spent copying pieces into staging slots
     char     last_realloc[384];                         // why the last re-reservation happened
     char     realloc_log[4][384];                       // the first four reasons since the stats were reset
     int      realloc_log_n;
@@ -520,6 +521,8 @@ bool ggml_backend_sched_pp_measures_here(ggml_backend_sched_t sched, int64_t n_s
 // ggml-backend-pp-staging.cpp: STAGING
 void ggml_backend_sched_pp_stage_free(ggml_backend_sched_t sched);
 void ggml_backend_sched_pp_stage_mark(ggml_backend_sched_t sched);
+// the staging copier's threads with the caller's (0: no copier yet)
+int ggml_backend_sched_pp_stage_threads(ggml_backend_sched_t sched);
 bool ggml_backend_sched_pp_buffer_is_pinned(ggml_backend_sched_t sched, ggml_backend_buffer_t buf);
 bool ggml_backend_sched_pp_stages(ggml_backend_sched_t sched, int backend_id, const struct ggml_tensor * weight);
 void ggml_backend_sched_pp_upload(ggml_backend_sched_t sched, int backend_id, const struct ggml_tensor * weight,

@@ -182,12 +182,17 @@ static ggml_sched_pp_stage * ggml_backend_sched_pp_stage_get(ggml_backend_sched_
         }
     }
     if (sched->pp_copier == nullptr) {
-        // half the cores, at most 8, with the calling thread
-        const int n = std::min(8, std::max(1, (int) std::thread::hardware_concurrency() / 2));
+        // STAGING=1: half the cores, at most 8, with the calling thread; STAGING=N >= 2: N threads with it
+        const int n = sched->pp_cfg.staging >= 2 ? (int) sched->pp_cfg.staging
+                                                 : std::min(8, std::max(1, (int) std::thread::hardware_concurrency() / 2));
         sched->pp_copier = new ggml_sched_pp_copier(n - 1);
     }
     st->unusable = false;
     return st;
+}
+
+int ggml_backend_sched_pp_stage_threads(ggml_backend_sched_t sched) {
+    return sched->pp_copier != nullptr ? (int) sched->pp_copier->threads.size() + 1 : 0;
 }
 
 bool ggml_backend_sched_pp_staging_usable(ggml_backend_dev_t dev) {
@@ -246,7 +251,10 @@ void ggml_backend_sched_pp_upload(ggml_backend_sched_t sched, int backend_id, co
         }
         const size_t n = std::min(size, st->slot_size - st->used);
         uint8_t * slot = base + (size_t) st->cur * st->slot_size + st->used;
-        sched->pp_copier->copy(slot, src, n);
+        {
+            ggml_sched_pp_timer t(&sched->pp.stage_copy_us);
+            sched->pp_copier->copy(slot, src, n);
+        }
         ggml_backend_tensor_set_async(backend, dst, slot, offset, n);
         sched->pp.staged_bytes[backend_id] += n;
         st->used += n;

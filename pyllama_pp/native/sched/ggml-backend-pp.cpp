@@ -154,6 +154,8 @@ size_t ggml_backend_sched_pp_stats_json(ggml_backend_sched_t sched, char * buf, 
     num("synchronize_us", st.synchronize_us);
     num("stage_waits", st.stage_waits);
     num("stage_wait_us", st.stage_wait_us);
+    num("stage_copy_us", st.stage_copy_us);
+    num("stage_threads", ggml_backend_sched_pp_stage_threads(sched));
     out += "\"host_wait_us\":{";
     for (int w = 0; w < GGML_SCHED_PP_WAIT_COUNT; w++) {
         out += std::string(w ? "," : "") + "\"" + ggml_sched_pp_wait_names[w] + "\":" + std::to_string(st.host_wait_us[w]);
