@@ -35,7 +35,7 @@ from .decode_model import DecodeCosts, DecodeShare, token_seconds
 from .defaults import CONTEXT, CUDA_LINK_GBPS
 from .expert_cache_plan import Layout, drop_cache, guard_value, miss_gbps, own_slots, plan_cache
 from .switches import EXPERT_CACHE, EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID, one_or_list, per_device
-from .errors import OutOfMemoryError
+from .errors import ConfigError, OutOfMemoryError
 from .hit_curve import HitCurve
 from .plan import MiB, Plan
 from .predict import expected_coverage
@@ -302,7 +302,7 @@ def _placed(plan: Plan, a: Alternative, none: Alternative, layout: Layout, costs
     where that no longer saves GAIN_MIN against no cache (or has no placement) the plan keeps no cache."""
     try:
         out = refit(int(math.ceil(max(a.cache_bytes) / MiB)))
-    except OutOfMemoryError as e:
+    except (OutOfMemoryError, ConfigError) as e:   # (fit names a SIZE that leaves no room a ConfigError: room_error)
         return drop_cache(plan), f"no cache: {a.name} has no placement ({str(e).splitlines()[0]})"
     out.expert_cache = "auto"
     slots = min((d.cache_slots for d in out.devices if d.host_expert_layers), default=0)

@@ -16,7 +16,7 @@ from pyllama_pp.errors import ConfigError
 from pyllama_pp.expert_cache_plan import layout_of, percent
 from pyllama_pp.fit import _weigh
 from pyllama_pp.hit_curve import PRIOR, HitCurve
-from pyllama_pp.memory_plan import GAIN_MIN, alternatives, choose, cost_guard, plan_memory
+from pyllama_pp.memory_plan import GAIN_MIN, Alternative, alternatives, choose, cost_guard, plan_memory
 from pyllama_pp.params import ContextParams
 from pyllama_pp.placement import fit as place
 from pyllama_pp.plan import Plan
@@ -281,6 +281,22 @@ def test_a_choice_fit_places_otherwise_is_priced_again(model, leftover):
     plan = plan_memory(base, layout, {-1: GPU_LIKE}, LOCALITY, CHAT, no_slots)
     assert not plan.expert_cache and "EXPERT_CACHE" not in plan.switches and "EXPERT_CACHE_MIN_HIT" not in plan.switches
     assert plan.memory_plan["chosen"] == 0 and "no longer" in plan.memory_plan["why"], plan.memory_plan["why"]
+
+
+def test_a_choice_fit_finds_no_room_for_keeps_no_cache(model, leftover):
+    """Where the chosen alternative's placement has no room after all (fit reserves its size and then leaves a layer
+    on the CPU: placement.fit names that a ConfigError of the size), the plan keeps no cache and says why, instead of
+    failing the whole fit."""
+    layout = layout_of(model, leftover.n_expert)
+    start = _with_link(place(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache="auto"), layout, GPU_LIKE, 0.4)
+    short = lambda mib: place(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache=f"{mib + 8}MiB")  # noqa: E731
+    with pytest.raises(ConfigError, match="no room for the model beside it"):
+        short(1)
+    plan = plan_memory(start, layout, {-1: GPU_LIKE}, LOCALITY, CHAT, short)
+    chosen = plan.memory_plan["alternatives"][choose([Alternative(**a) for a in plan.memory_plan["alternatives"]])[0]]
+    assert chosen["host"] != plan.memory_plan["alternatives"][0]["host"], chosen   # (it moves layers: placed again)
+    assert "EXPERT_CACHE" not in plan.switches and plan.memory_plan["chosen"] == 0
+    assert f"no cache: {chosen['name']} has no placement (--expert-cache" in plan.memory_plan["why"], plan.memory_plan
 
 
 def test_ab_on_one_shared_plan_says_when_the_cache_moved_layers(model, monkeypatch):
