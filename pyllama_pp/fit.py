@@ -2,7 +2,9 @@
 with it (pyllama_pp.planner), the compute of each candidate measured by the probe (pyllama_pp.compute.Probe, handed
 in here). With the expert cache asked as auto (the patched build's default) both then weigh each device's memory
 between resident expert layers and cache slots for the workload (pyllama_pp.memory_plan), with what a token costs
-measured by the decode probe (pyllama_pp.decode_probe) and the hit rates of pyllama_pp.hit_curve. Prediction is
+measured by the decode probe (pyllama_pp.decode_probe) and the hit rates of pyllama_pp.hit_curve; where the workload
+both prompts in groups and decodes, LAYER_MAJOR's groups are weighed against the slots their room would hold (the
+prompts' link time as pyllama_pp.planner.prompt_seconds predicts it, against the memory plan's choice). Prediction is
 pyllama_pp.predict's and pyllama_pp.decode_model's; each mechanism's plan is its own module (overlap_plan,
 layer_major_plan, expert_cache_plan).
 
@@ -28,9 +30,9 @@ from .expert_cache_plan import drop_cache, layout_of
 from .hit_curve import HitCurve
 from .jobs import MeasureJob
 from .layer_major_plan import layer_major_group, plan_layer_major, wants_layer_major
-from .memory_plan import plan_memory
+from .memory_plan import GAIN_MIN, alternatives, choose, plan_memory
 from .model_file import layer_counts
-from .errors import OutOfMemoryError, PyllamaError
+from .errors import ConfigError, OutOfMemoryError, PyllamaError
 from .params import Placement
 from .plan import MiB, Plan
 from .placement import measure as measure_placement
@@ -40,33 +42,59 @@ from .worker.client import run_job
 
 
 def _weigh(plan: Plan, model, devices, workload, curve, load_mode: str, n_threads: int, progress: bool,
-           refit: Optional[Callable[[int], Plan]]) -> Plan:
+           refit: Optional[Callable[[int], Plan]], probed: Optional[dict] = None) -> Plan:
     """The plan with its memory weighed between resident expert layers and cache slots, where the cache was asked as
     auto (curve: the trace's hit rates, None: the model's own or the prior); as it is elsewhere. refit None: the
-    placement is the user's (no layer moves; no room for a token's slots: no probe)."""
+    placement is the user's (no layer moves; no room for a token's slots: no probe). `probed`: the decode probe's
+    costs (or its error), kept for another plan of the same model and devices."""
     if plan.variant != "patched" or plan.expert_cache != "auto" or not plan.n_expert:
         return plan
     wl = Workload.parse(workload)
-
-    def none(why: str) -> Plan:
+    got = _memory_inputs(plan, model, devices, wl, load_mode, n_threads, progress, refit is not None, probed)
+    if isinstance(got, str):
         out = drop_cache(plan)
-        out.memory_plan = {"workload": {"name": wl.name, "steps": wl.as_list()}, "why": f"no cache: {why}",
+        out.memory_plan = {"workload": {"name": wl.name, "steps": wl.as_list()}, "why": f"no cache: {got}",
                            "alternatives": []}
         return out
-    if not wl.decode_tokens or not any(plan.host_expert_layers):
-        return none("the workload decodes no token" if not wl.decode_tokens else "every expert layer is resident")
-    layout = layout_of(model, plan.n_expert)
-    if refit is None and not _has_room(plan, layout):   # (no layer moves for room: nothing to probe for)
-        room = "/".join(f"{(d.target_bytes - d.expected_bytes) / MiB:.1f}" for d in plan.devices)
-        return none(f"no room: the placement leaves {room} MiB free on the devices (their target less what the dry "
-                    f"run measured), and {layout.n_used} slots a layer (a token's experts) need "
-                    f"{_least_bytes(plan, layout) / MiB:.1f} MiB on a device with host-expert layers")
-    try:
-        costs = decode_costs(model, devices, n_threads=n_threads, load_mode=load_mode, progress=progress)
-    except PyllamaError as e:   # (a replica that cannot run there, e.g. on a small RPC server: nothing to weigh by)
-        return none(f"the decode probe could not run ({str(e).splitlines()[0]})")
+    layout, costs = got
     return plan_memory(plan, layout, costs, curve or HitCurve.for_model(model), wl, refit, load_mode,
                        layer_counts(model)[1])
+
+
+def _priced(plan: Plan, model, devices, workload: Workload, curve, load_mode: str, n_threads: int, progress: bool,
+            move: bool, probed: dict) -> Optional[tuple]:
+    """What _weigh would choose for a plan, priced and not placed (the plan is not changed, no dry run): (the chosen
+    Alternative, the no-cache one), or None where it weighs nothing (no cache, as _weigh says why)."""
+    got = _memory_inputs(plan, model, devices, workload, load_mode, n_threads, progress, move, probed)
+    if isinstance(got, str):
+        return None
+    alts = alternatives(plan, got[0], got[1], curve or HitCurve.for_model(model), workload, load_mode,
+                        layer_counts(model)[1], move)
+    return alts[choose(alts)[0]], alts[0]
+
+
+def _memory_inputs(plan: Plan, model, devices, wl: Workload, load_mode: str, n_threads: int, progress: bool,
+                   move: bool, probed: Optional[dict]):
+    """What the memory planner weighs a plan by, (the model's slots, the decode probe's costs: measured once into
+    `probed`), or why it weighs nothing (a str). move False: no layer may move (no room beside the placement for a
+    token's slots: no probe)."""
+    if not wl.decode_tokens or not any(plan.host_expert_layers):
+        return "the workload decodes no token" if not wl.decode_tokens else "every expert layer is resident"
+    layout = layout_of(model, plan.n_expert)
+    if not move and not _has_room(plan, layout):   # (no layer moves for room: nothing to probe for)
+        room = "/".join(f"{(d.target_bytes - d.expected_bytes) / MiB:.1f}" for d in plan.devices)
+        return (f"no room: the placement leaves {room} MiB free on the devices (their target less what the dry run "
+                f"measured), and {layout.n_used} slots a layer (a token's experts) need "
+                f"{_least_bytes(plan, layout) / MiB:.1f} MiB on a device with host-expert layers")
+    probed = {} if probed is None else probed
+    if "costs" not in probed:
+        try:
+            probed["costs"] = decode_costs(model, devices, n_threads=n_threads, load_mode=load_mode, progress=progress)
+        except PyllamaError as e:   # (a replica that cannot run there, e.g. on a small RPC server: nothing to weigh by)
+            probed["costs"] = e
+    if isinstance(probed["costs"], PyllamaError):
+        return f"the decode probe could not run ({str(probed['costs']).splitlines()[0]})"
+    return layout, probed["costs"]
 
 
 def _has_room(plan: Plan, layout) -> bool:
@@ -90,7 +118,10 @@ def plan_on_placement(model, devices, placement: Placement, ctx, *, workload=Non
     and the workload's prompts form groups), on where a second dry run with it stays within every device's target
     (free less the margin); then the expert cache in the room left after the groups: the decode probe's costs and the
     hit curve, the alternatives no cache and the slot counts that room holds, the fastest for the workload (a cache
-    only where it saves GAIN_MIN), its guard from the costs, EXPERT_HYBRID where it gains.
+    only where it saves GAIN_MIN), its guard from the costs, EXPERT_HYBRID where it gains. Where the groups fit and
+    the workload decodes too, they are weighed against the slots their room would hold (_weighed_layer_major: the
+    groups and the cache in what they leave, against no groups and the cache in the whole room; the first dry run is
+    the second's, so no dry run more).
 
     Args:
         model: the GGUF file.
@@ -105,9 +136,10 @@ def plan_on_placement(model, devices, placement: Placement, ctx, *, workload=Non
         progress: say what the decode probe measures.
         cache: plan the expert cache (False: the user set it; LAYER_MAJOR alone).
     Returns:
-        Plan: path "given"; layer_major where LAYER_MAJOR was tried (on: the switch, its group and bytes; off: why),
-        memory_plan where the cache was weighed (the alternatives, the choice and why); the switches chosen in
-        Plan.run_switches (LAYER_MAJOR; EXPERT_CACHE, its guard and EXPERT_HYBRID).
+        Plan: path "given"; layer_major where LAYER_MAJOR was tried (on: the switch, its group and bytes; off: why;
+        "weighed": both plans' predictions, where weighed against the cache), memory_plan where the cache was weighed
+        (the alternatives, the choice and why); the switches chosen in Plan.run_switches (LAYER_MAJOR; EXPERT_CACHE,
+        its guard and EXPERT_HYBRID).
     Raises:
         As pyllama_pp.placement.measure; ConfigError for a bad workload or trace.
     """
@@ -116,15 +148,22 @@ def plan_on_placement(model, devices, placement: Placement, ctx, *, workload=Non
     given = dict(switches or {})
     dry_run = lambda sw: measure_placement(model, devices, placement, ctx, margin=margin, env=env, switches=sw)
     plan = dry_run(given)
-    plan, off = _with_layer_major(plan, wl, lambda sw: _within_targets(dry_run(sw), sw, plan),
-                                  {**set_in(env), **given}, "on: the run's prompts form groups, and their memory "
-                                  "fits beside the placement")
+    lm, off = _with_layer_major(plan, wl, lambda sw: _within_targets(dry_run(sw), sw, plan),
+                                {**set_in(env), **given}, "on: the run's prompts form groups, and their memory "
+                                "fits beside the placement")
     if off:
-        plan.layer_major = {"switch": 0, "why": f"off: {off}"}
+        lm.layer_major = {"switch": 0, "why": f"off: {off}"}
     if not cache:
-        return plan
-    plan.expert_cache = "auto"   # (weighed as auto is: no slots in it yet)
-    return _weigh(plan, model, devices, wl, curve, load_mode, plan.context_params().n_threads, progress, None)
+        return lm
+    plan.expert_cache = lm.expert_cache = "auto"   # (weighed as auto is: no slots in it yet)
+    probed: dict = {}
+    n_threads = plan.context_params().n_threads
+    weigh = lambda p: _weigh(p, model, devices, wl, curve, load_mode, n_threads, progress, None, probed)
+    if lm is plan or not _decodes(plan, wl):
+        return weigh(lm)
+    # (the groups weighed against the slots their room would hold: no dry run more, the plan without them is `plan`)
+    price = lambda p: _priced(p, model, devices, wl, curve, load_mode, n_threads, progress, False, probed)
+    return _weighed_layer_major(lm, plan, price, weigh, lambda p: planner.prompt_seconds(p, model, wl, load_mode, env))
 
 
 def _within_targets(lm: Plan, force: dict, without: Plan) -> Plan:
@@ -164,11 +203,73 @@ def _with_layer_major(plan: Plan, workload: Workload, place: Callable[[dict], Pl
     return lm, ""
 
 
+def _decodes(plan: Plan, workload: Workload) -> bool:
+    """Whether the memory planner weighs a plan's cache for the workload (the patched build, the cache auto, a MoE
+    model, tokens decoded): where it does, LAYER_MAJOR's groups are weighed against the slots their room would hold."""
+    return plan.variant == "patched" and plan.expert_cache == "auto" and bool(plan.n_expert) and \
+        bool(workload.decode_tokens)
+
+
+def _slots_text(alt) -> str:
+    """A priced Alternative's cache in words (None: no cache)."""
+    if alt is None or not alt.slots:
+        return "no cache"
+    return f"{'/'.join(map(str, alt.device_slots)) if alt.device_slots else alt.slots} slots a layer"
+
+
+def _weighed_layer_major(on: Plan, off: Plan, price: Callable[[Plan], Optional[tuple]],
+                         weigh: Callable[[Plan], Plan], prompts: Callable[[Plan], float]) -> Plan:
+    """LAYER_MAJOR weighed against the cache's slots for a workload that prompts and decodes: `on` (the switch, its
+    groups' buffers placed) and `off` (the plan made before the trial, the groups' room free), each priced as its
+    prompts (`prompts`: the seconds they spend on the links, planner.prompt_seconds) plus what the memory planner
+    would choose for it (`price`: _priced; Alternative.seconds, its decode and the prompt bytes of layers it moves;
+    where it prices nothing, the other plan's no cache: the same host-expert layers). `off` is taken where it predicts
+    GAIN_MIN less time, as a cache is; else `on` (its prompts faster, decode no slower by GAIN_MIN). Only the winner's
+    memory is then placed (`weigh`: its one dry run where layers move; where `off`'s cache then has no placement,
+    `on` after all). Both predictions are kept in its layer_major ("weighed"), which won and by how much in its
+    "why"; `off` keeps LAYER_MAJOR=0 in its switches (a run with the plan replays it)."""
+    try:
+        p_on, p_off = prompts(on), prompts(off)
+    except ConfigError:   # (an unthrottled VDEV link: no link time to save)
+        p_on = p_off = 0.0
+    a, b = price(on), price(off)
+    d_on = a[0].seconds if a else b[1].seconds if b else 0.0
+    d_off = b[0].seconds if b else a[1].seconds if a else 0.0
+    t_on, t_off = p_on + d_on, p_off + d_off
+    took = "off" if t_off < t_on * (1 - GAIN_MIN) else "on"
+    slots_on, slots_off = _slots_text(a[0] if a else None), _slots_text(b[0] if b else None)
+    weighed = {"on": {"prompt_s": round(p_on, 4), "memory_s": round(d_on, 4), "seconds": round(t_on, 4),
+                      "cache": slots_on},
+               "off": {"prompt_s": round(p_off, 4), "memory_s": round(d_off, 4), "seconds": round(t_off, 4),
+                       "cache": slots_off},
+               "chosen": took}
+    lost = ""
+    if took == "off":
+        out = weigh(off)
+        if not (b and b[0].slots and not out.switches.get(switches.EXPERT_CACHE)):
+            out.switches[switches.LAYER_MAJOR] = 0
+            out.layer_major = {"switch": 0, "weighed": weighed,
+                               "why": f"off: the workload in {t_off:.2f} s against {t_on:.2f} s with it; the cache: "
+                                      f"{slots_off} in the groups' room, {slots_on} beside them; prompts "
+                                      f"{p_off:.2f} s against {p_on:.2f} s"}
+            return out
+        # (its cache had no placement after all: no groups and no cache would lose on both phases)
+        weighed["chosen"], lost = "on", f", whose cache then had no placement ({out.memory_plan['why']})"
+    out = weigh(on)
+    close = lost or (f" (less than {GAIN_MIN:.0%} apart: the groups stay)" if t_off < t_on else "")
+    out.layer_major.update(weighed=weighed, why=f"on: the workload in {t_on:.2f} s against {t_off:.2f} s without it"
+                                                f"{close}; the cache: {slots_on} beside the groups, {slots_off} in "
+                                                f"their room; prompts {p_on:.2f} s against {p_off:.2f} s")
+    return out
+
+
 def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, workload=None, trace=None,
         load_mode: str = CONTEXT.load_mode, progress: bool = False, **kw) -> Plan:
     """pyllama_pp.placement.fit; then for the patched build, LAYER_MAJOR where the workload's prompts gain from it
     and it costs no resident layer (unless switches set it), and (expert cache auto, the default) each device's memory
-    weighed between resident expert layers and the cache's slots for the workload (pyllama_pp.memory_plan).
+    weighed between resident expert layers and the cache's slots for the workload (pyllama_pp.memory_plan). Where
+    both apply and the workload decodes, the plan with the groups (the cache in what they leave) is weighed against
+    the one without them (the cache in their room too) by the workload's predicted seconds (_weighed_layer_major).
 
     Args:
         model, devices, ctx, variant, **kw: as pyllama_pp.placement.fit takes them (margin, expert_cache, switches, ...).
@@ -178,7 +279,8 @@ def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, wor
         load_mode: how the run keeps host weights ("mmap": the cache's misses cross the pageable link).
         progress: say what the decode probe measures.
     Returns:
-        Plan: the plan (with memory_plan where the cache was weighed).
+        Plan: the plan (with memory_plan where the cache was weighed; layer_major["weighed"] where the groups were
+        weighed against the slots).
     Raises:
         As pyllama_pp.placement.fit; ConfigError for a bad workload or trace.
     """
@@ -187,14 +289,24 @@ def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, wor
     given = dict(kw.pop("switches", None) or {})
     plan = placement.fit(model, devices, ctx, variant, switches=given, **kw)
     pinned = dataclasses.replace(placement.fit_context(ctx), n_ctx=plan.n_ctx)   # (fit chose it: keep it)
-    plan, _ = _with_layer_major(plan, wl, lambda sw: placement.fit(model, devices, pinned, variant, switches=sw, **kw),
-                                {**switches.set_in(kw.get("env")), **given}, "on: the workload's prompts form groups "
-                                "and their memory costs no resident expert layer")
-    given = {**given, **({switches.LAYER_MAJOR: 1} if plan.switches.get(switches.LAYER_MAJOR) else {})}
-    refit = lambda mib: placement.fit(model, devices, pinned, variant, switches=given,
-                                      **{**kw, "expert_cache": f"{mib}MiB"})
+    lm, _ = _with_layer_major(plan, wl, lambda sw: placement.fit(model, devices, pinned, variant, switches=sw, **kw),
+                              {**switches.set_in(kw.get("env")), **given}, "on: the workload's prompts form groups "
+                              "and their memory costs no resident expert layer")
     n_threads = placement.fit_context(ctx).n_threads
-    return _weigh(plan, model, devices, wl, curve, load_mode, n_threads, progress, refit)
+    probed: dict = {}
+
+    def weigh(p: Plan) -> Plan:
+        sw = {**given, **({switches.LAYER_MAJOR: 1} if p.switches.get(switches.LAYER_MAJOR) else {})}
+        refit = lambda mib: placement.fit(model, devices, pinned, variant, switches=sw,
+                                          **{**kw, "expert_cache": f"{mib}MiB"})
+        return _weigh(p, model, devices, wl, curve, load_mode, n_threads, progress, refit, probed)
+    if lm is plan or not _decodes(plan, wl):
+        return weigh(lm)
+    # (the groups weighed against the slots their room would hold: the plan without them is the one made before the
+    # trial, and only the winner is placed again where its memory moves layers)
+    price = lambda p: _priced(p, model, devices, wl, curve, load_mode, n_threads, progress, True, probed)
+    return _weighed_layer_major(lm, plan, price, weigh,
+                                lambda p: planner.prompt_seconds(p, model, wl, load_mode, kw.get("env")))
 
 
 def measure_prompts(plans: list[Plan], model, devices, n_tokens: int, load_mode: str, env=None,

@@ -20,7 +20,8 @@ from .model_file import embedding_length, expert_bytes_per_layer, expert_layout
 from .params import ContextParams
 from .placement import _fit_plan, cached_rate, check_inputs, fit_context, keep_rate
 from .plan import MiB, Plan, grouped_rows, plan_problem
-from .predict import CLEARLY_SLOWER, batch_choices, best_batch, compute_for, link_rates
+from .predict import CLEARLY_SLOWER, batch_choices, best_batch, compute_for, link_rates, predict
+from .workload import Workload
 
 
 _WHY = re.compile(r"leaves (?:all \d+ layers and the output layer|\d+ of \d+ layers \(\S+\)) on the CPU|planned "
@@ -149,7 +150,7 @@ class _Search:
         self.hidden = embedding_length(model) if self.spec.remote else 0   # (the network to RPC servers is counted)
         self.given = dict(switches or {}) if variant == "patched" else {}   # (the switches the dry runs and runs get)
         self.force = {**switches_mod.set_in(kw.get("env")), **self.given} if variant == "patched" else {}
-        self.mmap = load_mode == "mmap"
+        self.load_mode, self.mmap = load_mode, load_mode == "mmap"
         self.staging = self.mmap and variant == "patched"
         # LAYER_MAJOR: a group's activations grow with n_batch / n_ubatch, so a candidate without room at the
         # largest n_batch may have it at a smaller one
@@ -228,13 +229,10 @@ class _Search:
         promising first; one even its best case shows slower than the best so far is out, unprobed, with skip):
         (every candidate's row, the winner)."""
         spec, variant = self.spec, self.variant
-        rates = link_rates(spec, self.link_gbps, len(placed[0][1].devices), self.rated.get("links"),
-                           "pageable" if self.mmap and not self.staging else "pinned")
-        pkw = dict(expert_bytes=expert_bytes_per_layer(self.model), link_gbps=rates, shared_link=shared_link or
-                   spec.one_link, n_tokens=self.n_tokens, hidden=self.hidden,
-                   staging_gbps=self.rated.get("host_copy") if self.staging else None,
-                   n_used=expert_layout(self.model)[0],
-                   switches={**switches_mod.in_force(variant, self.kw.get("env")), **self.given})
+        pkw = predict_terms(self.model, spec, variant, len(placed[0][1].devices), self.load_mode, self.n_tokens,
+                            link_gbps=self.link_gbps, links=self.rated.get("links"),
+                            host_copy=self.rated.get("host_copy"), env=self.kw.get("env"), given=self.given,
+                            shared_link=shared_link)
         score = lambda pred: pred.ts if pred else float("inf")   # (nothing moves and compute not counted: no bound)
         # the most promising first (the bytes bound: compute not counted), so that the rest can be skipped
         order = sorted(placed, key=lambda rp: (-score(best_batch(rp[1], rp[0]["n_batch"], **pkw)[1]),
@@ -308,6 +306,71 @@ class _Search:
         return best
 
 
+def predict_terms(model, spec: devspec.DeviceSpec, variant: str, n_devices: int, load_mode: str,
+                  n_tokens: Optional[int] = None, *, link_gbps=None, links: Optional[Sequence] = None,
+                  host_copy: Optional[float] = None, env: Optional[dict] = None, given: Optional[dict] = None,
+                  shared_link: bool = False) -> dict:
+    """predict's arguments besides the plan and the compute, as fit_ubatch predicts a pair: the model's expert bytes
+    and experts a token uses, each link's rate (given, else as fit measured it, else the spec's: the pinned rate
+    where host weights are pinned or the patched build stages them, the pageable one for the baseline on an mmap-ed
+    model), the staging copy, the network to RPC servers and the switches in force.
+
+    Args:
+        model: the GGUF file.
+        spec: the parsed device spec.
+        variant: "patched" or "baseline".
+        n_devices: the plan's devices.
+        load_mode: "none" (pinned) or "mmap".
+        n_tokens: the prompt's length (None: the plan's n_ctx).
+        link_gbps: rates given (predict.link_rates), or None.
+        links: each device's measured link (DevicePlan.link), or None.
+        host_copy: the host's staging copy in GB/s (Plan.host_copy_gbps), or None.
+        env: the runs' environment (its GGML_SCHED_PP_* variables are in force).
+        given: the switches the runs get (a plan's own override them in predict).
+        shared_link: the devices share one link (besides a spec whose devices do).
+    Returns:
+        dict: keyword arguments for predict.predict / best_batch.
+    Raises:
+        ConfigError: for a link rate of 0 (an unthrottled VDEV) or of the wrong count.
+    """
+    staging = load_mode == "mmap" and variant == "patched"
+    rates = link_rates(spec, link_gbps, n_devices, links, "pageable" if load_mode == "mmap" and not staging
+                       else "pinned")
+    return dict(expert_bytes=expert_bytes_per_layer(model), link_gbps=rates, shared_link=shared_link or spec.one_link,
+                n_tokens=n_tokens, hidden=embedding_length(model) if spec.remote else 0,
+                staging_gbps=host_copy if staging else None, n_used=expert_layout(model)[0],
+                switches={**switches_mod.in_force(variant, env), **(given or {})})
+
+
+def prompt_seconds(plan: Plan, model, workload: Workload, load_mode: str = CONTEXT.load_mode,
+                   env: Optional[dict] = None) -> float:
+    """The seconds a workload's prompts spend moving host experts on a plan, as fit_ubatch predicts a pair (predict at
+    the plan's n_batch and n_ubatch, with its LAYER_MAJOR group), compute not counted (a plan of fit's has no probe:
+    the bytes bound; every plan of one context computes alike, so two plans' difference is the link time between them).
+
+    Args:
+        plan: a fit plan (its links as fit measured them, else its spec's).
+        model: the GGUF file it was made for.
+        workload: what the run does (its timed prompts count).
+        load_mode: how the run keeps host weights.
+        env: the runs' environment.
+    Returns:
+        seconds (0 where nothing moves).
+    Raises:
+        ConfigError: for a link rate of 0 (an unthrottled VDEV: the link time is not known).
+    """
+    if not workload.prompt_tokens:
+        return 0.0
+    spec = devspec.parse(plan.devices_spec.get("text") or plan.devices_spec)
+    terms = predict_terms(model, spec, plan.variant, len(plan.devices), load_mode, links=[d.link for d in plan.devices],
+                          host_copy=plan.host_copy_gbps, env=env)
+    total = 0.0
+    for kind, n in workload.steps:
+        pred = predict(plan, **{**terms, "n_tokens": n}) if kind == "pp" else None
+        total += n / pred.ts if pred else 0.0
+    return total
+
+
 def _at_chosen_batch(best: Plan, plan: Plan) -> Plan:
     """fit_ubatch's winner with LAYER_MAJOR as `plan`, the plan made again at the n_batch it chose (a smaller one
     than it was placed at keeps a smaller group), with its prediction and links carried over."""
@@ -317,4 +380,4 @@ def _at_chosen_batch(best: Plan, plan: Plan) -> Plan:
     return plan
 
 
-__all__ = ["fit_ubatch"]
+__all__ = ["fit_ubatch", "predict_terms", "prompt_seconds"]

@@ -502,7 +502,8 @@ def _placed_switches(cfg: RunConfig, c: Choices, model: str, made: list, measure
     LAYER_MAJOR where the user did not set it (a switch or its variable) and the run's prompts (-p, -d, the workload)
     form groups over host experts (layer_major_plan.wants_layer_major), on where its groups fit beside the placement;
     the expert cache where the user set none (no --expert-cache or auto, no EXPERT_CACHE switch or variable), in the
-    room the groups leave. The config with the plan's switches, and in its notes what was planned and why, or why
+    room the groups leave (where the run decodes too, the groups weighed against the slots their room would hold:
+    LAYER_MAJOR=0 where those save more). The config with the plan's switches, and in its notes what was planned and why, or why
     nothing where that is news. As it is for the baseline alone, on the CPU alone, or where the user set both."""
     if "patched" not in c.variants:
         return cfg

@@ -17,7 +17,7 @@ from pyllama_pp.expert_cache_plan import layout_of, percent
 from pyllama_pp.fit import _weigh
 from pyllama_pp.hit_curve import PRIOR, HitCurve
 from pyllama_pp.memory_plan import GAIN_MIN, Alternative, alternatives, choose, cost_guard, plan_memory
-from pyllama_pp.params import ContextParams
+from pyllama_pp.params import ContextParams, Placement
 from pyllama_pp.placement import fit as place
 from pyllama_pp.plan import Plan
 from pyllama_pp.planning import _tests_workload, Choices, plan_runs
@@ -611,8 +611,9 @@ def test_without_a_fit_layer_major_stays_off_where_the_groups_do_not_fit(model, 
 
 
 def test_without_a_fit_the_cache_takes_the_room_the_groups_leave(model, monkeypatch):
-    """Prompts that form groups and a decode, GPU-like costs: LAYER_MAJOR first, then the cache in what the placement
-    and the groups' buffers leave (fewer slots than the same run gets with LAYER_MAJOR=0)."""
+    """Prompts that form groups and a short decode (16 tokens), GPU-like costs: the groups save the prompts more than
+    the slots their room would hold save the decode, so LAYER_MAJOR is on and the cache takes what the placement and
+    the groups' buffers leave (fewer slots than the same run gets with LAYER_MAJOR=0)."""
     layout = layout_of(model, 64)
     _gpu_like(monkeypatch, layout)
     kw = dict(model=model, devices=(SPEC,), **{**GROUPS, "tg": (16,)})
@@ -623,3 +624,125 @@ def test_without_a_fit_the_cache_takes_the_room_the_groups_leave(model, monkeypa
     assert cfg.switches["LAYER_MAJOR"] == 1 and plan.layer_major["group"] == 4
     assert layout.bytes_of(slots, 12) <= d.free_bytes - plan.margins[0] + d.cache_bytes - d.expected_bytes
     assert d.compute_bytes > alone.plans[0].devices[0].compute_bytes and 0 < slots < alone_slots, (slots, alone_slots)
+
+
+# --- LAYER_MAJOR's groups weighed against the slots their room holds ------------------------------------------------
+# every expert in host RAM on SPEC's device: room beside the placement for a group's buffers (4 ubatches of 32) or for
+# more slots a layer, and the two prompts: one whose decode dominates the workload, one whose prompt does
+ALL_HOST = Placement(host_experts="all")
+GROUPS_CTX = ContextParams(n_ctx=512, n_batch=128, n_ubatch=32)
+DECODE_HEAVY, PROMPT_HEAVY = "pp=256,tg=2048", "pp=4096,tg=16"
+
+
+def _counted(monkeypatch, name: str) -> list:
+    """Counts the calls of pyllama_pp.fit's `name` (its dry runs: measure_placement, or placement.fit)."""
+    fit_module = sys.modules["pyllama_pp.fit"]
+    owner = fit_module if name == "measure_placement" else fit_module.placement
+    real, calls = getattr(owner, "measure_placement" if name == "measure_placement" else "fit"), []
+
+    def counted(*a, **k):
+        calls.append(k.get("switches"))
+        return real(*a, **k)
+    monkeypatch.setattr(owner, "measure_placement" if name == "measure_placement" else "fit", counted)
+    return calls
+
+
+def test_without_a_fit_a_decode_heavy_workload_takes_the_groups_room_for_slots(model, monkeypatch):
+    """Without a fit, GPU-like costs, a prompt of 256 tokens and 2048 decoded: the groups' buffers would fit, but their
+    room holds more slots a layer, which save the decode more than the groups save the prompt: the plan keeps
+    LAYER_MAJOR=0 (as its run switch), takes the slots, and says why with both predictions; a prompt-heavy workload
+    (4096 tokens, 16 decoded) on the same placement keeps the groups and the fewer slots beside them. Neither makes a
+    dry run more than the groups' trial."""
+    layout = layout_of(model, 64)
+    _gpu_like(monkeypatch, layout)
+    runs = _counted(monkeypatch, "measure_placement")
+    from pyllama_pp.fit import plan_on_placement
+    off = plan_on_placement(model, SPEC, ALL_HOST, GROUPS_CTX, workload=DECODE_HEAVY)
+    assert len(runs) == 2   # (the placement, then with the groups: the plan without them is the first)
+    on = plan_on_placement(model, SPEC, ALL_HOST, GROUPS_CTX, workload=PROMPT_HEAVY)
+    assert len(runs) == 4
+    w_off, w_on = off.layer_major["weighed"], on.layer_major["weighed"]
+    assert off.switches["LAYER_MAJOR"] == 0 and off.run_switches()["LAYER_MAJOR"] == 0 and w_off["chosen"] == "off"
+    assert off.layer_major["switch"] == 0 and "group" not in off.layer_major
+    assert w_off["off"]["seconds"] < w_off["on"]["seconds"] * (1 - GAIN_MIN), w_off
+    assert on.switches["LAYER_MAJOR"] == 1 and on.layer_major["group"] == 4 and w_on["chosen"] == "on"
+    assert w_on["on"]["seconds"] <= w_on["off"]["seconds"] and w_on["on"]["prompt_s"] < w_on["off"]["prompt_s"]
+    slots_off, slots_on = -off.switches["EXPERT_CACHE"], -on.switches["EXPERT_CACHE"]
+    assert 0 < slots_on < slots_off, (slots_on, slots_off)
+    assert w_off["off"]["cache"] == f"{slots_off} slots a layer" == w_on["off"]["cache"]
+    assert w_off["on"]["cache"] == f"{slots_on} slots a layer" == w_on["on"]["cache"]
+    assert off.devices[0].compute_bytes < on.devices[0].compute_bytes   # (no group's buffers in the plan without)
+    for plan in (off, on):
+        d = plan.devices[0]
+        assert d.expected_bytes <= d.target_bytes and plan.host_expert_layers == [12]
+    text = str(off)
+    assert (f"layer major: LAYER_MAJOR off: the workload in {w_off['off']['seconds']:.2f} s against "
+            f"{w_off['on']['seconds']:.2f} s with it; the cache: {slots_off} slots a layer in the groups' room, "
+            f"{slots_on} slots a layer beside them") in text, text
+    assert str(on).count("LAYER_MAJOR=1 (on: the workload in") == 1
+
+
+def test_where_the_slots_that_won_have_no_placement_the_groups_stay(model, monkeypatch):
+    """The decode-heavy workload's plan without the groups, its cache then placed with no room after all (the memory
+    planner keeps none): no groups and no cache would lose on both phases, so the plan with the groups is taken, and
+    its why says so."""
+    _gpu_like(monkeypatch, layout_of(model, 64))
+    fit_module = sys.modules["pyllama_pp.fit"]
+    real = fit_module._weigh
+
+    def weigh(plan, *a, **k):
+        out = real(plan, *a, **k)
+        if not plan.switches.get("LAYER_MAJOR"):
+            out.memory_plan = {**out.memory_plan, "why": "no cache: 15 slots a layer has no placement", "chosen": 0}
+            out.switches.pop("EXPERT_CACHE")
+        return out
+    monkeypatch.setattr(fit_module, "_weigh", weigh)
+    plan = fit_module.plan_on_placement(model, SPEC, ALL_HOST, GROUPS_CTX, workload=DECODE_HEAVY)
+    w = plan.layer_major["weighed"]
+    assert plan.switches["LAYER_MAJOR"] == 1 and plan.switches["EXPERT_CACHE"] < 0 and w["chosen"] == "on"
+    assert w["off"]["seconds"] < w["on"]["seconds"]   # (predicted faster, then not placed)
+    assert "without it, whose cache then had no placement (no cache: 15 slots a layer has no placement)" in \
+        plan.layer_major["why"], plan.layer_major
+
+
+def test_a_plan_weighed_both_ways_replays_its_choice(model, monkeypatch, tmp_path):
+    """The weighed plan's JSON keeps both predictions and its switches: loaded again it prints alike, and `run --plan`
+    runs the switches it chose (LAYER_MAJOR=0 with the slots that won over the groups; fit's plan with the groups
+    where they won)."""
+    layout = layout_of(model, 64)
+    _gpu_like(monkeypatch, layout)
+    from pyllama_pp.fit import fit, plan_on_placement
+    off = plan_on_placement(model, SPEC, ALL_HOST, GROUPS_CTX, workload=DECODE_HEAVY)
+    on = fit(model, devices="vdev:1x8MiB@4GBps", ctx=ContextParams(n_ctx=512, n_batch=32, n_ubatch=16),
+             workload=PROMPT_HEAVY, timeout=120)
+    assert on.layer_major["weighed"]["chosen"] == "on" and on.switches["LAYER_MAJOR"] == 1, on.layer_major
+    for plan in (off, on):
+        back = Plan.load(plan.save(tmp_path / f"{plan.path}.json"))
+        assert back.layer_major == plan.layer_major and back.memory_plan["why"] == plan.memory_plan["why"]
+        assert back.run_switches("none") == plan.run_switches("none") and str(back) == str(plan)
+        planned = plan_runs(Choices(command="run", model=model, devices=(back.devices_spec["text"],),
+                                    plan=str(tmp_path / f"{plan.path}.json"), pp=(64,), tg=(4,)))
+        cfg = planned.configs[0]
+        assert {k: cfg.switches[k] for k in plan.run_switches("none")} == plan.run_switches("none"), cfg.switches
+    assert off.run_switches("none")["LAYER_MAJOR"] == 0
+
+
+def test_a_prompt_only_or_decode_only_workload_weighs_no_second_plan(model, monkeypatch):
+    """fit and a run without a fit, prompts that form groups: a prompt-only workload takes the groups by the rule as
+    before (the cache is not weighed, no plan without the groups is priced: the dry runs are the placement's and the
+    groups' trial alone); a decode-only one tries no groups (no prompt forms one)."""
+    _gpu_like(monkeypatch, layout_of(model, 64))
+    from pyllama_pp.fit import fit, plan_on_placement
+    runs = _counted(monkeypatch, "measure_placement")
+    prompt = plan_on_placement(model, SPEC, ALL_HOST, GROUPS_CTX, workload="pp=4096")
+    assert len(runs) == 2 and prompt.switches["LAYER_MAJOR"] == 1 and "weighed" not in prompt.layer_major
+    assert prompt.memory_plan["alternatives"] == [] and "decodes no token" in prompt.memory_plan["why"]
+    decode = plan_on_placement(model, SPEC, ALL_HOST, GROUPS_CTX, workload="tg=2048")
+    assert len(runs) == 3 and not decode.layer_major and "LAYER_MAJOR" not in decode.switches
+    fits = _counted(monkeypatch, "fit")
+    kw = dict(devices="vdev:1x8MiB@4GBps", ctx=ContextParams(n_ctx=512, n_batch=32, n_ubatch=16), timeout=120)
+    plan = fit(model, workload="pp=4096", **kw)
+    assert [bool((s or {}).get("LAYER_MAJOR")) for s in fits] == [False, True], fits
+    assert plan.switches["LAYER_MAJOR"] == 1 and "weighed" not in plan.layer_major
+    decode = fit(model, workload="tg=2048", **kw)
+    assert "LAYER_MAJOR" not in decode.switches and not any((s or {}).get("LAYER_MAJOR") for s in fits[2:]), fits
