@@ -218,16 +218,17 @@ def _slots_text(alt) -> str:
 
 
 def _weighed_layer_major(on: Plan, off: Plan, price: Callable[[Plan], Optional[tuple]],
-                         weigh: Callable[[Plan], Plan], prompts: Callable[[Plan], float]) -> Plan:
+                         weigh: Callable[[Plan], Plan], prompts: Callable[[Plan], float], keep: str = "on") -> Plan:
     """LAYER_MAJOR weighed against the cache's slots for a workload that prompts and decodes: `on` (the switch, its
-    groups' buffers placed) and `off` (the plan made before the trial, the groups' room free), each priced as its
-    prompts (`prompts`: the seconds they spend on the links, planner.prompt_seconds) plus what the memory planner
-    would choose for it (`price`: _priced; Alternative.seconds, its decode and the prompt bytes of layers it moves;
-    where it prices nothing, the other plan's no cache: the same host-expert layers). `off` is taken where it predicts
-    GAIN_MIN less time, as a cache is; else `on` (its prompts faster, decode no slower by GAIN_MIN). Only the winner's
-    memory is then placed (`weigh`: its one dry run where layers move; where `off`'s cache then has no placement,
-    `on` after all). Both predictions are kept in its layer_major ("weighed"), which won and by how much in its
-    "why"; `off` keeps LAYER_MAJOR=0 in its switches (a run with the plan replays it)."""
+    groups' buffers placed) and `off` (without it, the groups' room free), each priced as its prompts (`prompts`: fit
+    and a run without a fit, the seconds they spend on the links, planner.prompt_seconds; -ub auto, the candidate's
+    prompt t/s) plus what the memory planner would choose for it (`price`: _priced; Alternative.seconds, its decode
+    and the prompt bytes of layers it moves; where it prices nothing, the other plan's no cache: the same host-expert
+    layers). The plan `keep` names (fit's: "on", the groups its rule turned on; -ub auto's: the side whose prompts ran
+    faster) stays unless the other predicts GAIN_MIN less time, as a cache must. Only the winner's memory is then
+    placed (`weigh`: its one dry run where layers move; where the other's cache then has no placement, `keep` after
+    all). Both predictions are kept in its layer_major ("weighed"), which won and by how much in its "why"; `off`
+    taken keeps LAYER_MAJOR=0 in its switches (a run with the plan replays it)."""
     try:
         p_on, p_off = prompts(on), prompts(off)
     except ConfigError:   # (an unthrottled VDEV link: no link time to save)
@@ -235,31 +236,35 @@ def _weighed_layer_major(on: Plan, off: Plan, price: Callable[[Plan], Optional[t
     a, b = price(on), price(off)
     d_on = a[0].seconds if a else b[1].seconds if b else 0.0
     d_off = b[0].seconds if b else a[1].seconds if a else 0.0
-    t_on, t_off = p_on + d_on, p_off + d_off
-    took = "off" if t_off < t_on * (1 - GAIN_MIN) else "on"
+    t = {"on": p_on + d_on, "off": p_off + d_off}
+    other = "off" if keep == "on" else "on"
+    took = other if t[other] < t[keep] * (1 - GAIN_MIN) else keep
     slots_on, slots_off = _slots_text(a[0] if a else None), _slots_text(b[0] if b else None)
-    weighed = {"on": {"prompt_s": round(p_on, 4), "memory_s": round(d_on, 4), "seconds": round(t_on, 4),
+    weighed = {"on": {"prompt_s": round(p_on, 4), "memory_s": round(d_on, 4), "seconds": round(t["on"], 4),
                       "cache": slots_on},
-               "off": {"prompt_s": round(p_off, 4), "memory_s": round(d_off, 4), "seconds": round(t_off, 4),
+               "off": {"prompt_s": round(p_off, 4), "memory_s": round(d_off, 4), "seconds": round(t["off"], 4),
                        "cache": slots_off},
                "chosen": took}
-    lost = ""
+    plans, priced = {"on": on, "off": off}, {"on": a, "off": b}
+    note = f" (less than {GAIN_MIN:.0%} apart: {'the groups stay' if keep == 'on' else 'no groups'})" \
+        if t[other] < t[keep] else ""
+    out = weigh(plans[took])
+    if took != keep and priced[took] and priced[took][0].slots and not out.switches.get(switches.EXPERT_CACHE):
+        # (its cache had no placement after all: the plan without it would lose on both phases)
+        note = f", whose cache then had no placement ({out.memory_plan['why']})"
+        took = weighed["chosen"] = keep
+        out = weigh(plans[keep])
     if took == "off":
-        out = weigh(off)
-        if not (b and b[0].slots and not out.switches.get(switches.EXPERT_CACHE)):
-            out.switches[switches.LAYER_MAJOR] = 0
-            out.layer_major = {"switch": 0, "weighed": weighed,
-                               "why": f"off: the workload in {t_off:.2f} s against {t_on:.2f} s with it; the cache: "
-                                      f"{slots_off} in the groups' room, {slots_on} beside them; prompts "
-                                      f"{p_off:.2f} s against {p_on:.2f} s"}
-            return out
-        # (its cache had no placement after all: no groups and no cache would lose on both phases)
-        weighed["chosen"], lost = "on", f", whose cache then had no placement ({out.memory_plan['why']})"
-    out = weigh(on)
-    close = lost or (f" (less than {GAIN_MIN:.0%} apart: the groups stay)" if t_off < t_on else "")
-    out.layer_major.update(weighed=weighed, why=f"on: the workload in {t_on:.2f} s against {t_off:.2f} s without it"
-                                                f"{close}; the cache: {slots_on} beside the groups, {slots_off} in "
-                                                f"their room; prompts {p_on:.2f} s against {p_off:.2f} s")
+        out.switches[switches.LAYER_MAJOR] = 0
+        out.layer_major = {"switch": 0, "weighed": weighed,
+                           "why": f"off: the workload in {t['off']:.2f} s against {t['on']:.2f} s with it"
+                                  f"{note if keep == 'off' else ''}; the cache: {slots_off} in the groups' room, "
+                                  f"{slots_on} beside them; prompts {p_off:.2f} s against {p_on:.2f} s"}
+        return out
+    out.layer_major.update(weighed=weighed, why=f"on: the workload in {t['on']:.2f} s against {t['off']:.2f} s without "
+                                                f"it{note if keep == 'on' else ''}; the cache: {slots_on} beside the "
+                                                f"groups, {slots_off} in their room; prompts {p_on:.2f} s against "
+                                                f"{p_off:.2f} s")
     return out
 
 
@@ -347,23 +352,34 @@ def measure_prompts(plans: list[Plan], model, devices, n_tokens: int, load_mode:
     return out
 
 
-def _measured_best(best: Plan, near: list[Plan], measure: Callable, most: int) -> Plan:
+def _measured_best(best: Plan, near: list[Plan], measure: Callable, most: int) -> tuple[Plan, list]:
     """Of `best` and the candidates predicted close to it (`near`, both searches': with and without LAYER_MAJOR), the
-    `most` closest measured with measure(plans) -> t/s each, and the fastest measured returned, every measured pair
-    in its ubatch_measured; `best` where there is nothing to measure."""
+    `most` closest measured with measure(plans) -> t/s each: (the fastest measured, every measured pair in its
+    ubatch_measured; [(plan, t/s)] of those measured). `best` and [] where there is nothing to measure."""
     bar = (1 - UBATCH_MEASURE.band) * (best.predicted_ts or 0)
     pick = [best] + sorted((p for p in near if p is not best and (p.predicted_ts or 0) >= bar),
                            key=lambda p: -p.predicted_ts)[:max(0, most - 1)]
     if len(pick) < 2 or not best.predicted_ts:
-        return best
+        return best, []
     got = measure(pick)
     if max(got) <= 0:   # (no context ran: the prediction decides)
-        return best
+        return best, []
     rows = [{"n_ubatch": p.ctx["n_ubatch"], "n_batch": p.ctx["n_batch"], "layer_major": int(bool(p.layer_major)),
              "predicted_ts": p.predicted_ts, "measured_ts": ts} for p, ts in zip(pick, got)]
     won = pick[max(range(len(pick)), key=lambda i: got[i])]
     won.ubatch_measured = rows
-    return won
+    return won, list(zip(pick, got))
+
+
+def _side_best(winner: Plan, measured: list) -> Optional[tuple]:
+    """One side's (with LAYER_MAJOR or without) best candidate for the workload's weighing: the fastest of its pairs
+    measured (plan, t/s, "measured"), else its search's winner at its prediction; None where every pair of the side
+    measured failed to run."""
+    side = [(p, ts) for p, ts in measured if bool(p.layer_major) == bool(winner.layer_major)]
+    ran = [(p, ts, "measured") for p, ts in side if ts > 0]
+    if ran:
+        return max(ran, key=lambda r: r[1])
+    return None if side else (winner, winner.predicted_ts or 0.0, "predicted")
 
 
 def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, workload=None, trace=None,
@@ -371,7 +387,11 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
     """pyllama_pp.planner.fit_ubatch with the compute probe (pyllama_pp.compute.Probe); for the patched build where
     switches do not set LAYER_MAJOR, the search with it too; then the candidates of both predicted within
     UBATCH_MEASURE.band of the best run as planned (at most `measure`, the best included) and the fastest measured
-    taken; then, expert cache auto, the memory weighed for the workload at the chosen pair (as fit does).
+    taken; then, expert cache auto, the memory weighed for the workload at the chosen pair (as fit does). Where both
+    searches placed a pair and the workload decodes too (the cache auto), the two sides' best (with LAYER_MAJOR and
+    without: the fastest measured, else the search's winner at its prediction) are weighed on the whole workload as
+    fit weighs its groups (_weighed_layer_major: each one's prompts at its t/s plus the memory plan priced at its
+    placement; the side whose prompts ran faster stays unless the other saves GAIN_MIN).
 
     Args:
         model, devices, ctx, variant, **kw: as pyllama_pp.planner.fit_ubatch takes them (n_tokens, n_batch, margin,
@@ -380,17 +400,20 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
         measure: how many of the closest predictions to run, at most UBATCH_MEASURE.most (0 or 1: the prediction
             alone decides; nothing is measured where compute is not counted).
     Returns:
-        Plan: the chosen pair's plan; ubatch_measured holds what was measured.
+        Plan: the chosen pair's plan; ubatch_measured holds what was measured; layer_major["weighed"] both sides'
+        predictions where they were weighed on the workload.
     Raises:
         As pyllama_pp.planner.fit_ubatch; WorkerError where a measured run fails.
     """
     kw.setdefault("probe", Probe)
+    wl = Workload.parse(workload)
     curve = HitCurve.for_model(model, trace) if trace is not None else trace   # (a bad trace: an error before any run)
     given = dict(kw.pop("switches", None) or {})
     measuring = measure >= 2 and kw.get("count_compute", True) and kw["probe"] is not None
     near: list[Plan] = []
     contenders = near if measuring else None   # (each made final costs a dry run: only those to be measured)
     plan = planner.fit_ubatch(model, devices, ctx, variant, switches=given, contenders=contenders, **kw)
+    winners = [plan]
     if variant == "patched" and switches.LAYER_MAJOR not in {**switches.set_in(kw.get("env")), **given} and \
             any(plan.host_expert_layers):
         # (-ub auto weighs LAYER_MAJOR too: the pair predicted fastest with its groups against the one without)
@@ -403,29 +426,50 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
             lm.layer_major["why"] = (f"on: predicted {lm.predicted_ts or 0:.0f} t/s against "
                                      f"{plan.predicted_ts or 0:.0f} without it")
             first, other = (lm, plan) if (lm.predicted_ts or 0) > (plan.predicted_ts or 0) else (plan, lm)
-            plan, near = first, near + [other]
+            plan, near, winners = first, near + [other], [lm, plan]
     load_mode = kw.get("load_mode", CONTEXT.load_mode)
+    measured: list = []
     if measuring:
-        plan = _measured_best(plan, near, functools.partial(
+        plan, measured = _measured_best(plan, near, functools.partial(
             measure_prompts, model=model, devices=devices, n_tokens=kw.get("n_tokens") or plan.n_ctx,
             load_mode=load_mode, env=kw.get("env"), timeout=kw.get("timeout") or FIT.timeout,
             progress=kw.get("progress", False)), measure)
-        off = [r["measured_ts"] for r in plan.ubatch_measured if not r["layer_major"]]
-        if plan.layer_major.get("why") and off:   # (LAYER_MAJOR weighed here, and measured against a pair without)
+        without = [r["measured_ts"] for r in plan.ubatch_measured if not r["layer_major"]]
+        if plan.layer_major.get("why") and without:   # (LAYER_MAJOR weighed here, and measured against a pair without)
             plan.layer_major["why"] = (f"on: measured {max(r['measured_ts'] for r in plan.ubatch_measured):.0f} t/s "
-                                       f"against {max(off):.0f} without it")
-    kw["switches"] = {**given, **({switches.LAYER_MAJOR: 1} if plan.switches.get(switches.LAYER_MAJOR) else {})}
-    fit_kw = {k: v for k, v in kw.items() if k in ("margin", "split_mode", "env", "timeout", "spread", "link_gbps",
-                                                 "switches")}
-    chosen = dataclasses.replace(placement.fit_context(ctx), n_ctx=plan.n_ctx, n_batch=plan.ctx["n_batch"],
-                                 n_ubatch=plan.ctx["n_ubatch"])
+                                       f"against {max(without):.0f} without it")
+    n_threads, progress = placement.fit_context(ctx).n_threads, kw.get("progress", False)
+    probed: dict = {}
 
-    def refit(mib: int) -> Plan:
-        out = placement.fit(model, devices, chosen, variant, expert_cache=f"{mib}MiB", **fit_kw)
-        out.ubatch_auto, out.ubatch_measured = plan.ubatch_auto, plan.ubatch_measured   # (its predicted_ts was the
-        return out   # pair's with fewer host-expert layers: the alternatives say what the moved layers add to prompts)
-    return _weigh(plan, model, devices, workload, curve, load_mode, chosen.n_threads,
-                  kw.get("progress", False), refit)
+    def weigh(p: Plan) -> Plan:
+        """The memory weighed at p's pair and switches (its refit keeps them, and p's rows)."""
+        fit_kw = {k: v for k, v in kw.items() if k in ("margin", "split_mode", "env", "timeout", "spread",
+                                                     "link_gbps")}
+        fit_kw["switches"] = {**given, **({switches.LAYER_MAJOR: 1} if p.switches.get(switches.LAYER_MAJOR) else {})}
+        chosen = dataclasses.replace(placement.fit_context(ctx), n_ctx=p.n_ctx, n_batch=p.ctx["n_batch"],
+                                     n_ubatch=p.ctx["n_ubatch"])
+
+        def refit(mib: int) -> Plan:
+            out = placement.fit(model, devices, chosen, variant, expert_cache=f"{mib}MiB", **fit_kw)
+            # (its predicted_ts was the pair's with fewer host-expert layers: the alternatives say what the moved
+            # layers add to prompts)
+            out.ubatch_auto, out.ubatch_measured = p.ubatch_auto, p.ubatch_measured
+            return out
+        return _weigh(p, model, devices, wl, curve, load_mode, n_threads, progress, refit, probed)
+    sides = [_side_best(w, measured) for w in winners]
+    if len(winners) < 2 or None in sides or not _decodes(plan, wl):
+        return weigh(plan)
+    # (the workload decodes: the groups' side weighed against the one whose cache may take their room)
+    (on, on_ts, on_how), (off, off_ts, off_how) = sides
+    for p in (on, off):
+        p.ubatch_measured = plan.ubatch_measured
+    rate = {id(on): on_ts, id(off): off_ts}
+    price = lambda p: _priced(p, model, devices, wl, curve, load_mode, n_threads, progress, True, probed)
+    out = _weighed_layer_major(on, off, price, weigh, lambda p: wl.prompt_tokens / rate[id(p)] if rate[id(p)] else 0.0,
+                               keep="on" if plan is on else "off")
+    for side, ts, how in (("on", on_ts, on_how), ("off", off_ts, off_how)):
+        out.layer_major["weighed"][side].update(prompt_ts=round(ts, 1), prompt_from=how)
+    return out
 
 
 __all__ = ["fit", "fit_ubatch", "plan_on_placement"]

@@ -375,15 +375,21 @@ class Plan:
             lines += _memory_plan_lines(self.memory_plan)
         if self.spread_weights:
             lines.append(f"  spread: host-expert layers weighted {', '.join(f'{w:g}' for w in self.spread_weights)}")
+        w = self.layer_major.get("weighed") or {}   # (the prompts' slower side taken for the workload: not "fastest")
+        slower = bool(w) and w[w["chosen"]]["prompt_s"] > w["off" if w["chosen"] == "on" else "on"]["prompt_s"]
         if self.ubatch_auto:
+            ts = f" predicted {self.predicted_ts:.0f} t/s," if self.predicted_ts else ""   # (None: layers moved)
+            how = (ts + " taken for the workload (layer major, above)" if slower else
+                   ts + " measured fastest (below)" if self.ubatch_measured else
+                   f" predicted fastest ({self.predicted_ts:.0f} t/s)" if self.predicted_ts else "")
             lines.append(f"  --ubatch auto: n_batch {self.ctx.get('n_batch')}, n_ubatch {self.ctx.get('n_ubatch')}"
-                         + (f" predicted {self.predicted_ts:.0f} t/s, measured fastest (below)" if self.ubatch_measured
-                            else f" predicted fastest ({self.predicted_ts:.0f} t/s)" if self.predicted_ts else "") + "; "
-                         "each candidate:")
+                         f"{how}; each candidate:")
             lines += ["    " + line for line in grouped_rows(self.ubatch_auto)]
         if self.ubatch_measured:
-            lines.append("  --ubatch auto ran the closest predictions as planned and took the fastest measured:")
-            mine = (self.ctx.get("n_ubatch"), self.ctx.get("n_batch"), int(bool(self.layer_major)))
+            lines.append("  --ubatch auto ran the closest predictions as planned and took "
+                         + ("the pair the workload's weighing chose (layer major, above):" if slower else
+                            "the fastest measured:"))
+            mine = (self.ctx.get("n_ubatch"), self.ctx.get("n_batch"), int(bool(self.layer_major.get("switch"))))
             lines += [f"    {'*' if (r['n_ubatch'], r['n_batch'], r['layer_major']) == mine else ' '} n_ubatch "
                       f"{r['n_ubatch']}, n_batch {r['n_batch']}, LAYER_MAJOR={r['layer_major']}: measured "
                       f"{r['measured_ts']:.0f} t/s (predicted {r['predicted_ts']:.0f})" for r in self.ubatch_measured]

@@ -778,7 +778,9 @@ def test_ubatch_auto_with_groups_takes_a_smaller_ubatch(model, fake_compute):
     """On slow links without the switch every ubatch moves the experts again, so the largest placed n_ubatch wins;
     with LAYER_MAJOR=1 a group moves them once, the copies no longer bind, and the smaller ubatch's cheaper compute
     wins. Where the prompt's n_batch leaves no room for a group, the candidate takes the largest n_batch that has
-    (named with the larger one's reason); the winner's plan is made at its own pair and carries the switch."""
+    (named with the larger one's reason); the winner's plan is made at its own pair and carries the switch. With the
+    switch not set, a prompt-only workload takes the groups by the prediction; FIT's chat workload, weighed on its
+    decode too (the stated costs: no cache pays), takes them as well."""
     from pyllama_pp.fit import fit_ubatch
     from pyllama_pp.layer_major_plan import layer_major_group
     fake_compute(lambda u: 1e-6 + 1e-8 * u)   # (seconds a layer a token rise with n_ubatch, as a GPU's past its best)
@@ -786,8 +788,10 @@ def test_ubatch_auto_with_groups_takes_a_smaller_ubatch(model, fake_compute):
     without = fit_ubatch(model, env=_layer_major(0), **kw)
     assert without.ctx["n_ubatch"] == 128 and not without.switches.get("LAYER_MAJOR") and not without.layer_major
     p = fit_ubatch(model, env=_layer_major(1), **kw)
-    default = fit_ubatch(model, **kw)   # (the switch not set: -ub auto weighs it, and takes it here)
+    default = fit_ubatch(model, workload="prompt", **kw)   # (the switch not set: -ub auto weighs it, and takes it here)
     assert default.switches["LAYER_MAJOR"] == 1 and default.ctx == p.ctx and "predicted" in default.layer_major["why"]
+    chat = fit_ubatch(model, **kw)   # (FIT's workload decodes too: weighed on it, its prompts gain more than decode)
+    assert chat.switches["LAYER_MAJOR"] == 1 and chat.ctx == p.ctx and chat.layer_major["weighed"]["chosen"] == "on"
     rows = {r["n_ubatch"]: r for r in p.ubatch_auto}
     assert p.ctx["n_ubatch"] == 32 and p.predicted_ts == max(r["predicted_ts"] for r in rows.values())
     assert p.switches["LAYER_MAJOR"] == 1 and p.layer_major["group"] == rows[32]["group"] == layer_major_group(p) > 1

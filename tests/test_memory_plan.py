@@ -746,3 +746,89 @@ def test_a_prompt_only_or_decode_only_workload_weighs_no_second_plan(model, monk
     assert plan.switches["LAYER_MAJOR"] == 1 and "weighed" not in plan.layer_major
     decode = fit(model, workload="tg=2048", **kw)
     assert "LAYER_MAJOR" not in decode.switches and not any((s or {}).get("LAYER_MAJOR") for s in fits[2:]), fits
+
+
+# --- -ub auto: the two searches' best (with the groups, without them) weighed on the whole workload -----------------
+# a 12 MiB device: the pair without the groups leaves room for 4 slots a layer, the groups' pairs for none, while the
+# groups' prompts run faster (1024-token prompts, n_ubatch 32 or 128)
+UB_SPEC = "vdev:1x12MiB@4GBps"
+UB_KW = dict(devices=UB_SPEC, ctx=ContextParams(n_ctx=1280), n_tokens=1024, candidates=(32, 128), timeout=120)
+
+
+def _probed(monkeypatch) -> list:
+    """GPU-like costs whose decode probe counts its calls."""
+    calls: list = []
+    monkeypatch.setattr(sys.modules["pyllama_pp.fit"], "decode_costs",
+                        lambda m, d, **kw: calls.append(1) or {-1: GPU_LIKE})
+    return calls
+
+
+def test_ubatch_auto_weighs_the_groups_against_the_slots_for_the_workload(model, monkeypatch):
+    """-ub auto, compute not counted (the predictions decide), GPU-like costs: the pair with the groups predicts the
+    faster prompts on every workload. Decode-heavy (256 prompt tokens, 2048 decoded): the pair without them, whose room
+    holds 4 slots a layer, saves more than GAIN_MIN of the workload: LAYER_MAJOR=0 (a run switch), the slots placed,
+    both sides and why in the plan. Prompt-heavy (4096, 16 decoded): the groups stay. Prompt-only: the choice by the
+    prediction alone, as before (no weighing). The decode probe runs once a plan, though both sides are priced."""
+    layout = layout_of(model, 64)
+    _gpu_like(monkeypatch, layout)
+    calls = _probed(monkeypatch)
+    fit_module = sys.modules["pyllama_pp.fit"]
+    off = fit_module.fit_ubatch(model, workload=DECODE_HEAVY, count_compute=False, **UB_KW)
+    assert len(calls) == 1
+    w = off.layer_major["weighed"]
+    assert w["chosen"] == "off" and off.switches["LAYER_MAJOR"] == 0 and off.run_switches()["LAYER_MAJOR"] == 0
+    assert off.layer_major["switch"] == 0 and "group" not in off.layer_major
+    assert w["on"]["prompt_ts"] > w["off"]["prompt_ts"] and w["on"]["prompt_s"] < w["off"]["prompt_s"]
+    assert w["off"]["seconds"] < w["on"]["seconds"] * (1 - GAIN_MIN), w
+    assert w["on"]["cache"] == "no cache" and w["off"]["cache"] == "4 slots a layer", w
+    assert {w[s]["prompt_from"] for s in ("on", "off")} == {"predicted"}
+    assert off.devices[0].cache_slots > 0 and off.memory_plan["alternatives"][off.memory_plan["chosen"]]["slots"] > 0
+    _within(off)
+    text = str(off)
+    assert (f"layer major: LAYER_MAJOR off: the workload in {w['off']['seconds']:.2f} s against "
+            f"{w['on']['seconds']:.2f} s with it; the cache: 4 slots a layer in the groups' room, no cache beside "
+            "them") in text, text
+    assert "taken for the workload (layer major, above)" in text
+
+    on = fit_module.fit_ubatch(model, workload=PROMPT_HEAVY, count_compute=False, **UB_KW)
+    w = on.layer_major["weighed"]
+    assert w["chosen"] == "on" and on.switches["LAYER_MAJOR"] == 1 and on.layer_major["group"] > 1
+    assert w["on"]["seconds"] < w["off"]["seconds"] and w["on"]["prompt_s"] < w["off"]["prompt_s"]
+    assert "LAYER_MAJOR=1 (on: the workload in" in str(on) and "predicted fastest" in str(on)
+
+    calls.clear()
+    alone = fit_module.fit_ubatch(model, workload="pp=4096", count_compute=False, **UB_KW)
+    assert not calls and "weighed" not in alone.layer_major and alone.switches["LAYER_MAJOR"] == 1
+    assert alone.layer_major["why"].startswith("on: predicted ") and alone.memory_plan["alternatives"] == []
+    assert alone.predicted_ts == max(r["predicted_ts"] for r in alone.ubatch_auto if r.get("predicted_ts"))
+    assert (alone.ctx["n_batch"], alone.ctx["n_ubatch"]) == (on.ctx["n_batch"], on.ctx["n_ubatch"])
+
+
+def _within(plan: Plan) -> None:
+    assert all(d.expected_bytes <= d.target_bytes for d in plan.devices), plan
+
+
+def test_ubatch_auto_weighs_each_side_at_its_measured_prompts(model, monkeypatch, fake_compute):
+    """-ub auto with compute counted (stated) and the closest pairs of both sides measured, the groups' measured 1.5x
+    their prediction: each side is priced at its fastest measured t/s. Decode-heavy: the pair without the groups is
+    taken though the groups measured faster, and the plan says the weighing chose it, not the measure; prompt-heavy:
+    the groups' pair measured fastest stays."""
+    _gpu_like(monkeypatch, layout_of(model, 64))
+    fake_compute(lambda u: 1e-5)
+    fit_module = sys.modules["pyllama_pp.fit"]
+    monkeypatch.setattr(fit_module, "measure_prompts",
+                        lambda plans, **kw: [p.predicted_ts * (1.5 if p.layer_major else 1.0) for p in plans])
+    off = fit_module.fit_ubatch(model, workload=DECODE_HEAVY, **UB_KW)
+    w, rows = off.layer_major["weighed"], off.ubatch_measured
+    assert {r["layer_major"] for r in rows} == {0, 1} and w["chosen"] == "off" and off.switches["LAYER_MAJOR"] == 0
+    for side, flag in (("on", 1), ("off", 0)):
+        assert w[side]["prompt_from"] == "measured"
+        assert w[side]["prompt_ts"] == round(max(r["measured_ts"] for r in rows if r["layer_major"] == flag), 1)
+    assert w["on"]["prompt_ts"] > w["off"]["prompt_ts"] and off.devices[0].cache_slots > 0
+    text = str(off)
+    assert "took the pair the workload's weighing chose (layer major, above):" in text, text
+    (mine,) = [line for line in text.splitlines() if line.startswith("    * n_ubatch")]
+    assert "LAYER_MAJOR=0" in mine and f"n_ubatch {off.ctx['n_ubatch']}," in mine, mine
+    on = fit_module.fit_ubatch(model, workload=PROMPT_HEAVY, **UB_KW)
+    assert on.layer_major["weighed"]["chosen"] == "on" and on.switches["LAYER_MAJOR"] == 1
+    assert "took the fastest measured:" in str(on)
