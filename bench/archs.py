@@ -8,7 +8,12 @@ both variants with every expert in host RAM on two VDEVs: the patched logits mus
 same placement (NMSE <= 1e-6) with pipelining on. A model the harness cannot run in either variant is reported with
 the reason; exit code 1 when any architecture differs or the patched build fails where the baseline runs.
 
+With `--ab`, each model that ran in both variants is also a prompt A/B on slow links: 2 reps a variant, or with
+`--paired N [--loads K]` the paired rounds of `pyllama-pp ab --paired N --loads K` (runner.interleaved), whose median
+ratio and its 95% interval go into the row and the table.
+
     python bench/archs.py --out DIR [--models DIR] [--arch REGEX] [--devices vdev:2x0@0] [--ubatch 32] [--tokens 64]
+                          [--ab [DEVICES] [--paired N [--loads K]]]
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pyllama_pp.defaults import PAIRED
 from pyllama_pp.errors import PyllamaError
 from pyllama_pp.stats import nmse
 from pyllama_pp.worker import run_job
@@ -146,13 +152,17 @@ def run_pair(model: Path, devices: str, ub: int, n_tokens: int, tmp: Path) -> di
     return row
 
 
-def speed(rows: list[dict], models: list[Path], devices: str, out: Path) -> None:
-    """--ab: each model that ran in both variants, as a prompt A/B on slow links (pp256 / ub32, 2 reps), into its
-    row: speedup, the patched fraction of the links' bound with the pipeline's fill, coverage."""
+def speed(rows: list[dict], models: list[Path], devices: str, out: Path, paired: int | None = None,
+          loads: int = PAIRED.loads) -> None:
+    """--ab: each model that ran in both variants, as a prompt A/B on slow links (pp256 / ub32), into its row:
+    speedup (ratio of the averages), the patched fraction of the links' bound with the pipeline's fill, coverage.
+    2 reps a variant, or with `paired` that many rounds over `loads` fresh loads (runner.interleaved, as `ab --paired
+    N --loads K`), adding the median paired ratio and its 95% interval (speedup_median, speedup_ci_lo / _hi)."""
     from pyllama_pp import runner
     from pyllama_pp.config import RunConfig
     from pyllama_pp.params import Placement
     by_name = {m.name: m for m in models}
+    num = lambda x: float(x) if x == x and x is not None else None   # (NaN, None: None)
     for r in rows:
         if "nmse" not in r:
             continue
@@ -160,20 +170,34 @@ def speed(rows: list[dict], models: list[Path], devices: str, out: Path) -> None
         c = RunConfig(model=str(by_name[r["model"]]), devices=devices, n_batch=n, n_ubatch=r["n_ubatch"],
                       tests=[["pp", n]], reps=2, label=r["arch"],
                       placement=Placement(host_experts="all", tensor_split=r["tensor_split"]))
-        df = runner.ab([c], out_dir=out / "ab" / r["arch"], progress=False, timeout=300)
+        kw = dict(out_dir=out / "ab" / r["arch"], progress=False, timeout=300)
+        df = runner.interleaved([c], rounds=paired, loads=loads, **kw) if paired else runner.ab([c], **kw)
         p = df[df["variant"] == "patched"]
         if len(p) and not p["error"].fillna("").astype(str).str.len().gt(0).any():
             x = p.iloc[0]
             r.update({"ab_devices": devices, "ab_test": f"pp{n} / ub{r['n_ubatch']}", "speedup": float(x["speedup"]),
-                      "bound_frac": float(x["bound_pipe_frac"]) if x["bound_pipe_frac"] == x["bound_pipe_frac"] else None,
-                      "coverage": float(x["coverage"]) if x["coverage"] == x["coverage"] else None})
-        print(f"  {r['arch']}: speedup {r.get('speedup', float('nan')):.2f}", flush=True)
+                      "bound_frac": num(x["bound_pipe_frac"]), "coverage": num(x["coverage"])})
+            if paired:
+                b = df[df["variant"] == "baseline"].iloc[0]
+                r.update({"ab_rounds": int(x["rounds"]), "ab_loads": int(x["loads"]),
+                          "baseline_ts": float(b["avg_ts"]), "patched_ts": float(x["avg_ts"]),
+                          **{k: float(x[k]) for k in ("speedup_median", "speedup_ci_lo", "speedup_ci_hi")}})
+        print(f"  {r['arch']}: speedup {r.get('speedup', float('nan')):.2f}"
+              + (f", paired {_paired(r)}" if "speedup_median" in r else ""), flush=True)
+
+
+def _paired(r: dict) -> str:
+    """A row's paired speedup: median [95% interval]."""
+    return f"{r['speedup_median']:.3f} [{r['speedup_ci_lo']:.3f}, {r['speedup_ci_hi']:.3f}]"
 
 
 def table(rows: list[dict]) -> str:
+    paired = any("speedup_median" in r for r in rows)
     lines = ["| architecture | layers | status | pipelined (patched) | NMSE | max abs | ub / tokens | "
-             "upload-all / gather / selective | host->device per VDEV (patched) | speedup (VDEV A/B) | of bound | coverage |",
-             "| --- | ---: | --- | --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |"]
+             "upload-all / gather / selective | host->device per VDEV (patched) | speedup (VDEV A/B) | "
+             + ("paired speedup [95%] | " if paired else "") + "of bound | coverage |",
+             "| --- | ---: | --- | --- | ---: | ---: | --- | --- | --- | ---: | " + ("--- | " if paired else "")
+             + "---: | ---: |"]
     pct = lambda x: f"{100 * x:.0f}%" if isinstance(x, float) else ""
     for r in rows:
         err = r.get("baseline_error") or r.get("patched_error")
@@ -183,8 +207,8 @@ def table(rows: list[dict]) -> str:
                      f"| {r.get('pipelined', '')} | {r.get('nmse', float('nan')):.1e} | {r.get('max_abs', float('nan')):.1e} "
                      f"| {r['n_ubatch']} / {r['n_tokens']} | {r.get('upload_all', '')} / {r.get('gather', '')} / "
                      f"{r.get('selective', '')} | {' / '.join(f'{b / 2**20:.1f} MiB' for b in r.get('h2d_bytes', []))} "
-                     f"| {sp} "
-                     f"| {pct(r.get('bound_frac'))} | {pct(r.get('coverage'))} |")
+                     f"| {sp} " + (f"| {_paired(r) if 'speedup_median' in r else ''} " if paired else "")
+                     + f"| {pct(r.get('bound_frac'))} | {pct(r.get('coverage'))} |")
     return "\n".join(lines)
 
 
@@ -199,7 +223,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--ab", metavar="DEVICES", nargs="?", const="vdev:2x0@0.1GBps",
                     help="also a prompt A/B of each model on these devices (default vdev:2x0@0.1GBps: slow links)")
+    ap.add_argument("--paired", type=int, metavar="N",
+                    help="with --ab: N (even) paired rounds instead of 2 reps, as `pyllama-pp ab --paired N`: the "
+                         "median ratio of the rounds and its 95%% interval")
+    ap.add_argument("--loads", type=int, default=PAIRED.loads, metavar="K",
+                    help="with --paired: K fresh loads of both workers, N rounds each (default: %(default)s)")
     args = ap.parse_args()
+    if args.paired is not None and (not args.ab or args.paired < 2 or args.paired % 2):
+        ap.error(f"--paired {args.paired}: an even number of rounds >= 2 (AB and BA pairs), with --ab")
+    if args.loads != PAIRED.loads and (not args.paired or args.loads < 1):
+        ap.error(f"--loads {args.loads}: a whole number >= 1, with --paired N")
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     if args.models:
@@ -218,7 +251,7 @@ def main() -> int:
         r = rows[-1]
         print(f"[{i + 1}/{len(models)} {time.time() - t0:5.0f}s] {r['arch']}: {r['status']}", flush=True)
     if args.ab:
-        speed(rows, models, args.ab, args.out)
+        speed(rows, models, args.ab, args.out, args.paired, args.loads)
     (args.out / "archs.json").write_text(json.dumps(rows, indent=1))
     md = table(rows)
     (args.out / "archs.md").write_text(md + "\n")

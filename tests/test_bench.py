@@ -584,3 +584,30 @@ def test_prefetch_accuracy_bad_paths_are_one_line(tmp_path):
         assert res.returncode == 2 and lines[-1].startswith("prefetch_accuracy.py: error: ") and what in lines[-1], \
             res.stderr
     assert not (tmp_path / "a").exists()
+
+
+def test_archs_paired_ab_gives_each_model_its_interval(tiny_model, tmp_path):
+    """bench/archs.py --ab --paired N --loads K: a model of the folder (named as test-llama-archs writes them) runs in
+    both variants with the same logits, then its prompt A/B in paired rounds over fresh loads (runner.interleaved):
+    the row and the table carry the median ratio inside its 95% interval, from N rounds of each of K loads."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tiny-moe.gguf").symlink_to(tiny_model)
+    res = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "bench" / "archs.py"), "--out",
+                          str(tmp_path / "out"), "--models", str(models), "--ab", "vdev:2x0@0", "--paired", "2",
+                          "--loads", "2"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-2000:]
+    row, = json.loads((tmp_path / "out" / "archs.json").read_text())
+    assert row["ok"] and row["nmse"] == 0.0 and (row["ab_rounds"], row["ab_loads"]) == (4, 2), row
+    assert row["speedup_ci_lo"] <= row["speedup_median"] <= row["speedup_ci_hi"], row
+    table = (tmp_path / "out" / "archs.md").read_text()
+    assert "| paired speedup [95%] |" in table and f"| {row['speedup_median']:.3f} [" in table, table
+
+
+def test_archs_refuses_loads_without_paired(tmp_path):
+    """--loads without --paired (and an odd --paired) is refused before anything is built or run."""
+    for extra in (["--ab", "--loads", "2"], ["--ab", "--paired", "3"], ["--paired", "2"]):
+        res = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "bench" / "archs.py"), "--out",
+                              str(tmp_path), *extra], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and ("--loads" in res.stderr or "--paired" in res.stderr), res.stderr
+        assert not (tmp_path / "writer").exists()
