@@ -574,6 +574,8 @@ bool ggml_backend_sched_pp_gather(ggml_backend_sched_t sched, int backend_id, gg
 void ggml_backend_sched_pp_find_read_again(ggml_backend_sched_t sched, const struct ggml_cgraph * graph);
 bool ggml_backend_sched_pp_read_again(ggml_backend_sched_t sched, const struct ggml_tensor * weight);
 bool ggml_backend_sched_pp_first_read(ggml_backend_sched_t sched, const struct ggml_tensor * node, int backend_id);
+// the layer and the rest of a weight's name ("blk.12.ffn_up_exps.weight": 12, "ffn_up_exps.weight"), or -1
+int ggml_backend_sched_pp_weight_layer(const char * name, const char ** rest);
 int ggml_backend_sched_pp_again_lead(ggml_backend_sched_t sched, int split_id, struct ggml_tensor * input);
 void ggml_backend_sched_pp_add_again_inputs(ggml_backend_sched_t sched, int i);
 

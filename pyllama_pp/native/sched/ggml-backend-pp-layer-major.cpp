@@ -181,7 +181,7 @@ bool ggml_backend_sched_pp_first_read(ggml_backend_sched_t sched, const struct g
 }
 
 // the layer and the rest of a weight's name ("blk.12.ffn_up_exps.weight": 12, "ffn_up_exps.weight"), or -1
-static int ggml_backend_pp_weight_layer(const char * name, const char ** rest) {
+int ggml_backend_sched_pp_weight_layer(const char * name, const char ** rest) {
     int il = -1;
     int n  = 0;
     if (sscanf(name, "blk.%d.%n", &il, &n) != 1 || n == 0) {
@@ -199,13 +199,13 @@ int ggml_backend_sched_pp_again_lead(ggml_backend_sched_t sched, int split_id, s
     const int b = sched->splits[split_id].backend_id;
     int at = split_id - 1;
     const char * rest = nullptr;
-    const int il = ggml_backend_pp_weight_layer(input->name, &rest);
+    const int il = ggml_backend_sched_pp_weight_layer(input->name, &rest);
     for (int s = split_id - 1; il > 0 && s >= 0 && at == split_id - 1; s--) {
         const ggml_backend_sched_split * split = &sched->splits[s];
         for (int j = 0; j < split->n_inputs && split->backend_id == b; j++) {
             const char * rest_j = nullptr;
             if (ggml_backend_sched_pp_read_again(sched, split->inputs[j]) &&
-                ggml_backend_pp_weight_layer(split->inputs[j]->name, &rest_j) == il - 1 && strcmp(rest_j, rest) == 0) {
+                ggml_backend_sched_pp_weight_layer(split->inputs[j]->name, &rest_j) == il - 1 && strcmp(rest_j, rest) == 0) {
                 at = s;
                 break;
             }

@@ -7,13 +7,22 @@
 #include <condition_variable>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 // STAGING: a device copies from pageable host memory (an mmap-ed model) synchronously - the host blocks on
 // every upload, so nothing overlaps. Uploads of host weights from pageable memory therefore go through pinned
 // staging slots (the device's host buffer type): helper threads copy each piece into a slot, the device reads it
-// asynchronously, and an event per slot tells when the slot may be filled again.
-#define GGML_SCHED_PP_STAGE_SLOTS 4
+// asynchronously, and an event per slot tells when the slot may be filled again. The ring holds one layer's pageable
+// weights that the backend uploads (at least GGML_SCHED_PP_STAGE_MIN_SLOTS slots, at most GGML_SCHED_PP_STAGE_MAX
+// bytes): a layer's upload (LAYER_MAJOR's lead, issued while the previous layer computes) then fills slots the
+// device read a layer ago, and the host does not wait on the device before it queues the layer's compute. With a
+// ring of 4 slots (128 MiB) the host waited for every slot of a 642 MB layer while the device had nothing queued:
+// an mmap-ed 30B-A3B preset's layer-major prompt ran at 81% of its pinned speed on an H100 (docs/results).
+#define GGML_SCHED_PP_STAGE_MIN_SLOTS 4
+#define GGML_SCHED_PP_STAGE_SLOT      ((size_t) 32 << 20)
+#define GGML_SCHED_PP_STAGE_MAX       ((size_t) 1 << 30)
 
 #define GGML_SCHED_PP_STAGE_SPLIT (1u << 20) // pieces from 1 MiB on are copied by all threads
 
@@ -95,9 +104,10 @@ struct ggml_sched_pp_copier {
 };
 
 struct ggml_sched_pp_stage {
-    ggml_backend_buffer_t buf = nullptr;   // GGML_SCHED_PP_STAGE_SLOTS slots of slot_size bytes, pinned
-    ggml_backend_event_t  ev[GGML_SCHED_PP_STAGE_SLOTS] = {};
-    bool                  recorded[GGML_SCHED_PP_STAGE_SLOTS] = {};
+    ggml_backend_buffer_t buf = nullptr;   // n_slots slots of slot_size bytes, pinned
+    std::vector<ggml_backend_event_t> ev;
+    std::vector<bool>     recorded;
+    int                   n_slots   = 0;
     size_t                slot_size = 0;
     int                   cur  = 0;
     size_t                used = 0;
@@ -113,7 +123,7 @@ void ggml_backend_sched_pp_stage_free(ggml_backend_sched_t sched) {
         }
         // copies still queued from the slots must be done first (the backends may be gone already: their events
         // tell, and every graph recorded one for its partly filled slot, ggml_backend_sched_pp_stage_mark)
-        for (int i = 0; i < GGML_SCHED_PP_STAGE_SLOTS; i++) {
+        for (int i = 0; i < st->n_slots; i++) {
             if (st->ev[i] != nullptr) {
                 if (st->recorded[i]) {
                     ggml_backend_event_synchronize(st->ev[i]);
@@ -153,6 +163,31 @@ bool ggml_backend_sched_pp_buffer_is_pinned(ggml_backend_sched_t sched, ggml_bac
     return false;
 }
 
+// the slots of a backend's ring: one layer's pageable host weights that the graph's splits on the backend read (the
+// weights of no layer count alone), within GGML_SCHED_PP_STAGE_MIN_SLOTS and GGML_SCHED_PP_STAGE_MAX
+static int ggml_backend_sched_pp_stage_slots(ggml_backend_sched_t sched, int backend_id) {
+    std::unordered_map<int, size_t> layer_bytes;
+    std::unordered_set<const ggml_tensor *> seen;
+    size_t most = 0;
+    for (int i = 0; i < sched->n_splits; i++) {
+        const ggml_backend_sched_split & split = sched->splits[i];
+        for (int j = 0; j < split.n_inputs && split.backend_id == backend_id; j++) {
+            const ggml_tensor * w = split.inputs[j];
+            if (w->buffer == nullptr || ggml_backend_buffer_get_usage(w->buffer) != GGML_BACKEND_BUFFER_USAGE_WEIGHTS ||
+                !ggml_backend_buffer_is_host(w->buffer) || ggml_backend_sched_pp_buffer_is_pinned(sched, w->buffer) ||
+                !seen.insert(w).second) {
+                continue;
+            }
+            const char * rest = nullptr;
+            const int il = ggml_backend_sched_pp_weight_layer(w->name, &rest);
+            const size_t n = il >= 0 ? (layer_bytes[il] += ggml_nbytes(w)) : ggml_nbytes(w);
+            most = std::max(most, n);
+        }
+    }
+    const size_t slots = (std::min(most, GGML_SCHED_PP_STAGE_MAX) + GGML_SCHED_PP_STAGE_SLOT - 1) / GGML_SCHED_PP_STAGE_SLOT;
+    return std::max((int) slots, GGML_SCHED_PP_STAGE_MIN_SLOTS);
+}
+
 // the staging slots of a backend, created on first use (nullptr: upload directly)
 static ggml_sched_pp_stage * ggml_backend_sched_pp_stage_get(ggml_backend_sched_t sched, int backend_id) {
     ggml_sched_pp_stage * st = sched->pp_stage[backend_id];
@@ -168,14 +203,17 @@ static ggml_sched_pp_stage * ggml_backend_sched_pp_stage_get(ggml_backend_sched_
     if (host == nullptr || backend->iface.event_record == nullptr || backend->iface.set_tensor_async == nullptr) {
         return nullptr;
     }
-    st->slot_size = (size_t) 32 << 20;
-    st->buf = ggml_backend_buft_alloc_buffer(host, st->slot_size * GGML_SCHED_PP_STAGE_SLOTS);
+    st->slot_size = GGML_SCHED_PP_STAGE_SLOT;
+    st->n_slots   = ggml_backend_sched_pp_stage_slots(sched, backend_id);
+    st->ev.assign(st->n_slots, nullptr);
+    st->recorded.assign(st->n_slots, false);
+    st->buf = ggml_backend_buft_alloc_buffer(host, st->slot_size * st->n_slots);
     if (st->buf == nullptr || ggml_backend_buffer_get_type(st->buf) != host) {
         // (CUDA_Host falls back to a plain CPU buffer when pinning fails: pageable again)
         GGML_LOG_WARN("%s: no pinned staging memory for %s: pageable uploads stay synchronous\n", __func__, ggml_backend_name(backend));
         return nullptr;
     }
-    for (int i = 0; i < GGML_SCHED_PP_STAGE_SLOTS; i++) {
+    for (int i = 0; i < st->n_slots; i++) {
         st->ev[i] = ggml_backend_event_new(dev);
         if (st->ev[i] == nullptr) {
             return nullptr;
@@ -236,7 +274,7 @@ void ggml_backend_sched_pp_upload(ggml_backend_sched_t sched, int backend_id, co
         // a slot is read by one stream only: its event follows that stream's copies
         ggml_backend_event_record(st->ev[st->cur], st->filler);
         st->recorded[st->cur] = true;
-        st->cur  = (st->cur + 1) % GGML_SCHED_PP_STAGE_SLOTS;
+        st->cur  = (st->cur + 1) % st->n_slots;
         st->used = 0;
     }
     st->filler = backend;
@@ -265,7 +303,7 @@ void ggml_backend_sched_pp_upload(ggml_backend_sched_t sched, int backend_id, co
             // full: its event follows the copies that read it (recorded now, before later work is queued)
             ggml_backend_event_record(st->ev[st->cur], backend);
             st->recorded[st->cur] = true;
-            st->cur  = (st->cur + 1) % GGML_SCHED_PP_STAGE_SLOTS;
+            st->cur  = (st->cur + 1) % st->n_slots;
             st->used = 0;
         }
     }
