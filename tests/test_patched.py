@@ -529,9 +529,9 @@ def test_pageable_host_weights_go_through_pinned_staging(runner, assert_logits_m
     syncs = lambda x: sum(d["host_syncs"] for d in x["counters"]["devices"])
     assert pinned["ext"]["host_waits"]["upload"] > 0
     assert syncs(staged) <= syncs(pinned) + staged["ext"]["stage_waits"], (syncs(staged), syncs(pinned), staged["ext"])
-    # the copier: half the cores (at most 8) by default, STAGING=N threads with the caller's; the same bytes and
+    # the copier: three quarters of the cores (at most 16) by default, STAGING=N threads with the caller's; the same bytes and
     # logits, and the host's copying time counted (what a staged upload's rate is read from)
-    assert staged["ext"]["stage_threads"] == min(8, max(1, os.cpu_count() // 2))
+    assert staged["ext"]["stage_threads"] == min(16, max(1, 3 * os.cpu_count() // 4))
     assert staged["ext"]["stage_copy_us"] > 0 and pinned["ext"]["stage_copy_us"] == 0
     three = runner.logits("patched", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS,
                           env={"GGML_SCHED_PP_STAGING": 3})

@@ -419,7 +419,7 @@ PP_EXPORT int pp_host_copy_rate(const char * dev_name, uint64_t bytes, int32_t n
     }
     return guarded([&] {
         const size_t piece = (size_t) 32 << 20;   // (a staging slot)
-        const int n = n_threads > 0 ? n_threads : std::min(8, std::max(1, (int) std::thread::hardware_concurrency() / 2));
+        const int n = n_threads > 0 ? n_threads : std::min(16, std::max(1, 3 * (int) std::thread::hardware_concurrency() / 4));
         ggml_backend_dev_t dev = dev_name ? ggml_backend_dev_by_name(dev_name) : nullptr;
         ggml_backend_buffer_type_t host = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
         ggml_backend_buffer_t hbuf = host ? ggml_backend_buft_alloc_buffer(host, 2 * piece) : nullptr;

@@ -218,7 +218,7 @@ static ggml_sched_pp_param ggml_sched_pp_params[] = {
     GGML_SCHED_PP_ROW("LINKS", GGML_SCHED_PP_INT, 0, 0, GGML_SCHED_MAX_BACKENDS, nullptr, &ggml_sched_pp_cfg::links,
         "host links the GPUs upload over at once (0: GPUs with distinct PCI bus ids; set 1 when GPUs share a PCIe switch uplink)"),
     GGML_SCHED_PP_ROW("STAGING", GGML_SCHED_PP_INT, 1, 0, 64, nullptr, &ggml_sched_pp_cfg::staging,
-        "while pipelining, upload host weights from pageable memory (mmap) through pinned staging slots filled by helper threads (1: half the cores, at most 8; N >= 2: N threads; 0: off)"),
+        "while pipelining, upload host weights from pageable memory (mmap) through pinned staging slots filled by helper threads (1: three quarters of the cores, at most 16; N >= 2: N threads; 0: off)"),
     GGML_SCHED_PP_ROW("STABLE_RESERVE", GGML_SCHED_PP_BOOL, 1, 0, 1, nullptr, nullptr,
         "while pipelining, reserve the worst-case graph again before a batch after one that re-reserved (llama)"),
     GGML_SCHED_PP_ROW("DIRECT", GGML_SCHED_PP_INT, -1, -1, 2, "-1,0,2", &ggml_sched_pp_cfg::direct,

@@ -220,9 +220,10 @@ static ggml_sched_pp_stage * ggml_backend_sched_pp_stage_get(ggml_backend_sched_
         }
     }
     if (sched->pp_copier == nullptr) {
-        // STAGING=1: half the cores, at most 8, with the calling thread; STAGING=N >= 2: N threads with it
+        // STAGING=1: three quarters of the cores, at most 16, with the calling thread (an H100 host of 16 cores staged
+        // 29 / 34 / 38 GB/s with 8 / 12 / 16: docs/results/gpu-h100-2026-12-07d); STAGING=N >= 2: N threads with it
         const int n = sched->pp_cfg.staging >= 2 ? (int) sched->pp_cfg.staging
-                                                 : std::min(8, std::max(1, (int) std::thread::hardware_concurrency() / 2));
+                                                 : std::min(16, std::max(1, 3 * (int) std::thread::hardware_concurrency() / 4));
         sched->pp_copier = new ggml_sched_pp_copier(n - 1);
     }
     st->unusable = false;
