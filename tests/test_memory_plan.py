@@ -575,7 +575,8 @@ def test_without_a_fit_layer_major_is_on_where_the_groups_fit(model, capsys):
 
 def test_without_a_fit_layer_major_stays_off_where_no_group_forms_or_it_is_set(model, monkeypatch):
     """One ubatch a batch (-b == -ub), LAYER_MAJOR=0 as a switch or a variable, the baseline alone: nothing planned (no
-    dry run), no switch added, no note; LAYER_MAJOR=0 given stays in the patched config (the A/B's off-switch)."""
+    dry run), no switch added, no note; LAYER_MAJOR=0 given stays in the patched config (the A/B's off-switch), the
+    variable's as the switch's."""
     monkeypatch.setattr(sys.modules["pyllama_pp.planning"], "plan_on_placement",
                         lambda *a, **k: pytest.fail("planned LAYER_MAJOR where it cannot act or is set"))
     from pyllama_pp import switches
@@ -585,7 +586,7 @@ def test_without_a_fit_layer_major_stays_off_where_no_group_forms_or_it_is_set(m
     baseline = plan_runs(Choices(**kw, variant="baseline", n_batch=(128,), n_ubatch=(32,)))
     monkeypatch.setenv(switches.var(switches.LAYER_MAJOR), "0")
     env = plan_runs(Choices(**kw, n_batch=(128,), n_ubatch=(32,)))
-    for planned, switch in ((one, None), (given, 0), (baseline, None), (env, None)):
+    for planned, switch in ((one, None), (given, 0), (baseline, None), (env, 0)):
         cfg = planned.configs[0]
         assert planned.plans == () and cfg.switches.get("LAYER_MAJOR") == switch, cfg.switches
         assert not any("layer major" in n or "LAYER_MAJOR" in n for n in planned.notes), planned.notes
