@@ -36,7 +36,7 @@ from .errors import ConfigError, OutOfMemoryError, PyllamaError
 from .params import Placement
 from .plan import MiB, Plan
 from .placement import measure as measure_placement
-from .switches import set_in
+from .switches import user_set
 from .workload import Workload
 from .worker.client import run_job
 
@@ -145,12 +145,11 @@ def plan_on_placement(model, devices, placement: Placement, ctx, *, workload=Non
     """
     wl = Workload.parse(workload)
     curve = HitCurve.for_model(model, trace) if trace is not None else trace
-    given = dict(switches or {})
+    given = user_set(switches, env)   # (a GGML_SCHED_PP_* variable as a switch given)
     dry_run = lambda sw: measure_placement(model, devices, placement, ctx, margin=margin, env=env, switches=sw)
     plan = dry_run(given)
-    lm, off = _with_layer_major(plan, wl, lambda sw: _within_targets(dry_run(sw), sw, plan),
-                                {**set_in(env), **given}, "on: the run's prompts form groups, and their memory "
-                                "fits beside the placement")
+    lm, off = _with_layer_major(plan, wl, lambda sw: _within_targets(dry_run(sw), sw, plan), given,
+                                "on: the run's prompts form groups, and their memory fits beside the placement")
     if off:
         lm.layer_major = {"switch": 0, "why": f"off: {off}"}
     if not cache:
@@ -163,7 +162,7 @@ def plan_on_placement(model, devices, placement: Placement, ctx, *, workload=Non
         return weigh(lm)
     # (the groups weighed against the slots their room would hold: no dry run more, the plan without them is `plan`)
     price = lambda p: _priced(p, model, devices, wl, curve, load_mode, n_threads, progress, False, probed)
-    return _weighed_layer_major(lm, plan, price, weigh, lambda p: planner.prompt_seconds(p, model, wl, load_mode, env))
+    return _weighed_layer_major(lm, plan, price, weigh, lambda p: planner.prompt_seconds(p, model, wl, load_mode, given))
 
 
 def _within_targets(lm: Plan, force: dict, without: Plan) -> Plan:
@@ -291,12 +290,13 @@ def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, wor
     """
     wl = Workload.parse(workload)
     curve = HitCurve.for_model(model, trace) if trace is not None else trace   # (a bad trace: an error before any run)
-    given = dict(kw.pop("switches", None) or {})
+    # (a GGML_SCHED_PP_* variable as a switch given: EXPERT_CACHE's planned as --expert-cache, in the trial too)
+    given = user_set(kw.pop("switches", None), kw.get("env"), variant)
     plan = placement.fit(model, devices, ctx, variant, switches=given, **kw)
     pinned = dataclasses.replace(placement.fit_context(ctx), n_ctx=plan.n_ctx)   # (fit chose it: keep it)
     lm, _ = _with_layer_major(plan, wl, lambda sw: placement.fit(model, devices, pinned, variant, switches=sw, **kw),
-                              {**switches.set_in(kw.get("env")), **given}, "on: the workload's prompts form groups "
-                              "and their memory costs no resident expert layer")
+                              given, "on: the workload's prompts form groups and their memory costs no resident "
+                              "expert layer")
     n_threads = placement.fit_context(ctx).n_threads
     probed: dict = {}
 
@@ -311,7 +311,7 @@ def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, wor
     # trial, and only the winner is placed again where its memory moves layers)
     price = lambda p: _priced(p, model, devices, wl, curve, load_mode, n_threads, progress, True, probed)
     return _weighed_layer_major(lm, plan, price, weigh,
-                                lambda p: planner.prompt_seconds(p, model, wl, load_mode, kw.get("env")))
+                                lambda p: planner.prompt_seconds(p, model, wl, load_mode, given))
 
 
 def measure_prompts(plans: list[Plan], model, devices, n_tokens: int, load_mode: str, env=None,
@@ -408,13 +408,13 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
     kw.setdefault("probe", Probe)
     wl = Workload.parse(workload)
     curve = HitCurve.for_model(model, trace) if trace is not None else trace   # (a bad trace: an error before any run)
-    given = dict(kw.pop("switches", None) or {})
+    given = user_set(kw.pop("switches", None), kw.get("env"), variant)   # (a GGML_SCHED_PP_* variable as a switch)
     measuring = measure >= 2 and kw.get("count_compute", True) and kw["probe"] is not None
     near: list[Plan] = []
     contenders = near if measuring else None   # (each made final costs a dry run: only those to be measured)
     plan = planner.fit_ubatch(model, devices, ctx, variant, switches=given, contenders=contenders, **kw)
     winners = [plan]
-    if variant == "patched" and switches.LAYER_MAJOR not in {**switches.set_in(kw.get("env")), **given} and \
+    if variant == "patched" and switches.LAYER_MAJOR not in given and \
             any(plan.host_expert_layers):
         # (-ub auto weighs LAYER_MAJOR too: the pair predicted fastest with its groups against the one without)
         try:

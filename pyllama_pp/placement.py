@@ -118,8 +118,9 @@ def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: 
             (pyllama_pp.expert_cache_plan); auto gives unequal devices their own slots. Here auto is what the
             placement leaves free: pyllama_pp.fit.fit then weighs it against resident layers.
         switches: the patched build's switches the dry runs measure with, NAME -> value (as a run gets them; a
-            GGML_SCHED_PP_* variable in env or this process's environment counts too, these win); EXPERT_CACHE among
-            them, where expert_cache is not given, is planned as that expert_cache would be (MiB a device, -N slots).
+            GGML_SCHED_PP_* variable in env or this process's environment counts as one of these, which win:
+            switches.user_set); EXPERT_CACHE among them, where expert_cache is not given, is planned as that
+            expert_cache would be (MiB a device, -N slots).
     Returns:
         Plan: the plan (its devices, layers, host-expert layers, overrides, expected memory and switches).
     Raises:
@@ -215,15 +216,15 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
         raise ConfigError(f"split_mode must be one of {sorted(SPLIT_MODES)}, not {split_mode!r}")
     ctx = fit_context(ctx)
     margins = _margins(margin, spec)
-    given = dict(given or {}) if variant == "patched" else {}
-    if expert_cache is None or expert_cache == FIT.expert_cache:   # (EXPERT_CACHE given as a switch: planned alike)
+    # (the user's switches, a GGML_SCHED_PP_* variable's as --switch's; EXPERT_CACHE among them planned alike)
+    given = switches.user_set(given, env, variant) if variant == "patched" else {}
+    if expert_cache is None or expert_cache == FIT.expert_cache:
         taken, given = switches.take_expert_cache(given)
         expert_cache = expert_cache if taken is None else taken
-    force = {**switches.set_in(env), **given}   # (what the dry runs' scheduler reads)
-    cache = _expert_cache(expert_cache, variant, force)
+    cache = _expert_cache(expert_cache, variant, given)
     cache.check_devices(spec.n_devices, spec.label)
-    switches.check_device_lists(force, spec.n_devices, spec.label)
-    reserved = reserved_bytes(model, spec, variant, force, cache.bytes)
+    switches.check_device_lists(given, spec.n_devices, spec.label)
+    reserved = reserved_bytes(model, spec, variant, given, cache.bytes)
     # (a per-device list's sizes: each on its own device)
     margins = [m + sum(reserved.values()) + (cache.at(i).bytes if cache.devices else 0) for i, m in enumerate(margins)]
     server_copies = reserved.get("rpc_server_copies", 0)
@@ -232,6 +233,7 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
         env = {**(env or {}), "LLAMA_FIT_SPREAD_WEIGHTS": ",".join(f"{w:g}" for w in weights)}
     if not checked:
         check_switch_env([variant], env)
+    env = switches.unset(env)   # (the variables' switches are in `given`, the jobs')
     job = {"kind": "fit", "model": str(model), "devices": spec.to_dict(), "ctx": ctx.to_dict(),
            "split_mode": split_mode, "margins": margins, "n_ctx_min": n_ctx_min,
            **({"placement": placement.to_dict(), "measure": True} if placement is not None else {})}
@@ -254,8 +256,8 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
         plan.path, plan.reasons = "given", ["the run's own placement, measured as it is (no fit)"]
     elif variant == "patched":
         if plan.devices:   # (one device is pipelined too, GATE)
-            plan = plan_copies(plan, once, check, force)
-        plan_layer_major(plan, force, once if group_bytes else None)
+            plan = plan_copies(plan, once, check, given)
+        plan_layer_major(plan, given, once if group_bytes else None)
         plan.spread_weights = weights
         if server_copies:
             plan.copies += (f"; on each server, {server_copies / MiB:.1f} MiB of its device kept for its own expert "

@@ -148,13 +148,13 @@ class _Search:
         self.n_ctx, self.n_tokens = ctx.n_ctx or FIT.n_ctx, n_tokens
         self.cap = min(n_tokens, n_batch or n_tokens)
         self.hidden = embedding_length(model) if self.spec.remote else 0   # (the network to RPC servers is counted)
-        self.given = dict(switches or {}) if variant == "patched" else {}   # (the switches the dry runs and runs get)
-        self.force = {**switches_mod.set_in(kw.get("env")), **self.given} if variant == "patched" else {}
+        # (the switches the dry runs and runs get: a GGML_SCHED_PP_* variable's as one given)
+        self.given = switches_mod.user_set(switches, kw.get("env")) if variant == "patched" else {}
         self.load_mode, self.mmap = load_mode, load_mode == "mmap"
         self.staging = self.mmap and variant == "patched"
         # LAYER_MAJOR: a group's activations grow with n_batch / n_ubatch, so a candidate without room at the
         # largest n_batch may have it at a smaller one
-        self.groups = variant == "patched" and int(self.force.get(switches_mod.LAYER_MAJOR) or 0) != 0
+        self.groups = variant == "patched" and int(self.given.get(switches_mod.LAYER_MAJOR) or 0) != 0
         self.rated: dict = {}   # what the first dry run's process measured: each device's link, the staging copy
         self.placed_nb: dict = {}
         self.predicted: list[Plan] = []   # the candidates predicted, at their best n_batch
@@ -298,7 +298,7 @@ class _Search:
             if nb != self.placed_nb[u]:
                 best = _at_chosen_batch(best, self.plan_at(self.n_ctx, u, nb, group_bytes=True))
             else:
-                plan_layer_major(best, self.force, lambda extra: self.plan_at(self.n_ctx, u, nb, extra=extra))
+                plan_layer_major(best, self.given, lambda extra: self.plan_at(self.n_ctx, u, nb, extra=extra))
         best.ubatch_auto = sorted(rows, key=lambda t: t["n_ubatch"])
         best.host_copy_gbps = best.host_copy_gbps or self.rated.get("host_copy")
         for d, link in zip(best.devices, self.rated.get("links") or []):
@@ -339,11 +339,11 @@ def predict_terms(model, spec: devspec.DeviceSpec, variant: str, n_devices: int,
     return dict(expert_bytes=expert_bytes_per_layer(model), link_gbps=rates, shared_link=shared_link or spec.one_link,
                 n_tokens=n_tokens, hidden=embedding_length(model) if spec.remote else 0,
                 staging_gbps=host_copy if staging else None, n_used=expert_layout(model)[0],
-                switches={**switches_mod.in_force(variant, env), **(given or {})})
+                switches=switches_mod.user_set(given, env, variant))
 
 
 def prompt_seconds(plan: Plan, model, workload: Workload, load_mode: str = CONTEXT.load_mode,
-                   env: Optional[dict] = None) -> float:
+                   given: Optional[dict] = None) -> float:
     """The seconds a workload's prompts spend moving host experts on a plan, as fit_ubatch predicts a pair (predict at
     the plan's n_batch and n_ubatch, with its LAYER_MAJOR group), compute not counted (a plan of fit's has no probe:
     the bytes bound; every plan of one context computes alike, so two plans' difference is the link time between them).
@@ -353,7 +353,7 @@ def prompt_seconds(plan: Plan, model, workload: Workload, load_mode: str = CONTE
         model: the GGUF file it was made for.
         workload: what the run does (its timed prompts count).
         load_mode: how the run keeps host weights.
-        env: the runs' environment.
+        given: the switches the user set (switches.user_set's: the runs get them).
     Returns:
         seconds (0 where nothing moves).
     Raises:
@@ -363,7 +363,7 @@ def prompt_seconds(plan: Plan, model, workload: Workload, load_mode: str = CONTE
         return 0.0
     spec = devspec.parse(plan.devices_spec.get("text") or plan.devices_spec)
     terms = predict_terms(model, spec, plan.variant, len(plan.devices), load_mode, links=[d.link for d in plan.devices],
-                          host_copy=plan.host_copy_gbps, env=env)
+                          host_copy=plan.host_copy_gbps, given=given)
     total = 0.0
     for kind, n in workload.steps:
         pred = predict(plan, **{**terms, "n_tokens": n}) if kind == "pp" else None

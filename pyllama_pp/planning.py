@@ -194,6 +194,15 @@ def main_job_model() -> str:
                                   **{k: v for k, v in MAIN_JOB_MODEL.items() if k != "preset"}))
 
 
+def _with_env(c: Choices) -> Choices:
+    """The GGML_SCHED_PP_* variables of this process's environment as switches given (--switch's win over them), read
+    here once for the patched build: they are planned as --switch is (EXPERT_CACHE as --expert-cache where fit plans),
+    and the plans' workers get them in their jobs alone (switches.unset)."""
+    if "patched" not in c.variants:
+        return c
+    return dataclasses.replace(c, switches=switches.user_set(c.switches))
+
+
 def _with_plan_file(c: Choices) -> Choices:
     """--plan PLAN.json: the plan's model where none is given, and its sizes where -b / -ub / -c are not given (the
     plan's memory was measured for them); larger ones than it was made for are refused (they need more memory)."""
@@ -445,7 +454,7 @@ def _ubatch_auto(c: Choices, model: str, progress: bool) -> tuple[Choices, Optio
                       workload=Workload.of_tests(c.pp, c.tg),
                       n_batch=max(c.n_batch) if c.n_batch else None, load_mode=c.load_mode, progress=progress,
                       ctx=ContextParams(n_ctx=n_ctx, n_batch=CONTEXT.n_batch, n_ubatch=CONTEXT.n_ubatch),
-                      switches=c.switches)   # (the switches' memory and groups, planned)
+                      switches=c.switches, env=switches.unset(None))   # (the switches' memory and groups, planned)
     return dataclasses.replace(c, n_ubatch=(plan.ctx["n_ubatch"],), n_batch=(plan.ctx["n_batch"],)), plan
 
 
@@ -483,7 +492,7 @@ def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, m
     ctx = ContextParams(n_ctx=cfg.context().n_ctx, n_batch=cfg.n_batch, n_ubatch=min(cfg.n_ubatch, cfg.n_batch))
     plans, run_switches = {}, dict(cfg.switches)
     for v in (["patched"] if c.fit == "same" else variants):
-        p = fit(model, devices=cfg.devices_for(v), ctx=ctx, variant=v, margin=c.margin, env=cfg.env or None,
+        p = fit(model, devices=cfg.devices_for(v), ctx=ctx, variant=v, margin=c.margin, env=switches.unset(cfg.env),
                 expert_cache=c.expert_cache if v == "patched" else None, switches=cfg.switches,
                 workload=_tests_workload(cfg), load_mode=c.load_mode)
         made.append(p)
@@ -507,7 +516,7 @@ def _placed_switches(cfg: RunConfig, c: Choices, model: str, made: list, measure
     nothing where that is news. As it is for the baseline alone, on the CPU alone, or where the user set both."""
     if "patched" not in c.variants:
         return cfg
-    asked, given = c.expert_cache, {**c.switches, **switches.set_in(cfg.env)}
+    asked, given = c.expert_cache, c.switches   # (the environment's among them: _with_env)
     spec = devspec.parse(cfg.devices)
     where = (f"--devices {cfg.devices}, --host-experts {cfg.placement.label}, -b {cfg.n_batch} "
              f"-ub {min(cfg.n_ubatch, cfg.n_batch)}")
@@ -539,7 +548,7 @@ def _placed_switches(cfg: RunConfig, c: Choices, model: str, made: list, measure
                       [list(s) for s in workload.untimed], cache])
     if key not in measured:
         measured[key] = plan_on_placement(model, cfg.devices, cfg.placement, cfg.context(), workload=workload,
-                                          margin=c.margin, env=cfg.env or None, switches=cfg.switches,
+                                          margin=c.margin, env=switches.unset(cfg.env), switches=cfg.switches,
                                           load_mode=c.load_mode, progress=progress, cache=cache)
         made.append(measured[key])
     plan = measured[key]
@@ -601,14 +610,14 @@ def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
         PlanError: for a plan made for another model or other devices.
         OutOfMemoryError: when fit finds no placement.
     """
-    c = _with_plan_file(choices)
+    c = _with_plan_file(_with_env(choices))
     if c.command == "run" and c.model is None:
         raise ConfigError("run needs a MODEL (a .gguf file), or --resume DIR to continue a sweep")
     c = _with_defaults(c)
     variants = c.variants
     notes = check_choices(c, c.model)
-    check_switches(c.switches, variants)
     check_switch_env(variants)   # (a misspelled GGML_SCHED_PP_* variable: refused before any plan or note)
+    check_switches(c.switches, variants)
     model = c.model if c.model is not None else main_job_model()
     c, auto = _ubatch_auto(c, model, progress)
     cfgs, made = _matrix(c, model), [auto] if auto else []

@@ -58,8 +58,8 @@ def in_env(env: Optional[dict]) -> dict:
 
 
 def set_in(env: Optional[dict]) -> dict:
-    """The switch variables of this process's environment and `env` (over it), NAME -> text."""
-    return in_env({**os.environ, **(env or {})})
+    """The switch variables of this process's environment and `env` (over it; None there: unset), NAME -> text."""
+    return in_env({k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None})
 
 
 _INTS = re.compile(r"-?\d+(\s*,\s*-?\d+)*")
@@ -80,6 +80,20 @@ def in_force(variant: str, env: Optional[dict] = None) -> dict:
     if variant != "patched":
         return {}
     return {k: value_of(v) for k, v in set_in(env).items() if value_of(v) is not None}
+
+
+def user_set(given: Optional[dict], env: Optional[dict] = None, variant: str = FIT.variant) -> dict:
+    """The switches a user set, NAME -> value, whichever way: the GGML_SCHED_PP_* variables (this process's environment,
+    then `env` over it) with `given` (--switch, a caller's) over them; for the baseline `given` alone (it reads none).
+    Planning reads the environment here, where the switches given enter it, so that a variable is planned as --switch
+    is (EXPERT_CACHE as --expert-cache: take_expert_cache); its workers then get them in their jobs (`unset`)."""
+    return {**in_force(variant, env), **(given or {})}
+
+
+def unset(env: Optional[dict]) -> dict:
+    """`env` with every switch variable of this process's environment and of `env` unset (None: the worker drops it),
+    for the workers of a plan whose jobs carry what user_set read from them: no variable acts beside the job's own."""
+    return {**(env or {}), **{var(k): None for k in set_in(env)}}
 
 
 def off_defaults(given: dict, defaults: Optional[dict]) -> dict:
@@ -339,7 +353,7 @@ def shown(name: str, value) -> str:
     return str(value)
 
 
-__all__ = ["PREFIX", "var", "in_env", "set_in", "value_of", "in_force", "off_defaults", "of_run", "to_env", "parse_given",
+__all__ = ["PREFIX", "var", "in_env", "set_in", "value_of", "in_force", "user_set", "unset", "off_defaults", "of_run", "to_env", "parse_given",
            "per_device", "one_or_list", "check_device_lists", "PER_DEVICE", "EVERY_DEVICE",
            "ExpertCache", "take_expert_cache", "shown", "OVERLAP", "UPLOAD_ALL", "UPLOAD_ALL_MIN", "UPLOAD_ALL_MIN_COV",
            "LINKS", "RPC_HOST", "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT", "EXPERT_HYBRID", "LAYER_MAJOR"]

@@ -290,7 +290,7 @@ def test_choices_refused_before_any_worker(model, no_worker, tmp_path):
         with pytest.raises(ConfigError, match=words):
             plan_runs(Choices(model=model, devices=(SPEC,), pp=(), tg=(8,), **kw))
     with pytest.raises(ConfigError, match="sets already"):
-        fit(model, devices=SPEC, expert_cache="auto", env={"GGML_SCHED_PP_EXPERT_CACHE": "4"})
+        fit(model, devices=SPEC, expert_cache="8slots", env={"GGML_SCHED_PP_EXPERT_CACHE": "4"})
 
 
 def test_run_shows_the_hit_rate_beside_ts(model, capsys):

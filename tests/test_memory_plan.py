@@ -575,7 +575,8 @@ def test_without_a_fit_layer_major_is_on_where_the_groups_fit(model, capsys):
 
 def test_without_a_fit_layer_major_stays_off_where_no_group_forms_or_it_is_set(model, monkeypatch):
     """One ubatch a batch (-b == -ub), LAYER_MAJOR=0 as a switch or a variable, the baseline alone: nothing planned (no
-    dry run), no switch added, no note; LAYER_MAJOR=0 given stays in the patched config (the A/B's off-switch)."""
+    dry run), no switch added, no note; LAYER_MAJOR=0 given stays in the patched config (the A/B's off-switch), the
+    variable's as the switch's."""
     monkeypatch.setattr(sys.modules["pyllama_pp.planning"], "plan_on_placement",
                         lambda *a, **k: pytest.fail("planned LAYER_MAJOR where it cannot act or is set"))
     from pyllama_pp import switches
@@ -585,7 +586,7 @@ def test_without_a_fit_layer_major_stays_off_where_no_group_forms_or_it_is_set(m
     baseline = plan_runs(Choices(**kw, variant="baseline", n_batch=(128,), n_ubatch=(32,)))
     monkeypatch.setenv(switches.var(switches.LAYER_MAJOR), "0")
     env = plan_runs(Choices(**kw, n_batch=(128,), n_ubatch=(32,)))
-    for planned, switch in ((one, None), (given, 0), (baseline, None), (env, None)):
+    for planned, switch in ((one, None), (given, 0), (baseline, None), (env, 0)):
         cfg = planned.configs[0]
         assert planned.plans == () and cfg.switches.get("LAYER_MAJOR") == switch, cfg.switches
         assert not any("layer major" in n or "LAYER_MAJOR" in n for n in planned.notes), planned.notes
@@ -832,3 +833,50 @@ def test_ubatch_auto_weighs_each_side_at_its_measured_prompts(model, monkeypatch
     on = fit_module.fit_ubatch(model, workload=PROMPT_HEAVY, **UB_KW)
     assert on.layer_major["weighed"]["chosen"] == "on" and on.switches["LAYER_MAJOR"] == 1
     assert "took the fastest measured:" in str(on)
+
+
+# --- the three ways of asking for a switch: --expert-cache, --switch and the environment -------------------------
+
+def _plan_doc(plan: Plan) -> dict:
+    return {k: v for k, v in plan.to_dict().items() if k != "seconds"}
+
+
+def test_an_environment_cache_is_planned_as_expert_cache_and_switch(model, monkeypatch):
+    """A locality model under memory pressure (half its layers' experts in host RAM), the cache asked three ways - fit's
+    expert_cache, the switch, and GGML_SCHED_PP_EXPERT_CACHE in the environment - with prompts that form LAYER_MAJOR's
+    groups: each gives the same plan (its switches, the cache's memory on the device, the groups' trial with the cache
+    asked in it too), and its dry runs do not read the variable beside the switch they are given."""
+    from pyllama_pp.fit import fit
+    kw = dict(devices=SPEC, ctx=GROUPS_CTX, timeout=120, workload=PROMPT_HEAVY)
+    by_arg = fit(model, expert_cache="2MiB", **kw)
+    by_switch = fit(model, switches={"EXPERT_CACHE": 2}, **kw)
+    monkeypatch.setenv("GGML_SCHED_PP_EXPERT_CACHE", "2")
+    by_env = fit(model, **kw)
+    assert by_arg.expert_cache == "2MiB" and by_arg.switches["EXPERT_CACHE"] == 2
+    assert by_arg.host_expert_layers[0] > 0 and by_arg.devices[0].cache_slots > 0, by_arg.host_expert_layers
+    assert by_arg.layer_major.get("switch") == 1, by_arg.layer_major   # (the trial ran, with the cache asked)
+    assert _plan_doc(by_env) == _plan_doc(by_switch) == _plan_doc(by_arg)
+
+
+def test_run_fit_plans_an_environment_cache_as_its_switch(model, monkeypatch):
+    """run --fit with GGML_SCHED_PP_EXPERT_CACHE set plans what --switch EXPERT_CACHE (and --expert-cache) plans: the
+    same configs (switches, placement) and plans; the plan's JSON keeps the cache, so `run --plan` replays it without
+    the variable."""
+    choices = dict(command="run", model=model, devices=(SPEC,), fit="each", pp=(), tg=(8,))
+    by_switch = plan_runs(Choices(switches={"EXPERT_CACHE": 2}, **choices))
+    by_arg = plan_runs(Choices(expert_cache="2MiB", **choices))
+    monkeypatch.setenv("GGML_SCHED_PP_EXPERT_CACHE", "2")
+    by_env = plan_runs(Choices(**choices))
+    assert by_env.configs == by_switch.configs == by_arg.configs
+    assert [_plan_doc(p) for p in by_env.plans] == [_plan_doc(p) for p in by_switch.plans]
+    (plan,) = by_env.plans
+    assert plan.switches["EXPERT_CACHE"] == 2 and by_env.configs[0].switches["EXPERT_CACHE"] == 2
+
+
+def test_an_environment_guard_wins_over_the_plan_as_its_switch_does(model, monkeypatch):
+    """The cache's guard set in the environment: run --fit runs it over the planned guard, as --switch's."""
+    choices = dict(command="run", model=model, devices=(SPEC,), fit="each", pp=(), tg=(8,), expert_cache="2MiB")
+    by_switch = plan_runs(Choices(switches={"EXPERT_CACHE_MIN_HIT": 7}, **choices))
+    monkeypatch.setenv("GGML_SCHED_PP_EXPERT_CACHE_MIN_HIT", "7")
+    by_env = plan_runs(Choices(**choices))
+    assert by_env.configs == by_switch.configs and by_env.configs[0].switches["EXPERT_CACHE_MIN_HIT"] == 7

@@ -54,7 +54,9 @@ def _last_words(stderr: str) -> str:
 
 def _worker_env(env: Optional[dict]) -> dict:
     full_env = dict(os.environ)
-    full_env.update({k: str(v) for k, v in (env or {}).items()})
+    full_env.update({k: str(v) for k, v in (env or {}).items() if v is not None})
+    for k in [k for k, v in (env or {}).items() if v is None]:   # (None: unset for the worker)
+        full_env.pop(k, None)
     full_env.setdefault("PYLLAMA_PP_LOG", "1")
     # an abort's own message ends the worker's stderr (its last words), not a debugger's backtrace of it
     full_env.setdefault("GGML_NO_BACKTRACE", "1")
@@ -118,7 +120,7 @@ def run_job(job: Union[Job, dict], variant: str, timeout: Optional[float] = None
             measure).
         variant: "patched" or "baseline"; it overrides the job's own.
         timeout: seconds the worker may take (None: no limit); it is killed after that.
-        env: more environment for the worker, NAME -> value.
+        env: more environment for the worker, NAME -> value (None: the variable unset there).
     Returns:
         dict: the worker's result (its keys depend on the job's kind).
     Raises:
