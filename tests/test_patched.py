@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from pyllama_pp import model_file, synth
+from pyllama_pp.defaults import usable_cores
 
 
 CTX = {"n_ctx": 256, "n_batch": 128, "n_ubatch": 32}   # 64 tokens = 2 ubatches
@@ -531,13 +533,37 @@ def test_pageable_host_weights_go_through_pinned_staging(runner, assert_logits_m
     assert syncs(staged) <= syncs(pinned) + staged["ext"]["stage_waits"], (syncs(staged), syncs(pinned), staged["ext"])
     # the copier: three quarters of the cores (at most 16) by default, STAGING=N threads with the caller's; the same bytes and
     # logits, and the host's copying time counted (what a staged upload's rate is read from)
-    assert staged["ext"]["stage_threads"] == min(16, max(1, 3 * os.cpu_count() // 4))
+    assert staged["ext"]["stage_threads"] == min(16, max(1, 3 * usable_cores() // 4))
+    # the ring: one layer's pageable weights a VDEV reads and two slots more, at least 4 slots of 32 MiB (a tiny
+    # model's layer is far smaller); the pinned run made none
+    assert [x["stage_slots"] for x in vdevs(staged)] == [4, 4] and [x["stage_slots"] for x in vdevs(pinned)] == [0, 0]
     assert staged["ext"]["stage_copy_us"] > 0 and pinned["ext"]["stage_copy_us"] == 0
     three = runner.logits("patched", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS,
                           env={"GGML_SCHED_PP_STAGING": 3})
     assert three["ext"]["stage_threads"] == 3
     assert [x["staged_bytes"] for x in vdevs(three)] == [x["staged_bytes"] for x in vdevs(staged)]
     assert_logits_match(three["logits"], b["logits"], "pageable, STAGING=3")
+
+
+def test_the_staging_ring_holds_a_layer_of_pageable_weights(runner, tmp_path, assert_logits_match):
+    """STAGING's ring (ggml-backend-pp-staging.cpp): a layer's pageable expert weights and two slots more, in slots of
+    32 MiB, so that a layer's upload refills slots the device read a layer ago instead of waiting on the device. A
+    four-layer model with 120 MB of experts a layer (64 experts of 1024 x 576 in Q8_0, three tensors), mmap-ed: each
+    VDEV reads its layer's experts, ceil(120 MB / 32 MiB) + 2 = 6 slots; the logits are the baseline's."""
+    cfg = synth.preset("tiny", seed=1, n_layer=4, n_embd=1024, n_ff_exp=576)
+    path = tmp_path / "wide.gguf"
+    synth.write_gguf(str(path), cfg)
+    layer = sum(t["nbytes"] for t in model_file.header(path)["tensors"] if re.match(r"blk\.0\.ffn_.*_exps", t["name"]))
+    (tmp_path / "rows").mkdir()
+    r = type(runner)(str(path), tmp_path / "rows")   # (the session runner's class, on this model)
+    pageable = {**HOST_ALL, "load_mode": "mmap"}
+    b = r.logits("baseline", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS)
+    staged = r.logits("patched", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS)
+    assert_logits_match(staged["logits"], b["logits"], "a layer's ring")
+    want = max(4, math.ceil(layer / (32 << 20)) + 2)
+    assert want == 6, layer
+    vdevs = [x for x in staged["ext"]["backends"] if x["name"].startswith("VDEV")]
+    assert [x["stage_slots"] for x in vdevs] == [want, want] and all(x["staged_bytes"] > 0 for x in vdevs), vdevs
 
 
 # === 0007 STABLE_RESERVE: stable reservations, dependency padding, kept plans =======================================

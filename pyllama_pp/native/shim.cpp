@@ -131,6 +131,7 @@ struct ext_api {
     const char * (*param_spec)(int, const char **, int64_t *, int64_t *, int64_t *, const char **) = nullptr;
     int (*env_problems)(char *, size_t) = nullptr;
     void (*set_gather)(const char *, void *) = nullptr;
+    int (*stage_default_threads)(void) = nullptr;
 };
 
 const ext_api & ext() {
@@ -150,6 +151,7 @@ const ext_api & ext() {
                             dlsym(h, "ggml_backend_sched_pp_param_spec");
             a.env_problems = (int (*)(char *, size_t)) dlsym(h, "ggml_backend_sched_pp_env_problems");
             a.set_gather  = (void (*)(const char *, void *)) dlsym(h, "ggml_backend_sched_pp_set_gather");
+            a.stage_default_threads = (int (*)(void)) dlsym(h, "ggml_backend_sched_pp_stage_default_threads");
         }
         return a;
     }();
@@ -419,7 +421,8 @@ PP_EXPORT int pp_host_copy_rate(const char * dev_name, uint64_t bytes, int32_t n
     }
     return guarded([&] {
         const size_t piece = (size_t) 32 << 20;   // (a staging slot)
-        const int n = n_threads > 0 ? n_threads : std::min(16, std::max(1, 3 * (int) std::thread::hardware_concurrency() / 4));
+        // (0: as the patched build's STAGING=1 copies; the baseline stages nothing: one thread)
+        const int n = n_threads > 0 ? n_threads : ext().stage_default_threads ? ext().stage_default_threads() : 1;
         ggml_backend_dev_t dev = dev_name ? ggml_backend_dev_by_name(dev_name) : nullptr;
         ggml_backend_buffer_type_t host = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
         ggml_backend_buffer_t hbuf = host ? ggml_backend_buft_alloc_buffer(host, 2 * piece) : nullptr;

@@ -63,7 +63,7 @@ int pp_device_get(int i, pp_device_info * out);
 int pp_link_rate(const char * dev_name, uint64_t bytes, int32_t copies, double * pinned_gbps, double * pageable_gbps);
 // The host's copy from pageable memory into pinned memory (device `dev_name`'s host buffer type, else plain memory)
 // as the patched build's staging copies run it: pieces of 32 MiB, each split over `n_threads` threads (0: as
-// STAGING picks them, three quarters of the cores, at most 16); `bytes` in all, the median of `reps` after one untimed (GB/s).
+// as the patched build's STAGING=1 picks them); `bytes` in all, the median of `reps` after one untimed (GB/s).
 int pp_host_copy_rate(const char * dev_name, uint64_t bytes, int32_t n_threads, int32_t reps, double * gbps);
 // The host CPU's decode expert op: one token's MUL_MAT_ID over n_used of the n_expert experts of a [ne0, ne1, n_expert]
 // tensor of ggml type `type` on the CPU backend with `n_threads` threads (0: its default), other experts each time;

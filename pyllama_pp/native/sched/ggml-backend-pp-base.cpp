@@ -581,3 +581,14 @@ std::string ggml_sched_pp_params_json(void) {
     out += "}";
     return out;
 }
+
+// the layer and the rest of a weight's name ("blk.12.ffn_up_exps.weight": 12, "ffn_up_exps.weight"), or -1
+int ggml_backend_sched_pp_weight_layer(const char * name, const char ** rest) {
+    int il = -1;
+    int n  = 0;
+    if (sscanf(name, "blk.%d.%n", &il, &n) != 1 || n == 0) {
+        return -1;
+    }
+    *rest = name + n;
+    return il;
+}

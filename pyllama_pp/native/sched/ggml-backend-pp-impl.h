@@ -471,6 +471,8 @@ void ggml_backend_sched_pp_drain(ggml_backend_sched_t sched);
 ggml_sched_pp_early * ggml_backend_sched_pp_early_get(ggml_backend_sched_t sched, int backend_id);
 void ggml_backend_sched_pp_early_wait(ggml_backend_sched_t sched, int backend_id, ggml_backend_t backend,
                                       const ggml_tensor * cpy);
+// the layer and the rest of a weight's name ("blk.12.ffn_up_exps.weight": 12, "ffn_up_exps.weight"), or -1
+int ggml_backend_sched_pp_weight_layer(const char * name, const char ** rest);
 
 // ggml-backend-pp.cpp: the hooks of a scheduler's life
 int ggml_backend_sched_pp_scan_devices(ggml_backend_sched_t sched, ggml_backend_t * backends, int n_backends);
@@ -523,6 +525,8 @@ void ggml_backend_sched_pp_stage_free(ggml_backend_sched_t sched);
 void ggml_backend_sched_pp_stage_mark(ggml_backend_sched_t sched);
 // the staging copier's threads with the caller's (0: no copier yet)
 int ggml_backend_sched_pp_stage_threads(ggml_backend_sched_t sched);
+// the slots of a backend's staging ring (0: none made)
+int ggml_backend_sched_pp_stage_slots_of(ggml_backend_sched_t sched, int backend_id);
 bool ggml_backend_sched_pp_buffer_is_pinned(ggml_backend_sched_t sched, ggml_backend_buffer_t buf);
 bool ggml_backend_sched_pp_stages(ggml_backend_sched_t sched, int backend_id, const struct ggml_tensor * weight);
 void ggml_backend_sched_pp_upload(ggml_backend_sched_t sched, int backend_id, const struct ggml_tensor * weight,
@@ -574,8 +578,6 @@ bool ggml_backend_sched_pp_gather(ggml_backend_sched_t sched, int backend_id, gg
 void ggml_backend_sched_pp_find_read_again(ggml_backend_sched_t sched, const struct ggml_cgraph * graph);
 bool ggml_backend_sched_pp_read_again(ggml_backend_sched_t sched, const struct ggml_tensor * weight);
 bool ggml_backend_sched_pp_first_read(ggml_backend_sched_t sched, const struct ggml_tensor * node, int backend_id);
-// the layer and the rest of a weight's name ("blk.12.ffn_up_exps.weight": 12, "ffn_up_exps.weight"), or -1
-int ggml_backend_sched_pp_weight_layer(const char * name, const char ** rest);
 int ggml_backend_sched_pp_again_lead(ggml_backend_sched_t sched, int split_id, struct ggml_tensor * input);
 void ggml_backend_sched_pp_add_again_inputs(ggml_backend_sched_t sched, int i);
 

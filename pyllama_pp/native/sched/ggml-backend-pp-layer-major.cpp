@@ -180,17 +180,6 @@ bool ggml_backend_sched_pp_first_read(ggml_backend_sched_t sched, const struct g
            !ggml_backend_supports_buft(sched->backends[backend_id], ggml_backend_buffer_get_type(w->buffer));
 }
 
-// the layer and the rest of a weight's name ("blk.12.ffn_up_exps.weight": 12, "ffn_up_exps.weight"), or -1
-int ggml_backend_sched_pp_weight_layer(const char * name, const char ** rest) {
-    int il = -1;
-    int n  = 0;
-    if (sscanf(name, "blk.%d.%n", &il, &n) != 1 || n == 0) {
-        return -1;
-    }
-    *rest = name + n;
-    return il;
-}
-
 // OVERLAP=2 (find_early_copies): the split a copy read again (`input` of split `split_id`, its first reader, whose
 // split before runs on the same backend) is placed and uploaded at, as a lead (splits before its reader): where the
 // previous layer's copy of the same weight was read first on that backend, so its upload overlaps that layer's

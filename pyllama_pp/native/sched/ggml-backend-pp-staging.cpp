@@ -2,6 +2,7 @@
 
 #include "ggml-backend-pp-impl.h"
 
+#include <sched.h>
 #include <string.h>
 #include <algorithm>
 #include <condition_variable>
@@ -15,11 +16,14 @@
 // every upload, so nothing overlaps. Uploads of host weights from pageable memory therefore go through pinned
 // staging slots (the device's host buffer type): helper threads copy each piece into a slot, the device reads it
 // asynchronously, and an event per slot tells when the slot may be filled again. The ring holds one layer's pageable
-// weights that the backend uploads (at least GGML_SCHED_PP_STAGE_MIN_SLOTS slots, at most GGML_SCHED_PP_STAGE_MAX
-// bytes): a layer's upload (LAYER_MAJOR's lead, issued while the previous layer computes) then fills slots the
-// device read a layer ago, and the host does not wait on the device before it queues the layer's compute. With a
-// ring of 4 slots (128 MiB) the host waited for every slot of a 642 MB layer while the device had nothing queued:
-// an mmap-ed 30B-A3B preset's layer-major prompt ran at 81% of its pinned speed on an H100 (docs/results).
+// weights that the backend uploads in a graph, and two slots more (a layer's upload starts mid-slot, and a change of
+// stream leaves a slot's rest unused), at least GGML_SCHED_PP_STAGE_MIN_SLOTS slots and at most GGML_SCHED_PP_STAGE_MAX
+// bytes: a layer's upload (LAYER_MAJOR's lead, issued while the previous layer computes) then fills slots the device
+// read a layer ago, and the host does not wait on the device before it queues the layer's compute. Layers of more
+// pageable bytes than the cap wait as before for the rest. With a ring of 4 slots (128 MiB) the host waited for the
+// slots of each 642 MB layer while the device had nothing queued: an mmap-ed 30B-A3B preset's layer-major prompt ran
+// at 81% of in VRAM on an H100 (docs/results/gpu-h100-2026-12-07d). A graph that needs more slots than the ring has
+// (a prompt after decode graphs) grows it at its end.
 #define GGML_SCHED_PP_STAGE_MIN_SLOTS 4
 #define GGML_SCHED_PP_STAGE_SLOT      ((size_t) 32 << 20)
 #define GGML_SCHED_PP_STAGE_MAX       ((size_t) 1 << 30)
@@ -112,42 +116,59 @@ struct ggml_sched_pp_stage {
     int                   cur  = 0;
     size_t                used = 0;
     ggml_backend_t        filler = nullptr; // the stream that reads the current slot (the split's, or OVERLAP=2's)
+    bool                  staged = false;   // the current graph staged a piece (its need is checked at its end)
+    int                   asked  = 0;       // the slots asked for when the ring was made (fewer where pinning failed)
     bool                  unusable = false; // no host buffer type, no events or no memory: plain uploads
 };
 
+// a backend's ring freed: the copies still queued from its slots done first (the backend may be gone already: the
+// events tell, and every graph recorded one for its partly filled slot, ggml_backend_sched_pp_stage_mark)
+static void ggml_backend_sched_pp_ring_free(ggml_backend_sched_t sched, int backend_id) {
+    ggml_sched_pp_stage * st = sched->pp_stage[backend_id];
+    if (st == nullptr) {
+        return;
+    }
+    for (int i = 0; i < st->n_slots; i++) {
+        if (st->ev[i] != nullptr) {
+            if (st->recorded[i]) {
+                ggml_backend_event_synchronize(st->ev[i]);
+            }
+            ggml_backend_event_free(st->ev[i]);
+        }
+    }
+    ggml_backend_buffer_free(st->buf);
+    delete st;
+    sched->pp_stage[backend_id] = nullptr;
+}
+
 void ggml_backend_sched_pp_stage_free(ggml_backend_sched_t sched) {
     for (int b = 0; b < GGML_SCHED_MAX_BACKENDS; b++) {
-        ggml_sched_pp_stage * st = sched->pp_stage[b];
-        if (st == nullptr) {
-            continue;
-        }
-        // copies still queued from the slots must be done first (the backends may be gone already: their events
-        // tell, and every graph recorded one for its partly filled slot, ggml_backend_sched_pp_stage_mark)
-        for (int i = 0; i < st->n_slots; i++) {
-            if (st->ev[i] != nullptr) {
-                if (st->recorded[i]) {
-                    ggml_backend_event_synchronize(st->ev[i]);
-                }
-                ggml_backend_event_free(st->ev[i]);
-            }
-        }
-        ggml_backend_buffer_free(st->buf);
-        delete st;
-        sched->pp_stage[b] = nullptr;
+        ggml_backend_sched_pp_ring_free(sched, b);
     }
     delete sched->pp_copier;
     sched->pp_copier = nullptr;
 }
 
+static int ggml_backend_sched_pp_stage_slots(ggml_backend_sched_t sched, int backend_id);
+
 // at the end of a graph: an event after the copies queued from each partly filled slot (so that freeing the
-// scheduler can wait for them without its backends)
+// scheduler can wait for them without its backends); a ring smaller than this graph needed is freed (after its
+// copies), to be made again at the size the next graph needs
 void ggml_backend_sched_pp_stage_mark(ggml_backend_sched_t sched) {
     for (int b = 0; b < sched->n_backends; b++) {
         ggml_sched_pp_stage * st = sched->pp_stage[b];
-        if (st != nullptr && !st->unusable && st->used > 0) {
+        if (st == nullptr || st->unusable) {
+            continue;
+        }
+        if (st->used > 0) {
             ggml_backend_event_record(st->ev[st->cur], st->filler);
             st->recorded[st->cur] = true;
         }
+        if (st->staged && st->asked < ggml_backend_sched_pp_stage_slots(sched, b)) {
+            ggml_backend_sched_pp_ring_free(sched, b);
+            continue;
+        }
+        st->staged = false;
     }
 }
 
@@ -163,8 +184,9 @@ bool ggml_backend_sched_pp_buffer_is_pinned(ggml_backend_sched_t sched, ggml_bac
     return false;
 }
 
-// the slots of a backend's ring: one layer's pageable host weights that the graph's splits on the backend read (the
-// weights of no layer count alone), within GGML_SCHED_PP_STAGE_MIN_SLOTS and GGML_SCHED_PP_STAGE_MAX
+// the slots of a backend's ring for the current graph: one layer's pageable host weights that its splits on the
+// backend read (a weight of no layer counts alone) and two more, within GGML_SCHED_PP_STAGE_MIN_SLOTS and
+// GGML_SCHED_PP_STAGE_MAX
 static int ggml_backend_sched_pp_stage_slots(ggml_backend_sched_t sched, int backend_id) {
     std::unordered_map<int, size_t> layer_bytes;
     std::unordered_set<const ggml_tensor *> seen;
@@ -184,8 +206,9 @@ static int ggml_backend_sched_pp_stage_slots(ggml_backend_sched_t sched, int bac
             most = std::max(most, n);
         }
     }
-    const size_t slots = (std::min(most, GGML_SCHED_PP_STAGE_MAX) + GGML_SCHED_PP_STAGE_SLOT - 1) / GGML_SCHED_PP_STAGE_SLOT;
-    return std::max((int) slots, GGML_SCHED_PP_STAGE_MIN_SLOTS);
+    const size_t slots = (most + GGML_SCHED_PP_STAGE_SLOT - 1) / GGML_SCHED_PP_STAGE_SLOT + 2;
+    return (int) std::max((size_t) GGML_SCHED_PP_STAGE_MIN_SLOTS,
+                          std::min(slots, GGML_SCHED_PP_STAGE_MAX / GGML_SCHED_PP_STAGE_SLOT));
 }
 
 // the staging slots of a backend, created on first use (nullptr: upload directly)
@@ -203,31 +226,61 @@ static ggml_sched_pp_stage * ggml_backend_sched_pp_stage_get(ggml_backend_sched_
     if (host == nullptr || backend->iface.event_record == nullptr || backend->iface.set_tensor_async == nullptr) {
         return nullptr;
     }
+    // the ring this graph needs, else the fewest slots (pinning a large buffer can fail where a small one does not)
     st->slot_size = GGML_SCHED_PP_STAGE_SLOT;
-    st->n_slots   = ggml_backend_sched_pp_stage_slots(sched, backend_id);
-    st->ev.assign(st->n_slots, nullptr);
-    st->recorded.assign(st->n_slots, false);
-    st->buf = ggml_backend_buft_alloc_buffer(host, st->slot_size * st->n_slots);
-    if (st->buf == nullptr || ggml_backend_buffer_get_type(st->buf) != host) {
+    const int want = ggml_backend_sched_pp_stage_slots(sched, backend_id);
+    st->asked = want;
+    for (int n : { want, GGML_SCHED_PP_STAGE_MIN_SLOTS }) {
+        st->buf = ggml_backend_buft_alloc_buffer(host, st->slot_size * n);
+        if (st->buf != nullptr && ggml_backend_buffer_get_type(st->buf) == host) {
+            st->n_slots = n;
+            break;
+        }
         // (CUDA_Host falls back to a plain CPU buffer when pinning fails: pageable again)
+        ggml_backend_buffer_free(st->buf);
+        st->buf = nullptr;
+    }
+    if (st->buf == nullptr) {
         GGML_LOG_WARN("%s: no pinned staging memory for %s: pageable uploads stay synchronous\n", __func__, ggml_backend_name(backend));
         return nullptr;
     }
+    st->ev.assign(st->n_slots, nullptr);
+    st->recorded.assign(st->n_slots, false);
     for (int i = 0; i < st->n_slots; i++) {
         st->ev[i] = ggml_backend_event_new(dev);
         if (st->ev[i] == nullptr) {
+            for (int k = 0; k < i; k++) {
+                ggml_backend_event_free(st->ev[k]);
+            }
+            ggml_backend_buffer_free(st->buf);
+            st->buf = nullptr;
+            st->n_slots = 0;
+            st->ev.clear();
+            st->recorded.clear();
             return nullptr;
         }
     }
     if (sched->pp_copier == nullptr) {
-        // STAGING=1: three quarters of the cores, at most 16, with the calling thread (an H100 host of 16 cores staged
-        // 29 / 34 / 38 GB/s with 8 / 12 / 16: docs/results/gpu-h100-2026-12-07d); STAGING=N >= 2: N threads with it
-        const int n = sched->pp_cfg.staging >= 2 ? (int) sched->pp_cfg.staging
-                                                 : std::min(16, std::max(1, 3 * (int) std::thread::hardware_concurrency() / 4));
+        // STAGING=1: ggml_backend_sched_pp_stage_default_threads; STAGING=N >= 2: N threads with the calling one
+        const int n = sched->pp_cfg.staging >= 2 ? (int) sched->pp_cfg.staging : ggml_backend_sched_pp_stage_default_threads();
         sched->pp_copier = new ggml_sched_pp_copier(n - 1);
     }
     st->unusable = false;
     return st;
+}
+
+// STAGING=1's copier threads with the calling one: three quarters of the cores this process may run on (its
+// affinity), at most 16 (an H100 host of 16 cores staged 29 / 34 / 38 GB/s with 8 / 12 / 16:
+// docs/results/gpu-h100-2026-12-07d)
+int ggml_backend_sched_pp_stage_default_threads(void) {
+    cpu_set_t set;
+    const int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : (int) std::thread::hardware_concurrency();
+    return std::min(16, std::max(1, 3 * cores / 4));
+}
+
+int ggml_backend_sched_pp_stage_slots_of(ggml_backend_sched_t sched, int backend_id) {
+    const ggml_sched_pp_stage * st = sched->pp_stage[backend_id];
+    return st != nullptr && !st->unusable ? st->n_slots : 0;
 }
 
 int ggml_backend_sched_pp_stage_threads(ggml_backend_sched_t sched) {
@@ -279,6 +332,7 @@ void ggml_backend_sched_pp_upload(ggml_backend_sched_t sched, int backend_id, co
         st->used = 0;
     }
     st->filler = backend;
+    st->staged = true;
     uint8_t * base = (uint8_t *) ggml_backend_buffer_get_base(st->buf);
     const uint8_t * src = (const uint8_t *) data;
     while (size > 0) {

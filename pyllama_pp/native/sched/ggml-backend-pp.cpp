@@ -189,6 +189,7 @@ size_t ggml_backend_sched_pp_stats_json(ggml_backend_sched_t sched, char * buf, 
                ",\"transient_bytes\":" + std::to_string(st.transient_bytes[b]) +
                ",\"submit_us\":" + std::to_string(st.submit_us[b]) +
                ",\"staged_bytes\":" + std::to_string(st.staged_bytes[b]) +
+               ",\"stage_slots\":" + std::to_string(ggml_backend_sched_pp_stage_slots_of(sched, b)) +
                ",\"ring_bytes\":" + std::to_string(ggml_backend_sched_pp_ring_bytes(sched, b)) +
                ",\"overlap_uploads\":" + std::to_string(st.overlap_uploads[b]) +
                ",\"direct_bytes_est\":" + std::to_string(st.direct_bytes_est[b]) +

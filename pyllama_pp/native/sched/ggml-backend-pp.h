@@ -46,6 +46,9 @@ GGML_API int ggml_backend_sched_pp_env_problems(char * buf, size_t size);
 // device has a pinned host buffer type, async copies and events, and pinning works here)
 GGML_API bool ggml_backend_sched_pp_staging_usable(ggml_backend_dev_t dev);
 
+// STAGING=1's copier threads, the calling one counted (fit's staging probe copies with as many)
+GGML_API int ggml_backend_sched_pp_stage_default_threads(void);
+
 // per-scheduler counters as one JSON object; returns the length it needs (like snprintf)
 GGML_API size_t ggml_backend_sched_pp_stats_json(ggml_backend_sched_t sched, char * buf, size_t size);
 GGML_API void   ggml_backend_sched_pp_reset_stats(ggml_backend_sched_t sched);
