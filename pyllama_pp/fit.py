@@ -41,12 +41,29 @@ from .workload import Workload
 from .worker.client import run_job
 
 
+#: the cache's switches the memory planner sets after its choice; one the user gave stays the user's in the plan
+#: (and so in `run --plan`'s replay), as run and ab run it over a plan
+_USER_WINS = (switches.EXPERT_CACHE_MIN_HIT, switches.EXPERT_HYBRID)
+
+
 def _weigh(plan: Plan, model, devices, workload, curve, load_mode: str, n_threads: int, progress: bool,
-           refit: Optional[Callable[[int], Plan]], probed: Optional[dict] = None) -> Plan:
+           refit: Optional[Callable[[int], Plan]], probed: Optional[dict] = None, given: Optional[dict] = None) -> Plan:
     """The plan with its memory weighed between resident expert layers and cache slots, where the cache was asked as
     auto (curve: the trace's hit rates, None: the model's own or the prior); as it is elsewhere. refit None: the
     placement is the user's (no layer moves; no room for a token's slots: no probe). `probed`: the decode probe's
-    costs (or its error), kept for another plan of the same model and devices."""
+    costs (or its error), kept for another plan of the same model and devices. `given`: the user's switches (the
+    guard's and the split's win over the planned values, _USER_WINS)."""
+    out = _weighed(plan, model, devices, workload, curve, load_mode, n_threads, progress, refit, probed)
+    kept = {k: v for k, v in (given or {}).items() if k in _USER_WINS and out.switches.get(switches.EXPERT_CACHE)}
+    if kept and any(out.switches.get(k) != v for k, v in kept.items()):
+        out = copy.copy(out)
+        out.switches = {**out.switches, **kept}
+    return out
+
+
+def _weighed(plan: Plan, model, devices, workload, curve, load_mode: str, n_threads: int, progress: bool,
+             refit: Optional[Callable[[int], Plan]], probed: Optional[dict]) -> Plan:
+    """_weigh's plan before the user's switches go over it."""
     if plan.variant != "patched" or plan.expert_cache != "auto" or not plan.n_expert:
         return plan
     wl = Workload.parse(workload)
@@ -157,7 +174,7 @@ def plan_on_placement(model, devices, placement: Placement, ctx, *, workload=Non
     plan.expert_cache = lm.expert_cache = "auto"   # (weighed as auto is: no slots in it yet)
     probed: dict = {}
     n_threads = plan.context_params().n_threads
-    weigh = lambda p: _weigh(p, model, devices, wl, curve, load_mode, n_threads, progress, None, probed)
+    weigh = lambda p: _weigh(p, model, devices, wl, curve, load_mode, n_threads, progress, None, probed, given)
     if lm is plan or not _decodes(plan, wl):
         return weigh(lm)
     # (the groups weighed against the slots their room would hold: no dry run more, the plan without them is `plan`)
@@ -304,7 +321,7 @@ def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, wor
         sw = {**given, **({switches.LAYER_MAJOR: 1} if p.switches.get(switches.LAYER_MAJOR) else {})}
         refit = lambda mib: placement.fit(model, devices, pinned, variant, switches=sw,
                                           **{**kw, "expert_cache": f"{mib}MiB"})
-        return _weigh(p, model, devices, wl, curve, load_mode, n_threads, progress, refit, probed)
+        return _weigh(p, model, devices, wl, curve, load_mode, n_threads, progress, refit, probed, given)
     if lm is plan or not _decodes(plan, wl):
         return weigh(lm)
     # (the groups weighed against the slots their room would hold: the plan without them is the one made before the
@@ -455,7 +472,7 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
             # layers add to prompts)
             out.ubatch_auto, out.ubatch_measured = p.ubatch_auto, p.ubatch_measured
             return out
-        return _weigh(p, model, devices, wl, curve, load_mode, n_threads, progress, refit, probed)
+        return _weigh(p, model, devices, wl, curve, load_mode, n_threads, progress, refit, probed, given)
     sides = [_side_best(w, measured) for w in winners]
     if len(winners) < 2 or None in sides or not _decodes(plan, wl):
         return weigh(plan)

@@ -880,3 +880,20 @@ def test_an_environment_guard_wins_over_the_plan_as_its_switch_does(model, monke
     monkeypatch.setenv("GGML_SCHED_PP_EXPERT_CACHE_MIN_HIT", "7")
     by_env = plan_runs(Choices(**choices))
     assert by_env.configs == by_switch.configs and by_env.configs[0].switches["EXPERT_CACHE_MIN_HIT"] == 7
+
+
+def test_a_guard_given_to_fit_stays_in_its_plan(model, monkeypatch):
+    """fit weighs the cache (auto; GPU-like costs: it pays) and sets its guard and split after its choice; a guard the
+    user gave to fit (--switch EXPERT_CACHE_MIN_HIT=N) stays N in the plan, so `run --plan` replays the user's guard;
+    the rest of the plan is the one planned without it."""
+    fit_module = sys.modules["pyllama_pp.fit"]
+    monkeypatch.setattr(fit_module, "decode_costs", lambda m, d, **kw: {-1: GPU_LIKE})
+    fit = fit_module.fit
+    kw = dict(devices=SPEC, ctx=GROUPS_CTX, timeout=120, workload="tg=2048")
+    planned = fit(model, **kw)
+    assert planned.switches.get("EXPERT_CACHE") and "EXPERT_CACHE_MIN_HIT" in planned.switches, planned.switches
+    mine = 3 if planned.switches["EXPERT_CACHE_MIN_HIT"] != 3 else 4
+    given = fit(model, switches={"EXPERT_CACHE_MIN_HIT": mine}, **kw)
+    assert given.switches["EXPERT_CACHE_MIN_HIT"] == mine
+    assert {**given.switches, "EXPERT_CACHE_MIN_HIT": 0} == {**planned.switches, "EXPERT_CACHE_MIN_HIT": 0}
+    assert Plan.from_dict(given.to_dict()).switches["EXPERT_CACHE_MIN_HIT"] == mine
