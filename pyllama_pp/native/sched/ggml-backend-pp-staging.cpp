@@ -116,7 +116,7 @@ struct ggml_sched_pp_stage {
     int                   cur  = 0;
     size_t                used = 0;
     ggml_backend_t        filler = nullptr; // the stream that reads the current slot (the split's, or OVERLAP=2's)
-    bool                  staged = false;   // the current graph staged a piece (its need is checked at its end)
+    size_t                graph_bytes = 0;  // bytes the current graph staged (a ring that held them all was enough)
     int                   asked  = 0;       // the slots asked for when the ring was made (fewer where pinning failed)
     bool                  unusable = false; // no host buffer type, no events or no memory: plain uploads
 };
@@ -164,11 +164,12 @@ void ggml_backend_sched_pp_stage_mark(ggml_backend_sched_t sched) {
             ggml_backend_event_record(st->ev[st->cur], st->filler);
             st->recorded[st->cur] = true;
         }
-        if (st->staged && st->asked < ggml_backend_sched_pp_stage_slots(sched, b)) {
+        // (a graph that staged no more than the ring holds cannot have needed more: no count of its splits)
+        if (st->graph_bytes > st->slot_size * st->n_slots && st->asked < ggml_backend_sched_pp_stage_slots(sched, b)) {
             ggml_backend_sched_pp_ring_free(sched, b);
             continue;
         }
-        st->staged = false;
+        st->graph_bytes = 0;
     }
 }
 
@@ -332,7 +333,7 @@ void ggml_backend_sched_pp_upload(ggml_backend_sched_t sched, int backend_id, co
         st->used = 0;
     }
     st->filler = backend;
-    st->staged = true;
+    st->graph_bytes += size;
     uint8_t * base = (uint8_t *) ggml_backend_buffer_get_base(st->buf);
     const uint8_t * src = (const uint8_t *) data;
     while (size > 0) {
