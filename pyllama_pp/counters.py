@@ -38,6 +38,8 @@ def sum_devices(per_eval: list[list[dict]]) -> list[dict]:
 
 
 EXT_LEVELS = ("n_copies", "n_splits", "transient_inputs", "graph_nodes_min", "graph_nodes_max", "links")
+#: a backend's levels (as they stand, not counts): PREFETCH=2's lanes, STAGING's ring, the expert cache's memory
+BACKEND_LEVELS = ("ring_bytes", "stage_slots", "cache_buffer_bytes", "cache_layers", "cache_slots", "cache_cpu_layers")
 
 
 def ext_delta(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
@@ -50,7 +52,8 @@ def ext_delta(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
         if isinstance(b.get(k), dict):
             d[k] = {c: v - a.get(k, {}).get(c, 0) for c, v in b[k].items()}
     # (a key may appear in the later stats only: gather_bytes once the device's first gather is counted)
-    d["backends"] = [{"name": y["name"], **{k: y[k] - x.get(k, 0) for k in y if k != "name"}}
+    d["backends"] = [{"name": y["name"], **{k: y[k] if k in BACKEND_LEVELS else y[k] - x.get(k, 0)
+                                            for k in y if k != "name"}}
                      for x, y in zip(a["backends"], b["backends"])]
     d["params"] = b.get("params")
     return d
@@ -66,7 +69,8 @@ def ext_add(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
             out[k] = a[k] + v
         elif isinstance(v, dict) and k != "params":
             out[k] = {c: a.get(k, {}).get(c, 0) + x for c, x in v.items()}
-    out["backends"] = [{"name": y["name"], **{k: x.get(k, 0) + y[k] for k in y if k != "name"}}
+    out["backends"] = [{"name": y["name"], **{k: y[k] if k in BACKEND_LEVELS else x.get(k, 0) + y[k]
+                                              for k in y if k != "name"}}
                        for x, y in zip(a["backends"], b["backends"])]
     return out
 

@@ -161,7 +161,7 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
             "gather_bytes_est_per_device": per_gpu(ext, "gather_bytes_est", reps),
             "compute_buffer_bytes": [b["compute_buffer_bytes"] for b in sched["backends"]],
             # PREFETCH=2's lanes per device (VRAM outside the compute buffers; a level, not a delta)
-            "ring_bytes_per_device": per_gpu({"backends": t.get("ext_ring")}, "ring_bytes", 1),
+            "ring_bytes_per_device": per_gpu(ext, "ring_bytes", 1) if ext else None,
             # EXPERT_CACHE's lookups, all devices
             **{f"expert_{k}": all_gpus(ext, k, reps) for k in ("cache_hits", "cache_misses", "cache_evictions",
                                                                 "cache_ops", "cache_cpu_ops", "cache_shadow_hits",

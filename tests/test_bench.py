@@ -169,18 +169,17 @@ def test_cuda_rows_count_direct_reads_and_the_overlap_ring(tiny_model):
     """On CUDA (no device counters) a row's bytes are the scheduler's uploads plus its estimate of DIRECT's reads;
     the direct-read count and PREFETCH=2's lanes (a level, CPU left out) are per row."""
     cfg = RunConfig(model=str(tiny_model), devices="cuda", n_batch=4096, n_ubatch=512, link_gbps=[55.0, 55.0])
-    backends = [{"name": "CUDA0", "weight_bytes": 2_000, "direct_bytes_est": 6_000},
-                {"name": "CUDA1", "weight_bytes": 4_000, "direct_bytes_est": 0}, {"name": "CPU", "weight_bytes": 0}]
+    backends = [{"name": "CUDA0", "weight_bytes": 2_000, "direct_bytes_est": 6_000, "ring_bytes": 7},
+                {"name": "CUDA1", "weight_bytes": 4_000, "direct_bytes_est": 0, "ring_bytes": 7},
+                {"name": "CPU", "weight_bytes": 0, "ring_bytes": 0}]
     res = {"model": {"path": "m.gguf", "size_bytes": 1, "n_params": 1, "n_expert": 128, "n_expert_used": 8},
            "schedule": {"pipeline_parallel": True, "n_copies": 2, "n_splits": 9, "backends": []},
            "tests": [{"kind": "pp", "n": 4096, "seconds": [1.0, 1.0], "devices": [],
-                      "ext": {"id_readbacks": 2, "upload_all": 0, "direct": 10, "backends": backends},
-                      "ext_ring": [{"name": "CUDA0", "ring_bytes": 7}, {"name": "CUDA1", "ring_bytes": 7},
-                                   {"name": "CPU", "ring_bytes": 0}]}]}
+                      "ext": {"id_readbacks": 2, "upload_all": 0, "direct": 10, "backends": backends}}]}
     (row,) = rows_from_result(cfg, "patched", res, {})
     assert row.h2d_bytes_per_device == [4_000, 2_000]          # per rep: (uploads + direct estimate) / 2
     assert row.direct_reads == 5 and row.ring_bytes_per_device == [7, 7]
-    res["tests"][0].pop("ext_ring")
+    res["tests"][0].pop("ext")   # (the baseline: no extension)
     assert rows_from_result(cfg, "patched", res, {})[0].ring_bytes_per_device is None
 
 

@@ -545,17 +545,23 @@ def test_pageable_host_weights_go_through_pinned_staging(runner, assert_logits_m
     assert_logits_match(three["logits"], b["logits"], "pageable, STAGING=3")
 
 
-def test_the_staging_ring_holds_a_layer_of_pageable_weights(runner, tmp_path, assert_logits_match):
-    """STAGING's ring (ggml-backend-pp-staging.cpp): a layer's pageable expert weights and two slots more, in slots of
-    32 MiB, so that a layer's upload refills slots the device read a layer ago instead of waiting on the device. A
-    four-layer model with 120 MB of experts a layer (64 experts of 1024 x 576 in Q8_0, three tensors), mmap-ed: each
-    VDEV reads its layer's experts, ceil(120 MB / 32 MiB) + 2 = 6 slots; the logits are the baseline's."""
+@pytest.fixture(scope="module")
+def wide(runner, tmp_path_factory):
+    """A four-layer model with 120 MB of experts a layer (64 experts of 1024 x 576 in Q8_0, three tensors), a runner on
+    it, and a layer's expert bytes."""
     cfg = synth.preset("tiny", seed=1, n_layer=4, n_embd=1024, n_ff_exp=576)
-    path = tmp_path / "wide.gguf"
+    path = tmp_path_factory.mktemp("wide") / "wide.gguf"
     synth.write_gguf(str(path), cfg)
     layer = sum(t["nbytes"] for t in model_file.header(path)["tensors"] if re.match(r"blk\.0\.ffn_.*_exps", t["name"]))
-    (tmp_path / "rows").mkdir()
-    r = type(runner)(str(path), tmp_path / "rows")   # (the session runner's class, on this model)
+    return type(runner)(str(path), tmp_path_factory.mktemp("wide-rows")), layer   # (the session runner's class)
+
+
+def test_the_staging_ring_holds_a_layer_of_pageable_weights(wide, assert_logits_match):
+    """STAGING's ring (ggml-backend-pp-staging.cpp): a layer's pageable expert weights and two slots more, in slots of
+    32 MiB, so that a layer's upload refills slots the device read a layer ago instead of waiting on the device. The
+    wide model mmap-ed: each VDEV reads its layers' experts, ceil(120 MB / 32 MiB) + 2 = 6 slots; the logits are the
+    baseline's."""
+    r, layer = wide
     pageable = {**HOST_ALL, "load_mode": "mmap"}
     b = r.logits("baseline", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS)
     staged = r.logits("patched", devices=DEVS, placement=pageable, ctx=CTX, n_tokens=N_TOKENS)
@@ -564,6 +570,19 @@ def test_the_staging_ring_holds_a_layer_of_pageable_weights(runner, tmp_path, as
     assert want == 6, layer
     vdevs = [x for x in staged["ext"]["backends"] if x["name"].startswith("VDEV")]
     assert [x["stage_slots"] for x in vdevs] == [want, want] and all(x["staged_bytes"] > 0 for x in vdevs), vdevs
+
+
+def test_a_ring_made_at_decode_holds_a_layer_for_the_prompt_after_it(wide):
+    """Decode first, with the expert cache (its misses staged piece by piece), then a prompt (whole layers staged): the
+    ring is made at the first decode graph from the layers' weights its splits read, so the prompt after it finds a
+    layer's slots (6) and does not wait on the device for them."""
+    r, _ = wide
+    job = {"kind": "measure", "devices": DEVS, "placement": {**HOST_ALL, "load_mode": "mmap"}, "ctx": CTX,
+           "tests": [["tg", 4], ["pp", 64]], "reps": 1, "warmup": 0}
+    got = r.run("patched", job, env={"GGML_SCHED_PP_EXPERT_CACHE": -8, "GGML_SCHED_PP_EXPERT_CACHE_MIN_HIT": 0})
+    slots = [[x["stage_slots"] for x in t["ext"]["backends"] if x["name"].startswith("VDEV")] for t in got["tests"]]
+    staged = [sum(x["staged_bytes"] for x in t["ext"]["backends"]) for t in got["tests"]]
+    assert slots == [[6, 6], [6, 6]] and 0 < staged[0] < staged[1], (slots, staged)
 
 
 # === 0007 STABLE_RESERVE: stable reservations, dependency padding, kept plans =======================================
@@ -1032,13 +1051,13 @@ def test_chain_queues_gathers_behind_the_one_before(runner, assert_logits_match,
 
 def test_bench_reports_the_prefetch_lanes(runner, tiny_cfg):
     """PREFETCH=2's lanes are a level, not a per-rep count: bench results carry them as they stand after the last
-    rep (in "ring_bytes": three expert copies per GPU)."""
+    rep (a backend's "ring_bytes", counters.BACKEND_LEVELS: three expert copies per GPU)."""
     on = _bench(runner, {"GGML_SCHED_PP_OVERLAP": 2, "GGML_SCHED_PP_PREFETCH": 2})
     off = _bench(runner, {})
     one_expert_tensor = synth.expert_bytes_per_layer(tiny_cfg) // 3
-    assert {r["name"]: r["ring_bytes"] for r in on["ext_ring"]} == {"VDEV0": 3 * one_expert_tensor,
-                                                                     "VDEV1": 3 * one_expert_tensor, "CPU": 0}
-    assert all(r["ring_bytes"] == 0 for r in off["ext_ring"])
+    assert {r["name"]: r["ring_bytes"] for r in on["ext"]["backends"]} == {"VDEV0": 3 * one_expert_tensor,
+                                                                            "VDEV1": 3 * one_expert_tensor, "CPU": 0}
+    assert all(r["ring_bytes"] == 0 for r in off["ext"]["backends"])
 
 
 # === 0015 LAYER_MAJOR: a batch's ubatches through each layer together, a layer's experts up once a group ===========

@@ -58,11 +58,8 @@ def run_tests(s, tests, reps: int, seed: int, coverage: bool, warmup: int = RUN.
             times.append(dt)
             devs.append(dev)
             ext = ext_add(ext, ext_delta(e0, e1))  # the timed window of each rep only
-        # PREFETCH=2's lanes per backend are a level (in the deltas above it subtracts to 0): as it stands after the last rep
-        ring = [{"name": b["name"], "ring_bytes": b["ring_bytes"]} for b in e1["backends"]] \
-            if e1 and e1.get("backends") and "ring_bytes" in e1["backends"][0] else None
         results.append({"kind": test_type, "n": n, "depth": depth, "seconds": times, "devices": sum_devices(devs),
-                        "ext": ext, "ext_ring": ring, "coverage": cov, "reps": reps})
+                        "ext": ext, "coverage": cov, "reps": reps})
     return results
 
 
