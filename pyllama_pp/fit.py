@@ -61,6 +61,12 @@ def _weigh(plan: Plan, model, devices, workload, curve, load_mode: str, n_thread
     return out
 
 
+def _refit_switches(given: dict, plan: Plan) -> dict:
+    """The switches a plan's memory is placed again with (its refit for N MiB of cache): the user's, and LAYER_MAJOR
+    where the plan took its groups (their buffers stay in the placement)."""
+    return {**given, **({switches.LAYER_MAJOR: 1} if plan.switches.get(switches.LAYER_MAJOR) else {})}
+
+
 def _weighed(plan: Plan, model, devices, workload, curve, load_mode: str, n_threads: int, progress: bool,
              refit: Optional[Callable[[int], Plan]], probed: Optional[dict]) -> Plan:
     """_weigh's plan before the user's switches go over it."""
@@ -318,7 +324,7 @@ def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, wor
     probed: dict = {}
 
     def weigh(p: Plan) -> Plan:
-        sw = {**given, **({switches.LAYER_MAJOR: 1} if p.switches.get(switches.LAYER_MAJOR) else {})}
+        sw = _refit_switches(given, p)
         refit = lambda mib: placement.fit(model, devices, pinned, variant, switches=sw,
                                           **{**kw, "expert_cache": f"{mib}MiB"})
         return _weigh(p, model, devices, wl, curve, load_mode, n_threads, progress, refit, probed, given)
@@ -462,7 +468,7 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
         """The memory weighed at p's pair and switches (its refit keeps them, and p's rows)."""
         fit_kw = {k: v for k, v in kw.items() if k in ("margin", "split_mode", "env", "timeout", "spread",
                                                      "link_gbps")}
-        fit_kw["switches"] = {**given, **({switches.LAYER_MAJOR: 1} if p.switches.get(switches.LAYER_MAJOR) else {})}
+        fit_kw["switches"] = _refit_switches(given, p)
         chosen = dataclasses.replace(placement.fit_context(ctx), n_ctx=p.n_ctx, n_batch=p.ctx["n_batch"],
                                      n_ubatch=p.ctx["n_ubatch"])
 

@@ -149,30 +149,6 @@ void ggml_backend_sched_pp_stage_free(ggml_backend_sched_t sched) {
     sched->pp_copier = nullptr;
 }
 
-static int ggml_backend_sched_pp_stage_slots(ggml_backend_sched_t sched, int backend_id);
-
-// at the end of a graph: an event after the copies queued from each partly filled slot (so that freeing the
-// scheduler can wait for them without its backends); a ring smaller than this graph needed is freed (after its
-// copies), to be made again at the size the next graph needs
-void ggml_backend_sched_pp_stage_mark(ggml_backend_sched_t sched) {
-    for (int b = 0; b < sched->n_backends; b++) {
-        ggml_sched_pp_stage * st = sched->pp_stage[b];
-        if (st == nullptr || st->unusable) {
-            continue;
-        }
-        if (st->used > 0) {
-            ggml_backend_event_record(st->ev[st->cur], st->filler);
-            st->recorded[st->cur] = true;
-        }
-        // (a graph that staged no more than the ring holds cannot have needed more: no count of its splits)
-        if (st->graph_bytes > st->slot_size * st->n_slots && st->asked < ggml_backend_sched_pp_stage_slots(sched, b)) {
-            ggml_backend_sched_pp_ring_free(sched, b);
-            continue;
-        }
-        st->graph_bytes = 0;
-    }
-}
-
 // true if host memory of this buffer is pinned: of the host buffer type of one of the scheduler's devices
 bool ggml_backend_sched_pp_buffer_is_pinned(ggml_backend_sched_t sched, ggml_backend_buffer_t buf) {
     const ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(buf);
@@ -210,6 +186,28 @@ static int ggml_backend_sched_pp_stage_slots(ggml_backend_sched_t sched, int bac
     const size_t slots = (most + GGML_SCHED_PP_STAGE_SLOT - 1) / GGML_SCHED_PP_STAGE_SLOT + 2;
     return (int) std::max((size_t) GGML_SCHED_PP_STAGE_MIN_SLOTS,
                           std::min(slots, GGML_SCHED_PP_STAGE_MAX / GGML_SCHED_PP_STAGE_SLOT));
+}
+
+// at the end of a graph: an event after the copies queued from each partly filled slot (so that freeing the
+// scheduler can wait for them without its backends); a ring smaller than this graph needed is freed (after its
+// copies), to be made again at the size the next graph needs
+void ggml_backend_sched_pp_stage_mark(ggml_backend_sched_t sched) {
+    for (int b = 0; b < sched->n_backends; b++) {
+        ggml_sched_pp_stage * st = sched->pp_stage[b];
+        if (st == nullptr || st->unusable) {
+            continue;
+        }
+        if (st->used > 0) {
+            ggml_backend_event_record(st->ev[st->cur], st->filler);
+            st->recorded[st->cur] = true;
+        }
+        // (a graph that staged no more than the ring holds cannot have needed more: no count of its splits)
+        if (st->graph_bytes > st->slot_size * st->n_slots && st->asked < ggml_backend_sched_pp_stage_slots(sched, b)) {
+            ggml_backend_sched_pp_ring_free(sched, b);
+            continue;
+        }
+        st->graph_bytes = 0;
+    }
 }
 
 // the staging slots of a backend, created on first use (nullptr: upload directly)
