@@ -1,4 +1,4 @@
-# shared by the calls (sourced): the build where the machine is fresh, the 30B-A3B preset with locality routing (ROUTING)
+# shared by the calls (sourced): the build where the machine is fresh, the 30B-A3B preset (or PRESET) with locality routing (ROUTING)
 # (N_LAYER of its layers, default all 48; MODEL its file's name), a margin that leaves SPARE_GIB of the GPU to the
 # model (default 10: about a quarter of the 48 layers' experts fit), helpers
 set -o pipefail
@@ -10,7 +10,7 @@ export PYTHONPATH=/tmp/site PYLLAMA_PP_CACHE=/tmp/pp_cache
 printf '#!/bin/sh\ncd /tmp && exec python3 -c "import sys; from pyllama_pp.cli import main; sys.exit(main(sys.argv[1:]))" "$@"\n' > /tmp/pp
 chmod +x /tmp/pp; pp() { /tmp/pp "$@"; }
 M=/tmp/pp_models/${MODEL:-q30-loc}.gguf; mkdir -p /tmp/pp_models /tmp/A
-[ -f $M ] || { pp synth $M --preset qwen3-30b-a3b --n-layer ${N_LAYER:-48} --routing ${ROUTING:-locality} | tail -1
+[ -f $M ] || { pp synth $M --preset ${PRESET:-qwen3-30b-a3b} --n-layer ${N_LAYER:-48} --routing ${ROUTING:-locality} | tail -1
                echo "synth: $(( $(date +%s) - t0 )) s"; }
 TOT=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 MARGIN=$(( TOT / 1024 - ${SPARE_GIB:-10} ))GiB
