@@ -240,7 +240,7 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
 
     # the expert cache's guard weighs the host CPU's expert op against each device's link (expert_cache_plan.guard):
     # measured once on this machine, then read back
-    guard_rates = _guard_rates(model, spec, ctx) if (cache or placement) and variant == "patched" else None
+    guard_rates = _guard_rates(model, spec, ctx, given) if (cache or placement) and variant == "patched" else None
     if guard_rates is not None:
         rates = list(dict.fromkeys([*rates, *guard_rates.missing]))
 
@@ -300,11 +300,11 @@ class _GuardRates:
     link; the host's copy into the staging slots, which an mmap-ed model's misses go through), as cached on this
     machine, and what a dry run must measure (`missing`)."""
 
-    def __init__(self, cpu_key: str, link_keys: list):
-        self.cpu_key, self.link_keys = cpu_key, link_keys
+    def __init__(self, cpu_key: str, link_keys: list, copy_key: str):
+        self.cpu_key, self.link_keys, self.copy_key = cpu_key, link_keys, copy_key
         self.cpu = cached_rate("cpu_expert_gbps", cpu_key)
         self.links = [cached_rate("links", k) for k in link_keys]
-        self.copy = cached_rate("host_copy_gbps")
+        self.copy = cached_rate("host_copy_gbps", copy_key)
         self.missing = ([] if self.cpu else ["cpu_expert"]) + ([] if self.links and all(self.links) else ["links"]) \
             + ([] if self.copy else ["host_copy"])
 
@@ -314,18 +314,25 @@ class _GuardRates:
             plan.cpu_expert_gbps = keep_rate("cpu_expert_gbps", plan.cpu_expert_gbps, self.cpu_key)
         plan.cpu_expert_gbps = plan.cpu_expert_gbps or self.cpu or {}
         if plan.host_copy_gbps and not self.copy:
-            plan.host_copy_gbps = keep_rate("host_copy_gbps", plan.host_copy_gbps)
+            plan.host_copy_gbps = keep_rate("host_copy_gbps", plan.host_copy_gbps, self.copy_key)
         plan.host_copy_gbps = plan.host_copy_gbps or self.copy
         for d, key, known in zip(plan.devices, self.link_keys, self.links):
             d.link = keep_rate("links", d.link, key) if d.link and not known else d.link or known
 
 
-def _guard_rates(model, spec: devspec.DeviceSpec, ctx: ContextParams) -> _GuardRates:
+def _guard_rates(model, spec: devspec.DeviceSpec, ctx: ContextParams, given: dict) -> _GuardRates:
     """The guard's rates for a model on a spec: the CPU's by the expert tensor's shape, its experts a token and the
-    run's threads; the links by the spec's devices (none where the spec does not count them, as "cuda": measured)."""
+    run's threads; the links by the spec's devices (none where the spec does not count them, as "cuda": measured);
+    the staging copy by the switches' copier threads (host_copy_key)."""
     shape, n_used = expert_tensor_shape(model), expert_layout(model)[0]
     return _GuardRates(f":{shape}:{n_used}:{threads(ctx.n_threads)}",
-                       [f":{spec}#{i}" for i in range(spec.n_devices or 0)])
+                       [f":{spec}#{i}" for i in range(spec.n_devices or 0)], host_copy_key(given))
+
+
+def host_copy_key(given: Optional[dict]) -> str:
+    """The staging copy's key in rates.json within this machine's: the copier threads the switches `given` set (0:
+    the build's default, switches.staging_threads), which the rate depends on."""
+    return f":staging{switches.staging_threads(given)}"
 
 
 def cached_rate(section: str, key: str = ""):
@@ -365,4 +372,5 @@ def _host_key() -> str:
     return f"{socket.gethostname()}:{usable_cores()}"
 
 
-__all__ = ["fit", "measure", "check_inputs", "fit_context", "spread_weights", "reserved_bytes", "cached_rate", "keep_rate"]
+__all__ = ["fit", "measure", "check_inputs", "fit_context", "spread_weights", "reserved_bytes", "cached_rate", "keep_rate",
+           "host_copy_key"]

@@ -18,7 +18,7 @@ from .errors import OutOfMemoryError
 from .layer_major_plan import plan_layer_major
 from .model_file import embedding_length, expert_bytes_per_layer, expert_layout
 from .params import ContextParams
-from .placement import _fit_plan, cached_rate, check_inputs, fit_context, keep_rate
+from .placement import _fit_plan, cached_rate, check_inputs, fit_context, host_copy_key, keep_rate
 from .plan import MiB, Plan, grouped_rows, plan_problem
 from .predict import CLEARLY_SLOWER, batch_choices, best_batch, compute_for, link_rates, predict
 from .workload import Workload
@@ -164,16 +164,17 @@ class _Search:
         """The plan of n_ctx n, n_ubatch u and n_batch nb (default: the largest the prompt and n_ctx allow)."""
         c = ContextParams(**{**self.ctx.to_dict(), "n_ctx": n, "n_batch": nb or max(u, min(self.cap, n)),
                              "n_ubatch": u})
+        copy_key = host_copy_key(self.given)   # (the staging copy's rate by its copier threads)
         want = [] if self.rated or self.link_gbps is not None and not self.staging else \
-            ["links"] + (["host_copy"] if self.staging and cached_rate("host_copy_gbps") is None else [])
+            ["links"] + (["host_copy"] if self.staging and cached_rate("host_copy_gbps", copy_key) is None else [])
         plan = _fit_plan(self.model, devices=self.devices, ctx=c, variant=self.variant, link_gbps=self.link_gbps,
                          check=True, checked=True, rates=want, group_bytes=group_bytes,
                          given={**self.given, **(extra or {})}, **self.kw)
         if want:
             if plan.host_copy_gbps:
-                plan.host_copy_gbps = keep_rate("host_copy_gbps", plan.host_copy_gbps)
+                plan.host_copy_gbps = keep_rate("host_copy_gbps", plan.host_copy_gbps, copy_key)
             self.rated.update(links=[d.link for d in plan.devices],
-                              host_copy=plan.host_copy_gbps or cached_rate("host_copy_gbps"))
+                              host_copy=plan.host_copy_gbps or cached_rate("host_copy_gbps", copy_key))
         return plan
 
     def placed_at(self, n: int, u: int, nb: Optional[int] = None) -> tuple[Optional[Plan], Optional[Exception]]:

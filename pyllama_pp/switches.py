@@ -37,6 +37,7 @@ EXPERT_CACHE = "EXPERT_CACHE"    # the device expert cache: MiB a device, or -N 
 EXPERT_CACHE_MIN_HIT = "EXPERT_CACHE_MIN_HIT"   # its guard: percent of hits below which a layer goes to the CPU
 EXPERT_HYBRID = "EXPERT_HYBRID"  # its misses split with the host CPU: the CPU's expert rate in percent of the link's
 LAYER_MAJOR = "LAYER_MAJOR"      # a batch's ubatches through each layer together
+STAGING = "STAGING"              # pageable uploads through pinned slots (1: the default copier threads, N >= 2: N)
 # the switches of type "ints" (one value for every device, or a comma list of one per device): the cache's; a guard's
 # or a split's list names every device (read as 0 past its list, they would be off there unsaid)
 PER_DEVICE = (EXPERT_CACHE, EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID)
@@ -88,6 +89,16 @@ def user_set(given: Optional[dict], env: Optional[dict] = None, variant: str = F
     Planning reads the environment here, where the switches given enter it, so that a variable is planned as --switch
     is (EXPERT_CACHE as --expert-cache: take_expert_cache); its workers then get them in their jobs (`unset`)."""
     return {**in_force(variant, env), **(given or {})}
+
+
+def staging_threads(given: Optional[dict]) -> int:
+    """The copier threads STAGING sets among the switches `given` (NAME -> value): N for N >= 2, else 0 (the build's
+    default, ggml_backend_sched_pp_stage_default_threads, or off); what fit's staging probe copies with."""
+    try:
+        n = int((given or {}).get(STAGING) or 0)
+    except (TypeError, ValueError):
+        return 0
+    return n if n >= 2 else 0
 
 
 def unset(env: Optional[dict]) -> dict:

@@ -661,16 +661,22 @@ def test_vdevs_outnumbering_the_cores_are_probed_together(monkeypatch):
 
 def test_links_are_measured_and_predictions_use_them(model, tmp_path, monkeypatch):
     """fit_ubatch measures each device's host link once (pinned and pageable copies) and, for an mmap-ed model, the
-    host's staging copy (cached for later plans); a rate given wins, then the measured one, then the spec's own."""
+    host's staging copy (cached for later plans, by the copier threads STAGING sets: a plan with other threads
+    measures its own); a rate given wins, then the measured one, then the spec's own."""
     from pyllama_pp import devices as devspec
     from pyllama_pp.fit import fit_ubatch
-    from pyllama_pp.placement import cached_rate
+    from pyllama_pp.placement import cached_rate, host_copy_key
     from pyllama_pp.predict import link_rates
     monkeypatch.setenv("PYLLAMA_PP_CACHE", str(tmp_path))
     p = fit_ubatch(model, devices=TWO_EQUAL, ctx=ContextParams(n_ctx=512), count_compute=False, load_mode="mmap",
                    candidates=(64, 128), timeout=120)
     assert all(d.link and d.link["pinned_gbps"] > 0 and d.link["pageable_gbps"] > 0 for d in p.devices), p.devices
-    assert p.host_copy_gbps and cached_rate("host_copy_gbps") == p.host_copy_gbps
+    assert p.host_copy_gbps and cached_rate("host_copy_gbps", host_copy_key({})) == p.host_copy_gbps
+    assert cached_rate("host_copy_gbps", host_copy_key({"STAGING": 2})) is None
+    two = fit_ubatch(model, devices=TWO_EQUAL, ctx=ContextParams(n_ctx=512), count_compute=False, load_mode="mmap",
+                     candidates=(64,), timeout=120, switches={"STAGING": 2})
+    assert two.host_copy_gbps and cached_rate("host_copy_gbps", host_copy_key({"STAGING": 2})) == two.host_copy_gbps
+    assert host_copy_key({"STAGING": 1}) == host_copy_key({}) != host_copy_key({"STAGING": 2})
     assert "links (measured" in str(p) and "host staging copy" in str(p)
     spec = devspec.parse(TWO_EQUAL)
     measured = [{"pinned_gbps": 3.0, "pageable_gbps": 2.0}, None]

@@ -13,6 +13,7 @@ from ...model_file import expert_layout, expert_tensor_bytes, expert_tensor_shap
 from ...params import SPLIT_MODES
 from ...rpc.client import describe_servers
 from ...session import apply_switches, model_params
+from ...switches import staging_threads
 
 
 def handle(job: FitJob) -> dict:
@@ -36,7 +37,8 @@ def handle(job: FitJob) -> dict:
     if job.rates:
         served = {n for _, names_there in servers for n in names_there}
         local = [d for d in res["devices"] if d["name"] not in served]   # (a server's link is the server's own)
-        res["rates"] = measure_rates(native, local, job.rates, expert_tensor_bytes(job.model))
+        res["rates"] = measure_rates(native, local, job.rates, expert_tensor_bytes(job.model),
+                                     staging_threads(job.switches))
         if "cpu_expert" in job.rates:
             res["rates"]["cpu_expert_gbps"] = cpu_expert_rate(native, job.model, threads(job.ctx.n_threads))
     return res
@@ -59,17 +61,17 @@ def link_rate(native, name: str, free_bytes: int, copy_bytes: int) -> dict:
     return {"pinned_gbps": pinned[0], "pageable_gbps": pageable[0], "copy_bytes": n}
 
 
-def measure_rates(native, devices: list[dict], what: list, copy_bytes: int) -> dict:
+def measure_rates(native, devices: list[dict], what: list, copy_bytes: int, copy_threads: int = 0) -> dict:
     """The rates fit_ubatch predicts with, measured in this process: each device's host link ("links": name ->
     link_rate, with copies of copy_bytes) and the host's copy into pinned memory as the patched build's staging runs
-    it ("host_copy_gbps")."""
+    it ("host_copy_gbps", on copy_threads threads: 0 the build's default, as STAGING=1)."""
     out: dict = {}
     if "links" in what:
         out["links"] = {d["name"]: link_rate(native, d["name"], d["free_bytes"], copy_bytes) for d in devices}
     if "host_copy" in what:
         got = native.ffi.new("double *")
         native.check(native.lib.pp_host_copy_rate(devices[0]["name"].encode() if devices else native.ffi.NULL,
-                                                  HOST_COPY_BYTES, 0, RATE_REPS, got))
+                                                  HOST_COPY_BYTES, copy_threads, RATE_REPS, got))
         out["host_copy_gbps"] = got[0]
     return out
 
