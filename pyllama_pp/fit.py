@@ -217,12 +217,18 @@ def _with_layer_major(plan: Plan, workload: Workload, place: Callable[[dict], Pl
         lm = place({**given, switches.LAYER_MAJOR: 1})
     except OutOfMemoryError as e:
         return plan, f"its groups' memory has no room: {str(e).splitlines()[0]}"
-    if lm.host_expert_layers != plan.host_expert_layers:
-        return plan, "its groups' memory would move expert layers to host RAM"
+    if _residency(lm) != _residency(plan):
+        return plan, "its groups' memory would move expert layers (or part of one) to host RAM"
     if layer_major_group(lm) < 2:
         return plan, "no group forms here (op offload off)"
     lm.layer_major["why"] = why
     return lm, ""
+
+
+def _residency(plan: Plan) -> list[tuple[int, int]]:
+    """Per device, (host-expert layers, layers with part of their FFN moved to the CPU): what a plan keeps of the
+    experts in device memory, which LAYER_MAJOR's groups may not lower."""
+    return [(d.host_expert_layers, d.partial_layers) for d in plan.devices]
 
 
 def _decodes(plan: Plan, workload: Workload) -> bool:

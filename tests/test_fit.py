@@ -916,3 +916,27 @@ def test_a_given_placement_is_measured_as_fit_measures_its_own(plans, model):
     every = measure(model, TWO_EQUAL, Placement(host_experts="all"), CTX, switches=fitted.switches)
     assert sum(every.host_expert_layers) == N_LAYER and sum(d.model_bytes for d in every.devices) < \
         sum(d.model_bytes for d in fitted.devices)
+
+
+def test_layer_major_stays_off_where_its_groups_would_lower_what_a_device_keeps():
+    """fit's LAYER_MAJOR trial (_with_layer_major) keeps the switch off where the groups' buffers would cost device
+    memory that held experts: more host-expert layers on a device, or a layer with part of its FFN moved to the CPU
+    (the same host-expert counts); with the same residency the groups are taken."""
+    from pyllama_pp.fit import _with_layer_major
+    from pyllama_pp.plan import DevicePlan
+    from pyllama_pp.workload import Workload
+
+    def plan(host: int, partial: int = 0, lm: int = 0) -> Plan:
+        dev = lambda first, end: DevicePlan(name="VDEV", layers=[first, end], full_layers=end - first - host,
+                                            host_expert_layers=host, partial_layers=partial, model_bytes=0,
+                                            context_bytes=0, compute_bytes=0, free_bytes=0, target_bytes=0)
+        return Plan(variant="patched", model="m", model_size=0, devices_spec={}, ctx={"n_ubatch": 64, "n_batch": 512},
+                    status="success", path="spread", reasons=[], n_gpu_layers=7, tensor_split=[], tensor_overrides=[],
+                    n_ctx=512, n_layer=6, n_expert=8, margins=[0, 0], devices=[dev(0, 3), dev(3, 6)],
+                    switches={"LAYER_MAJOR": lm} if lm else {})
+    wl = Workload.parse("pp=512,tg=0")
+    taken, why = _with_layer_major(plan(2), wl, lambda sw: plan(2, lm=1), {}, "groups")
+    assert taken.switches.get("LAYER_MAJOR") == 1 and why == "" and taken.layer_major["why"] == "groups"
+    for worse in (plan(3, lm=1), plan(2, partial=1, lm=1)):
+        kept, why = _with_layer_major(plan(2), wl, lambda sw: worse, {}, "groups")
+        assert "LAYER_MAJOR" not in kept.switches and "host RAM" in why, why
