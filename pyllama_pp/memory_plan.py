@@ -178,10 +178,10 @@ def hybrid_note(plan: Plan, costs: dict[int, DecodeCosts], load_mode: str) -> st
 
 
 def _resident(plan: Plan, n_dense: int) -> list[int]:
-    """Per device, the MoE layers whose experts are all in its memory (the leading dense layers, on the first device,
-    have none)."""
-    return [max(0, d.full_layers - d.partial_layers - (min(n_dense, d.full_layers) if i == 0 else 0))
-            for i, d in enumerate(plan.devices)]
+    """Per device, the MoE layers whose experts are all in its memory: its full layers less those with part of their
+    FFN on the CPU and the leading dense layers in its range (they have no experts; on the first devices)."""
+    return [max(0, d.full_layers - d.partial_layers - max(0, min(d.layers[1], n_dense) - d.layers[0]))
+            for d in plan.devices]
 
 
 def _prompt_extra(workload: Workload, moved: Sequence[int], layer_bytes: float, links: Sequence[float],

@@ -897,3 +897,20 @@ def test_a_guard_given_to_fit_stays_in_its_plan(model, monkeypatch):
     assert given.switches["EXPERT_CACHE_MIN_HIT"] == mine
     assert {**given.switches, "EXPERT_CACHE_MIN_HIT": 0} == {**planned.switches, "EXPERT_CACHE_MIN_HIT": 0}
     assert Plan.from_dict(given.to_dict()).switches["EXPERT_CACHE_MIN_HIT"] == mine
+
+
+def test_resident_layers_leave_out_dense_layers_wherever_they_sit():
+    """The layers the memory planner counts resident on a device (a move to host RAM frees their experts' bytes): its
+    full layers less those with part of their FFN on the CPU and the leading dense layers in its range, which have no
+    experts - on the second device too where the first holds fewer layers than the model has dense ones."""
+    from pyllama_pp.memory_plan import _resident
+    from pyllama_pp.plan import DevicePlan
+    dev = lambda first, end, host, partial=0: DevicePlan(
+        name="VDEV", layers=[first, end], full_layers=end - first - host, host_expert_layers=host,
+        partial_layers=partial, model_bytes=0, context_bytes=0, compute_bytes=0, free_bytes=0, target_bytes=0)
+    plan = Plan(variant="patched", model="m", model_size=0, devices_spec={}, ctx={"n_ubatch": 64, "n_batch": 512},
+                status="success", path="spread", reasons=[], n_gpu_layers=9, tensor_split=[], tensor_overrides=[],
+                n_ctx=512, n_layer=8, n_expert=8, margins=[0, 0], devices=[dev(0, 2, 0), dev(2, 8, 2, partial=1)])
+    assert _resident(plan, 0) == [2, 3]
+    assert _resident(plan, 1) == [1, 3]
+    assert _resident(plan, 3) == [0, 2]   # (layer 2, dense, sits on the second device)
