@@ -411,6 +411,15 @@ def _side_best(winner: Plan, measured: list) -> Optional[tuple]:
     return None if side else (winner, winner.predicted_ts or 0.0, "predicted")
 
 
+def _one_basis(sides: list) -> list:
+    """The two sides' (plan, prompt t/s, how) on one basis: as they are where both were measured or both predicted;
+    where one side ran and the other did not, both at their predictions (a measured t/s against a predicted one
+    would weigh the predictor's error, not the sides)."""
+    if None in sides or len({how for _, _, how in sides}) < 2:
+        return sides
+    return [(p, p.predicted_ts or 0.0, "predicted") for p, _, _ in sides]
+
+
 def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, workload=None, trace=None,
                measure: int = UBATCH_MEASURE.most, **kw) -> Plan:
     """pyllama_pp.planner.fit_ubatch with the compute probe (pyllama_pp.compute.Probe); for the patched build where
@@ -418,7 +427,8 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
     UBATCH_MEASURE.band of the best run as planned (at most `measure`, the best included) and the fastest measured
     taken; then, expert cache auto, the memory weighed for the workload at the chosen pair (as fit does). Where both
     searches placed a pair and the workload decodes too (the cache auto), the two sides' best (with LAYER_MAJOR and
-    without: the fastest measured, else the search's winner at its prediction) are weighed on the whole workload as
+    without: the fastest measured, else the search's winner at its prediction; both at their predictions where only
+    one side ran: _one_basis) are weighed on the whole workload as
     fit weighs its groups (_weighed_layer_major: each one's prompts at its t/s plus the memory plan priced at its
     placement; the side whose prompts ran faster stays unless the other saves GAIN_MIN).
 
@@ -485,7 +495,7 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
             out.ubatch_auto, out.ubatch_measured = p.ubatch_auto, p.ubatch_measured
             return out
         return _weigh(p, model, devices, wl, curve, load_mode, n_threads, progress, refit, probed, given)
-    sides = [_side_best(w, measured) for w in winners]
+    sides = _one_basis([_side_best(w, measured) for w in winners])
     if len(winners) < 2 or None in sides or not _decodes(plan, wl):
         return weigh(plan)
     # (the workload decodes: the groups' side weighed against the one whose cache may take their room)

@@ -914,3 +914,17 @@ def test_resident_layers_leave_out_dense_layers_wherever_they_sit():
     assert _resident(plan, 0) == [2, 3]
     assert _resident(plan, 1) == [1, 3]
     assert _resident(plan, 3) == [0, 2]   # (layer 2, dense, sits on the second device)
+
+
+def test_ub_auto_weighs_layer_major_on_one_basis():
+    """-ub auto weighs its side with LAYER_MAJOR against the one without on the whole workload, each side's prompts
+    at a t/s: both measured, or both predicted - where one side ran and the other did not, both at their
+    predictions (fit._one_basis), so that the predictor's error does not decide."""
+    from pyllama_pp.fit import _one_basis
+    on, off = Plan.__new__(Plan), Plan.__new__(Plan)
+    on.predicted_ts, off.predicted_ts = 900.0, 1000.0
+    both = [(on, 1200.0, "measured"), (off, 1100.0, "measured")]
+    assert _one_basis(both) == both
+    mixed = _one_basis([(on, 1200.0, "measured"), (off, 1000.0, "predicted")])
+    assert [(p, ts, how) for p, ts, how in mixed] == [(on, 900.0, "predicted"), (off, 1000.0, "predicted")]
+    assert _one_basis([None, (off, 1000.0, "predicted")]) == [None, (off, 1000.0, "predicted")]
