@@ -372,5 +372,5 @@ def _host_key() -> str:
     return f"{socket.gethostname()}:{usable_cores()}"
 
 
-__all__ = ["fit", "measure", "check_inputs", "fit_context", "spread_weights", "reserved_bytes", "cached_rate", "keep_rate",
-           "host_copy_key"]
+__all__ = ["fit", "measure", "check_inputs", "fit_context", "spread_weights", "reserved_bytes", "cached_rate",
+           "keep_rate", "host_copy_key"]
