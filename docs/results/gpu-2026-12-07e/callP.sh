@@ -12,9 +12,9 @@ one lm-mmap      run $M --devices cuda:0 $P -ub 4096 --load-mode mmap --switch L
 one lm-pinned    run $M --devices cuda:0 $P -ub 4096 --switch LAYER_MAJOR=1
 one vram         run $M --devices cuda:0 $P -ub 2048 --variant baseline --host-experts none
 T="-p 0 -n 128 -d 2048 --paired 4 --loads 2"
-one dec-mmap-c16 ab $M --devices cuda:0 --load-mode mmap --expert-cache 16slots $T
 one dec-mmap-c16-cpumiss ab $M --devices cuda:0 --load-mode mmap --expert-cache 16slots --switch EXPERT_HYBRID=100000 \
     --switch EXPERT_CACHE_MIN_HIT=0 $T   # (a layer's misses on the host CPU but one: it goes up)
+one dec-mmap-c16 ab $M --devices cuda:0 --load-mode mmap --expert-cache 16slots $T
 one dec-mmap-c16-noguard ab $M --devices cuda:0 --load-mode mmap --expert-cache 16slots --switch EXPERT_CACHE_MIN_HIT=0 $T
 one lm-mmap-s16  run $M --devices cuda:0 $P -ub 4096 --load-mode mmap --switch LAYER_MAJOR=1 --switch STAGING=16
 echo "call: $(( $(date +%s) - t0 )) s"
