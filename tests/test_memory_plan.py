@@ -920,9 +920,9 @@ def test_ub_auto_weighs_layer_major_on_one_basis():
     """-ub auto weighs its side with LAYER_MAJOR against the one without on the whole workload, each side's prompts
     at a t/s: both measured, or both predicted - where one side ran and the other did not, both at their
     predictions (fit._one_basis), so that the predictor's error does not decide."""
+    from types import SimpleNamespace
     from pyllama_pp.fit import _one_basis
-    on, off = Plan.__new__(Plan), Plan.__new__(Plan)
-    on.predicted_ts, off.predicted_ts = 900.0, 1000.0
+    on, off = SimpleNamespace(predicted_ts=900.0), SimpleNamespace(predicted_ts=1000.0)   # (all it reads of a Plan)
     both = [(on, 1200.0, "measured"), (off, 1100.0, "measured")]
     assert _one_basis(both) == both
     mixed = _one_basis([(on, 1200.0, "measured"), (off, 1000.0, "predicted")])
