@@ -262,6 +262,7 @@ struct ggml_sched_pp_cache {
     uint64_t seq          = 0;   // the graph computed last (pp_graph_seq) ...
     size_t   next         = 0;   // ... its first op not prepared yet
     size_t   next_cpu     = 0;   // ... and its first CPU op whose split has not run
+    std::vector<ggml_sched_pp_piece> misses;   // a split's missed experts, uploaded together (cache_prepare)
 };
 
 // the host weight of an expert op the cache may take (MUL_MAT_ID's experts, ADD_ID's expert biases)
@@ -1092,6 +1093,9 @@ void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_i
         c->next     = 0;
         c->next_cpu = 0;
     }
+    std::vector<ggml_sched_pp_piece> & misses = c->misses;   // (kept between calls: no allocation a split)
+    misses.clear();
+    int misses_backend = -1;
     for (; c->next < c->ops.size() && c->ops[c->next].split <= split_id; c->next++) {
         const ggml_sched_pp_cache_op & op = c->ops[c->next];
         if (op.split < split_id) {
@@ -1111,12 +1115,15 @@ void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_i
             }
         }
         const size_t expert_size = w->host->nb[w->dim];
+        if (!misses.empty() && l->backend_id != misses_backend) {
+            ggml_backend_sched_pp_upload_pieces(sched, misses_backend, misses.data(), misses.size());
+            misses.clear();
+        }
+        misses_backend = l->backend_id;
         for (const auto & [e, s] : l->used) {
             if (w->content[s] != e) {
-                // (from pageable memory, an mmap-ed model, through the staging slots: STAGING)
-                ggml_backend_sched_pp_upload(sched, l->backend_id, w->host, w->slots,
-                                             (const char *) w->host->data + e * expert_size, (size_t) s * expert_size,
-                                             expert_size, nullptr);
+                misses.push_back({ w->host, w->slots, (const char *) w->host->data + e * expert_size,
+                                   (size_t) s * expert_size, expert_size });
                 w->content[s] = e;
                 sched->pp.cache_bytes[l->backend_id]  += expert_size;
                 sched->pp.weight_bytes[l->backend_id] += expert_size;
@@ -1124,6 +1131,11 @@ void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_i
         }
         sched->pp.cache_ops[l->backend_id]++;
         swap->add(op.node, w->slots, ggml_sched_pp_cache_ids_view(l, ids->ne[1]));
+    }
+    // the split's misses uploaded into their slots at once (from pageable memory, an mmap-ed model, the staging copies
+    // them together: STAGING)
+    if (!misses.empty()) {
+        ggml_backend_sched_pp_upload_pieces(sched, misses_backend, misses.data(), misses.size());
     }
 }
 

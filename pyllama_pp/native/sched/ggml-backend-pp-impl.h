@@ -98,6 +98,7 @@ struct ggml_sched_pp_stats {
     uint64_t stage_waits;                               // host waits for a staging slot the device was still reading
     int64_t  stage_wait_us;                             // time of those waits (part of the "upload" host wait)
     int64_t  stage_copy_us;                             // time the host spent copying pieces into staging slots
+    uint64_t stage_copies;                              // ... in that many copies (a copy: the pieces of a slot in one call)
     char     last_realloc[384];                         // why the last re-reservation happened
     char     realloc_log[4][384];                       // the first four reasons since the stats were reset
     int      realloc_log_n;
@@ -532,6 +533,16 @@ bool ggml_backend_sched_pp_stages(ggml_backend_sched_t sched, int backend_id, co
 void ggml_backend_sched_pp_upload(ggml_backend_sched_t sched, int backend_id, const struct ggml_tensor * weight,
                                   struct ggml_tensor * dst, const void * data, size_t offset, size_t size,
                                   ggml_backend_t via = nullptr);
+// one upload of ggml_backend_sched_pp_upload_pieces: `size` bytes of host weight `weight` from `data` to dst at `offset`
+struct ggml_sched_pp_piece {
+    const struct ggml_tensor * weight;
+    struct ggml_tensor *       dst;
+    const void *               data;
+    size_t                     offset;
+    size_t                     size;
+};
+void ggml_backend_sched_pp_upload_pieces(ggml_backend_sched_t sched, int backend_id, const ggml_sched_pp_piece * pieces,
+                                         size_t n_pieces, ggml_backend_t via = nullptr);
 
 // ggml-backend-pp-stable-reserve.cpp: STABLE_RESERVE's kept plans and padding
 int ggml_backend_sched_pp_alloc_kept_plan(ggml_backend_sched_t sched);

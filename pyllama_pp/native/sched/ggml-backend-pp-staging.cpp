@@ -28,19 +28,26 @@
 #define GGML_SCHED_PP_STAGE_SLOT      ((size_t) 32 << 20)
 #define GGML_SCHED_PP_STAGE_MAX       ((size_t) 1 << 30)
 
-#define GGML_SCHED_PP_STAGE_SPLIT (1u << 20) // pieces from 1 MiB on are copied by all threads
+#define GGML_SCHED_PP_STAGE_SPLIT (1u << 20) // a call's pieces of 1 MiB or more are copied by all threads
 
-// a few threads that copy one large piece of memory together with the calling thread
+// a few threads that copy pieces of memory together with the calling thread: the pieces of one call are one stream
+// of bytes cut in equal parts, so that many small pieces (a decode's missed experts, ~1.7 MB each) wake the threads
+// once and not once a piece
 struct ggml_sched_pp_copier {
+    struct piece {
+        uint8_t *       dst;
+        const uint8_t * src;
+        size_t          n;
+    };
     std::vector<std::thread> threads;
     std::mutex               mtx;
     std::condition_variable  cv_work, cv_done;
     uint64_t                 gen     = 0;
     int                      pending = 0;
     bool                     stop    = false;
-    uint8_t *                dst     = nullptr;
-    const uint8_t *          src     = nullptr;
-    size_t                   n       = 0;
+    const piece *            pieces  = nullptr;
+    size_t                   n_pieces = 0;
+    size_t                   total    = 0;
 
     explicit ggml_sched_pp_copier(int n_threads) {
         try {
@@ -62,13 +69,17 @@ struct ggml_sched_pp_copier {
             t.join();
         }
     }
-    // part `part` of `parts` equal parts of the current piece (part sizes are multiples of 64 bytes)
+    // part `part` of `parts` equal parts of the current pieces' bytes (part sizes are multiples of 64 bytes)
     void copy_part(int part, int parts) const {
-        const size_t step = ((n + parts - 1) / parts + 63) & ~(size_t) 63;
-        const size_t b    = std::min(n, step * part);
-        const size_t e    = std::min(n, b + step);
-        if (e > b) {
-            memcpy(dst + b, src + b, e - b);
+        const size_t step = ((total + parts - 1) / parts + 63) & ~(size_t) 63;
+        const size_t b    = std::min(total, step * part);
+        const size_t e    = std::min(total, b + step);
+        size_t at = 0;   // where the piece starts in the stream
+        for (size_t i = 0; i < n_pieces && at < e; at += pieces[i].n, i++) {
+            const size_t lo = std::max(b, at), hi = std::min(e, at + pieces[i].n);
+            if (hi > lo) {
+                memcpy(pieces[i].dst + (lo - at), pieces[i].src + (lo - at), hi - lo);
+            }
         }
     }
     void work(int part) {
@@ -89,14 +100,20 @@ struct ggml_sched_pp_copier {
             }
         }
     }
-    void copy(void * d, const void * s, size_t size) {
-        if (threads.empty() || size < GGML_SCHED_PP_STAGE_SPLIT) {
-            memcpy(d, s, size);
+    void copy(const piece * ps, size_t n) {
+        size_t bytes = 0;
+        for (size_t i = 0; i < n; i++) {
+            bytes += ps[i].n;
+        }
+        if (threads.empty() || bytes < GGML_SCHED_PP_STAGE_SPLIT) {
+            for (size_t i = 0; i < n; i++) {
+                memcpy(ps[i].dst, ps[i].src, ps[i].n);
+            }
             return;
         }
         {
             std::lock_guard<std::mutex> lk(mtx);
-            dst = (uint8_t *) d; src = (const uint8_t *) s; n = size;
+            pieces = ps; n_pieces = n; total = bytes;
             pending = (int) threads.size();
             gen++;
         }
@@ -314,51 +331,85 @@ bool ggml_backend_sched_pp_stages(ggml_backend_sched_t sched, int backend_id, co
 void ggml_backend_sched_pp_upload(ggml_backend_sched_t sched, int backend_id, const struct ggml_tensor * weight,
                                   struct ggml_tensor * dst, const void * data, size_t offset, size_t size,
                                   ggml_backend_t via) {
+    const ggml_sched_pp_piece one = { weight, dst, data, offset, size };
+    ggml_backend_sched_pp_upload_pieces(sched, backend_id, &one, 1, via);
+}
+
+// the pieces' uploads in their order; those from pageable memory are copied into the staging ring together, a slot's
+// pieces at once (its event recorded after the uploads that read it)
+void ggml_backend_sched_pp_upload_pieces(ggml_backend_sched_t sched, int backend_id, const ggml_sched_pp_piece * pieces,
+                                         size_t n_pieces, ggml_backend_t via) {
     ggml_backend_t backend = via != nullptr ? via : sched->backends[backend_id];
     if (via != nullptr) {
-        sched->pp.overlap_uploads[backend_id]++;
+        sched->pp.overlap_uploads[backend_id] += n_pieces;
     }
-    if (!ggml_backend_sched_pp_stages(sched, backend_id, weight)) {
-        ggml_backend_tensor_set_async(backend, dst, data, offset, size);
-        return;
-    }
-    ggml_sched_pp_stage * st = sched->pp_stage[backend_id];
-    if (st->used > 0 && st->filler != backend) {
-        // a slot is read by one stream only: its event follows that stream's copies
-        ggml_backend_event_record(st->ev[st->cur], st->filler);
-        st->recorded[st->cur] = true;
-        st->cur  = (st->cur + 1) % st->n_slots;
-        st->used = 0;
-    }
-    st->filler = backend;
-    st->graph_bytes += size;
-    uint8_t * base = (uint8_t *) ggml_backend_buffer_get_base(st->buf);
-    const uint8_t * src = (const uint8_t *) data;
-    while (size > 0) {
-        if (st->used == 0 && st->recorded[st->cur]) {
-            // the slot comes round again: wait until the device has read what it held
-            ggml_sched_pp_timer t(&sched->pp.stage_wait_us, &sched->pp.stage_waits);
-            ggml_backend_event_synchronize(st->ev[st->cur]);
-            st->recorded[st->cur] = false;
+    struct chunk {
+        ggml_tensor * dst;
+        size_t        offset;
+    };
+    std::vector<ggml_sched_pp_copier::piece> copies;   // the current slot's copies, and where each goes on the device
+    std::vector<chunk> ups;
+    ggml_sched_pp_stage * st = nullptr;
+    auto flush = [&]() {
+        if (copies.empty()) {
+            return;
         }
-        const size_t n = std::min(size, st->slot_size - st->used);
-        uint8_t * slot = base + (size_t) st->cur * st->slot_size + st->used;
         {
             ggml_sched_pp_timer t(&sched->pp.stage_copy_us);
-            sched->pp_copier->copy(slot, src, n);
+            sched->pp_copier->copy(copies.data(), copies.size());
         }
-        ggml_backend_tensor_set_async(backend, dst, slot, offset, n);
-        sched->pp.staged_bytes[backend_id] += n;
-        st->used += n;
-        src      += n;
-        offset   += n;
-        size     -= n;
-        if (st->used == st->slot_size) {
-            // full: its event follows the copies that read it (recorded now, before later work is queued)
-            ggml_backend_event_record(st->ev[st->cur], backend);
+        sched->pp.stage_copies++;
+        for (size_t i = 0; i < copies.size(); i++) {
+            ggml_backend_tensor_set_async(backend, ups[i].dst, copies[i].dst, ups[i].offset, copies[i].n);
+            sched->pp.staged_bytes[backend_id] += copies[i].n;
+        }
+        copies.clear();
+        ups.clear();
+    };
+    for (size_t i = 0; i < n_pieces; i++) {
+        const ggml_sched_pp_piece & p = pieces[i];
+        if (!ggml_backend_sched_pp_stages(sched, backend_id, p.weight)) {
+            flush();   // (the order of the uploads kept)
+            ggml_backend_tensor_set_async(backend, p.dst, p.data, p.offset, p.size);
+            continue;
+        }
+        st = sched->pp_stage[backend_id];
+        if (st->used > 0 && st->filler != backend) {
+            // a slot is read by one stream only: its event follows that stream's copies
+            flush();
+            ggml_backend_event_record(st->ev[st->cur], st->filler);
             st->recorded[st->cur] = true;
             st->cur  = (st->cur + 1) % st->n_slots;
             st->used = 0;
         }
+        st->filler = backend;
+        st->graph_bytes += p.size;
+        uint8_t * base = (uint8_t *) ggml_backend_buffer_get_base(st->buf);
+        const uint8_t * src = (const uint8_t *) p.data;
+        size_t offset = p.offset, size = p.size;
+        while (size > 0) {
+            if (st->used == 0 && st->recorded[st->cur]) {
+                // the slot comes round again: wait until the device has read what it held
+                ggml_sched_pp_timer t(&sched->pp.stage_wait_us, &sched->pp.stage_waits);
+                ggml_backend_event_synchronize(st->ev[st->cur]);
+                st->recorded[st->cur] = false;
+            }
+            const size_t n = std::min(size, st->slot_size - st->used);
+            copies.push_back({ base + (size_t) st->cur * st->slot_size + st->used, src, n });
+            ups.push_back({ p.dst, offset });
+            st->used += n;
+            src      += n;
+            offset   += n;
+            size     -= n;
+            if (st->used == st->slot_size) {
+                // full: its event follows the copies that read it (recorded now, before later work is queued)
+                flush();
+                ggml_backend_event_record(st->ev[st->cur], backend);
+                st->recorded[st->cur] = true;
+                st->cur  = (st->cur + 1) % st->n_slots;
+                st->used = 0;
+            }
+        }
     }
+    flush();
 }

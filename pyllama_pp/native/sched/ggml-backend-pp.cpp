@@ -155,6 +155,7 @@ size_t ggml_backend_sched_pp_stats_json(ggml_backend_sched_t sched, char * buf, 
     num("stage_waits", st.stage_waits);
     num("stage_wait_us", st.stage_wait_us);
     num("stage_copy_us", st.stage_copy_us);
+    num("stage_copies", st.stage_copies);
     num("stage_threads", ggml_backend_sched_pp_stage_threads(sched));
     out += "\"host_wait_us\":{";
     for (int w = 0; w < GGML_SCHED_PP_WAIT_COUNT; w++) {
