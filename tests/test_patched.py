@@ -585,6 +585,27 @@ def test_a_ring_made_at_decode_holds_a_layer_for_the_prompt_after_it(wide):
     assert slots == [[6, 6], [6, 6]] and 0 < staged[0] < staged[1], (slots, staged)
 
 
+def test_a_layers_staged_misses_go_up_in_bursts_the_link_reads_while_the_next_is_copied(wide, assert_logits_match):
+    """The cache's misses of a split from an mmap-ed model are copied into the staging slots in one call, cut into
+    bursts of at least 4 MiB of whole pieces, each uploaded once copied (the link reads one while the host copies the
+    next): ubatches of 4 tokens on the wide model miss up to 8 experts a layer, ~15 MB of pieces of 0.6 MB, so a
+    layer's call makes several copies, and no burst holds more than 4 MiB and a piece."""
+    r, layer = wide
+    piece = layer // (64 * 3)   # (an expert of one of the layer's three expert weights)
+    kw = {"devices": DEVS, "placement": {**HOST_ALL, "load_mode": "mmap"}, "n_tokens": 16,
+          "ctx": {"n_ctx": 64, "n_batch": 16, "n_ubatch": 4}}
+    env = {"GGML_SCHED_PP_EXPERT_CACHE": -8, "GGML_SCHED_PP_EXPERT_CACHE_MIN_HIT": 0}
+    b = r.logits("baseline", **kw)
+    p = r.logits("patched", env=env, **kw)
+    assert_logits_match(p["logits"], b["logits"], "bursts of staged misses")
+    ext = p["ext"]
+    staged = sum(x["staged_bytes"] for x in ext["backends"])
+    lookups = sum(x["cache_ops"] for x in ext["backends"]) // 3
+    assert staged == sum(x["cache_bytes"] for x in ext["backends"]) > 0, ext["backends"]
+    assert ext["stage_copies"] >= staged / ((4 << 20) + piece) > lookups + staged // (32 << 20) + 1, \
+        (ext["stage_copies"], staged, lookups)
+
+
 # === 0007 STABLE_RESERVE: stable reservations, dependency padding, kept plans =======================================
 
 

@@ -29,6 +29,7 @@
 #define GGML_SCHED_PP_STAGE_MAX       ((size_t) 1 << 30)
 
 #define GGML_SCHED_PP_STAGE_SPLIT (1u << 20) // a call's pieces of 1 MiB or more are copied by all threads
+#define GGML_SCHED_PP_STAGE_BURST (4u << 20) // ... and uploaded in bursts of at least 4 MiB
 
 // a few threads that copy pieces of memory together with the calling thread: the pieces of one call are one stream
 // of bytes cut in equal parts, so that many small pieces (a decode's missed experts, ~1.7 MB each) wake the threads
@@ -335,8 +336,9 @@ void ggml_backend_sched_pp_upload(ggml_backend_sched_t sched, int backend_id, co
     ggml_backend_sched_pp_upload_pieces(sched, backend_id, &one, 1, via);
 }
 
-// the pieces' uploads in their order; those from pageable memory are copied into the staging ring together, a slot's
-// pieces at once (its event recorded after the uploads that read it)
+// the pieces' uploads in their order; those from pageable memory are copied into the staging ring together: a slot's
+// pieces in bursts of GGML_SCHED_PP_STAGE_BURST bytes or more (whole pieces), each uploaded once copied, so that the
+// link reads a burst while the host copies the next (the slot's event recorded after the uploads that read it)
 void ggml_backend_sched_pp_upload_pieces(ggml_backend_sched_t sched, int backend_id, const ggml_sched_pp_piece * pieces,
                                          size_t n_pieces, ggml_backend_t via) {
     ggml_backend_t backend = via != nullptr ? via : sched->backends[backend_id];
@@ -354,14 +356,20 @@ void ggml_backend_sched_pp_upload_pieces(ggml_backend_sched_t sched, int backend
         if (copies.empty()) {
             return;
         }
-        {
-            ggml_sched_pp_timer t(&sched->pp.stage_copy_us);
-            sched->pp_copier->copy(copies.data(), copies.size());
-        }
-        sched->pp.stage_copies++;
-        for (size_t i = 0; i < copies.size(); i++) {
-            ggml_backend_tensor_set_async(backend, ups[i].dst, copies[i].dst, ups[i].offset, copies[i].n);
-            sched->pp.staged_bytes[backend_id] += copies[i].n;
+        for (size_t i0 = 0, i1 = 0; i0 < copies.size(); i0 = i1) {
+            size_t bytes = 0;
+            while (i1 < copies.size() && bytes < GGML_SCHED_PP_STAGE_BURST) {
+                bytes += copies[i1++].n;
+            }
+            {
+                ggml_sched_pp_timer t(&sched->pp.stage_copy_us);
+                sched->pp_copier->copy(copies.data() + i0, i1 - i0);
+            }
+            sched->pp.stage_copies++;
+            for (size_t i = i0; i < i1; i++) {
+                ggml_backend_tensor_set_async(backend, ups[i].dst, copies[i].dst, ups[i].offset, copies[i].n);
+                sched->pp.staged_bytes[backend_id] += copies[i].n;
+            }
         }
         copies.clear();
         ups.clear();
