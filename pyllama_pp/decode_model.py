@@ -209,8 +209,6 @@ class DecodeShare:
         link_gbps: its host link for the misses.
         n_used: experts a token uses.
         hybrid: EXPERT_HYBRID's value (0: off).
-        partial_layers: MoE layers with part of their FFN on the host CPU (upstream's overflow), priced at the CPU
-            path: their host part runs there a token, beside which the resident part's time is small.
     """
 
     resident_layers: int
@@ -221,7 +219,6 @@ class DecodeShare:
     link_gbps: float = 0.0
     n_used: int = 0
     hybrid: int = 0
-    partial_layers: int = 0
 
 
 def token_seconds(costs: Sequence[DecodeCosts], shares: Sequence[DecodeShare]) -> tuple[float, list[str]]:
@@ -238,7 +235,7 @@ def token_seconds(costs: Sequence[DecodeCosts], shares: Sequence[DecodeShare]) -
     for c, s in zip(costs, shares):
         host, path = c.host_layer_s(s.hit, s.miss_bytes, s.link_gbps, s.slots, s.n_used, s.hybrid) \
             if s.host_layers else (0.0, "")
-        total += s.resident_layers * c.resident_s + s.host_layers * host + s.partial_layers * c.cpu_s
+        total += s.resident_layers * c.resident_s + s.host_layers * host
         paths.append(path)
     return total, paths
 

@@ -241,8 +241,8 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
         cbytes = [layout.bytes_of(n, h) for n, h in zip(each, host)]
         fits = all(c <= r + k * layer_bytes for c, r, k in zip(cbytes, room, moved))
         hits = [curve.at(n / layout.n_expert) if n else 0.0 for n in each]
-        shares = [DecodeShare(r, h, k, hi, miss_bytes, ln, layout.n_used, partial_layers=d.partial_layers)
-                  for r, h, k, hi, ln, d in zip(resident, host, each, hits, links, devs)]
+        shares = [DecodeShare(r, h, k, hi, miss_bytes, ln, layout.n_used)
+                  for r, h, k, hi, ln in zip(resident, host, each, hits, links)]
         split = split_where_it_gains(per, shares, hybrid)
         tok, paths = token_seconds(per, [dataclasses.replace(sh, hybrid=v) for sh, v in zip(shares, split)])
         extra = _prompt_extra(workload, moved, layer_bytes, links, plan, layout.n_used, layout.n_expert)
@@ -310,7 +310,7 @@ def _placed(plan: Plan, a: Alternative, none: Alternative, layout: Layout, costs
         return out, why
     tok, _ = token_seconds([costs.get(i) or costs[-1] for i in range(len(out.devices))],
                            [DecodeShare(r, d.host_expert_layers, slots, curve.at(slots / layout.n_expert),
-                                        layout.n_used * layout.slot_bytes, ln, layout.n_used, v, d.partial_layers)
+                                        layout.n_used * layout.slot_bytes, ln, layout.n_used, v)
                             for r, d, ln, v in zip(_resident(out, n_dense), out.devices, _links(out, load_mode),
                                                    per_device(a.hybrid, len(out.devices)))])
     seconds = workload.decode_tokens * tok + a.prompt_extra_s

@@ -175,18 +175,6 @@ def test_prompt_cost_of_moved_layers_counts(model, leftover):
     assert all(a.prompt_extra_s == 0 for a in alts if sum(a.host) == sum(leftover.host_expert_layers))
 
 
-def test_a_layer_with_part_of_its_ffn_on_the_cpu_is_priced_at_the_cpu_path(model, leftover):
-    """A layer whose FFN upstream's overflow split (part on the host CPU) is not resident: every alternative prices
-    it at the CPU path a token (it was priced nowhere: such a plan read faster than one with the layer resident)."""
-    layout = layout_of(model, leftover.n_expert)
-    base = _with_link(leftover, layout, GPU_LIKE, 0.4)
-    split = Plan.from_dict(json.loads(json.dumps(base.to_dict())))
-    split.devices[0].partial_layers += 1
-    a, b = (alternatives(p, layout, {-1: GPU_LIKE}, LOCALITY, CHAT)[0] for p in (base, split))
-    assert a.name == b.name and a.resident[0] == b.resident[0] + 1
-    assert b.seconds - a.seconds == pytest.approx(CHAT.decode_tokens * (GPU_LIKE.cpu_s - GPU_LIKE.resident_s), abs=2e-4)
-
-
 def test_guard_from_the_priced_costs(model, leftover):
     """Where the planner chooses a cache, the guard's bar is the break-even of the costs it priced with: a hit rate
     at the bar prices the cached layer as the CPU's. An mmap-ed model's misses come up through the staging slots: at
