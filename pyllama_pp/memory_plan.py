@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 from . import devices as devspec
 from .decode_model import DecodeCosts, DecodeShare, token_seconds
@@ -178,10 +178,11 @@ def hybrid_note(plan: Plan, costs: dict[int, DecodeCosts], load_mode: str) -> st
 
 
 def _resident(plan: Plan, n_dense: int) -> list[int]:
-    """Per device, the MoE layers whose experts are all in its memory: its full layers less those with part of their
-    FFN on the CPU and the leading dense layers in its range (they have no experts; on the first devices)."""
-    return [max(0, d.full_layers - d.partial_layers - max(0, min(d.layers[1], n_dense) - d.layers[0]))
-            for d in plan.devices]
+    """Per device, the MoE layers whose experts are in device memory: its full layers (a layer whose part upstream's
+    overflow put on the next device among them: it runs on devices; one with part of its FFN on the CPU is among the
+    host-expert layers, priced on the host's path) less the leading dense layers in its range (they have no experts;
+    on the first devices)."""
+    return [max(0, d.full_layers - max(0, min(d.layers[1], n_dense) - d.layers[0])) for d in plan.devices]
 
 
 def _prompt_extra(workload: Workload, moved: Sequence[int], layer_bytes: float, links: Sequence[float],
@@ -278,9 +279,10 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
     return alts
 
 
-def choose(alts: Sequence[Alternative]) -> tuple[int, str]:
-    """The alternative to take (its index) and why: the fastest that fits, a cache only where it saves GAIN_MIN."""
-    fits = [i for i, a in enumerate(alts) if a.fits]
+def choose(alts: Sequence[Alternative], skip: Collection[int] = ()) -> tuple[int, str]:
+    """The alternative to take (its index) and why: the fastest that fits, a cache only where it saves GAIN_MIN;
+    none of `skip` (alternatives fit found no placement for)."""
+    fits = [i for i, a in enumerate(alts) if a.fits and i not in skip]
     if not fits:
         return 0, "no cache: no alternative has room (the plan is over its target)"
     best = min(fits, key=lambda i: alts[i].seconds)
@@ -299,11 +301,12 @@ def _placed(plan: Plan, a: Alternative, none: Alternative, layout: Layout, costs
             workload: Workload, load_mode: str, n_dense: int, refit: Callable[[int], Plan], why: str) -> tuple:
     """The chosen alternative placed for real (its largest device's bytes reserved on every device: fit then decides
     each device's host-expert layers), and why: where fit placed it otherwise, what it placed is priced again, and
-    where that no longer saves GAIN_MIN against no cache (or has no placement) the plan keeps no cache."""
+    where that no longer saves GAIN_MIN against no cache the plan keeps no cache. None where fit finds no placement
+    for it (the room the planner counted is not there: upstream's fit lowers the GPU layers instead), and why."""
     try:
         out = refit(int(math.ceil(max(a.cache_bytes) / MiB)))
     except (OutOfMemoryError, ConfigError) as e:   # (fit names a SIZE that leaves no room a ConfigError: room_error)
-        return drop_cache(plan), f"no cache: {a.name} has no placement ({str(e).splitlines()[0]})"
+        return None, f"{a.name} has no placement ({str(e).splitlines()[0]})"
     out.expert_cache = "auto"
     slots = min((d.cache_slots for d in out.devices if d.host_expert_layers), default=0)
     if out.host_expert_layers == a.host and slots >= a.slots:
@@ -339,19 +342,28 @@ def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve
         Plan: the chosen plan, with `memory_plan` (the alternatives, the choice and why).
     """
     alts = alternatives(plan, layout, costs, curve, workload, load_mode, n_dense, move=refit is not None)
-    pick, why = choose(alts)
-    a = alts[pick]
-    moved = [h - h0 for h, h0 in zip(a.host, (d.host_expert_layers for d in plan.devices))]
-    if not a.slots:
-        out = drop_cache(plan)
-    elif not any(moved):
-        asked = (ExpertCache(devices=tuple(ExpertCache(slots=n) for n in a.device_slots)) if a.device_slots else
-                 ExpertCache(slots=a.slots))
-        out = plan_cache(drop_cache(plan), asked, layout)
-        out.expert_cache = "auto"
-    else:
-        out, why = _placed(plan, a, alts[0], layout, costs, curve, workload, load_mode, n_dense, refit, why)
-        pick = pick if out.switches.get(EXPERT_CACHE) else 0
+    unplaced: list[int] = []
+    refused = ""   # (the alternatives fit found no placement for, and why: the next fastest is taken instead)
+    while True:
+        pick, why = choose(alts, unplaced)
+        a = alts[pick]
+        moved = [h - h0 for h, h0 in zip(a.host, (d.host_expert_layers for d in plan.devices))]
+        if not a.slots:
+            out = drop_cache(plan)
+        elif not any(moved):
+            asked = (ExpertCache(devices=tuple(ExpertCache(slots=n) for n in a.device_slots)) if a.device_slots
+                     else ExpertCache(slots=a.slots))
+            out = plan_cache(drop_cache(plan), asked, layout)
+            out.expert_cache = "auto"
+        else:
+            out, why = _placed(plan, a, alts[0], layout, costs, curve, workload, load_mode, n_dense, refit, why)
+            if out is None:
+                unplaced.append(pick)
+                refused += f"{why}; "
+                continue
+            pick = pick if out.switches.get(EXPERT_CACHE) else 0
+        break
+    why = refused + why
     if out.switches.get(EXPERT_CACHE):
         out.cache_guard = {**out.cache_guard, **cost_guard(out, layout, costs, a.hybrid)}
         out.switches[EXPERT_CACHE_MIN_HIT] = out.cache_guard["min_hit"]["none"]

@@ -175,6 +175,19 @@ def test_prompt_cost_of_moved_layers_counts(model, leftover):
     assert all(a.prompt_extra_s == 0 for a in alts if sum(a.host) == sum(leftover.host_expert_layers))
 
 
+def test_a_partial_layer_is_priced_once(model, leftover):
+    """A layer upstream's overflow split (pyllama_pp.plan._host_layers: part of its FFN on the CPU, counted among the
+    host-expert layers; or part on the next device, counted among the full layers) is priced once, where those counts
+    put it: partial_layers changes neither the resident layers nor any alternative's time."""
+    layout = layout_of(model, leftover.n_expert)
+    base = _with_link(leftover, layout, GPU_LIKE, 0.4)
+    split = Plan.from_dict(json.loads(json.dumps(base.to_dict())))
+    split.devices[0].partial_layers += 1
+    a, b = (alternatives(p, layout, {-1: GPU_LIKE}, LOCALITY, CHAT) for p in (base, split))
+    assert [(x.name, x.resident, x.host, x.seconds) for x in a] == [(x.name, x.resident, x.host, x.seconds) for x in b]
+    assert a[0].resident[0] == base.devices[0].full_layers
+
+
 def test_guard_from_the_priced_costs(model, leftover):
     """Where the planner chooses a cache, the guard's bar is the break-even of the costs it priced with: a hit rate
     at the bar prices the cached layer as the CPU's. An mmap-ed model's misses come up through the staging slots: at
@@ -285,8 +298,8 @@ def test_a_choice_fit_places_otherwise_is_priced_again(model, leftover):
 
 def test_a_choice_fit_finds_no_room_for_keeps_no_cache(model, leftover):
     """Where the chosen alternative's placement has no room after all (fit reserves its size and then leaves a layer
-    on the CPU: placement.fit names that a ConfigError of the size), the plan keeps no cache and says why, instead of
-    failing the whole fit."""
+    on the CPU: placement.fit names that a ConfigError of the size), the next fastest is taken instead, down to the
+    ones that move no layer (no cache here), and the plan says why for each, instead of failing the whole fit."""
     layout = layout_of(model, leftover.n_expert)
     start = _with_link(place(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache="auto"), layout, GPU_LIKE, 0.4)
     short = lambda mib: place(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache=f"{mib + 8}MiB")  # noqa: E731
@@ -295,8 +308,26 @@ def test_a_choice_fit_finds_no_room_for_keeps_no_cache(model, leftover):
     plan = plan_memory(start, layout, {-1: GPU_LIKE}, LOCALITY, CHAT, short)
     chosen = plan.memory_plan["alternatives"][choose([Alternative(**a) for a in plan.memory_plan["alternatives"]])[0]]
     assert chosen["host"] != plan.memory_plan["alternatives"][0]["host"], chosen   # (it moves layers: placed again)
+    alts = plan.memory_plan["alternatives"]
+    moving = [a["name"] for a in alts if a["host"] != alts[0]["host"] and a["fits"]]
     assert "EXPERT_CACHE" not in plan.switches and plan.memory_plan["chosen"] == 0
-    assert f"no cache: {chosen['name']} has no placement (--expert-cache" in plan.memory_plan["why"], plan.memory_plan
+    assert plan.memory_plan["why"].startswith(f"{chosen['name']} has no placement (--expert-cache"), plan.memory_plan
+    assert all(f"{n} has no placement" in plan.memory_plan["why"] for n in moving) and "; no cache" in \
+        plan.memory_plan["why"], plan.memory_plan["why"]
+
+
+def test_an_alternative_fit_cannot_place_gives_way_to_the_next(model, leftover):
+    """Where upstream's fit cannot place the fastest alternative (the room the planner counts from whole layers is not
+    there: fit lowers the GPU layers instead), the next fastest that it places is taken: on the 9 MiB VDEV, 8 slots
+    a layer (every layer's experts to host) has no placement and 4 slots a layer has."""
+    layout = layout_of(model, leftover.n_expert)
+    start = _with_link(leftover, layout, GPU_LIKE, 0.4)
+    alts = alternatives(start, layout, {-1: GPU_LIKE}, LOCALITY, Workload.parse("decode"))
+    first = alts[choose(alts)[0]]
+    plan = plan_memory(start, layout, {-1: GPU_LIKE}, LOCALITY, Workload.parse("decode"), _refit(model))
+    taken = plan.memory_plan["alternatives"][plan.memory_plan["chosen"]]
+    assert plan.memory_plan["why"].startswith(f"{first.name} has no placement"), plan.memory_plan["why"]
+    assert taken["slots"] and taken["name"] != first.name and plan.switches.get("EXPERT_CACHE"), plan.memory_plan
 
 
 def test_ab_on_one_shared_plan_says_when_the_cache_moved_layers(model, monkeypatch):
@@ -767,7 +798,7 @@ def _probed(monkeypatch) -> list:
 def test_ubatch_auto_weighs_the_groups_against_the_slots_for_the_workload(model, monkeypatch):
     """-ub auto, compute not counted (the predictions decide), GPU-like costs: the pair with the groups predicts the
     faster prompts on every workload. Decode-heavy (256 prompt tokens, 2048 decoded): the pair without them, whose room
-    holds 4 slots a layer, saves more than GAIN_MIN of the workload: LAYER_MAJOR=0 (a run switch), the slots placed,
+    holds more slots a layer, saves more than GAIN_MIN of the workload: LAYER_MAJOR=0 (a run switch), the slots placed,
     both sides and why in the plan. Prompt-heavy (4096, 16 decoded): the groups stay. Prompt-only: the choice by the
     prediction alone, as before (no weighing). The decode probe runs once a plan, though both sides are priced."""
     layout = layout_of(model, 64)
@@ -781,14 +812,15 @@ def test_ubatch_auto_weighs_the_groups_against_the_slots_for_the_workload(model,
     assert off.layer_major["switch"] == 0 and "group" not in off.layer_major
     assert w["on"]["prompt_ts"] > w["off"]["prompt_ts"] and w["on"]["prompt_s"] < w["off"]["prompt_s"]
     assert w["off"]["seconds"] < w["on"]["seconds"] * (1 - GAIN_MIN), w
-    assert w["on"]["cache"] == "no cache" and w["off"]["cache"] == "4 slots a layer", w
+    slots = {k: int(w[k]["cache"].split()[0]) if w[k]["cache"] != "no cache" else 0 for k in ("on", "off")}
+    assert slots["off"] > slots["on"], w   # (the groups' room holds slots)
     assert {w[s]["prompt_from"] for s in ("on", "off")} == {"predicted"}
     assert off.devices[0].cache_slots > 0 and off.memory_plan["alternatives"][off.memory_plan["chosen"]]["slots"] > 0
     _within(off)
     text = str(off)
     assert (f"layer major: LAYER_MAJOR off: the workload in {w['off']['seconds']:.2f} s against "
-            f"{w['on']['seconds']:.2f} s with it; the cache: 4 slots a layer in the groups' room, no cache beside "
-            "them") in text, text
+            f"{w['on']['seconds']:.2f} s with it; the cache: {w['off']['cache']} in the groups' room, "
+            f"{w['on']['cache']} beside them") in text, text
     assert "taken for the workload (layer major, above)" in text
 
     on = fit_module.fit_ubatch(model, workload=PROMPT_HEAVY, count_compute=False, **UB_KW)
@@ -901,8 +933,9 @@ def test_a_guard_given_to_fit_stays_in_its_plan(model, monkeypatch):
 
 def test_resident_layers_leave_out_dense_layers_wherever_they_sit():
     """The layers the memory planner counts resident on a device (a move to host RAM frees their experts' bytes): its
-    full layers less those with part of their FFN on the CPU and the leading dense layers in its range, which have no
-    experts - on the second device too where the first holds fewer layers than the model has dense ones."""
+    full layers (a layer split by upstream's overflow is among them or among the host-expert layers, counted once)
+    less the leading dense layers in its range, which have no experts - on the second device too where the first
+    holds fewer layers than the model has dense ones."""
     from pyllama_pp.memory_plan import _resident
     from pyllama_pp.plan import DevicePlan
     dev = lambda first, end, host, partial=0: DevicePlan(
@@ -911,9 +944,9 @@ def test_resident_layers_leave_out_dense_layers_wherever_they_sit():
     plan = Plan(variant="patched", model="m", model_size=0, devices_spec={}, ctx={"n_ubatch": 64, "n_batch": 512},
                 status="success", path="spread", reasons=[], n_gpu_layers=9, tensor_split=[], tensor_overrides=[],
                 n_ctx=512, n_layer=8, n_expert=8, margins=[0, 0], devices=[dev(0, 2, 0), dev(2, 8, 2, partial=1)])
-    assert _resident(plan, 0) == [2, 3]
-    assert _resident(plan, 1) == [1, 3]
-    assert _resident(plan, 3) == [0, 2]   # (layer 2, dense, sits on the second device)
+    assert _resident(plan, 0) == [2, 4]
+    assert _resident(plan, 1) == [1, 4]
+    assert _resident(plan, 3) == [0, 3]   # (layer 2, dense, sits on the second device)
 
 
 def test_ub_auto_weighs_layer_major_on_one_basis():
