@@ -236,8 +236,8 @@ def test_misses_from_an_mmaped_model_go_through_the_staging_slots(runner, tiny_c
     """An mmap-ed model's host experts are pageable: a miss copied from there straight makes the host wait on the
     copy, so the misses go up through the pinned staging slots the prompt's uploads use (STAGING): every byte the
     cache fetched is staged, the logits are the baseline's; STAGING=0 copies them as they are. A layer's misses
-    (each missed expert of each of its expert weights) are copied into the slots in one call, not one call a piece
-    (a call wakes the copier's threads: at a decode's ~1.7 MB pieces that, not the bytes, set the rate)."""
+    (each missed expert of each of its expert weights) are copied into the slots together, in bursts, not a copy a
+    piece (a copy wakes the copier's threads: at a decode's ~1.7 MB pieces that, not the bytes, set the rate)."""
     mmap = {**HOST_ALL, "load_mode": "mmap"}
     p = runner.logits("patched", devices=TWO, placement=mmap, ctx=DECODE, n_tokens=12, env=cache(-2))
     assert_logits_match(p["logits"], baseline_decode["logits"], "EXPERT_CACHE=-2, mmap")

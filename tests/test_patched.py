@@ -602,8 +602,10 @@ def test_a_layers_staged_misses_go_up_in_bursts_the_link_reads_while_the_next_is
     staged = sum(x["staged_bytes"] for x in ext["backends"])
     lookups = sum(x["cache_ops"] for x in ext["backends"]) // 3
     assert staged == sum(x["cache_bytes"] for x in ext["backends"]) > 0, ext["backends"]
-    assert ext["stage_copies"] >= staged / ((4 << 20) + piece) > lookups + staged // (32 << 20) + 1, \
+    calls = lookups + staged // (32 << 20) + 1   # (a layer's call, cut where a slot ends)
+    assert staged / ((4 << 20) + piece) <= ext["stage_copies"] <= staged // (4 << 20) + calls + 1, \
         (ext["stage_copies"], staged, lookups)
+    assert staged / ((4 << 20) + piece) > calls   # (bursts, not a copy a call; a copy a piece: ~6x the bound above)
 
 
 # === 0007 STABLE_RESERVE: stable reservations, dependency padding, kept plans =======================================

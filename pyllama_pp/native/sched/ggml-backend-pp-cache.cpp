@@ -1093,7 +1093,7 @@ void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_i
         c->next     = 0;
         c->next_cpu = 0;
     }
-    std::vector<ggml_sched_pp_piece> & misses = c->misses;   // (kept between calls: no allocation a split)
+    std::vector<ggml_sched_pp_piece> & misses = c->misses;   // (kept between calls: its memory reused)
     misses.clear();
     int misses_backend = -1;
     for (; c->next < c->ops.size() && c->ops[c->next].split <= split_id; c->next++) {

@@ -98,7 +98,7 @@ struct ggml_sched_pp_stats {
     uint64_t stage_waits;                               // host waits for a staging slot the device was still reading
     int64_t  stage_wait_us;                             // time of those waits (part of the "upload" host wait)
     int64_t  stage_copy_us;                             // time the host spent copying pieces into staging slots
-    uint64_t stage_copies;                              // ... in that many copies (a copy: the pieces of a slot in one call)
+    uint64_t stage_copies;                              // ... in that many copies (a copy: one burst of whole pieces, 4 MiB or more, or a slot's or call's rest)
     char     last_realloc[384];                         // why the last re-reservation happened
     char     realloc_log[4][384];                       // the first four reasons since the stats were reset
     int      realloc_log_n;

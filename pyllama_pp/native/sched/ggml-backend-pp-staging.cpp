@@ -31,9 +31,9 @@
 #define GGML_SCHED_PP_STAGE_SPLIT (1u << 20) // a call's pieces of 1 MiB or more are copied by all threads
 #define GGML_SCHED_PP_STAGE_BURST (4u << 20) // ... and uploaded in bursts of at least 4 MiB
 
-// a few threads that copy pieces of memory together with the calling thread: the pieces of one call are one stream
-// of bytes cut in equal parts, so that many small pieces (a decode's missed experts, ~1.7 MB each) wake the threads
-// once and not once a piece
+// a few threads that copy pieces of memory together with the calling thread: the pieces of one copy (a burst) are
+// one stream of bytes cut in equal parts, so that many small pieces (a decode's missed experts, ~1.7 MB each) wake
+// the threads once a burst and not once a piece
 struct ggml_sched_pp_copier {
     struct piece {
         uint8_t *       dst;
