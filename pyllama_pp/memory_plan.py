@@ -342,12 +342,13 @@ def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve
         Plan: the chosen plan, with `memory_plan` (the alternatives, the choice and why).
     """
     alts = alternatives(plan, layout, costs, curve, workload, load_mode, n_dense, move=refit is not None)
-    unplaced: list[int] = []
+    host0 = [d.host_expert_layers for d in plan.devices]
+    unplaced: set[int] = set()
     refused = ""   # (the alternatives fit found no placement for, and why: the next fastest is taken instead)
     while True:
         pick, why = choose(alts, unplaced)
         a = alts[pick]
-        moved = [h - h0 for h, h0 in zip(a.host, (d.host_expert_layers for d in plan.devices))]
+        moved = [h - h0 for h, h0 in zip(a.host, host0)]
         if not a.slots:
             out = drop_cache(plan)
         elif not any(moved):
@@ -357,8 +358,9 @@ def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve
             out.expert_cache = "auto"
         else:
             out, why = _placed(plan, a, alts[0], layout, costs, curve, workload, load_mode, n_dense, refit, why)
-            if out is None:
-                unplaced.append(pick)
+            if out is None:   # (nor is any that reserves as much or more for its slots: not tried)
+                unplaced |= {i for i, x in enumerate(alts) if x.host != host0
+                             and max(x.cache_bytes, default=0) >= max(a.cache_bytes)}
                 refused += f"{why}; "
                 continue
             pick = pick if out.switches.get(EXPERT_CACHE) else 0

@@ -298,8 +298,9 @@ def test_a_choice_fit_places_otherwise_is_priced_again(model, leftover):
 
 def test_a_choice_fit_finds_no_room_for_keeps_no_cache(model, leftover):
     """Where the chosen alternative's placement has no room after all (fit reserves its size and then leaves a layer
-    on the CPU: placement.fit names that a ConfigError of the size), the next fastest is taken instead, down to the
-    ones that move no layer (no cache here), and the plan says why for each, instead of failing the whole fit."""
+    on the CPU: placement.fit names that a ConfigError of the size), the next fastest is taken instead (none that
+    reserves as much or more for its slots: not tried), down to the ones that move no layer (no cache here), and the
+    plan says why for each refused, instead of failing the whole fit."""
     layout = layout_of(model, leftover.n_expert)
     start = _with_link(place(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache="auto"), layout, GPU_LIKE, 0.4)
     short = lambda mib: place(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache=f"{mib + 8}MiB")  # noqa: E731
@@ -309,11 +310,13 @@ def test_a_choice_fit_finds_no_room_for_keeps_no_cache(model, leftover):
     chosen = plan.memory_plan["alternatives"][choose([Alternative(**a) for a in plan.memory_plan["alternatives"]])[0]]
     assert chosen["host"] != plan.memory_plan["alternatives"][0]["host"], chosen   # (it moves layers: placed again)
     alts = plan.memory_plan["alternatives"]
-    moving = [a["name"] for a in alts if a["host"] != alts[0]["host"] and a["fits"]]
+    refused = [a for a in alts if f"{a['name']} has no placement" in plan.memory_plan["why"]]
     assert "EXPERT_CACHE" not in plan.switches and plan.memory_plan["chosen"] == 0
     assert plan.memory_plan["why"].startswith(f"{chosen['name']} has no placement (--expert-cache"), plan.memory_plan
-    assert all(f"{n} has no placement" in plan.memory_plan["why"] for n in moving) and "; no cache" in \
-        plan.memory_plan["why"], plan.memory_plan["why"]
+    assert "; no cache" in plan.memory_plan["why"], plan.memory_plan["why"]
+    # (every alternative that moves layers was refused, or reserves at least what a refused one did: not tried)
+    assert all(a in refused or max(a["cache_bytes"]) >= min(max(r["cache_bytes"]) for r in refused)
+               for a in alts if a["host"] != alts[0]["host"] and a["fits"]), (refused, alts)
 
 
 def test_an_alternative_fit_cannot_place_gives_way_to_the_next(model, leftover):
@@ -324,10 +327,13 @@ def test_an_alternative_fit_cannot_place_gives_way_to_the_next(model, leftover):
     start = _with_link(leftover, layout, GPU_LIKE, 0.4)
     alts = alternatives(start, layout, {-1: GPU_LIKE}, LOCALITY, Workload.parse("decode"))
     first = alts[choose(alts)[0]]
-    plan = plan_memory(start, layout, {-1: GPU_LIKE}, LOCALITY, Workload.parse("decode"), _refit(model))
+    calls = []
+    refit = lambda mib: calls.append(mib) or _refit(model)(mib)   # noqa: E731
+    plan = plan_memory(start, layout, {-1: GPU_LIKE}, LOCALITY, Workload.parse("decode"), refit)
     taken = plan.memory_plan["alternatives"][plan.memory_plan["chosen"]]
     assert plan.memory_plan["why"].startswith(f"{first.name} has no placement"), plan.memory_plan["why"]
     assert taken["slots"] and taken["name"] != first.name and plan.switches.get("EXPERT_CACHE"), plan.memory_plan
+    assert len(calls) == 2 and calls[1] < calls[0], calls   # (the refused size, then a smaller one it placed)
 
 
 def test_ab_on_one_shared_plan_says_when_the_cache_moved_layers(model, monkeypatch):
