@@ -24,7 +24,7 @@ from . import expert_cache_plan, switches
 from .defaults import FIT, cache_dir, threads, usable_cores
 from .errors import ConfigError, DeviceSpecError
 from .layer_major_plan import plan_layer_major
-from .model_file import check_model_path, expert_bytes_per_layer, expert_layout, expert_tensor_shape
+from .model_file import check_model_path, expert_bytes_per_layer, expert_layout, expert_tensor_bytes, expert_tensor_shape
 from .overlap_plan import plan_copies
 from .params import SPLIT_MODES, ContextParams, Placement, as_context
 from .plan import MiB, Plan, plan_from_result, plan_problem
@@ -194,6 +194,10 @@ def reserved_bytes(model, spec: devspec.DeviceSpec, variant: str, force: dict,
     if copies:
         out["rpc_server_copies"] = copies
     out.update({"expert_cache": cache_bytes} if cache_bytes else {})
+    if variant == "patched" and str(force.get(switches.PREFETCH, "")) == "2":
+        # (its lanes are allocated at the first graph that uses them, after the dry run: the largest expert weight a
+        # lane; where they find no memory the copies stay in the compute buffers)
+        out["prefetch_lanes"] = switches.PREFETCH_LANES * expert_tensor_bytes(model)
     return out
 
 

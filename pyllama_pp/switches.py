@@ -38,6 +38,9 @@ EXPERT_CACHE_MIN_HIT = "EXPERT_CACHE_MIN_HIT"   # its guard: percent of hits bel
 EXPERT_HYBRID = "EXPERT_HYBRID"  # its misses split with the host CPU: the CPU's expert rate in percent of the link's
 LAYER_MAJOR = "LAYER_MAJOR"      # a batch's ubatches through each layer together
 STAGING = "STAGING"              # pageable uploads through pinned slots (1: the default copier threads, N >= 2: N)
+PREFETCH = "PREFETCH"            # expert copies filled a split early (2: two splits early, in lanes of their own)
+#: PREFETCH=2's lanes on each GPU: this many copies of a split's first expert weight (VRAM outside the compute buffers)
+PREFETCH_LANES = 3
 # the switches of type "ints" (one value for every device, or a comma list of one per device): the cache's; a guard's
 # or a split's list names every device (read as 0 past its list, they would be off there unsaid)
 PER_DEVICE = (EXPERT_CACHE, EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID)
@@ -368,4 +371,4 @@ __all__ = ["PREFIX", "var", "in_env", "set_in", "value_of", "in_force", "user_se
            "to_env", "parse_given", "per_device", "one_or_list", "check_device_lists", "PER_DEVICE", "EVERY_DEVICE",
            "ExpertCache", "take_expert_cache", "shown", "OVERLAP", "UPLOAD_ALL", "UPLOAD_ALL_MIN",
            "UPLOAD_ALL_MIN_COV", "LINKS", "RPC_HOST", "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT", "EXPERT_HYBRID",
-           "LAYER_MAJOR", "staging_threads", "STAGING"]
+           "LAYER_MAJOR", "staging_threads", "STAGING", "PREFETCH", "PREFETCH_LANES"]

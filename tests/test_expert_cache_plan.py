@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 import pyllama_pp
-from pyllama_pp import cli, devices as devspec, report, synth
+from pyllama_pp import cli, devices as devspec, model_file, report, synth
 from pyllama_pp.defaults import FIT
 from pyllama_pp.errors import ConfigError
 from pyllama_pp.expert_cache_plan import Layout, auto_switch, own_slots
@@ -220,6 +220,20 @@ def test_a_size_is_reserved_before_placing(plans, model):
     assert sum(ps.host_expert_layers) > sum(p0.host_expert_layers), (ps.host_expert_layers, p0.host_expert_layers)
     for d in ps.devices:
         assert 0 < d.cache_bytes <= 2 * MiB and d.expected_bytes <= d.target_bytes == d.free_bytes - 2 * MiB
+
+
+def test_prefetch_lanes_are_reserved_before_placing(model):
+    """PREFETCH=2 allocates its lanes (three copies of a split's first expert weight a GPU, outside the compute
+    buffers) at the first graph, after fit's dry run: fit keeps them free on every device beside the margin, for the
+    patched variant only."""
+    spec = devspec.parse(SPEC)
+    lanes = 3 * model_file.expert_tensor_bytes(model)
+    assert lanes > 0 and reserved_bytes(model, spec, "patched", {"PREFETCH": 2}) == {"prefetch_lanes": lanes}
+    assert reserved_bytes(model, spec, "patched", {"PREFETCH": 1}) == {} == reserved_bytes(model, spec, "baseline",
+                                                                                        {"PREFETCH": 2})
+    p1 = fit(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache=0)
+    p2 = fit(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache=0, switches={"PREFETCH": 2})
+    assert p2.margins == [m + lanes for m in p1.margins], (p1.margins, p2.margins)
 
 
 def test_a_size_too_large_names_the_device_and_its_free_memory(model, usage_error):
