@@ -537,6 +537,14 @@ def _placed_switches(cfg: RunConfig, c: Choices, model: str, made: list, measure
         except DeviceSpecError as e:
             room = f"its room cannot be planned ({str(e).splitlines()[0]})"
     notes: tuple = ()
+    hand_set = (asked is not None and bool(asked) and not asked.auto) or \
+        str(given.get(switches.EXPERT_CACHE, 0)).strip() not in ("0", "")
+    if hand_set and c.load_mode == "mmap" and not why:
+        notes += (f"expert cache ({where}): set by hand on an mmap-ed model, so nothing is planned for it (its guard "
+                  "included): a miss is copied into pinned staging by the host first, which can cost more than "
+                  "upstream's CPU path computing it from the page cache (measured slower on an H100: docs/RESULTS.md, "
+                  "\"What a user gets without switches\"); --expert-cache auto plans it and keeps none where it does "
+                  "not pay",)
     if cache and (why and news or room and not why):
         notes += (f"expert cache ({where}): no cache: {why or room}",)
     if groups and room:

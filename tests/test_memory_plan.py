@@ -501,6 +501,20 @@ def test_without_a_fit_a_cache_the_user_set_is_not_planned(model, monkeypatch):
     assert any("no cache: the workload decodes no token" in n for n in prompt.notes), prompt.notes
 
 
+def test_a_cache_set_by_hand_on_an_mmap_ed_model_says_nothing_plans_it(model, monkeypatch):
+    """--expert-cache SIZE (or the switch) with --load-mode mmap: nothing is planned for the cache, its guard
+    included, and a staged miss can cost more than upstream's CPU path: the notes say so and name auto; not for
+    pinned weights, auto, or 0."""
+    monkeypatch.setattr(sys.modules["pyllama_pp.planning"], "plan_on_placement",
+                        lambda *a, **k: pytest.fail("planned a cache the user set"))
+    said = lambda **kw: [n for n in plan_runs(Choices(model=model, devices=(SPEC,), pp=(), tg=(16,), **kw)).notes
+                         if "set by hand on an mmap-ed model" in n]   # noqa: E731
+    assert len(said(expert_cache="2MiB", load_mode="mmap")) == 1
+    assert "--expert-cache auto" in said(expert_cache="2MiB", load_mode="mmap")[0]
+    assert len(said(switches={"EXPERT_CACHE": -4}, load_mode="mmap")) == 1
+    assert said(expert_cache="2MiB") == said(expert_cache="0", load_mode="mmap") == []
+
+
 # --- unequal devices: each its own guard and split ----------------------------------------------------------------
 
 def _with_links(plan: Plan, layout, costs: DecodeCosts, miss_over_cpu) -> Plan:
