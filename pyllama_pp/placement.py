@@ -194,7 +194,7 @@ def reserved_bytes(model, spec: devspec.DeviceSpec, variant: str, force: dict,
     if copies:
         out["rpc_server_copies"] = copies
     out.update({"expert_cache": cache_bytes} if cache_bytes else {})
-    if variant == "patched" and str(force.get(switches.PREFETCH, "")) == "2":
+    if variant == "patched" and switches.value_of(force.get(switches.PREFETCH, 0)) == 2:
         # (its lanes are allocated at the first graph that uses them, after the dry run: the largest expert weight a
         # lane; where they find no memory the copies stay in the compute buffers)
         out["prefetch_lanes"] = switches.PREFETCH_LANES * expert_tensor_bytes(model)

@@ -537,8 +537,8 @@ def _placed_switches(cfg: RunConfig, c: Choices, model: str, made: list, measure
         except DeviceSpecError as e:
             room = f"its room cannot be planned ({str(e).splitlines()[0]})"
     notes: tuple = ()
-    hand_set = (asked is not None and bool(asked) and not asked.auto) or \
-        str(given.get(switches.EXPERT_CACHE, 0)).strip() not in ("0", "")
+    hand_set = asked if asked is not None and not asked.auto else \
+        ExpertCache.of_switch(given[switches.EXPERT_CACHE]) if switches.EXPERT_CACHE in given else None
     if hand_set and c.load_mode == "mmap" and not why:
         notes += (f"expert cache ({where}): set by hand on an mmap-ed model, so nothing is planned for it (its guard "
                   "included): a miss is copied into pinned staging by the host first, which can cost more than "

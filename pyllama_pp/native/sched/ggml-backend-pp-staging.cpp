@@ -351,7 +351,6 @@ void ggml_backend_sched_pp_upload_pieces(ggml_backend_sched_t sched, int backend
     };
     std::vector<ggml_sched_pp_copier::piece> copies;   // the current slot's copies, and where each goes on the device
     std::vector<chunk> ups;
-    ggml_sched_pp_stage * st = nullptr;
     auto flush = [&]() {
         if (copies.empty()) {
             return;
@@ -381,7 +380,7 @@ void ggml_backend_sched_pp_upload_pieces(ggml_backend_sched_t sched, int backend
             ggml_backend_tensor_set_async(backend, p.dst, p.data, p.offset, p.size);
             continue;
         }
-        st = sched->pp_stage[backend_id];
+        ggml_sched_pp_stage * st = sched->pp_stage[backend_id];
         if (st->used > 0 && st->filler != backend) {
             // a slot is read by one stream only: its event follows that stream's copies
             flush();
