@@ -605,15 +605,23 @@ def link_share(misses: int, cpu_pct: int) -> int:
     return -(-misses * 100 // (100 + cpu_pct))
 
 
-def hybrid(trace: ExpertTrace, slots: int, cpu_pct: int) -> dict:
+def hybrid(trace: ExpertTrace, slots: int, cpu_pct: int, refill: int = 0) -> dict:
     """The native cache's counts with EXPERT_HYBRID=cpu_pct on a trace, every layer with `slots` slots, counted from the
     first token: per token and layer a step of the LRU ("lru"), except that only the first `link_share` of its misses
-    (the trace's order of its ids) are inserted; the others the host CPU computes and nothing caches.
+    (the trace's order of its ids) are inserted; the others the host CPU computes and nothing caches. With
+    EXPERT_REFILL=refill (a trace of decoded tokens, one a graph) every miss is the CPU's and the first `refill` of a
+    token's misses are inserted (their bytes go up after the CPU has computed them).
 
+    Args:
+        trace: the routing ids.
+        slots: slots a layer.
+        cpu_pct: EXPERT_HYBRID's value.
+        refill: EXPERT_REFILL's value (0: off).
     Returns:
-        dict: lookups, hits, cpu_misses (computed by the CPU), link_misses (copied into slots).
+        dict: lookups, hits, cpu_misses (computed by the CPU), link_misses (copied into slots before the compute),
+        refills (of the CPU's misses, copied into slots after it).
     """
-    out = {"lookups": 0, "hits": 0, "cpu_misses": 0, "link_misses": 0}
+    out = {"lookups": 0, "hits": 0, "cpu_misses": 0, "link_misses": 0, "refills": 0}
     for c in range(len(trace.layers)):
         lru = _Cache(slots)
         for ids in _steps(trace, c):
@@ -622,13 +630,13 @@ def hybrid(trace: ExpertTrace, slots: int, cpu_pct: int) -> dict:
             misses = [e for e in ids if e not in lru]
             for e in hit_ids:
                 lru._hit(e)
-            up = misses[:link_share(len(misses), cpu_pct)]
+            up = misses[:refill] if refill > 0 else misses[:link_share(len(misses), cpu_pct)]
             for e in up:
                 lru._miss(e, set(ids))
             out["lookups"] += len(ids)
             out["hits"] += len(hit_ids)
-            out["link_misses"] += len(up)
-            out["cpu_misses"] += len(misses) - len(up)
+            out["refills" if refill > 0 else "link_misses"] += len(up)
+            out["cpu_misses"] += len(misses) - (0 if refill > 0 else len(up))
     return out
 
 

@@ -54,6 +54,7 @@ class Row:
             (EXPERT_CACHE_MIN_HIT), the guard's decisions (a layer to the CPU or back), and its shadow's lookups.
         expert_cache_cpu_misses: of its misses per run, those the host CPU computed instead of the link
             (EXPERT_HYBRID; the link's are expert_cache_misses less these).
+        expert_cache_refills: of those, the experts copied into slots after the CPU computed them (EXPERT_REFILL).
         expert_cache_hit_rate_per_device: with EXPERT_CACHE's per-device list (devices whose caches differ; the
             list is in `switches`), each device's own hit rate (None: fewer lookups than rows.MIN_HIT_RATE_LOOKUPS);
             None with one value for every device.
@@ -144,6 +145,7 @@ class Row:
     expert_cache_shadow_hits: Optional[int] = None
     expert_cache_shadow_misses: Optional[int] = None
     expert_cache_cpu_misses: Optional[int] = None
+    expert_cache_refills: Optional[int] = None
     expert_cache_hit_rate_per_device: Optional[list] = None
     # where and how
     label: str = ""

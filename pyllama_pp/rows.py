@@ -165,7 +165,8 @@ def rows_from_result(cfg: RunConfig, variant: str, res: dict, meta: dict) -> lis
             # EXPERT_CACHE's lookups, all devices
             **{f"expert_{k}": all_gpus(ext, k, reps) for k in ("cache_hits", "cache_misses", "cache_evictions",
                                                                 "cache_ops", "cache_cpu_ops", "cache_shadow_hits",
-                                                                "cache_shadow_misses", "cache_cpu_misses")},
+                                                                "cache_shadow_misses", "cache_cpu_misses",
+                                                                "cache_refills")},
             "expert_cache_hit_rate": cache_hit_rate(ext),
             "expert_cache_hit_rate_per_device": cache_hit_rate_per_device(ext),
             # LAYER_MAJOR's groups (a switch asked for but no group formed shows as 0)

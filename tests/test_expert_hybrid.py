@@ -52,8 +52,17 @@ def test_the_simulators_split_on_a_known_trace():
     went up and misses the 2 the CPU computed again (1 up, 1 on the CPU)."""
     ids = np.array([[[0, 1, 2, 3]], [[0, 1, 2, 3]]], dtype=np.int32)
     t = ExpertTrace(ids, [0], 8)
-    assert hybrid(t, 4, 100) == {"lookups": 8, "hits": 2, "cpu_misses": 3, "link_misses": 3}
-    assert hybrid(t, 4, 0) == {"lookups": 8, "hits": 4, "cpu_misses": 0, "link_misses": 4}
+    assert hybrid(t, 4, 100) == {"lookups": 8, "hits": 2, "cpu_misses": 3, "link_misses": 3, "refills": 0}
+    assert hybrid(t, 4, 0) == {"lookups": 8, "hits": 4, "cpu_misses": 0, "link_misses": 4, "refills": 0}
+
+
+def test_the_simulators_refill_on_a_known_trace():
+    """EXPERT_REFILL=1, the same two tokens: every miss is the CPU's; token 0 refills expert 0 (its first miss), token 1
+    hits it and refills expert 1; nothing goes over the link before the compute."""
+    ids = np.array([[[0, 1, 2, 3]], [[0, 1, 2, 3]]], dtype=np.int32)
+    t = ExpertTrace(ids, [0], 8)
+    assert hybrid(t, 4, 100, refill=1) == {"lookups": 8, "hits": 1, "cpu_misses": 7, "link_misses": 0, "refills": 2}
+    assert hybrid(t, 4, 100, refill=2)["hits"] == 2
 
 
 # --- numerics ---------------------------------------------------------------------------------------------------------
@@ -141,6 +150,54 @@ def test_rpc_devices_split_their_misses_with_this_hosts_cpu(runner, upstream_ser
     assert len(rpc) == 2 and all(b["cache_cpu_misses"] > 0 for b in rpc)
 
 
+def refill_env(slots: int, refill: int) -> dict:
+    """-slots a layer, no guard, EXPERT_HYBRID on, EXPERT_REFILL=refill."""
+    return {**hybrid_env(slots, 100), "GGML_SCHED_PP_EXPERT_REFILL": refill}
+
+
+@pytest.mark.parametrize("slots, refill", [(2, 1), (8, 1), (8, 2)])
+def test_refills_keep_the_logits_and_copy_only_after_the_cpu(runner, baseline_decode, assert_logits_match, slots, refill):
+    """EXPERT_REFILL: every miss of a decoded token is the CPU's (none goes up before the device computes), `refill` of
+    them go into slots after it: the logits are the baseline's (and the cache's alone, bit for bit), the bytes copied
+    into slots are the refills' and nothing else, and the slots serve later tokens (hits)."""
+    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": DECODE, "n_tokens": 12}
+    p = runner.logits("patched", env=refill_env(slots, refill), **kw)
+    alone = runner.logits("patched", env=hybrid_env(slots, 0), **kw)
+    assert_logits_match(p["logits"], baseline_decode["logits"], f"EXPERT_REFILL={refill}, {slots} slots")
+    assert np.array_equal(p["logits"], alone["logits"])
+    t, s = totals(p["ext"]), split_counts(p["ext"])
+    refills = sum(b["cache_refills"] for b in p["ext"]["backends"])
+    assert s["cache_cpu_misses"] == t["cache_misses"] > 0 and t["cache_hits"] > 0
+    assert 0 < refills <= refill * s["cache_hybrid_layers"]
+    one = t["cache_bytes"] // refills
+    assert t["cache_bytes"] == one * refills
+
+
+def test_refills_from_an_mmaped_model_are_copied_by_the_cpus_graph(runner, baseline_decode, assert_logits_match):
+    """From pageable memory (mmap) the CPU's graph copies each refill's bytes into its own pinned memory beside the
+    FFN, so none goes through the staging copier's threads (which would contend with the CPU's); the cache alone on the
+    same model stages every miss. The logits are the baseline's."""
+    kw = {"devices": TWO, "placement": {**HOST_ALL, "load_mode": "mmap"}, "ctx": DECODE, "n_tokens": 12}
+    p = runner.logits("patched", env=refill_env(8, 1), **kw)
+    alone = runner.logits("patched", env=hybrid_env(8, 0), **kw)
+    assert_logits_match(p["logits"], baseline_decode["logits"], "EXPERT_REFILL=1, mmap")
+    assert totals(p["ext"])["cache_bytes"] > 0 and sum(b["staged_bytes"] for b in p["ext"]["backends"]) == 0
+    assert sum(b["staged_bytes"] for b in alone["ext"]["backends"]) == totals(alone["ext"])["cache_bytes"] > 0
+
+
+def test_refills_read_the_expert_biases_slots_too(tmp_path_factory, assert_logits_match):
+    """gpt-oss (expert biases: a refill copies a bias row beside its experts' matrices), from an mmap-ed model: the
+    baseline's logits."""
+    from conftest import JobRunner
+    path = synth.cached_model(tmp_path_factory.getbasetemp() / "families", "gptoss-tiny", seed=1)
+    runner = JobRunner(str(path), tmp_path_factory.mktemp("gptoss-refill"))
+    kw = {"devices": TWO, "placement": {**HOST_ALL, "load_mode": "mmap"}, "ctx": DECODE, "n_tokens": 6}
+    b = runner.logits("baseline", **kw)
+    p = runner.logits("patched", env=refill_env(8, 1), **kw)
+    assert_logits_match(p["logits"], b["logits"], "gptoss-tiny, EXPERT_REFILL=1")
+    assert sum(x["cache_refills"] for x in p["ext"]["backends"]) > 0
+
+
 # --- the counters -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("slots, cpu_pct, n_ubatch", [(2, 100, 1), (8, 100, 1), (8, 300, 1), (16, 50, 1), (16, 100, 4)])
@@ -159,3 +216,18 @@ def test_the_split_is_the_simulators_on_the_traced_ids(runner, slots, cpu_pct, n
     assert t["cache_hits"] + t["cache_misses"] == sim["lookups"]
     assert (t["cache_hits"], s["cache_cpu_misses"]) == (sim["hits"], sim["cpu_misses"]), (t, s, sim)
     assert t["cache_misses"] - s["cache_cpu_misses"] == sim["link_misses"]
+
+
+@pytest.mark.parametrize("slots, refill", [(2, 1), (8, 1), (16, 2)])
+def test_refills_are_the_simulators_on_the_traced_ids(runner, slots, refill):
+    """The traced ids of 40 decoded tokens again, with EXPERT_REFILL: hits, CPU misses and refills are
+    expert_cache_sim.hybrid's with `refill`."""
+    ctx = {"n_ctx": 64, "n_batch": 1, "n_ubatch": 1}
+    tr = runner.run("patched", {"kind": "trace", "devices": "vdev:1x0@0.5", "placement": HOST_ALL, "ctx": ctx,
+                                "n_prompt": 0, "n_decode": 40, "seed": 7})
+    sim = hybrid(ExpertTrace(tr["ids"], tr["layers"], tr["n_expert"]), slots, 100, refill=refill)
+    p = runner.logits("patched", devices="vdev:1x0@0.5", placement=HOST_ALL, ctx=ctx, tokens=tr["tokens"],
+                      env=refill_env(slots, refill))
+    t, s = totals(p["ext"]), split_counts(p["ext"])
+    refills = sum(b["cache_refills"] for b in p["ext"]["backends"])
+    assert (t["cache_hits"], s["cache_cpu_misses"], refills) == (sim["hits"], sim["cpu_misses"], sim["refills"]), (t, s, sim)

@@ -233,6 +233,6 @@ def test_every_runtime_switch_is_documented_in_a_patch_header():
     table = (ROOT / "pyllama_pp" / "native" / "sched" / "ggml-backend-pp-base.cpp").read_text()
     names = set(re.findall(r'^\s*GGML_SCHED_PP_ROW\("([A-Z_0-9]+)",', table, re.M))
     assert {"GATE", "UPLOAD_ALL", "OVERLAP", "STABLE_RESERVE", "PREFETCH"} <= names, names
-    assert len(names) <= 19, names   # (one off-switch per mechanism, and the tuning knobs)
+    assert len(names) <= 20, names   # (one off-switch per mechanism, and the tuning knobs)
     for name in sorted(names):
         assert re.search(rf"GGML_SCHED_PP_{name}\b", headers), f"GGML_SCHED_PP_{name} is not in any patch header"

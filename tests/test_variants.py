@@ -17,7 +17,7 @@ VARIANTS = ("baseline", "patched")
 # the patched build's switch table, in order (one off-switch per mechanism and the tuning knobs)
 SWITCH_NAMES = ["GATE", "OWNER_OFFLOAD", "EARLY_INPUTS", "UPLOAD_ALL", "UPLOAD_ALL_MIN", "UPLOAD_ALL_MIN_COV", "LINKS",
                 "STAGING", "STABLE_RESERVE", "DIRECT", "OVERLAP", "GATHER", "PREFETCH", "PREFETCH2_MIN_TOKENS", "RPC_HOST",
-                "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT", "EXPERT_HYBRID",
+                "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT", "EXPERT_HYBRID", "EXPERT_REFILL",
                 "LAYER_MAJOR"]
 
 

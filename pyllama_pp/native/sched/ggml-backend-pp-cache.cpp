@@ -74,6 +74,16 @@
 // (its scheduler's host backend, beside the host weights it keeps): the client sends each RPC device's N as
 // EXPERT_HYBRID@D with the other per-device switches. Counters per device: cache_cpu_misses (misses the CPU computed;
 // the link's are cache_misses less these), cache_hybrid_layers.
+//
+// The refill (EXPERT_REFILL=N, with EXPERT_HYBRID; 0: off): where a miss costs the host more to copy than to compute
+// (an mmap-ed model: its bytes reach the link through the staging copy, which the host's threads make while the token
+// waits), a decoded token's misses all go to the host CPU - nothing waits for the link before the device computes the
+// hits - and the slots follow the routing behind it: the first N of the token's misses in top-k order are inserted
+// into the LRU (its rule above, as the link's misses would be) and their bytes go into their slots after the CPU's
+// share, on the device's stream before any later split reads them. From pageable memory the CPU's own graph copies
+// each such expert into its (pinned) memory beside the FFN's matmuls, with the same threads - no other threads that
+// would contend with them - and it goes up from there; from pinned memory it goes up directly. Counter per device:
+// cache_refills (a refill's misses are the CPU's too: cache_cpu_misses counts them).
 
 #include "ggml-backend-pp-impl.h"
 
@@ -125,8 +135,11 @@ struct ggml_sched_pp_cache_lru {
     // one token's step over its n ids (top-k order): its hits (held at the step's start) are touched, then its misses
     // inserted; slot[k]: the slot of ids[k]. With cpu_pct > 0 (EXPERT_HYBRID) only the first
     // ggml_backend_sched_pp_hybrid_link_share(misses, cpu_pct) misses in top-k order are inserted (the link's); the
-    // others keep slot -1 (the host CPU's: not cached). Returns the hits.
-    int step(const int32_t * ids, int64_t n, int32_t * slot, uint64_t & clock, uint64_t & evictions, int64_t cpu_pct = 0) {
+    // others keep slot -1 (the host CPU's: not cached). With `refill` (EXPERT_REFILL: not null) the link takes none and
+    // the first refill->capacity() misses in top-k order are inserted but keep slot -1 (the CPU computes them this step;
+    // their bytes go into their slots after it): (k, slot) of each into *refill. Returns the hits.
+    int step(const int32_t * ids, int64_t n, int32_t * slot, uint64_t & clock, uint64_t & evictions, int64_t cpu_pct = 0,
+             std::vector<std::pair<int32_t, int32_t>> * refill = nullptr, size_t n_refill = 0) {
         int hits = 0;
         for (int64_t k = 0; k < n; k++) {
             slot[k] = expert_slot[ids[k]];
@@ -134,6 +147,14 @@ struct ggml_sched_pp_cache_lru {
                 hits++;
                 last_use[slot[k]] = ++clock;
             }
+        }
+        if (refill != nullptr) {
+            for (int64_t k = 0; k < n && refill->size() < n_refill; k++) {
+                if (slot[k] < 0) {
+                    refill->push_back({ (int32_t) k, expert_slot[ids[k]] >= 0 ? expert_slot[ids[k]] : insert(ids[k], clock, evictions) });
+                }
+            }
+            return hits;
         }
         int64_t up = cpu_pct > 0 ? ggml_backend_sched_pp_hybrid_link_share(n - hits, cpu_pct) : n - hits;
         for (int64_t k = 0; k < n; k++) {
@@ -154,13 +175,23 @@ struct ggml_sched_pp_cache_weight {
     std::vector<int32_t> content;          // the expert each slot of `slots` holds (-1: none yet)
 };
 
-// EXPERT_HYBRID: a layer's FFN cloned for the host CPU, for n_sel selections a token (ggml_sched_pp_hybrid_build)
+// EXPERT_REFILL: one expert of a pageable host weight copied by the CPU's graph into its (pinned) memory
+struct ggml_sched_pp_hybrid_copy {
+    ggml_sched_pp_cache_weight * w;
+    size_t                       j;     // the graph's refill it copies (l->hy.refill[j])
+    ggml_tensor *                view;  // the expert in the host weight (its view_offs set before each compute)
+    ggml_tensor *                dup;   // ... its copy
+};
+
+// EXPERT_HYBRID: a layer's FFN cloned for the host CPU, for n_sel selections a token and n_ref refills
+// (ggml_sched_pp_hybrid_build)
 struct ggml_sched_pp_hybrid_clone {
     ggml_context * ctx = nullptr;
     ggml_cgraph *  gf  = nullptr;
     ggml_tensor *  ids = nullptr;  // int32 [n_sel, n_tokens]: the CPU's experts
     ggml_tensor *  out = nullptr;  // the clone of the last expert op: the CPU's rows
     std::vector<std::pair<ggml_tensor *, ggml_tensor *>> inputs; // (a tensor of device memory the FFN reads, its host copy)
+    std::vector<ggml_sched_pp_hybrid_copy> copies;               // EXPERT_REFILL: the refills' pageable experts
     uint64_t       built = 0;      // the plan (ggml_sched_pp_cache::plan_gen) it was made for (0: none)
 
     void free() {
@@ -179,11 +210,15 @@ struct ggml_sched_pp_hybrid {
     ggml_tensor *              last = nullptr;
     int                        i_after = -1; // the first node after the last expert op that is not a view: a split
     int                        split = -1;   // the split that holds the FFN (-1: not checked; -2: it does not)
-    std::vector<ggml_sched_pp_hybrid_clone> clones; // by n_sel (a token's selections the clone computes)
+    std::vector<ggml_sched_pp_hybrid_clone> clones; // by n_sel + (n_used + 1) x n_ref (selections a token, refills)
     ggml_sched_pp_hybrid_clone * cur = nullptr;     // ... this graph's
     std::vector<int32_t>       cpu_ids;      // this graph's CPU experts [n_used x n_tokens] (-1: not the CPU's)
     std::vector<std::pair<int32_t, int32_t>> pairs; // ... its (token, selection) rows the CPU computes, in order
     bool                       pending = false; // the CPU's rows are to be computed after the split is submitted
+    // EXPERT_REFILL: this graph's (expert, slot) of the CPU's misses that go into slots after its share, and their
+    // uploads (each weight's bytes: from the clone's copy where the host weight is pageable, else from the weight)
+    std::vector<std::pair<int32_t, int32_t>> refill, refill_k;
+    std::vector<ggml_sched_pp_piece>         refill_up;
 
     void free_clones() {
         for (auto & x : clones) {
@@ -793,7 +828,8 @@ static void ggml_sched_pp_cache_token(ggml_sched_pp_cache_layer * l, const ggml_
 }
 
 // the layer's lookups for the ids of `op` (read back from the device): the slot numbers go up to the device; with
-// `hybrid` (EXPERT_HYBRID) the misses the link does not take are the CPU's (l->hy.pairs, l->hy.cpu_ids)
+// `hybrid` (EXPERT_HYBRID) the misses the link does not take are the CPU's (l->hy.pairs, l->hy.cpu_ids); with
+// EXPERT_REFILL=N too, a decoded token's misses are all the CPU's and the first N go into slots after it (l->hy.refill)
 static void ggml_sched_pp_cache_look_up(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l, const ggml_tensor * ids,
                                         bool hybrid) {
     ggml_backend_t backend = sched->backends[l->backend_id];
@@ -818,24 +854,35 @@ static void ggml_sched_pp_cache_look_up(ggml_backend_sched_t sched, ggml_sched_p
     const int64_t n_used = ids->ne[0], n_tokens = ids->ne[1];
     const bool guard = sched->pp_cfg.expert_cache_min_hit_dev[b] > 0 && l->guarded;
     const int64_t cpu_pct = hybrid ? sched->pp_cfg.expert_hybrid_dev[b] : 0;
+    const size_t  n_refill = hybrid && n_tokens == 1 ? (size_t) sched->pp_cfg.expert_refill : 0;
     l->used.clear();
     l->hy.pairs.clear();
+    l->hy.refill.clear();
+    l->hy.refill_k.clear();
+    l->hy.refill_up.clear();
     l->hy.cpu_ids.assign((size_t) (n_used * n_tokens), -1);
     for (int64_t t = 0; t < n_tokens; t++) {
         int32_t * slot = l->remap_host + t * n_used;
         ggml_sched_pp_cache_token(l, ids, ids_host, t);
         // a step: the token's hits (cached at its start) are touched, then its misses inserted, each in top-k order
         // (EXPERT_HYBRID: the link's share of them; the rest the CPU computes)
-        const int hits = l->lru.step(l->token.data(), n_used, slot, sched->pp_cache->clock, sched->pp.cache_evictions[b], cpu_pct);
+        const int hits = l->lru.step(l->token.data(), n_used, slot, sched->pp_cache->clock, sched->pp.cache_evictions[b], cpu_pct,
+                                     n_refill > 0 ? &l->hy.refill_k : nullptr, n_refill);
         sched->pp.cache_hits[b]   += hits;
         sched->pp.cache_misses[b] += n_used - hits;
+        // the CPU's rows on the device are computed from a slot the token reads anyway or one that a refill of it
+        // takes (the link takes at least one miss of a token with misses, else a refill takes it), then overwritten
+        int32_t fill = *std::max_element(slot, slot + n_used);
+        for (const auto & [k, s] : l->hy.refill_k) {
+            fill = std::max(fill, s);
+            l->hy.refill.push_back({ l->token[k], s });
+        }
+        sched->pp.cache_refills[b] += l->hy.refill_k.size();
         for (int64_t k = 0; k < n_used; k++) {
             if (slot[k] < 0) {
-                // the CPU's: its row on the device is computed from a slot the token reads anyway (the link takes at
-                // least one miss of a token with misses), then overwritten with the CPU's
                 l->hy.pairs.push_back({ (int32_t) t, (int32_t) k });
                 l->hy.cpu_ids[t * n_used + k] = l->token[k];
-                slot[k] = *std::max_element(slot, slot + n_used);
+                slot[k] = fill;
                 GGML_ASSERT(slot[k] >= 0);
                 continue;
             }
@@ -911,14 +958,22 @@ static ggml_tensor * ggml_sched_pp_hybrid_node(ggml_context * ctx, const ggml_te
 // sources are final): its expert ops read the host weights and the CPU's ids; a tensor it reads from device memory is
 // copied into host memory after the ids are read back (the device has computed it then); host memory is read where it
 // is. n_sel below n_used (decode: the CPU's misses alone) only where no such copy has a selection dimension; false:
-// not with that n_sel
-static bool ggml_sched_pp_hybrid_build(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l, int64_t n_sel) {
+// not with that n_sel. With n_ref refills (EXPERT_REFILL) the graph also copies one expert of each pageable host weight
+// of the layer per refill into its own memory (pinned: it goes up from there), beside the FFN, by the same threads
+static bool ggml_sched_pp_hybrid_build(ggml_backend_sched_t sched, ggml_sched_pp_cache_layer * l, int64_t n_sel, int64_t n_ref) {
     ggml_sched_pp_cache * c = sched->pp_cache;
     ggml_sched_pp_hybrid & h = l->hy;
-    ggml_sched_pp_hybrid_clone & x = h.clones[n_sel];
+    ggml_sched_pp_hybrid_clone & x = h.clones[n_sel + (l->n_used + 1) * n_ref];
     x.free();
     const int64_t n_used = l->n_used;
-    const size_t n_max = h.nodes.size() * (GGML_MAX_SRC + 1) + 1;
+    std::vector<ggml_sched_pp_cache_weight *> pageable;   // the layer's weights the refills' copies read
+    for (const auto & op : c->ops) {
+        if (op.layer == l && std::find(pageable.begin(), pageable.end(), op.weight) == pageable.end() &&
+            !ggml_backend_sched_pp_buffer_is_pinned(sched, op.weight->host->buffer)) {
+            pageable.push_back(op.weight);
+        }
+    }
+    const size_t n_max = h.nodes.size() * (GGML_MAX_SRC + 1) + 2 * pageable.size() * (size_t) n_ref + 1;
     ggml_init_params params = { n_max * ggml_tensor_overhead() + ggml_graph_overhead_custom(n_max, false), nullptr, true };
     x.ctx = ggml_init(params);
     if (x.ctx == nullptr) {
@@ -977,6 +1032,19 @@ static bool ggml_sched_pp_hybrid_build(ggml_backend_sched_t sched, ggml_sched_pp
     ggml_set_output(x.out);
     x.gf = ggml_new_graph_custom(x.ctx, n_max, false);
     ggml_build_forward_expand(x.gf, x.out);
+    for (int64_t j = 0; j < n_ref; j++) {
+        for (auto * w : pageable) {
+            ggml_tensor * host = const_cast<ggml_tensor *>(w->host);   // (read only)
+            int64_t ne[GGML_MAX_DIMS];
+            memcpy(ne, host->ne, sizeof(ne));
+            ne[w->dim] = 1;
+            ggml_tensor * v = ggml_view_4d(x.ctx, host, ne[0], ne[1], ne[2], ne[3], host->nb[1], host->nb[2], host->nb[3], 0);
+            ggml_tensor * d = ggml_dup(x.ctx, v);
+            ggml_set_output(d);
+            ggml_build_forward_expand(x.gf, d);
+            x.copies.push_back({ w, (size_t) j, v, d });
+        }
+    }
     x.built = c->plan_gen;
     return true;
 }
@@ -990,15 +1058,17 @@ static bool ggml_sched_pp_hybrid_inputs(ggml_backend_sched_t sched, ggml_sched_p
     ggml_sched_pp_hybrid & h = l->hy;
     const int b = l->backend_id;
     const int64_t n_used = l->n_used;
-    h.clones.resize((size_t) n_used + 1);
+    const int64_t n_ref  = (int64_t) h.refill.size();
+    h.clones.resize((size_t) ((n_used + 1) * (sched->pp_cfg.expert_refill + 1)));
     int64_t n_sel = n_tokens == 1 ? (int64_t) h.pairs.size() : n_used;
-    if (h.clones[n_sel].built != c->plan_gen && !ggml_sched_pp_hybrid_build(sched, l, n_sel)) {
+    auto clone = [&](int64_t sel) -> ggml_sched_pp_hybrid_clone & { return h.clones[sel + (n_used + 1) * n_ref]; };
+    if (clone(n_sel).built != c->plan_gen && !ggml_sched_pp_hybrid_build(sched, l, n_sel, n_ref)) {
         n_sel = n_used;
-        if (h.clones[n_sel].built != c->plan_gen && !ggml_sched_pp_hybrid_build(sched, l, n_sel)) {
+        if (clone(n_sel).built != c->plan_gen && !ggml_sched_pp_hybrid_build(sched, l, n_sel, n_ref)) {
             return false;
         }
     }
-    ggml_sched_pp_hybrid_clone & x = h.clones[n_sel];
+    ggml_sched_pp_hybrid_clone & x = clone(n_sel);
     h.cur = &x;
     if (c->hybrid_galloc[b] == nullptr) {
         ggml_backend_buffer_type_t buft = ggml_backend_dev_host_buffer_type(ggml_backend_get_device(sched->backends[b]));
@@ -1012,6 +1082,9 @@ static bool ggml_sched_pp_hybrid_inputs(ggml_backend_sched_t sched, ggml_sched_p
     for (ggml_tensor * t = ggml_get_first_tensor(x.ctx); t != nullptr; t = ggml_get_next_tensor(x.ctx, t)) {
         t->data   = nullptr;
         t->buffer = nullptr;
+    }
+    for (auto & cp : x.copies) {   // (EXPERT_REFILL: each copy's expert)
+        cp.view->view_offs = (size_t) h.refill[cp.j].first * cp.w->host->nb[cp.w->dim];
     }
     if (!ggml_gallocr_alloc_graph(c->hybrid_galloc[b], x.gf)) {
         return false;
@@ -1129,6 +1202,24 @@ void ggml_backend_sched_pp_cache_prepare(ggml_backend_sched_t sched, int split_i
                 sched->pp.weight_bytes[l->backend_id] += expert_size;
             }
         }
+        // EXPERT_REFILL: the refills' bytes go up after the CPU's share (cache_after_split), from the clone's copy
+        // where the host weight is pageable
+        for (size_t j = 0; j < l->hy.refill.size(); j++) {
+            const auto [e, s] = l->hy.refill[j];
+            if (w->content[s] == e) {
+                continue;
+            }
+            w->content[s] = e;
+            sched->pp.cache_bytes[l->backend_id]  += expert_size;
+            sched->pp.weight_bytes[l->backend_id] += expert_size;
+            const ggml_tensor * from = nullptr;
+            for (const auto & cp : l->hy.cur->copies) {
+                from = cp.w == w && cp.j == j ? cp.dup : from;
+            }
+            l->hy.refill_up.push_back(from != nullptr
+                ? ggml_sched_pp_piece { from, w->slots, from->data, (size_t) s * expert_size, expert_size }
+                : ggml_sched_pp_piece { w->host, w->slots, (const char *) w->host->data + e * expert_size, (size_t) s * expert_size, expert_size });
+        }
         sched->pp.cache_ops[l->backend_id]++;
         swap->add(op.node, w->slots, ggml_sched_pp_cache_ids_view(l, ids->ne[1]));
     }
@@ -1152,6 +1243,11 @@ void ggml_backend_sched_pp_cache_after_split(ggml_backend_sched_t sched, int spl
     for (auto * l : c->planned) {
         if (l->hy.pending && l->hy.split == split_id) {
             ggml_sched_pp_hybrid_compute(sched, l);
+            // EXPERT_REFILL: the refills into their slots, after the rows, before any later split reads them
+            if (!l->hy.refill_up.empty()) {
+                ggml_backend_sched_pp_upload_pieces(sched, l->backend_id, l->hy.refill_up.data(), l->hy.refill_up.size());
+                l->hy.refill_up.clear();
+            }
         }
     }
     for (; c->next_cpu < c->cpu_ops.size() && c->cpu_ops[c->next_cpu].split <= split_id; c->next_cpu++) {
@@ -1238,7 +1334,8 @@ std::string ggml_backend_sched_pp_cache_json(ggml_backend_sched_t sched, int bac
            ",\"cache_shadow_misses\":" + std::to_string(st.cache_shadow_misses[backend_id]) +
            ",\"cache_cpu_layers\":" + std::to_string(cpu_layers) +
            ",\"cache_cpu_misses\":" + std::to_string(st.cache_cpu_misses[backend_id]) +
-           ",\"cache_hybrid_layers\":" + std::to_string(st.cache_hybrid_layers[backend_id]);
+           ",\"cache_hybrid_layers\":" + std::to_string(st.cache_hybrid_layers[backend_id]) +
+           ",\"cache_refills\":" + std::to_string(st.cache_refills[backend_id]);
 }
 
 void ggml_backend_sched_pp_cache_free(ggml_backend_sched_t sched) {

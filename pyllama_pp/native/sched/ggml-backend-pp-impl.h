@@ -116,6 +116,7 @@ struct ggml_sched_pp_stats {
     uint64_t cache_shadow_misses[GGML_SCHED_MAX_BACKENDS]; // ... that did not
     uint64_t cache_cpu_misses[GGML_SCHED_MAX_BACKENDS]; // misses of cached ops the host CPU computed, not the link (EXPERT_HYBRID)
     uint64_t cache_hybrid_layers[GGML_SCHED_MAX_BACKENDS]; // ... a layer's expert ops of a graph where it did (one CPU compute each)
+    uint64_t cache_refills[GGML_SCHED_MAX_BACKENDS];    // ... of the CPU's misses, experts copied into slots after it (EXPERT_REFILL)
 };
 
 // The switches as a scheduler reads them: the switch table (ggml_sched_pp_params) is copied here once, when the
@@ -139,6 +140,7 @@ struct ggml_sched_pp_cfg {
     int64_t expert_cache_min_hit_dev[GGML_SCHED_MAX_BACKENDS]; // ... each backend's floor (percent; 0: no guard)
     int64_t expert_hybrid;        // EXPERT_HYBRID: not 0 where some device splits its misses
     int64_t expert_hybrid_dev[GGML_SCHED_MAX_BACKENDS]; // ... each backend's value (0: every miss over its link)
+    int64_t expert_refill;        // EXPERT_REFILL: with EXPERT_HYBRID, a decoded token's misses copied into slots after the CPU's share
 };
 
 struct ggml_backend_sched {
