@@ -72,17 +72,24 @@ def baseline_decode(runner):
     return runner.logits("baseline", devices=TWO, placement=HOST_ALL, ctx=DECODE, n_tokens=12)
 
 
+def decode_against_the_cache_alone(runner, baseline_decode, assert_logits_match, env: dict, slots: int, what: str):
+    """12 decoded tokens on two VDEVs with `env`: the logits are the baseline's and, bit for bit, the cache's alone
+    with as many slots. Returns (the run, its cache totals, its split's counts)."""
+    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": DECODE, "n_tokens": 12}
+    p = runner.logits("patched", env=env, **kw)
+    alone = runner.logits("patched", env=hybrid_env(slots, 0), **kw)
+    assert_logits_match(p["logits"], baseline_decode["logits"], what)
+    assert np.array_equal(p["logits"], alone["logits"])
+    return p, totals(p["ext"]), split_counts(p["ext"])
+
+
 @pytest.mark.parametrize("slots, cpu_pct", [(2, 100), (8, 100), (8, 400), (64, 100)])
 def test_decode_logits_equal_the_baseline_and_the_cache_alone(runner, baseline_decode, assert_logits_match, tiny_info,
                                                               slots, cpu_pct):
     """The tiny model on two VDEVs: each token's misses split (a token of 2 ids: one up, one on the CPU where both
     miss); the logits are the baseline's and the cache's alone; each CPU miss is one of the misses counted."""
-    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": DECODE, "n_tokens": 12}
-    p = runner.logits("patched", env=hybrid_env(slots, cpu_pct), **kw)
-    alone = runner.logits("patched", env=hybrid_env(slots, 0), **kw)
-    assert_logits_match(p["logits"], baseline_decode["logits"], f"EXPERT_HYBRID={cpu_pct}, {slots} slots")
-    assert np.array_equal(p["logits"], alone["logits"])
-    t, s = totals(p["ext"]), split_counts(p["ext"])
+    _, t, s = decode_against_the_cache_alone(runner, baseline_decode, assert_logits_match, hybrid_env(slots, cpu_pct),
+                                             slots, f"EXPERT_HYBRID={cpu_pct}, {slots} slots")
     assert t["cache_ops"] == 3 * tiny_info["n_layer"] * 12
     assert t["cache_hits"] + t["cache_misses"] == tiny_info["n_layer"] * 12 * tiny_info["n_expert_used"]
     assert 0 < s["cache_cpu_misses"] < t["cache_misses"]
@@ -160,12 +167,8 @@ def test_refills_keep_the_logits_and_copy_only_after_the_cpu(runner, baseline_de
     """EXPERT_REFILL: every miss of a decoded token is the CPU's (none goes up before the device computes), `refill` of
     them go into slots after it: the logits are the baseline's (and the cache's alone, bit for bit), the bytes copied
     into slots are the refills' and nothing else, and the slots serve later tokens (hits)."""
-    kw = {"devices": TWO, "placement": HOST_ALL, "ctx": DECODE, "n_tokens": 12}
-    p = runner.logits("patched", env=refill_env(slots, refill), **kw)
-    alone = runner.logits("patched", env=hybrid_env(slots, 0), **kw)
-    assert_logits_match(p["logits"], baseline_decode["logits"], f"EXPERT_REFILL={refill}, {slots} slots")
-    assert np.array_equal(p["logits"], alone["logits"])
-    t, s = totals(p["ext"]), split_counts(p["ext"])
+    p, t, s = decode_against_the_cache_alone(runner, baseline_decode, assert_logits_match, refill_env(slots, refill),
+                                             slots, f"EXPERT_REFILL={refill}, {slots} slots")
     refills = sum(b["cache_refills"] for b in p["ext"]["backends"])
     assert s["cache_cpu_misses"] == t["cache_misses"] > 0 and t["cache_hits"] > 0
     assert 0 < refills <= refill * s["cache_hybrid_layers"]
