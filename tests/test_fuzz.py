@@ -23,7 +23,7 @@ except (ValueError, TypeError) as e:
 SWITCHES = {"OVERLAP": [0, 2], "DIRECT": [-1, 0, 2], "UPLOAD_ALL": [0, 1], "EARLY_INPUTS": [0, 1], "STAGING": [0, 1],
             "OWNER_OFFLOAD": [0, 1], "STABLE_RESERVE": [0, 1], "GATHER": [-1, 0], "PREFETCH": [0, 1, 2],
             "LAYER_MAJOR": [0, 1, 2]}
-# (and EXPERT_CACHE with its EXPERT_CACHE_MIN_HIT and EXPERT_HYBRID, drawn in _case)
+# (and EXPERT_CACHE with its EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID and EXPERT_REFILL, drawn in _case)
 
 
 def _case(i: int) -> dict:
@@ -56,6 +56,7 @@ def _case(i: int) -> dict:
         env["GGML_SCHED_PP_EXPERT_CACHE"] = rng.choice([64, -32, -2])
         env["GGML_SCHED_PP_EXPERT_CACHE_MIN_HIT"] = rng.choice([0, 30, 100])
         env["GGML_SCHED_PP_EXPERT_HYBRID"] = rng.choice([0, 100, 1000])   # (its misses split with the host CPU)
+        env["GGML_SCHED_PP_EXPERT_REFILL"] = rng.choice([0, 1, 2])        # (... or all theirs, slots refilled after)
     env.update(FORCE)
     return case
 
