@@ -136,8 +136,8 @@ struct ggml_sched_pp_cache_lru {
     // inserted; slot[k]: the slot of ids[k]. With cpu_pct > 0 (EXPERT_HYBRID) only the first
     // ggml_backend_sched_pp_hybrid_link_share(misses, cpu_pct) misses in top-k order are inserted (the link's); the
     // others keep slot -1 (the host CPU's: not cached). With `refill` (EXPERT_REFILL: not null) the link takes none and
-    // the first refill->capacity() misses in top-k order are inserted but keep slot -1 (the CPU computes them this step;
-    // their bytes go into their slots after it): (k, slot) of each into *refill. Returns the hits.
+    // the first n_refill misses in top-k order are inserted but keep slot -1 (the CPU computes them this step; their
+    // bytes go into their slots after it): (k, slot) of each into *refill. Returns the hits.
     int step(const int32_t * ids, int64_t n, int32_t * slot, uint64_t & clock, uint64_t & evictions, int64_t cpu_pct = 0,
              std::vector<std::pair<int32_t, int32_t>> * refill = nullptr, size_t n_refill = 0) {
         int hits = 0;
