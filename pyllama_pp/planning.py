@@ -504,6 +504,13 @@ def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, m
     return dataclasses.replace(cfg, plans=plans, switches=run_switches)
 
 
+#: what a cache set by hand on an mmap-ed model runs with where the user set neither: every miss of a decoded token on
+#: the host CPU and one a token into the slots after it (a staged miss costs the host more than computing it there;
+#: one H100, the 30B-A3B shape from mmap, 16 slots a layer: 1.203x upstream, the same call's all-but-one 0.786x, the
+#: cache alone 0.589x before: docs/results/mmap-refill-2026-12-07)
+MMAP_REFILL = {switches.EXPERT_HYBRID: switches.HYBRID_ALL_CPU, switches.EXPERT_REFILL: 1}
+
+
 def _placed_switches(cfg: RunConfig, c: Choices, model: str, made: list, measured: dict,
                      progress: bool) -> RunConfig:
     """Without a fit, the patched runs' switches that take device memory planned on the config's own placement
@@ -512,7 +519,8 @@ def _placed_switches(cfg: RunConfig, c: Choices, model: str, made: list, measure
     form groups over host experts (layer_major_plan.wants_layer_major), on where its groups fit beside the placement;
     the expert cache where the user set none (no --expert-cache or auto, no EXPERT_CACHE switch or variable), in the
     room the groups leave (where the run decodes too, the groups weighed against the slots their room would hold:
-    LAYER_MAJOR=0 where those save more). The config with the plan's switches, and in its notes what was planned and why, or why
+    LAYER_MAJOR=0 where those save more); a cache set by hand on an mmap-ed model with MMAP_REFILL's switches where
+    the user set neither. The config with the plan's switches, and in its notes what was planned and why, or why
     nothing where that is news. As it is for the baseline alone, on the CPU alone, or where the user set both."""
     if "patched" not in c.variants:
         return cfg
@@ -539,19 +547,26 @@ def _placed_switches(cfg: RunConfig, c: Choices, model: str, made: list, measure
     notes: tuple = ()
     hand_set = asked if asked is not None and not asked.auto else \
         ExpertCache.of_switch(given[switches.EXPERT_CACHE]) if switches.EXPERT_CACHE in given else None
+    refill = {}
     if hand_set and c.load_mode == "mmap" and not why:
+        refill = {} if any(k in given for k in MMAP_REFILL) else dict(MMAP_REFILL)
+        how = (f"its misses run on the host CPU and one a token goes into the slots after it ({switches.EXPERT_HYBRID}="
+               f"{switches.HYBRID_ALL_CPU} {switches.EXPERT_REFILL}=1), as a miss copied into pinned staging by the "
+               "host first costs more than upstream's CPU path computing it from the page cache (measured on an H100: "
+               f"docs/RESULTS.md, \"What a user gets without switches\"); --switch {switches.EXPERT_REFILL}=0 for the "
+               "cache alone") if refill else \
+              ("a miss is copied into pinned staging by the host first, which can cost more than upstream's CPU path "
+               "computing it from the page cache (measured slower on an H100: docs/RESULTS.md, \"What a user gets "
+               "without switches\")")
         notes += (f"expert cache ({where}): set by hand on an mmap-ed model, so nothing is planned for it (its guard "
-                  "included): a miss is copied into pinned staging by the host first, which can cost more than "
-                  "upstream's CPU path computing it from the page cache (measured slower on an H100: docs/RESULTS.md, "
-                  "\"What a user gets without switches\"); --expert-cache auto plans it and keeps none where it does "
-                  "not pay",)
+                  f"included): {how}; --expert-cache auto plans it and keeps none where it does not pay",)
     if cache and (why and news or room and not why):
         notes += (f"expert cache ({where}): no cache: {why or room}",)
     if groups and room:
         notes += (f"layer major ({where}): LAYER_MAJOR off: {room}",)
     cache, groups = cache and not why and not room, groups and not room
     if not (cache or groups):
-        return dataclasses.replace(cfg, notes=cfg.notes + notes)
+        return dataclasses.replace(cfg, switches={**cfg.switches, **refill}, notes=cfg.notes + notes)
     key = json.dumps([cfg.devices, cfg.placement.to_dict(), cfg.context().to_dict(), workload.as_list(),
                       [list(s) for s in workload.untimed], cache])
     if key not in measured:
@@ -570,7 +585,7 @@ def _placed_switches(cfg: RunConfig, c: Choices, model: str, made: list, measure
         split = plan.memory_plan.get("hybrid_note")
         notes += (f"expert cache ({where}), planned on this placement without a fit: {plan.memory_plan['why']}{set_}"
                   + (f"; {split}" if split else ""),)
-    return dataclasses.replace(cfg, switches={**cfg.switches, **planned}, notes=cfg.notes + notes)
+    return dataclasses.replace(cfg, switches={**cfg.switches, **refill, **planned}, notes=cfg.notes + notes)
 
 
 def _shared_plan_notes(made: Sequence[Plan], shared: bool) -> list[str]:

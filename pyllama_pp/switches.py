@@ -36,6 +36,9 @@ RPC_HOST = "RPC_HOST"            # host experts kept on an RPC server
 EXPERT_CACHE = "EXPERT_CACHE"    # the device expert cache: MiB a device, or -N slots a layer
 EXPERT_CACHE_MIN_HIT = "EXPERT_CACHE_MIN_HIT"   # its guard: percent of hits below which a layer goes to the CPU
 EXPERT_HYBRID = "EXPERT_HYBRID"  # its misses split with the host CPU: the CPU's expert rate in percent of the link's
+EXPERT_REFILL = "EXPERT_REFILL"  # with it, a decoded token's misses all on the CPU, N of them into slots after it
+#: EXPERT_HYBRID's largest value: the host CPU takes a token's misses but one (with EXPERT_REFILL, decode's all)
+HYBRID_ALL_CPU = 100000
 LAYER_MAJOR = "LAYER_MAJOR"      # a batch's ubatches through each layer together
 STAGING = "STAGING"              # pageable uploads through pinned slots (1: the default copier threads, N >= 2: N)
 PREFETCH = "PREFETCH"            # expert copies filled a split early (2: two splits early, in lanes of their own)

@@ -20,7 +20,7 @@ from pyllama_pp.memory_plan import GAIN_MIN, Alternative, alternatives, choose, 
 from pyllama_pp.params import ContextParams, Placement
 from pyllama_pp.placement import fit as place
 from pyllama_pp.plan import Plan
-from pyllama_pp.planning import _tests_workload, Choices, plan_runs
+from pyllama_pp.planning import MMAP_REFILL, _tests_workload, Choices, plan_runs
 from pyllama_pp.workload import Workload
 
 CTX = ContextParams(n_ctx=512, n_batch=512, n_ubatch=128)
@@ -513,6 +513,25 @@ def test_a_cache_set_by_hand_on_an_mmap_ed_model_says_nothing_plans_it(model, mo
     assert "--expert-cache auto" in said(expert_cache="2MiB", load_mode="mmap")[0]
     assert len(said(switches={"EXPERT_CACHE": -4}, load_mode="mmap")) == 1
     assert said(expert_cache="2MiB") == said(expert_cache="0", load_mode="mmap") == []
+
+
+def test_a_cache_set_by_hand_on_an_mmap_ed_model_runs_its_misses_on_the_cpu(model, monkeypatch):
+    """A staged miss costs the host more than computing it from the page cache: a hand-set cache on an mmap-ed model
+    runs with every decoded miss on the host CPU and one a token refilled after it (planning.MMAP_REFILL), and the
+    note says so with the off-switch; where the user set EXPERT_HYBRID or EXPERT_REFILL, theirs stand and nothing is
+    added; pinned weights and auto get none."""
+    monkeypatch.setattr(sys.modules["pyllama_pp.planning"], "plan_on_placement",
+                        lambda *a, **k: pytest.fail("planned a cache the user set"))
+    run = lambda **kw: plan_runs(Choices(model=model, devices=(SPEC,), pp=(), tg=(16,), **kw))   # noqa: E731
+    mmap = run(expert_cache="2MiB", load_mode="mmap")
+    assert {k: mmap.configs[0].switches.get(k) for k in MMAP_REFILL} == MMAP_REFILL == {"EXPERT_HYBRID": 100000,
+                                                                                        "EXPERT_REFILL": 1}
+    assert any("EXPERT_REFILL=1" in n and "--switch EXPERT_REFILL=0" in n for n in mmap.notes), mmap.notes
+    theirs = run(expert_cache="2MiB", load_mode="mmap", switches={"EXPERT_REFILL": 0})
+    assert theirs.configs[0].switches == {"EXPERT_CACHE": 2, "EXPERT_REFILL": 0}
+    assert not any("EXPERT_REFILL=1" in n for n in theirs.notes)
+    for kw in (dict(expert_cache="2MiB"), dict(expert_cache="0", load_mode="mmap")):
+        assert "EXPERT_REFILL" not in run(**kw).configs[0].switches
 
 
 # --- unequal devices: each its own guard and split ----------------------------------------------------------------
