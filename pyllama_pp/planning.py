@@ -488,9 +488,10 @@ def _with_plan(cfg: RunConfig, plan: Plan, model: str, variants: Sequence[str], 
 
 
 def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, made: list) -> RunConfig:
-    """cfg placed by fit: each variant's own plan (each), or the patched build's for every variant (same)."""
+    """cfg placed by fit: each variant's own plan (each), or the patched build's for every variant (same); a cache
+    set by hand on an mmap-ed model with host-expert layers runs with MMAP_REFILL's switches, as without a fit."""
     ctx = ContextParams(n_ctx=cfg.context().n_ctx, n_batch=cfg.n_batch, n_ubatch=min(cfg.n_ubatch, cfg.n_batch))
-    plans, run_switches = {}, dict(cfg.switches)
+    plans, run_switches, notes = {}, dict(cfg.switches), ()
     for v in (["patched"] if c.fit == "same" else variants):
         p = fit(model, devices=cfg.devices_for(v), ctx=ctx, variant=v, margin=c.margin, env=switches.unset(cfg.env),
                 expert_cache=c.expert_cache if v == "patched" else None, switches=cfg.switches,
@@ -499,9 +500,17 @@ def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, m
         plans[v] = p.placement(c.load_mode, source="fit")
         if v == "patched":
             run_switches = {**p.run_switches(c.load_mode), **cfg.switches}
+            if c.load_mode == "mmap" and c.expert_cache and not c.expert_cache.auto and any(p.host_expert_layers):
+                refill, note = _hand_set_mmap(c.switches)
+                run_switches = {**run_switches, **refill}
+                if refill and switches.EXPERT_CACHE_MIN_HIT not in c.switches:
+                    # (fit's guard is priced for the cache alone's staged misses: the refill's path keeps the default)
+                    run_switches.pop(switches.EXPERT_CACHE_MIN_HIT, None)
+                notes += (f"expert cache (--devices {cfg.devices}, -b {cfg.n_batch} -ub {min(cfg.n_ubatch, cfg.n_batch)}"
+                          f"): set by hand on an mmap-ed model, fit keeps its room: {note}",)
     if c.fit == "same":
         plans = {v: plans["patched"] for v in variants}
-    return dataclasses.replace(cfg, plans=plans, switches=run_switches)
+    return dataclasses.replace(cfg, plans=plans, switches=run_switches, notes=cfg.notes + notes)
 
 
 #: what a cache set by hand on an mmap-ed model runs with where the user set neither: every miss of a decoded token on
@@ -509,6 +518,20 @@ def _with_fit(cfg: RunConfig, model: str, variants: Sequence[str], c: Choices, m
 #: one H100, the 30B-A3B shape from mmap, 16 slots a layer: 1.203x upstream, the same call's all-but-one 0.786x, the
 #: cache alone 0.589x before: docs/results/mmap-refill-2026-12-07)
 MMAP_REFILL = {switches.EXPERT_HYBRID: switches.HYBRID_ALL_CPU, switches.EXPERT_REFILL: 1}
+
+
+def _hand_set_mmap(given: dict) -> tuple[dict, str]:
+    """A cache set by hand on an mmap-ed model: the switches it runs with (MMAP_REFILL, where the user set neither of
+    them) and what the note says of its misses."""
+    if any(k in given for k in MMAP_REFILL):
+        return {}, ("a miss is copied into pinned staging by the host first, which can cost more than upstream's CPU "
+                    "path computing it from the page cache (measured slower on an H100: docs/RESULTS.md, \"What a "
+                    "user gets without switches\")")
+    return dict(MMAP_REFILL), (
+        f"its misses run on the host CPU and one a token goes into the slots after it ({switches.EXPERT_HYBRID}="
+        f"{switches.HYBRID_ALL_CPU} {switches.EXPERT_REFILL}=1), as a miss copied into pinned staging by the host first "
+        "costs more than upstream's CPU path computing it from the page cache (measured on an H100: docs/RESULTS.md, "
+        f"\"What a user gets without switches\"); --switch {switches.EXPERT_REFILL}=0 for the cache alone")
 
 
 def _placed_switches(cfg: RunConfig, c: Choices, model: str, made: list, measured: dict,
@@ -549,17 +572,9 @@ def _placed_switches(cfg: RunConfig, c: Choices, model: str, made: list, measure
         ExpertCache.of_switch(given[switches.EXPERT_CACHE]) if switches.EXPERT_CACHE in given else None
     refill = {}
     if hand_set and c.load_mode == "mmap" and not why:
-        refill = {} if any(k in given for k in MMAP_REFILL) else dict(MMAP_REFILL)
-        how = (f"its misses run on the host CPU and one a token goes into the slots after it ({switches.EXPERT_HYBRID}="
-               f"{switches.HYBRID_ALL_CPU} {switches.EXPERT_REFILL}=1), as a miss copied into pinned staging by the "
-               "host first costs more than upstream's CPU path computing it from the page cache (measured on an H100: "
-               f"docs/RESULTS.md, \"What a user gets without switches\"); --switch {switches.EXPERT_REFILL}=0 for the "
-               "cache alone") if refill else \
-              ("a miss is copied into pinned staging by the host first, which can cost more than upstream's CPU path "
-               "computing it from the page cache (measured slower on an H100: docs/RESULTS.md, \"What a user gets "
-               "without switches\")")
+        refill, note = _hand_set_mmap(given)
         notes += (f"expert cache ({where}): set by hand on an mmap-ed model, so nothing is planned for it (its guard "
-                  f"included): {how}; --expert-cache auto plans it and keeps none where it does not pay",)
+                  f"included): {note}; --expert-cache auto plans it and keeps none where it does not pay",)
     if cache and (why and news or room and not why):
         notes += (f"expert cache ({where}): no cache: {why or room}",)
     if groups and room:
@@ -649,6 +664,7 @@ def plan_runs(choices: Choices, progress: bool = False) -> RunPlan:
         cfgs = [_with_plan(cfg, plan, model, variants, c, "fit" if auto else "plan") for cfg in cfgs]
     elif c.fit:
         cfgs = [_with_fit(cfg, model, variants, c, made) for cfg in cfgs]
+        notes += list(dict.fromkeys(n for cfg in cfgs for n in cfg.notes))
     else:
         measured: dict = {}
         cfgs = [_placed_switches(cfg, c, model, made, measured, progress) for cfg in cfgs]

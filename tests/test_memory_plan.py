@@ -534,6 +534,19 @@ def test_a_cache_set_by_hand_on_an_mmap_ed_model_runs_its_misses_on_the_cpu(mode
         assert "EXPERT_REFILL" not in run(**kw).configs[0].switches
 
 
+def test_with_a_fit_a_hand_set_mmap_cache_runs_its_misses_on_the_cpu_too(model):
+    """--fit with a size on an mmap-ed model: fit keeps the slots' room and the run takes MMAP_REFILL's switches, said
+    in a note, with the guard at its default (fit's bar is priced for staged misses); auto is fit's to plan."""
+    run = lambda **kw: plan_runs(Choices(model=model, devices=(SPEC,), fit="same", pp=(), tg=(16,),   # noqa: E731
+                                         load_mode="mmap", **kw))
+    sized = run(expert_cache="2MiB")
+    assert {k: sized.configs[0].switches.get(k) for k in MMAP_REFILL} == MMAP_REFILL
+    # (fit's guard, priced for the cache alone's staged misses, is left to its default)
+    assert "EXPERT_CACHE_MIN_HIT" not in sized.configs[0].switches
+    assert any("fit keeps its room" in n and "EXPERT_REFILL=1" in n for n in sized.notes), sized.notes
+    assert "EXPERT_REFILL" not in run(expert_cache="auto").configs[0].switches
+
+
 # --- unequal devices: each its own guard and split ----------------------------------------------------------------
 
 def _with_links(plan: Plan, layout, costs: DecodeCosts, miss_over_cpu) -> Plan:
