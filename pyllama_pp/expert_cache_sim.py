@@ -635,8 +635,12 @@ def hybrid(trace: ExpertTrace, slots: int, cpu_pct: int, refill: int = 0) -> dic
                 lru._miss(e, set(ids))
             out["lookups"] += len(ids)
             out["hits"] += len(hit_ids)
-            out["refills" if refill > 0 else "link_misses"] += len(up)
-            out["cpu_misses"] += len(misses) - (0 if refill > 0 else len(up))
+            if refill > 0:   # (every miss the CPU's; the refills go up after it)
+                out["refills"] += len(up)
+                out["cpu_misses"] += len(misses)
+            else:
+                out["link_misses"] += len(up)
+                out["cpu_misses"] += len(misses) - len(up)
     return out
 
 

@@ -374,4 +374,4 @@ __all__ = ["PREFIX", "var", "in_env", "set_in", "value_of", "in_force", "user_se
            "to_env", "parse_given", "per_device", "one_or_list", "check_device_lists", "PER_DEVICE", "EVERY_DEVICE",
            "ExpertCache", "take_expert_cache", "shown", "OVERLAP", "UPLOAD_ALL", "UPLOAD_ALL_MIN",
            "UPLOAD_ALL_MIN_COV", "LINKS", "RPC_HOST", "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT", "EXPERT_HYBRID",
-           "LAYER_MAJOR", "staging_threads", "STAGING", "PREFETCH", "PREFETCH_LANES"]
+           "EXPERT_REFILL", "HYBRID_ALL_CPU", "LAYER_MAJOR", "staging_threads", "STAGING", "PREFETCH", "PREFETCH_LANES"]
