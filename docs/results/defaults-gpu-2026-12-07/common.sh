@@ -17,7 +17,8 @@ MARGIN=$(( TOT / 1024 - ${SPARE_GIB:-10} ))GiB
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader
 echo "margin $MARGIN, $(left) s left"
 one() {  # NAME ARGS...: one pyllama-pp command (run, ab, fit) into $D/NAME, and its lines that match $SHOW
-  local name=$1; shift; [ $(left) -lt ${MIN_LEFT:-60} ] && { echo "== $name skipped: $(left) s left"; return; }
+  local name=$1; shift; [[ -n ${ONLY:-} && ! $name =~ $ONLY ]] && return  # ONLY=REGEX: the rows to run
+  [ $(left) -lt ${MIN_LEFT:-60} ] && { echo "== $name skipped: $(left) s left"; return; }
   echo "== $name ($(left) s left)"
   timeout $(( $(left) - 20 )) /tmp/pp "$@" -o $D/$name > $D/$name.txt 2>&1
   grep -E "$SHOW" $D/$name.txt | cut -c1-260 | tail -8
