@@ -13,6 +13,12 @@ them. Per MoE layer:
   them (expert_cache_sim.link_share: the link takes ceil(100 m / (100 + N)), at least one), the host CPU computing the rest beside
   the link: the slower of the two counts, and the CPU's share costs HYBRID_FIXED_EXPERTS experts' CPU time more (its
   FFN's fixed part: the activations' round trip, the wait, the sum on the device).
+- the same with EXPERT_REFILL=N (EXPERT_HYBRID at its largest): every one of a token's m misses on the host CPU
+  beside the device's hits, then min(N, m) of them copied into slots (from an mmap-ed model the CPU's graph copies
+  each into pinned memory first, then it crosses the link): `cached_s + m x cpu_s / n_used + min(N, m) x refill`,
+  with no fixed part beyond cpu_s's own (which holds upstream's round trip): what one H100 measured (the 30B-A3B
+  shape from mmap, 8 layers, 16 slots a layer, hits 59.4%: 0.68 ms a layer against this model's 0.70, 178 t/s
+  against 174; docs/results/mmap-refill-2026-12-07), at the refill's own hit curve (pyllama_pp.hit_curve).
 `cached_s` is measured with every lookup a hit (the device's compute, the routing ids read back, the slots' lookup),
 a miss at the lower of the link's rate and the one measured with the fewest slots (`miss_gbps`: what a miss costs
 beside its bytes, its copies' calls and, from an mmap-ed model, the copy into pinned staging first),
@@ -122,16 +128,7 @@ class DecodeCosts:
         """
         if cpu_pct <= 0 or n_used <= 0:
             return self.break_even_hit(miss_bytes, link_gbps)
-        cost = lambda h: self.hybrid_layer_s(h, miss_bytes, link_gbps, n_used, cpu_pct) - self.cpu_s
-        if cost(0.0) <= 0:
-            return 0.0
-        if cost(1.0) >= 0:
-            return 1.0
-        lo, hi = 0.0, 1.0   # (the path's cost falls as hits rise: bisect to a tenth of a percent)
-        while hi - lo > 1e-3:
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if cost(mid) > 0 else (lo, mid)
-        return hi
+        return _falling_root(lambda h: self.hybrid_layer_s(h, miss_bytes, link_gbps, n_used, cpu_pct) - self.cpu_s)
 
     @property
     def share_cpu_s(self) -> float:
@@ -172,28 +169,79 @@ class DecodeCosts:
             total += math.comb(n_used, m) * (1 - hit) ** m * hit ** (n_used - m) * max(k * e_link, cpu)
         return self.cached_s + total
 
-    def host_layer_s(self, hit: float, miss_bytes: float, link_gbps: float, slots: int, n_used: int = 0,
-                     hybrid: int = 0) -> tuple[float, str]:
-        """One host-expert layer's seconds a token and the path it takes: with slots, the cached path (with
-        EXPERT_HYBRID=hybrid where given) or, where that costs more, the CPU (the guard); without, the CPU.
+    def refill_layer_s(self, hit: float, miss_bytes: float, refill_gbps: float, n_used: int, refill: int) -> float:
+        """One host-expert layer's seconds a token on the cached path with EXPERT_REFILL=refill: over the token's
+        misses (binomial), all of them on the host CPU (cpu_s's expert rate), then `refill` of them into slots.
 
         Args:
-            hit: the layer's hit rate with its slots.
+            hit: the layer's hit rate with the refill (hit_curve's refill curve).
+            miss_bytes: bytes of a token's lookups at a layer (n_used experts).
+            refill_gbps: the rate a refilled expert goes up at (from an mmap-ed model: the host's copy into pinned
+                memory and the link's, one after the other).
+            n_used: experts a token uses.
+            refill: EXPERT_REFILL's value.
+        Returns:
+            seconds.
+        """
+        e_cpu, e_up = self.cpu_s / n_used, miss_bytes / n_used / (refill_gbps * 1e9)
+        return self.cached_s + sum(math.comb(n_used, m) * (1 - hit) ** m * hit ** (n_used - m)
+                                   * (m * e_cpu + min(refill, m) * e_up) for m in range(1, n_used + 1))
+
+    def refill_break_even_hit(self, miss_bytes: float, refill_gbps: float, n_used: int, refill: int) -> float:
+        """The hit rate above which a layer's refill path costs less than the CPU path (the guard's bar where
+        EXPERT_REFILL is on), as hybrid_break_even_hit.
+
+        Args:
+            miss_bytes: bytes of a token's lookups at a layer (n_used experts).
+            refill_gbps: the rate a refilled expert goes up at.
+            n_used: experts a token uses.
+            refill: EXPERT_REFILL's value.
+        Returns:
+            h* in [0, 1].
+        """
+        return _falling_root(lambda h: self.refill_layer_s(h, miss_bytes, refill_gbps, n_used, refill) - self.cpu_s)
+
+    def host_layer_s(self, hit: float, miss_bytes: float, link_gbps: float, slots: int, n_used: int = 0,
+                     hybrid: int = 0, refill: int = 0, refill_gbps: float = 0.0) -> tuple[float, str]:
+        """One host-expert layer's seconds a token and the path it takes: with slots, the cached path (with
+        EXPERT_HYBRID=hybrid where given, or EXPERT_REFILL=refill) or, where that costs more, the CPU (the guard);
+        without, the CPU.
+
+        Args:
+            hit: the layer's hit rate with its slots (with the refill: the refill curve's).
             miss_bytes: bytes of a token's lookups at a layer (n_used experts).
             link_gbps: the device's host link.
             slots: slots a layer (0: none).
             n_used: experts a token uses (for the hybrid's split).
             hybrid: EXPERT_HYBRID's value (0: off).
+            refill: EXPERT_REFILL's value (0: off).
+            refill_gbps: the rate a refilled expert goes up at.
         Returns:
-            (seconds, "cache" | "hybrid" | "cpu").
+            (seconds, "cache" | "hybrid" | "refill" | "cpu").
         """
         if slots <= 0:
             return self.cpu_s, "cpu"
-        if hybrid and n_used:
+        if refill and n_used and refill_gbps > 0:
+            cached, path = self.refill_layer_s(hit, miss_bytes, refill_gbps, n_used, refill), "refill"
+        elif hybrid and n_used:
             cached, path = self.hybrid_layer_s(hit, miss_bytes, link_gbps, n_used, hybrid), "hybrid"
         else:
             cached, path = self.cached_layer_s(hit, miss_bytes, link_gbps), "cache"
         return (cached, path) if cached < self.cpu_s else (self.cpu_s, "cpu")
+
+
+def _falling_root(cost) -> float:
+    """The hit rate where a path's cost over the CPU path's (falling as hits rise) crosses 0: 0 where it never costs
+    more, 1 where it never costs less; bisected to a tenth of a percent."""
+    if cost(0.0) <= 0:
+        return 0.0
+    if cost(1.0) >= 0:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    while hi - lo > 1e-3:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cost(mid) > 0 else (lo, mid)
+    return hi
 
 
 @dataclass
@@ -209,6 +257,8 @@ class DecodeShare:
         link_gbps: its host link for the misses.
         n_used: experts a token uses.
         hybrid: EXPERT_HYBRID's value (0: off).
+        refill: EXPERT_REFILL's value (0: off; `hit` is then the refill curve's).
+        refill_gbps: the rate a refilled expert goes up at.
     """
 
     resident_layers: int
@@ -219,6 +269,8 @@ class DecodeShare:
     link_gbps: float = 0.0
     n_used: int = 0
     hybrid: int = 0
+    refill: int = 0
+    refill_gbps: float = 0.0
 
 
 def token_seconds(costs: Sequence[DecodeCosts], shares: Sequence[DecodeShare]) -> tuple[float, list[str]]:
@@ -228,12 +280,13 @@ def token_seconds(costs: Sequence[DecodeCosts], shares: Sequence[DecodeShare]) -
         costs: per device (one entry standing for every device is repeated by the caller).
         shares: per device.
     Returns:
-        (seconds, per device "cache" | "hybrid" | "cpu" | "" (no host-expert layer)).
+        (seconds, per device "cache" | "hybrid" | "refill" | "cpu" | "" (no host-expert layer)).
     """
     total = max((c.outside_s for c in costs), default=0.0)
     paths = []
     for c, s in zip(costs, shares):
-        host, path = c.host_layer_s(s.hit, s.miss_bytes, s.link_gbps, s.slots, s.n_used, s.hybrid) \
+        host, path = c.host_layer_s(s.hit, s.miss_bytes, s.link_gbps, s.slots, s.n_used, s.hybrid, s.refill,
+                                    s.refill_gbps) \
             if s.host_layers else (0.0, "")
         total += s.resident_layers * c.resident_s + s.host_layers * host
         paths.append(path)

@@ -605,7 +605,7 @@ def link_share(misses: int, cpu_pct: int) -> int:
     return -(-misses * 100 // (100 + cpu_pct))
 
 
-def hybrid(trace: ExpertTrace, slots: int, cpu_pct: int, refill: int = 0) -> dict:
+def hybrid(trace: ExpertTrace, slots: int, cpu_pct: int, refill: int = 0, warmup: int = 0) -> dict:
     """The native cache's counts with EXPERT_HYBRID=cpu_pct on a trace, every layer with `slots` slots, counted from the
     first token: per token and layer a step of the LRU ("lru"), except that only the first `link_share` of its misses
     (the trace's order of its ids) are inserted; the others the host CPU computes and nothing caches. With
@@ -617,6 +617,7 @@ def hybrid(trace: ExpertTrace, slots: int, cpu_pct: int, refill: int = 0) -> dic
         slots: slots a layer.
         cpu_pct: EXPERT_HYBRID's value.
         refill: EXPERT_REFILL's value (0: off).
+        warmup: tokens run through the slots first without being counted (0: the native counters' view).
     Returns:
         dict: lookups, hits, cpu_misses (computed by the CPU), link_misses (copied into slots before the compute),
         refills (of the CPU's misses, copied into slots after it).
@@ -624,7 +625,7 @@ def hybrid(trace: ExpertTrace, slots: int, cpu_pct: int, refill: int = 0) -> dic
     out = {"lookups": 0, "hits": 0, "cpu_misses": 0, "link_misses": 0, "refills": 0}
     for c in range(len(trace.layers)):
         lru = _Cache(slots)
-        for ids in _steps(trace, c):
+        for t, ids in enumerate(_steps(trace, c)):
             ids = [int(e) for e in ids]
             hit_ids = [e for e in ids if e in lru]
             misses = [e for e in ids if e not in lru]
@@ -633,6 +634,8 @@ def hybrid(trace: ExpertTrace, slots: int, cpu_pct: int, refill: int = 0) -> dic
             up = misses[:refill] if refill > 0 else misses[:link_share(len(misses), cpu_pct)]
             for e in up:
                 lru._miss(e, set(ids))
+            if t < warmup:
+                continue
             out["lookups"] += len(ids)
             out["hits"] += len(hit_ids)
             if refill > 0:   # (every miss the CPU's; the refills go up after it)

@@ -7,6 +7,10 @@ experts hitting ~67% with 12.5% of a layer's experts cached and ~81% with 25%; t
 calibrated to those two points, and its LRU gives the rest of the curve (47% with one token's experts, 8 of 128;
 88% at 50%; docs/RESULTS.md "Expert locality" and the cache's GPU table). A model whose routing is uniform (a synthetic
 one says so) hits its share: h = f.
+
+Each curve has a second one beside it: the hit rate with EXPERT_REFILL=1 (every miss of a decoded token on the host
+CPU, only the first into the slots after it: the slots follow the routing more slowly than LRU's, which takes every
+miss). From a trace it is simulated (expert_cache_sim.hybrid); without one it is the LRU curve times REFILL_PRIOR.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from .errors import ConfigError
-from .expert_cache_sim import simulate
+from .expert_cache_sim import capacity_of, default_warmup, hybrid, simulate
 from .expert_trace import ExpertTrace
 from .model_file import expert_tensor_shape, synth_routing
 
@@ -27,6 +31,10 @@ PRIOR = ((0.0, 0.0), (0.0625, 0.47), (0.125, 0.67), (0.25, 0.81), (0.5, 0.88), (
 PRIOR_NAME = "prior: published decode locality (llama.cpp PR #27861's LRU: 67% at 12.5%, 81% at 25%)"
 # the fractions a trace is simulated at
 TRACE_FRACTIONS = (0.0625, 0.125, 0.25, 0.5, 1.0)
+# EXPERT_REFILL=1's hit rate as a share of LRU's at the same size, where no trace says: the 30B-A3B preset's locality
+# trace (expert_cache_sim.hybrid): 59.8% against 66.9% at 12.5% cached, 72.0% against 80.5% at 25% (0.89 both);
+# uniform routing hits its share either way (any slots' content serves f of the lookups)
+REFILL_PRIOR = 0.89
 
 
 @dataclass(frozen=True)
@@ -36,30 +44,44 @@ class HitCurve:
     Attributes:
         points: (fraction, hit rate) pairs, fractions rising from 0 to 1.
         source: where it comes from, as the plan names it.
+        refill: the same pairs with EXPERT_REFILL=1 (() where no trace says: REFILL_PRIOR x the LRU's, or the LRU's
+            own where the routing is uniform).
+        uniform: the routing is uniform (hits are the share cached with or without the refill).
     """
 
     points: tuple
     source: str
+    refill: tuple = ()
+    uniform: bool = False
 
-    def at(self, fraction: float) -> float:
+    def at(self, fraction: float, refill: bool = False) -> float:
         """The hit rate with `fraction` of a layer's experts cached (linear between the points).
 
         Args:
             fraction: 0..1.
+            refill: with EXPERT_REFILL=1 (its own points, else the prior's share of LRU's).
         Returns:
             hit rate 0..1.
         """
+        f = min(max(fraction, 0.0), 1.0)
+        if refill and self.refill:
+            xs, ys = zip(*self.refill)
+            return float(np.interp(f, xs, ys))
         xs, ys = zip(*self.points)
-        return float(np.interp(min(max(fraction, 0.0), 1.0), xs, ys))
+        lru = float(np.interp(f, xs, ys))
+        return lru if not refill or self.uniform else REFILL_PRIOR * lru
 
     def to_dict(self) -> dict:
         """The curve as the plan's JSON holds it."""
-        return {"source": self.source, "points": [list(p) for p in self.points]}
+        return {"source": self.source, "points": [list(p) for p in self.points],
+                **({"refill": [list(p) for p in self.refill]} if self.refill else {}),
+                **({"uniform": True} if self.uniform else {})}
 
     @staticmethod
     def from_dict(d: dict) -> "HitCurve":
         """The curve of `to_dict`."""
-        return HitCurve(tuple(tuple(p) for p in d["points"]), d["source"])
+        return HitCurve(tuple(tuple(p) for p in d["points"]), d["source"],
+                        tuple(tuple(p) for p in d.get("refill", ())), bool(d.get("uniform")))
 
     @staticmethod
     def from_trace(trace: Union[str, os.PathLike, ExpertTrace], fractions: Sequence[float] = TRACE_FRACTIONS) -> "HitCurve":
@@ -77,7 +99,11 @@ class HitCurve:
             raise ConfigError(f"--trace {_name(trace)}: no decoded "
                               f"token after its warm-up ({t.n_tokens} tokens, {t.n_prompt} of them a prompt), so no "
                               "hit rate. Fix: record decode, e.g. `pyllama-pp trace MODEL -n 128 -o T.npz`")
-        return HitCurve(tuple((f, round(h, 4)) for f, h in pts), f"trace {_name(trace)} (LRU)")
+        refill = [(0.0, 0.0)]
+        for f in fractions:   # (EXPERT_REFILL=1: its value is the only one the planner sets)
+            got = hybrid(t, capacity_of(f, t.n_expert), 0, refill=1, warmup=default_warmup(t))
+            refill.append((f, round(got["hits"] / got["lookups"], 4)))
+        return HitCurve(tuple((f, round(h, 4)) for f, h in pts), f"trace {_name(trace)} (LRU)", tuple(refill))
 
     @staticmethod
     def for_model(model: Union[str, os.PathLike], trace: Optional[Union[str, os.PathLike, ExpertTrace]] = None) -> "HitCurve":
@@ -98,7 +124,8 @@ class HitCurve:
                                   f"{shape[3]}. Fix: record this model's trace (`pyllama-pp trace MODEL -o T.npz`)")
             return HitCurve.from_trace(trace)
         if synth_routing(model) == "uniform":
-            return HitCurve(((0.0, 0.0), (1.0, 1.0)), "uniform routing (the synthetic model's): hits = share cached")
+            return HitCurve(((0.0, 0.0), (1.0, 1.0)), "uniform routing (the synthetic model's): hits = share cached",
+                            uniform=True)
         return HitCurve(PRIOR, PRIOR_NAME)
 
 
@@ -116,4 +143,4 @@ def _load(trace) -> ExpertTrace:
         raise ConfigError(f"--trace: {e}. Fix: record one with `pyllama-pp trace MODEL -o T.npz`") from None
 
 
-__all__ = ["HitCurve", "PRIOR"]
+__all__ = ["HitCurve", "PRIOR", "REFILL_PRIOR"]

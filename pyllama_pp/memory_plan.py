@@ -14,7 +14,11 @@ over the links (a prompt's compute does not change with where the experts live).
 no cache unless a cache predicts at least GAIN_MIN less time. The chosen one is then placed for real (a dry run with
 its cache's bytes reserved before placing), and the plan keeps every alternative with its prediction and why.
 Each cached alternative is priced with its misses split between the link and the host CPU too (EXPERT_HYBRID, at
-the rates the decode probe measured), and takes the split where it predicts GAIN_MIN less decode time.
+the rates the decode probe measured), and takes the split where it predicts GAIN_MIN less decode time. For an
+mmap-ed model (where a miss staged into pinned memory costs the host more than computing it) it is priced instead with
+EXPERT_REFILL=1 (every miss on the host CPU, one a token into the slots after it, at the refill's own hit curve and
+the host's copy into pinned memory then the link) and takes that where it predicts GAIN_MIN less decode time than the
+cache alone; not where a device is an RPC server's (the refill is not sent to servers).
 
 Every device is priced with its own costs and link, so the guard (EXPERT_CACHE_MIN_HIT: each device's own break-even
 hit rate) and the split (EXPERT_HYBRID: each device's own CPU rate over its own link's) are one value per device
@@ -34,10 +38,11 @@ from . import devices as devspec
 from .decode_model import DecodeCosts, DecodeShare, token_seconds
 from .defaults import CONTEXT, CUDA_LINK_GBPS
 from .expert_cache_plan import Layout, drop_cache, guard_value, miss_gbps, own_slots, plan_cache
-from .switches import EXPERT_CACHE, EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID, one_or_list, per_device
+from .switches import (EXPERT_CACHE, EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID, EXPERT_REFILL, HYBRID_ALL_CPU,
+                       one_or_list, per_device)
 from .errors import ConfigError, OutOfMemoryError
 from .hit_curve import HitCurve
-from .plan import MiB, Plan
+from .plan import MiB, Plan, alternative_line
 from .predict import expected_coverage
 from .switches import ExpertCache
 from .workload import Workload
@@ -71,6 +76,9 @@ class Alternative:
             its split does not gain), switches.one_or_list.
         device_slots: per device, its own slots a layer where the devices take different counts (the leftover on
             unequal devices; `slots` is then the most of them); [] where every device takes `slots`.
+        refill: EXPERT_REFILL's value where every miss on the host CPU with refills predicts GAIN_MIN less decode
+            time than the cache alone (an mmap-ed model; `hybrid` is then HYBRID_ALL_CPU and `hit` the refill's); 0:
+            off.
     """
 
     name: str
@@ -86,25 +94,16 @@ class Alternative:
     fits: bool = True
     hybrid: object = 0
     device_slots: list = field(default_factory=list)
+    refill: int = 0
 
     def to_dict(self) -> dict:
         """The alternative as the plan's JSON holds it."""
         return asdict(self)
 
-    def text(self, workload: Workload) -> str:
-        """One line: what it keeps where, and its prediction per phase."""
-        what = (f"{self.name}: resident expert layers {'/'.join(map(str, self.resident))}, "
-                f"{'/'.join(map(str, self.device_slots)) if self.device_slots else self.slots} slots a layer "
-                f"({sum(self.cache_bytes) / MiB:.0f} MiB, hits {self.hit:.0%})"
-                if self.slots else f"{self.name}: resident expert layers {'/'.join(map(str, self.resident))}")
-        if not self.fits:
-            return what + ": no room"
-        pred = [f"decode {self.decode_ts:.1f} t/s" + (f" (host layers on the {'/'.join(p for p in self.paths if p)})"
-                                                      if any(self.paths) else "")
-                + (f", {EXPERT_HYBRID}={self.hybrid}" if self.hybrid else "")]
-        if workload.prompt_tokens and self.prompt_extra_s:
-            pred.append(f"prompts +{self.prompt_extra_s:.3f} s")
-        return f"{what}: {', '.join(pred)}; {workload.name or 'workload'} {self.seconds:.2f} s"
+    def text(self) -> str:
+        """One line: what it keeps where, the path its host-expert layers take, its prediction (as the plan prints
+        it: plan.alternative_line)."""
+        return alternative_line(self.to_dict())
 
 
 def _links(plan: Plan, load_mode: str) -> list[float]:
@@ -119,16 +118,36 @@ def _links(plan: Plan, load_mode: str) -> list[float]:
     return out
 
 
-def cost_guard(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], hybrid=0) -> dict:
+def _refill_links(plan: Plan, load_mode: str) -> list[float]:
+    """Each device's rate for a refilled expert (GB/s): from pinned memory its link's; from an mmap-ed model the
+    host's copy into pinned memory (as fit measured the staging's copy, else the pageable link's rate) and then the
+    link, one after the other."""
+    pinned = _links(plan, "none")
+    if load_mode != "mmap":
+        return pinned
+    copy = [plan.host_copy_gbps or (d.link or {}).get("pageable_gbps") or ln for d, ln in zip(plan.devices, pinned)]
+    return [1.0 / (1.0 / c + 1.0 / ln) for c, ln in zip(copy, pinned)]
+
+
+def cost_guard(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], hybrid=0, refill: int = 0,
+               lru_per_refill: float = 1.0) -> dict:
     """The cache's guard from the decode probe's costs (what the planner priced with): per device the hit rate above
     which its cached layer costs less than its CPU layer, from pinned and from pageable memory, and the switch value
     for each load mode: each device that caches its own bar (one value where they agree, guard_value). Where a
     device's misses split with the host CPU (`hybrid`: EXPERT_HYBRID's value, one or a list), its bar is the hybrid
-    path's break-even: the cache alone's would send the layers the plan priced on the hybrid back to the CPU."""
+    path's break-even: the cache alone's would send the layers the plan priced on the hybrid back to the CPU; with
+    EXPERT_REFILL=refill the refill path's, in the hits the native guard counts (a shadow LRU's, which follows every
+    token: the refill's bar times `lru_per_refill`, LRU's hit rate over the refill's at the plan's slots)."""
     miss = layout.n_used * layout.slot_bytes
     split = per_device(hybrid, len(plan.devices))
-    per = {src: [(costs.get(i) or costs[-1]).hybrid_break_even_hit(miss, ln, layout.n_used, split[i])
-                 for i, ln in enumerate(_links(plan, mode))]
+
+    def bar(c: DecodeCosts, i: int, mode: str, ln: float) -> float:
+        if refill and layout.n_used:
+            return min(1.0, lru_per_refill * c.refill_break_even_hit(miss, _refill_links(plan, mode)[i],
+                                                                      layout.n_used, refill))
+        return c.hybrid_break_even_hit(miss, ln, layout.n_used, split[i])
+
+    per = {src: [bar(costs.get(i) or costs[-1], i, mode, ln) for i, ln in enumerate(_links(plan, mode))]
            for src, mode in (("pinned", "none"), ("pageable", "mmap"))}
     return {"break_even": {k: [round(h, 4) for h in v] for k, v in per.items()},
             "min_hit": {mode: guard_value(plan, per[src]) for mode, src in (("none", "pinned"), ("mmap", "pageable"))},
@@ -230,8 +249,10 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
     links = _links(plan, load_mode)
     per = [costs.get(i) or costs[-1] for i in range(len(devs))]
     miss_bytes = layout.n_used * layout.slot_bytes
-    # (each device's own EXPERT_HYBRID, where its CPU's rate is known; none for an mmap-ed model: MMAP_HYBRID_NOTE)
+    # (each device's own EXPERT_HYBRID, where its CPU's rate is known; none for an mmap-ed model: MMAP_HYBRID_NOTE,
+    # which is priced with the refill instead, where no device is an RPC server's)
     hybrid = [0] * len(devs) if load_mode == "mmap" else hybrid_values(plan, per, links, layout)
+    refill_links = _refill_links(plan, load_mode) if load_mode == "mmap" and not any(d.server for d in devs) else []
 
     def priced(name: str, slots, moved: list) -> Alternative:
         """`slots` a layer on every device, or a list of each device's own."""
@@ -246,12 +267,22 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
                   for r, h, k, hi, ln in zip(resident, host, each, hits, links)]
         split = split_where_it_gains(per, shares, hybrid)
         tok, paths = token_seconds(per, [dataclasses.replace(sh, hybrid=v) for sh, v in zip(shares, split)])
+        refill = 0
+        if refill_links and any(each):   # (the refill's own hit curve: the slots follow the routing more slowly)
+            with_refill = [dataclasses.replace(sh, hit=curve.at(n / layout.n_expert, refill=True) if n else 0.0,
+                                               hybrid=HYBRID_ALL_CPU, refill=1, refill_gbps=rl)
+                           for sh, n, rl in zip(shares, each, refill_links)]
+            tok_r, paths_r = token_seconds(per, with_refill)
+            if tok_r < tok * (1 - GAIN_MIN):
+                tok, paths, refill = tok_r, paths_r, 1
+                hits = [sh.hit for sh in with_refill]
+                split = [HYBRID_ALL_CPU if p == "refill" else 0 for p in paths_r]
         extra = _prompt_extra(workload, moved, layer_bytes, links, plan, layout.n_used, layout.n_expert)
         hit = max(hits, default=0.0) if own else hits[0] if hits else 0.0   # (a list: its largest device's)
         return Alternative(name, max(each, default=0), resident, host, cbytes, round(hit, 4),
                            round(1.0 / tok, 2) if tok else 0.0, round(extra, 4),
                            round(extra + workload.decode_tokens * tok, 4), paths, fits,
-                           one_or_list(split, [bool(k and h) for k, h in zip(each, host)]), own)
+                           one_or_list(split, [bool(k and h) for k, h in zip(each, host)]), own, refill)
 
     def moved_for(slots: int) -> Optional[list]:
         """Per device, the fewest layers to move to host RAM for `slots` slots in each host-expert layer."""
@@ -312,10 +343,12 @@ def _placed(plan: Plan, a: Alternative, none: Alternative, layout: Layout, costs
     if out.host_expert_layers == a.host and slots >= a.slots:
         return out, why
     tok, _ = token_seconds([costs.get(i) or costs[-1] for i in range(len(out.devices))],
-                           [DecodeShare(r, d.host_expert_layers, slots, curve.at(slots / layout.n_expert),
-                                        layout.n_used * layout.slot_bytes, ln, layout.n_used, v)
-                            for r, d, ln, v in zip(_resident(out, n_dense), out.devices, _links(out, load_mode),
-                                                   per_device(a.hybrid, len(out.devices)))])
+                           [DecodeShare(r, d.host_expert_layers, slots,
+                                        curve.at(slots / layout.n_expert, refill=bool(a.refill)),
+                                        layout.n_used * layout.slot_bytes, ln, layout.n_used, v, a.refill, rl)
+                            for r, d, ln, v, rl in zip(_resident(out, n_dense), out.devices, _links(out, load_mode),
+                                                       per_device(a.hybrid, len(out.devices)),
+                                                       _refill_links(out, load_mode))])
     seconds = workload.decode_tokens * tok + a.prompt_extra_s
     placed = (f"; fit placed host-expert layers {'/'.join(map(str, out.host_expert_layers))} with {slots} slots a "
               f"layer: decode {1 / tok:.1f} t/s predicted, {seconds:.2f} s")
@@ -367,11 +400,15 @@ def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve
         break
     why = refused + why
     if out.switches.get(EXPERT_CACHE):
-        out.cache_guard = {**out.cache_guard, **cost_guard(out, layout, costs, a.hybrid)}
+        frac = a.slots / layout.n_expert
+        ratio = curve.at(frac) / curve.at(frac, refill=True) if a.refill and curve.at(frac, refill=True) else 1.0
+        out.cache_guard = {**out.cache_guard, **cost_guard(out, layout, costs, a.hybrid, a.refill, ratio)}
         out.switches[EXPERT_CACHE_MIN_HIT] = out.cache_guard["min_hit"]["none"]
         if a.hybrid:
             out.switches[EXPERT_HYBRID] = a.hybrid
-    note = hybrid_note(out, costs, load_mode) if out.switches.get(EXPERT_CACHE) else ""
+        if a.refill:
+            out.switches[EXPERT_REFILL] = a.refill
+    note = hybrid_note(out, costs, load_mode) if out.switches.get(EXPERT_CACHE) and not a.refill else ""
     out.memory_plan = {"workload": {"name": workload.name, "steps": workload.as_list()}, "curve": curve.to_dict(),
                        "load_mode": load_mode, "costs": {str(i): c.to_dict() for i, c in costs.items()},
                        "alternatives": [x.to_dict() for x in alts], "chosen": pick, "why": why,

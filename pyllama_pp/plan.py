@@ -25,6 +25,7 @@ MiB = 1024**2
 from .switches import EXPERT_CACHE as CACHE_SWITCH
 from .switches import EXPERT_CACHE_MIN_HIT as CACHE_MIN_HIT_SWITCH
 from .switches import EXPERT_HYBRID as HYBRID_SWITCH
+from .switches import EXPERT_REFILL as REFILL_SWITCH
 from .switches import ExpertCache, per_device
 _EXPERT_NAMES = ("ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_exps.weight")
 _DENSE_FFN_NAMES = ("ffn_gate_inp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", "ffn_gate_shexp.weight")
@@ -237,6 +238,9 @@ class Plan:
         hybrid = self.switches.get(HYBRID_SWITCH)
         if not hybrid:
             return ""
+        if self.switches.get(REFILL_SWITCH):
+            return (f"; a decoded token's misses all on the host CPU, {self.switches[REFILL_SWITCH]} of them into the "
+                    f"slots after it ({HYBRID_SWITCH}={hybrid} {REFILL_SWITCH}={self.switches[REFILL_SWITCH]})")
         if not isinstance(hybrid, str):
             return (f"; a token's misses split between the link and the host CPU ({HYBRID_SWITCH}={hybrid}: the CPU's "
                     f"expert rate {hybrid}% of the link's)")
@@ -520,15 +524,24 @@ def _memory_plan_lines(m: dict) -> list[str]:
              f"{m['curve']['source']}; chose {m['why']}"]
     if m.get("hybrid_note"):
         lines.append(f"    {m['hybrid_note']}")
-    for i, a in enumerate(m["alternatives"]):
-        cache = (f"{a['slots']} slots a layer ({sum(a['cache_bytes']) / MiB:.0f} MiB, hits {a['hit']:.0%})"
-                 if a["slots"] else "no slots")
-        pred = (f"decode {a['decode_ts']:.1f} t/s" + (f", prompts +{a['prompt_extra_s']:.3f} s"
-                                                     if a["prompt_extra_s"] else "") + f", {a['seconds']:.2f} s"
-                if a["fits"] else "no room")
-        lines.append(f"    {'*' if i == m['chosen'] else ' '} {a['name']:<18} resident expert layers "
-                     f"{'/'.join(map(str, a['resident']))}, {cache}: {pred}")
+    lines += [f"    {'*' if i == m['chosen'] else ' '} {alternative_line(a)}" for i, a in enumerate(m["alternatives"])]
     return lines
+
+
+def alternative_line(a: dict) -> str:
+    """One of the memory planner's alternatives (memory_plan.Alternative's dict) in a line: what it keeps where, the
+    path its host-expert layers take with the switches it sets, and its prediction."""
+    slots = "/".join(map(str, a.get("device_slots") or [])) or a["slots"]
+    cache = (f"{slots} slots a layer ({sum(a['cache_bytes']) / MiB:.0f} MiB, hits {a['hit']:.0%})"
+             if a["slots"] else "no slots")
+    paths = [p for p in a.get("paths", []) if p]
+    how = ", ".join(x for x in (f"host layers on the {'/'.join(paths)}" if paths else "",
+                                f"{HYBRID_SWITCH}={a['hybrid']}" if a.get("hybrid") else "",
+                                f"{REFILL_SWITCH}={a['refill']}" if a.get("refill") else "") if x)
+    pred = (f"decode {a['decode_ts']:.1f} t/s" + (f" ({how})" if how else "")
+            + (f", prompts +{a['prompt_extra_s']:.3f} s" if a["prompt_extra_s"] else "") + f", {a['seconds']:.2f} s"
+            if a["fits"] else "no room")
+    return f"{a['name']:<18} resident expert layers {'/'.join(map(str, a['resident']))}, {cache}: {pred}"
 
 
 def _row_text(row: dict) -> str:

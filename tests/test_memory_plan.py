@@ -15,8 +15,11 @@ from pyllama_pp.decode_model import DecodeCosts, DecodeShare, token_seconds
 from pyllama_pp.errors import ConfigError
 from pyllama_pp.expert_cache_plan import layout_of, percent
 from pyllama_pp.fit import _weigh
-from pyllama_pp.hit_curve import PRIOR, HitCurve
-from pyllama_pp.memory_plan import GAIN_MIN, Alternative, alternatives, choose, cost_guard, plan_memory
+from pyllama_pp.expert_cache_sim import capacity_of, default_warmup, hybrid
+from pyllama_pp.expert_trace import ExpertTrace
+from pyllama_pp.hit_curve import PRIOR, REFILL_PRIOR, HitCurve
+from pyllama_pp.switches import HYBRID_ALL_CPU
+from pyllama_pp.memory_plan import GAIN_MIN, Alternative, _refill_links, alternatives, choose, cost_guard, plan_memory
 from pyllama_pp.params import ContextParams, Placement
 from pyllama_pp.placement import fit as place
 from pyllama_pp.plan import Plan
@@ -88,6 +91,86 @@ def test_hit_curve_prior_and_trace(tmp_path, model):
     assert curve.source.startswith("trace") and hits == sorted(hits) and hits[-1] > hits[1] > 0
 
 
+def test_the_refill_curve_follows_the_simulator_and_the_prior(tmp_path, model):
+    """EXPERT_REFILL=1's hit curve: from a trace, the simulator's counts after the same warm-up as LRU's (below LRU's
+    where the slots are few: one miss a token goes in); from the prior, REFILL_PRIOR x LRU; on uniform routing the
+    same as LRU (any slots' content serves its share); the plan's JSON keeps it."""
+    out = tmp_path / "t.npz"
+    assert cli.main(["trace", str(model), "-n", "64", "-o", str(out), "--json"]) == 0
+    curve = HitCurve.for_model(model, out)
+    t = ExpertTrace.load(out)
+    slots = capacity_of(0.25, t.n_expert)
+    got = hybrid(t, slots, 0, refill=1, warmup=default_warmup(t))
+    assert curve.at(0.25, refill=True) == pytest.approx(got["hits"] / got["lookups"], abs=1e-4)
+    assert all(curve.at(f, refill=True) <= curve.at(f) for f, _ in curve.points) and curve.at(0.25, refill=True) > 0
+    assert HitCurve.from_dict(json.loads(json.dumps(curve.to_dict()))) == curve
+    assert LOCALITY.at(0.125, refill=True) == pytest.approx(REFILL_PRIOR * 0.67)
+    uniform = HitCurve.for_model(synth.cached_model(tmp_path, "tiny", seed=1, n_layer=4))
+    assert uniform.at(0.25, refill=True) == uniform.at(0.25) == pytest.approx(0.25)
+
+
+def test_the_refill_is_priced_as_one_h100_measured():
+    """The refill's path in fit's model with one H100's costs from mmap (the decode probe on the 30B-A3B shape: the
+    CPU path 0.806 ms a layer, a cached layer 0.087 ms; the host's copy into pinned memory 25.8 GB/s, the link 55.1):
+    8 layers, 16 slots a layer at the hits measured (59.4%) predict the measured tokens within 5% (178.0 t/s with
+    EXPERT_REFILL=1, upstream's CPU path 148.6: docs/results/mmap-refill-2026-12-07); the cache alone's staged
+    misses (14.3 GB/s) take the CPU path there (the guard); the refill's bar lies below the hits it ran at."""
+    h100 = DecodeCosts("h100-mmap", outside_s=0.163e-3, resident_s=0.070e-3, cpu_s=0.806e-3, cached_s=0.087e-3,
+                       load_mode="mmap", miss_gbps=14.257)
+    miss, link = 8 * 3 * 2048 * 768 * 34 / 32, 55.1
+    refill_gbps = 1 / (1 / 25.8 + 1 / link)
+    refill, path = h100.host_layer_s(0.594, miss, link, 16, 8, 100000, 1, refill_gbps)
+    alone, alone_path = h100.host_layer_s(0.594, miss, link, 16, 8)
+    assert path == "refill" and alone_path == "cpu"
+    assert 1 / (h100.outside_s + 8 * refill) == pytest.approx(178.0, rel=0.05)
+    assert 1 / (h100.outside_s + 8 * h100.cpu_s) == pytest.approx(148.6, rel=0.05)
+    bar = h100.refill_break_even_hit(miss, refill_gbps, 8, 1)
+    assert 0 < bar < 0.594
+    assert h100.refill_layer_s(bar + 0.01, miss, refill_gbps, 8, 1) < h100.cpu_s < \
+        h100.refill_layer_s(bar - 0.01, miss, refill_gbps, 8, 1)
+
+
+def test_an_mmap_plan_takes_the_refill_where_it_gains(tmp_path_factory):
+    """An mmap-ed model with one H100's shape of costs (scaled to a tiny model's experts: a token's misses staged
+    into pinned memory cost 3.5 CPU layers, over the pinned link 0.9, the host's copy into pinned memory 1.9): the
+    plan for decode keeps a cache with every miss on the host CPU and one a token into the slots (EXPERT_HYBRID=HYBRID_ALL_CPU,
+    EXPERT_REFILL=1), names it in its text, and sets the guard in the shadow LRU's hits (the refill's bar times
+    LRU's hits over the refill's). Uniform routing, a device no faster than the CPU, or pinned weights: no refill."""
+    model = str(synth.cached_model(tmp_path_factory.mktemp("used8r"), "tiny", seed=1, n_layer=12, routing="locality",
+                                   n_expert_used=8))
+
+    def planned(curve=LOCALITY, load_mode="mmap", cpu_like=False) -> Plan:
+        base = place(model, devices="vdev:1x12MiB@4GBps", ctx=CTX, timeout=120, expert_cache="auto")
+        layout = layout_of(model, base.n_expert)
+        gbps = lambda x: layout.n_used * layout.slot_bytes / (x * 0.806e-3) / 1e9
+        costs = CPU_LIKE if cpu_like else DecodeCosts("h100-mmap", outside_s=0.163e-3, resident_s=0.070e-3,
+                                                      cpu_s=0.806e-3, cached_s=0.087e-3, load_mode=load_mode,
+                                                      miss_gbps=gbps(3.5) if load_mode == "mmap" else None)
+        plan = Plan.from_dict(json.loads(json.dumps(base.to_dict())))
+        plan.host_copy_gbps = gbps(1.9)
+        for d in plan.devices:
+            d.link = {"pinned_gbps": gbps(0.9), "pageable_gbps": gbps(3.5), "copy_bytes": 0}
+        return plan_memory(plan, layout, {-1: costs}, curve, Workload.parse("tg=256"), lambda mib: place(
+            model, devices="vdev:1x12MiB@4GBps", ctx=CTX, timeout=120, expert_cache=f"{mib}MiB"), load_mode)
+
+    plan = planned()
+    chosen = plan.memory_plan["alternatives"][plan.memory_plan["chosen"]]
+    assert chosen["refill"] == 1 and chosen["paths"] == ["refill"], plan.memory_plan["why"]
+    assert plan.switches["EXPERT_REFILL"] == 1 and plan.switches["EXPERT_HYBRID"] == HYBRID_ALL_CPU
+    assert "EXPERT_REFILL=1" in str(plan) and "hybrid_note" not in plan.memory_plan
+    layout = layout_of(model, plan.n_expert)
+    frac = chosen["slots"] / layout.n_expert
+    costs = DecodeCosts(**plan.memory_plan["costs"]["-1"])
+    bar = costs.refill_break_even_hit(layout.n_used * layout.slot_bytes, _refill_links(plan, "mmap")[0], 8, 1)
+    assert plan.cache_guard["break_even"]["pageable"][0] == pytest.approx(
+        bar * LOCALITY.at(frac) / LOCALITY.at(frac, True), abs=1e-4)
+    guard = plan.run_switches("mmap")["EXPERT_CACHE_MIN_HIT"]
+    assert guard == percent(plan.cache_guard["break_even"]["pageable"][0]) >= percent(bar)
+    for other in (planned(UNIFORM), planned(cpu_like=True), planned(load_mode="none")):
+        assert "EXPERT_REFILL" not in other.switches and not any(a["refill"] for a in
+                                                                   other.memory_plan["alternatives"])
+
+
 def test_guard_keeps_a_slow_link_at_the_cpu_path():
     """A cached layer whose misses cost more than the CPU path (a slow pageable link) takes the CPU path: the cache
     never costs more than upstream's path; a fast link keeps the cache."""
@@ -108,7 +191,7 @@ def test_under_pressure_the_cache_gets_memory_before_whole_layers(model, leftove
     alts = alternatives(_with_link(leftover, layout, GPU_LIKE, 0.4), layout, {-1: GPU_LIKE}, LOCALITY, CHAT)
     assert alts[0].name == "no cache" and alts[0].slots == 0
     moved = [a for a in alts if a.fits and a.slots and sum(a.host) > sum(leftover.host_expert_layers)]
-    assert moved, [a.text(CHAT) for a in alts]
+    assert moved, [a.text() for a in alts]
     best = max(moved, key=lambda a: a.decode_ts)
     left = next((a for a in alts if a.name == "leftover"), alts[0])
     assert best.decode_ts > left.decode_ts and best.decode_ts > alts[0].decode_ts
@@ -141,7 +224,7 @@ def test_unequal_devices_each_take_their_own_leftover(model):
     own = [layout.most_slots(r, d.host_expert_layers) for r, d in zip(room, plan.devices)]
     assert left.device_slots == own and len(set(own)) > 1 and left.fits and left.slots == max(own)
     assert left.cache_bytes == [layout.bytes_of(n, d.host_expert_layers) for n, d in zip(own, plan.devices)]
-    assert "/".join(map(str, own)) in left.text(CHAT)
+    assert "/".join(map(str, own)) in left.text()
     out = plan_memory(plan, layout, {-1: GPU_LIKE}, LOCALITY, Workload.parse("tg=64"),
                       lambda mib: place(model, devices=spec, ctx=CTX, timeout=120, expert_cache=f"{mib}MiB"))
     assert out.memory_plan["chosen"] == alts.index(left), out.memory_plan["why"]   # (decode only: the most hits)
