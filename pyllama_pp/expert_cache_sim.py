@@ -605,7 +605,7 @@ def link_share(misses: int, cpu_pct: int) -> int:
     return -(-misses * 100 // (100 + cpu_pct))
 
 
-def hybrid(trace: ExpertTrace, slots: int, cpu_pct: int, refill: int = 0, warmup: int = 0) -> dict:
+def hybrid(trace: ExpertTrace, slots: int, cpu_pct: int, refill: int = 0, uncounted: int = 0) -> dict:
     """The native cache's counts with EXPERT_HYBRID=cpu_pct on a trace, every layer with `slots` slots, counted from the
     first token: per token and layer a step of the LRU ("lru"), except that only the first `link_share` of its misses
     (the trace's order of its ids) are inserted; the others the host CPU computes and nothing caches. With
@@ -617,7 +617,7 @@ def hybrid(trace: ExpertTrace, slots: int, cpu_pct: int, refill: int = 0, warmup
         slots: slots a layer.
         cpu_pct: EXPERT_HYBRID's value.
         refill: EXPERT_REFILL's value (0: off).
-        warmup: tokens run through the slots first without being counted (0: the native counters' view).
+        uncounted: tokens run through the slots first without being counted (0: the native counters' view).
     Returns:
         dict: lookups, hits, cpu_misses (computed by the CPU), link_misses (copied into slots before the compute),
         refills (of the CPU's misses, copied into slots after it).
@@ -634,7 +634,7 @@ def hybrid(trace: ExpertTrace, slots: int, cpu_pct: int, refill: int = 0, warmup
             up = misses[:refill] if refill > 0 else misses[:link_share(len(misses), cpu_pct)]
             for e in up:
                 lru._miss(e, set(ids))
-            if t < warmup:
+            if t < uncounted:
                 continue
             out["lookups"] += len(ids)
             out["hits"] += len(hit_ids)

@@ -101,7 +101,7 @@ class HitCurve:
                               "hit rate. Fix: record decode, e.g. `pyllama-pp trace MODEL -n 128 -o T.npz`")
         refill = [(0.0, 0.0)]
         for f in fractions:   # (EXPERT_REFILL=1: its value is the only one the planner sets)
-            got = hybrid(t, capacity_of(f, t.n_expert), 0, refill=1, warmup=default_warmup(t))
+            got = hybrid(t, capacity_of(f, t.n_expert), 0, refill=1, uncounted=default_warmup(t))
             refill.append((f, round(got["hits"] / got["lookups"], 4)))
         return HitCurve(tuple((f, round(h, 4)) for f, h in pts), f"trace {_name(trace)} (LRU)", tuple(refill))
 

@@ -100,7 +100,7 @@ def test_the_refill_curve_follows_the_simulator_and_the_prior(tmp_path, model):
     curve = HitCurve.for_model(model, out)
     t = ExpertTrace.load(out)
     slots = capacity_of(0.25, t.n_expert)
-    got = hybrid(t, slots, 0, refill=1, warmup=default_warmup(t))
+    got = hybrid(t, slots, 0, refill=1, uncounted=default_warmup(t))
     assert curve.at(0.25, refill=True) == pytest.approx(got["hits"] / got["lookups"], abs=1e-4)
     assert all(curve.at(f, refill=True) <= curve.at(f) for f, _ in curve.points) and curve.at(0.25, refill=True) > 0
     assert HitCurve.from_dict(json.loads(json.dumps(curve.to_dict()))) == curve
