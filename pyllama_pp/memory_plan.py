@@ -15,10 +15,10 @@ no cache unless a cache predicts at least GAIN_MIN less time. The chosen one is 
 its cache's bytes reserved before placing), and the plan keeps every alternative with its prediction and why.
 Each cached alternative is priced with its misses split between the link and the host CPU too (EXPERT_HYBRID, at
 the rates the decode probe measured), and takes the split where it predicts GAIN_MIN less decode time. For an
-mmap-ed model (where a miss staged into pinned memory costs the host more than computing it) it is priced instead with
-EXPERT_REFILL=1 (every miss on the host CPU, one a token into the slots after it, at the refill's own hit curve and
-the host's copy into pinned memory then the link) and takes that where it predicts GAIN_MIN less decode time than the
-cache alone; not where a device is an RPC server's (the refill is not sent to servers).
+mmap-ed model each cached alternative is priced with EXPERT_REFILL=1 alone (every miss on the host CPU, one a token
+into the slots after it, at the refill's own hit curve, the host's copy into pinned memory then the link): the cache
+alone's misses staged into pinned memory are not priced there (MMAP_REFILL_NOTE); where a device is an RPC server's
+(the refill is not sent to servers) the cache alone is.
 
 Every device is priced with its own costs and link, so the guard (EXPERT_CACHE_MIN_HIT: each device's own break-even
 hit rate) and the split (EXPERT_HYBRID: each device's own CPU rate over its own link's) are one value per device
@@ -175,6 +175,14 @@ def split_where_it_gains(costs: Sequence[DecodeCosts], shares: Sequence[DecodeSh
     return [v if x > 0 else 0 for v, x in zip(hybrid, saved)]
 
 
+#: why an mmap-ed model's slots are priced on the refill's path alone: the cache alone's staged misses lost on every
+#: GPU measured, also where fit's model, at the staging copy's measured rate, predicted a gain (one H100, 8 layers of
+#: the 30B-A3B shape, 73 slots a layer, 90% hits: 328.7 t/s predicted, 146.1 measured, 0.519x upstream's own fit;
+#: 0.37x and 0.59x at 16 slots before), and the refill won (1.20x, 1.31x: docs/results/mmap-refill-2026-12-07)
+MMAP_REFILL_NOTE = (f"an mmap-ed model's slots priced with every miss on the host CPU and {EXPERT_REFILL}=1 alone: the "
+                    "cache alone's misses staged into pinned memory measured slower than upstream's CPU path wherever "
+                    "they ran")
+
 #: why an mmap-ed model's cache runs without EXPERT_HYBRID: its misses are copied into the pinned staging slots by
 #: host threads, the same host that would compute the CPU's share; on an H100 (16-layer 30B-A3B preset, 16 slots a
 #: layer, 62-68% hits, tg128) the split decoded 68.5 t/s against the cache alone's 79.3 (and upstream's CPU path 149)
@@ -183,10 +191,12 @@ MMAP_HYBRID_NOTE = (f"{EXPERT_HYBRID} off for an mmap-ed model: its misses are s
 
 
 def hybrid_note(plan: Plan, costs: dict[int, DecodeCosts], load_mode: str) -> str:
-    """Why EXPERT_HYBRID stays 0: an mmap-ed model's (MMAP_HYBRID_NOTE), RPC devices' entries ("" where none stays
-    0 for a reason: pinned weights and no RPC device, or its server's CPU rate given)."""
+    """How the misses were priced where that is news: an mmap-ed model's on the refill's path alone
+    (MMAP_REFILL_NOTE), or with an RPC device among the devices with the cache alone (MMAP_HYBRID_NOTE); why
+    EXPERT_HYBRID stays 0 on RPC devices ("" where none stays 0 for a reason: pinned weights and no RPC device, or its
+    server's CPU rate given)."""
     if load_mode == "mmap":
-        return MMAP_HYBRID_NOTE
+        return MMAP_HYBRID_NOTE if any(d.server for d in plan.devices) else MMAP_REFILL_NOTE
     unknown = [d.name for i, d in enumerate(plan.devices)
                if d.server and d.host_expert_layers and (costs.get(i) or costs[-1]).hybrid_cpu_s is None]
     if not unknown:
@@ -249,8 +259,8 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
     links = _links(plan, load_mode)
     per = [costs.get(i) or costs[-1] for i in range(len(devs))]
     miss_bytes = layout.n_used * layout.slot_bytes
-    # (each device's own EXPERT_HYBRID, where its CPU's rate is known; none for an mmap-ed model: MMAP_HYBRID_NOTE,
-    # which is priced with the refill instead, where no device is an RPC server's)
+    # (each device's own EXPERT_HYBRID, where its CPU's rate is known; none for an mmap-ed model: MMAP_HYBRID_NOTE;
+    # its slots are priced on the refill's path alone where no device is an RPC server's: MMAP_REFILL_NOTE)
     hybrid = [0] * len(devs) if load_mode == "mmap" else hybrid_values(plan, per, links, layout)
     refill_links = _refill_links(plan, load_mode) if load_mode == "mmap" and not any(d.server for d in devs) else []
 
@@ -265,18 +275,15 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
         hits = [curve.at(n / layout.n_expert) if n else 0.0 for n in each]
         shares = [DecodeShare(r, h, k, hi, miss_bytes, ln, layout.n_used)
                   for r, h, k, hi, ln in zip(resident, host, each, hits, links)]
+        if refill_links:   # (mmap: the refill's path at its own hit curve - the slots follow the routing more slowly)
+            hits = [curve.at(n / layout.n_expert, refill=True) if n else 0.0 for n in each]
+            shares = [dataclasses.replace(sh, hit=hi, refill=1, refill_gbps=rl)
+                      for sh, hi, rl in zip(shares, hits, refill_links)]
         split = split_where_it_gains(per, shares, hybrid)
         tok, paths = token_seconds(per, [dataclasses.replace(sh, hybrid=v) for sh, v in zip(shares, split)])
-        refill = 0
-        if refill_links and any(each):   # (the refill's own hit curve: the slots follow the routing more slowly)
-            with_refill = [dataclasses.replace(sh, hit=curve.at(n / layout.n_expert, refill=True) if n else 0.0,
-                                               hybrid=HYBRID_ALL_CPU, refill=1, refill_gbps=rl)
-                           for sh, n, rl in zip(shares, each, refill_links)]
-            tok_r, paths_r = token_seconds(per, with_refill)
-            if tok_r < tok * (1 - GAIN_MIN):
-                tok, paths, refill = tok_r, paths_r, 1
-                hits = [sh.hit for sh in with_refill]
-                split = [HYBRID_ALL_CPU if p == "refill" else 0 for p in paths_r]
+        refill = 1 if "refill" in paths else 0
+        if refill:
+            split = [HYBRID_ALL_CPU if p == "refill" else 0 for p in paths]
         extra = _prompt_extra(workload, moved, layer_bytes, links, plan, layout.n_used, layout.n_expert)
         hit = max(hits, default=0.0) if own else hits[0] if hits else 0.0   # (a list: its largest device's)
         return Alternative(name, max(each, default=0), resident, host, cbytes, round(hit, 4),
@@ -408,7 +415,7 @@ def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve
             out.switches[EXPERT_HYBRID] = a.hybrid
         if a.refill:
             out.switches[EXPERT_REFILL] = a.refill
-    note = hybrid_note(out, costs, load_mode) if out.switches.get(EXPERT_CACHE) and not a.refill else ""
+    note = hybrid_note(out, costs, load_mode) if out.switches.get(EXPERT_CACHE) or load_mode == "mmap" else ""
     out.memory_plan = {"workload": {"name": workload.name, "steps": workload.as_list()}, "curve": curve.to_dict(),
                        "load_mode": load_mode, "costs": {str(i): c.to_dict() for i, c in costs.items()},
                        "alternatives": [x.to_dict() for x in alts], "chosen": pick, "why": why,

@@ -19,7 +19,8 @@ from pyllama_pp.expert_cache_sim import capacity_of, default_warmup, hybrid
 from pyllama_pp.expert_trace import ExpertTrace
 from pyllama_pp.hit_curve import PRIOR, REFILL_PRIOR, HitCurve
 from pyllama_pp.switches import HYBRID_ALL_CPU
-from pyllama_pp.memory_plan import GAIN_MIN, Alternative, _refill_links, alternatives, choose, cost_guard, plan_memory
+from pyllama_pp.memory_plan import (GAIN_MIN, MMAP_REFILL_NOTE, Alternative, _refill_links, alternatives, choose,
+                                     cost_guard, plan_memory)
 from pyllama_pp.params import ContextParams, Placement
 from pyllama_pp.placement import fit as place
 from pyllama_pp.plan import Plan
@@ -157,7 +158,7 @@ def test_an_mmap_plan_takes_the_refill_where_it_gains(tmp_path_factory):
     chosen = plan.memory_plan["alternatives"][plan.memory_plan["chosen"]]
     assert chosen["refill"] == 1 and chosen["paths"] == ["refill"], plan.memory_plan["why"]
     assert plan.switches["EXPERT_REFILL"] == 1 and plan.switches["EXPERT_HYBRID"] == HYBRID_ALL_CPU
-    assert "EXPERT_REFILL=1" in str(plan) and "hybrid_note" not in plan.memory_plan
+    assert "EXPERT_REFILL=1" in str(plan) and plan.memory_plan["hybrid_note"] == MMAP_REFILL_NOTE
     layout = layout_of(model, plan.n_expert)
     frac = chosen["slots"] / layout.n_expert
     costs = DecodeCosts(**plan.memory_plan["costs"]["-1"])
@@ -495,10 +496,11 @@ def test_a_plan_splits_the_misses_where_the_hybrid_gains(tmp_path_factory):
     alone = 1 - (GPU_LIKE.cpu_s - GPU_LIKE.cached_s) / (1.5 * GPU_LIKE.cpu_s)   # (a token's misses: 1.5 CPU layers)
     assert plan.switches["EXPERT_CACHE_MIN_HIT"] < round(100 * alone) and \
         plan.switches["EXPERT_CACHE_MIN_HIT"] <= round(100 * chosen["hit"])
-    # (an mmap-ed model's misses are staged by the host's threads: no split, and the plan says why)
+    # (an mmap-ed model's slots are priced on the refill's path alone: no split of the misses, and the plan says why)
     mapped = planned("vdev:1x12MiB@4GBps", 1.5, load_mode="mmap")
-    assert not any(a["hybrid"] for a in mapped.memory_plan["alternatives"]) and "EXPERT_HYBRID" not in mapped.switches
-    assert not mapped.switches.get("EXPERT_CACHE") or "mmap-ed" in mapped.memory_plan["hybrid_note"]
+    assert all(set(a["paths"]) <= {"refill", "cpu"} and a["hybrid"] in (0, HYBRID_ALL_CPU)
+               and bool(a["hybrid"]) == bool(a["refill"]) for a in mapped.memory_plan["alternatives"])
+    assert mapped.memory_plan["hybrid_note"] == MMAP_REFILL_NOTE
     fast = planned("vdev:1x12MiB@4GBps", 0.4)
     assert not any(a["hybrid"] for a in fast.memory_plan["alternatives"]) and "EXPERT_HYBRID" not in fast.switches
     none = planned("vdev:1x12MiB@4GBps", 1.5, CPU_LIKE)
