@@ -112,7 +112,8 @@ def fit(model: Union[str, os.PathLike], devices=FIT.devices, ctx=None, variant: 
         link_gbps: each device's host link rate in GB/s (numbers or "55GBps"), for spread="links" on CUDA.
         expert_cache: the patched build's device expert cache for decode (EXPERT_CACHE): "auto" (what the plan leaves
             free on each device, at most every expert of its host-expert layers), a size such as "512MiB" (that much
-            a device, reserved before placing), slots a layer such as "16slots", an ExpertCache, or 0 (none;
+            a device, reserved before placing), slots a layer such as "16slots" (their bytes over the host-expert
+            layers fit places, reserved and placed again until they fit), an ExpertCache, or 0 (none;
             None: FIT's, auto, which a switch that sets EXPERT_CACHE leaves out), or a comma list of sizes, slot
             counts and 0s, one per device ("16slots,32slots"). The plan shows each device's share
             (pyllama_pp.expert_cache_plan); auto gives unequal devices their own slots. Here auto is what the
@@ -251,9 +252,13 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
     def once(extra: dict) -> Plan:
         res = run_job({**job, "rates": rates if not extra else [], "switches": {**given, **extra}}, variant,
                       timeout=timeout, env=env or None)
-        return plan_from_result(res, variant, str(model), spec, {**ctx.to_dict(), "split_mode": split_mode}, margins)
+        return plan_from_result(res, variant, str(model), spec, {**ctx.to_dict(), "split_mode": split_mode},
+                                job["margins"])
 
     plan = once({})
+    slot_room = [0] * len(plan.devices)
+    if variant == "patched" and placement is None and _slot_counts(cache):
+        plan, slot_room = _room_for_slots(plan, cache, model, job, once)
     if guard_rates is not None:
         guard_rates.fill(plan)
     if placement is not None:
@@ -267,8 +272,48 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
             plan.copies += (f"; on each server, {server_copies / MiB:.1f} MiB of its device kept for its own expert "
                             f"copies (two expert tensors: RPC_HOST with OVERLAP=2), in the margin")
             plan.copies += check_server_host_memory(plan, expert_bytes_per_layer(model))
+        for i, d in enumerate(plan.devices):   # (the slots' room, held while placing, is theirs again: plan_cache)
+            plan.margins[i] -= slot_room[i]
+            d.target_bytes += slot_room[i]
         plan = _plan_expert_cache(plan, cache, model)
     return plan
+
+
+#: dry runs fit may add to make room for a slot count's cache (each moves more layers' experts to host RAM, whose
+#: slots then need more room: the reserve grows until the placement holds it)
+SLOT_ROOM_TRIES = 6
+
+
+def _slot_counts(cache: ExpertCache) -> bool:
+    """Whether any device's cache is asked as slots a layer (whose bytes depend on the placement's host layers)."""
+    return any(cache.at(i).slots for i in range(max(1, len(cache.devices))))
+
+
+def _room_for_slots(plan: Plan, cache: ExpertCache, model, job: dict, once) -> tuple[Plan, list[int]]:
+    """A placement with room for a slot count's cache: each device's slots' bytes over the host-expert layers the plan
+    leaves it are reserved in its margin and fit places again, until the reserve holds them (or SLOT_ROOM_TRIES; then
+    plan_cache names the device without room).
+
+    Args:
+        plan: fit's plan without the reserve.
+        cache: what was asked (a slot count for some devices).
+        model: the GGUF file.
+        job: the fit job (its margins are raised in place).
+        once: places with the job.
+    Returns:
+        (the plan, each device's reserve in bytes).
+    """
+    layout = expert_cache_plan.layout_of(model, plan.n_expert)
+    base, reserve = list(job["margins"]), [0] * len(plan.devices)
+    for _ in range(SLOT_ROOM_TRIES):
+        need = [layout.bytes_of(layout.slots_at(cache.at(i).switch, d.host_expert_layers), d.host_expert_layers)
+                if cache.at(i).slots else 0 for i, d in enumerate(plan.devices)]
+        if all(n <= r + max(0, d.target_bytes - d.expected_bytes) for n, r, d in zip(need, reserve, plan.devices)):
+            break
+        reserve = [max(r, n) for r, n in zip(reserve, need)]
+        job["margins"] = [m + r for m, r in zip(base, reserve)]
+        plan = once({})
+    return plan, reserve
 
 
 def _expert_cache(value, variant: str, force: dict) -> ExpertCache:

@@ -16,7 +16,7 @@ import pyllama_pp
 from pyllama_pp import cli, devices as devspec, model_file, report, synth
 from pyllama_pp.defaults import FIT
 from pyllama_pp.errors import ConfigError
-from pyllama_pp.expert_cache_plan import Layout, auto_switch, own_slots
+from pyllama_pp.expert_cache_plan import Layout, auto_switch, layout_of, own_slots
 from pyllama_pp.placement import fit  # (auto: the leftover, the memory planner's start: tests/test_memory_plan.py)
 from pyllama_pp.placement import reserved_bytes
 from pyllama_pp.params import ContextParams
@@ -220,6 +220,19 @@ def test_a_size_is_reserved_before_placing(plans, model):
     assert sum(ps.host_expert_layers) > sum(p0.host_expert_layers), (ps.host_expert_layers, p0.host_expert_layers)
     for d in ps.devices:
         assert 0 < d.cache_bytes <= 2 * MiB and d.expected_bytes <= d.target_bytes == d.free_bytes - 2 * MiB
+
+
+def test_a_slot_count_gets_its_room_before_placing(plans, model):
+    """--expert-cache 16slots where the placement without it leaves no room for them: fit reserves the slots' bytes
+    over the host-expert layers it places and places again (more layers' experts on host, each with its slots), so
+    every device holds its slots and stays within its target; the switch is the slot count, as asked."""
+    p0, ps = plans(0), plans("16slots")
+    layout = layout_of(model, p0.n_expert)
+    assert any(layout.bytes_of(16, d.host_expert_layers) > d.target_bytes - d.expected_bytes for d in p0.devices)
+    assert ps.switches["EXPERT_CACHE"] == -16 and sum(ps.host_expert_layers) > sum(p0.host_expert_layers)
+    for d, m0, m in zip(ps.devices, p0.margins, ps.margins):
+        assert d.cache_slots == 16 and d.cache_bytes == layout.bytes_of(16, d.host_expert_layers) > 0
+        assert d.expected_bytes + d.cache_bytes <= d.free_bytes - m0 and m == m0 + d.cache_bytes
 
 
 def test_prefetch_lanes_are_reserved_before_placing(model):
