@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .defaults import CONTEXT
 from .expert_cache_sim import link_share
@@ -214,14 +214,14 @@ class DecodeCosts:
             slots: slots a layer (0: none).
             n_used: experts a token uses (for the hybrid's split).
             hybrid: EXPERT_HYBRID's value (0: off).
-            refill: EXPERT_REFILL's value (0: off).
+            refill: EXPERT_REFILL's value (0: off; it takes EXPERT_HYBRID on).
             refill_gbps: the rate a refilled expert goes up at.
         Returns:
             (seconds, "cache" | "hybrid" | "refill" | "cpu").
         """
         if slots <= 0:
             return self.cpu_s, "cpu"
-        if refill and n_used and refill_gbps > 0:
+        if refill and hybrid and n_used and refill_gbps > 0:   # (the native refill acts only with EXPERT_HYBRID)
             cached, path = self.refill_layer_s(hit, miss_bytes, refill_gbps, n_used, refill), "refill"
         elif hybrid and n_used:
             cached, path = self.hybrid_layer_s(hit, miss_bytes, link_gbps, n_used, hybrid), "hybrid"
@@ -230,7 +230,7 @@ class DecodeCosts:
         return (cached, path) if cached < self.cpu_s else (self.cpu_s, "cpu")
 
 
-def _falling_root(cost) -> float:
+def _falling_root(cost: Callable[[float], float]) -> float:
     """The hit rate where a path's cost over the CPU path's (falling as hits rise) crosses 0: 0 where it never costs
     more, 1 where it never costs less; bisected to a tenth of a percent."""
     if cost(0.0) <= 0:

@@ -36,7 +36,7 @@ from .plan import MiB, Plan
 from .switches import EXPERT_CACHE as SWITCH
 from .switches import EXPERT_CACHE_MIN_HIT as GUARD_SWITCH
 from .switches import MAX_SLOTS as MAX_SLOTS_SWITCH
-from .switches import PER_DEVICE, ExpertCache, one_or_list
+from .switches import CACHE_SWITCHES, ExpertCache, one_or_list
 
 # the native allocation's sizes (pyllama_pp/native/sched/ggml-backend-pp-cache.cpp, ggml_sched_pp_cache_alloc)
 ALIGN = 128          # a device buffer's tensor alignment (CUDA's and VDEV's)
@@ -278,7 +278,7 @@ def drop_cache(plan: Plan) -> Plan:
             plan.margins[i] -= d.cache_bytes
             d.target_bytes += d.cache_bytes
         d.cache_slots = d.cache_bytes = 0
-    plan.switches = {k: v for k, v in plan.switches.items() if k not in PER_DEVICE}   # (the cache's switches)
+    plan.switches = {k: v for k, v in plan.switches.items() if k not in CACHE_SWITCHES}
     plan.expert_cache = ""
     return plan
 

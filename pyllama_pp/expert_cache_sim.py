@@ -606,11 +606,11 @@ def link_share(misses: int, cpu_pct: int) -> int:
 
 
 def hybrid(trace: ExpertTrace, slots: int, cpu_pct: int, refill: int = 0, uncounted: int = 0) -> dict:
-    """The native cache's counts with EXPERT_HYBRID=cpu_pct on a trace, every layer with `slots` slots, counted from the
-    first token: per token and layer a step of the LRU ("lru"), except that only the first `link_share` of its misses
-    (the trace's order of its ids) are inserted; the others the host CPU computes and nothing caches. With
-    EXPERT_REFILL=refill (a trace of decoded tokens, one a graph) every miss is the CPU's and the first `refill` of a
-    token's misses are inserted (their bytes go up after the CPU has computed them).
+    """The native cache's counts with EXPERT_HYBRID=cpu_pct on a trace, every layer with `slots` slots, counted from
+    token `uncounted` (0: the first): per token and layer a step of the LRU ("lru"), except that only the first
+    `link_share` of its misses (the trace's order of its ids) are inserted; the others the host CPU computes and
+    nothing caches. With EXPERT_REFILL=refill (a trace of decoded tokens, one a graph) every miss is the CPU's and the
+    first `refill` of a token's misses are inserted (their bytes go up after the CPU has computed them).
 
     Args:
         trace: the routing ids.

@@ -43,7 +43,13 @@ from .worker.client import run_job
 
 #: the cache's switches the memory planner sets after its choice; one the user gave stays the user's in the plan
 #: (and so in `run --plan`'s replay), as run and ab run it over a plan
-_USER_WINS = (switches.EXPERT_CACHE_MIN_HIT, switches.EXPERT_HYBRID)
+_USER_WINS = (switches.EXPERT_CACHE_MIN_HIT, switches.EXPERT_HYBRID, switches.EXPERT_REFILL)
+
+
+def _refill_ok(given: Optional[dict]) -> bool:
+    """Whether an mmap-ed model's slots may be priced on the refill's path: not where the user set EXPERT_HYBRID or
+    EXPERT_REFILL (their values win over the plan's, _USER_WINS: the slots are then priced with the cache alone)."""
+    return not any(k in (given or {}) for k in (switches.EXPERT_HYBRID, switches.EXPERT_REFILL))
 
 
 def _weigh(plan: Plan, model, devices, workload, curve, load_mode: str, n_threads: int, progress: bool,
@@ -53,7 +59,8 @@ def _weigh(plan: Plan, model, devices, workload, curve, load_mode: str, n_thread
     placement is the user's (no layer moves; no room for a token's slots: no probe). `probed`: the decode probe's
     costs (or its error), kept for another plan of the same model and devices. `given`: the user's switches (the
     guard's and the split's win over the planned values, _USER_WINS)."""
-    out = _weighed(plan, model, devices, workload, curve, load_mode, n_threads, progress, refit, probed)
+    out = _weighed(plan, model, devices, workload, curve, load_mode, n_threads, progress, refit, probed,
+                   _refill_ok(given))
     kept = {k: v for k, v in (given or {}).items() if k in _USER_WINS and out.switches.get(switches.EXPERT_CACHE)}
     if kept and any(out.switches.get(k) != v for k, v in kept.items()):
         out = copy.copy(out)
@@ -68,8 +75,8 @@ def _refit_switches(given: dict, plan: Plan) -> dict:
 
 
 def _weighed(plan: Plan, model, devices, workload, curve, load_mode: str, n_threads: int, progress: bool,
-             refit: Optional[Callable[[int], Plan]], probed: Optional[dict]) -> Plan:
-    """_weigh's plan before the user's switches go over it."""
+             refit: Optional[Callable[[int], Plan]], probed: Optional[dict], refill: bool = True) -> Plan:
+    """_weigh's plan before the user's switches go over it (`refill`: _refill_ok)."""
     if plan.variant != "patched" or plan.expert_cache != "auto" or not plan.n_expert:
         return plan
     wl = Workload.parse(workload)
@@ -81,18 +88,19 @@ def _weighed(plan: Plan, model, devices, workload, curve, load_mode: str, n_thre
         return out
     layout, costs = got
     return plan_memory(plan, layout, costs, curve or HitCurve.for_model(model), wl, refit, load_mode,
-                       layer_counts(model)[1])
+                       layer_counts(model)[1], refill)
 
 
 def _priced(plan: Plan, model, devices, workload: Workload, curve, load_mode: str, n_threads: int, progress: bool,
-            move: bool, probed: dict) -> Optional[tuple]:
+            move: bool, probed: dict, refill: bool = True) -> Optional[tuple]:
     """What _weigh would choose for a plan, priced and not placed (the plan is not changed, no dry run): (the chosen
-    Alternative, the no-cache one), or None where it weighs nothing (no cache, as _weigh says why)."""
+    Alternative, the no-cache one), or None where it weighs nothing (no cache, as _weigh says why). `refill`:
+    _refill_ok."""
     got = _memory_inputs(plan, model, devices, workload, load_mode, n_threads, progress, move, probed)
     if isinstance(got, str):
         return None
     alts = alternatives(plan, got[0], got[1], curve or HitCurve.for_model(model), workload, load_mode,
-                        layer_counts(model)[1], move)
+                        layer_counts(model)[1], move, refill)
     return alts[choose(alts)[0]], alts[0]
 
 
@@ -162,7 +170,7 @@ def plan_on_placement(model, devices, placement: Placement, ctx, *, workload=Non
         Plan: path "given"; layer_major where LAYER_MAJOR was tried (on: the switch, its group and bytes; off: why;
         "weighed": both plans' predictions, where weighed against the cache), memory_plan where the cache was weighed
         (the alternatives, the choice and why); the switches chosen in Plan.run_switches (LAYER_MAJOR; EXPERT_CACHE,
-        its guard and EXPERT_HYBRID).
+        its guard, EXPERT_HYBRID and EXPERT_REFILL: switches.CACHE_SWITCHES).
     Raises:
         As pyllama_pp.placement.measure; ConfigError for a bad workload or trace.
     """
@@ -184,7 +192,8 @@ def plan_on_placement(model, devices, placement: Placement, ctx, *, workload=Non
     if lm is plan or not _decodes(plan, wl):
         return weigh(lm)
     # (the groups weighed against the slots their room would hold: no dry run more, the plan without them is `plan`)
-    price = lambda p: _priced(p, model, devices, wl, curve, load_mode, n_threads, progress, False, probed)
+    price = lambda p: _priced(p, model, devices, wl, curve, load_mode, n_threads, progress, False, probed,
+                              _refill_ok(given))
     return _weighed_layer_major(lm, plan, price, weigh, lambda p: planner.prompt_seconds(p, model, wl, load_mode, given))
 
 
@@ -338,7 +347,8 @@ def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, wor
         return weigh(lm)
     # (the groups weighed against the slots their room would hold: the plan without them is the one made before the
     # trial, and only the winner is placed again where its memory moves layers)
-    price = lambda p: _priced(p, model, devices, wl, curve, load_mode, n_threads, progress, True, probed)
+    price = lambda p: _priced(p, model, devices, wl, curve, load_mode, n_threads, progress, True, probed,
+                              _refill_ok(given))
     return _weighed_layer_major(lm, plan, price, weigh,
                                 lambda p: planner.prompt_seconds(p, model, wl, load_mode, given))
 
@@ -503,7 +513,8 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
     for p in (on, off):
         p.ubatch_measured = plan.ubatch_measured
     rate = {id(on): on_ts, id(off): off_ts}
-    price = lambda p: _priced(p, model, devices, wl, curve, load_mode, n_threads, progress, True, probed)
+    price = lambda p: _priced(p, model, devices, wl, curve, load_mode, n_threads, progress, True, probed,
+                              _refill_ok(given))
     out = _weighed_layer_major(on, off, price, weigh, lambda p: wl.prompt_tokens / rate[id(p)] if rate[id(p)] else 0.0,
                                keep="on" if plan is on else "off")
     for side, ts, how in (("on", on_ts, on_how), ("off", off_ts, off_how)):

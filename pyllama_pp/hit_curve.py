@@ -81,7 +81,8 @@ class HitCurve:
     def from_dict(d: dict) -> "HitCurve":
         """The curve of `to_dict`."""
         return HitCurve(tuple(tuple(p) for p in d["points"]), d["source"],
-                        tuple(tuple(p) for p in d.get("refill", ())), bool(d.get("uniform")))
+                        tuple(tuple(p) for p in d.get("refill", ())),
+                        bool(d.get("uniform", d["source"].startswith("uniform routing"))))
 
     @staticmethod
     def from_trace(trace: Union[str, os.PathLike, ExpertTrace], fractions: Sequence[float] = TRACE_FRACTIONS) -> "HitCurve":

@@ -69,16 +69,17 @@ class Alternative:
         prompt_extra_s: predicted prompt seconds over the workload beyond the no-cache placement's (the experts of
             layers moved to host RAM crossing the links).
         seconds: the workload's predicted seconds, less the prompt compute every alternative shares.
-        paths: per device, where its host-expert layers run ("cache", "hybrid", "cpu": the guard's choice; "": none).
+        paths: per device, where its host-expert layers run ("cache", "hybrid", "refill", "cpu": the guard's choice;
+            "": none).
         fits: whether every device has room for it.
         hybrid: EXPERT_HYBRID's value where the misses split with the host CPU predicts GAIN_MIN less decode time
             than the cache alone (0: off): one value for every device, or the list's text, each device its own (0 where
             its split does not gain), switches.one_or_list.
         device_slots: per device, its own slots a layer where the devices take different counts (the leftover on
             unequal devices; `slots` is then the most of them); [] where every device takes `slots`.
-        refill: EXPERT_REFILL's value where every miss on the host CPU with refills predicts GAIN_MIN less decode
-            time than the cache alone (an mmap-ed model; `hybrid` is then HYBRID_ALL_CPU and `hit` the refill's); 0:
-            off.
+        refill: EXPERT_REFILL's value where the slots of an mmap-ed model are priced on the refill's path and a
+            device's host layers take it (`hybrid` is then HYBRID_ALL_CPU on every device with slots and `hit` the
+            refill curve's); 0: off.
     """
 
     name: str
@@ -120,13 +121,20 @@ def _links(plan: Plan, load_mode: str) -> list[float]:
 
 def _refill_links(plan: Plan, load_mode: str) -> list[float]:
     """Each device's rate for a refilled expert (GB/s): from pinned memory its link's; from an mmap-ed model the
-    host's copy into pinned memory (as fit measured the staging's copy, else the pageable link's rate) and then the
-    link, one after the other."""
+    host's copy into pinned memory (as fit measured the staging's copy) and then the link, one after the other, or
+    where that copy was not measured the pageable link's rate (which has a copy of its own in it)."""
     pinned = _links(plan, "none")
     if load_mode != "mmap":
         return pinned
-    copy = [plan.host_copy_gbps or (d.link or {}).get("pageable_gbps") or ln for d, ln in zip(plan.devices, pinned)]
-    return [1.0 / (1.0 / c + 1.0 / ln) for c, ln in zip(copy, pinned)]
+    if not plan.host_copy_gbps:
+        return [(d.link or {}).get("pageable_gbps") or ln for d, ln in zip(plan.devices, pinned)]
+    return [1.0 / (1.0 / plan.host_copy_gbps + 1.0 / ln) for ln in pinned]
+
+
+def prices_refill(plan: Plan, load_mode: str, refill: bool = True) -> bool:
+    """Whether the slots are priced on the refill's path (MMAP_REFILL_NOTE): an mmap-ed model's, unless the user set
+    EXPERT_HYBRID or EXPERT_REFILL (`refill` False) or a device is an RPC server's (servers get no EXPERT_REFILL)."""
+    return refill and load_mode == "mmap" and not any(d.server for d in plan.devices)
 
 
 def cost_guard(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], hybrid=0, refill: int = 0,
@@ -178,25 +186,28 @@ def split_where_it_gains(costs: Sequence[DecodeCosts], shares: Sequence[DecodeSh
 #: why an mmap-ed model's slots are priced on the refill's path alone: the cache alone's staged misses lost on every
 #: GPU measured, also where fit's model, at the staging copy's measured rate, predicted a gain (one H100, 8 layers of
 #: the 30B-A3B shape, 73 slots a layer, 90% hits: 328.7 t/s predicted, 146.1 measured, 0.519x upstream's own fit;
-#: 0.37x and 0.59x at 16 slots before), and the refill won (1.20x, 1.31x: docs/results/mmap-refill-2026-12-07)
+#: 0.59x at 16 slots: docs/results/gpu-h100-2026-12-07f), and the refill won (1.20x at 12.5% cached, 1.31x at 25%:
+#: docs/results/mmap-refill-2026-12-07)
 MMAP_REFILL_NOTE = (f"an mmap-ed model's slots priced with every miss on the host CPU and {EXPERT_REFILL}=1 alone: the "
                     "cache alone's misses staged into pinned memory measured slower than upstream's CPU path wherever "
                     "they ran")
 
-#: why an mmap-ed model's cache runs without EXPERT_HYBRID: its misses are copied into the pinned staging slots by
-#: host threads, the same host that would compute the CPU's share; on an H100 (16-layer 30B-A3B preset, 16 slots a
-#: layer, 62-68% hits, tg128) the split decoded 68.5 t/s against the cache alone's 79.3 (and upstream's CPU path 149)
-MMAP_HYBRID_NOTE = (f"{EXPERT_HYBRID} off for an mmap-ed model: its misses are staged by the host threads the CPU's "
-                    "share would need (measured slower than the cache alone)")
+#: why an mmap-ed model's cache not priced on the refill (prices_refill) runs without EXPERT_HYBRID's split: its
+#: misses are copied into the pinned staging slots by host threads, the same host that would compute the CPU's
+#: share; on an H100 (16-layer 30B-A3B preset, 16 slots a layer, 62-68% hits, tg128) the split decoded 68.5 t/s
+#: against the cache alone's 79.3 (and upstream's CPU path 149)
+MMAP_HYBRID_NOTE = (f"an mmap-ed model's slots priced with the cache alone ({EXPERT_REFILL} is not sent to RPC "
+                    f"servers, or {EXPERT_HYBRID} / {EXPERT_REFILL} were set) and no {EXPERT_HYBRID} split: its "
+                    "misses are staged by the host threads the CPU's share would need (measured slower)")
 
 
-def hybrid_note(plan: Plan, costs: dict[int, DecodeCosts], load_mode: str) -> str:
+def hybrid_note(plan: Plan, costs: dict[int, DecodeCosts], load_mode: str, refill: bool = True) -> str:
     """How the misses were priced where that is news: an mmap-ed model's on the refill's path alone
-    (MMAP_REFILL_NOTE), or with an RPC device among the devices with the cache alone (MMAP_HYBRID_NOTE); why
+    (MMAP_REFILL_NOTE, `refill`: prices_refill's answer) or with the cache alone (MMAP_HYBRID_NOTE); why
     EXPERT_HYBRID stays 0 on RPC devices ("" where none stays 0 for a reason: pinned weights and no RPC device, or its
     server's CPU rate given)."""
     if load_mode == "mmap":
-        return MMAP_HYBRID_NOTE if any(d.server for d in plan.devices) else MMAP_REFILL_NOTE
+        return MMAP_REFILL_NOTE if refill else MMAP_HYBRID_NOTE
     unknown = [d.name for i, d in enumerate(plan.devices)
                if d.server and d.host_expert_layers and (costs.get(i) or costs[-1]).hybrid_cpu_s is None]
     if not unknown:
@@ -235,7 +246,8 @@ def _prompt_extra(workload: Workload, moved: Sequence[int], layer_bytes: float, 
 
 
 def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve: HitCurve, workload: Workload,
-                 load_mode: str = CONTEXT.load_mode, n_dense: int = 0, move: bool = True) -> list[Alternative]:
+                 load_mode: str = CONTEXT.load_mode, n_dense: int = 0, move: bool = True,
+                 refill: bool = True) -> list[Alternative]:
     """Every alternative for a plan's memory, priced.
 
     Args:
@@ -248,6 +260,8 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
         n_dense: the model's leading dense layers (on the first device; no experts).
         move: N slots a layer may move resident layers to host RAM for their room (False: the placement is the
             user's, no layer moves: only the slot counts its room holds).
+        refill: an mmap-ed model's slots may be priced on the refill's path (False: the user set EXPERT_HYBRID or
+            EXPERT_REFILL; prices_refill).
     Returns:
         [no cache, leftover, N slots ...], each priced (fits False where a device has no room).
     """
@@ -259,10 +273,10 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
     links = _links(plan, load_mode)
     per = [costs.get(i) or costs[-1] for i in range(len(devs))]
     miss_bytes = layout.n_used * layout.slot_bytes
-    # (each device's own EXPERT_HYBRID, where its CPU's rate is known; none for an mmap-ed model: MMAP_HYBRID_NOTE;
-    # its slots are priced on the refill's path alone where no device is an RPC server's: MMAP_REFILL_NOTE)
+    # (each device's own EXPERT_HYBRID, where its CPU's rate is known; for an mmap-ed model the refill's path
+    # (prices_refill: MMAP_REFILL_NOTE) or the cache alone without a split (MMAP_HYBRID_NOTE))
     hybrid = [0] * len(devs) if load_mode == "mmap" else hybrid_values(plan, per, links, layout)
-    refill_links = _refill_links(plan, load_mode) if load_mode == "mmap" and not any(d.server for d in devs) else []
+    refill_links = _refill_links(plan, load_mode) if prices_refill(plan, load_mode, refill) else []
 
     def priced(name: str, slots, moved: list) -> Alternative:
         """`slots` a layer on every device, or a list of each device's own."""
@@ -275,21 +289,23 @@ def alternatives(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curv
         hits = [curve.at(n / layout.n_expert) if n else 0.0 for n in each]
         shares = [DecodeShare(r, h, k, hi, miss_bytes, ln, layout.n_used)
                   for r, h, k, hi, ln in zip(resident, host, each, hits, links)]
-        if refill_links:   # (mmap: the refill's path at its own hit curve - the slots follow the routing more slowly)
+        if refill_links:   # (the refill's path at its own hit curve - the slots follow the routing more slowly - on
+            # every device with slots: EXPERT_REFILL is one value, and acts only where EXPERT_HYBRID is on)
             hits = [curve.at(n / layout.n_expert, refill=True) if n else 0.0 for n in each]
             shares = [dataclasses.replace(sh, hit=hi, refill=1, refill_gbps=rl)
                       for sh, hi, rl in zip(shares, hits, refill_links)]
-        split = split_where_it_gains(per, shares, hybrid)
+            split = [HYBRID_ALL_CPU if n and h else 0 for n, h in zip(each, host)]
+        else:
+            split = split_where_it_gains(per, shares, hybrid)
         tok, paths = token_seconds(per, [dataclasses.replace(sh, hybrid=v) for sh, v in zip(shares, split)])
-        refill = 1 if "refill" in paths else 0
-        if refill:
-            split = [HYBRID_ALL_CPU if p == "refill" else 0 for p in paths]
+        refills = 1 if "refill" in paths else 0
+        split = split if refills or not refill_links else [0] * len(devs)
         extra = _prompt_extra(workload, moved, layer_bytes, links, plan, layout.n_used, layout.n_expert)
         hit = max(hits, default=0.0) if own else hits[0] if hits else 0.0   # (a list: its largest device's)
         return Alternative(name, max(each, default=0), resident, host, cbytes, round(hit, 4),
                            round(1.0 / tok, 2) if tok else 0.0, round(extra, 4),
                            round(extra + workload.decode_tokens * tok, 4), paths, fits,
-                           one_or_list(split, [bool(k and h) for k, h in zip(each, host)]), own, refill)
+                           one_or_list(split, [bool(k and h) for k, h in zip(each, host)]), own, refills)
 
     def moved_for(slots: int) -> Optional[list]:
         """Per device, the fewest layers to move to host RAM for `slots` slots in each host-expert layer."""
@@ -365,7 +381,8 @@ def _placed(plan: Plan, a: Alternative, none: Alternative, layout: Layout, costs
 
 
 def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve: HitCurve, workload: Workload,
-                refit: Callable[[int], Plan], load_mode: str = CONTEXT.load_mode, n_dense: int = 0) -> Plan:
+                refit: Callable[[int], Plan], load_mode: str = CONTEXT.load_mode, n_dense: int = 0,
+                refill: bool = True) -> Plan:
     """Choose how a patched plan's memory is split between resident expert layers and the cache, and make that plan.
 
     Args:
@@ -378,10 +395,12 @@ def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve
             placement is the user's, no layer moves: the cache takes what its room holds or nothing).
         load_mode: the run's load mode.
         n_dense: the model's leading dense layers.
+        refill: an mmap-ed model's slots may be priced on the refill's path (prices_refill).
     Returns:
         Plan: the chosen plan, with `memory_plan` (the alternatives, the choice and why).
     """
-    alts = alternatives(plan, layout, costs, curve, workload, load_mode, n_dense, move=refit is not None)
+    alts = alternatives(plan, layout, costs, curve, workload, load_mode, n_dense, move=refit is not None,
+                        refill=refill)
     host0 = [d.host_expert_layers for d in plan.devices]
     unplaced: set[int] = set()
     refused = ""   # (the alternatives fit found no placement for, and why: the next fastest is taken instead)
@@ -407,7 +426,8 @@ def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve
         break
     why = refused + why
     if out.switches.get(EXPERT_CACHE):
-        frac = a.slots / layout.n_expert
+        # (the refill's bar in the shadow LRU's hits, at the slots placed: the fewest of a device's that caches)
+        frac = min((d.cache_slots for d in out.devices if d.host_expert_layers), default=a.slots) / layout.n_expert
         ratio = curve.at(frac) / curve.at(frac, refill=True) if a.refill and curve.at(frac, refill=True) else 1.0
         out.cache_guard = {**out.cache_guard, **cost_guard(out, layout, costs, a.hybrid, a.refill, ratio)}
         out.switches[EXPERT_CACHE_MIN_HIT] = out.cache_guard["min_hit"]["none"]
@@ -415,7 +435,8 @@ def plan_memory(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], curve
             out.switches[EXPERT_HYBRID] = a.hybrid
         if a.refill:
             out.switches[EXPERT_REFILL] = a.refill
-    note = hybrid_note(out, costs, load_mode) if out.switches.get(EXPERT_CACHE) or load_mode == "mmap" else ""
+    note = hybrid_note(out, costs, load_mode, prices_refill(plan, load_mode, refill)) \
+        if out.switches.get(EXPERT_CACHE) or load_mode == "mmap" else ""
     out.memory_plan = {"workload": {"name": workload.name, "steps": workload.as_list()}, "curve": curve.to_dict(),
                        "load_mode": load_mode, "costs": {str(i): c.to_dict() for i, c in costs.items()},
                        "alternatives": [x.to_dict() for x in alts], "chosen": pick, "why": why,

@@ -35,11 +35,7 @@ def plan_copies(plan: Plan, once, check: bool, force: dict) -> Plan:
     alt.switches = {switches.OVERLAP: 0}
     alt.copies = (f"OVERLAP=0: no room for OVERLAP=2's early expert copies (with them, compute {compute} MiB and "
                   f"{why}); planned without them")
-    alt.seconds += plan.seconds
-    # the rates the first dry run's process measured: the staging copy, the CPU's expert op, the links
-    alt.host_copy_gbps, alt.cpu_expert_gbps = plan.host_copy_gbps, plan.cpu_expert_gbps
-    for a, d in zip(alt.devices, plan.devices):
-        a.link = d.link
+    alt.take_rates(plan)
     return alt
 
 

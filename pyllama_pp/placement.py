@@ -17,7 +17,7 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from . import devices as devspec
 from . import expert_cache_plan, switches
@@ -249,15 +249,15 @@ def _fit_plan(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, 
     if guard_rates is not None:
         rates = list(dict.fromkeys([*rates, *guard_rates.missing]))
 
-    def once(extra: dict) -> Plan:
-        res = run_job({**job, "rates": rates if not extra else [], "switches": {**given, **extra}}, variant,
-                      timeout=timeout, env=env or None)
+    def once(extra: dict, measure: bool = True) -> Plan:
+        res = run_job({**job, "rates": rates if measure and not extra else [], "switches": {**given, **extra}},
+                      variant, timeout=timeout, env=env or None)
         return plan_from_result(res, variant, str(model), spec, {**ctx.to_dict(), "split_mode": split_mode},
                                 job["margins"])
 
     plan = once({})
     slot_room = [0] * len(plan.devices)
-    if variant == "patched" and placement is None and _slot_counts(cache):
+    if variant == "patched" and placement is None and _slot_counts(cache) and plan_problem(plan, True) is None:
         plan, slot_room = _room_for_slots(plan, cache, model, job, once)
     if guard_rates is not None:
         guard_rates.fill(plan)
@@ -289,30 +289,38 @@ def _slot_counts(cache: ExpertCache) -> bool:
     return any(cache.at(i).slots for i in range(max(1, len(cache.devices))))
 
 
-def _room_for_slots(plan: Plan, cache: ExpertCache, model, job: dict, once) -> tuple[Plan, list[int]]:
+def _room_for_slots(plan: Plan, cache: ExpertCache, model, job: dict,
+                    once: Callable[..., Plan]) -> tuple[Plan, list[int]]:
     """A placement with room for a slot count's cache: each device's slots' bytes over the host-expert layers the plan
-    leaves it are reserved in its margin and fit places again, until the reserve holds them (or SLOT_ROOM_TRIES; then
-    plan_cache names the device without room).
+    leaves it are reserved in its margin and fit places again, until the reserve holds them (or SLOT_ROOM_TRIES). A
+    reserve fit finds no clean placement for (whole layers on the CPU, a device over its target) is not taken: the
+    last clean plan stays, and plan_cache names the device without room.
 
     Args:
-        plan: fit's plan without the reserve.
+        plan: fit's plan without the reserve (a clean one).
         cache: what was asked (a slot count for some devices).
         model: the GGUF file.
-        job: the fit job (its margins are raised in place).
-        once: places with the job.
+        job: the fit job (its margins are raised in place: one a device).
+        once: places with the job (measure=False: the first plan's rates are kept).
     Returns:
         (the plan, each device's reserve in bytes).
     """
     layout = expert_cache_plan.layout_of(model, plan.n_expert)
-    base, reserve = list(job["margins"]), [0] * len(plan.devices)
+    base = list(job["margins"]) * len(plan.devices) if len(job["margins"]) == 1 else list(job["margins"])
+    reserve = [0] * len(plan.devices)
     for _ in range(SLOT_ROOM_TRIES):
         need = [layout.bytes_of(layout.slots_at(cache.at(i).switch, d.host_expert_layers), d.host_expert_layers)
                 if cache.at(i).slots else 0 for i, d in enumerate(plan.devices)]
         if all(n <= r + max(0, d.target_bytes - d.expected_bytes) for n, r, d in zip(need, reserve, plan.devices)):
             break
-        reserve = [max(r, n) for r, n in zip(reserve, need)]
-        job["margins"] = [m + r for m, r in zip(base, reserve)]
-        plan = once({})
+        more = [max(r, n) for r, n in zip(reserve, need)]
+        job["margins"] = [m + r for m, r in zip(base, more)]
+        again = once({}, measure=False)
+        if plan_problem(again, True) is not None:
+            job["margins"] = [m + r for m, r in zip(base, reserve)]
+            break
+        again.take_rates(plan)
+        plan, reserve = again, more
     return plan, reserve
 
 

@@ -276,8 +276,10 @@ class Plan:
         if pinned >= 100:
             return (f"\n  guard {CACHE_MIN_HIT_SWITCH}=100: the cache does not pay on these devices ({rates}): each "
                     "layer goes back to the CPU path once its first tokens are seen")
-        return (f"\n  guard {CACHE_MIN_HIT_SWITCH}={pinned} (mmap: {mmap}): below that many hits a layer's cached path "
-                f"costs more than the CPU path ({rates})")
+        shadow = (" (the hits of a shadow LRU that takes every miss, which the guard counts: the refill's own are "
+                  "fewer)" if self.switches.get(REFILL_SWITCH) else "")
+        return (f"\n  guard {CACHE_MIN_HIT_SWITCH}={pinned} (mmap: {mmap}): below that many hits{shadow} a layer's "
+                f"cached path costs more than the CPU path ({rates})")
 
     def to_dict(self) -> dict:
         """The plan as JSON-ready data; Plan.from_dict makes it again.
@@ -298,6 +300,18 @@ class Plan:
             if not d[key]:
                 del d[key]
         return d
+
+    def take_rates(self, first: "Plan") -> None:
+        """Keep the rates the first dry run's process measured (the staging copy, the CPU's expert op, the links) in a
+        plan placed again without measuring them, and count that run's seconds.
+
+        Args:
+            first: the plan of the dry run that measured them.
+        """
+        self.host_copy_gbps, self.cpu_expert_gbps = first.host_copy_gbps, first.cpu_expert_gbps
+        for a, d in zip(self.devices, first.devices):
+            a.link = d.link
+        self.seconds += first.seconds
 
     def run_switches(self, load_mode: str = CONTEXT.load_mode) -> dict:
         """The switches a run with this plan applies.
@@ -529,8 +543,14 @@ def _memory_plan_lines(m: dict) -> list[str]:
 
 
 def alternative_line(a: dict) -> str:
-    """One of the memory planner's alternatives (memory_plan.Alternative's dict) in a line: what it keeps where, the
-    path its host-expert layers take with the switches it sets, and its prediction."""
+    """One of the memory planner's alternatives in a line: what it keeps where, the path its host-expert layers take
+    with the switches it sets, and its prediction.
+
+    Args:
+        a: memory_plan.Alternative's dict (as the plan's JSON holds it).
+    Returns:
+        The line.
+    """
     slots = "/".join(map(str, a.get("device_slots") or [])) or a["slots"]
     cache = (f"{slots} slots a layer ({sum(a['cache_bytes']) / MiB:.0f} MiB, hits {a['hit']:.0%})"
              if a["slots"] else "no slots")

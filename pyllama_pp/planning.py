@@ -591,7 +591,7 @@ def _placed_switches(cfg: RunConfig, c: Choices, model: str, made: list, measure
         made.append(measured[key])
     plan = measured[key]
     planned = {k: v for k, v in plan.run_switches(c.load_mode).items()
-               if k == switches.LAYER_MAJOR or k in switches.PER_DEVICE}   # (PER_DEVICE: the cache's switches)
+               if k == switches.LAYER_MAJOR or k in switches.CACHE_SWITCHES}
     if plan.layer_major:
         notes += (f"layer major ({where}), planned on this placement without a fit: {plan.layer_major_text}",)
     if cache:

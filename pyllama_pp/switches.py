@@ -48,6 +48,8 @@ PREFETCH_LANES = 3
 # or a split's list names every device (read as 0 past its list, they would be off there unsaid)
 PER_DEVICE = (EXPERT_CACHE, EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID)
 EVERY_DEVICE = (EXPERT_CACHE_MIN_HIT, EXPERT_HYBRID)
+# the switches a plan's expert cache sets (fit's memory planner; dropped with the cache)
+CACHE_SWITCHES = PER_DEVICE + (EXPERT_REFILL,)
 
 MiB = 1 << 20
 MAX_SLOTS = 65536   # EXPERT_CACHE's range: -65536 slots a layer at most
@@ -371,7 +373,7 @@ def shown(name: str, value) -> str:
 
 
 __all__ = ["PREFIX", "var", "in_env", "set_in", "value_of", "in_force", "user_set", "unset", "off_defaults", "of_run",
-           "to_env", "parse_given", "per_device", "one_or_list", "check_device_lists", "PER_DEVICE", "EVERY_DEVICE",
+           "to_env", "parse_given", "per_device", "one_or_list", "check_device_lists", "PER_DEVICE", "EVERY_DEVICE", "CACHE_SWITCHES",
            "ExpertCache", "take_expert_cache", "shown", "OVERLAP", "UPLOAD_ALL", "UPLOAD_ALL_MIN",
            "UPLOAD_ALL_MIN_COV", "LINKS", "RPC_HOST", "EXPERT_CACHE", "EXPERT_CACHE_MIN_HIT", "EXPERT_HYBRID",
            "EXPERT_REFILL", "HYBRID_ALL_CPU", "LAYER_MAJOR", "staging_threads", "STAGING", "PREFETCH", "PREFETCH_LANES"]

@@ -233,6 +233,9 @@ def test_a_slot_count_gets_its_room_before_placing(plans, model):
     for d, m0, m in zip(ps.devices, p0.margins, ps.margins):
         assert d.cache_slots == 16 and d.cache_bytes == layout.bytes_of(16, d.host_expert_layers) > 0
         assert d.expected_bytes + d.cache_bytes <= d.free_bytes - m0 and m == m0 + d.cache_bytes
+    # (more slots than any placement holds: the last clean placement stays, and the error names the device and the fix)
+    with pytest.raises(ConfigError, match=r"--expert-cache 64slots: VDEV\d has [\d.]+ MiB free after the plan.*Fix: "):
+        fit(model, devices=SPEC, ctx=CTX, timeout=120, expert_cache="64slots")
 
 
 def test_prefetch_lanes_are_reserved_before_placing(model):

@@ -13,14 +13,14 @@ import pytest
 from pyllama_pp import cli, synth
 from pyllama_pp.decode_model import DecodeCosts, DecodeShare, token_seconds
 from pyllama_pp.errors import ConfigError
-from pyllama_pp.expert_cache_plan import layout_of, percent
+from pyllama_pp.expert_cache_plan import drop_cache, layout_of, percent
 from pyllama_pp.fit import _weigh
 from pyllama_pp.expert_cache_sim import capacity_of, default_warmup, hybrid
 from pyllama_pp.expert_trace import ExpertTrace
 from pyllama_pp.hit_curve import PRIOR, REFILL_PRIOR, HitCurve
-from pyllama_pp.switches import HYBRID_ALL_CPU
-from pyllama_pp.memory_plan import (GAIN_MIN, MMAP_REFILL_NOTE, Alternative, _refill_links, alternatives, choose,
-                                     cost_guard, plan_memory)
+from pyllama_pp.switches import CACHE_SWITCHES, HYBRID_ALL_CPU
+from pyllama_pp.memory_plan import (GAIN_MIN, MMAP_HYBRID_NOTE, MMAP_REFILL_NOTE, Alternative, _refill_links,
+                                     alternatives, choose, cost_guard, plan_memory)
 from pyllama_pp.params import ContextParams, Placement
 from pyllama_pp.placement import fit as place
 from pyllama_pp.plan import Plan
@@ -496,10 +496,12 @@ def test_a_plan_splits_the_misses_where_the_hybrid_gains(tmp_path_factory):
     alone = 1 - (GPU_LIKE.cpu_s - GPU_LIKE.cached_s) / (1.5 * GPU_LIKE.cpu_s)   # (a token's misses: 1.5 CPU layers)
     assert plan.switches["EXPERT_CACHE_MIN_HIT"] < round(100 * alone) and \
         plan.switches["EXPERT_CACHE_MIN_HIT"] <= round(100 * chosen["hit"])
-    # (an mmap-ed model's slots are priced on the refill's path alone: no split of the misses, and the plan says why)
+    # (an mmap-ed model's slots are priced on the refill's path alone - every miss on the CPU, one a token into the
+    # slots, cheaper here than the CPU path - never on the split, and the plan says why)
     mapped = planned("vdev:1x12MiB@4GBps", 1.5, load_mode="mmap")
-    assert all(set(a["paths"]) <= {"refill", "cpu"} and a["hybrid"] in (0, HYBRID_ALL_CPU)
-               and bool(a["hybrid"]) == bool(a["refill"]) for a in mapped.memory_plan["alternatives"])
+    cached = [a for a in mapped.memory_plan["alternatives"] if a["slots"]]
+    assert cached and all(a["paths"] == ["refill"] and a["refill"] == 1 and a["hybrid"] == HYBRID_ALL_CPU
+                          for a in cached), [a["paths"] for a in cached]
     assert mapped.memory_plan["hybrid_note"] == MMAP_REFILL_NOTE
     fast = planned("vdev:1x12MiB@4GBps", 0.4)
     assert not any(a["hybrid"] for a in fast.memory_plan["alternatives"]) and "EXPERT_HYBRID" not in fast.switches
@@ -554,6 +556,28 @@ def test_without_a_fit_the_cache_is_planned_on_the_users_placement(model, monkey
     argv = ["ab", model, "--devices", SPEC, "--expert-cache", "auto", "-p", "0", "-n", "16"]
     auto = plan_runs(cli.choices_from_args(cli.build_parser().parse_args(argv)))
     assert auto.configs[0].switches == cfg.switches
+
+
+def test_without_a_fit_an_mmap_ed_model_runs_the_refill_it_was_priced_on(model, monkeypatch):
+    """ab without --fit on an mmap-ed model, GPU-like costs: the slots are priced on the refill's path and the run
+    gets every switch of it (EXPERT_CACHE, its guard, EXPERT_HYBRID=HYBRID_ALL_CPU and EXPERT_REFILL=1: the cache's
+    switches, CACHE_SWITCHES); with the user's EXPERT_REFILL=0 the slots are priced with the cache alone and the
+    run keeps the user's value, with no split planned."""
+    _gpu_like(monkeypatch, layout_of(model, 64))
+    planned = plan_runs(Choices(model=model, devices=(SPEC,), pp=(), tg=(16,), load_mode="mmap"))
+    (cfg,), (plan,) = planned.configs, planned.plans
+    chosen = plan.memory_plan["alternatives"][plan.memory_plan["chosen"]]
+    assert chosen["refill"] == 1 and chosen["paths"] == ["refill"], plan.memory_plan["why"]
+    assert {k: cfg.switches.get(k) for k in CACHE_SWITCHES} == {k: plan.run_switches("mmap").get(k)
+                                                               for k in CACHE_SWITCHES}
+    assert cfg.switches["EXPERT_REFILL"] == 1 and cfg.switches["EXPERT_HYBRID"] == HYBRID_ALL_CPU
+    off = plan_runs(Choices(model=model, devices=(SPEC,), pp=(), tg=(16,), load_mode="mmap",
+                            switches={"EXPERT_REFILL": 0}))
+    (cfg0,), (plan0,) = off.configs, off.plans
+    assert not any(a["refill"] for a in plan0.memory_plan["alternatives"])
+    assert plan0.memory_plan["hybrid_note"] == MMAP_HYBRID_NOTE
+    assert cfg0.switches["EXPERT_REFILL"] == 0 and not cfg0.switches.get("EXPERT_HYBRID")
+    assert "EXPERT_REFILL" not in drop_cache(plan).switches
 
 
 def test_without_a_fit_no_cache_where_none_pays_and_the_rows_say_why(model, capsys):
