@@ -18,4 +18,5 @@ for p in ${PP:-16384}; do
   row upstream-pp$p  --variant baseline --fit --margin $MARGIN -p $p -b $p -ub 8192
   row vram-pp$p      --variant baseline --host-experts none -p $p -b $p -ub 4096
 done
+cp -r $PYLLAMA_PP_CACHE/compute /tmp/C/probe 2>/dev/null   # (the compute probe's rows: its prompt predictions' inputs)
 tar czf $OUT/C.tgz -C /tmp C; ls -la $OUT; echo "call: $(( $(date +%s) - t0 )) s"
