@@ -10,7 +10,8 @@ one says so) hits its share: h = f.
 
 Each curve has a second one beside it: the hit rate with EXPERT_REFILL=1 (every miss of a decoded token on the host
 CPU, only the first into the slots after it: the slots follow the routing more slowly than LRU's, which takes every
-miss). From a trace it is simulated (expert_cache_sim.hybrid); without one it is the LRU curve times REFILL_PRIOR.
+miss). From a trace it is simulated (expert_cache_sim.hybrid); the prior's is REFILL_PRIOR (the same synthetic
+trace's); a curve without one takes the LRU curve times the prior's share of LRU at that size.
 """
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ PRIOR = ((0.0, 0.0), (0.0625, 0.47), (0.125, 0.67), (0.25, 0.81), (0.5, 0.88), (
 PRIOR_NAME = "prior: published decode locality (llama.cpp PR #27861's LRU: 67% at 12.5%, 81% at 25%)"
 # the fractions a trace is simulated at
 TRACE_FRACTIONS = (0.0625, 0.125, 0.25, 0.5, 1.0)
-# EXPERT_REFILL=1's hit rate as a share of LRU's at the same size, where no trace says: the 30B-A3B preset's locality
-# trace (expert_cache_sim.hybrid): 59.8% against 66.9% at 12.5% cached, 72.0% against 80.5% at 25% (0.89 both);
-# uniform routing hits its share either way (any slots' content serves f of the lookups)
-REFILL_PRIOR = 0.89
+# EXPERT_REFILL=1's hit rate with the prior (fraction cached, hit rate): the 30B-A3B preset's locality trace, whose
+# LRU gives PRIOR's points (`bench/cache_hits.py --synth qwen3-30b-a3b --set routing=locality --set n_layer=2 -n 768`,
+# LRU 46.9 / 67.2 / 80.8 / 88.8%), simulated with the refill after the same warm-up (expert_cache_sim.hybrid): one
+# refill a token costs 2-7 points where the slots are few and about nothing at half of a layer's experts; uniform
+# routing hits its share either way (any slots' content serves f of the lookups)
+REFILL_PRIOR = ((0.0, 0.0), (0.0625, 0.447), (0.125, 0.6034), (0.25, 0.7344), (0.5, 0.8634), (1.0, 1.0))
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,8 @@ class HitCurve:
     Attributes:
         points: (fraction, hit rate) pairs, fractions rising from 0 to 1.
         source: where it comes from, as the plan names it.
-        refill: the same pairs with EXPERT_REFILL=1 (() where no trace says: REFILL_PRIOR x the LRU's, or the LRU's
-            own where the routing is uniform).
+        refill: the same pairs with EXPERT_REFILL=1 (() where none is known: the LRU's times REFILL_PRIOR's share of
+            PRIOR's at that size, or the LRU's own where the routing is uniform).
         uniform: the routing is uniform (hits are the share cached with or without the refill).
     """
 
@@ -69,7 +72,9 @@ class HitCurve:
             return float(np.interp(f, xs, ys))
         xs, ys = zip(*self.points)
         lru = float(np.interp(f, xs, ys))
-        return lru if not refill or self.uniform else REFILL_PRIOR * lru
+        if not refill or self.uniform or f <= 0:
+            return lru
+        return lru * float(np.interp(f, *zip(*REFILL_PRIOR))) / float(np.interp(f, *zip(*PRIOR)))
 
     def to_dict(self) -> dict:
         """The curve as the plan's JSON holds it."""
@@ -127,7 +132,7 @@ class HitCurve:
         if synth_routing(model) == "uniform":
             return HitCurve(((0.0, 0.0), (1.0, 1.0)), "uniform routing (the synthetic model's): hits = share cached",
                             uniform=True)
-        return HitCurve(PRIOR, PRIOR_NAME)
+        return HitCurve(PRIOR, PRIOR_NAME, REFILL_PRIOR)
 
 
 def _name(trace) -> str:

@@ -94,7 +94,8 @@ def test_hit_curve_prior_and_trace(tmp_path, model):
 
 def test_the_refill_curve_follows_the_simulator_and_the_prior(tmp_path, model):
     """EXPERT_REFILL=1's hit curve: from a trace, the simulator's counts after the same warm-up as LRU's (below LRU's
-    where the slots are few: one miss a token goes in); from the prior, REFILL_PRIOR x LRU; on uniform routing the
+    where the slots are few: one miss a token goes in); the prior's own points (REFILL_PRIOR), and a curve without
+    them LRU's times the prior's share of LRU; on uniform routing the
     same as LRU (any slots' content serves its share); the plan's JSON keeps it."""
     out = tmp_path / "t.npz"
     assert cli.main(["trace", str(model), "-n", "64", "-o", str(out), "--json"]) == 0
@@ -105,7 +106,10 @@ def test_the_refill_curve_follows_the_simulator_and_the_prior(tmp_path, model):
     assert curve.at(0.25, refill=True) == pytest.approx(got["hits"] / got["lookups"], abs=1e-4)
     assert all(curve.at(f, refill=True) <= curve.at(f) for f, _ in curve.points) and curve.at(0.25, refill=True) > 0
     assert HitCurve.from_dict(json.loads(json.dumps(curve.to_dict()))) == curve
-    assert LOCALITY.at(0.125, refill=True) == pytest.approx(REFILL_PRIOR * 0.67)
+    prior = HitCurve.for_model(model)
+    assert prior.at(0.125, refill=True) == pytest.approx(0.6034) and prior.at(0.75, refill=True) < prior.at(0.75)
+    assert LOCALITY.at(0.125, refill=True) == pytest.approx(0.6034) and LOCALITY.at(0.5, refill=True) == \
+        pytest.approx(0.8634)   # (the prior's LRU without its refill points: the same)
     uniform = HitCurve.for_model(synth.cached_model(tmp_path, "tiny", seed=1, n_layer=4))
     assert uniform.at(0.25, refill=True) == uniform.at(0.25) == pytest.approx(0.25)
 
@@ -160,7 +164,7 @@ def test_an_mmap_plan_takes_the_refill_where_it_gains(tmp_path_factory):
     assert plan.switches["EXPERT_REFILL"] == 1 and plan.switches["EXPERT_HYBRID"] == HYBRID_ALL_CPU
     assert "EXPERT_REFILL=1" in str(plan) and plan.memory_plan["hybrid_note"] == MMAP_REFILL_NOTE
     layout = layout_of(model, plan.n_expert)
-    frac = chosen["slots"] / layout.n_expert
+    frac = min(d.cache_slots for d in plan.devices if d.host_expert_layers) / layout.n_expert   # (as placed)
     costs = DecodeCosts(**plan.memory_plan["costs"]["-1"])
     bar = costs.refill_break_even_hit(layout.n_used * layout.slot_bytes, _refill_links(plan, "mmap")[0], 8, 1)
     assert plan.cache_guard["break_even"]["pageable"][0] == pytest.approx(
