@@ -30,7 +30,7 @@ from .expert_cache_plan import drop_cache, layout_of
 from .hit_curve import HitCurve
 from .jobs import MeasureJob
 from .layer_major_plan import layer_major_group, plan_layer_major, wants_layer_major
-from .memory_plan import GAIN_MIN, alternatives, choose, plan_memory
+from .memory_plan import GAIN_MIN, alternatives, choose, plan_memory, refill_free
 from .model_file import layer_counts
 from .errors import ConfigError, OutOfMemoryError, PyllamaError
 from .params import Placement
@@ -46,12 +46,6 @@ from .worker.client import run_job
 _USER_WINS = (switches.EXPERT_CACHE_MIN_HIT, switches.EXPERT_HYBRID, switches.EXPERT_REFILL)
 
 
-def _refill_ok(given: Optional[dict]) -> bool:
-    """Whether an mmap-ed model's slots may be priced on the refill's path: not where the user set EXPERT_HYBRID or
-    EXPERT_REFILL (their values win over the plan's, _USER_WINS: the slots are then priced with the cache alone)."""
-    return not any(k in (given or {}) for k in (switches.EXPERT_HYBRID, switches.EXPERT_REFILL))
-
-
 def _weigh(plan: Plan, model, devices, workload, curve, load_mode: str, n_threads: int, progress: bool,
            refit: Optional[Callable[[int], Plan]], probed: Optional[dict] = None, given: Optional[dict] = None) -> Plan:
     """The plan with its memory weighed between resident expert layers and cache slots, where the cache was asked as
@@ -60,7 +54,7 @@ def _weigh(plan: Plan, model, devices, workload, curve, load_mode: str, n_thread
     costs (or its error), kept for another plan of the same model and devices. `given`: the user's switches (the
     guard's and the split's win over the planned values, _USER_WINS)."""
     out = _weighed(plan, model, devices, workload, curve, load_mode, n_threads, progress, refit, probed,
-                   _refill_ok(given))
+                   refill_free(given))
     kept = {k: v for k, v in (given or {}).items() if k in _USER_WINS and out.switches.get(switches.EXPERT_CACHE)}
     if kept and any(out.switches.get(k) != v for k, v in kept.items()):
         out = copy.copy(out)
@@ -76,7 +70,7 @@ def _refit_switches(given: dict, plan: Plan) -> dict:
 
 def _weighed(plan: Plan, model, devices, workload, curve, load_mode: str, n_threads: int, progress: bool,
              refit: Optional[Callable[[int], Plan]], probed: Optional[dict], refill: bool = True) -> Plan:
-    """_weigh's plan before the user's switches go over it (`refill`: _refill_ok)."""
+    """_weigh's plan before the user's switches go over it (`refill`: memory_plan.refill_free)."""
     if plan.variant != "patched" or plan.expert_cache != "auto" or not plan.n_expert:
         return plan
     wl = Workload.parse(workload)
@@ -95,7 +89,7 @@ def _priced(plan: Plan, model, devices, workload: Workload, curve, load_mode: st
             move: bool, probed: dict, refill: bool = True) -> Optional[tuple]:
     """What _weigh would choose for a plan, priced and not placed (the plan is not changed, no dry run): (the chosen
     Alternative, the no-cache one), or None where it weighs nothing (no cache, as _weigh says why). `refill`:
-    _refill_ok."""
+    memory_plan.refill_free."""
     got = _memory_inputs(plan, model, devices, workload, load_mode, n_threads, progress, move, probed)
     if isinstance(got, str):
         return None
@@ -193,7 +187,7 @@ def plan_on_placement(model, devices, placement: Placement, ctx, *, workload=Non
         return weigh(lm)
     # (the groups weighed against the slots their room would hold: no dry run more, the plan without them is `plan`)
     price = lambda p: _priced(p, model, devices, wl, curve, load_mode, n_threads, progress, False, probed,
-                              _refill_ok(given))
+                              refill_free(given))
     return _weighed_layer_major(lm, plan, price, weigh, lambda p: planner.prompt_seconds(p, model, wl, load_mode, given))
 
 
@@ -348,7 +342,7 @@ def fit(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant, *, wor
     # (the groups weighed against the slots their room would hold: the plan without them is the one made before the
     # trial, and only the winner is placed again where its memory moves layers)
     price = lambda p: _priced(p, model, devices, wl, curve, load_mode, n_threads, progress, True, probed,
-                              _refill_ok(given))
+                              refill_free(given))
     return _weighed_layer_major(lm, plan, price, weigh,
                                 lambda p: planner.prompt_seconds(p, model, wl, load_mode, given))
 
@@ -514,7 +508,7 @@ def fit_ubatch(model, devices=FIT.devices, ctx=None, variant: str = FIT.variant,
         p.ubatch_measured = plan.ubatch_measured
     rate = {id(on): on_ts, id(off): off_ts}
     price = lambda p: _priced(p, model, devices, wl, curve, load_mode, n_threads, progress, True, probed,
-                              _refill_ok(given))
+                              refill_free(given))
     out = _weighed_layer_major(on, off, price, weigh, lambda p: wl.prompt_tokens / rate[id(p)] if rate[id(p)] else 0.0,
                                keep="on" if plan is on else "off")
     for side, ts, how in (("on", on_ts, on_how), ("off", off_ts, off_how)):

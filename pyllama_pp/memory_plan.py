@@ -131,6 +131,18 @@ def _refill_links(plan: Plan, load_mode: str) -> list[float]:
     return [1.0 / (1.0 / plan.host_copy_gbps + 1.0 / ln) for ln in pinned]
 
 
+def refill_free(given: Optional[dict]) -> bool:
+    """Whether the refill's switches are the planner's to set: the user set neither EXPERT_HYBRID nor EXPERT_REFILL
+    (a switch or its variable; where either is set the user's values run).
+
+    Args:
+        given: the user's switches, NAME -> value.
+    Returns:
+        bool.
+    """
+    return not any(k in (given or {}) for k in (EXPERT_HYBRID, EXPERT_REFILL))
+
+
 def prices_refill(plan: Plan, load_mode: str, refill: bool = True) -> bool:
     """Whether the slots are priced on the refill's path (MMAP_REFILL_NOTE): an mmap-ed model's, unless the user set
     EXPERT_HYBRID or EXPERT_REFILL (`refill` False) or a device is an RPC server's (servers get no EXPERT_REFILL)."""
@@ -149,14 +161,15 @@ def cost_guard(plan: Plan, layout: Layout, costs: dict[int, DecodeCosts], hybrid
     miss = layout.n_used * layout.slot_bytes
     split = per_device(hybrid, len(plan.devices))
 
-    def bar(c: DecodeCosts, i: int, mode: str, ln: float) -> float:
-        if refill and layout.n_used:
-            return min(1.0, lru_per_refill * c.refill_break_even_hit(miss, _refill_links(plan, mode)[i],
-                                                                      layout.n_used, refill))
-        return c.hybrid_break_even_hit(miss, ln, layout.n_used, split[i])
+    def bars(mode: str) -> list[float]:
+        out = []
+        for i, (ln, rl) in enumerate(zip(_links(plan, mode), _refill_links(plan, mode))):
+            c = costs.get(i) or costs[-1]
+            out.append(min(1.0, lru_per_refill * c.refill_break_even_hit(miss, rl, layout.n_used, refill))
+                       if refill and layout.n_used else c.hybrid_break_even_hit(miss, ln, layout.n_used, split[i]))
+        return out
 
-    per = {src: [bar(costs.get(i) or costs[-1], i, mode, ln) for i, ln in enumerate(_links(plan, mode))]
-           for src, mode in (("pinned", "none"), ("pageable", "mmap"))}
+    per = {src: bars(mode) for src, mode in (("pinned", "none"), ("pageable", "mmap"))}
     return {"break_even": {k: [round(h, 4) for h in v] for k, v in per.items()},
             "min_hit": {mode: guard_value(plan, per[src]) for mode, src in (("none", "pinned"), ("mmap", "pageable"))},
             "from": "decode probe"}

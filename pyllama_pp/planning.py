@@ -25,6 +25,7 @@ from .config import RunConfig, expand
 from .defaults import CONTEXT, MAIN_JOB, MAIN_JOB_MODEL, PAIRED, RUN, cache_dir
 from .errors import ConfigError, DeviceSpecError
 from .fit import fit, fit_ubatch, plan_on_placement
+from .memory_plan import refill_free
 from .jobs import depth_of
 from .layer_major_plan import wants_layer_major
 from .model_file import block_count, check_model_path
@@ -523,7 +524,7 @@ MMAP_REFILL = {switches.EXPERT_HYBRID: switches.HYBRID_ALL_CPU, switches.EXPERT_
 def _hand_set_mmap(given: dict) -> tuple[dict, str]:
     """A cache set by hand on an mmap-ed model: the switches it runs with (MMAP_REFILL, where the user set neither of
     them) and what the note says of its misses."""
-    if any(k in given for k in MMAP_REFILL):
+    if not refill_free(given):
         return {}, ("a miss is copied into pinned staging by the host first, which can cost more than upstream's CPU "
                     "path computing it from the page cache (measured slower on an H100: docs/RESULTS.md, \"What a "
                     "user gets without switches\")")
